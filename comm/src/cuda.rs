@@ -1,0 +1,145 @@
+//! Access to the CUDA driver: loading it (at run time, so nothing here needs a GPU
+//! to build or to run CPU tests), binding a thread to a device's primary context
+//! (the one torch uses), and small queries.
+
+use std::sync::OnceLock;
+
+use cudarc::driver::{result, sys};
+
+use crate::error::{CommError, CudaResultExt, Result};
+
+/// Loads libcuda and runs `cuInit` once per process. Returns a clear error on a
+/// machine without a driver instead of panicking inside cudarc's loader.
+pub fn init_driver() -> Result<()> {
+    static INIT: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    INIT.get_or_init(|| {
+        // SAFETY: only probes whether the shared library can be opened.
+        if !unsafe { sys::is_culib_present() } {
+            return Err("libcuda.so could not be loaded (no NVIDIA driver on this machine)".into());
+        }
+        result::init().map_err(|e| format!("cuInit failed: {e}"))
+    })
+    .clone()
+    .map_err(|reason| CommError::NoDriver { reason })
+}
+
+/// Number of visible CUDA devices; 0 when there is no driver or no device.
+pub fn device_count() -> usize {
+    if init_driver().is_err() {
+        return 0;
+    }
+    result::device::get_count().map(|n| n as usize).unwrap_or(0)
+}
+
+/// A retained primary context of one device. Primary contexts are retained
+/// once per process and kept for its lifetime, so binding is cheap and never
+/// races with a release while torch or another thread still uses the context.
+#[derive(Clone, Copy, Debug)]
+pub struct Device {
+    pub ordinal: i32,
+    pub(crate) ctx: sys::CUcontext,
+}
+
+// SAFETY: a CUcontext handle may be made current on any thread.
+unsafe impl Send for Device {}
+// SAFETY: see above; the handle itself is immutable.
+unsafe impl Sync for Device {}
+
+const MAX_DEVICES: usize = 64;
+
+impl Device {
+    /// The device `ordinal`, with its primary context made current on this thread.
+    pub fn bind(ordinal: i32) -> Result<Device> {
+        let dev = Self::get(ordinal)?;
+        dev.make_current()?;
+        Ok(dev)
+    }
+
+    /// The device `ordinal` without touching this thread's current context.
+    pub fn get(ordinal: i32) -> Result<Device> {
+        init_driver()?;
+        let count = device_count();
+        if ordinal < 0 || ordinal as usize >= count.min(MAX_DEVICES) {
+            return Err(CommError::invalid(
+                "device",
+                format!("device {ordinal} does not exist ({count} visible)"),
+            ));
+        }
+        static CTXS: [OnceLock<usize>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
+        let slot = &CTXS[ordinal as usize];
+        if let Some(ctx) = slot.get() {
+            return Ok(Device {
+                ordinal,
+                ctx: *ctx as sys::CUcontext,
+            });
+        }
+        let cu_dev = result::device::get(ordinal).call("cuDeviceGet")?;
+        // SAFETY: cu_dev was returned by cuDeviceGet. The retained reference is
+        // intentionally kept for the life of the process (see type docs).
+        let ctx =
+            unsafe { result::primary_ctx::retain(cu_dev) }.call("cuDevicePrimaryCtxRetain")?;
+        let ctx = *slot.get_or_init(|| ctx as usize);
+        Ok(Device {
+            ordinal,
+            ctx: ctx as sys::CUcontext,
+        })
+    }
+
+    /// Make this device's primary context current on the calling thread.
+    pub fn make_current(&self) -> Result<()> {
+        // SAFETY: ctx is a retained primary context that is never released.
+        unsafe { result::ctx::set_current(self.ctx) }.call("cuCtxSetCurrent")
+    }
+
+    pub fn name(&self) -> Result<String> {
+        let cu_dev = result::device::get(self.ordinal).call("cuDeviceGet")?;
+        result::device::get_name(cu_dev).call("cuDeviceGetName")
+    }
+
+    pub fn attribute(&self, attr: sys::CUdevice_attribute) -> Result<i32> {
+        let cu_dev = result::device::get(self.ordinal).call("cuDeviceGet")?;
+        // SAFETY: cu_dev is valid; attr is a driver enum value.
+        unsafe { result::device::get_attribute(cu_dev, attr) }.call("cuDeviceGetAttribute")
+    }
+
+    /// (major, minor) compute capability.
+    pub fn compute_capability(&self) -> Result<(i32, i32)> {
+        use sys::CUdevice_attribute::*;
+        Ok((
+            self.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+            self.attribute(CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+        ))
+    }
+
+    pub fn sm_count(&self) -> Result<i32> {
+        self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+    }
+
+    /// (free, total) bytes of device memory, as the driver reports them.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.make_current()?;
+        result::mem_get_info().call("cuMemGetInfo")
+    }
+
+    /// Blocks until all work on the device's primary context is done.
+    pub fn synchronize(&self) -> Result<()> {
+        self.make_current()?;
+        result::ctx::synchronize().call("cuCtxSynchronize")
+    }
+}
+
+/// A raw CUDA stream handle passed in by a caller (torch's `cuda_stream`).
+/// 0 is the legacy default stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamHandle(pub usize);
+
+impl StreamHandle {
+    pub fn raw(self) -> sys::CUstream {
+        self.0 as sys::CUstream
+    }
+
+    pub fn synchronize(self) -> Result<()> {
+        // SAFETY: the caller guarantees the handle is a live stream of the current context.
+        unsafe { result::stream::synchronize(self.raw()) }.call("cuStreamSynchronize")
+    }
+}

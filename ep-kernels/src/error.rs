@@ -1,0 +1,3 @@
+//! Errors of kernel loading and launching.
+
+pub use comm::error::{CommError as KernelError, Result};

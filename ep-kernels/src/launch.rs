@@ -1,0 +1,98 @@
+//! Typed launchers: the only place that builds kernel argument lists. Each one
+//! checks what the kernel cannot, picks the launch geometry, and launches on the
+//! caller's stream.
+
+use std::ffi::c_void;
+
+use comm::error::{CommError, Result};
+use comm::StreamHandle;
+
+use crate::module::{DeviceKernels, KernelId};
+
+fn arg<T>(v: &mut T) -> *mut c_void {
+    (v as *mut T).cast()
+}
+
+/// `diagnostics_write_peers`: rank `rank` writes its pattern into slot `rank`
+/// of every peer buffer. `peer_table` is a device array of `nranks` pointers
+/// (`peer_table[p]` = rank p's buffer as mapped here), each buffer at least
+/// `nranks * words * 8` bytes.
+///
+/// # Safety
+/// The pointers in `peer_table` must be valid, mapped, and large enough.
+pub unsafe fn diagnostics_write_peers(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    peer_table: u64,
+    nranks: i32,
+    rank: i32,
+    words: u64,
+    seed: u64,
+) -> Result<()> {
+    if nranks <= 0 || rank < 0 || rank >= nranks {
+        return Err(CommError::invalid(
+            "rank",
+            format!("rank {rank} of {nranks}"),
+        ));
+    }
+    if words == 0 {
+        return Ok(());
+    }
+    let blocks_per_peer = words.div_ceil(256 * 4).clamp(1, 32) as u32;
+    let (mut t, mut n, mut r, mut w, mut s) = (peer_table, nranks, rank, words, seed);
+    let mut params = [
+        arg(&mut t),
+        arg(&mut n),
+        arg(&mut r),
+        arg(&mut w),
+        arg(&mut s),
+    ];
+    // SAFETY: argument types match the kernel signature; pointer validity is the caller's contract.
+    unsafe {
+        k.launch(
+            KernelId::DiagnosticsWritePeers,
+            (blocks_per_peer, nranks as u32, 1),
+            (256, 1, 1),
+            0,
+            stream,
+            &mut params,
+        )
+    }
+}
+
+/// `reduce_rows_bf16`: `out[c] = bf16(sum_r float(input[r, c]))` for a
+/// row-major `[rows, cols]` bf16 matrix at `input`; `out` holds `cols` values.
+///
+/// # Safety
+/// `input` must hold `rows * cols` and `out` `cols` bf16 values on this device.
+pub unsafe fn reduce_rows_bf16(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    input: u64,
+    out: u64,
+    rows: i64,
+    cols: i64,
+) -> Result<()> {
+    if rows < 0 || cols < 0 {
+        return Err(CommError::invalid("shape", format!("[{rows}, {cols}]")));
+    }
+    if cols == 0 {
+        return Ok(());
+    }
+    let threads = 256u32;
+    let work = if cols % 8 == 0 { cols / 8 } else { cols };
+    let blocks = (work as u64).div_ceil(threads as u64).clamp(1, 1024) as u32;
+    let (mut i, mut o, mut r, mut c) = (input, out, rows, cols);
+    let mut params = [arg(&mut i), arg(&mut o), arg(&mut r), arg(&mut c)];
+    // SAFETY: argument types match the kernel signature; pointer validity is the caller's contract.
+    unsafe {
+        k.launch(
+            KernelId::ReduceRowsBf16,
+            (blocks, 1, 1),
+            (threads, 1, 1),
+            0,
+            stream,
+            &mut params,
+        )
+    }
+}

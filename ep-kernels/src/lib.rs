@@ -1,0 +1,13 @@
+//! `ep-kernels`: every CUDA kernel of moelink and its typed launcher.
+//!
+//! | layer | module | what it does |
+//! |---|---|---|
+//! | build | `build.rs` | nvcc compiles every `.cu` under `cuda/` (one unity TU) into a fatbin |
+//! | module | [`module`] | embedded fatbin, [`KernelId`] table, one lazily loaded module per device |
+//! | launchers | [`launch`] | one typed, checked launcher per kernel, on a caller-given raw stream |
+
+pub mod error;
+pub mod launch;
+pub mod module;
+
+pub use module::{compiled_archs, DeviceKernels, KernelId, FATBIN};

@@ -1,0 +1,78 @@
+//! Single-GPU kernel tests. They need a CUDA device, so they are `#[ignore]`d
+//! (cargo prints the reason) and run on the GPU machine by scripts/gpu_run.sh
+//! with `--include-ignored`.
+
+use comm::{Device, DeviceMemory, StreamHandle};
+use ep_kernels::{launch, DeviceKernels, KernelId};
+use half::bf16;
+use rand::{Rng, SeedableRng};
+
+fn device() -> Device {
+    assert!(comm::device_count() > 0, "no CUDA device visible");
+    Device::bind(0).expect("bind device 0")
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
+fn module_loads_and_every_kernel_resolves() {
+    let k = DeviceKernels::get(device()).expect("load module");
+    for id in KernelId::ALL {
+        assert!(!k.function(*id).is_null(), "{} missing", id.name());
+    }
+}
+
+fn reduce_case(rows: usize, cols: usize, offset_elems: usize, seed: u64) {
+    let dev = device();
+    let k = DeviceKernels::get(dev).unwrap();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let input: Vec<bf16> = (0..rows * cols)
+        .map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0)))
+        .collect();
+    let mut want = vec![0f32; cols];
+    for r in 0..rows {
+        for c in 0..cols {
+            want[c] += input[r * cols + c].to_f32();
+        }
+    }
+    let want: Vec<bf16> = want.into_iter().map(bf16::from_f32).collect();
+
+    let bytes_in = (offset_elems + rows * cols).max(1) * 2;
+    let d_in = DeviceMemory::alloc(dev, bytes_in).unwrap();
+    d_in.copy_from_host(offset_elems * 2, &input).unwrap();
+    let d_out = DeviceMemory::alloc(dev, cols * 2).unwrap();
+    d_out.fill(0xFF).unwrap(); // NaN poison
+    // SAFETY: both ranges lie inside the allocations above.
+    unsafe {
+        launch::reduce_rows_bf16(
+            k,
+            StreamHandle(0),
+            d_in.ptr() + (offset_elems * 2) as u64,
+            d_out.ptr(),
+            rows as i64,
+            cols as i64,
+        )
+    }
+    .unwrap();
+    dev.synchronize().unwrap();
+    let mut got = vec![bf16::ZERO; cols];
+    d_out.copy_to_host(0, &mut got).unwrap();
+    for c in 0..cols {
+        assert_eq!(
+            got[c].to_bits(),
+            want[c].to_bits(),
+            "rows={rows} cols={cols} col {c}: got {} want {}",
+            got[c],
+            want[c]
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
+fn reduce_rows_bf16_matches_cpu() {
+    let mut seed = rand::rng().random::<u64>();
+    for &(rows, cols, off) in &[(1, 8, 0), (4, 7168, 0), (9, 1003, 0), (3, 256, 1), (0, 16, 0)] {
+        seed = seed.wrapping_add(1);
+        reduce_case(rows, cols, off, seed);
+    }
+}

@@ -1,0 +1,29 @@
+"""moelink: expert-parallel communication for Mixture-of-Experts models.
+
+Dispatch (tokens to the GPUs holding their experts) and combine (expert outputs
+back) over NVLink, behind a DeepEP-compatible ``Buffer``, plus fast allreduce.
+The core is Rust and CUDA (``moelink._native``); this package is the torch API.
+"""
+
+from . import _native
+from ._native import CudaError, TimeoutError, __version__
+from .diagnostics import peer_write_check
+
+__all__ = [
+    "CudaError",
+    "TimeoutError",
+    "__version__",
+    "compiled_archs",
+    "device_count",
+    "peer_write_check",
+]
+
+
+def compiled_archs() -> list:
+    """CUDA targets the embedded kernels hold machine code for (e.g. ``["90a"]``)."""
+    return list(_native.compiled_archs())
+
+
+def device_count() -> int:
+    """Visible CUDA devices as the driver reports them (0 without a driver)."""
+    return int(_native.device_count())

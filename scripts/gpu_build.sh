@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# GPU loop, step 1 (here, no GPU needed): build everything the GPU machine runs into
+# the ignored folder .gpu/ (must stay under 64 MiB):
+#   .gpu/wheels/moelink-*.whl   the package (abi3, sm_90a SASS embedded)
+#   .gpu/bin/<test binary>      Rust test executables that hold GPU tests
+#   .gpu/BUILD_INFO             commit, date, dirty flag: results cite it
+# Then: the device tool runs `bash scripts/gpu_run.sh` with carry [".gpu"].
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh >/dev/null
+export PATH="$PWD/.venv/bin:$PATH"
+
+rm -rf .gpu && mkdir -p .gpu/wheels .gpu/bin
+.venv/bin/maturin build --release --strip -o .gpu/wheels -q 2>&1 | grep -v "^🍹\|^📦\|^🔗" || true
+ls .gpu/wheels/*.whl >/dev/null
+
+# Rust integration-test binaries (tests/*.rs: where the GPU tests live) (release; run with --include-ignored).
+cargo test --workspace --release --no-run --message-format=json 2>/dev/null |
+  .venv/bin/python -c '
+import json, shutil, sys, os
+for line in sys.stdin:
+    m = json.loads(line)
+    if (m.get("reason") == "compiler-artifact" and m.get("executable")
+            and m["target"]["kind"] == ["test"]):
+        shutil.copy(m["executable"], os.path.join(".gpu/bin", m["target"]["name"]))
+'
+strip .gpu/bin/* 2>/dev/null || true
+
+{
+  echo "commit=$(git rev-parse HEAD 2>/dev/null || echo none)"
+  echo "dirty=$([ -z "$(git status --porcelain 2>/dev/null)" ] && echo no || echo yes)"
+  echo "built=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "archs=${MOELINK_CUDA_ARCHS:-90a}"
+} > .gpu/BUILD_INFO
+size=$(du -sm .gpu | cut -f1)
+echo "gpu_build: .gpu is ${size} MiB: $(ls .gpu/wheels) + $(ls .gpu/bin | tr '\n' ' ')"
+[ "$size" -lt 64 ] || { echo "gpu_build: .gpu exceeds 64 MiB" >&2; exit 1; }

@@ -1,0 +1,65 @@
+#!/usr/bin/env bash
+# GPU loop, step 2 (on the GPU machine, repository root, .gpu/ carried along):
+#   bash scripts/gpu_run.sh [LOG_DIR] [-- extra commands are not taken; use GPU_RUN_EXTRA]
+# Installs the wheel into a temporary target, sets the no-multicast policy, runs the
+# GPU tests (pytest -m "gpu or multi_gpu", Rust GPU tests with --include-ignored),
+# each under `timeout`, and writes logs + summary.json into LOG_DIR (default $OUT,
+# else ./gpu-logs). GPU_RUN_PYTEST_ARGS narrows pytest (e.g. "-k peer");
+# GPU_RUN_EXTRA is a command run last (benchmarks), its output logged as extra.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+LOG=${1:-${OUT:-./gpu-logs}}
+mkdir -p "$LOG"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+SITE=/tmp/moelink-site
+rm -rf "$SITE"
+python3 -m pip install -q --no-deps --no-index --target "$SITE" .gpu/wheels/*.whl ||
+  { echo "gpu_run: wheel install failed" >&2; exit 2; }
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+
+declare -A RESULT
+run() { # name timeout cmd...
+  local name=$1 t=$2; shift 2
+  echo "=== $name: $* (timeout ${t}s)"
+  timeout -k 10 "$t" "$@" > "$LOG/$name.log" 2>&1
+  local rc=$?
+  RESULT[$name]=$rc
+  tail -n 25 "$LOG/$name.log"
+  echo "=== $name: rc=$rc"
+}
+
+{
+  cat .gpu/BUILD_INFO
+  echo "date=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+  nvidia-smi topo -m
+  python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count())'
+} > "$LOG/machine.txt" 2>&1
+cat "$LOG/machine.txt" | head -n 12
+
+for exe in .gpu/bin/*; do
+  [ -x "$exe" ] || continue
+  run "rust-$(basename "$exe")" 300 "$exe" --include-ignored --test-threads=1
+done
+run pytest-gpu 540 python3 -m pytest tests -m "gpu or multi_gpu" -v -rs -p no:cacheprovider ${GPU_RUN_PYTEST_ARGS:-}
+if [ -n "${GPU_RUN_EXTRA:-}" ]; then
+  run extra 540 bash -c "$GPU_RUN_EXTRA"
+fi
+
+status=0
+{
+  echo "{"
+  echo "  \"build\": \"$(tr '\n' ' ' < .gpu/BUILD_INFO)\","
+  echo "  \"results\": {"
+  first=1
+  for k in "${!RESULT[@]}"; do
+    [ $first -eq 1 ] || echo ","
+    first=0
+    printf '    "%s": %s' "$k" "${RESULT[$k]}"
+    [ "${RESULT[$k]}" -eq 0 ] || status=1
+  done
+  echo; echo "  }"; echo "}"
+} > "$LOG/summary.json"
+echo "=== summary"; cat "$LOG/summary.json"
+exit $status

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The test command (README; .ci/run calls it). On any machine, GPU or not:
+# formatting and lints, every Rust test, the compile of every CUDA file (build.rs),
+# `pip install .` of the package, and pytest. GPU tests skip with a reason where
+# there is no GPU; on the GPU machine scripts/gpu_run.sh runs them.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+PY=.venv/bin/python
+export PATH="$PWD/.venv/bin:$PATH"
+
+step() { echo; echo "=== $* ==="; }
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "cargo test (compiles every CUDA file through ep-kernels/build.rs)"
+cargo test --workspace --locked
+
+step "python lint (ruff)"
+"$PY" -m ruff check python tests benches scripts
+"$PY" -m ruff format --check python tests benches scripts
+
+step "pip install . (maturin; nvcc from the build requirements)"
+"$PY" -m pip install -q --no-deps --force-reinstall .
+
+step "pytest"
+set +e
+(cd /tmp && "$OLDPWD/$PY" -c 'import moelink; print("imported", moelink.__file__)')
+"$PY" -m pytest tests -q
+rc=$?
+set -e
+[ $rc -eq 5 ] && { echo "pytest collected no tests" >&2; exit 1; }
+exit $rc

@@ -1,0 +1,32 @@
+"""Shared test setup: GPU tests skip themselves, with a reason, where there is no GPU."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+# The no-multicast policy applies to every process the tests start.
+for _k, _v in {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}.items():
+    os.environ[_k] = _v
+
+
+def cuda_device_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def pytest_collection_modifyitems(config, items):
+    n = cuda_device_count()
+    for item in items:
+        if "multi_gpu" in item.keywords and n < 2:
+            item.add_marker(pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {n}"))
+        elif "gpu" in item.keywords and n < 1:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU, found none"))
