@@ -15,30 +15,6 @@ import sys
 import moelink
 
 
-def _worker(rank: int, nranks: int, port: int, words: int, queue) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nranks
-    )
-    try:
-        queue.put(moelink.peer_write_check(words=words))
-    except Exception as e:  # reported by the parent
-        queue.put({"rank": rank, "error": repr(e)})
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m moelink", description=__doc__)
     p.add_argument("--words", type=int, default=1 << 22, help="64-bit words per slot")
@@ -57,17 +33,9 @@ def main(argv=None) -> int:
         print(f"pattern words distinct for 4x4 (src, dst) pairs: {ok}")
         return 0 if ok else 1
 
-    import torch.multiprocessing as mp
+    from moelink.diagnostics import run_on_local_gpus
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, n, port, args.words, queue)) for r in range(n)]
-    for proc in procs:
-        proc.start()
-    reports = [queue.get(timeout=300) for _ in procs]
-    for proc in procs:
-        proc.join(timeout=60)
+    reports = run_on_local_gpus(n, args.words)
     reports.sort(key=lambda r: r["rank"])
     failed = [r for r in reports if "error" in r]
     print(f"peer-write check on {n} GPUs, {args.words * 8 >> 20} MiB per peer slot:")

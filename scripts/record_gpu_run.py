@@ -1,0 +1,43 @@
+#!/usr/bin/env python3
+"""Records a GPU run under benches/results/<date>_<name>/: its logs plus run.json
+(date, machine, commit, command, per-step exit codes), from the folder the device
+tool brought back.
+
+    python3 scripts/record_gpu_run.py /work/.device/N NAME "the command that ran"
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    src, name, command = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+    machine = (src / "machine.txt").read_text().splitlines()
+    info = dict(line.split("=", 1) for line in machine if "=" in line and " " not in line)
+    gpus = [line for line in machine if "NVIDIA" in line and "," in line]
+    summary = json.loads((src / "summary.json").read_text())
+    date = info.get("date", "unknown")[:10]
+    dst = Path("benches/results") / f"{date}_{name}"
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.is_file():
+            shutil.copy(f, dst / f.name)
+    run = {
+        "date": info.get("date"),
+        "machine": {"gpus": gpus, "count": len(gpus)},
+        "commit": info.get("commit"),
+        "dirty": info.get("dirty"),
+        "command": command,
+        "results": summary["results"],
+    }
+    (dst / "run.json").write_text(json.dumps(run, indent=2) + "\n")
+    print(f"recorded {dst}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
