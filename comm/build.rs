@@ -1,8 +1,14 @@
-//! Publishes the device-side headers (`include/comm/*.cuh`) to dependants:
-//! crates that compile CUDA read `DEP_MOELINK_COMM_INCLUDE` from their build script.
+//! Publishes the device-side headers (`include/comm/*.cuh`) to dependants, which
+//! read `DEP_MOELINK_COMM_INCLUDE`, and compiles comm's own kernels (`cuda/`:
+//! the transports' remote atomics, the device-handle layout probe) into the
+//! fatbin embedded in this crate.
+
+use std::path::PathBuf;
 
 fn main() {
-    let dir = std::path::Path::new(&std::env::var("CARGO_MANIFEST_DIR").unwrap()).join("include");
-    println!("cargo:include={}", dir.display());
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
+    let include = manifest.join("include");
+    println!("cargo:include={}", include.display());
     println!("cargo:rerun-if-changed=build.rs");
+    build_utils::compile_fatbin("comm_kernels", "COMM", &manifest.join("cuda"), &[include]);
 }

@@ -24,6 +24,11 @@ for line in sys.stdin:
             and m["target"]["kind"] == ["test"]):
         shutil.copy(m["executable"], os.path.join(".gpu/bin", m["target"]["name"]))
 '
+# Benchmark binaries (run through GPU_RUN_EXTRA by torchrun --no-python).
+if [ -f benches/Cargo.toml ]; then
+  cargo build --release -p moelink-benches -q
+  cp target/release/comm_bench .gpu/bin/
+fi
 strip .gpu/bin/* 2>/dev/null || true
 
 {

@@ -4,12 +4,15 @@
 # Installs the wheel into a temporary target, sets the no-multicast policy, runs the
 # GPU tests (pytest -m "gpu or multi_gpu", Rust GPU tests with --include-ignored),
 # each under `timeout`, and writes logs + summary.json into LOG_DIR (default $OUT,
-# else ./gpu-logs). GPU_RUN_PYTEST_ARGS narrows pytest (e.g. "-k peer");
+# else ./gpu-logs): per-step logs are packed into steps.tgz at the end (the device
+# tool brings back at most 8 files), next to machine.txt and summary.json.
+# GPU_RUN_PYTEST_ARGS narrows pytest (e.g. "-k peer");
 # GPU_RUN_EXTRA is a command run last (benchmarks), its output logged as extra.log.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-./gpu-logs}}
-mkdir -p "$LOG"
+STEPS="$LOG/steps"
+mkdir -p "$STEPS"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 SITE=/tmp/moelink-site
@@ -22,10 +25,10 @@ declare -A RESULT
 run() { # name timeout cmd...
   local name=$1 t=$2; shift 2
   echo "=== $name: $* (timeout ${t}s)"
-  timeout -k 10 "$t" "$@" > "$LOG/$name.log" 2>&1
+  timeout -k 10 "$t" "$@" > "$STEPS/$name.log" 2>&1
   local rc=$?
   RESULT[$name]=$rc
-  tail -n 25 "$LOG/$name.log"
+  grep -E "^(PASS|FAIL|SKIPPED)|test result|passed|failed|error" "$STEPS/$name.log" | tail -n 30
   echo "=== $name: rc=$rc"
 }
 
@@ -38,9 +41,20 @@ run() { # name timeout cmd...
 } > "$LOG/machine.txt" 2>&1
 cat "$LOG/machine.txt" | head -n 12
 
+NGPU=$(nvidia-smi -L | wc -l)
 for exe in .gpu/bin/*; do
   [ -x "$exe" ] || continue
-  run "rust-$(basename "$exe")" 300 "$exe" --include-ignored --test-threads=1
+  name=$(basename "$exe")
+  case "$name" in
+    gpu_multi_rank)  # multi-process: one rank per GPU under torchrun, at 2 and 4 ranks
+      for n in 2 4; do
+        [ "$NGPU" -ge "$n" ] || { echo "=== rust-$name-$n: skipped, $NGPU GPUs"; continue; }
+        run "rust-$name-$n" 400 python3 -m torch.distributed.run --standalone \
+          --nproc-per-node="$n" --no-python "$exe" --include-ignored --test-threads=1 --nocapture
+      done ;;
+    comm_bench) ;;  # a benchmark: run through GPU_RUN_EXTRA
+    *) run "rust-$name" 300 "$exe" --include-ignored --test-threads=1 ;;
+  esac
 done
 run pytest-gpu 540 python3 -m pytest tests -m "gpu or multi_gpu" -v -rs -p no:cacheprovider ${GPU_RUN_PYTEST_ARGS:-}
 if [ -n "${GPU_RUN_EXTRA:-}" ]; then
@@ -61,5 +75,6 @@ status=0
   done
   echo; echo "  }"; echo "}"
 } > "$LOG/summary.json"
+tar -czf "$LOG/steps.tgz" -C "$LOG" steps && rm -rf "$STEPS"
 echo "=== summary"; cat "$LOG/summary.json"
 exit $status

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+import tarfile
 from pathlib import Path
 
 
@@ -24,7 +25,10 @@ def main() -> int:
     dst = Path("benches/results") / f"{date}_{name}"
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
-        if f.is_file():
+        if f.name == "steps.tgz":
+            with tarfile.open(f) as tar:
+                tar.extractall(dst, filter="data")  # -> dst/steps/<step>.log
+        elif f.is_file():
             shutil.copy(f, dst / f.name)
     run = {
         "date": info.get("date"),

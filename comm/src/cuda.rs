@@ -143,3 +143,77 @@ impl StreamHandle {
         unsafe { result::stream::synchronize(self.raw()) }.call("cuStreamSynchronize")
     }
 }
+
+/// A CUDA stream this crate created (non-blocking w.r.t. the legacy stream),
+/// destroyed on drop.
+#[derive(Debug)]
+pub struct OwnedStream {
+    device: Device,
+    stream: sys::CUstream,
+}
+
+// SAFETY: stream handles are context-global and usable from any thread.
+unsafe impl Send for OwnedStream {}
+// SAFETY: as above; the handle is never mutated.
+unsafe impl Sync for OwnedStream {}
+
+impl OwnedStream {
+    pub fn new(device: Device) -> Result<Self> {
+        device.make_current()?;
+        let stream = result::stream::create(result::stream::StreamKind::NonBlocking)
+            .call("cuStreamCreate")?;
+        Ok(Self { device, stream })
+    }
+
+    pub fn handle(&self) -> StreamHandle {
+        StreamHandle(self.stream as usize)
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Waits until the stream's work is done, polling at most `timeout`.
+    pub fn synchronize_bounded(
+        &self,
+        timeout: std::time::Duration,
+        rank: i64,
+        what: &str,
+    ) -> Result<()> {
+        self.device.make_current()?;
+        let start = std::time::Instant::now();
+        loop {
+            // SAFETY: the stream is live for the life of self.
+            match unsafe { sys::cuStreamQuery(self.stream) } {
+                sys::CUresult::CUDA_SUCCESS => return Ok(()),
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => {
+                    return Err(CommError::Cuda {
+                        call: "cuStreamQuery",
+                        source: cudarc::driver::DriverError(e),
+                    })
+                }
+            }
+            if start.elapsed() > timeout {
+                return Err(CommError::Timeout {
+                    rank,
+                    what: what.to_string(),
+                    waited_ms: start.elapsed().as_millis() as u64,
+                });
+            }
+            std::thread::yield_now();
+        }
+    }
+}
+
+impl Drop for OwnedStream {
+    fn drop(&mut self) {
+        if self.device.make_current().is_ok() {
+            // SAFETY: created in new(), destroyed once; pending work completes first.
+            unsafe {
+                let _ = result::stream::synchronize(self.stream);
+                let _ = result::stream::destroy(self.stream);
+            }
+        }
+    }
+}

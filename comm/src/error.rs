@@ -18,8 +18,9 @@ pub enum CommError {
     /// A caller passed something that cannot work; nothing was launched.
     #[error("invalid argument `{name}`: {reason}")]
     InvalidArgument { name: &'static str, reason: String },
-    /// A bounded wait ran out.
-    #[error("rank {rank} timed out after {waited_ms} ms waiting for {what}")]
+    /// A bounded wait ran out. `waited_ms` is 0 for a GPU wait, which is bounded
+    /// by a spin count rather than a clock.
+    #[error("rank {rank} timed out waiting for {what}{}", waited_suffix(*.waited_ms))]
     Timeout {
         rank: i64,
         what: String,
@@ -31,6 +32,14 @@ pub enum CommError {
         #[source]
         source: std::io::Error,
     },
+}
+
+fn waited_suffix(ms: u64) -> String {
+    if ms == 0 {
+        " (its spin bound ran out)".into()
+    } else {
+        format!(" (waited {ms} ms)")
+    }
 }
 
 pub type Result<T, E = CommError> = std::result::Result<T, E>;

@@ -2,18 +2,42 @@
 //!
 //! | layer | module | what it does |
 //! |---|---|---|
-//! | driver | [`cuda`] | loads libcuda at run time, binds threads to a device's primary context |
-//! | memory | [`memory`] | device allocations, CUDA IPC export/import of peers' memory (RAII) |
+//! | driver | [`cuda`] | loads libcuda at run time, binds threads to a device's primary context, streams |
+//! | kernels | [`module`], [`kernels`] | embedded fatbins loaded once per device; comm's own kernels |
+//! | bootstrap | [`bootstrap`] | rank discovery and small messages over TCP ([`Bootstrap`], [`TcpBootstrap`]) |
+//! | memory | [`memory`], [`vmm`], [`host_memory`], [`fd_passing`] | device allocations (legacy IPC, cuMem POSIX fd), host-mapped memory, fd passing over unix sockets |
+//! | registration | [`registered_memory`], [`wire`] | buffers + how to reach them, serializable |
+//! | transports | [`transport`] | [`transport::Connection`]s: CUDA IPC, Ethernet |
+//! | signalling | [`semaphore`], [`fifo`], [`proxy`], [`device_error`] | semaphores, trigger FIFO, CPU proxy, device error records |
+//! | channels | [`channel`], [`device_handles`] | memory and port channels, `#[repr(C)]` device handles |
 //! | errors | [`error`] | [`CommError`]: which call, which argument, which rank waited for what |
 //!
-//! Device-side API: CUDA headers under `include/comm/`, published to dependants
-//! as `DEP_MOELINK_COMM_INCLUDE`.
+//! Device-side API: CUDA headers under `include/comm/` (one per host type),
+//! published to dependants as `DEP_MOELINK_COMM_INCLUDE`.
 
+pub mod bootstrap;
+pub mod channel;
+pub mod communicator;
 pub mod cuda;
+pub mod device_error;
+pub mod device_handles;
 pub mod error;
+pub mod fd_passing;
+pub mod fifo;
+pub mod host_memory;
+pub mod kernels;
 pub mod memory;
+pub mod module;
+pub mod proxy;
+pub mod registered_memory;
+pub mod semaphore;
+pub mod transport;
+pub mod vmm;
+pub mod wire;
 
-pub use cuda::{device_count, init_driver, Device, StreamHandle};
+pub use bootstrap::{Bootstrap, TcpBootstrap, UniqueId};
+pub use communicator::{Communicator, CommunicatorOptions};
+pub use cuda::{device_count, init_driver, Device, OwnedStream, StreamHandle};
 pub use error::{CommError, Result};
 pub use memory::{DeviceMemory, IpcHandle, PeerMemory};
 

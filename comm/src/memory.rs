@@ -49,18 +49,23 @@ impl DeviceMemory {
         self.device
     }
 
-    /// Fills every byte with `value` (synchronously).
+    /// Fills every byte with `value`; complete on return. (cuMemsetD8 and a
+    /// pageable cuMemcpyHtoD may return before the device has finished, and
+    /// kernels on non-blocking streams do not wait for the legacy stream, so
+    /// these helpers synchronise the context.)
     pub fn fill(&self, value: u8) -> Result<()> {
         self.device.make_current()?;
         // SAFETY: the range is this allocation.
-        unsafe { result::memset_d8_sync(self.ptr, value, self.len) }.call("cuMemsetD8")
+        unsafe { result::memset_d8_sync(self.ptr, value, self.len) }.call("cuMemsetD8")?;
+        self.device.synchronize()
     }
 
     pub fn copy_from_host<T: Copy>(&self, offset: usize, src: &[T]) -> Result<()> {
         self.check_range(offset, std::mem::size_of_val(src))?;
         self.device.make_current()?;
         // SAFETY: the destination range was checked to lie inside this allocation.
-        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }.call("cuMemcpyHtoD")
+        unsafe { result::memcpy_htod_sync(self.ptr + offset as u64, src) }.call("cuMemcpyHtoD")?;
+        self.device.synchronize()
     }
 
     pub fn copy_to_host<T: Copy>(&self, offset: usize, dst: &mut [T]) -> Result<()> {

@@ -125,7 +125,7 @@ impl PeerWriteCheck {
         // nranks * words * 8 bytes (checked in connect()).
         unsafe {
             launch::diagnostics_write_peers(
-                kernels,
+                &kernels,
                 stream,
                 table.ptr(),
                 self.nranks as i32,

@@ -1,11 +1,7 @@
-//! The embedded fatbin, loaded lazily once per device, and the kernel-id table.
+//! The embedded fatbin of ep-kernels and its kernel-id table.
 
-use std::ffi::CString;
-use std::sync::{Mutex, OnceLock};
-
-use comm::error::{CommError, CudaResultExt, Result};
-use comm::Device;
-use cudarc::driver::{result, sys};
+use comm::module::{LoadedModule, ModuleCache};
+use comm::{Device, Result};
 
 /// The fatbin nvcc produced from every `.cu` under `cuda/` (see build.rs).
 pub static FATBIN: &[u8] = include_bytes!(env!("MOELINK_FATBIN"));
@@ -24,8 +20,9 @@ macro_rules! kernels {
 
         impl KernelId {
             pub const ALL: &'static [KernelId] = &[$(KernelId::$variant),*];
+            const NAMES: &'static [&'static str] = &[$($name),*];
             pub fn name(self) -> &'static str {
-                match self { $(KernelId::$variant => $name),* }
+                Self::NAMES[self as usize]
             }
         }
     };
@@ -36,82 +33,27 @@ kernels! {
     ReduceRowsBf16 => "reduce_rows_bf16",
 }
 
-/// The loaded module of one device with every function resolved.
-pub struct DeviceKernels {
-    device: Device,
-    _module: sys::CUmodule,
-    functions: Vec<sys::CUfunction>,
-}
+static MODULES: ModuleCache = ModuleCache::new("ep-kernels", FATBIN, KernelId::NAMES);
 
-// SAFETY: module and function handles are context-global, usable from any thread.
-unsafe impl Send for DeviceKernels {}
-// SAFETY: see above; the handles are never mutated after loading.
-unsafe impl Sync for DeviceKernels {}
+/// The loaded kernels of one device.
+pub struct DeviceKernels(&'static LoadedModule);
 
 impl DeviceKernels {
-    /// The kernels of `device`, loading the module on first use. The module
-    /// stays loaded for the life of the process (like the primary context).
-    pub fn get(device: Device) -> Result<&'static DeviceKernels> {
-        const MAX: usize = 64;
-        static LOADED: [OnceLock<DeviceKernels>; MAX] = [const { OnceLock::new() }; MAX];
-        static LOADING: Mutex<()> = Mutex::new(());
-        let slot = LOADED
-            .get(device.ordinal as usize)
-            .ok_or_else(|| CommError::invalid("device", "device ordinal above 63"))?;
-        if let Some(k) = slot.get() {
-            return Ok(k);
-        }
-        let _guard = LOADING.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(k) = slot.get() {
-            return Ok(k);
-        }
-        let loaded = Self::load(device)?;
-        Ok(slot.get_or_init(|| loaded))
-    }
-
-    fn load(device: Device) -> Result<DeviceKernels> {
-        device.make_current()?;
-        // SAFETY: FATBIN is a well-formed fatbin produced by nvcc at build time.
-        let module = unsafe { result::module::load_data(FATBIN.as_ptr().cast()) }
-            .call("cuModuleLoadData")
-            .inspect_err(|_| {
-                tracing::error!(
-                    "loading the moelink fatbin (SASS for {:?}) on device {} failed",
-                    compiled_archs(),
-                    device.ordinal
-                )
-            })?;
-        let mut functions = Vec::with_capacity(KernelId::ALL.len());
-        for k in KernelId::ALL {
-            let name = CString::new(k.name()).expect("kernel names have no NUL");
-            // SAFETY: module was just loaded and is never unloaded.
-            functions.push(
-                unsafe { result::module::get_function(module, name) }
-                    .call("cuModuleGetFunction")?,
-            );
-        }
-        tracing::debug!("loaded moelink kernels on device {}", device.ordinal);
-        Ok(DeviceKernels {
-            device,
-            _module: module,
-            functions,
-        })
+    /// The kernels of `device`, loading the module on first use.
+    pub fn get(device: Device) -> Result<DeviceKernels> {
+        MODULES.get(device).map(DeviceKernels)
     }
 
     pub fn device(&self) -> Device {
-        self.device
+        self.0.device()
     }
 
-    pub fn function(&self, id: KernelId) -> sys::CUfunction {
-        self.functions[id as usize]
+    pub fn function(&self, id: KernelId) -> cudarc::driver::sys::CUfunction {
+        self.0.function(id as usize)
     }
 
-    /// Launches `id`. Only the typed launchers in [`crate::launch`] call this.
-    ///
     /// # Safety
-    /// `params` must point to values whose types and order match the kernel's
-    /// signature, and every device pointer among them must be valid for the
-    /// accesses the kernel makes.
+    /// As [`LoadedModule::launch`].
     pub(crate) unsafe fn launch(
         &self,
         id: KernelId,
@@ -121,22 +63,11 @@ impl DeviceKernels {
         stream: comm::StreamHandle,
         params: &mut [*mut std::ffi::c_void],
     ) -> Result<()> {
-        self.device.make_current()?;
         // SAFETY: forwarded from the caller's contract.
         unsafe {
-            result::launch_kernel(
-                self.function(id),
-                grid,
-                block,
-                shared_mem,
-                stream.raw(),
-                params,
-            )
+            self.0
+                .launch(id as usize, grid, block, shared_mem, stream, params)
         }
-        .map_err(|source| CommError::Cuda {
-            call: "cuLaunchKernel",
-            source,
-        })
         .inspect_err(|_| tracing::error!("launch of {} failed", id.name()))
     }
 }

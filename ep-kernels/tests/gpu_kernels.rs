@@ -23,7 +23,7 @@ fn module_loads_and_every_kernel_resolves() {
 
 fn reduce_case(rows: usize, cols: usize, offset_elems: usize, seed: u64) {
     let dev = device();
-    let k = DeviceKernels::get(dev).unwrap();
+    let k = &DeviceKernels::get(dev).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let input: Vec<bf16> = (0..rows * cols)
         .map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0)))
@@ -41,7 +41,7 @@ fn reduce_case(rows: usize, cols: usize, offset_elems: usize, seed: u64) {
     d_in.copy_from_host(offset_elems * 2, &input).unwrap();
     let d_out = DeviceMemory::alloc(dev, cols * 2).unwrap();
     d_out.fill(0xFF).unwrap(); // NaN poison
-    // SAFETY: both ranges lie inside the allocations above.
+                               // SAFETY: both ranges lie inside the allocations above.
     unsafe {
         launch::reduce_rows_bf16(
             k,
@@ -71,7 +71,13 @@ fn reduce_case(rows: usize, cols: usize, offset_elems: usize, seed: u64) {
 #[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
 fn reduce_rows_bf16_matches_cpu() {
     let mut seed = rand::rng().random::<u64>();
-    for &(rows, cols, off) in &[(1, 8, 0), (4, 7168, 0), (9, 1003, 0), (3, 256, 1), (0, 16, 0)] {
+    for &(rows, cols, off) in &[
+        (1, 8, 0),
+        (4, 7168, 0),
+        (9, 1003, 0),
+        (3, 256, 1),
+        (0, 16, 0),
+    ] {
         seed = seed.wrapping_add(1);
         reduce_case(rows, cols, off, seed);
     }

@@ -117,8 +117,10 @@ fn reduce_rows_bf16(
     let dev = Device::bind(device).map_err(to_py)?;
     let k = ep_kernels::DeviceKernels::get(dev).map_err(to_py)?;
     // SAFETY: the Python wrapper checked dtype, shape, contiguity and device.
-    unsafe { ep_kernels::launch::reduce_rows_bf16(k, StreamHandle(stream), input, out, rows, cols) }
-        .map_err(to_py)
+    unsafe {
+        ep_kernels::launch::reduce_rows_bf16(&k, StreamHandle(stream), input, out, rows, cols)
+    }
+    .map_err(to_py)
 }
 
 /// Pattern word `i` written by `src` into `dst` (the CPU twin of the kernel's).

@@ -1,5 +1,6 @@
 // Copy helpers shared by all moelink kernels: vectorised, coalesced loops over
-// a range, executed cooperatively by a group of threads (a warp, a block, a grid).
+// a range, executed cooperatively by `nthreads` threads (a warp, a block, a
+// grid); thread `tid` handles elements tid, tid + nthreads, ...
 #pragma once
 
 #include <cstddef>
@@ -9,22 +10,42 @@ namespace comm {
 
 #if defined(__CUDACC__)
 
-// Stores `n` 64-bit words produced by `gen(i)` into `dst`, thread `tid` of
-// `nthreads` cooperating threads (consecutive threads write consecutive words,
-// so a warp's stores coalesce into full 256-byte lines, also over NVLink).
+// Stores `n` 64-bit words produced by `gen(i)` into `dst`.
 template <typename Gen>
 __device__ __forceinline__ void store_words(uint64_t* dst, size_t n, size_t tid, size_t nthreads,
                                             Gen gen) {
   for (size_t i = tid; i < n; i += nthreads) dst[i] = gen(i);
 }
 
-// 16-byte copy of `bytes` (a multiple of 16, both pointers 16-byte aligned).
-__device__ __forceinline__ void copy_16b(void* dst, const void* src, size_t bytes, size_t tid,
-                                         size_t nthreads) {
-  auto* d = reinterpret_cast<int4*>(dst);
-  const auto* s = reinterpret_cast<const int4*>(src);
-  const size_t n = bytes / sizeof(int4);
+template <typename T>
+__device__ __forceinline__ void copy_elems(char* dst, const char* src, size_t n, size_t tid,
+                                           size_t nthreads) {
+  auto* d = reinterpret_cast<T*>(dst);
+  const auto* s = reinterpret_cast<const T*>(src);
   for (size_t i = tid; i < n; i += nthreads) d[i] = s[i];
+}
+
+// Copies `bytes` from `src` to `dst` with the widest access both pointers and
+// the length allow (16, 8, 4 bytes, else single bytes).
+__device__ __forceinline__ void copy(void* dst, const void* src, size_t bytes, size_t tid,
+                                     size_t nthreads) {
+  char* d = static_cast<char*>(dst);
+  const char* s = static_cast<const char*>(src);
+  const uintptr_t a = reinterpret_cast<uintptr_t>(d) | reinterpret_cast<uintptr_t>(s) | bytes;
+  if (a % 16 == 0) return copy_elems<int4>(d, s, bytes / 16, tid, nthreads);
+  if (a % 8 == 0) return copy_elems<uint64_t>(d, s, bytes / 8, tid, nthreads);
+  if (a % 4 == 0) return copy_elems<uint32_t>(d, s, bytes / 4, tid, nthreads);
+  // Same misalignment on both sides: bytes up to a 16-byte boundary, then vectors.
+  const uintptr_t dm = reinterpret_cast<uintptr_t>(d) % 16, sm = reinterpret_cast<uintptr_t>(s) % 16;
+  if (dm == sm && bytes >= 32) {
+    const size_t head = (16 - dm) % 16;
+    const size_t body = (bytes - head) / 16 * 16;
+    copy_elems<char>(d, s, head, tid, nthreads);
+    copy_elems<int4>(d + head, s + head, body / 16, tid, nthreads);
+    copy_elems<char>(d + head + body, s + head + body, bytes - head - body, tid, nthreads);
+    return;
+  }
+  copy_elems<char>(d, s, bytes, tid, nthreads);
 }
 
 #endif  // __CUDACC__

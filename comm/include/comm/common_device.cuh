@@ -1,0 +1,100 @@
+// Shared device-side basics of comm: the error record a bounded wait fills in
+// when it runs out, memory-order helpers, and the spin loop every wait uses.
+//
+// Structs here are plain data for the host compiler (Rust mirrors them with
+// #[repr(C)]; sizes and offsets are asserted on both sides and by a GPU test);
+// methods exist only under __CUDACC__.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace comm {
+
+// Codes of DeviceError::code.
+enum : uint32_t { kErrorNone = 0, kErrorTimeout = 1, kErrorInvalid = 2 };
+// What a timed-out wait was waiting for (DeviceError::kind).
+enum : uint32_t {
+  kWaitSemaphore = 1,   // Semaphore::wait: the peer's signal
+  kWaitFifoSpace = 2,   // Fifo::push: a free slot (the proxy is not popping)
+  kWaitFifoDrain = 3,   // Fifo::sync: the proxy to process a trigger (flush)
+  kWaitPacket = 4,      // packet read: the peer's packet with the expected flag
+  kInvalidOffset = 5,   // a port-channel offset or size that does not fit a trigger
+};
+
+// Spin bound used when a caller passes none: about a few seconds of polling.
+constexpr int64_t kDefaultMaxSpins = int64_t(1) << 30;
+
+// The first failure of a kernel, in host-mapped memory: written once by the
+// device (first writer wins), read by the host, which turns it into an error
+// naming the rank and the object. Reset by the host.
+struct DeviceError {
+  uint32_t code;      // device writes (last, after the other fields); host reads / resets
+  uint32_t kind;      // what was awaited (kWait*)
+  int32_t rank;       // the rank whose GPU waited
+  int32_t peer;       // the peer it waited on, -1 if none
+  uint64_t id;        // the semaphore / channel / fifo id
+  uint64_t expected;  // the value it waited for
+  uint64_t observed;  // the last value it saw
+};
+static_assert(sizeof(DeviceError) == 40, "DeviceError layout is mirrored in Rust");
+static_assert(offsetof(DeviceError, id) == 16, "DeviceError layout is mirrored in Rust");
+
+#if defined(__CUDACC__)
+
+__device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+__device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void store_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
+// Records the first failure into `err` (if not null). Later failures are dropped.
+__device__ __forceinline__ void report_error(DeviceError* err, uint32_t code, uint32_t kind,
+                                             int32_t rank, int32_t peer, uint64_t id,
+                                             uint64_t expected, uint64_t observed) {
+  if (err == nullptr) return;
+  // Claim the record with a sentinel, fill it, then publish the code.
+  if (atomicCAS(reinterpret_cast<unsigned int*>(&err->code), kErrorNone, 0xFFFFFFFFu) !=
+      kErrorNone)
+    return;
+  err->kind = kind;
+  err->rank = rank;
+  err->peer = peer;
+  err->id = id;
+  err->expected = expected;
+  err->observed = observed;
+  __threadfence_system();
+  atomicExch(reinterpret_cast<unsigned int*>(&err->code), code);
+}
+
+// Spins until `done(observed)` holds for the value `load()` returns, at most
+// `max_spins` polls (negative: no bound). Returns the last observed value and
+// sets `ok`. The caller reports a timeout with the context it has.
+template <typename Load, typename Done>
+__device__ __forceinline__ uint64_t spin_until(Load load, Done done, int64_t max_spins, bool& ok) {
+  uint64_t v = load();
+  for (int64_t spins = 0; !done(v); ++spins) {
+    if (max_spins >= 0 && spins >= max_spins) {
+      ok = false;
+      return v;
+    }
+    v = load();
+  }
+  ok = true;
+  return v;
+}
+
+#endif  // __CUDACC__
+
+}  // namespace comm

@@ -1,0 +1,110 @@
+// FIFO of 16-byte triggers from GPU threads to a CPU proxy thread.
+//
+// The ring lives in host-mapped memory. A producer claims a slot with an atomic
+// add on `head` (GPU memory), waits while the ring is full (bounded), writes
+// `fst` then `snd` (release): a slot is full when its `snd` is non-zero (every
+// trigger type is non-zero and lives in `snd`'s top bits). The proxy pops slots
+// in order, clears them, and publishes how many it has finished in `tail`.
+// A push that times out (the proxy stopped popping) leaves its claimed slot
+// unwritten, so the FIFO cannot make progress past it: such a timeout is
+// fatal for the FIFO, and the error record says which rank and FIFO.
+//
+// Trigger layout (both words little-endian u64, packed with shifts):
+//   data ops (put / signal / flush, any combination of the type bits):
+//     fst = size (bits 0..32) | src_offset (bits 32..64)
+//   atomic ops: fst = the value to add (two's complement)
+//   snd = dst_offset (bits 0..32) | channel (bits 32..44) | src_mem (bits 44..52)
+//         | dst_mem (bits 52..60) | type (bits 60..64)
+#pragma once
+
+#include "common_device.cuh"
+
+namespace comm {
+
+// Trigger types (snd bits 60..64). Data/signal/flush combine; atomics stand alone.
+enum : uint64_t {
+  kTriggerData = 1,
+  kTriggerSignal = 2,
+  kTriggerFlush = 4,
+  kTriggerAtomicAdd64 = 8,
+  kTriggerAtomicAdd32 = 9,
+};
+constexpr int kTriggerChannelBits = 12;
+constexpr int kTriggerMemBits = 8;
+constexpr uint64_t kTriggerMaxOffset = 0xFFFFFFFFull;  // offsets and sizes are 32-bit
+
+struct ProxyTrigger {
+  uint64_t fst;
+  uint64_t snd;
+};
+static_assert(sizeof(ProxyTrigger) == 16, "mirrored in Rust");
+
+__host__ __device__ __forceinline__ ProxyTrigger make_data_trigger(uint64_t type, uint32_t channel,
+                                                                   uint32_t dst_mem,
+                                                                   uint64_t dst_offset,
+                                                                   uint32_t src_mem,
+                                                                   uint64_t src_offset,
+                                                                   uint64_t size) {
+  ProxyTrigger t;
+  t.fst = (size & 0xFFFFFFFFull) | ((src_offset & 0xFFFFFFFFull) << 32);
+  t.snd = (dst_offset & 0xFFFFFFFFull) | (uint64_t(channel & 0xFFF) << 32) |
+          (uint64_t(src_mem & 0xFF) << 44) | (uint64_t(dst_mem & 0xFF) << 52) | (type << 60);
+  return t;
+}
+
+__host__ __device__ __forceinline__ ProxyTrigger make_atomic_trigger(uint64_t type,
+                                                                     uint32_t channel,
+                                                                     uint32_t dst_mem,
+                                                                     uint64_t dst_offset,
+                                                                     int64_t value) {
+  ProxyTrigger t;
+  t.fst = uint64_t(value);
+  t.snd = (dst_offset & 0xFFFFFFFFull) | (uint64_t(channel & 0xFFF) << 32) |
+          (uint64_t(dst_mem & 0xFF) << 52) | (type << 60);
+  return t;
+}
+
+struct FifoDeviceHandle {
+  ProxyTrigger* triggers;  // host-mapped ring of `size` slots; GPU writes, proxy reads and clears
+  uint64_t* head;          // GPU memory; producers claim slots with atomicAdd; proxy never reads
+  uint64_t* tail;          // host-mapped; proxy writes (slots finished), GPU reads
+  DeviceError* error;      // host-mapped; GPU writes on timeout, host reads
+  int32_t size;            // slots in the ring
+  int32_t rank;            // for error reports
+  uint64_t id;             // which FIFO (proxy index), for error reports
+
+#if defined(__CUDACC__)
+  // Pushes a trigger; returns its position (for sync()). Waits (bounded) while
+  // the ring is full. Any thread may call it; each call claims its own slot.
+  __device__ __forceinline__ uint64_t push(ProxyTrigger t, int64_t max_spins = kDefaultMaxSpins) {
+    const uint64_t pos = atomicAdd(reinterpret_cast<unsigned long long*>(head), 1ull);
+    if (pos >= uint64_t(size) + load_relaxed_sys(tail)) {
+      bool ok;
+      const uint64_t seen =
+          spin_until([&] { return load_acquire_sys(tail); },
+                     [&](uint64_t v) { return pos < uint64_t(size) + v; }, max_spins, ok);
+      if (!ok) {
+        report_error(error, kErrorTimeout, kWaitFifoSpace, rank, -1, id, pos - size + 1, seen);
+        return pos;  // the trigger is dropped; the host reports the error
+      }
+    }
+    ProxyTrigger* slot = &triggers[pos % uint64_t(size)];
+    store_relaxed_sys(&slot->fst, t.fst);
+    store_release_sys(&slot->snd, t.snd);
+    return pos;
+  }
+
+  // Waits (bounded) until the proxy has finished the trigger at `pos`.
+  __device__ __forceinline__ bool sync(uint64_t pos, int64_t max_spins = kDefaultMaxSpins) {
+    bool ok;
+    const uint64_t seen = spin_until([&] { return load_acquire_sys(tail); },
+                                     [&](uint64_t v) { return v > pos; }, max_spins, ok);
+    if (!ok) report_error(error, kErrorTimeout, kWaitFifoDrain, rank, -1, id, pos + 1, seen);
+    return ok;
+  }
+#endif
+};
+static_assert(sizeof(FifoDeviceHandle) == 48, "mirrored in Rust");
+static_assert(offsetof(FifoDeviceHandle, size) == 32, "mirrored in Rust");
+
+}  // namespace comm

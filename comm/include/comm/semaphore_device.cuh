@@ -1,0 +1,67 @@
+// Semaphores: monotonic 64-bit counters. A signal makes the peer's `inbound`
+// counter reach the next value; a wait expects its `inbound` to reach one more
+// than the previous wait did.
+//
+// Device-to-device (memory channels): the signalling GPU stores into the peer's
+// `inbound` directly over NVLink (`remote_inbound`). Host-to-device (port
+// channels): a CPU proxy writes `inbound` through a connection; `remote_inbound`
+// is null and signals go through the FIFO instead.
+#pragma once
+
+#include "common_device.cuh"
+
+namespace comm {
+
+struct SemaphoreDeviceHandle {
+  uint64_t* inbound;           // this GPU's memory; written by the peer (GPU or proxy), read here
+  uint64_t* expected_inbound;  // this GPU's memory; read/written only here (waits done so far)
+  uint64_t* outbound;          // this GPU's memory; read/written only here (signals sent so far)
+  uint64_t* remote_inbound;    // the peer's `inbound` mapped here (device-to-device), else null
+  DeviceError* error;          // host-mapped; written here on timeout, read by the host
+  int32_t rank;                // this rank (for error reports)
+  int32_t peer;                // the peer this semaphore pairs with
+  uint64_t id;                 // identifies the semaphore in error reports (and for the proxy)
+
+#if defined(__CUDACC__)
+  // Signals the peer: every write this thread made before is visible to the
+  // peer once it sees the new counter value. One thread calls it.
+  __device__ __forceinline__ void signal() {
+    const uint64_t v = *outbound + 1;
+    *outbound = v;
+    store_release_sys(remote_inbound, v);
+  }
+
+  // As signal(), without ordering earlier writes (for pure synchronisation).
+  __device__ __forceinline__ void relaxed_signal() {
+    const uint64_t v = *outbound + 1;
+    *outbound = v;
+    store_relaxed_sys(remote_inbound, v);
+  }
+
+  // True (and the wait counted) if the peer's next signal has arrived.
+  __device__ __forceinline__ bool poll() {
+    const uint64_t want = *expected_inbound + 1;
+    if (load_acquire_sys(inbound) < want) return false;
+    *expected_inbound = want;
+    return true;
+  }
+
+  // Waits for the peer's next signal, at most `max_spins` polls. On timeout it
+  // records the failure in `error` (rank, peer, id, expected, observed), still
+  // counts the wait, and returns false. One thread calls it.
+  __device__ __forceinline__ bool wait(int64_t max_spins = kDefaultMaxSpins) {
+    const uint64_t want = *expected_inbound + 1;
+    *expected_inbound = want;
+    bool ok;
+    const uint64_t seen = spin_until([&] { return load_acquire_sys(inbound); },
+                                     [&](uint64_t v) { return v >= want; }, max_spins, ok);
+    if (!ok) report_error(error, kErrorTimeout, kWaitSemaphore, rank, peer, id, want, seen);
+    return ok;
+  }
+#endif
+};
+static_assert(sizeof(SemaphoreDeviceHandle) == 56, "mirrored in Rust");
+static_assert(offsetof(SemaphoreDeviceHandle, error) == 32, "mirrored in Rust");
+static_assert(offsetof(SemaphoreDeviceHandle, id) == 48, "mirrored in Rust");
+
+}  // namespace comm

@@ -1,0 +1,429 @@
+//! `Communicator`: ties bootstrap, memory registration, connections,
+//! semaphores and channels together, so one collective call builds channels to
+//! every peer.
+//!
+//! Every method marked *collective* must be called by all ranks in the same
+//! order: the communicator numbers its exchanges so their bootstrap messages
+//! never mix.
+
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::bootstrap::Bootstrap;
+use crate::channel::{MemoryChannel, PortChannel};
+use crate::cuda::Device;
+use crate::device_error::DeviceErrorRecord;
+use crate::error::{CommError, Result};
+use crate::fd_passing::FdServer;
+use crate::proxy::ProxyService;
+use crate::registered_memory::{host_id, IpcExport, Location, MemoryInfo, RegisteredMemory};
+use crate::semaphore::{Semaphore, SignalPage, SLOT_BYTES};
+use crate::transport::cuda_ipc::CudaIpcConnection;
+use crate::transport::ethernet::{EthernetConnection, EthernetReceiver};
+use crate::transport::{Connection, Transport};
+use crate::vmm::VmmMemory;
+use crate::wire::{Reader, Writer};
+
+/// Bootstrap tags of the communicator's own exchanges (top bit clear, as the
+/// bootstrap requires; high enough to stay out of users' way).
+const TAG_BASE: u64 = 0x3C00_0000_0000_0000;
+
+#[derive(Clone, Debug)]
+pub struct CommunicatorOptions {
+    /// Start an Ethernet receiver bound here (port 0: any), so peers can reach
+    /// this rank's registered memory over TCP.
+    pub ethernet: Option<SocketAddr>,
+    /// Semaphores this rank can create (its signal page's slots).
+    pub semaphore_slots: u32,
+    /// Bound of every host-side wait the communicator makes.
+    pub timeout: Duration,
+}
+
+impl Default for CommunicatorOptions {
+    fn default() -> Self {
+        Self {
+            ethernet: None,
+            semaphore_slots: 4096,
+            timeout: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Keeps an allocation and its registrations alive; undoes them on drop.
+struct Registration {
+    _memory: Arc<VmmMemory>,
+    fd_server: Arc<FdServer>,
+    fd_key: u64,
+    ethernet: Option<(Arc<EthernetReceiver>, u64)>,
+}
+
+impl Drop for Registration {
+    fn drop(&mut self) {
+        self.fd_server.withdraw(self.fd_key);
+        if let Some((rx, ptr)) = &self.ethernet {
+            rx.unregister(*ptr);
+        }
+    }
+}
+
+pub struct Communicator {
+    bootstrap: Arc<dyn Bootstrap>,
+    device: Option<Device>,
+    host_id: u64,
+    fd_server: Arc<FdServer>,
+    ethernet: Option<Arc<EthernetReceiver>>,
+    /// Every rank's Ethernet receiver address (if it runs one).
+    peer_ethernet: Vec<Option<String>>,
+    signal_page: Option<SignalPage>,
+    /// Every rank's signal page as seen from here (ours included).
+    signal_pages: Vec<Option<RegisteredMemory>>,
+    error: DeviceErrorRecord,
+    seq: AtomicU64,
+    timeout: Duration,
+    ipc_connections: Mutex<Vec<Option<Arc<dyn Connection>>>>,
+}
+
+impl std::fmt::Debug for Communicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("rank", &self.rank())
+            .field("size", &self.size())
+            .field("device", &self.device.map(|d| d.ordinal))
+            .finish()
+    }
+}
+
+impl Communicator {
+    /// *Collective.* Sets up this rank: fd server, optional Ethernet receiver,
+    /// signal page (when a device is given), and exchanges how to reach them.
+    pub fn new(
+        bootstrap: Arc<dyn Bootstrap>,
+        device: Option<Device>,
+        opts: CommunicatorOptions,
+    ) -> Result<Self> {
+        let rank = bootstrap.rank();
+        let size = bootstrap.size();
+        if let Some(d) = device {
+            d.make_current()?;
+        }
+        let fd_server = Arc::new(FdServer::start("moelink")?);
+        let ethernet = match opts.ethernet {
+            Some(addr) => Some(EthernetReceiver::start(addr, device, rank)?),
+            None => None,
+        };
+        let host_id = host_id();
+        let mut comm = Self {
+            bootstrap,
+            device,
+            host_id,
+            fd_server,
+            ethernet,
+            peer_ethernet: vec![None; size],
+            signal_page: None,
+            signal_pages: vec![None; size],
+            error: DeviceErrorRecord::new(device)?,
+            seq: AtomicU64::new(0),
+            timeout: opts.timeout,
+            ipc_connections: Mutex::new(vec![None; size]),
+        };
+        let page_info = match device {
+            Some(d) => {
+                let page = SignalPage::new(d, opts.semaphore_slots)?;
+                let reg = comm.register(page.memory().clone())?;
+                comm.signal_page = Some(page);
+                Some(reg)
+            }
+            None => None,
+        };
+        let mut w = Writer::default();
+        w.bytes(
+            comm.ethernet
+                .as_ref()
+                .map(|e| e.address())
+                .unwrap_or_default()
+                .as_bytes(),
+        );
+        w.bytes(
+            &page_info
+                .as_ref()
+                .map(|m| m.info().to_bytes())
+                .unwrap_or_default(),
+        );
+        let all = comm.bootstrap.all_gather(&w.finish())?;
+        for (r, b) in all.iter().enumerate() {
+            let mut rd = Reader::new(b, "communicator setup");
+            let eth = rd.bytes()?;
+            if !eth.is_empty() {
+                comm.peer_ethernet[r] = Some(String::from_utf8_lossy(eth).into_owned());
+            }
+            let page = rd.bytes()?;
+            rd.end()?;
+            if r == rank {
+                comm.signal_pages[r] = page_info.clone();
+            } else if !page.is_empty() {
+                let info = MemoryInfo::from_bytes(page)?;
+                comm.signal_pages[r] = Some(RegisteredMemory::import(info, device, host_id)?);
+            }
+        }
+        Ok(comm)
+    }
+
+    pub fn rank(&self) -> usize {
+        self.bootstrap.rank()
+    }
+
+    pub fn size(&self) -> usize {
+        self.bootstrap.size()
+    }
+
+    pub fn device(&self) -> Option<Device> {
+        self.device
+    }
+
+    pub fn bootstrap(&self) -> &Arc<dyn Bootstrap> {
+        &self.bootstrap
+    }
+
+    /// The record every semaphore/channel handle of this communicator reports into.
+    pub fn device_error(&self) -> &DeviceErrorRecord {
+        &self.error
+    }
+
+    /// Ok unless a kernel using this communicator's handles reported a failure.
+    pub fn check_device(&self) -> Result<()> {
+        self.error.check()
+    }
+
+    fn next_tag(&self) -> u64 {
+        TAG_BASE + self.seq.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Registers a cuMem allocation of this process: CUDA IPC through the fd
+    /// server, plus Ethernet when the receiver runs.
+    fn register(&self, memory: Arc<VmmMemory>) -> Result<RegisteredMemory> {
+        let fd_key = self.fd_server.offer(memory.export_fd()?);
+        let ptr = memory.ptr();
+        let len = memory.len() as u64;
+        let ethernet = self.ethernet.as_ref().map(|rx| {
+            rx.register(ptr, len, Location::Device(memory.device().ordinal));
+            (rx.clone(), ptr)
+        });
+        let info = MemoryInfo {
+            rank: self.rank() as u32,
+            len,
+            location: Location::Device(memory.device().ordinal),
+            host_id: self.host_id,
+            owner_ptr: ptr,
+            ipc: Some(IpcExport::Vmm {
+                server: self.fd_server.address(),
+                key: fd_key,
+                len,
+            }),
+            ethernet: self.ethernet.as_ref().map(|e| e.address()),
+        };
+        let keep = Registration {
+            _memory: memory,
+            fd_server: self.fd_server.clone(),
+            fd_key,
+            ethernet,
+        };
+        Ok(RegisteredMemory::local(info, Some(Arc::new(keep))))
+    }
+
+    /// Allocates `len` bytes of GPU memory (rounded up to the allocation
+    /// granularity) and registers it for every transport this rank supports.
+    pub fn alloc_memory(&self, len: usize) -> Result<RegisteredMemory> {
+        let device = self
+            .device
+            .ok_or_else(|| CommError::invalid("device", "this communicator has no GPU"))?;
+        self.register(Arc::new(VmmMemory::alloc(device, len)?))
+    }
+
+    /// Registers memory owned by the caller (host memory, or GPU memory from
+    /// another allocator) for Ethernet access. The caller keeps it alive and
+    /// unchanged in place while peers may use it.
+    pub fn register_external(&self, ptr: u64, len: u64, location: Location) -> RegisteredMemory {
+        if let Some(rx) = &self.ethernet {
+            rx.register(ptr, len, location);
+        }
+        RegisteredMemory::local(
+            MemoryInfo {
+                rank: self.rank() as u32,
+                len,
+                location,
+                host_id: self.host_id,
+                owner_ptr: ptr,
+                ipc: None,
+                ethernet: self.ethernet.as_ref().map(|e| e.address()),
+            },
+            None,
+        )
+    }
+
+    /// *Collective.* Every rank's `mem` (indexed by rank; ours is `mem` itself),
+    /// peers' mapped into this process where possible.
+    pub fn exchange_memory(&self, mem: &RegisteredMemory) -> Result<Vec<RegisteredMemory>> {
+        let all = self.bootstrap.all_gather(&mem.info().to_bytes())?;
+        all.iter()
+            .enumerate()
+            .map(|(r, b)| {
+                if r == self.rank() {
+                    Ok(mem.clone())
+                } else {
+                    RegisteredMemory::import(MemoryInfo::from_bytes(b)?, self.device, self.host_id)
+                }
+            })
+            .collect()
+    }
+
+    /// A connection to `peer` over `transport` (CUDA IPC connections are shared:
+    /// one proxy stream per peer).
+    pub fn connect(&self, peer: usize, transport: Transport) -> Result<Arc<dyn Connection>> {
+        if peer >= self.size() {
+            return Err(CommError::invalid(
+                "peer",
+                format!("{peer} of {} ranks", self.size()),
+            ));
+        }
+        match transport {
+            Transport::CudaIpc => {
+                let device = self.device.ok_or_else(|| {
+                    CommError::invalid("transport", "CUDA IPC needs a GPU communicator")
+                })?;
+                let mut conns = self
+                    .ipc_connections
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner());
+                if let Some(c) = &conns[peer] {
+                    return Ok(c.clone());
+                }
+                let c: Arc<dyn Connection> =
+                    Arc::new(CudaIpcConnection::new(device, self.rank(), peer)?);
+                conns[peer] = Some(c.clone());
+                Ok(c)
+            }
+            Transport::Ethernet => {
+                let addr = self.peer_ethernet[peer].as_ref().ok_or_else(|| {
+                    CommError::invalid(
+                        "transport",
+                        format!(
+                            "rank {peer} runs no Ethernet receiver (CommunicatorOptions::ethernet)"
+                        ),
+                    )
+                })?;
+                Ok(Arc::new(EthernetConnection::connect(
+                    self.rank(),
+                    peer,
+                    addr,
+                    self.device,
+                    self.timeout,
+                )?))
+            }
+            Transport::IbVerbs => Err(CommError::invalid(
+                "transport",
+                "IB verbs is not built into this moelink (no `ibverbs` feature yet)",
+            )),
+        }
+    }
+
+    /// *Collective.* One semaphore with every peer (None at our own index).
+    pub fn semaphores(&self) -> Result<Vec<Option<Semaphore>>> {
+        let page = self
+            .signal_page
+            .as_ref()
+            .ok_or_else(|| CommError::invalid("device", "semaphores need a GPU communicator"))?;
+        let tag = self.next_tag();
+        let (rank, size) = (self.rank(), self.size());
+        let mut slots = vec![0u32; size];
+        for (peer, slot) in slots.iter_mut().enumerate() {
+            if peer != rank {
+                *slot = page.allocate()?;
+                self.bootstrap.send(peer, tag, &slot.to_le_bytes())?;
+            }
+        }
+        let mut out = vec![None; size];
+        for peer in (0..size).filter(|&p| p != rank) {
+            let b = self.bootstrap.recv(peer, tag)?;
+            let remote_slot = u32::from_le_bytes(
+                b.as_slice()
+                    .try_into()
+                    .map_err(|_| CommError::invalid("semaphore exchange", "bad slot message"))?,
+            );
+            let remote_page = self.signal_pages[peer].clone().ok_or_else(|| {
+                CommError::invalid(
+                    "semaphore",
+                    format!("rank {peer} has no signal page (no GPU)"),
+                )
+            })?;
+            out[peer] = Some(Semaphore {
+                rank,
+                peer,
+                local_inbound: page.slot_ptr(slots[peer]),
+                remote_page,
+                remote_offset: remote_slot as u64 * SLOT_BYTES,
+                id: ((rank as u64) << 48) | ((peer as u64) << 32) | slots[peer] as u64,
+            });
+        }
+        Ok(out)
+    }
+
+    /// *Collective.* Memory channels to every peer over `local` (each peer's
+    /// counterpart is its `local`); `packets` is our buffer peers write LL
+    /// packets into (default: `local`).
+    pub fn memory_channels(
+        &self,
+        local: &RegisteredMemory,
+        packets: Option<&RegisteredMemory>,
+    ) -> Result<Vec<Option<MemoryChannel>>> {
+        let peers = self.exchange_memory(local)?;
+        let sems = self.semaphores()?;
+        Ok(sems
+            .into_iter()
+            .enumerate()
+            .map(|(p, s)| {
+                s.map(|semaphore| MemoryChannel {
+                    semaphore,
+                    dst: peers[p].clone(),
+                    src: local.clone(),
+                    packets: packets.unwrap_or(local).clone(),
+                })
+            })
+            .collect())
+    }
+
+    /// *Collective.* Port channels to every peer over `local`, performed by
+    /// `proxy` on `transport` connections.
+    pub fn port_channels(
+        &self,
+        proxy: &ProxyService,
+        local: &RegisteredMemory,
+        transport: Transport,
+    ) -> Result<Vec<Option<PortChannel>>> {
+        let peers = self.exchange_memory(local)?;
+        let sems = self.semaphores()?;
+        let src_mem = proxy.add_memory(local.clone())?;
+        let mut out = vec![None; self.size()];
+        for (p, s) in sems.into_iter().enumerate() {
+            let Some(semaphore) = s else { continue };
+            let conn = self.connect(p, transport)?;
+            let dst_mem = proxy.add_memory(peers[p].clone())?;
+            let channel =
+                proxy.add_channel(conn, semaphore.remote_page.clone(), semaphore.remote_offset)?;
+            out[p] = Some(PortChannel {
+                channel,
+                fifo: proxy.fifo_handle(),
+                semaphore,
+                dst_mem,
+                src_mem,
+            });
+        }
+        Ok(out)
+    }
+
+    /// *Collective.* Barrier over the bootstrap.
+    pub fn barrier(&self) -> Result<()> {
+        self.bootstrap.barrier()
+    }
+}

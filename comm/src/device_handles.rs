@@ -1,0 +1,322 @@
+//! `#[repr(C)]` mirrors of the device-side structs in `include/comm/*.cuh`.
+//!
+//! Layout is checked three ways: `const` assertions here, `static_assert`s in
+//! the headers (same numbers), and a GPU test that runs `comm_layout_probe`
+//! and compares what the device compiler laid out with [`layout_probe_expected`].
+
+use std::mem::{offset_of, size_of};
+
+/// Error codes of [`DeviceError::code`].
+pub const ERROR_NONE: u32 = 0;
+pub const ERROR_TIMEOUT: u32 = 1;
+pub const ERROR_INVALID: u32 = 2;
+
+/// What a timed-out device wait was waiting for ([`DeviceError::kind`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
+pub enum WaitKind {
+    Semaphore = 1,
+    FifoSpace = 2,
+    FifoDrain = 3,
+    Packet = 4,
+    InvalidOffset = 5,
+}
+
+impl WaitKind {
+    pub fn from_u32(v: u32) -> Option<Self> {
+        Some(match v {
+            1 => Self::Semaphore,
+            2 => Self::FifoSpace,
+            3 => Self::FifoDrain,
+            4 => Self::Packet,
+            5 => Self::InvalidOffset,
+            _ => return None,
+        })
+    }
+
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Semaphore => "a signal on semaphore",
+            Self::FifoSpace => "a free FIFO slot (is the proxy running?) in FIFO",
+            Self::FifoDrain => "the proxy to finish a trigger (flush) in FIFO",
+            Self::Packet => "an LL packet (index in `id`) with the expected flag",
+            Self::InvalidOffset => "nothing: an offset/size above 4 GiB was rejected on channel",
+        }
+    }
+}
+
+/// `comm::DeviceError`: the first failure of a kernel (host-mapped).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct DeviceError {
+    pub code: u32,
+    pub kind: u32,
+    pub rank: i32,
+    pub peer: i32,
+    pub id: u64,
+    pub expected: u64,
+    pub observed: u64,
+}
+
+/// `comm::SemaphoreDeviceHandle`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct SemaphoreDeviceHandle {
+    pub inbound: u64,
+    pub expected_inbound: u64,
+    pub outbound: u64,
+    pub remote_inbound: u64,
+    pub error: u64,
+    pub rank: i32,
+    pub peer: i32,
+    pub id: u64,
+}
+
+/// `comm::ProxyTrigger`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct ProxyTrigger {
+    pub fst: u64,
+    pub snd: u64,
+}
+
+/// `comm::FifoDeviceHandle`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct FifoDeviceHandle {
+    pub triggers: u64,
+    pub head: u64,
+    pub tail: u64,
+    pub error: u64,
+    pub size: i32,
+    pub rank: i32,
+    pub id: u64,
+}
+
+/// `comm::PortChannelDeviceHandle`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct PortChannelDeviceHandle {
+    pub fifo: FifoDeviceHandle,
+    pub semaphore: SemaphoreDeviceHandle,
+    pub channel: u32,
+    pub dst_mem: u32,
+    pub src_mem: u32,
+    pub pad_: u32,
+}
+
+/// `comm::MemoryChannelDeviceHandle`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct MemoryChannelDeviceHandle {
+    pub semaphore: SemaphoreDeviceHandle,
+    pub dst: u64,
+    pub src: u64,
+    pub packets: u64,
+}
+
+// Same numbers as the static_asserts in the headers.
+const _: () = {
+    assert!(size_of::<DeviceError>() == 40);
+    assert!(offset_of!(DeviceError, id) == 16);
+    assert!(size_of::<SemaphoreDeviceHandle>() == 56);
+    assert!(offset_of!(SemaphoreDeviceHandle, error) == 32);
+    assert!(offset_of!(SemaphoreDeviceHandle, id) == 48);
+    assert!(size_of::<ProxyTrigger>() == 16);
+    assert!(size_of::<FifoDeviceHandle>() == 48);
+    assert!(offset_of!(FifoDeviceHandle, size) == 32);
+    assert!(size_of::<PortChannelDeviceHandle>() == 120);
+    assert!(offset_of!(PortChannelDeviceHandle, semaphore) == 48);
+    assert!(offset_of!(PortChannelDeviceHandle, channel) == 104);
+    assert!(size_of::<MemoryChannelDeviceHandle>() == 80);
+    assert!(offset_of!(MemoryChannelDeviceHandle, dst) == 56);
+    assert!(offset_of!(MemoryChannelDeviceHandle, packets) == 72);
+};
+
+/// Trigger types (top 4 bits of `snd`).
+pub mod trigger_type {
+    pub const DATA: u64 = 1;
+    pub const SIGNAL: u64 = 2;
+    pub const FLUSH: u64 = 4;
+    pub const ATOMIC_ADD64: u64 = 8;
+    pub const ATOMIC_ADD32: u64 = 9;
+}
+
+/// A decoded trigger (see the layout comment in `fifo_device.cuh`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TriggerOp {
+    /// Any combination of put (`size` bytes), signal and flush.
+    Data {
+        put: bool,
+        signal: bool,
+        flush: bool,
+        channel: u32,
+        dst_mem: u32,
+        dst_offset: u64,
+        src_mem: u32,
+        src_offset: u64,
+        size: u64,
+    },
+    AtomicAdd {
+        wide: bool,
+        channel: u32,
+        dst_mem: u32,
+        dst_offset: u64,
+        value: i64,
+    },
+}
+
+impl ProxyTrigger {
+    /// The encoder the device uses (`make_data_trigger`), for host-side producers and tests.
+    pub fn data(
+        ty: u64,
+        channel: u32,
+        dst_mem: u32,
+        dst_offset: u64,
+        src_mem: u32,
+        src_offset: u64,
+        size: u64,
+    ) -> Self {
+        Self {
+            fst: (size & 0xFFFF_FFFF) | ((src_offset & 0xFFFF_FFFF) << 32),
+            snd: Self::snd(ty, channel, dst_mem, dst_offset) | (((src_mem & 0xFF) as u64) << 44),
+        }
+    }
+
+    /// The encoder of `make_atomic_trigger`.
+    pub fn atomic(ty: u64, channel: u32, dst_mem: u32, dst_offset: u64, value: i64) -> Self {
+        Self {
+            fst: value as u64,
+            snd: Self::snd(ty, channel, dst_mem, dst_offset),
+        }
+    }
+
+    fn snd(ty: u64, channel: u32, dst_mem: u32, dst_offset: u64) -> u64 {
+        (dst_offset & 0xFFFF_FFFF)
+            | (((channel & 0xFFF) as u64) << 32)
+            | (((dst_mem & 0xFF) as u64) << 52)
+            | (ty << 60)
+    }
+
+    pub fn decode(self) -> Option<TriggerOp> {
+        let ty = self.snd >> 60;
+        let channel = ((self.snd >> 32) & 0xFFF) as u32;
+        let dst_mem = ((self.snd >> 52) & 0xFF) as u32;
+        let dst_offset = self.snd & 0xFFFF_FFFF;
+        match ty {
+            1..=7 => Some(TriggerOp::Data {
+                put: ty & trigger_type::DATA != 0,
+                signal: ty & trigger_type::SIGNAL != 0,
+                flush: ty & trigger_type::FLUSH != 0,
+                channel,
+                dst_mem,
+                dst_offset,
+                src_mem: ((self.snd >> 44) & 0xFF) as u32,
+                src_offset: self.fst >> 32,
+                size: self.fst & 0xFFFF_FFFF,
+            }),
+            8 | 9 => Some(TriggerOp::AtomicAdd {
+                wide: ty == trigger_type::ATOMIC_ADD64,
+                channel,
+                dst_mem,
+                dst_offset,
+                value: self.fst as i64,
+            }),
+            _ => None,
+        }
+    }
+}
+
+/// What `comm_layout_probe` must write, in order (sizes, offsets, encoded triggers).
+pub fn layout_probe_expected() -> Vec<u64> {
+    let t = ProxyTrigger::data(
+        trigger_type::DATA | trigger_type::SIGNAL,
+        0xABC,
+        0x12,
+        0x89AB_CDEF,
+        0x34,
+        0x7654_3210,
+        0xFEDC_BA98,
+    );
+    let a = ProxyTrigger::atomic(trigger_type::ATOMIC_ADD32, 7, 9, 0x1000, -5);
+    let v = [
+        size_of::<DeviceError>(),
+        offset_of!(DeviceError, kind),
+        offset_of!(DeviceError, rank),
+        offset_of!(DeviceError, peer),
+        offset_of!(DeviceError, id),
+        offset_of!(DeviceError, expected),
+        offset_of!(DeviceError, observed),
+        size_of::<SemaphoreDeviceHandle>(),
+        offset_of!(SemaphoreDeviceHandle, expected_inbound),
+        offset_of!(SemaphoreDeviceHandle, outbound),
+        offset_of!(SemaphoreDeviceHandle, remote_inbound),
+        offset_of!(SemaphoreDeviceHandle, error),
+        offset_of!(SemaphoreDeviceHandle, rank),
+        offset_of!(SemaphoreDeviceHandle, peer),
+        offset_of!(SemaphoreDeviceHandle, id),
+        size_of::<ProxyTrigger>(),
+        size_of::<FifoDeviceHandle>(),
+        offset_of!(FifoDeviceHandle, head),
+        offset_of!(FifoDeviceHandle, tail),
+        offset_of!(FifoDeviceHandle, error),
+        offset_of!(FifoDeviceHandle, size),
+        offset_of!(FifoDeviceHandle, rank),
+        offset_of!(FifoDeviceHandle, id),
+        size_of::<PortChannelDeviceHandle>(),
+        offset_of!(PortChannelDeviceHandle, semaphore),
+        offset_of!(PortChannelDeviceHandle, channel),
+        offset_of!(PortChannelDeviceHandle, dst_mem),
+        offset_of!(PortChannelDeviceHandle, src_mem),
+        size_of::<MemoryChannelDeviceHandle>(),
+        offset_of!(MemoryChannelDeviceHandle, dst),
+        offset_of!(MemoryChannelDeviceHandle, src),
+        offset_of!(MemoryChannelDeviceHandle, packets),
+        8,  // LL8Packet
+        16, // LL16Packet
+    ];
+    let mut out: Vec<u64> = v.iter().map(|&x| x as u64).collect();
+    out.extend([t.fst, t.snd, a.fst, a.snd]);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn trigger_round_trips() {
+        let t = ProxyTrigger::data(7, 4095, 255, 0xFFFF_FFFF, 200, 0x1234_5678, 77);
+        assert_eq!(
+            t.decode(),
+            Some(TriggerOp::Data {
+                put: true,
+                signal: true,
+                flush: true,
+                channel: 4095,
+                dst_mem: 255,
+                dst_offset: 0xFFFF_FFFF,
+                src_mem: 200,
+                src_offset: 0x1234_5678,
+                size: 77
+            })
+        );
+        let a = ProxyTrigger::atomic(trigger_type::ATOMIC_ADD64, 3, 5, 64, i64::MIN + 1);
+        assert_eq!(
+            a.decode(),
+            Some(TriggerOp::AtomicAdd {
+                wide: true,
+                channel: 3,
+                dst_mem: 5,
+                dst_offset: 64,
+                value: i64::MIN + 1
+            })
+        );
+        assert!(ProxyTrigger::default().decode().is_none());
+        // Every valid trigger has a non-zero snd (the "slot is full" marker).
+        assert_ne!(
+            ProxyTrigger::data(trigger_type::SIGNAL, 0, 0, 0, 0, 0, 0).snd,
+            0
+        );
+    }
+}

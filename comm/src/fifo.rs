@@ -1,0 +1,206 @@
+//! The host side of the trigger FIFO (device side: `fifo_device.cuh`).
+//!
+//! One allocation of host memory holds the ring of 16-byte slots followed by
+//! the `tail` counter. Producers (GPU threads, or host threads through
+//! [`HostProducer`] in tests) claim positions by an atomic add on `head`, wait
+//! while the ring is full, write `fst` then `snd` (release). The single consumer
+//! (a proxy thread) polls the slot at `tail`: non-zero `snd` means full; it
+//! reads the trigger, clears the slot and advances `tail` (release), which is
+//! what producers wait on for free space and for flushes.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::cuda::Device;
+use crate::device_error::DeviceErrorRecord;
+use crate::device_handles::{FifoDeviceHandle, ProxyTrigger};
+use crate::error::{CommError, Result};
+use crate::host_memory::HostMemory;
+use crate::memory::DeviceMemory;
+
+/// Where producers' `head` counter lives: GPU memory (GPU producers) or host
+/// memory (host producers only).
+#[derive(Debug)]
+enum Head {
+    Device(DeviceMemory),
+    Host(HostMemory),
+}
+
+#[derive(Debug)]
+pub struct Fifo {
+    ring: HostMemory,
+    head: Head,
+    error: DeviceErrorRecord,
+    size: usize,
+    rank: i32,
+    id: u64,
+    /// Consumer's position (only the single consumer writes it).
+    tail: AtomicU64,
+}
+
+impl Fifo {
+    /// A FIFO of `size` slots for producers on `device` (None: host producers only).
+    pub fn new(device: Option<Device>, size: usize, rank: i32, id: u64) -> Result<Self> {
+        if size == 0 || size > (1 << 24) {
+            return Err(CommError::invalid(
+                "size",
+                format!("{size} slots (1..=16M)"),
+            ));
+        }
+        let bytes = size * 16 + 64;
+        let (ring, head) = match device {
+            Some(d) => {
+                let head = DeviceMemory::alloc(d, 8)?;
+                head.fill(0)?;
+                (HostMemory::pinned(d, bytes)?, Head::Device(head))
+            }
+            None => (HostMemory::heap(bytes), Head::Host(HostMemory::heap(8))),
+        };
+        Ok(Self {
+            ring,
+            head,
+            error: DeviceErrorRecord::new(device)?,
+            size,
+            rank,
+            id,
+            tail: AtomicU64::new(0),
+        })
+    }
+
+    pub fn size(&self) -> usize {
+        self.size
+    }
+
+    fn tail_atomic(&self) -> &AtomicU64 {
+        self.ring.atomic_u64(self.size * 16)
+    }
+
+    fn slot(&self, pos: u64) -> (&AtomicU64, &AtomicU64) {
+        let off = (pos % self.size as u64) as usize * 16;
+        (self.ring.atomic_u64(off), self.ring.atomic_u64(off + 8))
+    }
+
+    /// The trigger at the tail, if a producer has finished writing it.
+    /// Consumer side: one thread at a time.
+    pub fn poll(&self) -> Option<ProxyTrigger> {
+        let (fst, snd) = self.slot(self.tail.load(Ordering::Relaxed));
+        let s = snd.load(Ordering::Acquire);
+        if s == 0 {
+            return None;
+        }
+        Some(ProxyTrigger {
+            fst: fst.load(Ordering::Relaxed),
+            snd: s,
+        })
+    }
+
+    /// Releases the slot at the tail (after the trigger was processed): clears
+    /// it and publishes the new tail to producers.
+    /// Consumer side: one thread at a time.
+    pub fn pop(&self) {
+        let t = self.tail.load(Ordering::Relaxed);
+        let (fst, snd) = self.slot(t);
+        fst.store(0, Ordering::Relaxed);
+        snd.store(0, Ordering::Relaxed);
+        self.tail.store(t + 1, Ordering::Relaxed);
+        self.tail_atomic().store(t + 1, Ordering::Release);
+    }
+
+    /// Triggers popped so far.
+    pub fn tail(&self) -> u64 {
+        self.tail.load(Ordering::Relaxed)
+    }
+
+    /// The record device pushes/syncs of this FIFO report timeouts into.
+    pub fn error(&self) -> &DeviceErrorRecord {
+        &self.error
+    }
+
+    pub fn device_handle(&self) -> FifoDeviceHandle {
+        let head = match &self.head {
+            Head::Device(m) => m.ptr(),
+            Head::Host(_) => 0,
+        };
+        FifoDeviceHandle {
+            triggers: self.ring.device_ptr(),
+            head,
+            tail: self.ring.device_ptr() + (self.size * 16) as u64,
+            error: self.error.device_ptr(),
+            size: self.size as i32,
+            rank: self.rank,
+            id: self.id,
+        }
+    }
+
+    /// A producer for host threads (the FIFO must have been made without a device).
+    pub fn host_producer(&self) -> Result<HostProducer<'_>> {
+        match &self.head {
+            Head::Host(h) => Ok(HostProducer {
+                fifo: self,
+                head: h.atomic_u64(0),
+            }),
+            Head::Device(_) => Err(CommError::invalid(
+                "fifo",
+                "this FIFO's head counter is in GPU memory: only GPU threads can push",
+            )),
+        }
+    }
+}
+
+/// Pushes triggers from host threads with the device algorithm (tests, and
+/// host-side users of a proxy).
+#[derive(Clone, Copy, Debug)]
+pub struct HostProducer<'a> {
+    fifo: &'a Fifo,
+    head: &'a AtomicU64,
+}
+
+impl HostProducer<'_> {
+    /// Pushes `t` (its `snd` must be non-zero); waits up to `timeout` for space.
+    pub fn push(&self, t: ProxyTrigger, timeout: Duration) -> Result<u64> {
+        if t.snd == 0 {
+            return Err(CommError::invalid("trigger", "snd must be non-zero"));
+        }
+        let pos = self.head.fetch_add(1, Ordering::Relaxed);
+        let size = self.fifo.size as u64;
+        let tail = self.fifo.tail_atomic();
+        self.wait(
+            timeout,
+            || pos < size + tail.load(Ordering::Acquire),
+            "a free FIFO slot",
+        )?;
+        let (fst, snd) = self.fifo.slot(pos);
+        fst.store(t.fst, Ordering::Relaxed);
+        snd.store(t.snd, Ordering::Release);
+        Ok(pos)
+    }
+
+    /// Waits up to `timeout` until the consumer has popped position `pos`.
+    pub fn sync(&self, pos: u64, timeout: Duration) -> Result<()> {
+        let tail = self.fifo.tail_atomic();
+        self.wait(
+            timeout,
+            || tail.load(Ordering::Acquire) > pos,
+            "the proxy to pop a trigger",
+        )
+    }
+
+    fn wait(&self, timeout: Duration, mut done: impl FnMut() -> bool, what: &str) -> Result<()> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while !done() {
+            if start.elapsed() > timeout {
+                return Err(CommError::Timeout {
+                    rank: self.fifo.rank as i64,
+                    what: format!("{what} (FIFO {})", self.fifo.id),
+                    waited_ms: start.elapsed().as_millis() as u64,
+                });
+            }
+            spins += 1;
+            if spins > 64 {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,134 @@
+//! Host memory the GPU can reach: page-locked and mapped into the device's
+//! address space (`cuMemHostAlloc` with DEVICEMAP | PORTABLE). The FIFO ring,
+//! its tail and the device error records live here. Without a GPU (CPU tests of
+//! the FIFO and proxy logic) the same type wraps ordinary zeroed heap memory.
+
+use std::alloc::Layout;
+
+use cudarc::driver::sys;
+
+use crate::cuda::Device;
+use crate::error::{CommError, CudaResultExt, Result};
+
+#[derive(Debug)]
+enum Backing {
+    Pinned,
+    Heap(Layout),
+}
+
+/// Zero-initialised host memory, optionally mapped for a device.
+#[derive(Debug)]
+pub struct HostMemory {
+    ptr: *mut u8,
+    len: usize,
+    device_ptr: u64,
+    backing: Backing,
+}
+
+// SAFETY: plain memory; concurrent access goes through atomics by the users.
+unsafe impl Send for HostMemory {}
+// SAFETY: as above.
+unsafe impl Sync for HostMemory {}
+
+impl HostMemory {
+    /// Page-locked memory mapped into `device`'s address space.
+    pub fn pinned(device: Device, len: usize) -> Result<Self> {
+        if len == 0 {
+            return Err(CommError::invalid("len", "cannot allocate 0 bytes"));
+        }
+        device.make_current()?;
+        let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
+        let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
+        // SAFETY: p receives a new allocation of len bytes.
+        unsafe { sys::cuMemHostAlloc(&mut p, len, flags) }
+            .result()
+            .call("cuMemHostAlloc")?;
+        // SAFETY: p is a fresh allocation of len bytes.
+        unsafe { std::ptr::write_bytes(p.cast::<u8>(), 0, len) };
+        let mut dptr = 0;
+        // SAFETY: p was allocated with DEVICEMAP in the current context.
+        let r = unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0) }.result();
+        if let Err(e) = r {
+            // SAFETY: p came from cuMemHostAlloc above.
+            unsafe { sys::cuMemFreeHost(p) };
+            return Err(CommError::Cuda {
+                call: "cuMemHostGetDevicePointer",
+                source: e,
+            });
+        }
+        Ok(Self {
+            ptr: p.cast(),
+            len,
+            device_ptr: dptr,
+            backing: Backing::Pinned,
+        })
+    }
+
+    /// Ordinary heap memory (64-byte aligned) with no device mapping.
+    pub fn heap(len: usize) -> Self {
+        let layout = Layout::from_size_align(len.max(1), 64).expect("valid layout");
+        // SAFETY: layout has non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!ptr.is_null(), "out of host memory allocating {len} bytes");
+        Self {
+            ptr,
+            len,
+            device_ptr: 0,
+            backing: Backing::Heap(layout),
+        }
+    }
+
+    pub fn as_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The address kernels use for this memory (0 for heap memory).
+    pub fn device_ptr(&self) -> u64 {
+        self.device_ptr
+    }
+
+    /// An atomic view of the u64 at byte `offset` (8-byte aligned, in range).
+    pub fn atomic_u64(&self, offset: usize) -> &std::sync::atomic::AtomicU64 {
+        assert!(
+            offset % 8 == 0 && offset + 8 <= self.len,
+            "u64 at {offset} of {}",
+            self.len
+        );
+        // SAFETY: in range, aligned (base is page- or 64-aligned), lives as long as &self.
+        unsafe { &*(self.ptr.add(offset) as *const std::sync::atomic::AtomicU64) }
+    }
+
+    /// An atomic view of the u32 at byte `offset` (4-byte aligned, in range).
+    pub fn atomic_u32(&self, offset: usize) -> &std::sync::atomic::AtomicU32 {
+        assert!(
+            offset % 4 == 0 && offset + 4 <= self.len,
+            "u32 at {offset} of {}",
+            self.len
+        );
+        // SAFETY: in range, aligned, lives as long as &self.
+        unsafe { &*(self.ptr.add(offset) as *const std::sync::atomic::AtomicU32) }
+    }
+}
+
+impl Drop for HostMemory {
+    fn drop(&mut self) {
+        match self.backing {
+            // SAFETY: ptr came from cuMemHostAlloc and is freed once.
+            Backing::Pinned => unsafe {
+                if let Err(e) = sys::cuMemFreeHost(self.ptr.cast()).result() {
+                    tracing::warn!("cuMemFreeHost failed: {e}");
+                }
+            },
+            // SAFETY: ptr came from alloc_zeroed with this layout.
+            Backing::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr, layout) },
+        }
+    }
+}

@@ -1,0 +1,323 @@
+//! comm's own kernels (`cuda/`): remote atomics for the transports and the
+//! layout probe of the device handles. One typed launcher each.
+
+use std::ffi::c_void;
+
+use crate::cuda::{Device, StreamHandle};
+use crate::error::Result;
+use crate::module::{LoadedModule, ModuleCache};
+
+static FATBIN: &[u8] = include_bytes!(env!("COMM_FATBIN"));
+const NAMES: &[&str] = &[
+    "comm_atomic_add64",
+    "comm_atomic_add32",
+    "comm_layout_probe",
+    "comm_test_memchan_pingpong",
+    "comm_test_portchan_pingpong",
+    "comm_test_memchan_copy",
+    "comm_test_memchan_wait",
+    "comm_test_packets",
+    "comm_test_portchan_op",
+    "comm_test_portchan_atomics",
+    "comm_test_fifo_roundtrip",
+];
+static MODULES: ModuleCache = ModuleCache::new("comm", FATBIN, NAMES);
+
+fn module(device: Device) -> Result<&'static LoadedModule> {
+    MODULES.get(device)
+}
+
+fn arg<T>(v: &mut T) -> *mut c_void {
+    (v as *mut T).cast()
+}
+
+/// Atomically adds `value` to the u64 (`wide`) or u32 at `target` (device or
+/// peer-mapped address) on `stream`.
+///
+/// # Safety
+/// `target` must be a valid, suitably aligned address for `device`.
+pub unsafe fn atomic_add(
+    device: Device,
+    stream: StreamHandle,
+    target: u64,
+    value: i64,
+    wide: bool,
+) -> Result<()> {
+    let m = module(device)?;
+    let mut t = target;
+    if wide {
+        let mut v = value;
+        // SAFETY: (u64*, i64) matches comm_atomic_add64; target validity is the caller's.
+        unsafe {
+            m.launch(
+                0,
+                (1, 1, 1),
+                (1, 1, 1),
+                0,
+                stream,
+                &mut [arg(&mut t), arg(&mut v)],
+            )
+        }
+    } else {
+        let mut v = value as i32;
+        // SAFETY: (u32*, i32) matches comm_atomic_add32; target validity is the caller's.
+        unsafe {
+            m.launch(
+                1,
+                (1, 1, 1),
+                (1, 1, 1),
+                0,
+                stream,
+                &mut [arg(&mut t), arg(&mut v)],
+            )
+        }
+    }
+}
+
+/// Runs `comm_layout_probe` and returns what the device compiler laid out
+/// (compare with [`crate::device_handles::layout_probe_expected`]).
+pub fn layout_probe(device: Device) -> Result<Vec<u64>> {
+    let m = module(device)?;
+    let n = crate::device_handles::layout_probe_expected().len() + 1;
+    let buf = crate::memory::DeviceMemory::alloc(device, n * 8)?;
+    buf.fill(0xEE)?;
+    let mut p = buf.ptr();
+    // SAFETY: (u64*) matches the kernel; the buffer holds n words.
+    unsafe {
+        m.launch(
+            2,
+            (1, 1, 1),
+            (1, 1, 1),
+            0,
+            StreamHandle(0),
+            &mut [arg(&mut p)],
+        )
+    }?;
+    device.synchronize()?;
+    let mut out = vec![0u64; n];
+    buf.copy_to_host(0, &mut out)?;
+    Ok(out)
+}
+
+/// Launchers of the kernels behind comm's GPU tests and benchmarks
+/// (`cuda/test_kernels.cu`). Grid sizes are the caller's.
+pub mod testing {
+    use super::{arg, module};
+    use crate::cuda::{Device, StreamHandle};
+    use crate::device_handles::{MemoryChannelDeviceHandle, PortChannelDeviceHandle};
+    use crate::error::Result;
+
+    /// Port channel operations of `comm_test_portchan_op`.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    #[repr(i32)]
+    pub enum PortOp {
+        Put = 0,
+        PutWithSignal = 1,
+        PutWithSignalAndFlush = 2,
+        Signal = 3,
+        Wait = 4,
+        Flush = 5,
+        PutThenFlush = 6,
+    }
+
+    /// Signal/wait ping-pong; `out_ns` (device u64) receives the elapsed time.
+    ///
+    /// # Safety
+    /// The handle's pointers must be valid for `device`; `out_ns` a device u64.
+    pub unsafe fn memchan_pingpong(
+        device: Device,
+        stream: StreamHandle,
+        mut h: MemoryChannelDeviceHandle,
+        mut iters: i32,
+        initiator: bool,
+        mut max_spins: i64,
+        mut out_ns: u64,
+    ) -> Result<()> {
+        let mut init = initiator as i32;
+        let p = &mut [
+            arg(&mut h),
+            arg(&mut iters),
+            arg(&mut init),
+            arg(&mut max_spins),
+            arg(&mut out_ns),
+        ];
+        // SAFETY: parameter list matches comm_test_memchan_pingpong.
+        unsafe { module(device)?.launch(3, (1, 1, 1), (32, 1, 1), 0, stream, p) }
+    }
+
+    /// # Safety
+    /// As [`memchan_pingpong`].
+    pub unsafe fn portchan_pingpong(
+        device: Device,
+        stream: StreamHandle,
+        mut h: PortChannelDeviceHandle,
+        mut iters: i32,
+        initiator: bool,
+        mut max_spins: i64,
+        mut out_ns: u64,
+    ) -> Result<()> {
+        let mut init = initiator as i32;
+        let p = &mut [
+            arg(&mut h),
+            arg(&mut iters),
+            arg(&mut init),
+            arg(&mut max_spins),
+            arg(&mut out_ns),
+        ];
+        // SAFETY: parameter list matches comm_test_portchan_pingpong.
+        unsafe { module(device)?.launch(4, (1, 1, 1), (32, 1, 1), 0, stream, p) }
+    }
+
+    /// Grid-wide put (or get) of `bytes`, `iters` times, then optionally a
+    /// signal (only with `blocks == 1`).
+    ///
+    /// # Safety
+    /// The ranges must lie inside the channel's memories.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn memchan_copy(
+        device: Device,
+        stream: StreamHandle,
+        blocks: u32,
+        threads: u32,
+        mut h: MemoryChannelDeviceHandle,
+        mut dst_off: u64,
+        mut src_off: u64,
+        mut bytes: u64,
+        get: bool,
+        mut iters: i32,
+        signal: bool,
+    ) -> Result<()> {
+        let (mut g, mut s) = (get as i32, signal as i32);
+        let p = &mut [
+            arg(&mut h),
+            arg(&mut dst_off),
+            arg(&mut src_off),
+            arg(&mut bytes),
+            arg(&mut g),
+            arg(&mut iters),
+            arg(&mut s),
+        ];
+        // SAFETY: parameter list matches comm_test_memchan_copy.
+        unsafe { module(device)?.launch(5, (blocks, 1, 1), (threads, 1, 1), 0, stream, p) }
+    }
+
+    /// # Safety
+    /// The handle's pointers must be valid for `device`.
+    pub unsafe fn memchan_wait(
+        device: Device,
+        stream: StreamHandle,
+        mut h: MemoryChannelDeviceHandle,
+        mut max_spins: i64,
+    ) -> Result<()> {
+        let p = &mut [arg(&mut h), arg(&mut max_spins)];
+        // SAFETY: parameter list matches comm_test_memchan_wait.
+        unsafe { module(device)?.launch(6, (1, 1, 1), (32, 1, 1), 0, stream, p) }
+    }
+
+    /// Writes (`read == false`) or reads LL packets.
+    ///
+    /// # Safety
+    /// The ranges (packets take 2x `bytes`) must lie inside the memories.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn packets(
+        device: Device,
+        stream: StreamHandle,
+        mut h: MemoryChannelDeviceHandle,
+        ll16: bool,
+        read: bool,
+        mut dst_off: u64,
+        mut src_off: u64,
+        mut bytes: u64,
+        mut flag: u32,
+        mut max_spins: i64,
+    ) -> Result<()> {
+        let (mut l, mut r) = (ll16 as i32, read as i32);
+        let p = &mut [
+            arg(&mut h),
+            arg(&mut l),
+            arg(&mut r),
+            arg(&mut dst_off),
+            arg(&mut src_off),
+            arg(&mut bytes),
+            arg(&mut flag),
+            arg(&mut max_spins),
+        ];
+        // SAFETY: parameter list matches comm_test_packets.
+        unsafe { module(device)?.launch(7, (4, 1, 1), (256, 1, 1), 0, stream, p) }
+    }
+
+    /// # Safety
+    /// Offsets/sizes must lie inside the proxy's registered memories.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn portchan_op(
+        device: Device,
+        stream: StreamHandle,
+        mut h: PortChannelDeviceHandle,
+        op: PortOp,
+        mut dst_off: u64,
+        mut src_off: u64,
+        mut size: u64,
+        mut iters: i32,
+        mut max_spins: i64,
+    ) -> Result<()> {
+        let mut o = op as i32;
+        let p = &mut [
+            arg(&mut h),
+            arg(&mut o),
+            arg(&mut dst_off),
+            arg(&mut src_off),
+            arg(&mut size),
+            arg(&mut iters),
+            arg(&mut max_spins),
+        ];
+        // SAFETY: parameter list matches comm_test_portchan_op.
+        unsafe { module(device)?.launch(8, (1, 1, 1), (32, 1, 1), 0, stream, p) }
+    }
+
+    /// # Safety
+    /// Offsets must be aligned integers inside the peer's memory.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn portchan_atomics(
+        device: Device,
+        stream: StreamHandle,
+        blocks: u32,
+        threads: u32,
+        mut h: PortChannelDeviceHandle,
+        mut off64: u64,
+        mut off32: u64,
+        mut per_thread: i32,
+        mut v64: i64,
+        mut v32: i32,
+    ) -> Result<()> {
+        let p = &mut [
+            arg(&mut h),
+            arg(&mut off64),
+            arg(&mut off32),
+            arg(&mut per_thread),
+            arg(&mut v64),
+            arg(&mut v32),
+        ];
+        // SAFETY: parameter list matches comm_test_portchan_atomics.
+        unsafe { module(device)?.launch(9, (blocks, 1, 1), (threads, 1, 1), 0, stream, p) }
+    }
+
+    /// # Safety
+    /// As [`portchan_pingpong`].
+    pub unsafe fn fifo_roundtrip(
+        device: Device,
+        stream: StreamHandle,
+        mut h: PortChannelDeviceHandle,
+        mut iters: i32,
+        mut max_spins: i64,
+        mut out_ns: u64,
+    ) -> Result<()> {
+        let p = &mut [
+            arg(&mut h),
+            arg(&mut iters),
+            arg(&mut max_spins),
+            arg(&mut out_ns),
+        ];
+        // SAFETY: parameter list matches comm_test_fifo_roundtrip.
+        unsafe { module(device)?.launch(10, (1, 1, 1), (32, 1, 1), 0, stream, p) }
+    }
+}

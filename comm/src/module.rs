@@ -1,0 +1,136 @@
+//! Embedded fatbins loaded lazily, once per device, with every named kernel
+//! resolved up front. Shared by comm's own kernels and by ep-kernels.
+
+use std::ffi::{c_void, CString};
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::{result, sys};
+
+use crate::cuda::{Device, StreamHandle};
+use crate::error::{CommError, CudaResultExt, Result};
+
+const MAX_DEVICES: usize = 64;
+
+/// One fatbin loaded on one device.
+pub struct LoadedModule {
+    device: Device,
+    _module: sys::CUmodule,
+    functions: Vec<sys::CUfunction>,
+}
+
+// SAFETY: module and function handles are context-global, usable from any thread.
+unsafe impl Send for LoadedModule {}
+// SAFETY: see above; the handles are never mutated after loading.
+unsafe impl Sync for LoadedModule {}
+
+impl LoadedModule {
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// The function at `index` of the name list the cache was built with.
+    pub fn function(&self, index: usize) -> sys::CUfunction {
+        self.functions[index]
+    }
+
+    /// Launches function `index` on `stream`.
+    ///
+    /// # Safety
+    /// `params` must point to values whose types and order match the kernel's
+    /// signature, and every device pointer among them must be valid for the
+    /// accesses the kernel makes. Only typed launchers should call this.
+    pub unsafe fn launch(
+        &self,
+        index: usize,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        shared_mem: u32,
+        stream: StreamHandle,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        self.device.make_current()?;
+        // SAFETY: forwarded from the caller's contract.
+        unsafe {
+            result::launch_kernel(
+                self.functions[index],
+                grid,
+                block,
+                shared_mem,
+                stream.raw(),
+                params,
+            )
+        }
+        .call("cuLaunchKernel")
+    }
+}
+
+/// A fatbin plus its kernel names; loads one [`LoadedModule`] per device on
+/// first use and keeps it for the life of the process.
+pub struct ModuleCache {
+    label: &'static str,
+    fatbin: &'static [u8],
+    names: &'static [&'static str],
+    loaded: [OnceLock<LoadedModule>; MAX_DEVICES],
+    loading: Mutex<()>,
+}
+
+impl ModuleCache {
+    pub const fn new(
+        label: &'static str,
+        fatbin: &'static [u8],
+        names: &'static [&'static str],
+    ) -> Self {
+        Self {
+            label,
+            fatbin,
+            names,
+            loaded: [const { OnceLock::new() }; MAX_DEVICES],
+            loading: Mutex::new(()),
+        }
+    }
+
+    pub fn get(&'static self, device: Device) -> Result<&'static LoadedModule> {
+        let slot = self
+            .loaded
+            .get(device.ordinal as usize)
+            .ok_or_else(|| CommError::invalid("device", "device ordinal above 63"))?;
+        if let Some(m) = slot.get() {
+            return Ok(m);
+        }
+        let _guard = self.loading.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(m) = slot.get() {
+            return Ok(m);
+        }
+        let loaded = self.load(device)?;
+        Ok(slot.get_or_init(|| loaded))
+    }
+
+    fn load(&self, device: Device) -> Result<LoadedModule> {
+        device.make_current()?;
+        // SAFETY: the fatbin was produced by nvcc at build time (build-utils).
+        let module = unsafe { result::module::load_data(self.fatbin.as_ptr().cast()) }
+            .call("cuModuleLoadData")
+            .inspect_err(|_| {
+                tracing::error!(
+                    "loading the {} fatbin (SASS for sm_{}) on device {} failed",
+                    self.label,
+                    env!("MOELINK_CUDA_ARCHS"),
+                    device.ordinal
+                )
+            })?;
+        let mut functions = Vec::with_capacity(self.names.len());
+        for name in self.names {
+            let cname = CString::new(*name).expect("kernel names have no NUL");
+            // SAFETY: module was just loaded and is never unloaded.
+            let f = unsafe { result::module::get_function(module, cname) }
+                .call("cuModuleGetFunction")?;
+            functions.push(f);
+        }
+        tracing::debug!("loaded {} kernels on device {}", self.label, device.ordinal);
+        Ok(LoadedModule {
+            device,
+            _module: module,
+            functions,
+        })
+    }
+}

@@ -1,0 +1,301 @@
+//! `ProxyService`: a CPU thread that pops triggers from a FIFO and performs
+//! them on connections (port channels).
+//!
+//! The thread binds its GPU's context before its first CUDA call, so nothing a
+//! proxy does ever lands on another device. Memories and channels are
+//! registered (before or while running) and addressed by small ids carried in
+//! the triggers. A failing operation does not stop the thread (GPU producers
+//! would then hang on a full FIFO): the first error is kept and reported by
+//! [`ProxyService::check`], and later triggers are still popped.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use crate::cuda::Device;
+use crate::device_handles::{FifoDeviceHandle, ProxyTrigger, TriggerOp};
+use crate::error::{CommError, Result};
+use crate::fifo::Fifo;
+use crate::registered_memory::RegisteredMemory;
+use crate::transport::{AtomicWidth, Connection};
+
+/// Upper bounds set by the trigger encoding.
+pub const MAX_MEMORIES: usize = 256;
+pub const MAX_CHANNELS: usize = 4096;
+
+/// What the proxy needs for one port channel.
+#[derive(Debug)]
+struct ChannelState {
+    connection: Arc<dyn Connection>,
+    /// The peer's signal page and the offset of its inbound counter for us.
+    remote_semaphore: RegisteredMemory,
+    remote_offset: u64,
+    /// Signals sent so far (the value the next signal writes is this + 1).
+    outbound: AtomicU64,
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    memories: RwLock<Vec<RegisteredMemory>>,
+    channels: RwLock<Vec<Arc<ChannelState>>>,
+    first_error: Mutex<Option<CommError>>,
+    stop: AtomicBool,
+    processed: AtomicU64,
+}
+
+impl Shared {
+    fn record(&self, e: CommError) {
+        tracing::error!("proxy: {e}");
+        let mut slot = self.first_error.lock().unwrap_or_else(|p| p.into_inner());
+        if slot.is_none() {
+            *slot = Some(e);
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct ProxyService {
+    rank: usize,
+    device: Option<Device>,
+    fifo_handle: FifoDeviceHandle,
+    fifo: Arc<Fifo>,
+    shared: Arc<Shared>,
+    thread: Option<JoinHandle<()>>,
+    /// Bound of each flush the proxy performs.
+    flush_timeout: Duration,
+}
+
+impl ProxyService {
+    /// A proxy for GPU producers on `device` (None: host producers, for tests)
+    /// with a FIFO of `fifo_size` slots.
+    pub fn new(rank: usize, device: Option<Device>, fifo_size: usize, id: u64) -> Result<Self> {
+        let fifo = Fifo::new(device, fifo_size, rank as i32, id)?;
+        Ok(Self {
+            rank,
+            device,
+            fifo_handle: fifo.device_handle(),
+            fifo: Arc::new(fifo),
+            shared: Arc::new(Shared::default()),
+            thread: None,
+            flush_timeout: Duration::from_secs(30),
+        })
+    }
+
+    pub fn set_flush_timeout(&mut self, t: Duration) {
+        self.flush_timeout = t;
+    }
+
+    pub fn fifo_handle(&self) -> FifoDeviceHandle {
+        self.fifo_handle
+    }
+
+    /// The FIFO itself: host producers push through it, and its error record
+    /// holds what GPU producers reported.
+    pub fn fifo(&self) -> &Fifo {
+        &self.fifo
+    }
+
+    /// Registers memory triggers can name; returns its id.
+    pub fn add_memory(&self, m: RegisteredMemory) -> Result<u32> {
+        let mut v = self
+            .shared
+            .memories
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        if v.len() >= MAX_MEMORIES {
+            return Err(CommError::invalid(
+                "memory",
+                "a proxy holds at most 256 memories",
+            ));
+        }
+        v.push(m);
+        Ok(v.len() as u32 - 1)
+    }
+
+    /// Registers a port channel: triggers naming its id go to `connection`, and
+    /// its signals update the peer's inbound counter at `remote_semaphore` +
+    /// `remote_offset`. Returns the channel id.
+    pub fn add_channel(
+        &self,
+        connection: Arc<dyn Connection>,
+        remote_semaphore: RegisteredMemory,
+        remote_offset: u64,
+    ) -> Result<u32> {
+        let mut v = self
+            .shared
+            .channels
+            .write()
+            .unwrap_or_else(|p| p.into_inner());
+        if v.len() >= MAX_CHANNELS {
+            return Err(CommError::invalid(
+                "channel",
+                "a proxy holds at most 4096 channels",
+            ));
+        }
+        v.push(Arc::new(ChannelState {
+            connection,
+            remote_semaphore,
+            remote_offset,
+            outbound: AtomicU64::new(0),
+        }));
+        Ok(v.len() as u32 - 1)
+    }
+
+    /// Starts the proxy thread.
+    pub fn start(&mut self) -> Result<()> {
+        if self.thread.is_some() {
+            return Err(CommError::invalid("proxy", "already started"));
+        }
+        let fifo = self.fifo.clone();
+        let shared = self.shared.clone();
+        let device = self.device;
+        let flush_timeout = self.flush_timeout;
+        let rank = self.rank;
+        let thread = std::thread::Builder::new()
+            .name(format!("moelink-proxy-r{rank}"))
+            .spawn(move || {
+                // Bind before anything else: no CUDA call of this thread may
+                // create or use a context on another device.
+                if let Some(d) = device {
+                    if let Err(e) = d.make_current() {
+                        shared.record(e);
+                    }
+                }
+                run(&fifo, &shared, flush_timeout);
+            })
+            .map_err(|source| CommError::Io {
+                context: "spawning the proxy thread".into(),
+                source,
+            })?;
+        self.thread = Some(thread);
+        Ok(())
+    }
+
+    /// Stops the thread (after it finishes the trigger in hand). Triggers
+    /// still queued are not performed; `start` may be called again.
+    pub fn stop(&mut self) -> Result<()> {
+        self.shared.stop.store(true, Ordering::Release);
+        if let Some(t) = self.thread.take() {
+            if t.join().is_err() {
+                return Err(CommError::invalid("proxy", "the proxy thread panicked"));
+            }
+        }
+        self.shared.stop.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    /// Triggers performed so far.
+    pub fn processed(&self) -> u64 {
+        self.shared.processed.load(Ordering::Acquire)
+    }
+
+    /// The first error the proxy hit, if any (it is kept: later calls report it too).
+    pub fn check(&self) -> Result<()> {
+        let e = self
+            .shared
+            .first_error
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        match &*e {
+            None => Ok(()),
+            Some(e) => Err(CommError::invalid(
+                "proxy",
+                format!("rank {}: {e}", self.rank),
+            )),
+        }
+    }
+}
+
+impl Drop for ProxyService {
+    fn drop(&mut self) {
+        let _ = self.stop();
+    }
+}
+
+fn run(fifo: &Fifo, shared: &Shared, flush_timeout: Duration) {
+    let mut idle = 0u32;
+    while !shared.stop.load(Ordering::Acquire) {
+        let Some(t) = fifo.poll() else {
+            idle += 1;
+            if idle > 4096 {
+                std::thread::yield_now();
+            }
+            continue;
+        };
+        idle = 0;
+        if let Err(e) = handle(t, shared, flush_timeout) {
+            shared.record(e);
+        }
+        fifo.pop();
+        shared.processed.fetch_add(1, Ordering::Release);
+    }
+}
+
+fn handle(t: ProxyTrigger, shared: &Shared, flush_timeout: Duration) -> Result<()> {
+    let op = t
+        .decode()
+        .ok_or_else(|| CommError::invalid("trigger", format!("undecodable {t:?}")))?;
+    let channel_id = match op {
+        TriggerOp::Data { channel, .. } | TriggerOp::AtomicAdd { channel, .. } => channel,
+    };
+    let ch = shared
+        .channels
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(channel_id as usize)
+        .cloned()
+        .ok_or_else(|| CommError::invalid("trigger", format!("unknown channel {channel_id}")))?;
+    let memory = |id: u32| {
+        shared
+            .memories
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id as usize)
+            .cloned()
+            .ok_or_else(|| CommError::invalid("trigger", format!("unknown memory id {id}")))
+    };
+    match op {
+        TriggerOp::Data {
+            put,
+            signal,
+            flush,
+            dst_mem,
+            dst_offset,
+            src_mem,
+            src_offset,
+            size,
+            ..
+        } => {
+            if put {
+                let (dst, src) = (memory(dst_mem)?, memory(src_mem)?);
+                ch.connection
+                    .write(&dst, dst_offset, &src, src_offset, size)?;
+            }
+            if signal {
+                let v = ch.outbound.fetch_add(1, Ordering::Relaxed) + 1;
+                ch.connection
+                    .update_and_sync(&ch.remote_semaphore, ch.remote_offset, v)?;
+            }
+            if flush {
+                ch.connection.flush(flush_timeout)?;
+            }
+        }
+        TriggerOp::AtomicAdd {
+            wide,
+            dst_mem,
+            dst_offset,
+            value,
+            ..
+        } => {
+            let width = if wide {
+                AtomicWidth::U64
+            } else {
+                AtomicWidth::U32
+            };
+            ch.connection
+                .atomic_add(&memory(dst_mem)?, dst_offset, value, width)?;
+        }
+    }
+    Ok(())
+}

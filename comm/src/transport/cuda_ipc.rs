@@ -1,0 +1,131 @@
+//! CUDA IPC transport: the peer's memory is mapped into this process (legacy
+//! IPC handle or cuMem fd), and every operation is enqueued on a stream this
+//! connection owns (the proxy's): copies with `cuMemcpyAsync` (copy engines),
+//! signals with `cuStreamWriteValue64` (the value is captured when enqueued, so
+//! a signal can never overtake the data issued before it), atomics with a
+//! one-thread kernel doing a real `atomicAdd` on the target over NVLink.
+
+use std::time::Duration;
+
+use cudarc::driver::sys;
+
+use super::{check_atomic_target, AtomicWidth, Connection, Transport};
+use crate::cuda::{Device, OwnedStream};
+use crate::error::{CommError, CudaResultExt, Result};
+use crate::registered_memory::RegisteredMemory;
+
+#[derive(Debug)]
+pub struct CudaIpcConnection {
+    rank: usize,
+    remote_rank: usize,
+    stream: OwnedStream,
+}
+
+impl CudaIpcConnection {
+    pub fn new(device: Device, rank: usize, remote_rank: usize) -> Result<Self> {
+        Ok(Self {
+            rank,
+            remote_rank,
+            stream: OwnedStream::new(device)?,
+        })
+    }
+
+    pub fn stream(&self) -> &OwnedStream {
+        &self.stream
+    }
+
+    fn mapped(&self, m: &RegisteredMemory, what: &'static str) -> Result<u64> {
+        if !m.is_mapped() {
+            return Err(CommError::invalid(
+                what,
+                format!(
+                    "rank {}'s memory is not mapped in rank {} (different host, or no IPC export)",
+                    m.rank(),
+                    self.rank
+                ),
+            ));
+        }
+        Ok(m.ptr())
+    }
+}
+
+impl Connection for CudaIpcConnection {
+    fn transport(&self) -> Transport {
+        Transport::CudaIpc
+    }
+
+    fn remote_rank(&self) -> usize {
+        self.remote_rank
+    }
+
+    fn write(
+        &self,
+        dst: &RegisteredMemory,
+        dst_offset: u64,
+        src: &RegisteredMemory,
+        src_offset: u64,
+        size: u64,
+    ) -> Result<()> {
+        dst.check_range(dst_offset, size, "write destination")?;
+        src.check_range(src_offset, size, "write source")?;
+        if size == 0 {
+            return Ok(());
+        }
+        let d = self.mapped(dst, "write destination")? + dst_offset;
+        let s = self.mapped(src, "write source")? + src_offset;
+        self.stream.device().make_current()?;
+        // SAFETY: both ranges were checked against their registrations and are mapped here.
+        unsafe { sys::cuMemcpyAsync(d, s, size as usize, self.stream.handle().raw()) }
+            .result()
+            .call("cuMemcpyAsync")
+    }
+
+    fn update_and_sync(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()> {
+        dst.check_range(dst_offset, 8, "signal destination")?;
+        let d = self.mapped(dst, "signal destination")? + dst_offset;
+        self.stream.device().make_current()?;
+        // SAFETY: an aligned u64 inside the peer's mapped registration.
+        unsafe {
+            sys::cuStreamWriteValue64_v2(
+                self.stream.handle().raw(),
+                d,
+                value,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+            )
+        }
+        .result()
+        .call("cuStreamWriteValue64")
+    }
+
+    fn atomic_add(
+        &self,
+        dst: &RegisteredMemory,
+        dst_offset: u64,
+        value: i64,
+        width: AtomicWidth,
+    ) -> Result<()> {
+        check_atomic_target(dst, dst_offset, width)?;
+        let d = self.mapped(dst, "atomic_add destination")? + dst_offset;
+        // SAFETY: d is an aligned integer of `width` inside the mapped registration.
+        unsafe {
+            crate::kernels::atomic_add(
+                self.stream.device(),
+                self.stream.handle(),
+                d,
+                value,
+                width == AtomicWidth::U64,
+            )
+        }
+    }
+
+    fn flush(&self, timeout: Duration) -> Result<()> {
+        self.stream.synchronize_bounded(
+            timeout,
+            self.rank as i64,
+            &format!(
+                "CUDA IPC operations to rank {} to complete",
+                self.remote_rank
+            ),
+        )
+    }
+}

@@ -1,0 +1,301 @@
+//! CPU tests of the trigger FIFO and the proxy, with host threads as the
+//! producers (the same algorithm GPU threads run; see fifo_device.cuh).
+
+use std::sync::{Arc, Mutex};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use comm::device_handles::{trigger_type as tt, ProxyTrigger};
+use comm::fifo::Fifo;
+use comm::proxy::ProxyService;
+use comm::registered_memory::{Location, MemoryInfo, RegisteredMemory};
+use comm::transport::{AtomicWidth, Connection, Transport};
+use comm::{CommError, Result};
+
+fn data(payload: u64) -> ProxyTrigger {
+    // size carries the payload: any value round-trips through the ring
+    ProxyTrigger::data(tt::DATA, 1, 2, 3, 4, 5, payload & 0xFFFF_FFFF)
+}
+
+/// Pops everything, in order, from a single consumer thread until `n` triggers.
+fn consume(fifo: &Fifo, n: usize, timeout: Duration) -> Vec<ProxyTrigger> {
+    let start = Instant::now();
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        assert!(
+            start.elapsed() < timeout,
+            "consumer got {} of {n}",
+            out.len()
+        );
+        if let Some(t) = fifo.poll() {
+            out.push(t);
+            fifo.pop();
+        } else {
+            thread::yield_now();
+        }
+    }
+    out
+}
+
+#[test]
+fn single_producer_order_survives_wraparound() {
+    let fifo = Fifo::new(None, 8, 0, 0).unwrap();
+    let n = 20_000;
+    thread::scope(|s| {
+        s.spawn(|| {
+            let p = fifo.host_producer().unwrap();
+            for i in 0..n {
+                p.push(data(i as u64 + 1), Duration::from_secs(10)).unwrap();
+            }
+        });
+        let got = consume(&fifo, n, Duration::from_secs(20));
+        for (i, t) in got.iter().enumerate() {
+            assert_eq!(*t, data(i as u64 + 1), "trigger {i} out of order");
+        }
+    });
+    assert_eq!(fifo.tail(), n as u64);
+    assert!(
+        fifo.poll().is_none(),
+        "ring must be empty after the last pop"
+    );
+}
+
+#[test]
+fn many_producers_each_keep_their_order() {
+    let fifo = Fifo::new(None, 16, 0, 0).unwrap();
+    let (producers, per) = (4u64, 5000u64);
+    thread::scope(|s| {
+        for id in 0..producers {
+            let fifo = &fifo;
+            s.spawn(move || {
+                let p = fifo.host_producer().unwrap();
+                for i in 0..per {
+                    p.push(data(id << 24 | (i + 1)), Duration::from_secs(10))
+                        .unwrap();
+                }
+            });
+        }
+        let got = consume(&fifo, (producers * per) as usize, Duration::from_secs(30));
+        let mut last = vec![0u64; producers as usize];
+        for t in got {
+            let payload = t.fst & 0xFFFF_FFFF;
+            let (id, seq) = ((payload >> 24) as usize, payload & 0xFF_FFFF);
+            assert_eq!(seq, last[id] + 1, "producer {id}: {seq} after {}", last[id]);
+            last[id] = seq;
+        }
+        assert!(last.iter().all(|&l| l == per));
+    });
+}
+
+#[test]
+fn full_ring_applies_back_pressure_then_recovers() {
+    let fifo = Fifo::new(None, 4, 3, 9).unwrap();
+    let p = fifo.host_producer().unwrap();
+    for i in 0..4 {
+        p.push(data(i + 1), Duration::from_millis(100)).unwrap();
+    }
+    let start = Instant::now();
+    let err = p.push(data(5), Duration::from_millis(200)).unwrap_err();
+    assert!(start.elapsed() >= Duration::from_millis(200));
+    match &err {
+        CommError::Timeout { rank, what, .. } => {
+            assert_eq!(*rank, 3);
+            assert!(
+                what.contains("free FIFO slot") && what.contains("FIFO 9"),
+                "{what}"
+            );
+        }
+        e => panic!("expected a timeout, got {e}"),
+    }
+    // The timed-out push still claimed position 4, which is never written: the
+    // consumer gets the four earlier triggers and then nothing. A timeout is
+    // fatal for a FIFO (documented in fifo_device.cuh); the error says so.
+    let got = consume(&fifo, 4, Duration::from_secs(5));
+    assert_eq!(got, (1..=4).map(data).collect::<Vec<_>>());
+    let pos = p.push(data(6), Duration::from_secs(1)).unwrap();
+    assert_eq!(pos, 5);
+    thread::sleep(Duration::from_millis(20));
+    assert!(
+        fifo.poll().is_none(),
+        "position 4 was claimed but never written"
+    );
+}
+
+#[test]
+fn sync_waits_until_popped() {
+    let fifo = Fifo::new(None, 8, 0, 0).unwrap();
+    let p = fifo.host_producer().unwrap();
+    let pos = p.push(data(1), Duration::from_secs(1)).unwrap();
+    assert!(
+        p.sync(pos, Duration::from_millis(50)).is_err(),
+        "not popped yet"
+    );
+    thread::scope(|s| {
+        s.spawn(|| {
+            thread::sleep(Duration::from_millis(50));
+            consume(&fifo, 1, Duration::from_secs(5));
+        });
+        p.sync(pos, Duration::from_secs(5)).unwrap();
+    });
+}
+
+/// A connection that records what the proxy asked of it.
+#[derive(Debug, Default)]
+struct Recorder {
+    ops: Mutex<Vec<String>>,
+}
+
+impl Connection for Recorder {
+    fn transport(&self) -> Transport {
+        Transport::Ethernet
+    }
+    fn remote_rank(&self) -> usize {
+        1
+    }
+    fn write(
+        &self,
+        dst: &RegisteredMemory,
+        d: u64,
+        src: &RegisteredMemory,
+        s: u64,
+        n: u64,
+    ) -> Result<()> {
+        dst.check_range(d, n, "dst")?;
+        src.check_range(s, n, "src")?;
+        self.ops.lock().unwrap().push(format!(
+            "write r{} +{d} <- r{} +{s} x{n}",
+            dst.rank(),
+            src.rank()
+        ));
+        Ok(())
+    }
+    fn update_and_sync(&self, dst: &RegisteredMemory, d: u64, v: u64) -> Result<()> {
+        self.ops
+            .lock()
+            .unwrap()
+            .push(format!("signal r{} +{d} = {v}", dst.rank()));
+        Ok(())
+    }
+    fn atomic_add(&self, dst: &RegisteredMemory, d: u64, v: i64, w: AtomicWidth) -> Result<()> {
+        self.ops
+            .lock()
+            .unwrap()
+            .push(format!("atomic r{} +{d} {v} {w:?}", dst.rank()));
+        Ok(())
+    }
+    fn flush(&self, _: Duration) -> Result<()> {
+        self.ops.lock().unwrap().push("flush".into());
+        Ok(())
+    }
+}
+
+fn mem(rank: u32, len: u64) -> RegisteredMemory {
+    RegisteredMemory::local(
+        MemoryInfo {
+            rank,
+            len,
+            location: Location::Host,
+            host_id: 0,
+            owner_ptr: 0x1000,
+            ipc: None,
+            ethernet: None,
+        },
+        None,
+    )
+}
+
+#[test]
+fn proxy_decodes_and_performs_every_trigger_kind() {
+    let mut proxy = ProxyService::new(0, None, 8, 0).unwrap();
+    let rec = Arc::new(Recorder::default());
+    let local = proxy.add_memory(mem(0, 1 << 20)).unwrap();
+    let remote = proxy.add_memory(mem(1, 1 << 20)).unwrap();
+    let ch = proxy.add_channel(rec.clone(), mem(1, 4096), 64).unwrap();
+    proxy.start().unwrap();
+    let p = proxy.fifo().host_producer().unwrap();
+    let t = Duration::from_secs(5);
+    let push = |tr| p.push(tr, t).unwrap();
+    push(ProxyTrigger::data(
+        tt::DATA,
+        ch,
+        remote,
+        100,
+        local,
+        200,
+        300,
+    ));
+    push(ProxyTrigger::data(
+        tt::DATA | tt::SIGNAL,
+        ch,
+        remote,
+        0,
+        local,
+        8,
+        16,
+    ));
+    push(ProxyTrigger::data(tt::SIGNAL, ch, remote, 0, local, 0, 0));
+    push(ProxyTrigger::atomic(tt::ATOMIC_ADD64, ch, remote, 24, -7));
+    push(ProxyTrigger::atomic(tt::ATOMIC_ADD32, ch, remote, 36, 5));
+    let last = push(ProxyTrigger::data(
+        tt::DATA | tt::SIGNAL | tt::FLUSH,
+        ch,
+        remote,
+        1,
+        local,
+        2,
+        3,
+    ));
+    p.sync(last, t).unwrap();
+    proxy.check().unwrap();
+    assert_eq!(
+        *rec.ops.lock().unwrap(),
+        [
+            "write r1 +100 <- r0 +200 x300",
+            "write r1 +0 <- r0 +8 x16",
+            "signal r1 +64 = 1",
+            "signal r1 +64 = 2",
+            "atomic r1 +24 -7 U64",
+            "atomic r1 +36 5 U32",
+            "write r1 +1 <- r0 +2 x3",
+            "signal r1 +64 = 3",
+            "flush",
+        ]
+    );
+    assert_eq!(proxy.processed(), 6);
+}
+
+#[test]
+fn proxy_reports_bad_triggers_and_keeps_popping() {
+    let mut proxy = ProxyService::new(2, None, 4, 0).unwrap();
+    let rec = Arc::new(Recorder::default());
+    let local = proxy.add_memory(mem(2, 64)).unwrap();
+    let ch = proxy.add_channel(rec.clone(), mem(1, 64), 0).unwrap();
+    proxy.start().unwrap();
+    let p = proxy.fifo().host_producer().unwrap();
+    let t = Duration::from_secs(5);
+    p.push(ProxyTrigger::data(tt::DATA, 77, local, 0, local, 0, 8), t)
+        .unwrap(); // unknown channel
+    p.push(ProxyTrigger::data(tt::DATA, ch, 9, 0, local, 0, 8), t)
+        .unwrap(); // unknown memory
+    p.push(ProxyTrigger::data(tt::DATA, ch, local, 60, local, 0, 8), t)
+        .unwrap(); // out of range
+                   // More triggers than slots: the proxy must keep popping after errors.
+    let mut last = 0;
+    for _ in 0..10 {
+        last = p
+            .push(ProxyTrigger::data(tt::SIGNAL, ch, local, 0, local, 0, 0), t)
+            .unwrap();
+    }
+    p.sync(last, t).unwrap();
+    let err = proxy.check().unwrap_err().to_string();
+    assert!(
+        err.contains("rank 2") && err.contains("unknown channel 77"),
+        "{err}"
+    );
+    assert_eq!(
+        rec.ops.lock().unwrap().len(),
+        10,
+        "the valid signals were all performed"
+    );
+    proxy.stop().unwrap();
+}

@@ -1,0 +1,674 @@
+//! Multi-rank GPU tests of the transport stack. Run on the GPU machine under
+//! torchrun, one process per GPU (scripts/gpu_run.sh does this for 2 and 4
+//! ranks):
+//!
+//!     torchrun --nproc-per-node=4 --no-python gpu_multi_rank --include-ignored --test-threads=1
+//!
+//! One #[test] runs every scenario in order on all ranks over one bootstrap
+//! (scenarios are collective), printing `PASS name` / `FAIL name: error` per
+//! scenario and failing if any failed. Without torchrun's environment or a GPU
+//! it is ignored by default and, when forced, returns with a printed reason.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use comm::channel::{MemoryChannel, PortChannel};
+use comm::device_handles::layout_probe_expected;
+use comm::kernels::testing::{self, PortOp};
+use comm::proxy::ProxyService;
+use comm::registered_memory::RegisteredMemory;
+use comm::transport::Transport;
+use comm::{
+    Bootstrap, CommError, Communicator, CommunicatorOptions, Device, DeviceMemory, OwnedStream,
+    TcpBootstrap,
+};
+
+type R<T = ()> = Result<T, CommError>;
+
+const SPINS: i64 = 1 << 28;
+const WAIT: Duration = Duration::from_secs(60);
+
+struct Ctx {
+    rank: usize,
+    size: usize,
+    device: Device,
+    comm: Communicator,
+    stream: OwnedStream,
+    /// Registered buffer every scenario uses (64 MiB).
+    buf: RegisteredMemory,
+}
+
+fn fail(what: impl Into<String>) -> CommError {
+    CommError::invalid("test", what.into())
+}
+
+/// Deterministic bytes of (seed, index) so any rank can compute another's data.
+fn bytes_of(seed: u64, n: usize) -> Vec<u8> {
+    let mut x = seed ^ 0x9E37_79B9_7F4A_7C15;
+    (0..n)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 24) as u8
+        })
+        .collect()
+}
+
+impl Ctx {
+    fn partner(&self) -> usize {
+        self.rank ^ 1
+    }
+
+    fn sync(&self, what: &str) -> R {
+        self.stream
+            .synchronize_bounded(WAIT, self.rank as i64, what)?;
+        self.comm.check_device()
+    }
+
+    fn write(&self, off: u64, data: &[u8]) -> R {
+        let mem = DeviceMemoryView(&self.buf);
+        mem.write(self.device, off, data)
+    }
+
+    fn read(&self, off: u64, n: usize) -> R<Vec<u8>> {
+        DeviceMemoryView(&self.buf).read(self.device, off, n)
+    }
+
+    fn fill(&self, off: u64, n: usize, v: u8) -> R {
+        self.write(off, &vec![v; n])
+    }
+}
+
+/// Host access to a registered device buffer.
+struct DeviceMemoryView<'a>(&'a RegisteredMemory);
+
+impl DeviceMemoryView<'_> {
+    fn write(&self, device: Device, off: u64, data: &[u8]) -> R {
+        self.0.check_range(off, data.len() as u64, "test write")?;
+        device.make_current()?;
+        // SAFETY: range checked against the registration, mapped in this process.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(self.0.ptr() + off, data) }.map_err(
+            |source| CommError::Cuda {
+                call: "cuMemcpyHtoD",
+                source,
+            },
+        )
+    }
+
+    fn read(&self, device: Device, off: u64, n: usize) -> R<Vec<u8>> {
+        self.0.check_range(off, n as u64, "test read")?;
+        device.make_current()?;
+        let mut v = vec![0u8; n];
+        // SAFETY: as above.
+        unsafe { cudarc::driver::result::memcpy_dtoh_sync(&mut v, self.0.ptr() + off) }.map_err(
+            |source| CommError::Cuda {
+                call: "cuMemcpyDtoH",
+                source,
+            },
+        )?;
+        Ok(v)
+    }
+}
+
+fn check_eq(what: &str, got: &[u8], want: &[u8]) -> R {
+    if got == want {
+        return Ok(());
+    }
+    let first = got.iter().zip(want).position(|(a, b)| a != b).unwrap_or(0);
+    let bad = got.iter().zip(want).filter(|(a, b)| a != b).count();
+    Err(fail(format!(
+        "{what}: {bad} of {} bytes differ, first at {first} (got {:#x}, want {:#x})",
+        want.len(),
+        got[first],
+        want[first]
+    )))
+}
+
+fn layout_probe(c: &Ctx) -> R {
+    let got = comm::kernels::layout_probe(c.device)?;
+    let want = layout_probe_expected();
+    if got[..want.len()] != want[..] || got[want.len()] != u64::MAX {
+        return Err(fail(format!(
+            "device layout {got:?} != host layout {want:?}"
+        )));
+    }
+    Ok(())
+}
+
+fn memory_channels(c: &Ctx) -> R<Vec<Option<MemoryChannel>>> {
+    c.comm.memory_channels(&c.buf, None)
+}
+
+fn memchan_pingpong(c: &Ctx) -> R {
+    let chans = memory_channels(c)?;
+    let h = chans[c.partner()]
+        .as_ref()
+        .unwrap()
+        .device_handle(c.comm.device_error())?;
+    let out = DeviceMemory::alloc(c.device, 8)?;
+    c.comm.barrier()?;
+    // SAFETY: handle from this communicator; out is a device u64.
+    unsafe {
+        testing::memchan_pingpong(
+            c.device,
+            c.stream.handle(),
+            h,
+            1000,
+            c.rank % 2 == 0,
+            SPINS,
+            out.ptr(),
+        )
+    }?;
+    c.sync("memory-channel ping-pong")?;
+    let mut ns = [0u64];
+    out.copy_to_host(0, &mut ns)?;
+    println!(
+        "rank {}: memory-channel ping-pong 1000 round trips: {:.2} us each",
+        c.rank,
+        ns[0] as f64 / 1000.0 / 1000.0
+    );
+    c.comm.barrier()
+}
+
+/// Odd sizes and offsets, put and get, over memory channels.
+fn memchan_put_get(c: &Ctx) -> R {
+    let chans = memory_channels(c)?;
+    let h = chans[c.partner()]
+        .as_ref()
+        .unwrap()
+        .device_handle(c.comm.device_error())?;
+    let cases: &[(u64, u64, usize)] = &[
+        (0, 0, 1),
+        (1, 7, 3),
+        (16, 16, 15),
+        (33, 5, 17),
+        (4096, 1, 4097),
+        (1 << 20, 3, (1 << 20) + 5),
+    ];
+    const SRC: u64 = 0; // source region [0, 16 MiB)
+    const DST: u64 = 16 << 20; // destination region [16, 32 MiB)
+    for (i, &(dst_off, src_off, n)) in cases.iter().enumerate() {
+        for get in [false, true] {
+            let seed = |r: usize| (r as u64) << 32 | (i as u64) << 1 | get as u64;
+            // Both sides: our data at SRC + src_off, poison in DST.
+            c.fill(DST, (2 << 20) + 64, 0xA5)?;
+            c.write(SRC + src_off, &bytes_of(seed(c.rank), n))?;
+            c.comm.barrier()?;
+            // put: we write our data into the partner's DST + dst_off.
+            // get: we read the partner's data (its SRC + src_off) into our DST + dst_off.
+            // SAFETY: both ranges lie in the 64 MiB buffers of both ranks.
+            unsafe {
+                if get {
+                    testing::memchan_copy(
+                        c.device,
+                        c.stream.handle(),
+                        8,
+                        256,
+                        h,
+                        SRC + src_off,
+                        DST + dst_off,
+                        n as u64,
+                        true,
+                        1,
+                        false,
+                    )
+                } else {
+                    testing::memchan_copy(
+                        c.device,
+                        c.stream.handle(),
+                        1,
+                        512,
+                        h,
+                        DST + dst_off,
+                        SRC + src_off,
+                        n as u64,
+                        false,
+                        1,
+                        true,
+                    )
+                }
+            }?;
+            if !get {
+                // SAFETY: handle from this communicator.
+                unsafe { testing::memchan_wait(c.device, c.stream.handle(), h, SPINS) }?;
+            }
+            c.sync("put/get")?;
+            c.comm.barrier()?;
+            let got = c.read(DST, dst_off as usize + n + 16)?;
+            let mut want = vec![0xA5u8; dst_off as usize];
+            want.extend(bytes_of(seed(c.partner()), n));
+            want.extend([0xA5u8; 16]);
+            check_eq(
+                &format!(
+                    "{} case {i} ({n} bytes, dst+{dst_off}, src+{src_off})",
+                    if get { "get" } else { "put" }
+                ),
+                &got,
+                &want,
+            )?;
+        }
+    }
+    Ok(())
+}
+
+fn packets(c: &Ctx) -> R {
+    let chans = memory_channels(c)?;
+    let h = chans[c.partner()]
+        .as_ref()
+        .unwrap()
+        .device_handle(c.comm.device_error())?;
+    const SRC: u64 = 0;
+    const PKT: u64 = 32 << 20;
+    const OUT: u64 = 48 << 20;
+    for ll16 in [false, true] {
+        for (round, n) in [8usize, 4096, 100_000, 1 << 20].into_iter().enumerate() {
+            let flag = 1 + round as u32 + if ll16 { 100 } else { 0 };
+            let seed = |r: usize| 0xBEEF ^ (r as u64) << 40 ^ flag as u64;
+            c.write(SRC, &bytes_of(seed(c.rank), n))?;
+            c.fill(OUT, n, 0x5A)?;
+            c.comm.barrier()?;
+            // SAFETY: packets take 2n bytes at PKT; all ranges inside 64 MiB.
+            unsafe {
+                testing::packets(
+                    c.device,
+                    c.stream.handle(),
+                    h,
+                    ll16,
+                    false,
+                    PKT,
+                    SRC,
+                    n as u64,
+                    flag,
+                    SPINS,
+                )?;
+                testing::packets(
+                    c.device,
+                    c.stream.handle(),
+                    h,
+                    ll16,
+                    true,
+                    PKT,
+                    OUT,
+                    n as u64,
+                    flag,
+                    SPINS,
+                )?;
+            }
+            c.sync("packets")?;
+            check_eq(
+                &format!(
+                    "{} packets, {n} bytes, flag {flag}",
+                    if ll16 { "LL16" } else { "LL8" }
+                ),
+                &c.read(OUT, n)?,
+                &bytes_of(seed(c.partner()), n),
+            )?;
+            c.comm.barrier()?;
+        }
+    }
+    Ok(())
+}
+
+struct Ports {
+    proxy: ProxyService,
+    chans: Vec<Option<PortChannel>>,
+}
+
+fn port_channels(
+    c: &Ctx,
+    comm: &Communicator,
+    buf: &RegisteredMemory,
+    transport: Transport,
+) -> R<Ports> {
+    let mut proxy = ProxyService::new(c.rank, Some(c.device), 512, 0)?;
+    let chans = comm.port_channels(&proxy, buf, transport)?;
+    proxy.start()?;
+    Ok(Ports { proxy, chans })
+}
+
+fn port_put_signal_flush(
+    c: &Ctx,
+    comm: &Communicator,
+    buf: &RegisteredMemory,
+    transport: Transport,
+) -> R {
+    let p = port_channels(c, comm, buf, transport)?;
+    let h = p.chans[c.partner()]
+        .as_ref()
+        .unwrap()
+        .device_handle(comm.device_error());
+    let view = DeviceMemoryView(buf);
+    const SRC: u64 = 0;
+    const DST: u64 = 16 << 20;
+    let ops = [
+        (PortOp::PutWithSignal, 1),
+        (PortOp::PutWithSignalAndFlush, 1),
+        (PortOp::PutThenFlush, 7),
+    ];
+    for (i, &(op, pieces)) in ops.iter().enumerate() {
+        for (j, &(n, dst_off, src_off)) in [(1usize, 3u64, 5u64), (4097, 0, 1), (3 << 20, 8, 8)]
+            .iter()
+            .enumerate()
+        {
+            let n = n / pieces * pieces; // whole pieces
+            let n = n.max(pieces);
+            let seed = |r: usize| (r as u64) << 32 | (i * 16 + j) as u64 | 1 << 60;
+            view.write(c.device, DST, &vec![0xA5; n + dst_off as usize + 16])?;
+            view.write(c.device, SRC + src_off, &bytes_of(seed(c.rank), n))?;
+            comm.barrier()?;
+            // SAFETY: ranges inside both ranks' registered buffers.
+            unsafe {
+                testing::portchan_op(
+                    c.device,
+                    c.stream.handle(),
+                    h,
+                    op,
+                    DST + dst_off,
+                    SRC + src_off,
+                    n as u64,
+                    pieces as i32,
+                    SPINS,
+                )?;
+                if op == PortOp::PutThenFlush {
+                    // the flush returned only after the data landed: now signal
+                    testing::portchan_op(
+                        c.device,
+                        c.stream.handle(),
+                        h,
+                        PortOp::Signal,
+                        0,
+                        0,
+                        0,
+                        1,
+                        SPINS,
+                    )?;
+                }
+                testing::portchan_op(
+                    c.device,
+                    c.stream.handle(),
+                    h,
+                    PortOp::Wait,
+                    0,
+                    0,
+                    0,
+                    1,
+                    SPINS,
+                )?;
+            }
+            c.stream
+                .synchronize_bounded(WAIT, c.rank as i64, "port channel op")?;
+            comm.check_device()?;
+            p.proxy.check()?;
+            let got = view.read(c.device, DST, n + dst_off as usize + 16)?;
+            let mut want = vec![0xA5u8; dst_off as usize];
+            want.extend(bytes_of(seed(c.partner()), n));
+            want.extend([0xA5u8; 16]);
+            check_eq(&format!("{transport:?} port {op:?} {n} bytes"), &got, &want)?;
+            comm.barrier()?;
+        }
+    }
+    Ok(())
+}
+
+/// Every rank but 0 hammers rank 0's counters with 64- and 32-bit atomic adds
+/// from many GPU threads through its proxy; rank 0 checks exact totals and
+/// that the neighbouring words are untouched.
+fn port_atomics(c: &Ctx, comm: &Communicator, buf: &RegisteredMemory, transport: Transport) -> R {
+    let p = port_channels(c, comm, buf, transport)?;
+    const BASE: u64 = 60 << 20;
+    // layout: canary u64 | counter u64 | canary u32 | counter u32 | canary u32 | pad
+    let canary = 0x0123_4567_89AB_CDEFu64;
+    let mut init = Vec::new();
+    init.extend(canary.to_le_bytes());
+    init.extend(1000u64.to_le_bytes());
+    init.extend(0xCAFE_F00Du32.to_le_bytes());
+    init.extend(7u32.to_le_bytes());
+    init.extend(0xDEAD_BEEFu32.to_le_bytes());
+    init.extend([0u8; 4]);
+    let view = DeviceMemoryView(buf);
+    view.write(c.device, BASE, &init)?;
+    comm.barrier()?;
+    let (blocks, threads, per) = (4u32, 64u32, 8i32);
+    if c.rank != 0 {
+        let h = p.chans[0]
+            .as_ref()
+            .unwrap()
+            .device_handle(comm.device_error());
+        // SAFETY: aligned counters inside rank 0's buffer.
+        unsafe {
+            testing::portchan_atomics(
+                c.device,
+                c.stream.handle(),
+                blocks,
+                threads,
+                h,
+                BASE + 8,
+                BASE + 20,
+                per,
+                3,
+                -2,
+            )?;
+            testing::portchan_op(
+                c.device,
+                c.stream.handle(),
+                h,
+                PortOp::Flush,
+                0,
+                0,
+                0,
+                1,
+                SPINS,
+            )?;
+        }
+        c.stream
+            .synchronize_bounded(WAIT, c.rank as i64, "atomics")?;
+        comm.check_device()?;
+        p.proxy.check()?;
+    }
+    comm.barrier()?;
+    if c.rank == 0 {
+        let b = view.read(c.device, BASE, 32)?;
+        let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap());
+        let u32_at = |o: usize| u32::from_le_bytes(b[o..o + 4].try_into().unwrap());
+        let adds = (c.size as u64 - 1) * (blocks * threads) as u64 * per as u64;
+        let want64 = 1000 + 3 * adds;
+        let want32 = 7u32.wrapping_sub(2 * adds as u32);
+        if u64_at(0) != canary || u32_at(16) != 0xCAFE_F00D || u32_at(24) != 0xDEAD_BEEF {
+            return Err(fail(format!(
+                "{transport:?} atomics touched a neighbour: {b:02x?}"
+            )));
+        }
+        if u64_at(8) != want64 || u32_at(20) != want32 {
+            return Err(fail(format!(
+                "{transport:?} atomics: u64 {} (want {want64}), u32 {} (want {want32})",
+                u64_at(8),
+                u32_at(20)
+            )));
+        }
+    }
+    comm.barrier()
+}
+
+/// A wait nobody answers must end with an error naming the rank and the peer,
+/// not hang.
+fn timeout_is_reported(c: &Ctx) -> R {
+    let chans = memory_channels(c)?;
+    let h = chans[c.partner()]
+        .as_ref()
+        .unwrap()
+        .device_handle(c.comm.device_error())?;
+    c.comm.device_error().reset();
+    // SAFETY: handle from this communicator.
+    unsafe { testing::memchan_wait(c.device, c.stream.handle(), h, 100_000) }?;
+    c.stream
+        .synchronize_bounded(WAIT, c.rank as i64, "timed-out wait")?;
+    let r = c.comm.check_device();
+    c.comm.device_error().reset();
+    match r {
+        Err(CommError::Timeout { rank, what, .. })
+            if rank == c.rank as i64 && what.contains(&format!("from rank {}", c.partner())) =>
+        {
+            println!(
+                "rank {}: reported as expected: {}",
+                c.rank,
+                CommError::Timeout {
+                    rank,
+                    what,
+                    waited_ms: 0
+                }
+            );
+            c.comm.barrier()
+        }
+        other => Err(fail(format!(
+            "expected a timeout naming rank {} and peer {}, got {other:?}",
+            c.rank,
+            c.partner()
+        ))),
+    }
+}
+
+/// No CUDA context on any device but ours: nothing (proxy thread included)
+/// allocated or ran on another GPU.
+fn nothing_on_other_devices(c: &Ctx) -> R {
+    for d in 0..comm::device_count() as i32 {
+        if d == c.device.ordinal {
+            continue;
+        }
+        let dev = cudarc::driver::result::device::get(d).map_err(|source| CommError::Cuda {
+            call: "cuDeviceGet",
+            source,
+        })?;
+        let (mut flags, mut active) = (0u32, 0i32);
+        // SAFETY: dev is a valid device; outputs are plain integers.
+        unsafe { cudarc::driver::sys::cuDevicePrimaryCtxGetState(dev, &mut flags, &mut active) }
+            .result()
+            .map_err(|source| CommError::Cuda {
+                call: "cuDevicePrimaryCtxGetState",
+                source,
+            })?;
+        if active != 0 {
+            return Err(fail(format!(
+                "rank {} (GPU {}) has an active context on GPU {d}",
+                c.rank, c.device.ordinal
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// 500 x (allocate 1 GiB, register, every peer maps it, drop everything):
+/// device memory use must come back to where it started.
+fn create_destroy_500(c: &Ctx) -> R {
+    let (free_before, _) = c.device.mem_info()?;
+    let start = Instant::now();
+    for i in 0..500 {
+        let m = c.comm.alloc_memory(1 << 30)?;
+        let all = c.comm.exchange_memory(&m)?;
+        if all
+            .iter()
+            .enumerate()
+            .any(|(r, x)| r != c.rank && !x.is_mapped())
+        {
+            return Err(fail(format!(
+                "iteration {i}: a peer's buffer was not mapped"
+            )));
+        }
+        drop(all);
+        drop(m);
+        c.comm.barrier()?;
+    }
+    let (free_after, _) = c.device.mem_info()?;
+    let grew = free_before as i64 - free_after as i64;
+    println!(
+        "rank {}: 500 x 1 GiB create/map/destroy in {:.1} s, free memory change {} MiB",
+        c.rank,
+        start.elapsed().as_secs_f64(),
+        grew / (1 << 20)
+    );
+    if grew > 64 << 20 {
+        return Err(fail(format!(
+            "device memory grew by {} MiB over 500 registrations",
+            grew >> 20
+        )));
+    }
+    Ok(())
+}
+
+#[test]
+#[ignore = "needs torchrun and >= 2 CUDA GPUs; run by scripts/gpu_run.sh"]
+fn multi_rank_suite() {
+    let (Ok(_), Ok(local)) = (std::env::var("RANK"), std::env::var("LOCAL_RANK")) else {
+        println!("SKIPPED: not started by torchrun (RANK / LOCAL_RANK unset)");
+        return;
+    };
+    if comm::device_count() == 0 {
+        println!("SKIPPED: no CUDA device");
+        return;
+    }
+    let boot: Arc<dyn Bootstrap> = Arc::new(TcpBootstrap::from_env(WAIT).expect("bootstrap"));
+    let (rank, size) = (boot.rank(), boot.size());
+    assert!(
+        size >= 2 && size % 2 == 0,
+        "needs an even number of ranks >= 2, got {size}"
+    );
+    let device = Device::bind(local.parse().unwrap()).expect("bind device");
+    let opts = CommunicatorOptions {
+        ethernet: Some("127.0.0.1:0".parse().unwrap()),
+        ..Default::default()
+    };
+    let comm = Communicator::new(boot, Some(device), opts).expect("communicator");
+    let buf = comm.alloc_memory(64 << 20).expect("alloc");
+    let stream = OwnedStream::new(device).expect("stream");
+    let c = Ctx {
+        rank,
+        size,
+        device,
+        comm,
+        stream,
+        buf,
+    };
+
+    type Scenario = fn(&Ctx) -> R;
+    let scenarios: &[(&str, Scenario)] = &[
+        ("layout_probe", layout_probe),
+        ("memchan_pingpong", memchan_pingpong),
+        ("memchan_put_get_odd_sizes", memchan_put_get),
+        ("packets_ll8_ll16", packets),
+        ("port_cuda_ipc_put_signal_flush", |c| {
+            port_put_signal_flush(c, &c.comm, &c.buf, Transport::CudaIpc)
+        }),
+        ("port_cuda_ipc_atomics", |c| {
+            port_atomics(c, &c.comm, &c.buf, Transport::CudaIpc)
+        }),
+        ("port_ethernet_put_signal_flush", |c| {
+            port_put_signal_flush(c, &c.comm, &c.buf, Transport::Ethernet)
+        }),
+        ("port_ethernet_atomics", |c| {
+            port_atomics(c, &c.comm, &c.buf, Transport::Ethernet)
+        }),
+        ("timeout_is_reported", timeout_is_reported),
+        ("nothing_on_other_devices", nothing_on_other_devices),
+        ("create_destroy_500x1GiB", create_destroy_500),
+    ];
+    let mut failed = Vec::new();
+    for (name, f) in scenarios {
+        let t = Instant::now();
+        match f(&c) {
+            Ok(()) => println!(
+                "PASS {name} (rank {rank}/{size}, {:.2} s)",
+                t.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                println!("FAIL {name} (rank {rank}/{size}): {e}");
+                failed.push(*name);
+                // Re-align the ranks before the next scenario (bounded).
+                let _ = c.comm.barrier();
+            }
+        }
+    }
+    assert!(
+        failed.is_empty(),
+        "rank {rank}: failed scenarios: {failed:?}"
+    );
+}
