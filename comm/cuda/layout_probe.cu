@@ -31,6 +31,7 @@ extern "C" __global__ void comm_layout_probe(uint64_t* out) {
   PROBE(sizeof(FifoDeviceHandle));
   PROBE(offsetof(FifoDeviceHandle, head));
   PROBE(offsetof(FifoDeviceHandle, tail));
+  PROBE(offsetof(FifoDeviceHandle, tail_cache));
   PROBE(offsetof(FifoDeviceHandle, error));
   PROBE(offsetof(FifoDeviceHandle, size));
   PROBE(offsetof(FifoDeviceHandle, rank));

@@ -167,6 +167,8 @@ impl Communicator {
                 comm.signal_pages[r] = Some(RegisteredMemory::import(info, device, host_id)?);
             }
         }
+        // Every rank has mapped every signal page before anyone may drop theirs.
+        comm.bootstrap.barrier()?;
         Ok(comm)
     }
 
@@ -263,10 +265,12 @@ impl Communicator {
     }
 
     /// *Collective.* Every rank's `mem` (indexed by rank; ours is `mem` itself),
-    /// peers' mapped into this process where possible.
+    /// peers' mapped into this process where possible. Ends with a barrier:
+    /// once it returns, every peer has imported `mem`, so dropping it is safe.
     pub fn exchange_memory(&self, mem: &RegisteredMemory) -> Result<Vec<RegisteredMemory>> {
         let all = self.bootstrap.all_gather(&mem.info().to_bytes())?;
-        all.iter()
+        let imported = all
+            .iter()
             .enumerate()
             .map(|(r, b)| {
                 if r == self.rank() {
@@ -275,7 +279,10 @@ impl Communicator {
                     RegisteredMemory::import(MemoryInfo::from_bytes(b)?, self.device, self.host_id)
                 }
             })
-            .collect()
+            .collect::<Result<Vec<_>>>();
+        // Even on a failed import: the peers wait here, not on a dropped offer.
+        self.bootstrap.barrier()?;
+        imported
     }
 
     /// A connection to `peer` over `transport` (CUDA IPC connections are shared:

@@ -87,6 +87,7 @@ pub struct FifoDeviceHandle {
     pub triggers: u64,
     pub head: u64,
     pub tail: u64,
+    pub tail_cache: u64,
     pub error: u64,
     pub size: i32,
     pub rank: i32,
@@ -123,11 +124,11 @@ const _: () = {
     assert!(offset_of!(SemaphoreDeviceHandle, error) == 32);
     assert!(offset_of!(SemaphoreDeviceHandle, id) == 48);
     assert!(size_of::<ProxyTrigger>() == 16);
-    assert!(size_of::<FifoDeviceHandle>() == 48);
-    assert!(offset_of!(FifoDeviceHandle, size) == 32);
-    assert!(size_of::<PortChannelDeviceHandle>() == 120);
-    assert!(offset_of!(PortChannelDeviceHandle, semaphore) == 48);
-    assert!(offset_of!(PortChannelDeviceHandle, channel) == 104);
+    assert!(size_of::<FifoDeviceHandle>() == 56);
+    assert!(offset_of!(FifoDeviceHandle, size) == 40);
+    assert!(size_of::<PortChannelDeviceHandle>() == 128);
+    assert!(offset_of!(PortChannelDeviceHandle, semaphore) == 56);
+    assert!(offset_of!(PortChannelDeviceHandle, channel) == 112);
     assert!(size_of::<MemoryChannelDeviceHandle>() == 80);
     assert!(offset_of!(MemoryChannelDeviceHandle, dst) == 56);
     assert!(offset_of!(MemoryChannelDeviceHandle, packets) == 72);
@@ -259,6 +260,7 @@ pub fn layout_probe_expected() -> Vec<u64> {
         size_of::<FifoDeviceHandle>(),
         offset_of!(FifoDeviceHandle, head),
         offset_of!(FifoDeviceHandle, tail),
+        offset_of!(FifoDeviceHandle, tail_cache),
         offset_of!(FifoDeviceHandle, error),
         offset_of!(FifoDeviceHandle, size),
         offset_of!(FifoDeviceHandle, rank),

@@ -50,7 +50,8 @@ impl Fifo {
         let bytes = size * 16 + 64;
         let (ring, head) = match device {
             Some(d) => {
-                let head = DeviceMemory::alloc(d, 8)?;
+                // [head, tail_cache]
+                let head = DeviceMemory::alloc(d, 16)?;
                 head.fill(0)?;
                 (HostMemory::pinned(d, bytes)?, Head::Device(head))
             }
@@ -125,6 +126,7 @@ impl Fifo {
             triggers: self.ring.device_ptr(),
             head,
             tail: self.ring.device_ptr() + (self.size * 16) as u64,
+            tail_cache: if head == 0 { 0 } else { head + 8 },
             error: self.error.device_ptr(),
             size: self.size as i32,
             rank: self.rank,

@@ -37,7 +37,7 @@ struct ChannelState {
 
 #[derive(Debug, Default)]
 struct Shared {
-    memories: RwLock<Vec<RegisteredMemory>>,
+    memories: RwLock<Vec<Arc<RegisteredMemory>>>,
     channels: RwLock<Vec<Arc<ChannelState>>>,
     first_error: Mutex<Option<CommError>>,
     stop: AtomicBool,
@@ -109,7 +109,7 @@ impl ProxyService {
                 "a proxy holds at most 256 memories",
             ));
         }
-        v.push(m);
+        v.push(Arc::new(m));
         Ok(v.len() as u32 - 1)
     }
 
@@ -294,7 +294,7 @@ fn handle(t: ProxyTrigger, shared: &Shared, flush_timeout: Duration) -> Result<(
                 AtomicWidth::U32
             };
             ch.connection
-                .atomic_add(&memory(dst_mem)?, dst_offset, value, width)?;
+                .atomic_add(&*memory(dst_mem)?, dst_offset, value, width)?;
         }
     }
     Ok(())

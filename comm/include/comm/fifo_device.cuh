@@ -68,6 +68,8 @@ struct FifoDeviceHandle {
   ProxyTrigger* triggers;  // host-mapped ring of `size` slots; GPU writes, proxy reads and clears
   uint64_t* head;          // GPU memory; producers claim slots with atomicAdd; proxy never reads
   uint64_t* tail;          // host-mapped; proxy writes (slots finished), GPU reads
+  uint64_t* tail_cache;    // GPU memory; producers' last seen `tail` (a lower bound), so a push
+                           // reads host memory over PCIe only when the ring looks full
   DeviceError* error;      // host-mapped; GPU writes on timeout, host reads
   int32_t size;            // slots in the ring
   int32_t rank;            // for error reports
@@ -78,7 +80,7 @@ struct FifoDeviceHandle {
   // the ring is full. Any thread may call it; each call claims its own slot.
   __device__ __forceinline__ uint64_t push(ProxyTrigger t, int64_t max_spins = kDefaultMaxSpins) {
     const uint64_t pos = atomicAdd(reinterpret_cast<unsigned long long*>(head), 1ull);
-    if (pos >= uint64_t(size) + load_relaxed_sys(tail)) {
+    if (pos >= uint64_t(size) + *reinterpret_cast<volatile uint64_t*>(tail_cache)) {
       bool ok;
       const uint64_t seen =
           spin_until([&] { return load_acquire_sys(tail); },
@@ -87,6 +89,7 @@ struct FifoDeviceHandle {
         report_error(error, kErrorTimeout, kWaitFifoSpace, rank, -1, id, pos - size + 1, seen);
         return pos;  // the trigger is dropped; the host reports the error
       }
+      atomicMax(reinterpret_cast<unsigned long long*>(tail_cache), seen);
     }
     ProxyTrigger* slot = &triggers[pos % uint64_t(size)];
     store_relaxed_sys(&slot->fst, t.fst);
@@ -104,7 +107,7 @@ struct FifoDeviceHandle {
   }
 #endif
 };
-static_assert(sizeof(FifoDeviceHandle) == 48, "mirrored in Rust");
-static_assert(offsetof(FifoDeviceHandle, size) == 32, "mirrored in Rust");
+static_assert(sizeof(FifoDeviceHandle) == 56, "mirrored in Rust");
+static_assert(offsetof(FifoDeviceHandle, size) == 40, "mirrored in Rust");
 
 }  // namespace comm

@@ -91,8 +91,8 @@ struct PortChannelDeviceHandle {
   __device__ __forceinline__ bool poll() { return semaphore.poll(); }
 #endif
 };
-static_assert(sizeof(PortChannelDeviceHandle) == 120, "mirrored in Rust");
-static_assert(offsetof(PortChannelDeviceHandle, semaphore) == 48, "mirrored in Rust");
-static_assert(offsetof(PortChannelDeviceHandle, channel) == 104, "mirrored in Rust");
+static_assert(sizeof(PortChannelDeviceHandle) == 128, "mirrored in Rust");
+static_assert(offsetof(PortChannelDeviceHandle, semaphore) == 56, "mirrored in Rust");
+static_assert(offsetof(PortChannelDeviceHandle, channel) == 112, "mirrored in Rust");
 
 }  // namespace comm

@@ -53,8 +53,10 @@ struct SemaphoreDeviceHandle {
     const uint64_t want = *expected_inbound + 1;
     *expected_inbound = want;
     bool ok;
-    const uint64_t seen = spin_until([&] { return load_acquire_sys(inbound); },
+    // Poll with relaxed loads (no fence per poll), then one acquire fence.
+    const uint64_t seen = spin_until([&] { return load_relaxed_sys(inbound); },
                                      [&](uint64_t v) { return v >= want; }, max_spins, ok);
+    fence_acquire_sys();
     if (!ok) report_error(error, kErrorTimeout, kWaitSemaphore, rank, peer, id, want, seen);
     return ok;
   }
