@@ -56,6 +56,18 @@ for exe in .gpu/bin/*; do
     *) run "rust-$name" 300 "$exe" --include-ignored --test-threads=1 ;;
   esac
 done
+if [ -n "${GPU_RUN_SANITIZE:-}" ] && [ -x .gpu/bin/gpu_multi_rank ]; then
+  # compute-sanitizer memcheck and racecheck over the multi-rank suite at 2 ranks
+  # (without the 500 x 1 GiB loop) and over the single-GPU kernel tests.
+  for tool in memcheck racecheck; do
+    run "sanitize-$tool-multi_rank" 300 env MOELINK_TEST_SKIP=create_destroy_500x1GiB \
+      python3 -m torch.distributed.run --standalone --nproc-per-node=2 --no-python \
+      compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      .gpu/bin/gpu_multi_rank --include-ignored --test-threads=1 --nocapture
+    run "sanitize-$tool-kernels" 200 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      .gpu/bin/gpu_kernels --include-ignored --test-threads=1
+  done
+fi
 run pytest-gpu 540 python3 -m pytest tests -m "gpu or multi_gpu" -v -rs -p no:cacheprovider ${GPU_RUN_PYTEST_ARGS:-}
 if [ -n "${GPU_RUN_EXTRA:-}" ]; then
   run extra 540 bash -c "$GPU_RUN_EXTRA"
