@@ -11,8 +11,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-./gpu-logs}}
-STEPS="$LOG/steps"
-mkdir -p "$STEPS"
+# Step logs live outside LOG and are re-packed into LOG/steps.tgz after every
+# step, so a run cut short by its time limit still brings its logs back.
+STEPS=$(mktemp -d /tmp/gpu-steps.XXXXXX)/steps
+mkdir -p "$STEPS" "$LOG"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1
 SITE=/tmp/moelink-site
@@ -22,14 +24,16 @@ python3 -m pip install -q --no-deps --no-index --target "$SITE" .gpu/wheels/*.wh
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
 declare -A RESULT
-run() { # name timeout cmd...
+run() { # name timeout cmd...   (GPU_RUN_STEPS: a regex of step names to run)
   local name=$1 t=$2; shift 2
+  if [ -n "${GPU_RUN_STEPS:-}" ] && ! [[ $name =~ $GPU_RUN_STEPS ]]; then return; fi
   echo "=== $name: $* (timeout ${t}s)"
   timeout -k 10 "$t" "$@" > "$STEPS/$name.log" 2>&1
   local rc=$?
   RESULT[$name]=$rc
-  grep -E "^(PASS|FAIL|SKIPPED)|test result|passed|failed|error" "$STEPS/$name.log" | tail -n 30
+  grep -E "^(PASS|FAIL|SKIPPED)|test result|passed|failed|error|ERROR SUMMARY" "$STEPS/$name.log" | tail -n 30
   echo "=== $name: rc=$rc"
+  tar -czf "$LOG/steps.tgz" -C "$(dirname "$STEPS")" steps
 }
 
 {
@@ -60,7 +64,11 @@ if [ -n "${GPU_RUN_SANITIZE:-}" ] && [ -x .gpu/bin/gpu_multi_rank ]; then
   # compute-sanitizer memcheck and racecheck over the multi-rank suite at 2 ranks
   # (without the 500 x 1 GiB loop) and over the single-GPU kernel tests.
   for tool in memcheck racecheck; do
-    run "sanitize-$tool-multi_rank" 300 env MOELINK_TEST_SKIP=create_destroy_500x1GiB \
+    # Left out under the sanitizer: scenarios that launch thousands of tiny
+    # kernels from proxy threads (atomics, Ethernet), which it slows past the
+    # suite's 60 s bootstrap bound, and the 500 x 1 GiB loop.
+    run "sanitize-$tool-multi_rank" 150 env \
+      MOELINK_TEST_SKIP=create_destroy_500x1GiB,port_cuda_ipc_atomics,port_ethernet_put_signal_flush,port_ethernet_atomics \
       python3 -m torch.distributed.run --standalone --nproc-per-node=2 --no-python \
       compute-sanitizer --tool "$tool" --error-exitcode 9 \
       .gpu/bin/gpu_multi_rank --include-ignored --test-threads=1 --nocapture
@@ -87,6 +95,5 @@ status=0
   done
   echo; echo "  }"; echo "}"
 } > "$LOG/summary.json"
-tar -czf "$LOG/steps.tgz" -C "$LOG" steps && rm -rf "$STEPS"
 echo "=== summary"; cat "$LOG/summary.json"
 exit $status

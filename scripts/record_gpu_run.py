@@ -20,7 +20,11 @@ def main() -> int:
     machine = (src / "machine.txt").read_text().splitlines()
     info = dict(line.split("=", 1) for line in machine if "=" in line and " " not in line)
     gpus = [line for line in machine if "NVIDIA" in line and "," in line]
-    summary = json.loads((src / "summary.json").read_text())
+    summary_file = src / "summary.json"
+    if summary_file.exists():
+        summary = json.loads(summary_file.read_text())
+    else:  # the run hit its time limit before writing the summary
+        summary = {"results": {"incomplete": "no summary.json: the run hit its time limit"}}
     date = info.get("date", "unknown")[:10]
     dst = Path("benches/results") / f"{date}_{name}"
     dst.mkdir(parents=True, exist_ok=True)
@@ -30,6 +34,8 @@ def main() -> int:
                 tar.extractall(dst, filter="data")  # -> dst/steps/<step>.log
         elif f.is_file():
             shutil.copy(f, dst / f.name)
+        elif f.is_dir():
+            shutil.copytree(f, dst / f.name, dirs_exist_ok=True)
     run = {
         "date": info.get("date"),
         "machine": {"gpus": gpus, "count": len(gpus)},
