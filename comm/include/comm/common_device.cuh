@@ -52,11 +52,6 @@ __device__ __forceinline__ uint64_t load_relaxed_sys(const uint64_t* p) {
   asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
   return v;
 }
-// Orders this thread's earlier loads before its later loads/stores (system
-// scope): turns a relaxed load that observed a release store into an acquire.
-__device__ __forceinline__ void fence_acquire_sys() {
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-}
 __device__ __forceinline__ void store_release_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
