@@ -896,6 +896,103 @@ impl Bench {
         }
     }
 
+    /// *Collective.* Latency breakdown on rank 0 (no targets; they explain the
+    /// round trips): the proxy's service time per trigger (back-to-back pushes),
+    /// one GPU system-scope load of host-mapped memory (what every FIFO sync
+    /// poll costs), and a `cuStreamWriteValue64` from enqueue on the host to
+    /// the value being visible in host memory (the CUDA IPC signal path).
+    fn breakdown(&self, cfg: &Config) -> Result<Vec<(&'static str, Stats, String)>> {
+        let mut out = Vec::new();
+        let result = if self.role == Role::Initiator {
+            (|| -> Result<()> {
+                let iters = cfg.fifo_iters;
+                let mut push = Vec::new();
+                let mut read = Vec::new();
+                let host = comm::host_memory::HostMemory::pinned(self.device, 64)?;
+                for rep in 0..=cfg.reps {
+                    self.poison_timer()?;
+                    // SAFETY: the handle is valid for this device; out_ns is a device u64.
+                    unsafe {
+                        testing::fifo_push_only(
+                            self.device,
+                            self.stream.handle(),
+                            self.port()?,
+                            iters,
+                            MAX_SPINS,
+                            self.out_ns.ptr(),
+                        )
+                    }?;
+                    self.sync("FIFO push-only")?;
+                    let ns = self.read_timer("FIFO push-only")?;
+                    self.poison_timer()?;
+                    // SAFETY: host is device-mapped pinned memory; out_ns a device u64.
+                    unsafe {
+                        testing::host_read(
+                            self.device,
+                            self.stream.handle(),
+                            host.device_ptr(),
+                            iters,
+                            self.out_ns.ptr(),
+                        )
+                    }?;
+                    self.sync("host-memory reads")?;
+                    let rns = self.read_timer("host-memory reads")?;
+                    self.health()?;
+                    if rep > 0 {
+                        push.push(ns as f64 / iters as f64 / 1e3);
+                        read.push(rns as f64 / iters as f64 / 1e3);
+                    }
+                }
+                out.push((
+                    "fifo_proxy_service_us",
+                    Stats::of(push)?,
+                    format!("{iters} back-to-back no-op pushes per launch"),
+                ));
+                out.push((
+                    "gpu_host_read_us",
+                    Stats::of(read)?,
+                    format!("{iters} dependent ld.acquire.sys of host memory"),
+                ));
+                // Stream memory op latency, host enqueue -> value visible.
+                let word = host.atomic_u64(0);
+                let mut wv = Vec::new();
+                for i in 1..=1000u64 {
+                    let t0 = std::time::Instant::now();
+                    // SAFETY: an aligned u64 of device-mapped pinned memory; the stream is ours.
+                    unsafe {
+                        cudarc::driver::sys::cuStreamWriteValue64_v2(
+                            self.stream.handle().raw(),
+                            host.device_ptr(),
+                            i,
+                            0,
+                        )
+                    }
+                    .result()
+                    .context("cuStreamWriteValue64")?;
+                    while word.load(std::sync::atomic::Ordering::Acquire) != i {
+                        if t0.elapsed() > WAIT {
+                            bail!("cuStreamWriteValue64 of {i} never became visible");
+                        }
+                        std::hint::spin_loop();
+                    }
+                    if i > 100 {
+                        wv.push(t0.elapsed().as_secs_f64() * 1e6);
+                    }
+                }
+                out.push((
+                    "stream_write_value_us",
+                    Stats::of(wv)?,
+                    "host enqueue -> visible in host memory, 900 samples".to_string(),
+                ));
+                Ok(())
+            })()
+        } else {
+            Ok(())
+        };
+        self.agree("latency breakdown", result)?;
+        Ok(out)
+    }
+
     // -- bandwidth -----------------------------------------------------------
 
     /// *Collective.* Put bandwidth of `bytes` from rank 0 into rank 1's buffer:
@@ -1257,6 +1354,19 @@ fn run(args: &Args) -> Result<()> {
                 reference: "MSCCL++ 1.97 us (H200)",
             },
         ));
+    }
+
+    log("latency breakdown (proxy service, GPU read of host memory, stream write)");
+    for (name, stats, note) in b.breakdown(&cfg)? {
+        metrics.push(Metric {
+            name,
+            unit: "us",
+            bytes: None,
+            stats,
+            target: None,
+            note,
+            extra: vec![],
+        });
     }
 
     // 3. Bandwidth (rank 0 -> rank 1).

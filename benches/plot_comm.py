@@ -25,6 +25,10 @@ LATENCIES = [
     ("memchan_signal_wait_rtt_us", "memory channel\nsignal + wait RTT"),
     ("portchan_signal_wait_rtt_us", "port channel\nsignal + wait RTT"),
     ("fifo_push_pop_rtt_us", "FIFO push -> pop\nround trip"),
+    # breakdown (grey: no target)
+    ("fifo_proxy_service_us", "proxy service\nper trigger"),
+    ("gpu_host_read_us", "GPU read of\nhost memory"),
+    ("stream_write_value_us", "cuStreamWrite-\nValue64"),
 ]
 BANDWIDTHS = [
     ("memchan_put_GBps", "memory channel put (SM stores)", "tab:blue"),
@@ -79,9 +83,9 @@ def plot_latencies(ax: Any, results: list[dict[str, Any]]) -> None:
                 fontsize=8,
             )
     ax.set_xticks(xs)
-    ax.set_xticklabels([label for label, _ in rows], fontsize=9)
+    ax.set_xticklabels([label for label, _ in rows], fontsize=8)
     ax.set_ylabel("microseconds (median; whiskers: min..max)")
-    ax.set_title("Round trips (green: meets target, red: misses)")
+    ax.set_title("Round trips (green: meets target, red: misses; grey: breakdown)")
     ax.set_ylim(bottom=0)
     ax.grid(axis="y", alpha=0.3)
 

@@ -141,3 +141,27 @@ extern "C" __global__ void comm_test_fifo_roundtrip(PortChannelDeviceHandle h, i
   }
   out_ns[0] = globaltimer_ns() - t0;
 }
+
+// Latency breakdown, part 1: push `iters` no-op triggers back to back without
+// waiting for each, then wait for the last. Per push: the proxy's service time
+// per trigger (or the push cost, whichever is larger).
+extern "C" __global__ void comm_test_fifo_push_only(PortChannelDeviceHandle h, int iters,
+                                                    int64_t max_spins, uint64_t* out_ns) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  const uint64_t t0 = globaltimer_ns();
+  uint64_t pos = 0;
+  for (int i = 0; i < iters; ++i) pos = h.put(0, 0, 0);
+  h.fifo.sync(pos, max_spins);
+  out_ns[0] = globaltimer_ns() - t0;
+}
+
+// Latency breakdown, part 2: `iters` dependent system-scope loads of a word in
+// host-mapped memory (what a FIFO sync or a GPU poll of host memory costs).
+extern "C" __global__ void comm_test_host_read(const uint64_t* host_word, int iters,
+                                               uint64_t* out_ns) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  const uint64_t t0 = globaltimer_ns();
+  uint64_t v = 0;
+  for (int i = 0; i < iters; ++i) v += load_acquire_sys(host_word + (v & 0));
+  out_ns[0] = globaltimer_ns() - t0 + (v & 0);
+}

@@ -17,6 +17,7 @@ use crate::cuda::Device;
 use crate::device_error::DeviceErrorRecord;
 use crate::error::{CommError, Result};
 use crate::fd_passing::FdServer;
+use crate::memory::DeviceMemory;
 use crate::proxy::ProxyService;
 use crate::registered_memory::{host_id, IpcExport, Location, MemoryInfo, RegisteredMemory};
 use crate::semaphore::{Semaphore, SignalPage, SLOT_BYTES};
@@ -62,6 +63,20 @@ struct Registration {
 impl Drop for Registration {
     fn drop(&mut self) {
         self.fd_server.withdraw(self.fd_key);
+        if let Some((rx, ptr)) = &self.ethernet {
+            rx.unregister(*ptr);
+        }
+    }
+}
+
+/// As [`Registration`], for a legacy-IPC registration (no fd offer).
+struct LegacyRegistration {
+    _memory: Arc<DeviceMemory>,
+    ethernet: Option<(Arc<EthernetReceiver>, u64)>,
+}
+
+impl Drop for LegacyRegistration {
+    fn drop(&mut self) {
         if let Some((rx, ptr)) = &self.ethernet {
             rx.unregister(*ptr);
         }
@@ -236,11 +251,48 @@ impl Communicator {
 
     /// Allocates `len` bytes of GPU memory (rounded up to the allocation
     /// granularity) and registers it for every transport this rank supports.
+    /// Falls back to `cuMemAlloc` + a legacy CUDA IPC handle where the device
+    /// cannot create POSIX-fd shareable cuMem allocations.
     pub fn alloc_memory(&self, len: usize) -> Result<RegisteredMemory> {
         let device = self
             .device
             .ok_or_else(|| CommError::invalid("device", "this communicator has no GPU"))?;
-        self.register(Arc::new(VmmMemory::alloc(device, len)?))
+        match VmmMemory::alloc(device, len) {
+            Ok(m) => self.register(Arc::new(m)),
+            Err(CommError::Cuda { call, source }) => {
+                tracing::warn!(
+                    "{call} failed ({source}); falling back to cuMemAlloc + legacy CUDA IPC"
+                );
+                self.register_legacy(Arc::new(DeviceMemory::alloc(device, len)?))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Registers a `cuMemAlloc` allocation through a legacy CUDA IPC handle
+    /// (plus Ethernet when the receiver runs).
+    pub fn register_legacy(&self, memory: Arc<DeviceMemory>) -> Result<RegisteredMemory> {
+        let handle = memory.ipc_handle()?;
+        let (ptr, len) = (memory.ptr(), memory.len() as u64);
+        let location = Location::Device(memory.device().ordinal);
+        let ethernet = self.ethernet.as_ref().map(|rx| {
+            rx.register(ptr, len, location);
+            (rx.clone(), ptr)
+        });
+        let info = MemoryInfo {
+            rank: self.rank() as u32,
+            len,
+            location,
+            host_id: self.host_id,
+            owner_ptr: ptr,
+            ipc: Some(IpcExport::Legacy(handle)),
+            ethernet: self.ethernet.as_ref().map(|e| e.address()),
+        };
+        let keep = LegacyRegistration {
+            _memory: memory,
+            ethernet,
+        };
+        Ok(RegisteredMemory::local(info, Some(Arc::new(keep))))
     }
 
     /// Registers memory owned by the caller (host memory, or GPU memory from

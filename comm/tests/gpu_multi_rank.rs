@@ -252,6 +252,48 @@ fn memchan_put_get(c: &Ctx) -> R {
     Ok(())
 }
 
+/// A buffer registered through a legacy CUDA IPC handle (the fallback of
+/// alloc_memory): peers map it and a memory-channel put lands.
+fn legacy_ipc_put(c: &Ctx) -> R {
+    let mem = Arc::new(DeviceMemory::alloc(c.device, 1 << 20)?);
+    mem.fill(0xA5)?;
+    let reg = c.comm.register_legacy(mem.clone())?;
+    let chans = c.comm.memory_channels(&reg, None)?;
+    let h = chans[c.partner()]
+        .as_ref()
+        .unwrap()
+        .device_handle(c.comm.device_error())?;
+    let n = 12_345usize;
+    let seed = |r: usize| 0x1E6A ^ (r as u64) << 20;
+    mem.copy_from_host(0, &bytes_of(seed(c.rank), n))?;
+    c.comm.barrier()?;
+    // SAFETY: both ranges lie inside the 1 MiB legacy buffers.
+    unsafe {
+        testing::memchan_copy(
+            c.device,
+            c.stream.handle(),
+            1,
+            512,
+            h,
+            500_001,
+            0,
+            n as u64,
+            false,
+            1,
+            true,
+        )?;
+        testing::memchan_wait(c.device, c.stream.handle(), h, SPINS)?;
+    }
+    c.sync("legacy IPC put")?;
+    let mut got = vec![0u8; n + 2];
+    mem.copy_to_host(500_000, &mut got)?;
+    let mut want = vec![0xA5u8];
+    want.extend(bytes_of(seed(c.partner()), n));
+    want.push(0xA5);
+    check_eq("legacy CUDA IPC put", &got, &want)?;
+    c.comm.barrier()
+}
+
 fn packets(c: &Ctx) -> R {
     let chans = memory_channels(c)?;
     let h = chans[c.partner()]
@@ -650,6 +692,10 @@ fn multi_rank_suite() {
         ("timeout_is_reported", timeout_is_reported),
         ("nothing_on_other_devices", nothing_on_other_devices),
         ("create_destroy_500x1GiB", create_destroy_500),
+        // Last: opening legacy IPC handles may make the driver create contexts
+        // on the peers' devices, which nothing_on_other_devices rules out for
+        // the default (cuMem) path.
+        ("legacy_ipc_put", legacy_ipc_put),
     ];
     // MOELINK_TEST_SKIP: comma-separated scenario names to leave out (e.g. the
     // 500 x 1 GiB loop under compute-sanitizer).
