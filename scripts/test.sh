@@ -17,7 +17,7 @@ cargo fmt --all -- --check
 step "cargo clippy -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-step "cargo test (compiles every CUDA file through ep-kernels/build.rs)"
+step "cargo test (compiles every CUDA file through the comm and ep-kernels build scripts)"
 cargo test --workspace --locked
 
 step "python lint (ruff)"
