@@ -853,6 +853,17 @@ impl Bench {
         .context("launching the ping-pong kernel")
     }
 
+    /// Poisons the timer word, runs `launch` (a kernel that writes its elapsed
+    /// nanoseconds there), waits for it and returns the nanoseconds.
+    fn timed_launch(&self, what: &str, launch: impl FnOnce() -> comm::Result<()>) -> Result<u64> {
+        self.poison_timer()?;
+        launch()?;
+        self.sync(what)?;
+        let ns = self.read_timer(what)?;
+        self.health()?;
+        Ok(ns)
+    }
+
     /// *Collective.* FIFO push -> proxy pop round trip on rank 0's port
     /// channel, microseconds per operation.
     fn fifo_roundtrip(&self, cfg: &Config) -> Result<Option<Stats>> {
@@ -865,21 +876,18 @@ impl Bench {
                     cfg.fifo_iters
                 };
                 let what = format!("FIFO round trip {rep}/{}", cfg.reps);
-                self.poison_timer()?;
+                let port = self.port()?;
                 // SAFETY: the handle is valid for this device; out_ns is a device u64.
-                unsafe {
+                let ns = self.timed_launch(&what, || unsafe {
                     testing::fifo_roundtrip(
                         self.device,
                         self.stream.handle(),
-                        self.port()?,
+                        port,
                         iters,
                         MAX_SPINS,
                         self.out_ns.ptr(),
                     )
-                }?;
-                self.sync(&what)?;
-                let ns = self.read_timer(&what)?;
-                self.health()?;
+                })?;
                 if rep > 0 {
                     samples.push(ns as f64 / iters as f64 / 1e3);
                 }
@@ -897,50 +905,31 @@ impl Bench {
     }
 
     /// *Collective.* Latency breakdown on rank 0 (no targets; they explain the
-    /// round trips): the proxy's service time per trigger (back-to-back pushes),
-    /// one GPU system-scope load of host-mapped memory (what every FIFO sync
-    /// poll costs), and a `cuStreamWriteValue64` from enqueue on the host to
-    /// the value being visible in host memory (the CUDA IPC signal path).
+    /// round trips): the slower of the GPU push and the proxy's service per
+    /// trigger (back-to-back pushes), and a `cuStreamWriteValue64` from enqueue
+    /// on the host to the value being visible in host memory (the CUDA IPC
+    /// signal hop).
     fn breakdown(&self, cfg: &Config) -> Result<Vec<(&'static str, Stats, String)>> {
         let mut out = Vec::new();
         let result = if self.role == Role::Initiator {
             (|| -> Result<()> {
                 let iters = cfg.fifo_iters;
                 let mut push = Vec::new();
-                let mut read = Vec::new();
-                let host = comm::host_memory::HostMemory::pinned(self.device, 64)?;
+                let port = self.port()?;
                 for rep in 0..=cfg.reps {
-                    self.poison_timer()?;
                     // SAFETY: the handle is valid for this device; out_ns is a device u64.
-                    unsafe {
+                    let ns = self.timed_launch("FIFO push-only", || unsafe {
                         testing::fifo_push_only(
                             self.device,
                             self.stream.handle(),
-                            self.port()?,
+                            port,
                             iters,
                             MAX_SPINS,
                             self.out_ns.ptr(),
                         )
-                    }?;
-                    self.sync("FIFO push-only")?;
-                    let ns = self.read_timer("FIFO push-only")?;
-                    self.poison_timer()?;
-                    // SAFETY: host is device-mapped pinned memory; out_ns a device u64.
-                    unsafe {
-                        testing::host_read(
-                            self.device,
-                            self.stream.handle(),
-                            host.device_ptr(),
-                            iters,
-                            self.out_ns.ptr(),
-                        )
-                    }?;
-                    self.sync("host-memory reads")?;
-                    let rns = self.read_timer("host-memory reads")?;
-                    self.health()?;
+                    })?;
                     if rep > 0 {
                         push.push(ns as f64 / iters as f64 / 1e3);
-                        read.push(rns as f64 / iters as f64 / 1e3);
                     }
                 }
                 out.push((
@@ -948,11 +937,7 @@ impl Bench {
                     Stats::of(push)?,
                     format!("{iters} back-to-back no-op pushes per launch"),
                 ));
-                out.push((
-                    "gpu_host_read_us",
-                    Stats::of(read)?,
-                    format!("{iters} dependent ld.acquire.sys of host memory"),
-                ));
+                let host = comm::host_memory::HostMemory::pinned(self.device, 64)?;
                 // Stream memory op latency, host enqueue -> value visible.
                 let word = host.atomic_u64(0);
                 let mut wv = Vec::new();

@@ -27,7 +27,6 @@ LATENCIES = [
     ("fifo_push_pop_rtt_us", "FIFO push -> pop\nround trip"),
     # breakdown (grey: no target)
     ("fifo_proxy_service_us", "proxy service\nper trigger"),
-    ("gpu_host_read_us", "GPU read of\nhost memory"),
     ("stream_write_value_us", "cuStreamWrite-\nValue64"),
 ]
 BANDWIDTHS = [

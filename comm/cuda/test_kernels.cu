@@ -154,14 +154,3 @@ extern "C" __global__ void comm_test_fifo_push_only(PortChannelDeviceHandle h, i
   h.fifo.sync(pos, max_spins);
   out_ns[0] = globaltimer_ns() - t0;
 }
-
-// Latency breakdown, part 2: `iters` dependent system-scope loads of a word in
-// host-mapped memory (what a FIFO sync or a GPU poll of host memory costs).
-extern "C" __global__ void comm_test_host_read(const uint64_t* host_word, int iters,
-                                               uint64_t* out_ns) {
-  if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  const uint64_t t0 = globaltimer_ns();
-  uint64_t v = 0;
-  for (int i = 0; i < iters; ++i) v += load_acquire_sys(host_word + (v & 0));
-  out_ns[0] = globaltimer_ns() - t0 + (v & 0);
-}

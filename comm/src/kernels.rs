@@ -21,7 +21,6 @@ const NAMES: &[&str] = &[
     "comm_test_portchan_atomics",
     "comm_test_fifo_roundtrip",
     "comm_test_fifo_push_only",
-    "comm_test_host_read",
 ];
 static MODULES: ModuleCache = ModuleCache::new("comm", FATBIN, NAMES);
 
@@ -343,21 +342,5 @@ pub mod testing {
         ];
         // SAFETY: parameter list matches comm_test_fifo_push_only.
         unsafe { module(device)?.launch(11, (1, 1, 1), (32, 1, 1), 0, stream, p) }
-    }
-
-    /// `iters` dependent system-scope loads of the host-mapped word at `host_word`.
-    ///
-    /// # Safety
-    /// `host_word` must be a device-mapped host address; `out_ns` a device u64.
-    pub unsafe fn host_read(
-        device: Device,
-        stream: StreamHandle,
-        mut host_word: u64,
-        mut iters: i32,
-        mut out_ns: u64,
-    ) -> Result<()> {
-        let p = &mut [arg(&mut host_word), arg(&mut iters), arg(&mut out_ns)];
-        // SAFETY: parameter list matches comm_test_host_read.
-        unsafe { module(device)?.launch(12, (1, 1, 1), (32, 1, 1), 0, stream, p) }
     }
 }
