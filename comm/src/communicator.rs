@@ -179,7 +179,12 @@ impl Communicator {
                 comm.signal_pages[r] = page_info.clone();
             } else if !page.is_empty() {
                 let info = MemoryInfo::from_bytes(page)?;
-                comm.signal_pages[r] = Some(RegisteredMemory::import(info, device, host_id)?);
+                comm.signal_pages[r] = Some(RegisteredMemory::import_with_timeout(
+                    info,
+                    device,
+                    host_id,
+                    comm.timeout,
+                )?);
             }
         }
         // Every rank has mapped every signal page before anyone may drop theirs.
@@ -328,7 +333,12 @@ impl Communicator {
                 if r == self.rank() {
                     Ok(mem.clone())
                 } else {
-                    RegisteredMemory::import(MemoryInfo::from_bytes(b)?, self.device, self.host_id)
+                    RegisteredMemory::import_with_timeout(
+                        MemoryInfo::from_bytes(b)?,
+                        self.device,
+                        self.host_id,
+                        self.timeout,
+                    )
                 }
             })
             .collect::<Result<Vec<_>>>();

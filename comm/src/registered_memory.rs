@@ -169,7 +169,20 @@ impl RegisteredMemory {
 
     /// A peer's buffer: mapped into `device`'s address space when it is on this
     /// host and exports CUDA IPC, else unmapped (Ethernet only).
+    /// Fetching a cuMem fd from the owner waits at most 30 s; see
+    /// [`RegisteredMemory::import_with_timeout`].
     pub fn import(info: MemoryInfo, device: Option<Device>, host_id: u64) -> Result<Self> {
+        Self::import_with_timeout(info, device, host_id, Duration::from_secs(30))
+    }
+
+    /// As [`RegisteredMemory::import`], waiting at most `timeout` for the
+    /// owner's fd server.
+    pub fn import_with_timeout(
+        info: MemoryInfo,
+        device: Option<Device>,
+        host_id: u64,
+        timeout: Duration,
+    ) -> Result<Self> {
         let (Some(dev), true, Some(ipc)) = (device, info.host_id == host_id, info.ipc.as_ref())
         else {
             return Ok(Self {
@@ -184,7 +197,7 @@ impl RegisteredMemory {
                 (m.ptr(), Arc::new(m))
             }
             IpcExport::Vmm { server, key, len } => {
-                let fd = fetch_fd(server, *key, Duration::from_secs(30))?;
+                let fd = fetch_fd(server, *key, timeout)?;
                 let m = VmmMapping::import(dev, fd, *len as usize)?;
                 (m.ptr(), Arc::new(m))
             }
