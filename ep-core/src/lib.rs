@@ -4,7 +4,9 @@
 //! | module | what it does |
 //! |---|---|
 //! | [`diagnostics`] | peer-write check: every GPU stores a pattern into every peer over NVLink |
+//! | [`reference`](mod@reference) | CPU reference semantics (the test oracle) of layout, dispatch and combine, any number of ranks |
 
 pub mod diagnostics;
+pub mod reference;
 
 pub use comm::{CommError as Error, Result};
