@@ -96,3 +96,68 @@ pub unsafe fn reduce_rows_bf16(
         )
     }
 }
+
+/// `layout_dispatch`: per-rank and per-expert token counts and
+/// `is_token_in_rank` from `topk_idx` (`[num_tokens, num_topk]` int64, -1 =
+/// none), with the semantics of `ep_core::reference::layout`. Every output
+/// element is written. Ids must already be checked to lie in `[-1, num_experts)`.
+///
+/// # Safety
+/// `topk_idx` must hold `num_tokens * num_topk` int64 values, the outputs
+/// `[num_ranks]` int32, `[num_experts]` int32 and `[num_tokens, num_ranks]`
+/// bytes, all on this device.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn layout_dispatch(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    topk_idx: u64,
+    num_tokens: i32,
+    num_topk: i32,
+    num_experts: i32,
+    num_ranks: i32,
+    num_tokens_per_rank: u64,
+    num_tokens_per_expert: u64,
+    is_token_in_rank: u64,
+) -> Result<()> {
+    if num_ranks <= 0 || num_experts <= 0 || num_experts % num_ranks != 0 {
+        return Err(CommError::invalid(
+            "num_experts",
+            format!("{num_experts} experts cannot be split evenly over {num_ranks} ranks"),
+        ));
+    }
+    if num_tokens < 0 || !(1..=32).contains(&num_topk) {
+        return Err(CommError::invalid(
+            "topk_idx",
+            format!("shape [{num_tokens}, {num_topk}] (top-k must be 1..=32)"),
+        ));
+    }
+    const EXPERTS_PER_BLOCK: i32 = 32;
+    const RANKS_PER_BLOCK: i32 = 8;
+    let blocks = (num_experts + EXPERTS_PER_BLOCK - 1) / EXPERTS_PER_BLOCK
+        + (num_ranks + RANKS_PER_BLOCK - 1) / RANKS_PER_BLOCK;
+    let (mut ids, mut n, mut kk, mut e, mut r) =
+        (topk_idx, num_tokens, num_topk, num_experts, num_ranks);
+    let (mut per_rank, mut per_expert, mut in_rank) =
+        (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank);
+    let mut params = [
+        arg(&mut ids),
+        arg(&mut n),
+        arg(&mut kk),
+        arg(&mut e),
+        arg(&mut r),
+        arg(&mut per_rank),
+        arg(&mut per_expert),
+        arg(&mut in_rank),
+    ];
+    // SAFETY: argument types match the kernel signature; pointer validity is the caller's contract.
+    unsafe {
+        k.launch(
+            KernelId::LayoutDispatch,
+            (blocks as u32, 1, 1),
+            (256, 1, 1),
+            0,
+            stream,
+            &mut params,
+        )
+    }
+}

@@ -31,6 +31,7 @@ macro_rules! kernels {
 kernels! {
     DiagnosticsWritePeers => "diagnostics_write_peers",
     ReduceRowsBf16 => "reduce_rows_bf16",
+    LayoutDispatch => "layout_dispatch",
 }
 
 static MODULES: ModuleCache = ModuleCache::new("ep-kernels", FATBIN, KernelId::NAMES);

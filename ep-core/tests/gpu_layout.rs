@@ -1,0 +1,97 @@
+//! The layout kernel against the CPU reference, on fresh random routing with
+//! poisoned outputs. Needs a CUDA GPU: `#[ignore]`d here, run on the GPU
+//! machine by scripts/gpu_run.sh (`--include-ignored`).
+
+use comm::{Device, DeviceMemory, StreamHandle};
+use ep_core::reference;
+use ep_kernels::{launch, DeviceKernels};
+use rand::seq::IndexedRandom;
+use rand::{Rng, SeedableRng};
+
+/// Top-k of random scores (distinct experts), then some ids replaced by -1
+/// and, in some tokens, an id repeated; some tokens routed nowhere.
+fn routing(rng: &mut impl Rng, n: usize, k: usize, e: usize) -> Vec<i64> {
+    let mut ids = Vec::with_capacity(n * k);
+    let all: Vec<i64> = (0..e as i64).collect();
+    for t in 0..n {
+        let mut row: Vec<i64> = all.choose_multiple(rng, k).copied().collect();
+        match t % 7 {
+            0 => row.iter_mut().for_each(|x| *x = -1),
+            1 => row[rng.random_range(0..k)] = -1,
+            2 if k > 1 => row[1] = row[0],
+            _ => {}
+        }
+        ids.extend(row);
+    }
+    ids
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
+fn layout_kernel_matches_reference() {
+    assert!(comm::device_count() > 0, "no CUDA device");
+    let dev = Device::bind(0).unwrap();
+    let kernels = DeviceKernels::get(dev).unwrap();
+    let seed: u64 = rand::rng().random();
+    println!("seed {seed}");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let cases = [
+        (4096, 8, 256, 4),
+        (4096, 8, 288, 8),
+        (1000, 1, 8, 2),
+        (333, 32, 64, 8),
+        (0, 8, 256, 4),
+        (17, 4, 12, 1),
+        (5000, 6, 96, 3),
+    ];
+    for (n, k, e, r) in cases {
+        let ids = routing(&mut rng, n, k, e);
+        let want = reference::layout(&ids, k, e, r).unwrap();
+        let d_ids = DeviceMemory::alloc(dev, (n * k * 8).max(8)).unwrap();
+        if n > 0 {
+            d_ids.copy_from_host(0, &ids).unwrap();
+        }
+        let per_rank = DeviceMemory::alloc(dev, r * 4).unwrap();
+        let per_expert = DeviceMemory::alloc(dev, e * 4).unwrap();
+        let in_rank = DeviceMemory::alloc(dev, (n * r).max(1)).unwrap();
+        for m in [&per_rank, &per_expert, &in_rank] {
+            m.fill(0xAB).unwrap(); // poison: every element must be written
+        }
+        // SAFETY: buffers sized as the launcher documents.
+        unsafe {
+            launch::layout_dispatch(
+                &kernels,
+                StreamHandle(0),
+                d_ids.ptr(),
+                n as i32,
+                k as i32,
+                e as i32,
+                r as i32,
+                per_rank.ptr(),
+                per_expert.ptr(),
+                in_rank.ptr(),
+            )
+        }
+        .unwrap();
+        dev.synchronize().unwrap();
+        let mut got_rank = vec![0i32; r];
+        let mut got_expert = vec![0i32; e];
+        let mut got_in = vec![0u8; n * r];
+        per_rank.copy_to_host(0, &mut got_rank).unwrap();
+        per_expert.copy_to_host(0, &mut got_expert).unwrap();
+        if n > 0 {
+            in_rank.copy_to_host(0, &mut got_in).unwrap();
+        }
+        let case = format!("seed {seed}, N={n} K={k} E={e} R={r}");
+        assert_eq!(
+            got_rank, want.num_tokens_per_rank,
+            "{case}: tokens per rank"
+        );
+        assert_eq!(
+            got_expert, want.num_tokens_per_expert,
+            "{case}: tokens per expert"
+        );
+        let want_in: Vec<u8> = want.is_token_in_rank.iter().map(|&b| b as u8).collect();
+        assert_eq!(got_in, want_in, "{case}: is_token_in_rank");
+    }
+}
