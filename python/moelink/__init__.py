@@ -5,17 +5,25 @@ back) over NVLink, behind a DeepEP-compatible ``Buffer``, plus fast allreduce.
 The core is Rust and CUDA (``moelink._native``); this package is the torch API.
 """
 
+import torch
+
 from . import _native
 from ._native import CudaError, TimeoutError, __version__
+from .config import Config
 from .diagnostics import peer_write_check
 
+#: dtype of top-k expert ids (``topk_idx``), as ``deep_ep.topk_idx_t``.
+topk_idx_t = torch.int64
+
 __all__ = [
+    "Config",
     "CudaError",
     "TimeoutError",
     "__version__",
     "compiled_archs",
     "device_count",
     "peer_write_check",
+    "topk_idx_t",
 ]
 
 

@@ -1,0 +1,244 @@
+"""``Config``: launch settings of dispatch/combine, and the buffer sizes they need.
+
+``Config`` takes DeepEP's arguments (``deep_ep.Config``) with DeepEP's defaults and
+rules, so existing code builds and passes it unchanged. moelink's intranode kernels
+store every token in a fixed slot sized for the worst case (docs/design-intranode.md)
+instead of streaming chunks through small ring buffers, so the chunk sizes are
+accepted and validated but do not change how much memory a ``Buffer`` needs: the
+size hints depend on the number of tokens instead.
+"""
+
+from __future__ import annotations
+
+from .checks import MAX_TOPK, check_int
+
+__all__ = [
+    "COMBINE_RECORD_TOPK",
+    "COUNTER_BYTES",
+    "DEFAULT_MAX_TOKENS_PER_RANK",
+    "Config",
+    "combine_record_bytes",
+    "get_combine_config",
+    "get_dispatch_config",
+    "token_record_bytes",
+]
+
+#: Tokens per rank the size hints plan for unless told otherwise.
+DEFAULT_MAX_TOKENS_PER_RANK = 4096
+#: Bytes of the counter region (per-rank/per-expert counts, signals) of a buffer.
+COUNTER_BYTES = 64 * 1024
+#: Top-k weights (float32) a combine slot carries next to the row.
+COMBINE_RECORD_TOPK = 32
+
+_ALIGN = 128  # buffer sizes are multiples of this
+_RECORD_ALIGN = 16  # slots start on 16-byte boundaries (16-byte vector stores)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+def token_record_bytes(
+    hidden_bytes: int, num_topk: int = MAX_TOPK, num_scales: int | None = None
+) -> int:
+    """Bytes of one dispatch slot: what one token carries to one destination rank.
+
+    ``hidden_bytes`` of row data, ``num_scales`` float32 scales (default
+    ``hidden_bytes // 128``, which covers fp8 rows with one scale per 128 channels),
+    ``num_topk`` expert ids (int64) and weights (float32), and 16 bytes for the
+    source token index and padding; rounded up to a multiple of 16.
+    """
+    hidden_bytes = check_int("hidden_bytes", hidden_bytes, minimum=1)
+    num_topk = check_int("num_topk", num_topk, minimum=0)
+    if num_scales is None:
+        num_scales = hidden_bytes // 128
+    num_scales = check_int("num_scales", num_scales, minimum=0)
+    raw = hidden_bytes + num_scales * 4 + num_topk * (8 + 4) + 16
+    return _round_up(raw, _RECORD_ALIGN)
+
+
+def combine_record_bytes(hidden_bytes: int, num_topk: int = COMBINE_RECORD_TOPK) -> int:
+    """Bytes of one combine slot: one expert-output row plus ``num_topk`` float32
+    weights, rounded up to a multiple of 16."""
+    hidden_bytes = check_int("hidden_bytes", hidden_bytes, minimum=1)
+    num_topk = check_int("num_topk", num_topk, minimum=0)
+    return _round_up(hidden_bytes + num_topk * 4, _RECORD_ALIGN)
+
+
+class Config:
+    """Launch settings of normal (non low-latency) dispatch and combine.
+
+    ``Config(num_sms=20, num_max_nvl_chunked_send_tokens=6,
+    num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6,
+    num_max_rdma_chunked_recv_tokens=256)``, as ``deep_ep.Config``.
+
+    - ``num_sms``: SMs the kernels use; even, because they run in pairs (one sender
+      and one receiver block per channel).
+    - The chunk sizes (tokens): every count positive and, for both the NVLink and
+      the RDMA pair, the send chunk smaller than the receive chunk.
+
+    Invalid values raise ``ValueError`` (``TypeError`` for non-integers) naming the
+    argument. A ``Config`` is immutable, compares and hashes by value, and its
+    ``repr`` rebuilds it.
+    """
+
+    __slots__ = (
+        "num_sms",
+        "num_max_nvl_chunked_send_tokens",
+        "num_max_nvl_chunked_recv_tokens",
+        "num_max_rdma_chunked_send_tokens",
+        "num_max_rdma_chunked_recv_tokens",
+    )
+
+    def __init__(
+        self,
+        num_sms: int = 20,
+        num_max_nvl_chunked_send_tokens: int = 6,
+        num_max_nvl_chunked_recv_tokens: int = 256,
+        num_max_rdma_chunked_send_tokens: int = 6,
+        num_max_rdma_chunked_recv_tokens: int = 256,
+    ) -> None:
+        num_sms = check_int("num_sms", num_sms, minimum=1)
+        if num_sms % 2 != 0:
+            raise ValueError(
+                f"num_sms must be even (SMs are used in pairs: one sender and one "
+                f"receiver block per channel), got {num_sms}"
+            )
+        values = {"num_sms": num_sms}
+        for name, value in (
+            ("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens),
+            ("num_max_nvl_chunked_recv_tokens", num_max_nvl_chunked_recv_tokens),
+            ("num_max_rdma_chunked_send_tokens", num_max_rdma_chunked_send_tokens),
+            ("num_max_rdma_chunked_recv_tokens", num_max_rdma_chunked_recv_tokens),
+        ):
+            values[name] = check_int(name, value, minimum=1)
+        for kind in ("nvl", "rdma"):
+            send = f"num_max_{kind}_chunked_send_tokens"
+            recv = f"num_max_{kind}_chunked_recv_tokens"
+            if values[send] >= values[recv]:
+                raise ValueError(
+                    f"{send} must be smaller than {recv}, got {send}={values[send]} "
+                    f"and {recv}={values[recv]}"
+                )
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"Config is immutable; build a new one to change {name}")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"Config is immutable; cannot delete {name}")
+
+    def _key(self) -> tuple:
+        return tuple(getattr(self, name) for name in self.__slots__)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{name}={getattr(self, name)}" for name in self.__slots__)
+        return f"Config({args})"
+
+    def __eq__(self, other):
+        if not isinstance(other, Config):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __reduce__(self):
+        return (Config, self._key())
+
+    def get_nvl_buffer_size_hint(
+        self,
+        hidden_bytes: int,
+        num_ranks: int,
+        *,
+        max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK,
+    ) -> int:
+        """Bytes of NVLink buffer (``num_nvl_bytes``) a ``Buffer`` needs for
+        intranode dispatch/combine of rows of ``hidden_bytes`` bytes among
+        ``num_ranks`` ranks, each sending at most ``max_tokens_per_rank`` tokens.
+
+        Pass ``hidden_bytes`` as DeepEP users do (``hidden * max(element_size, 2)``)
+        so that one size serves both bf16 and fp8 inputs. The result is a multiple
+        of 128:
+
+        - dispatch region: ``num_ranks * max_tokens_per_rank * token_record_bytes(
+          hidden_bytes)`` (a slot per possible source token, worst-case top-k and
+          scales),
+        - combine region: ``num_ranks * max_tokens_per_rank * combine_record_bytes(
+          hidden_bytes)`` (row plus 32 float32 weights),
+        - ``COUNTER_BYTES`` (64 KiB) of counters and signals.
+
+        DeepEP's hint depends on the chunk sizes, because DeepEP streams tokens
+        through per-channel ring buffers of ``num_max_nvl_chunked_recv_tokens``
+        slots with head/tail flow control, whatever the batch size. moelink gives
+        every token a fixed slot (no flow control, one signal per peer instead of
+        one per chunk), so the buffer must hold the largest batch: the hint depends
+        on ``max_tokens_per_rank`` and not on this config's chunk sizes; a buffer
+        sized with this hint holds batches of up to ``max_tokens_per_rank`` tokens
+        per rank.
+        """
+        hidden_bytes = check_int("hidden_bytes", hidden_bytes, minimum=1)
+        num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+        max_tokens_per_rank = check_int("max_tokens_per_rank", max_tokens_per_rank, minimum=1)
+        slots = num_ranks * max_tokens_per_rank
+        dispatch_region = slots * token_record_bytes(hidden_bytes)
+        combine_region = slots * combine_record_bytes(hidden_bytes)
+        return _round_up(dispatch_region + combine_region + COUNTER_BYTES, _ALIGN)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of RDMA buffer (``num_rdma_bytes``) a ``Buffer`` needs: always 0
+        for now, because moelink has no internode (multi-node) path yet.
+
+        It returns 0 instead of raising because DeepEP users call it
+        unconditionally and pass the result to ``Buffer``, which needs no RDMA
+        buffer within a node. The arguments are still checked.
+        """
+        check_int("hidden_bytes", hidden_bytes, minimum=1)
+        check_int("num_ranks", num_ranks, minimum=1)
+        return 0
+
+
+# Chunk sizes mirror DeepEP's tuned tables so printed configs look familiar; they do
+# not affect moelink's fixed-slot kernels. num_sms=24 everywhere is a placeholder.
+_PLACEHOLDER_NUM_SMS = 24
+_DISPATCH_CONFIGS = {
+    2: (24, 256, 6, 128),
+    4: (6, 256, 6, 128),
+    8: (6, 256, 6, 128),
+}
+_COMBINE_CONFIGS = {
+    2: (10, 256, 6, 128),
+    4: (9, 256, 6, 128),
+    8: (4, 256, 6, 128),
+}
+_GENERIC_CHUNKS = (6, 256, 6, 256)
+
+
+def _config_for(table: dict, num_ranks: int, num_sms: int | None) -> Config:
+    num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+    if num_sms is None:
+        num_sms = _PLACEHOLDER_NUM_SMS
+    return Config(num_sms, *table.get(num_ranks, _GENERIC_CHUNKS))
+
+
+def get_dispatch_config(num_ranks: int, *, num_sms: int | None = None) -> Config:
+    """Default ``Config`` for dispatch among ``num_ranks`` ranks.
+
+    Rank counts 2, 4 and 8 have their own entries, any other count (>= 1) gets a
+    generic default. These are placeholders until tuned on hardware: every entry
+    uses ``num_sms=24`` (or ``num_sms`` when given, as ``Buffer.set_num_sms`` will
+    do). Raises ``ValueError`` for ``num_ranks < 1``.
+    """
+    return _config_for(_DISPATCH_CONFIGS, num_ranks, num_sms)
+
+
+def get_combine_config(num_ranks: int, *, num_sms: int | None = None) -> Config:
+    """Default ``Config`` for combine among ``num_ranks`` ranks.
+
+    Rank counts 2, 4 and 8 have their own entries, any other count (>= 1) gets a
+    generic default. These are placeholders until tuned on hardware: every entry
+    uses ``num_sms=24`` (or ``num_sms`` when given, as ``Buffer.set_num_sms`` will
+    do). Raises ``ValueError`` for ``num_ranks < 1``.
+    """
+    return _config_for(_COMBINE_CONFIGS, num_ranks, num_sms)

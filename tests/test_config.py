@@ -1,0 +1,211 @@
+"""CPU tests of ``moelink.Config``, its buffer size hints and the default configs."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import moelink
+import pytest
+import torch
+from moelink.config import (
+    COUNTER_BYTES,
+    Config,
+    combine_record_bytes,
+    get_combine_config,
+    get_dispatch_config,
+    token_record_bytes,
+)
+
+NAMES = (
+    "num_sms",
+    "num_max_nvl_chunked_send_tokens",
+    "num_max_nvl_chunked_recv_tokens",
+    "num_max_rdma_chunked_send_tokens",
+    "num_max_rdma_chunked_recv_tokens",
+)
+
+
+def test_package_exports():
+    assert moelink.Config is Config
+    assert moelink.topk_idx_t is torch.int64
+    assert {"Config", "topk_idx_t"} <= set(moelink.__all__)
+
+
+def test_defaults_match_deepep():
+    c = Config()
+    assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens) == (
+        20,
+        6,
+        256,
+    )
+    assert (c.num_max_rdma_chunked_send_tokens, c.num_max_rdma_chunked_recv_tokens) == (6, 256)
+
+
+def test_positional_and_keyword_arguments():
+    # DeepEP's tables build configs positionally.
+    c = Config(24, 6, 256, 6, 128)
+    assert c == Config(
+        num_sms=24,
+        num_max_nvl_chunked_send_tokens=6,
+        num_max_nvl_chunked_recv_tokens=256,
+        num_max_rdma_chunked_send_tokens=6,
+        num_max_rdma_chunked_recv_tokens=128,
+    )
+    assert Config(2, 1, 2, 1, 2).num_max_rdma_chunked_recv_tokens == 2
+
+
+def test_repr_eq_hash_and_immutability():
+    c = Config(24, 6, 256, 6, 128)
+    assert repr(c) == (
+        "Config(num_sms=24, num_max_nvl_chunked_send_tokens=6, "
+        "num_max_nvl_chunked_recv_tokens=256, num_max_rdma_chunked_send_tokens=6, "
+        "num_max_rdma_chunked_recv_tokens=128)"
+    )
+    assert eval(repr(c), {"Config": Config}) == c
+    assert c == Config(24, 6, 256, 6, 128)
+    assert c != Config(26, 6, 256, 6, 128)
+    assert c != "Config"
+    assert hash(c) == hash(Config(24, 6, 256, 6, 128))
+    assert len({c, Config(24, 6, 256, 6, 128), Config()}) == 2
+    with pytest.raises(AttributeError, match="immutable"):
+        c.num_sms = 4
+    with pytest.raises(AttributeError):
+        c.other = 1
+    assert pickle.loads(pickle.dumps(c)) == c
+    assert copy.deepcopy(c) == c
+
+
+def test_numpy_and_torch_style_integers_accepted():
+    import numpy as np
+
+    c = Config(np.int64(8), np.int32(3))
+    assert c.num_sms == 8 and type(c.num_sms) is int
+    assert c.num_max_nvl_chunked_send_tokens == 3
+
+
+@pytest.mark.parametrize("num_sms", [1, 3, 21, 131])
+def test_odd_num_sms(num_sms):
+    with pytest.raises(ValueError, match=rf"num_sms must be even .*got {num_sms}"):
+        Config(num_sms=num_sms)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("value", [0, -2])
+def test_non_positive(name, value):
+    with pytest.raises(ValueError, match=rf"{name} must be positive, got {value}"):
+        Config(**{name: value})
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("value", [2.0, "8", None, True])
+def test_non_integer(name, value):
+    with pytest.raises(TypeError, match=rf"{name} must be an int"):
+        Config(**{name: value})
+
+
+@pytest.mark.parametrize("kind", ["nvl", "rdma"])
+@pytest.mark.parametrize("send,recv", [(256, 256), (300, 256), (2, 1)])
+def test_send_chunk_not_below_recv_chunk(kind, send, recv):
+    send_name = f"num_max_{kind}_chunked_send_tokens"
+    recv_name = f"num_max_{kind}_chunked_recv_tokens"
+    with pytest.raises(
+        ValueError,
+        match=rf"{send_name} must be smaller than {recv_name}, "
+        rf"got {send_name}={send} and {recv_name}={recv}",
+    ):
+        Config(**{send_name: send, recv_name: recv})
+
+
+def test_token_record_bytes():
+    # 7168 bf16 channels: row 14336 + 112 scales * 4 + 32 * 12 + 16 = 15184.
+    assert token_record_bytes(7168 * 2) == 15184
+    assert token_record_bytes(7168 * 2, num_topk=8, num_scales=56) == 14336 + 224 + 96 + 16
+    # Rounded up to 16.
+    assert token_record_bytes(130, num_topk=1) == 176  # 130 + 1 * 4 + 12 + 16 = 162
+    assert token_record_bytes(128, num_topk=0, num_scales=1) == 160  # 148
+    for hidden_bytes in (128, 256, 2048, 7168, 14336):
+        for k in (1, 7, 32):
+            assert token_record_bytes(hidden_bytes, num_topk=k) % 16 == 0
+    assert combine_record_bytes(14336) == 14336 + 128
+    with pytest.raises(ValueError, match="hidden_bytes must be positive"):
+        token_record_bytes(0)
+    with pytest.raises(ValueError, match="num_topk must be >= 0"):
+        token_record_bytes(128, num_topk=-1)
+
+
+def test_nvl_hint_formula():
+    c = Config()
+    hidden_bytes, ranks, tokens = 7168 * 2, 4, 4096
+    want = ranks * tokens * (15184 + 14336 + 128) + COUNTER_BYTES
+    assert c.get_nvl_buffer_size_hint(hidden_bytes, ranks) == want
+    assert c.get_nvl_buffer_size_hint(hidden_bytes, ranks, max_tokens_per_rank=tokens) == want
+    # The chunk sizes do not matter for fixed slots.
+    assert Config(2, 1, 2, 1, 2).get_nvl_buffer_size_hint(hidden_bytes, ranks) == want
+
+
+def test_nvl_hint_multiple_of_128_and_monotonic():
+    c = Config()
+    prev_h = 0
+    for hidden_bytes in (128, 256, 1024, 4096, 7168, 14336):
+        prev_r = 0
+        size_h = c.get_nvl_buffer_size_hint(hidden_bytes, 8)
+        assert size_h > prev_h
+        prev_h = size_h
+        for ranks in range(1, 9):
+            prev_t = 0
+            size_r = c.get_nvl_buffer_size_hint(hidden_bytes, ranks)
+            assert size_r > prev_r
+            prev_r = size_r
+            for tokens in (1, 2, 33, 128, 4096, 8192):
+                size = c.get_nvl_buffer_size_hint(hidden_bytes, ranks, max_tokens_per_rank=tokens)
+                assert size % 128 == 0
+                assert size > prev_t
+                prev_t = size
+    # Odd sizes still give a multiple of 128.
+    assert c.get_nvl_buffer_size_hint(100, 3, max_tokens_per_rank=7) % 128 == 0
+
+
+@pytest.mark.parametrize(
+    "args,kwargs,match",
+    [
+        ((0, 4), {}, "hidden_bytes must be positive"),
+        ((1024, 0), {}, "num_ranks must be positive"),
+        ((1024, 4), {"max_tokens_per_rank": 0}, "max_tokens_per_rank must be positive"),
+    ],
+)
+def test_nvl_hint_rejects_bad_arguments(args, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Config().get_nvl_buffer_size_hint(*args, **kwargs)
+
+
+def test_rdma_hint_is_zero_for_now():
+    c = Config()
+    for hidden_bytes in (256, 14336):
+        for ranks in (1, 2, 8, 16, 64):
+            assert c.get_rdma_buffer_size_hint(hidden_bytes, ranks) == 0
+    with pytest.raises(ValueError, match="num_ranks must be positive"):
+        c.get_rdma_buffer_size_hint(1024, 0)
+
+
+@pytest.mark.parametrize("get", [get_dispatch_config, get_combine_config])
+def test_default_configs(get):
+    for ranks in range(1, 9):
+        c = get(ranks)
+        assert isinstance(c, Config)
+        assert c.num_sms == 24
+        assert c.num_max_nvl_chunked_send_tokens < c.num_max_nvl_chunked_recv_tokens
+        assert c.num_max_rdma_chunked_send_tokens < c.num_max_rdma_chunked_recv_tokens
+        assert c.get_nvl_buffer_size_hint(7168 * 2, ranks) > 0
+    assert get(3) == get(5) == get(1)  # generic default
+    assert get(64).num_sms == 24
+    assert get(8, num_sms=32).num_sms == 32
+    with pytest.raises(ValueError, match="num_sms must be even"):
+        get(8, num_sms=31)
+
+
+@pytest.mark.parametrize("get", [get_dispatch_config, get_combine_config])
+@pytest.mark.parametrize("ranks", [0, -1])
+def test_default_configs_reject_bad_rank_count(get, ranks):
+    with pytest.raises(ValueError, match=rf"num_ranks must be positive, got {ranks}"):
+        get(ranks)
