@@ -4,7 +4,7 @@
 # Installs the wheel into a temporary target, sets the no-multicast policy, runs the
 # GPU tests (pytest -m "gpu or multi_gpu", Rust GPU tests with --include-ignored),
 # each under `timeout`, and writes logs + summary.json into LOG_DIR (default $OUT,
-# else ./gpu-logs): per-step logs are packed into steps.tgz at the end (the device
+# else ./gpu-logs): per-step logs are re-packed into steps.tgz after every step (the device
 # tool brings back at most 8 files), next to machine.txt and summary.json.
 # GPU_RUN_PYTEST_ARGS narrows pytest (e.g. "-k peer");
 # GPU_RUN_EXTRA is a command run last (benchmarks), its output logged as extra.log.
