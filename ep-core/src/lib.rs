@@ -5,8 +5,10 @@
 //! |---|---|
 //! | [`diagnostics`] | peer-write check: every GPU stores a pattern into every peer over NVLink |
 //! | [`reference`](mod@reference) | CPU reference semantics (the test oracle) of layout, dispatch and combine, any number of ranks |
+//! | [`reference_ll`] | CPU reference semantics (the test oracle) of low-latency dispatch (with its fp8 cast) and combine, any number of ranks |
 
 pub mod diagnostics;
 pub mod reference;
+pub mod reference_ll;
 
 pub use comm::{CommError as Error, Result};
