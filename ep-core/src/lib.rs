@@ -10,5 +10,7 @@
 pub mod diagnostics;
 pub mod reference;
 pub mod reference_ll;
+#[cfg(test)]
+mod test_support;
 
 pub use comm::{CommError as Error, Result};

@@ -880,41 +880,15 @@ fn gather<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_support::assert_invalid;
     use rand::rngs::StdRng;
-    use rand::{Rng, SeedableRng};
-    use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+    use rand::Rng;
 
     // ---- helpers ------------------------------------------------------------
 
-    /// Base seed of the random tests; `MOELINK_REFERENCE_SEED` overrides it.
-    fn base_seed() -> u64 {
-        std::env::var("MOELINK_REFERENCE_SEED")
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0x5EED_0001)
-    }
-
-    /// Runs `f` with an rng seeded from the base seed plus `offset`; on a
-    /// failure prints how to reproduce it.
+    /// Seeds the random tests (base 0x5EED_0001; `MOELINK_REFERENCE_SEED` overrides it).
     fn with_seed(what: &str, offset: u64, f: impl FnOnce(&mut StdRng)) {
-        let base = base_seed();
-        let mut rng = StdRng::seed_from_u64(base.wrapping_add(offset));
-        if let Err(e) = catch_unwind(AssertUnwindSafe(|| f(&mut rng))) {
-            eprintln!(
-                "{what} failed: base seed {base}, offset {offset} \
-                 (rerun with MOELINK_REFERENCE_SEED={base})"
-            );
-            resume_unwind(e);
-        }
-    }
-
-    fn assert_invalid<T: std::fmt::Debug>(res: Result<T>, want: &str) {
-        match res {
-            Err(CommError::InvalidArgument { name, reason }) => {
-                assert_eq!(name, want, "wrong argument named (reason: {reason})")
-            }
-            other => panic!("expected InvalidArgument({want}), got {other:?}"),
-        }
+        crate::test_support::with_seed(what, 0x5EED_0001, offset, f)
     }
 
     fn f32s_to_bytes(v: &[f32]) -> Vec<u8> {

@@ -1,0 +1,36 @@
+//! Helpers shared by the unit tests of the reference modules.
+
+use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
+
+use comm::CommError;
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use crate::Result;
+
+/// Runs `f` with an rng seeded from the base seed (`MOELINK_REFERENCE_SEED`,
+/// else `default_base`) plus `offset`; on a failure prints how to reproduce it.
+pub(crate) fn with_seed(what: &str, default_base: u64, offset: u64, f: impl FnOnce(&mut StdRng)) {
+    let base = std::env::var("MOELINK_REFERENCE_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default_base);
+    let mut rng = StdRng::seed_from_u64(base.wrapping_add(offset));
+    if let Err(e) = catch_unwind(AssertUnwindSafe(|| f(&mut rng))) {
+        eprintln!(
+            "{what} failed: base seed {base}, offset {offset} \
+             (rerun with MOELINK_REFERENCE_SEED={base})"
+        );
+        resume_unwind(e);
+    }
+}
+
+/// Asserts `res` is an `InvalidArgument` naming argument `want`.
+pub(crate) fn assert_invalid<T: std::fmt::Debug>(res: Result<T>, want: &str) {
+    match res {
+        Err(CommError::InvalidArgument { name, reason }) => {
+            assert_eq!(name, want, "wrong argument named (reason: {reason})")
+        }
+        other => panic!("expected InvalidArgument({want}), got {other:?}"),
+    }
+}
