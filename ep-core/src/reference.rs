@@ -1502,26 +1502,7 @@ mod tests {
             } else {
                 rng.random_range(1..=300)
             };
-            let mut topk = Vec::with_capacity(n * k);
-            for _ in 0..n {
-                let mut row: Vec<i64> = rand::seq::index::sample(rng, num_experts, k)
-                    .into_iter()
-                    .map(|e| e as i64)
-                    .collect();
-                if rng.random_bool(0.05) {
-                    row.fill(-1);
-                }
-                for e in row.iter_mut() {
-                    if rng.random_bool(0.15) {
-                        *e = -1;
-                    }
-                }
-                if duplicates && k > 1 && rng.random_bool(0.3) {
-                    let c = rng.random_range(1..k);
-                    row[c] = row[0];
-                }
-                topk.extend(row);
-            }
+            let topk = crate::test_support::random_topk(rng, n, num_experts, k, duplicates);
             case.weights
                 .push((0..n * k).map(|_| rng.random_range(0.0f32..1.0)).collect());
             case.x

@@ -2785,26 +2785,7 @@ mod tests {
                 1 => most,
                 _ => rng.random_range(1..=most),
             };
-            let mut topk = Vec::with_capacity(n * k);
-            for _ in 0..n {
-                let mut row: Vec<i64> = rand::seq::index::sample(rng, num_experts, k)
-                    .into_iter()
-                    .map(|e| e as i64)
-                    .collect();
-                if rng.random_bool(0.05) {
-                    row.fill(-1);
-                }
-                for e in row.iter_mut() {
-                    if rng.random_bool(0.15) {
-                        *e = -1;
-                    }
-                }
-                if duplicates && k > 1 && rng.random_bool(0.3) {
-                    let c = rng.random_range(1..k);
-                    row[c] = row[0];
-                }
-                topk.extend(row);
-            }
+            let topk = crate::test_support::random_topk(rng, n, num_experts, k, duplicates);
             let weights = (0..n * k)
                 .map(|_| {
                     if exact {

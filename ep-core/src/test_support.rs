@@ -4,7 +4,7 @@ use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
 use comm::CommError;
 use rand::rngs::StdRng;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 
 use crate::Result;
 
@@ -33,4 +33,37 @@ pub(crate) fn assert_invalid<T: std::fmt::Debug>(res: Result<T>, want: &str) {
         }
         other => panic!("expected InvalidArgument({want}), got {other:?}"),
     }
+}
+
+/// Random top-k ids for `n` tokens: `k` distinct experts of `num_experts` per
+/// token (as from top-k of random scores), then some whole rows and some
+/// single ids set to -1, and (with `duplicates`) some rows with a repeated id.
+pub(crate) fn random_topk(
+    rng: &mut StdRng,
+    n: usize,
+    num_experts: usize,
+    k: usize,
+    duplicates: bool,
+) -> Vec<i64> {
+    let mut topk = Vec::with_capacity(n * k);
+    for _ in 0..n {
+        let mut row: Vec<i64> = rand::seq::index::sample(rng, num_experts, k)
+            .into_iter()
+            .map(|e| e as i64)
+            .collect();
+        if rng.random_bool(0.05) {
+            row.fill(-1);
+        }
+        for e in row.iter_mut() {
+            if rng.random_bool(0.15) {
+                *e = -1;
+            }
+        }
+        if duplicates && k > 1 && rng.random_bool(0.3) {
+            let c = rng.random_range(1..k);
+            row[c] = row[0];
+        }
+        topk.extend(row);
+    }
+    topk
 }
