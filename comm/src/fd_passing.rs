@@ -88,7 +88,10 @@ struct Offer {
 
 #[derive(Default)]
 struct Registry {
-    next_key: u64,
+    /// Keys are SipHash values of a counter under this process-random state,
+    /// so another local process cannot guess them.
+    keys: RandomState,
+    counter: u64,
     offers: HashMap<u64, Offer>,
 }
 
@@ -176,8 +179,13 @@ impl FdServer {
 
     fn insert(&self, fd: OwnedFd, takers_left: Option<usize>) -> u64 {
         let mut registry = lock(&self.shared);
-        registry.next_key += 1;
-        let key = registry.next_key;
+        let key = loop {
+            registry.counter += 1;
+            let k = registry.keys.hash_one(registry.counter);
+            if k != 0 && !registry.offers.contains_key(&k) {
+                break k;
+            }
+        };
         if takers_left != Some(0) {
             registry.offers.insert(key, Offer { fd, takers_left });
         }
@@ -241,7 +249,36 @@ fn serve_loop(listener: UnixListener, wake_rx: UnixStream, shared: Shared) {
     }
 }
 
+/// Whether the connected peer runs as this process's user (SO_PEERCRED).
+fn peer_is_same_user(stream: &UnixStream) -> io::Result<bool> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: cred/len describe a writable ucred; the fd is a connected unix socket.
+    let rc = unsafe {
+        libc::getsockopt(
+            stream.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: getuid has no preconditions.
+    Ok(cred.uid == unsafe { libc::getuid() })
+}
+
 fn serve(stream: &UnixStream, shared: &Shared) -> io::Result<()> {
+    if !peer_is_same_user(stream)? {
+        tracing::warn!("fd server: refused a request from another user");
+        return send_msg(stream, &[REPLY_NO_SUCH_KEY], None);
+    }
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(SERVE_TIMEOUT))?;
     stream.set_write_timeout(Some(SERVE_TIMEOUT))?;

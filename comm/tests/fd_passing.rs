@@ -202,8 +202,24 @@ fn child_role() {
 }
 
 fn run_child(role: &str, addr: &FdAddress, key: u64, sum: u64) -> (Option<i32>, String) {
+    run_child_as(None, role, addr, key, sum)
+}
+
+/// As [`run_child`], the child running as user `uid` when given.
+fn run_child_as(
+    uid: Option<u32>,
+    role: &str,
+    addr: &FdAddress,
+    key: u64,
+    sum: u64,
+) -> (Option<i32>, String) {
+    use std::os::unix::process::CommandExt;
     let hex: String = addr.to_bytes().iter().map(|b| format!("{b:02x}")).collect();
-    let out = Command::new(std::env::current_exe().unwrap())
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    if let Some(uid) = uid {
+        cmd.uid(uid);
+    }
+    let out = cmd
         .args(["--exact", "child_role", "--nocapture", "--test-threads=1"])
         .env(CHILD_ROLE, role)
         .env("FDPASS_ADDR", hex)
@@ -214,6 +230,37 @@ fn run_child(role: &str, addr: &FdAddress, key: u64, sum: u64) -> (Option<i32>, 
     let text =
         String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status.code(), text)
+}
+
+/// A process of another user gets "no such key" even with the right key
+/// (SO_PEERCRED). Needs root to start the child as another user.
+#[test]
+fn other_users_are_refused() {
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 {
+        println!("SKIPPED other_users_are_refused: needs root to run a child as another user");
+        return;
+    }
+    let exe = std::env::current_exe().unwrap();
+    let _serial = serial();
+    let server = FdServer::start("fdpass-uid").unwrap();
+    let content = random_bytes(4096);
+    let key = server.offer(memfd_with(&content));
+    let (code, out) = run_child_as(Some(65534), "other-user", &server.address(), key, 0);
+    if out.contains("Permission denied") || code == Some(126) {
+        println!(
+            "SKIPPED other_users_are_refused: {} not executable by uid 65534",
+            exe.display()
+        );
+        return;
+    }
+    assert_eq!(code, Some(3), "child must fail:\n{out}");
+    assert!(out.contains(&format!("no fd under key {key}")), "{out}");
+    // The owner itself still gets it.
+    assert_eq!(
+        read_all(&fetch_fd(&server.address(), key, T).unwrap()),
+        content
+    );
 }
 
 #[test]
