@@ -275,16 +275,18 @@ fn peer_is_same_user(stream: &UnixStream) -> io::Result<bool> {
 }
 
 fn serve(stream: &UnixStream, shared: &Shared) -> io::Result<()> {
-    if !peer_is_same_user(stream)? {
-        tracing::warn!("fd server: refused a request from another user");
-        return send_msg(stream, &[REPLY_NO_SUCH_KEY], None);
-    }
     stream.set_nonblocking(false)?;
     stream.set_read_timeout(Some(SERVE_TIMEOUT))?;
     stream.set_write_timeout(Some(SERVE_TIMEOUT))?;
     let mut key = [0u8; 8];
     (&*stream).read_exact(&mut key)?;
     let key = u64::from_le_bytes(key);
+    // Checked after reading the request, so the refused client gets the normal
+    // "no such key" reply rather than a broken pipe while it is still sending.
+    if !peer_is_same_user(stream)? {
+        tracing::warn!("fd server: refused a request from another user");
+        return send_msg(stream, &[REPLY_NO_SUCH_KEY], None);
+    }
     let dup = lock(shared)
         .offers
         .get(&key)
