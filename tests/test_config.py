@@ -137,7 +137,7 @@ def test_token_record_bytes():
 def test_nvl_hint_formula():
     c = Config()
     hidden_bytes, ranks, tokens = 7168 * 2, 4, 4096
-    want = ranks * tokens * (15184 + 14336 + 128) + COUNTER_BYTES
+    want = 2 * ranks * tokens * max(15184, 14336 + 128) + COUNTER_BYTES
     assert c.get_nvl_buffer_size_hint(hidden_bytes, ranks) == want
     assert c.get_nvl_buffer_size_hint(hidden_bytes, ranks, max_tokens_per_rank=tokens) == want
     # The chunk sizes do not matter for fixed slots.

@@ -4,9 +4,10 @@
 //! |---|---|---|
 //! | build | `build.rs` | nvcc compiles every `.cu` under `cuda/` (one unity TU) into a fatbin |
 //! | module | [`module`] | embedded fatbin, [`KernelId`] table, one lazily loaded module per device |
-//! | launchers | [`launch`] | one typed, checked launcher per kernel, on a caller-given raw stream |
+//! | launchers | [`launch`], [`intranode`] | one typed, checked launcher per kernel, on a caller-given raw stream |
 
 pub mod error;
+pub mod intranode;
 pub mod launch;
 pub mod module;
 

@@ -32,6 +32,15 @@ kernels! {
     DiagnosticsWritePeers => "diagnostics_write_peers",
     ReduceRowsBf16 => "reduce_rows_bf16",
     LayoutDispatch => "layout_dispatch",
+    DispatchNotify => "dispatch_notify",
+    DispatchBarrier => "dispatch_barrier",
+    DispatchSend => "dispatch_send",
+    DispatchWait => "dispatch_wait",
+    DispatchRecv => "dispatch_recv",
+    CombineBarrier => "combine_barrier",
+    CombineSend => "combine_send",
+    CombineWait => "combine_wait",
+    CombineRecv => "combine_recv",
 }
 
 static MODULES: ModuleCache = ModuleCache::new("ep-kernels", FATBIN, KernelId::NAMES);

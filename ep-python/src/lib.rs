@@ -2,6 +2,9 @@
 //! error mapping only; everything else lives in ep-core. The GIL is released
 //! around every call that waits on the GPU.
 
+mod buffer;
+mod reference;
+
 use std::sync::Once;
 
 use comm::{CommError, Device, StreamHandle};
@@ -22,7 +25,7 @@ pyo3::create_exception!(
     "A bounded wait ran out; the message names the rank and what it waited for."
 );
 
-fn to_py(e: CommError) -> PyErr {
+pub(crate) fn to_py(e: CommError) -> PyErr {
     match e {
         CommError::InvalidArgument { .. } => PyValueError::new_err(e.to_string()),
         CommError::Timeout { .. } => TimeoutError::new_err(e.to_string()),
@@ -140,5 +143,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reduce_rows_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(pattern_word, m)?)?;
     m.add_class::<PeerWriteCheck>()?;
+    reference::register(m)?;
+    m.add_function(wrap_pyfunction!(buffer::bootstrap_unique_id, m)?)?;
+    m.add_class::<buffer::IntranodeBuffer>()?;
     Ok(())
 }

@@ -9,6 +9,7 @@ import torch
 
 from . import _native
 from ._native import CudaError, TimeoutError, __version__
+from .buffer import Buffer, EventOverlap
 from .config import Config
 from .diagnostics import peer_write_check
 
@@ -16,8 +17,10 @@ from .diagnostics import peer_write_check
 topk_idx_t = torch.int64
 
 __all__ = [
+    "Buffer",
     "Config",
     "CudaError",
+    "EventOverlap",
     "TimeoutError",
     "__version__",
     "compiled_archs",

@@ -1,5 +1,7 @@
 """Type stubs of the Rust extension module ``moelink._native``."""
 
+from typing import Any
+
 __version__: str
 
 class CudaError(RuntimeError): ...
@@ -18,3 +20,45 @@ class PeerWriteCheck:
     def connect(self, handles: list[bytes]) -> None: ...
     def write(self, stream: int, seed: int) -> None: ...
     def verify(self, seed: int) -> list[tuple[int, int, int, int, int]]: ...
+
+# CPU reference of dispatch / combine (ep_core::reference); wrapped by moelink.reference.
+# Arrays are raw little-endian row-major bytes; bools are 0 / 1 bytes.
+
+class RefDispatched:
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def num_topk(self) -> int: ...
+    @property
+    def hidden_bytes(self) -> int: ...
+    @property
+    def num_scales(self) -> int: ...
+    @property
+    def rank_prefix_matrix(self) -> bytes: ...
+    def num_tokens(self, rank: int) -> int: ...
+    def is_token_in_rank(self, rank: int) -> bytes: ...
+    def rank_output(self, rank: int) -> dict[str, Any]: ...
+
+def reference_layout(
+    topk_idx: bytes, num_topk: int, num_experts: int, num_ranks: int
+) -> tuple[bytes, bytes, bytes]: ...
+def reference_dispatch(
+    inputs: list[tuple[bytes, bytes | None, bytes, bytes | None]],
+    num_experts: int,
+    num_topk: int,
+    hidden_bytes: int,
+    num_scales: int,
+    expert_alignment: int,
+    num_worst_tokens: int,
+) -> RefDispatched: ...
+def reference_dispatch_cached(
+    handle: RefDispatched,
+    inputs: list[tuple[bytes, bytes | None]],
+    hidden_bytes: int,
+    num_scales: int,
+) -> list[tuple[bytes, bytes | None]]: ...
+def reference_combine(
+    handle: RefDispatched,
+    inputs: list[tuple[bytes, bytes | None, bytes | None, bytes | None]],
+    hidden: int,
+) -> list[tuple[bytes, bytes | None]]: ...

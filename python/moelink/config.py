@@ -162,12 +162,13 @@ class Config:
         so that one size serves both bf16 and fp8 inputs. The result is a multiple
         of 128:
 
-        - dispatch region: ``num_ranks * max_tokens_per_rank * token_record_bytes(
-          hidden_bytes)`` (a slot per possible source token, worst-case top-k and
-          scales),
-        - combine region: ``num_ranks * max_tokens_per_rank * combine_record_bytes(
-          hidden_bytes)`` (row plus 32 float32 weights),
-        - ``COUNTER_BYTES`` (64 KiB) of counters and signals.
+        - ``COUNTER_BYTES`` (64 KiB) of counters,
+        - two equal data regions, dispatch and combine, each of ``num_ranks *
+          max_tokens_per_rank`` slots of ``max(token_record_bytes(hidden_bytes),
+          combine_record_bytes(hidden_bytes))`` bytes (a slot per possible source
+          token with worst-case top-k and scales; an expert-output row plus 32 float32
+          weights). The kernels split whatever follows the counters in two halves, so
+          a bigger buffer holds proportionally more tokens.
 
         DeepEP's hint depends on the chunk sizes, because DeepEP streams tokens
         through per-channel ring buffers of ``num_max_nvl_chunked_recv_tokens``
@@ -182,9 +183,8 @@ class Config:
         num_ranks = check_int("num_ranks", num_ranks, minimum=1)
         max_tokens_per_rank = check_int("max_tokens_per_rank", max_tokens_per_rank, minimum=1)
         slots = num_ranks * max_tokens_per_rank
-        dispatch_region = slots * token_record_bytes(hidden_bytes)
-        combine_region = slots * combine_record_bytes(hidden_bytes)
-        return _round_up(dispatch_region + combine_region + COUNTER_BYTES, _ALIGN)
+        slot_bytes = max(token_record_bytes(hidden_bytes), combine_record_bytes(hidden_bytes))
+        return _round_up(2 * slots * slot_bytes + COUNTER_BYTES, _ALIGN)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of RDMA buffer (``num_rdma_bytes``) a ``Buffer`` needs: always 0

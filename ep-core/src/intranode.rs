@@ -1,0 +1,563 @@
+//! The intranode part of `moelink.Buffer`: one NVL buffer per rank mapped by
+//! every peer, memory channels to every peer, and the launch sequences of
+//! dispatch and combine (docs/design-intranode.md has the design; the kernels
+//! are `ep-kernels/cuda/intranode.cu`).
+//!
+//! All tensors are passed as raw device addresses: the Python layer checks
+//! dtypes, shapes, devices and contiguity before calling in, and allocates
+//! the outputs. Every method launches on the stream it is given and returns
+//! without waiting, except [`IntranodeBuffer::wait_counts`] (bounded).
+//!
+//! Region reuse: a rank may write into a peer's dispatch (combine) region only
+//! when the peer no longer reads it. `dispatch_notify` is a barrier (every
+//! peer signals it only after its stream finished its earlier calls); a
+//! cached dispatch always, and a combine that follows a combine without a
+//! notify or barrier in between, first run a barrier kernel. Which one is needed is tracked on the
+//! host: every rank makes the same sequence of calls.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use comm::channel::MemoryChannel;
+use comm::device_handles::MemoryChannelDeviceHandle;
+use comm::error::{CommError, Result};
+use comm::host_memory::HostMemory;
+use comm::registered_memory::RegisteredMemory;
+use comm::{Bootstrap, Communicator, CommunicatorOptions, Device, DeviceMemory, StreamHandle};
+use ep_kernels::intranode::{
+    self as k, CombineRecvArgs, CombineSendArgs, IntranodeCtx, NotifyArgs, RecordLayout, RecvArgs,
+    SendArgs, CTRL_BYTES,
+};
+use ep_kernels::DeviceKernels;
+
+/// Largest number of experts per rank (`E / R`) the host-mapped counts hold.
+pub const MAX_EXPERTS_PER_RANK: usize = 1024;
+const HOST_COUNTS_OFFSET: usize = 64;
+const HOST_BYTES: usize = HOST_COUNTS_OFFSET + 4 * (1 + MAX_EXPERTS_PER_RANK);
+
+/// How long the CPU waits for the notify kernel's counts by default.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Spins of every device wait: about 30 s at ~100 ns per poll.
+pub const DEFAULT_MAX_SPINS: i64 = 300_000_000;
+
+/// What a dispatch moves per token (the same on every rank).
+#[derive(Clone, Copy, Debug)]
+pub struct DispatchShape {
+    pub num_tokens: usize,
+    pub hidden_bytes: usize,
+    pub num_scales: usize,
+    /// Columns of `topk_idx` carried (0: no top-k).
+    pub num_topk: usize,
+    pub num_experts: usize,
+}
+
+/// Device addresses of a dispatch's inputs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DispatchInputs {
+    pub x: u64,
+    pub scales: u64,
+    pub scale_strides: (i64, i64),
+    pub topk_idx: u64,
+    pub topk_weights: u64,
+    /// `[N, R]` bool (normal dispatch) — unused for cached.
+    pub is_token_in_rank: u64,
+    /// `[E]` int32 (normal dispatch).
+    pub num_tokens_per_expert: u64,
+    /// `[R, R]` int32: written by notify (normal), read (cached).
+    pub rank_prefix_matrix: u64,
+    /// `[N, R]` int32: written by notify (normal), read (cached).
+    pub send_head: u64,
+}
+
+/// Device addresses of a dispatch's outputs (0 = not wanted).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DispatchOutputs {
+    pub num_rows: i64,
+    pub recv_x: u64,
+    pub recv_scales: u64,
+    pub scale_strides: (i64, i64),
+    pub recv_topk_idx: u64,
+    pub recv_topk_weights: u64,
+    pub recv_src_idx: u64,
+}
+
+/// A combine's arguments.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CombineArgs {
+    /// bf16 `[num_recv_rows, hidden]`.
+    pub y: u64,
+    pub num_recv_rows: i64,
+    pub hidden: usize,
+    /// f32 `[num_recv_rows, K]` or 0.
+    pub topk_weights: u64,
+    pub num_topk: usize,
+    pub rank_prefix_matrix: u64,
+    /// `[N, R]` int32.
+    pub send_head: u64,
+    pub num_tokens: usize,
+    pub bias: (u64, u64),
+    pub out: u64,
+    pub out_weights: u64,
+}
+
+pub struct IntranodeBuffer {
+    comm: Communicator,
+    device: Device,
+    kernels: DeviceKernels,
+    nvl: RegisteredMemory,
+    _channels: Vec<Option<MemoryChannel>>,
+    channel_table: DeviceMemory,
+    /// `[0..4)`: ticket (u32), `[8..16)`: notify epoch (u64).
+    scratch: DeviceMemory,
+    host: HostMemory,
+    host_epoch: u64,
+    combine_dirty: bool,
+    timeout: Duration,
+    max_spins: i64,
+}
+
+impl std::fmt::Debug for IntranodeBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IntranodeBuffer")
+            .field("rank", &self.rank())
+            .field("num_ranks", &self.num_ranks())
+            .field("num_nvl_bytes", &self.nvl.len())
+            .finish()
+    }
+}
+
+impl IntranodeBuffer {
+    /// *Collective.* Allocates `num_nvl_bytes` of NVL buffer on `device`, maps
+    /// every peer's, and builds memory channels to every peer.
+    pub fn new(
+        bootstrap: Arc<dyn Bootstrap>,
+        device: Device,
+        num_nvl_bytes: usize,
+        timeout: Duration,
+    ) -> Result<Self> {
+        let size = bootstrap.size();
+        if size > k::MAX_RANKS {
+            return Err(CommError::invalid(
+                "group",
+                format!(
+                    "{size} ranks; intranode kernels handle at most {}",
+                    k::MAX_RANKS
+                ),
+            ));
+        }
+        if num_nvl_bytes < CTRL_BYTES as usize + 4096 || num_nvl_bytes % 128 != 0 {
+            return Err(CommError::invalid(
+                "num_nvl_bytes",
+                format!(
+                    "{num_nvl_bytes} bytes: need a multiple of 128 of at least {} (see \
+                     Config.get_nvl_buffer_size_hint)",
+                    CTRL_BYTES + 4096
+                ),
+            ));
+        }
+        let opts = CommunicatorOptions {
+            timeout,
+            semaphore_slots: 256,
+            ..CommunicatorOptions::default()
+        };
+        let comm = Communicator::new(bootstrap, Some(device), opts)?;
+        let kernels = DeviceKernels::get(device)?;
+        let nvl = comm.alloc_memory(num_nvl_bytes)?;
+        // The control region starts zeroed; the data regions need not.
+        zero_device(device, nvl.ptr(), CTRL_BYTES as usize)?;
+        let channels = comm.memory_channels(&nvl, None)?;
+        let rank = comm.rank();
+        let mut handles: Vec<MemoryChannelDeviceHandle> = Vec::with_capacity(size);
+        for (p, ch) in channels.iter().enumerate() {
+            match ch {
+                Some(c) => handles.push(c.device_handle(comm.device_error())?),
+                None => {
+                    debug_assert_eq!(p, rank);
+                    // Our own entry is never used by the kernels; a zeroed copy of
+                    // any handle keeps the table dense.
+                    // SAFETY: the handle is plain data; all-zero is a valid value.
+                    handles.push(unsafe { std::mem::zeroed() });
+                }
+            }
+        }
+        let table_bytes = size * std::mem::size_of::<MemoryChannelDeviceHandle>();
+        let channel_table = DeviceMemory::alloc(device, table_bytes)?;
+        channel_table.copy_from_host(0, &handles)?;
+        let scratch = DeviceMemory::alloc(device, 16)?;
+        scratch.fill(0)?;
+        let host = HostMemory::pinned(device, HOST_BYTES)?;
+        // Everybody has mapped everybody's buffer before anyone launches.
+        comm.barrier()?;
+        Ok(Self {
+            comm,
+            device,
+            kernels,
+            nvl,
+            _channels: channels,
+            channel_table,
+            scratch,
+            host,
+            host_epoch: 0,
+            combine_dirty: false,
+            timeout,
+            max_spins: DEFAULT_MAX_SPINS,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn num_ranks(&self) -> usize {
+        self.comm.size()
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Device address and length of this rank's NVL buffer.
+    pub fn local_buffer(&self) -> (u64, usize) {
+        (self.nvl.ptr(), self.nvl.len() as usize)
+    }
+
+    /// Bound of every device-side wait, in polls.
+    pub fn set_max_spins(&mut self, spins: i64) {
+        self.max_spins = spins;
+    }
+
+    /// Error of a device wait that ran out (rank, peer, what), if any.
+    pub fn check_device(&self) -> Result<()> {
+        self.comm.check_device()
+    }
+
+    /// Bytes of each data region (dispatch, combine): half of what follows
+    /// the control region, rounded down to 16.
+    fn region_bytes(&self) -> u64 {
+        (self.nvl.len() - CTRL_BYTES) / 2 / 16 * 16
+    }
+
+    /// Slots per source rank of a dispatch with records of `rec` bytes.
+    pub fn dispatch_capacity(&self, shape: &DispatchShape) -> Result<usize> {
+        let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
+        Ok((self.region_bytes() / (self.num_ranks() as u64 * rec.bytes as u64)) as usize)
+    }
+
+    /// Slots per destination rank of a combine of `hidden` bf16 + `num_topk` weights.
+    pub fn combine_capacity(&self, hidden: usize, num_topk: usize) -> usize {
+        let rec = k::combine_record_bytes(hidden, num_topk) as u64;
+        (self.region_bytes() / (self.num_ranks() as u64 * rec)) as usize
+    }
+
+    fn ctx(&self, dispatch_slots: usize, combine_slots: usize) -> IntranodeCtx {
+        let region = self.region_bytes();
+        IntranodeCtx {
+            channels: self.channel_table.ptr(),
+            local: self.nvl.ptr(),
+            ticket: self.scratch.ptr(),
+            epoch: self.scratch.ptr() + 8,
+            dispatch_offset: CTRL_BYTES,
+            combine_offset: CTRL_BYTES + region,
+            dispatch_slots: dispatch_slots as i64,
+            combine_slots: combine_slots as i64,
+            max_spins: self.max_spins,
+            rank: self.rank() as i32,
+            num_ranks: self.num_ranks() as i32,
+        }
+    }
+
+    fn experts_per_rank(&self, num_experts: usize) -> Result<usize> {
+        let r = self.num_ranks();
+        if num_experts == 0 || num_experts % r != 0 {
+            return Err(CommError::invalid(
+                "num_experts",
+                format!("{num_experts} experts cannot be split evenly over {r} ranks"),
+            ));
+        }
+        let e = num_experts / r;
+        if e > MAX_EXPERTS_PER_RANK {
+            return Err(CommError::invalid(
+                "num_experts",
+                format!("{e} experts per rank; at most {MAX_EXPERTS_PER_RANK}"),
+            ));
+        }
+        Ok(e)
+    }
+
+    fn check_dispatch_fits(&self, shape: &DispatchShape) -> Result<usize> {
+        let cap = self.dispatch_capacity(shape)?;
+        if shape.num_tokens > cap {
+            return Err(CommError::invalid(
+                "x",
+                format!(
+                    "{} tokens on rank {}, but the buffer of {} bytes holds {cap} tokens per rank \
+                     for rows of {} bytes; size it with Config.get_nvl_buffer_size_hint",
+                    shape.num_tokens,
+                    self.rank(),
+                    self.nvl.len(),
+                    shape.hidden_bytes
+                ),
+            ));
+        }
+        Ok(cap)
+    }
+
+    /// Launches notify and the send half of a normal dispatch on `stream`.
+    /// Returns the epoch to pass to [`wait_counts`](Self::wait_counts).
+    pub fn dispatch_send(
+        &mut self,
+        stream: StreamHandle,
+        shape: &DispatchShape,
+        inp: &DispatchInputs,
+        expert_alignment: usize,
+        num_sms: u32,
+    ) -> Result<u64> {
+        let epr = self.experts_per_rank(shape.num_experts)?;
+        let cap = self.check_dispatch_fits(shape)?;
+        let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
+        let ctx = self.ctx(cap, 0);
+        let epoch = self.host_epoch + 1;
+        let notify = NotifyArgs {
+            is_token_in_rank: inp.is_token_in_rank,
+            num_tokens_per_expert: inp.num_tokens_per_expert,
+            num_tokens: shape.num_tokens as i32,
+            experts_per_rank: epr as i32,
+            expert_alignment: i32::try_from(expert_alignment)
+                .map_err(|_| CommError::invalid("expert_alignment", "too large"))?,
+            rank_prefix_matrix: inp.rank_prefix_matrix,
+            send_head: inp.send_head,
+            host_counts: self.host.device_ptr() + HOST_COUNTS_OFFSET as u64,
+            host_epoch: self.host.device_ptr(),
+            epoch_value: epoch,
+        };
+        // SAFETY: the caller (the Python layer) checked every tensor.
+        unsafe { k::dispatch_notify(&self.kernels, stream, ctx, notify) }?;
+        self.host_epoch = epoch;
+        self.combine_dirty = false;
+        self.launch_send(stream, ctx, rec, shape, inp, epr, num_sms)?;
+        Ok(epoch)
+    }
+
+    /// Launches the send half of a cached dispatch (the layout of an earlier
+    /// dispatch: its `send_head`), after a barrier when needed.
+    pub fn cached_dispatch_send(
+        &mut self,
+        stream: StreamHandle,
+        shape: &DispatchShape,
+        inp: &DispatchInputs,
+        num_sms: u32,
+    ) -> Result<()> {
+        let cap = self.check_dispatch_fits(shape)?;
+        let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, 0)?;
+        let ctx = self.ctx(cap, 0);
+        // SAFETY: channels are live.
+        unsafe { k::barrier(&self.kernels, stream, ctx, false) }?;
+        self.combine_dirty = false;
+        let shape = DispatchShape {
+            num_topk: 0,
+            ..*shape
+        };
+        let inp = DispatchInputs {
+            topk_idx: 0,
+            topk_weights: 0,
+            ..*inp
+        };
+        self.launch_send(stream, ctx, rec, &shape, &inp, 1, num_sms)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_send(
+        &self,
+        stream: StreamHandle,
+        ctx: IntranodeCtx,
+        rec: RecordLayout,
+        shape: &DispatchShape,
+        inp: &DispatchInputs,
+        experts_per_rank: usize,
+        num_sms: u32,
+    ) -> Result<()> {
+        let send = SendArgs {
+            rec,
+            x: inp.x,
+            scales: inp.scales,
+            scale_strides: inp.scale_strides,
+            topk_idx: inp.topk_idx,
+            topk_weights: inp.topk_weights,
+            send_head: inp.send_head,
+            num_tokens: shape.num_tokens as i32,
+            experts_per_rank: experts_per_rank as i32,
+            num_sms,
+        };
+        // SAFETY: as above.
+        unsafe { k::dispatch_send(&self.kernels, stream, ctx, send) }
+    }
+
+    /// Waits (bounded, CPU) for the counts of the notify of `epoch`: returns
+    /// the number of received tokens and the per-local-expert counts
+    /// (rounded to the dispatch's `expert_alignment`).
+    pub fn wait_counts(&self, epoch: u64, num_experts: usize) -> Result<(usize, Vec<i32>)> {
+        let epr = self.experts_per_rank(num_experts)?;
+        let start = Instant::now();
+        let flag = self.host.atomic_u64(0);
+        let mut spins = 0u64;
+        while flag.load(Ordering::Acquire) < epoch {
+            spins += 1;
+            if spins % 1024 == 0 {
+                self.comm.check_device()?;
+                if start.elapsed() > self.timeout {
+                    return Err(CommError::Timeout {
+                        rank: self.rank() as i64,
+                        what: format!(
+                            "the dispatch counts of its peers (notify kernel of call {epoch} \
+                             not finished: a peer did not reach this dispatch, or its GPU is \
+                             stuck)"
+                        ),
+                        waited_ms: start.elapsed().as_millis() as u64,
+                    });
+                }
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        let base = self.host.as_ptr() as *const i32;
+        // SAFETY: the counts region lies inside `host`, written before the epoch.
+        let read =
+            |i: usize| unsafe { std::ptr::read_volatile(base.add(HOST_COUNTS_OFFSET / 4 + i)) };
+        let num_recv = read(0);
+        let counts = (0..epr).map(|e| read(1 + e)).collect();
+        Ok((num_recv.max(0) as usize, counts))
+    }
+
+    /// Launches the receive half of a dispatch (normal or cached): waits for
+    /// every peer's send, then fills the outputs.
+    pub fn dispatch_recv(
+        &mut self,
+        stream: StreamHandle,
+        shape: &DispatchShape,
+        rank_prefix_matrix: u64,
+        out: &DispatchOutputs,
+        num_sms: u32,
+    ) -> Result<()> {
+        let cap = self.dispatch_capacity(shape)?;
+        let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
+        let ctx = self.ctx(cap, 0);
+        // SAFETY: as above.
+        unsafe { k::wait_peers(&self.kernels, stream, ctx, false) }?;
+        let recv = RecvArgs {
+            rec,
+            rank_prefix_matrix,
+            num_rows: out.num_rows,
+            recv_x: out.recv_x,
+            recv_scales: out.recv_scales,
+            scale_strides: out.scale_strides,
+            recv_topk_idx: out.recv_topk_idx,
+            recv_topk_weights: out.recv_topk_weights,
+            recv_src_idx: out.recv_src_idx,
+            num_sms,
+        };
+        // SAFETY: as above.
+        unsafe { k::dispatch_recv(&self.kernels, stream, ctx, recv) }?;
+        Ok(())
+    }
+
+    /// Launches a whole combine on `stream`.
+    pub fn combine(&mut self, stream: StreamHandle, a: &CombineArgs, num_sms: u32) -> Result<()> {
+        let cap = self.combine_capacity(a.hidden, a.num_topk);
+        if a.num_tokens > cap {
+            return Err(CommError::invalid(
+                "handle",
+                format!(
+                    "{} tokens on rank {}, but the buffer of {} bytes holds {cap} combined \
+                     tokens per rank for hidden {}",
+                    a.num_tokens,
+                    self.rank(),
+                    self.nvl.len(),
+                    a.hidden
+                ),
+            ));
+        }
+        let ctx = self.ctx(0, cap);
+        if self.combine_dirty {
+            // SAFETY: channels are live.
+            unsafe { k::barrier(&self.kernels, stream, ctx, true) }?;
+        }
+        let send = CombineSendArgs {
+            y: a.y,
+            hidden: a.hidden as i32,
+            topk_weights: a.topk_weights,
+            num_topk: a.num_topk as i32,
+            rank_prefix_matrix: a.rank_prefix_matrix,
+            num_rows: a.num_recv_rows,
+            num_sms,
+        };
+        // SAFETY: the caller checked every tensor.
+        unsafe { k::combine_send(&self.kernels, stream, ctx, send) }?;
+        // SAFETY: as above.
+        unsafe { k::wait_peers(&self.kernels, stream, ctx, true) }?;
+        let recv = CombineRecvArgs {
+            send_head: a.send_head,
+            num_tokens: a.num_tokens as i32,
+            hidden: a.hidden as i32,
+            bias: a.bias,
+            out: a.out,
+            out_weights: a.out_weights,
+            num_topk: a.num_topk as i32,
+            num_sms,
+        };
+        // SAFETY: as above.
+        unsafe { k::combine_recv(&self.kernels, stream, ctx, recv) }?;
+        self.combine_dirty = true;
+        Ok(())
+    }
+
+    /// Launches the layout kernel (`get_dispatch_layout`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn layout(
+        &self,
+        stream: StreamHandle,
+        topk_idx: u64,
+        num_tokens: usize,
+        num_topk: usize,
+        num_experts: usize,
+        num_tokens_per_rank: u64,
+        num_tokens_per_expert: u64,
+        is_token_in_rank: u64,
+    ) -> Result<()> {
+        self.experts_per_rank(num_experts)?;
+        // SAFETY: the caller checked every tensor.
+        unsafe {
+            ep_kernels::launch::layout_dispatch(
+                &self.kernels,
+                stream,
+                topk_idx,
+                num_tokens as i32,
+                num_topk as i32,
+                num_experts as i32,
+                self.num_ranks() as i32,
+                num_tokens_per_rank,
+                num_tokens_per_expert,
+                is_token_in_rank,
+            )
+        }
+    }
+
+    /// *Collective.* A host barrier over the bootstrap.
+    pub fn barrier(&self) -> Result<()> {
+        self.comm.barrier()
+    }
+}
+
+fn zero_device(device: Device, ptr: u64, len: usize) -> Result<()> {
+    device.make_current()?;
+    // SAFETY: `ptr..ptr+len` is inside an allocation of this device.
+    unsafe { cudarc::driver::result::memset_d8_sync(ptr, 0, len) }.map_err(|source| {
+        CommError::Cuda {
+            call: "cuMemsetD8",
+            source,
+        }
+    })?;
+    device.synchronize()
+}

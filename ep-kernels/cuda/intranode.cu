@@ -1,0 +1,436 @@
+// Intranode dispatch / combine over NVLink memory channels, fixed-slot design
+// (docs/design-intranode.md). Every rank's NVL buffer has the same layout:
+//
+//   [0, kCtrlBytes)            control: two halves (alternating calls), each
+//                              [R_src][R + E_local] int32 rows of counts
+//   [dispatch_offset, ...)     dispatch slots [R_src][T_d] records
+//   [combine_offset, ...)      combine slots  [R_dst][T_c] records
+//
+// A token t of source rank s that goes to rank d is written into slot
+// send_head[t][d] (its rank among s's tokens for d) of block [s] of d's
+// dispatch region; combine writes expert outputs back into slot
+// send_head[t][d] of block [d] of s's combine region. So no flow control and
+// one signal per peer and phase:
+//
+//   dispatch:  dispatch_notify (barrier + counts) -> dispatch_send -> dispatch_wait -> dispatch_recv
+//   cached:    dispatch_barrier -> dispatch_send -> dispatch_wait -> dispatch_recv
+//   combine:   [combine_barrier] -> combine_send -> combine_wait -> combine_recv
+//
+// Every phase does exactly one signal and one wait per peer pair, in the same
+// order on every rank, on the one device-to-device semaphore per pair.
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include <comm/memory_channel_device.cuh>
+
+namespace moelink::intranode {
+
+constexpr int kMaxRanks = 32;
+constexpr int kNotifyThreads = 1024;
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+constexpr uint64_t kCtrlHalfBytes = 32 * 1024;
+
+// Everything a kernel needs to reach the peers; mirrored in Rust
+// (ep_kernels::launch::IntranodeCtx).
+struct Ctx {
+  comm::MemoryChannelDeviceHandle* channels;  // [R] device array; entry `rank` unused
+  char* local;                                // this rank's NVL buffer
+  uint32_t* ticket;                           // device counter of the last-block pattern (0 between kernels)
+  uint64_t* epoch;                            // device counter of notify calls (control-half parity)
+  uint64_t dispatch_offset;                   // byte offset of the dispatch region
+  uint64_t combine_offset;                    // byte offset of the combine region
+  int64_t dispatch_slots;                     // T_d: slots per source block of the dispatch region
+  int64_t combine_slots;                      // T_c: slots per block of the combine region
+  int64_t max_spins;                          // bound of every wait
+  int32_t rank;
+  int32_t num_ranks;
+};
+static_assert(sizeof(Ctx) == 80, "mirrored in Rust");
+
+// Where fields sit inside a dispatch record (bytes from its start).
+struct RecordLayout {
+  int64_t bytes;         // whole record, a multiple of 16
+  int32_t hidden_bytes;  // row bytes (multiple of 16)
+  int32_t num_scales;    // f32 scales after the row (0: none)
+  int32_t idx_offset;    // K int64 local expert ids (if num_topk > 0)
+  int32_t w_offset;      // K f32 weights (if weights)
+  int32_t src_offset;    // int32 source token index
+  int32_t num_topk;      // K (0: no top-k in the record)
+};
+static_assert(sizeof(RecordLayout) == 32, "mirrored in Rust");
+
+__device__ __forceinline__ char* peer_base(const Ctx& c, int p) {
+  return p == c.rank ? c.local : c.channels[p].dst;
+}
+
+__device__ __forceinline__ int4 ld_nc(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_na(int4* p, const int4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// Warp copy of `bytes` (multiple of 16, 16-byte aligned pointers).
+__device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t bytes, int lane) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  int4* d = reinterpret_cast<int4*>(dst);
+  const int64_t n = bytes / 16;
+  constexpr int kUnroll = 4;
+  int64_t i = lane;
+  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = ld_nc(s + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) st_na(d + i + 32 * u, v[u]);
+  }
+  for (; i < n; i += 32) st_na(d + i, ld_nc(s + i));
+}
+
+// The last block of a grid to get here (after all its threads' writes are
+// fenced) signals every peer; the counter is reset for the next kernel.
+__device__ __forceinline__ void last_block_signals(const Ctx& c) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const uint32_t t = atomicAdd(c.ticket, 1u);
+    if (t == gridDim.x - 1) {
+      *c.ticket = 0;
+      __threadfence_system();
+      for (int p = 0; p < c.num_ranks; ++p)
+        if (p != c.rank) c.channels[p].signal();
+    }
+  }
+}
+
+// One signal to and one wait for every peer (one thread per peer).
+__device__ __forceinline__ void signal_and_wait_all(const Ctx& c) {
+  const int p = threadIdx.x;
+  if (p < c.num_ranks && p != c.rank) {
+    c.channels[p].signal();
+    c.channels[p].wait(c.max_spins);
+  }
+}
+
+// Source rank of received row i: the first s with prefix[s] > i, where prefix
+// is column `rank` of rank_prefix_matrix (lane s holds prefix[s]).
+__device__ __forceinline__ void locate(int64_t i, int my_prefix, int lane, int num_ranks,
+                                       int& src, int64_t& slot) {
+  const unsigned above = __ballot_sync(0xffffffffu, lane < num_ranks && i < my_prefix);
+  src = __ffs(above) - 1;
+  const int before = __shfl_sync(0xffffffffu, my_prefix, src > 0 ? src - 1 : 0);
+  slot = i - (src > 0 ? before : 0);
+}
+
+// Block-wide exclusive scan of one int per thread (kNotifyThreads threads).
+__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < kNotifyThreads / 32 ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    warp_sums[lane] = w;  // inclusive
+  }
+  __syncthreads();
+  total = warp_sums[kNotifyThreads / 32 - 1];
+  const int r = (warp > 0 ? warp_sums[warp - 1] : 0) + x - v;
+  __syncthreads();
+  return r;
+}
+
+}  // namespace moelink::intranode
+
+using moelink::intranode::Ctx;
+using moelink::intranode::RecordLayout;
+
+// dispatch_notify: one block. (1) send_head[t][d] = slot of token t on rank d
+// (exclusive count over earlier tokens going to d) or -1; (2) into every rank
+// d's control half: row [rank] = {tokens to each rank, this rank's per-expert
+// counts for d's experts}; (3) signal + wait every peer (a barrier: a peer
+// signals only after its stream finished its earlier calls, so the data
+// regions are free); (4) rank_prefix_matrix, the received token count and the
+// per-expert counts (rounded up to `expert_alignment`) to device and
+// host-mapped memory, the host epoch last.
+extern "C" __global__ void __launch_bounds__(moelink::intranode::kNotifyThreads)
+    dispatch_notify(Ctx c, const bool* __restrict__ is_token_in_rank,
+                    const int* __restrict__ num_tokens_per_expert, int num_tokens,
+                    int experts_per_rank, int expert_alignment, int* __restrict__ rank_prefix_matrix,
+                    int* __restrict__ send_head, int* __restrict__ host_counts,
+                    unsigned long long* __restrict__ host_epoch, unsigned long long epoch_value) {
+  using namespace moelink::intranode;
+  __shared__ int warp_sums[32];
+  __shared__ int sent[kMaxRanks];
+  __shared__ uint64_t parity_s;
+  const int R = c.num_ranks, rank = c.rank;
+  const int row_len = R + experts_per_rank;
+  if (threadIdx.x == 0) parity_s = *c.epoch & 1;
+  // (1) Slots: each thread owns a contiguous range of tokens.
+  const int per_thread = (num_tokens + kNotifyThreads - 1) / kNotifyThreads;
+  const int t0 = min(num_tokens, int(threadIdx.x) * per_thread);
+  const int t1 = min(num_tokens, t0 + per_thread);
+  for (int d = 0; d < R; ++d) {
+    int count = 0;
+    for (int t = t0; t < t1; ++t) count += is_token_in_rank[int64_t(t) * R + d] ? 1 : 0;
+    int total;
+    int slot = block_exclusive_scan(count, warp_sums, total);
+    for (int t = t0; t < t1; ++t) {
+      const bool in = is_token_in_rank[int64_t(t) * R + d];
+      send_head[int64_t(t) * R + d] = in ? slot++ : -1;
+    }
+    if (threadIdx.x == 0) sent[d] = total;
+  }
+  __syncthreads();
+  const uint64_t half = parity_s * kCtrlHalfBytes;
+  // (2) Counts into every rank's control half, row `rank`.
+  for (int i = threadIdx.x; i < R * row_len; i += blockDim.x) {
+    const int d = i / row_len, j = i % row_len;
+    const int v = j < R ? sent[j] : num_tokens_per_expert[d * experts_per_rank + (j - R)];
+    int* row = reinterpret_cast<int*>(peer_base(c, d) + half) + rank * row_len;
+    row[j] = v;
+  }
+  __threadfence_system();
+  __syncthreads();
+  // (3) Barrier with every peer.
+  signal_and_wait_all(c);
+  __syncthreads();
+  // (4) Read every source's row from our control half.
+  const int* ctrl = reinterpret_cast<const int*>(c.local + half);
+  for (int j = threadIdx.x; j < R; j += blockDim.x) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      acc += ctrl[s * row_len + j];
+      rank_prefix_matrix[s * R + j] = acc;
+    }
+    if (j == rank) host_counts[0] = acc;
+  }
+  for (int e = threadIdx.x; e < experts_per_rank; e += blockDim.x) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) acc += ctrl[s * row_len + R + e];
+    host_counts[1 + e] = (acc + expert_alignment - 1) / expert_alignment * expert_alignment;
+  }
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *c.epoch += 1;
+    __threadfence_system();
+    *reinterpret_cast<volatile unsigned long long*>(host_epoch) = epoch_value;
+  }
+}
+
+// dispatch_barrier / combine_barrier: one signal and one wait per peer, so no
+// rank writes into a region a peer may still be reading.
+extern "C" __global__ void dispatch_barrier(Ctx c) { moelink::intranode::signal_and_wait_all(c); }
+extern "C" __global__ void combine_barrier(Ctx c) { moelink::intranode::signal_and_wait_all(c); }
+
+// dispatch_wait / combine_wait: one wait per peer for its end-of-send signal.
+__device__ __forceinline__ void wait_all(const Ctx& c) {
+  const int p = threadIdx.x;
+  if (p < c.num_ranks && p != c.rank) c.channels[p].wait(c.max_spins);
+}
+extern "C" __global__ void dispatch_wait(Ctx c) { wait_all(c); }
+extern "C" __global__ void combine_wait(Ctx c) { wait_all(c); }
+
+// dispatch_send: a warp per token; for each destination d of the token, the
+// record (row, scales, local top-k ids, weights, source index) goes into slot
+// send_head[t][d] of block [rank] of d's dispatch region. The last block
+// signals every peer.
+extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
+    dispatch_send(Ctx c, RecordLayout rec, const char* __restrict__ x,
+                  const float* __restrict__ scales, int64_t scale_stride0, int64_t scale_stride1,
+                  const int64_t* __restrict__ topk_idx, const float* __restrict__ topk_weights,
+                  const int* __restrict__ send_head, int num_tokens, int experts_per_rank) {
+  using namespace moelink::intranode;
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const int R = c.num_ranks, K = rec.num_topk;
+  for (int64_t t = warp; t < num_tokens; t += nwarps) {
+    const int my_slot = lane < R ? send_head[t * R + lane] : -1;
+    unsigned dests = __ballot_sync(0xffffffffu, my_slot >= 0);
+    const char* row = x + t * rec.hidden_bytes;
+    int64_t my_id = -1;
+    float my_w = 0.f;
+    if (lane < K) {
+      my_id = topk_idx[t * K + lane];
+      if (topk_weights != nullptr) my_w = topk_weights[t * K + lane];
+    }
+    while (dests) {
+      const int d = __ffs(dests) - 1;
+      dests &= dests - 1;
+      const int64_t slot = __shfl_sync(0xffffffffu, my_slot, d);
+      char* dst = peer_base(c, d) + c.dispatch_offset +
+                  (int64_t(c.rank) * c.dispatch_slots + slot) * rec.bytes;
+      warp_copy16(dst, row, rec.hidden_bytes, lane);
+      float* dst_scales = reinterpret_cast<float*>(dst + rec.hidden_bytes);
+      for (int j = lane; j < rec.num_scales; j += 32)
+        dst_scales[j] = scales[t * scale_stride0 + j * scale_stride1];
+      if (lane < K) {
+        const int64_t first = int64_t(d) * experts_per_rank;
+        const bool mine = my_id >= first && my_id < first + experts_per_rank;
+        reinterpret_cast<int64_t*>(dst + rec.idx_offset)[lane] = mine ? my_id - first : -1;
+        if (topk_weights != nullptr)
+          reinterpret_cast<float*>(dst + rec.w_offset)[lane] = mine ? my_w : 0.f;
+      }
+      if (lane == 0) *reinterpret_cast<int*>(dst + rec.src_offset) = int(t);
+    }
+  }
+  last_block_signals(c);
+}
+
+// dispatch_recv: a warp per output row. Row i < num_recv comes from the
+// record of (source, slot) located through column `rank` of
+// rank_prefix_matrix; rows beyond (num_worst_tokens padding) get top-k id -1,
+// weight 0 and source index -1.
+extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
+    dispatch_recv(Ctx c, RecordLayout rec, const int* __restrict__ rank_prefix_matrix,
+                  int64_t num_rows, char* __restrict__ recv_x, float* __restrict__ recv_scales,
+                  int64_t scale_stride0, int64_t scale_stride1, int64_t* __restrict__ recv_topk_idx,
+                  float* __restrict__ recv_topk_weights, int* __restrict__ recv_src_idx) {
+  using namespace moelink::intranode;
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const int R = c.num_ranks, K = rec.num_topk;
+  const int my_prefix = lane < R ? rank_prefix_matrix[lane * R + c.rank] : 0;
+  const int64_t num_recv = __shfl_sync(0xffffffffu, my_prefix, R - 1);
+  for (int64_t i = warp; i < num_rows; i += nwarps) {
+    if (i >= num_recv) {
+      if (recv_topk_idx != nullptr && lane < K) recv_topk_idx[i * K + lane] = -1;
+      if (recv_topk_weights != nullptr && lane < K) recv_topk_weights[i * K + lane] = 0.f;
+      if (recv_src_idx != nullptr && lane == 0) recv_src_idx[i] = -1;
+      continue;
+    }
+    int src;
+    int64_t slot;
+    locate(i, my_prefix, lane, R, src, slot);
+    const char* r = c.local + c.dispatch_offset + (int64_t(src) * c.dispatch_slots + slot) * rec.bytes;
+    warp_copy16(recv_x + i * rec.hidden_bytes, r, rec.hidden_bytes, lane);
+    const float* sc = reinterpret_cast<const float*>(r + rec.hidden_bytes);
+    for (int j = lane; j < rec.num_scales; j += 32)
+      recv_scales[i * scale_stride0 + j * scale_stride1] = sc[j];
+    if (lane < K) {
+      if (recv_topk_idx != nullptr)
+        recv_topk_idx[i * K + lane] = reinterpret_cast<const int64_t*>(r + rec.idx_offset)[lane];
+      if (recv_topk_weights != nullptr)
+        recv_topk_weights[i * K + lane] = reinterpret_cast<const float*>(r + rec.w_offset)[lane];
+    }
+    if (recv_src_idx != nullptr && lane == 0)
+      recv_src_idx[i] = *reinterpret_cast<const int*>(r + rec.src_offset);
+  }
+}
+
+// combine_send: a warp per received row i < num_recv: the expert output row
+// (and K weights) goes into slot `slot` of block [rank] of source rank `src`'s
+// combine region. Slots beyond the region (the source rank refused the call)
+// are skipped. The last block signals every peer.
+extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
+    combine_send(Ctx c, const char* __restrict__ y, int64_t row_bytes,
+                 const float* __restrict__ topk_weights, int num_topk, int64_t record_bytes,
+                 const int* __restrict__ rank_prefix_matrix) {
+  using namespace moelink::intranode;
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const int R = c.num_ranks;
+  const int my_prefix = lane < R ? rank_prefix_matrix[lane * R + c.rank] : 0;
+  const int64_t num_recv = __shfl_sync(0xffffffffu, my_prefix, R - 1);
+  for (int64_t i = warp; i < num_recv; i += nwarps) {
+    int src;
+    int64_t slot;
+    locate(i, my_prefix, lane, R, src, slot);
+    if (slot >= c.combine_slots) continue;
+    char* dst = peer_base(c, src) + c.combine_offset +
+                (int64_t(c.rank) * c.combine_slots + slot) * record_bytes;
+    warp_copy16(dst, y + i * row_bytes, row_bytes, lane);
+    if (topk_weights != nullptr && lane < num_topk)
+      reinterpret_cast<float*>(dst + row_bytes)[lane] = topk_weights[i * num_topk + lane];
+  }
+  last_block_signals(c);
+}
+
+// combine_recv: a warp per token t: out[t] = bf16((bias0 + bias1) + copy_d0 +
+// copy_d1 + ...) in f32 over the ranks d0 < d1 < ... that received t (the CPU
+// reference's order, so results match it bit for bit); weights likewise from 0.
+extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
+    combine_recv(Ctx c, const int* __restrict__ send_head, int num_tokens, int hidden,
+                 int64_t record_bytes, const __nv_bfloat16* __restrict__ bias0,
+                 const __nv_bfloat16* __restrict__ bias1, __nv_bfloat16* __restrict__ out,
+                 float* __restrict__ out_weights, int num_topk) {
+  using namespace moelink::intranode;
+  const int lane = threadIdx.x % 32;
+  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const int R = c.num_ranks;
+  const int64_t row_bytes = int64_t(hidden) * 2;
+  // Slots of the warp's token per source rank (lanes of the row loop below
+  // may be inactive, so they are not shuffled).
+  __shared__ int slots[kWarps][kMaxRanks];
+  int* my_slots = slots[threadIdx.x / 32];
+  for (int64_t t = warp; t < num_tokens; t += nwarps) {
+    const int my_slot = lane < R ? send_head[t * R + lane] : -1;
+    const unsigned srcs = __ballot_sync(0xffffffffu, my_slot >= 0);
+    __syncwarp();
+    if (lane < R) my_slots[lane] = my_slot;
+    __syncwarp();
+    for (int v = lane; v < hidden / 8; v += 32) {
+      float acc[8];
+      {
+        int4 b0 = make_int4(0, 0, 0, 0), b1 = make_int4(0, 0, 0, 0);
+        if (bias0 != nullptr) b0 = ld_nc(reinterpret_cast<const int4*>(bias0 + t * hidden) + v);
+        if (bias1 != nullptr) b1 = ld_nc(reinterpret_cast<const int4*>(bias1 + t * hidden) + v);
+        const __nv_bfloat16* p0 = reinterpret_cast<const __nv_bfloat16*>(&b0);
+        const __nv_bfloat16* p1 = reinterpret_cast<const __nv_bfloat16*>(&b1);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = __bfloat162float(p0[k]) + __bfloat162float(p1[k]);
+      }
+      unsigned m = srcs;
+      while (m) {
+        const int d = __ffs(m) - 1;
+        m &= m - 1;
+        const int64_t slot = my_slots[d];
+        const char* r = c.local + c.combine_offset + (int64_t(d) * c.combine_slots + slot) * record_bytes;
+        const int4 w = ld_nc(reinterpret_cast<const int4*>(r) + v);
+        const __nv_bfloat16* pw = reinterpret_cast<const __nv_bfloat16*>(&w);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] += __bfloat162float(pw[k]);
+      }
+      int4 o;
+      __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) po[k] = __float2bfloat16_rn(acc[k]);
+      reinterpret_cast<int4*>(out + t * hidden)[v] = o;
+    }
+    if (out_weights != nullptr) {
+      float acc = 0.f;
+      unsigned m = srcs;
+      while (m) {
+        const int d = __ffs(m) - 1;
+        m &= m - 1;
+        const int64_t slot = __shfl_sync(0xffffffffu, my_slot, d);
+        const char* r = c.local + c.combine_offset + (int64_t(d) * c.combine_slots + slot) * record_bytes;
+        if (lane < num_topk) acc += reinterpret_cast<const float*>(r + row_bytes)[lane];
+      }
+      if (lane < num_topk) out_weights[t * num_topk + lane] = acc;
+    }
+  }
+}

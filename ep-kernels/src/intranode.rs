@@ -1,0 +1,565 @@
+//! Launchers of the intranode dispatch/combine kernels (`cuda/intranode.cu`).
+//! The host side that owns buffers and channels is `ep_core::intranode`; this
+//! module only mirrors the kernels' argument structs and builds launches.
+//!
+//! All pointers are device addresses (`0` = absent where the kernel allows it).
+
+use std::ffi::c_void;
+use std::mem::{offset_of, size_of};
+
+use comm::error::{CommError, Result};
+use comm::StreamHandle;
+
+use crate::module::{DeviceKernels, KernelId};
+
+/// Largest rank count the kernels handle (one warp lane per rank).
+pub const MAX_RANKS: usize = 32;
+/// Bytes of one half of the control region (two halves alternate per notify).
+pub const CTRL_HALF_BYTES: u64 = 32 * 1024;
+/// Bytes of the control region at the start of every NVL buffer.
+pub const CTRL_BYTES: u64 = 2 * CTRL_HALF_BYTES;
+/// Threads per block of the data kernels (16 warps).
+pub const THREADS: u32 = 512;
+const NOTIFY_THREADS: u32 = 1024;
+
+/// `moelink::intranode::Ctx`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct IntranodeCtx {
+    /// Device array of `num_ranks` `MemoryChannelDeviceHandle`s.
+    pub channels: u64,
+    /// This rank's NVL buffer.
+    pub local: u64,
+    /// Device u32, zero between kernels.
+    pub ticket: u64,
+    /// Device u64 counter of notify calls.
+    pub epoch: u64,
+    pub dispatch_offset: u64,
+    pub combine_offset: u64,
+    pub dispatch_slots: i64,
+    pub combine_slots: i64,
+    pub max_spins: i64,
+    pub rank: i32,
+    pub num_ranks: i32,
+}
+
+/// `moelink::intranode::RecordLayout`: where a dispatch record's fields sit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct RecordLayout {
+    pub bytes: i64,
+    pub hidden_bytes: i32,
+    pub num_scales: i32,
+    pub idx_offset: i32,
+    pub w_offset: i32,
+    pub src_offset: i32,
+    pub num_topk: i32,
+}
+
+const _: () = {
+    assert!(size_of::<IntranodeCtx>() == 80);
+    assert!(offset_of!(IntranodeCtx, rank) == 72);
+    assert!(size_of::<RecordLayout>() == 32);
+};
+
+const fn round_up(n: i64, m: i64) -> i64 {
+    (n + m - 1) / m * m
+}
+
+impl RecordLayout {
+    /// Record of a dispatch: row | `num_scales` f32 | `num_topk` i64 local ids |
+    /// `num_topk` f32 weights | i32 source index, padded to 16 bytes.
+    pub fn dispatch(hidden_bytes: usize, num_scales: usize, num_topk: usize) -> Result<Self> {
+        if hidden_bytes == 0 || hidden_bytes % 128 != 0 {
+            return Err(CommError::invalid(
+                "hidden_bytes",
+                format!("{hidden_bytes} is not a positive multiple of 128"),
+            ));
+        }
+        if num_topk > MAX_RANKS {
+            return Err(CommError::invalid(
+                "num_topk",
+                format!("{num_topk} is above {MAX_RANKS}"),
+            ));
+        }
+        let h = hidden_bytes as i64;
+        let idx = round_up(h + 4 * num_scales as i64, 8);
+        let w = idx + 8 * num_topk as i64;
+        let src = w + 4 * num_topk as i64;
+        let bytes = round_up(src + 4, 16);
+        let fits =
+            |v: i64| i32::try_from(v).map_err(|_| CommError::invalid("hidden_bytes", "too large"));
+        Ok(RecordLayout {
+            bytes,
+            hidden_bytes: fits(h)?,
+            num_scales: fits(num_scales as i64)?,
+            idx_offset: fits(idx)?,
+            w_offset: fits(w)?,
+            src_offset: fits(src)?,
+            num_topk: num_topk as i32,
+        })
+    }
+}
+
+/// Bytes of a combine record: a bf16 row of `hidden` plus `num_topk` f32
+/// weights, padded to 16 bytes.
+pub fn combine_record_bytes(hidden: usize, num_topk: usize) -> i64 {
+    round_up(2 * hidden as i64 + 4 * num_topk as i64, 16)
+}
+
+fn arg<T>(v: &mut T) -> *mut c_void {
+    (v as *mut T).cast()
+}
+
+fn check_ctx(c: &IntranodeCtx) -> Result<()> {
+    if c.num_ranks <= 0 || c.num_ranks as usize > MAX_RANKS || c.rank < 0 || c.rank >= c.num_ranks {
+        return Err(CommError::invalid(
+            "rank",
+            format!(
+                "rank {} of {} (at most {MAX_RANKS} ranks)",
+                c.rank, c.num_ranks
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Grid of a data kernel: `num_sms` blocks, fewer when there is less work.
+fn data_grid(num_sms: u32, rows: i64) -> u32 {
+    let warps = (THREADS / 32) as i64;
+    let needed = (rows.max(1) + warps - 1) / warps;
+    (num_sms as i64).min(needed).max(1) as u32
+}
+
+/// Outputs and inputs of [`dispatch_notify`].
+#[derive(Clone, Copy, Debug)]
+pub struct NotifyArgs {
+    /// `[N, R]` bool.
+    pub is_token_in_rank: u64,
+    /// `[E]` int32.
+    pub num_tokens_per_expert: u64,
+    pub num_tokens: i32,
+    pub experts_per_rank: i32,
+    pub expert_alignment: i32,
+    /// Out: `[R, R]` int32.
+    pub rank_prefix_matrix: u64,
+    /// Out: `[N, R]` int32.
+    pub send_head: u64,
+    /// Host-mapped int32 `[1 + E_local]` (device address).
+    pub host_counts: u64,
+    /// Host-mapped u64 (device address), set to `epoch_value` last.
+    pub host_epoch: u64,
+    pub epoch_value: u64,
+}
+
+/// # Safety
+/// Every pointer must be valid on this device for the sizes documented in
+/// [`NotifyArgs`]; the context's buffers and channels must be live.
+pub unsafe fn dispatch_notify(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    a: NotifyArgs,
+) -> Result<()> {
+    check_ctx(&ctx)?;
+    let row = ctx.num_ranks as u64 + a.experts_per_rank as u64;
+    if row * ctx.num_ranks as u64 * 4 > CTRL_HALF_BYTES || a.experts_per_rank <= 0 {
+        return Err(CommError::invalid(
+            "num_experts",
+            format!(
+                "{} experts per rank with {} ranks do not fit the control region",
+                a.experts_per_rank, ctx.num_ranks
+            ),
+        ));
+    }
+    if a.expert_alignment < 1 {
+        return Err(CommError::invalid("expert_alignment", "must be at least 1"));
+    }
+    let (mut c, mut itr, mut npe, mut n, mut epr, mut al) = (
+        ctx,
+        a.is_token_in_rank,
+        a.num_tokens_per_expert,
+        a.num_tokens,
+        a.experts_per_rank,
+        a.expert_alignment,
+    );
+    let (mut rpm, mut sh, mut hc, mut he, mut ev) = (
+        a.rank_prefix_matrix,
+        a.send_head,
+        a.host_counts,
+        a.host_epoch,
+        a.epoch_value,
+    );
+    let mut params = [
+        arg(&mut c),
+        arg(&mut itr),
+        arg(&mut npe),
+        arg(&mut n),
+        arg(&mut epr),
+        arg(&mut al),
+        arg(&mut rpm),
+        arg(&mut sh),
+        arg(&mut hc),
+        arg(&mut he),
+        arg(&mut ev),
+    ];
+    // SAFETY: argument types match the kernel; pointers are the caller's contract.
+    unsafe {
+        k.launch(
+            KernelId::DispatchNotify,
+            (1, 1, 1),
+            (NOTIFY_THREADS, 1, 1),
+            0,
+            stream,
+            &mut params,
+        )
+    }
+}
+
+/// One signal and one wait per peer pair (`dispatch_barrier` or `combine_barrier`).
+///
+/// # Safety
+/// The context's channels must be live.
+pub unsafe fn barrier(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    for_combine: bool,
+) -> Result<()> {
+    check_ctx(&ctx)?;
+    let id = if for_combine {
+        KernelId::CombineBarrier
+    } else {
+        KernelId::DispatchBarrier
+    };
+    let mut c = ctx;
+    let mut params = [arg(&mut c)];
+    // SAFETY: as above.
+    unsafe { k.launch(id, (1, 1, 1), (32, 1, 1), 0, stream, &mut params) }
+}
+
+/// One wait per peer for its end-of-send signal (`dispatch_wait` / `combine_wait`).
+///
+/// # Safety
+/// The context's channels must be live.
+pub unsafe fn wait_peers(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    for_combine: bool,
+) -> Result<()> {
+    check_ctx(&ctx)?;
+    let id = if for_combine {
+        KernelId::CombineWait
+    } else {
+        KernelId::DispatchWait
+    };
+    let mut c = ctx;
+    let mut params = [arg(&mut c)];
+    // SAFETY: as above.
+    unsafe { k.launch(id, (1, 1, 1), (32, 1, 1), 0, stream, &mut params) }
+}
+
+/// Inputs of [`dispatch_send`].
+#[derive(Clone, Copy, Debug)]
+pub struct SendArgs {
+    pub rec: RecordLayout,
+    /// `[N, hidden_bytes]`, 16-byte aligned.
+    pub x: u64,
+    /// f32 scales `[N, num_scales]` with element strides, or 0.
+    pub scales: u64,
+    pub scale_strides: (i64, i64),
+    /// `[N, K]` int64 / f32, or 0 (`rec.num_topk == 0` without ids).
+    pub topk_idx: u64,
+    pub topk_weights: u64,
+    /// `[N, R]` int32 slots.
+    pub send_head: u64,
+    pub num_tokens: i32,
+    pub experts_per_rank: i32,
+    pub num_sms: u32,
+}
+
+/// # Safety
+/// Pointers valid for the documented sizes; the peers' regions must be free
+/// (after notify or a barrier).
+pub unsafe fn dispatch_send(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    a: SendArgs,
+) -> Result<()> {
+    check_ctx(&ctx)?;
+    if a.num_tokens as i64 > ctx.dispatch_slots {
+        return Err(CommError::invalid(
+            "x",
+            format!(
+                "{} tokens do not fit the buffer's {} slots per rank",
+                a.num_tokens, ctx.dispatch_slots
+            ),
+        ));
+    }
+    let grid = data_grid(a.num_sms, a.num_tokens as i64);
+    let (mut c, mut rec, mut x, mut sc, mut s0, mut s1) = (
+        ctx,
+        a.rec,
+        a.x,
+        a.scales,
+        a.scale_strides.0,
+        a.scale_strides.1,
+    );
+    let (mut ids, mut w, mut sh, mut n, mut epr) = (
+        a.topk_idx,
+        a.topk_weights,
+        a.send_head,
+        a.num_tokens,
+        a.experts_per_rank,
+    );
+    let mut params = [
+        arg(&mut c),
+        arg(&mut rec),
+        arg(&mut x),
+        arg(&mut sc),
+        arg(&mut s0),
+        arg(&mut s1),
+        arg(&mut ids),
+        arg(&mut w),
+        arg(&mut sh),
+        arg(&mut n),
+        arg(&mut epr),
+    ];
+    // SAFETY: as above.
+    unsafe {
+        k.launch(
+            KernelId::DispatchSend,
+            (grid, 1, 1),
+            (THREADS, 1, 1),
+            0,
+            stream,
+            &mut params,
+        )
+    }
+}
+
+/// Outputs of [`dispatch_recv`] (0 = not wanted).
+#[derive(Clone, Copy, Debug)]
+pub struct RecvArgs {
+    pub rec: RecordLayout,
+    /// `[R, R]` int32 (device).
+    pub rank_prefix_matrix: u64,
+    /// Rows of the outputs (`num_recv` or `num_worst_tokens`).
+    pub num_rows: i64,
+    pub recv_x: u64,
+    pub recv_scales: u64,
+    pub scale_strides: (i64, i64),
+    pub recv_topk_idx: u64,
+    pub recv_topk_weights: u64,
+    pub recv_src_idx: u64,
+    pub num_sms: u32,
+}
+
+/// # Safety
+/// Pointers valid for `num_rows` rows; runs after [`wait_peers`].
+pub unsafe fn dispatch_recv(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    a: RecvArgs,
+) -> Result<()> {
+    check_ctx(&ctx)?;
+    let grid = data_grid(a.num_sms, a.num_rows);
+    let (mut c, mut rec, mut rpm, mut rows, mut x, mut sc, mut s0, mut s1) = (
+        ctx,
+        a.rec,
+        a.rank_prefix_matrix,
+        a.num_rows,
+        a.recv_x,
+        a.recv_scales,
+        a.scale_strides.0,
+        a.scale_strides.1,
+    );
+    let (mut ids, mut w, mut src) = (a.recv_topk_idx, a.recv_topk_weights, a.recv_src_idx);
+    let mut params = [
+        arg(&mut c),
+        arg(&mut rec),
+        arg(&mut rpm),
+        arg(&mut rows),
+        arg(&mut x),
+        arg(&mut sc),
+        arg(&mut s0),
+        arg(&mut s1),
+        arg(&mut ids),
+        arg(&mut w),
+        arg(&mut src),
+    ];
+    // SAFETY: as above.
+    unsafe {
+        k.launch(
+            KernelId::DispatchRecv,
+            (grid, 1, 1),
+            (THREADS, 1, 1),
+            0,
+            stream,
+            &mut params,
+        )
+    }
+}
+
+/// Inputs of [`combine_send`].
+#[derive(Clone, Copy, Debug)]
+pub struct CombineSendArgs {
+    /// bf16 `[rows, hidden]`.
+    pub y: u64,
+    pub hidden: i32,
+    /// f32 `[rows, K]` or 0.
+    pub topk_weights: u64,
+    pub num_topk: i32,
+    pub rank_prefix_matrix: u64,
+    /// Upper bound of received rows (for the grid size).
+    pub num_rows: i64,
+    pub num_sms: u32,
+}
+
+/// # Safety
+/// Pointers valid; the sources' combine regions must be free.
+pub unsafe fn combine_send(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    a: CombineSendArgs,
+) -> Result<()> {
+    check_ctx(&ctx)?;
+    let grid = data_grid(a.num_sms, a.num_rows);
+    let rec = combine_record_bytes(a.hidden as usize, a.num_topk.max(0) as usize);
+    let (mut c, mut y, mut rb, mut w, mut kk, mut rbytes, mut rpm) = (
+        ctx,
+        a.y,
+        2 * a.hidden as i64,
+        a.topk_weights,
+        a.num_topk,
+        rec,
+        a.rank_prefix_matrix,
+    );
+    let mut params = [
+        arg(&mut c),
+        arg(&mut y),
+        arg(&mut rb),
+        arg(&mut w),
+        arg(&mut kk),
+        arg(&mut rbytes),
+        arg(&mut rpm),
+    ];
+    // SAFETY: as above.
+    unsafe {
+        k.launch(
+            KernelId::CombineSend,
+            (grid, 1, 1),
+            (THREADS, 1, 1),
+            0,
+            stream,
+            &mut params,
+        )
+    }
+}
+
+/// Inputs / outputs of [`combine_recv`].
+#[derive(Clone, Copy, Debug)]
+pub struct CombineRecvArgs {
+    /// `[N, R]` int32 slots (the handle's send_head).
+    pub send_head: u64,
+    pub num_tokens: i32,
+    pub hidden: i32,
+    /// bf16 `[N, hidden]` or 0 each.
+    pub bias: (u64, u64),
+    /// bf16 `[N, hidden]`.
+    pub out: u64,
+    /// f32 `[N, K]` or 0.
+    pub out_weights: u64,
+    pub num_topk: i32,
+    pub num_sms: u32,
+}
+
+/// # Safety
+/// Pointers valid; runs after [`wait_peers`].
+pub unsafe fn combine_recv(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    a: CombineRecvArgs,
+) -> Result<()> {
+    check_ctx(&ctx)?;
+    if a.hidden <= 0 || a.hidden % 64 != 0 {
+        return Err(CommError::invalid(
+            "hidden",
+            format!("{} is not a positive multiple of 64", a.hidden),
+        ));
+    }
+    let grid = data_grid(a.num_sms, a.num_tokens as i64);
+    let rec = combine_record_bytes(a.hidden as usize, a.num_topk.max(0) as usize);
+    let (mut c, mut sh, mut n, mut h, mut rb, mut b0, mut b1, mut o, mut ow, mut kk) = (
+        ctx,
+        a.send_head,
+        a.num_tokens,
+        a.hidden,
+        rec,
+        a.bias.0,
+        a.bias.1,
+        a.out,
+        a.out_weights,
+        a.num_topk,
+    );
+    let mut params = [
+        arg(&mut c),
+        arg(&mut sh),
+        arg(&mut n),
+        arg(&mut h),
+        arg(&mut rb),
+        arg(&mut b0),
+        arg(&mut b1),
+        arg(&mut o),
+        arg(&mut ow),
+        arg(&mut kk),
+    ];
+    // SAFETY: as above.
+    unsafe {
+        k.launch(
+            KernelId::CombineRecv,
+            (grid, 1, 1),
+            (THREADS, 1, 1),
+            0,
+            stream,
+            &mut params,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn record_layout_offsets() {
+        let r = RecordLayout::dispatch(14336, 0, 8).unwrap();
+        assert_eq!(
+            (r.idx_offset, r.w_offset, r.src_offset, r.bytes),
+            (14336, 14400, 14432, 14448)
+        );
+        // fp8 with 56 scales: ids 8-aligned after the scales.
+        let r = RecordLayout::dispatch(7168, 56, 8).unwrap();
+        assert_eq!(r.idx_offset, 7168 + 224);
+        assert_eq!(r.bytes % 16, 0);
+        let r = RecordLayout::dispatch(128, 1, 0).unwrap();
+        assert_eq!((r.idx_offset, r.src_offset, r.bytes), (136, 136, 144));
+        assert!(RecordLayout::dispatch(100, 0, 1).is_err());
+        assert!(RecordLayout::dispatch(128, 0, 33).is_err());
+        assert_eq!(combine_record_bytes(7168, 8), 14368);
+        assert_eq!(combine_record_bytes(64, 0), 128);
+    }
+
+    #[test]
+    fn grid_is_bounded_by_work_and_sms() {
+        assert_eq!(data_grid(24, 0), 1);
+        assert_eq!(data_grid(24, 16), 1);
+        assert_eq!(data_grid(24, 17), 2);
+        assert_eq!(data_grid(24, 1 << 20), 24);
+    }
+}

@@ -1,0 +1,678 @@
+"""``moelink.Buffer``: DeepEP's ``deep_ep.Buffer`` API on moelink's intranode kernels.
+
+Every argument is checked before anything is launched (``ValueError`` /
+``TypeError`` naming the argument). Kernels run on the buffer's communication
+stream, which first waits for the caller's current stream (or ``previous_event``);
+see ``docs/design-intranode.md`` for the kernels and ``docs/architecture.md`` for
+the layers. Differences from DeepEP are listed in ``docs/api-notes.md``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from . import _native
+from .checks import (
+    check_bias,
+    check_dispatch_x,
+    check_experts_ranks,
+    check_hidden_bytes,
+    check_int,
+    check_tensor,
+    check_topk_idx,
+    check_topk_weights,
+)
+from .config import Config, get_combine_config, get_dispatch_config
+
+__all__ = ["Buffer", "EventOverlap"]
+
+_ALIGN = 16  # kernels use 16-byte vector loads and stores on rows
+
+
+class EventOverlap:
+    """A CUDA event plus the tensors that must stay alive until it completes.
+
+    ``current_stream_wait()`` makes the current stream wait for the event; used as a
+    context manager (``with event:``) it does that on exit. ``event=None`` (what a
+    call with ``async_finish=False`` returns) waits for nothing.
+    """
+
+    def __init__(self, event: torch.cuda.Event | None = None, extra_tensors=None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.current_stream_wait()
+
+
+class _CudaMemory:
+    """A device range exposed through ``__cuda_array_interface__`` (keeps ``owner`` alive)."""
+
+    def __init__(self, ptr: int, nbytes: int, owner) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def _ptr(t) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+def _check_aligned(name: str, t) -> None:
+    if t is not None and t.numel() > 0 and t.data_ptr() % _ALIGN != 0:
+        raise ValueError(
+            f"{name} must start on a {_ALIGN}-byte boundary (it is a view at an odd offset)"
+        )
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_current_stream_capturing()
+
+
+class Buffer:
+    """Communication buffer for MoE dispatch and combine among the ranks of ``group``
+    (one GPU per rank, all on one host). Call-compatible with ``deep_ep.Buffer``.
+
+    ``num_nvl_bytes`` is the NVLink buffer each rank allocates and every peer maps;
+    size it with ``Config.get_nvl_buffer_size_hint`` (moelink keeps a fixed slot per
+    token, so it depends on the largest batch). ``num_rdma_bytes`` is accepted for
+    compatibility and must be 0 without an internode path. Low-latency mode is not
+    available yet.
+    """
+
+    #: SMs of dispatch/combine when no config is given (``set_num_sms``).
+    num_sms: int = 20
+    _num_sms_set = False
+
+    def __init__(
+        self,
+        group,
+        num_nvl_bytes: int = 0,
+        num_rdma_bytes: int = 0,
+        low_latency_mode: bool = False,
+        num_qps_per_rank: int = 24,
+        allow_nvlink_for_low_latency_mode: bool = True,
+        allow_mnnvl: bool = False,
+        use_fabric: bool = False,
+        explicitly_destroy: bool = False,
+        enable_shrink: bool = False,
+        comm=None,
+    ) -> None:
+        self._native = None
+        self.explicitly_destroy = bool(explicitly_destroy)
+        num_nvl_bytes = check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
+        num_rdma_bytes = check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
+        check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
+        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            if v % 128 != 0:
+                raise ValueError(f"{name} must be a multiple of 128, got {v}")
+        if low_latency_mode or enable_shrink:
+            raise NotImplementedError("low-latency mode (and enable_shrink) is not available yet")
+        if num_rdma_bytes > 0:
+            raise ValueError(
+                "num_rdma_bytes must be 0: moelink has no internode (RDMA) path yet; "
+                "Config.get_rdma_buffer_size_hint returns 0 for this reason"
+            )
+        if not torch.cuda.is_available():
+            raise RuntimeError("moelink.Buffer needs a CUDA device")
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed must be initialised before creating a Buffer")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.group_size = dist.get_world_size(group)
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = False
+        self.device = torch.device("cuda", torch.cuda.current_device())
+
+        # Every rank must be on this host (the bootstrap root listens on 127.0.0.1).
+        hosts = [None] * self.group_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if len(set(hosts)) != 1:
+            raise ValueError(
+                "all ranks of the group must be on one host (intranode only), "
+                f"got {sorted(set(hosts))}"
+            )
+        uid = [_native.bootstrap_unique_id() if self.rank == 0 else None]
+        dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
+        self._comm_stream = torch.cuda.Stream(device=self.device)
+        if num_nvl_bytes > 0:
+            timeout = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
+            self._native = _native.IntranodeBuffer(
+                uid[0], self.rank, self.group_size, self.device.index, num_nvl_bytes, timeout
+            )
+
+    # ----- static helpers -------------------------------------------------------
+
+    @classmethod
+    def set_num_sms(cls, new_num_sms: int) -> None:
+        """SMs used by dispatch/combine when no ``config`` is passed (even)."""
+        n = check_int("new_num_sms", new_num_sms, minimum=2)
+        if n % 2 != 0:
+            raise ValueError(f"new_num_sms must be even, got {n}")
+        cls.num_sms = n
+        cls._num_sms_set = True
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current stream (pass it as ``previous_event``)."""
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream())
+        return EventOverlap(ev)
+
+    @classmethod
+    def get_dispatch_config(cls, num_ranks: int) -> Config:
+        """Tuned dispatch config for ``num_ranks`` (``set_num_sms`` overrides its SMs)."""
+        return get_dispatch_config(num_ranks, num_sms=cls.num_sms if cls._num_sms_set else None)
+
+    @classmethod
+    def get_combine_config(cls, num_ranks: int) -> Config:
+        """Tuned combine config for ``num_ranks`` (``set_num_sms`` overrides its SMs)."""
+        return get_combine_config(num_ranks, num_sms=cls.num_sms if cls._num_sms_set else None)
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return any(a.startswith("90") for a in _native.compiled_archs())
+
+    # ----- resources -----------------------------------------------------------
+
+    def get_comm_stream(self) -> torch.cuda.Stream:
+        return self._comm_stream
+
+    def _buffer(self):
+        if self._native is None:
+            raise RuntimeError(
+                "this Buffer has no NVLink buffer (destroyed, or created with num_nvl_bytes=0)"
+            )
+        return self._native
+
+    def get_local_buffer_tensor(
+        self, dtype: torch.dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False
+    ) -> torch.Tensor:
+        """This rank's NVLink buffer from byte ``offset`` as a ``dtype`` tensor (1-D, or
+        the first ``size.numel()`` elements viewed as ``size``). Peers write into it
+        during dispatch/combine; it lives as long as the Buffer."""
+        if use_rdma_buffer:
+            raise ValueError("use_rdma_buffer=True: this Buffer has no RDMA buffer")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
+        ptr, nbytes = self._buffer().local_buffer()
+        offset = check_int("offset", offset, minimum=0, maximum=nbytes)
+        elem = torch.empty((), dtype=dtype).element_size()
+        if offset % elem != 0:
+            raise ValueError(f"offset {offset} is not a multiple of the {dtype} size {elem}")
+        raw = torch.as_tensor(_CudaMemory(ptr + offset, nbytes - offset, self), device=self.device)
+        t = raw[: (nbytes - offset) // elem * elem].view(dtype)
+        if size is None:
+            return t
+        size = torch.Size(size)
+        if size.numel() > t.numel():
+            raise ValueError(
+                f"size {list(size)} needs {size.numel()} elements, the buffer holds {t.numel()}"
+            )
+        return t[: size.numel()].view(size)
+
+    def destroy(self) -> None:
+        """Frees the buffer (collective: every rank calls it). Needs ``explicitly_destroy=True``."""
+        if not self.explicitly_destroy:
+            raise RuntimeError("destroy() needs a Buffer created with explicitly_destroy=True")
+        if self._native is not None:
+            self._comm_stream.synchronize()
+            self._native.check_device()
+            self._native.barrier()
+            self._native.destroy()
+            self._native = None
+
+    def __del__(self) -> None:
+        native = getattr(self, "_native", None)
+        if native is None:
+            return
+        with contextlib.suppress(Exception):
+            self._comm_stream.synchronize()
+        with contextlib.suppress(Exception):
+            native.destroy()
+        self._native = None
+
+    # ----- streams ---------------------------------------------------------------
+
+    def _prologue(self, previous_event, async_finish, allocate_on_comm_stream):
+        if allocate_on_comm_stream and (previous_event is None or not async_finish):
+            raise ValueError(
+                "allocate_on_comm_stream=True needs previous_event and async_finish=True"
+            )
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(
+                f"previous_event must be an EventOverlap, got {type(previous_event).__name__}"
+            )
+        compute = torch.cuda.current_stream(self.device)
+        return compute
+
+    def _enter_comm(self, compute, previous_event):
+        if previous_event is not None and previous_event.event is not None:
+            self._comm_stream.wait_event(previous_event.event)
+        else:
+            self._comm_stream.wait_stream(compute)
+
+    def _alloc_ctx(self, allocate_on_comm_stream):
+        if allocate_on_comm_stream:
+            return torch.cuda.stream(self._comm_stream)
+        return contextlib.nullcontext()
+
+    def _epilogue(self, compute, async_finish, allocate_on_comm_stream, inputs, outputs):
+        if allocate_on_comm_stream:
+            for t in outputs:
+                if t is not None:
+                    t.record_stream(compute)
+        if async_finish:
+            for t in (*inputs, *outputs):
+                if t is not None:
+                    t.record_stream(self._comm_stream)
+            ev = torch.cuda.Event()
+            ev.record(self._comm_stream)
+            return EventOverlap(ev, tuple(t for t in (*inputs, *outputs) if t is not None))
+        compute.wait_stream(self._comm_stream)
+        return EventOverlap(None)
+
+    def _check_device(self, **tensors) -> None:
+        for name, t in tensors.items():
+            if t is not None and t.device != self.device:
+                raise ValueError(
+                    f"{name} must be on this Buffer's device {self.device}, got {t.device}"
+                )
+
+    def _num_sms(self, config, default: Config) -> int:
+        if config is None:
+            return default.num_sms
+        if not isinstance(config, Config):
+            raise TypeError(f"config must be a moelink.Config, got {type(config).__name__}")
+        return config.num_sms
+
+    # ----- layout ----------------------------------------------------------------
+
+    def get_dispatch_layout(
+        self,
+        topk_idx: torch.Tensor,
+        num_experts: int,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """Per-rank and per-expert token counts and ``is_token_in_rank`` of ``topk_idx``.
+
+        Returns ``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
+        is_token_in_rank [N, R] bool, event)``.
+        """
+        native = self._buffer()
+        R = self.group_size
+        check_experts_ranks(num_experts, R)
+        check_topk_idx(topk_idx, num_experts, check_values=not _capturing())
+        check_tensor("topk_idx", topk_idx, contiguous=True)
+        self._check_device(topk_idx=topk_idx)
+        compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
+        n, k = topk_idx.shape
+        with self._alloc_ctx(allocate_on_comm_stream):
+            per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
+            per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
+            in_rank = torch.empty((n, R), dtype=torch.bool, device=self.device)
+        self._enter_comm(compute, previous_event)
+        native.layout(
+            self._comm_stream.cuda_stream,
+            _ptr(topk_idx),
+            n,
+            k,
+            num_experts,
+            _ptr(per_rank),
+            _ptr(per_expert),
+            _ptr(in_rank),
+        )
+        event = self._epilogue(
+            compute,
+            async_finish,
+            allocate_on_comm_stream,
+            (topk_idx,),
+            (per_rank, per_expert, in_rank),
+        )
+        return per_rank, None, per_expert, in_rank, event
+
+    # ----- dispatch ---------------------------------------------------------------
+
+    def _check_handle(self, handle, num_tokens: int | None = None):
+        if not isinstance(handle, tuple) or len(handle) != 6:
+            raise ValueError("handle must be the 6-tuple an intranode dispatch returned")
+        R = self.group_size
+        rpm, cpm, rcpm, recv_src_idx, in_rank, send_head = handle
+        check_tensor(
+            "handle[0] (rank_prefix_matrix)", rpm, dtype=torch.int32, shape=(R, R), contiguous=True
+        )
+        check_tensor(
+            "handle[3] (recv_src_idx)", recv_src_idx, dtype=torch.int32, dims=1, contiguous=True
+        )
+        check_tensor("handle[4] (is_token_in_rank)", in_rank, dtype=torch.bool, dims=2)
+        check_tensor("handle[5] (send_head)", send_head, dtype=torch.int32, dims=2, contiguous=True)
+        if send_head.shape[1] != R:
+            raise ValueError(
+                f"handle[5] (send_head) must have {R} columns, got {list(send_head.shape)}"
+            )
+        if num_tokens is not None and send_head.shape[0] != num_tokens:
+            raise ValueError(
+                f"x has {num_tokens} tokens but the handle was made for {send_head.shape[0]}"
+            )
+        self._check_device(rank_prefix_matrix=rpm, recv_src_idx=recv_src_idx, send_head=send_head)
+        return rpm, recv_src_idx, send_head
+
+    def dispatch(
+        self,
+        x,
+        handle=None,
+        num_tokens_per_rank=None,
+        num_tokens_per_rdma_rank=None,
+        is_token_in_rank=None,
+        num_tokens_per_expert=None,
+        topk_idx=None,
+        topk_weights=None,
+        expert_alignment: int = 1,
+        num_worst_tokens: int = 0,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """Sends each token to every rank hosting one of its experts.
+
+        Returns ``(recv_x, recv_topk_idx, recv_topk_weights,
+        num_recv_tokens_per_expert_list, handle, event)`` as ``deep_ep.Buffer.dispatch``.
+        """
+        native = self._buffer()
+        R = self.group_size
+        data, scales = check_dispatch_x(x)
+        self._check_device(x=data, scales=scales)
+        _check_aligned("x", data)
+        n, hidden = data.shape
+        hidden_bytes = hidden * data.element_size()
+        num_scales = 0 if scales is None else scales.shape[1]
+        s_strides = (0, 0) if scales is None else tuple(scales.stride())
+        num_sms = self._num_sms(config, self.get_dispatch_config(R))
+        expert_alignment = check_int("expert_alignment", expert_alignment, minimum=1)
+        num_worst_tokens = check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        if num_tokens_per_rdma_rank is not None:
+            raise ValueError("num_tokens_per_rdma_rank must be None within one node")
+
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
+            rpm, recv_src_idx, send_head = self._check_handle(handle, n)
+            compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
+            rows = recv_src_idx.shape[0]
+            self._enter_comm(compute, previous_event)
+            stream = self._comm_stream.cuda_stream
+            native.dispatch_send(
+                stream,
+                True,
+                n,
+                hidden_bytes,
+                num_scales,
+                0,
+                R,
+                _ptr(data),
+                _ptr(scales),
+                s_strides,
+                0,
+                0,
+                0,
+                0,
+                _ptr(rpm),
+                _ptr(send_head),
+                1,
+                num_sms,
+            )
+            with self._alloc_ctx(allocate_on_comm_stream):
+                recv_x, recv_scales = self._alloc_recv_x(data, scales, rows)
+            native.dispatch_recv(
+                stream,
+                n,
+                hidden_bytes,
+                num_scales,
+                0,
+                R,
+                _ptr(rpm),
+                rows,
+                _ptr(recv_x),
+                _ptr(recv_scales),
+                self._strides(recv_scales),
+                0,
+                0,
+                0,
+                num_sms,
+            )
+            event = self._epilogue(
+                compute,
+                async_finish,
+                allocate_on_comm_stream,
+                (data, scales, rpm, send_head),
+                (recv_x, recv_scales),
+            )
+            out_x = recv_x if scales is None else (recv_x, recv_scales)
+            return out_x, None, None, None, None, event
+
+        if is_token_in_rank is None or num_tokens_per_expert is None or num_tokens_per_rank is None:
+            raise ValueError(
+                "dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
+                "num_tokens_per_expert (from get_dispatch_layout)"
+            )
+        check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,))
+        check_tensor(
+            "is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(n, R), contiguous=True
+        )
+        check_tensor(
+            "num_tokens_per_expert",
+            num_tokens_per_expert,
+            dtype=torch.int32,
+            dims=1,
+            contiguous=True,
+        )
+        num_experts = num_tokens_per_expert.shape[0]
+        check_experts_ranks(num_experts, R)
+        num_topk = 0
+        if topk_idx is not None:
+            sync_ok = num_worst_tokens == 0 and not _capturing()
+            check_topk_idx(topk_idx, num_experts, check_values=sync_ok)
+            check_tensor("topk_idx", topk_idx, shape=(n, None), contiguous=True)
+            num_topk = topk_idx.shape[1]
+            if topk_weights is not None:
+                check_topk_weights(topk_weights, topk_idx)
+                check_tensor("topk_weights", topk_weights, contiguous=True)
+        elif topk_weights is not None:
+            raise ValueError("topk_weights needs topk_idx")
+        self._check_device(
+            num_tokens_per_rank=num_tokens_per_rank,
+            is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+        )
+        capacity = native.dispatch_capacity(hidden_bytes, num_scales, num_topk)
+        if n > capacity:
+            raise ValueError(
+                f"x has {n} tokens but this Buffer ({self.num_nvl_bytes} bytes) holds {capacity} "
+                f"per rank for rows of {hidden_bytes} bytes; size it with "
+                f"Config.get_nvl_buffer_size_hint(..., max_tokens_per_rank=...)"
+            )
+        compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
+        with self._alloc_ctx(allocate_on_comm_stream):
+            rpm = torch.empty((R, R), dtype=torch.int32, device=self.device)
+            send_head = torch.empty((n, R), dtype=torch.int32, device=self.device)
+        self._enter_comm(compute, previous_event)
+        stream = self._comm_stream.cuda_stream
+        epoch = native.dispatch_send(
+            stream,
+            False,
+            n,
+            hidden_bytes,
+            num_scales,
+            num_topk,
+            num_experts,
+            _ptr(data),
+            _ptr(scales),
+            s_strides,
+            _ptr(topk_idx),
+            _ptr(topk_weights),
+            _ptr(is_token_in_rank),
+            _ptr(num_tokens_per_expert),
+            _ptr(rpm),
+            _ptr(send_head),
+            expert_alignment,
+            num_sms,
+        )
+        if num_worst_tokens > 0:
+            rows, per_expert = num_worst_tokens, []
+        else:
+            rows, per_expert = native.wait_counts(epoch, num_experts)
+            per_expert = list(per_expert)
+        with self._alloc_ctx(allocate_on_comm_stream):
+            recv_x, recv_scales = self._alloc_recv_x(data, scales, rows)
+            recv_idx = recv_w = None
+            if topk_idx is not None:
+                recv_idx = torch.empty((rows, num_topk), dtype=torch.int64, device=self.device)
+                if topk_weights is not None:
+                    recv_w = torch.empty((rows, num_topk), dtype=torch.float32, device=self.device)
+            recv_src_idx = torch.empty(rows, dtype=torch.int32, device=self.device)
+            cpm = torch.zeros((R, 1), dtype=torch.int32, device=self.device)
+            rcpm = torch.zeros((R, 1), dtype=torch.int32, device=self.device)
+        native.dispatch_recv(
+            stream,
+            n,
+            hidden_bytes,
+            num_scales,
+            num_topk,
+            num_experts,
+            _ptr(rpm),
+            rows,
+            _ptr(recv_x),
+            _ptr(recv_scales),
+            self._strides(recv_scales),
+            _ptr(recv_idx),
+            _ptr(recv_w),
+            _ptr(recv_src_idx),
+            num_sms,
+        )
+        event = self._epilogue(
+            compute,
+            async_finish,
+            allocate_on_comm_stream,
+            (data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert),
+            (recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, rpm, send_head),
+        )
+        handle = (rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head)
+        out_x = recv_x if scales is None else (recv_x, recv_scales)
+        return out_x, recv_idx, recv_w, per_expert, handle, event
+
+    def _alloc_recv_x(self, data, scales, rows: int):
+        recv_x = torch.empty((rows, data.shape[1]), dtype=data.dtype, device=self.device)
+        if scales is None:
+            return recv_x, None
+        s = scales.shape[1]
+        column_major = scales.dim() == 2 and scales.stride(0) == 1 and scales.stride(1) != 1
+        if column_major:
+            recv_scales = torch.empty((s, rows), dtype=torch.float32, device=self.device).T
+        else:
+            recv_scales = torch.empty((rows, s), dtype=torch.float32, device=self.device)
+        return recv_x, recv_scales
+
+    @staticmethod
+    def _strides(t) -> tuple:
+        return (0, 0) if t is None else tuple(t.stride())
+
+    # ----- combine ---------------------------------------------------------------
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle,
+        topk_weights=None,
+        bias=None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """Returns every token's float32 sum of the copies sent back by the ranks it
+        was dispatched to (plus ``bias``), as bf16: ``(combined_x, combined_topk_weights,
+        event)`` as ``deep_ep.Buffer.combine``."""
+        native = self._buffer()
+        R = self.group_size
+        rpm, recv_src_idx, send_head = self._check_handle(handle)
+        rows = recv_src_idx.shape[0]
+        check_tensor("x", x, dtype=torch.bfloat16, dims=2, contiguous=True)
+        if x.shape[0] != rows:
+            raise ValueError(f"x must have the {rows} rows dispatch delivered, got {x.shape[0]}")
+        hidden = x.shape[1]
+        check_hidden_bytes(hidden, 2)
+        n = send_head.shape[0]
+        num_topk = 0
+        if topk_weights is not None:
+            check_tensor("topk_weights", topk_weights, dtype=torch.float32, dims=2, contiguous=True)
+            if topk_weights.shape[0] != rows or not 1 <= topk_weights.shape[1] <= 32:
+                raise ValueError(
+                    f"topk_weights must be [{rows}, K] with 1 <= K <= 32, "
+                    f"got {list(topk_weights.shape)}"
+                )
+            num_topk = topk_weights.shape[1]
+        b0, b1 = check_bias(bias, n, hidden)
+        self._check_device(x=x, topk_weights=topk_weights, bias0=b0, bias1=b1)
+        for name, t in (("x", x), ("bias[0]", b0), ("bias[1]", b1)):
+            _check_aligned(name, t)
+        num_sms = self._num_sms(config, self.get_combine_config(R))
+        capacity = native.combine_capacity(hidden, num_topk)
+        if n > capacity:
+            raise ValueError(
+                f"{n} tokens but this Buffer ({self.num_nvl_bytes} bytes) combines at most "
+                f"{capacity} per rank for hidden {hidden}"
+            )
+        compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
+        with self._alloc_ctx(allocate_on_comm_stream):
+            out = torch.empty((n, hidden), dtype=torch.bfloat16, device=self.device)
+            out_w = None
+            if topk_weights is not None:
+                out_w = torch.empty((n, num_topk), dtype=torch.float32, device=self.device)
+        self._enter_comm(compute, previous_event)
+        native.combine(
+            self._comm_stream.cuda_stream,
+            _ptr(x),
+            rows,
+            hidden,
+            _ptr(topk_weights),
+            num_topk,
+            _ptr(rpm),
+            _ptr(send_head),
+            n,
+            _ptr(b0),
+            _ptr(b1),
+            _ptr(out),
+            _ptr(out_w),
+            num_sms,
+        )
+        event = self._epilogue(
+            compute,
+            async_finish,
+            allocate_on_comm_stream,
+            (x, topk_weights, b0, b1, rpm, send_head),
+            (out, out_w),
+        )
+        return out, out_w, event

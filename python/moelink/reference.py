@@ -1,0 +1,326 @@
+"""CPU reference of intranode dispatch and combine: the oracle of the GPU tests.
+
+A torch wrapper of the Rust reference ``ep_core::reference`` (through
+``moelink._native``); its docs are the exact contract. In short, with ``R`` ranks
+(``len(inputs)``) and ``E`` experts (a multiple of ``R``), rank ``d`` hosts experts
+``d * E / R .. (d + 1) * E / R``:
+
+- rank ``d`` receives every token (of every source rank) that has at least one
+  expert on ``d``, once, ordered by source rank then token index;
+- ``recv_topk_idx`` holds local expert ids where the expert is on ``d`` and ``-1``
+  elsewhere; ``recv_topk_weights`` the source weight where the id is kept, ``0.0``
+  elsewhere;
+- ``combine`` adds, in float32, ``bias0 + bias1`` and then the rows returned by
+  the destination ranks in ascending rank order.
+
+Dispatch results are exact (compare bit for bit); combine sums depend on the
+summation order, see the Rust module docs for the tolerances to use.
+
+Inputs should be CPU tensors (others are copied to the CPU); every result is a
+fresh CPU tensor. Arguments are checked here for shapes and dtypes and in Rust
+for everything else; a bad value raises ``ValueError``, a non-tensor ``TypeError``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import _native
+from .checks import check_int, check_tensor
+
+__all__ = [
+    "RefDispatch",
+    "RefRankOutput",
+    "combine",
+    "dispatch",
+    "dispatch_cached",
+    "layout",
+    "to_bf16",
+]
+
+#: dtypes of dispatched token data ``x`` (moved as raw bytes).
+X_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
+#: dtypes accepted for combine's rows and biases (converted exactly to float32).
+COMBINE_DTYPES = (torch.bfloat16, torch.float32)
+
+
+def _to_bytes(t: torch.Tensor) -> bytes:
+    """The elements of ``t`` in row-major order, as raw (little-endian) bytes."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _opt_bytes(t: torch.Tensor | None) -> bytes | None:
+    return None if t is None else _to_bytes(t)
+
+
+def _from_bytes(b: bytes, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A fresh CPU tensor of ``dtype`` and ``shape`` holding the raw bytes ``b``."""
+    if len(b) == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(b), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+def _opt_from_bytes(b: bytes | None, dtype: torch.dtype, shape) -> torch.Tensor | None:
+    return None if b is None else _from_bytes(b, dtype, shape)
+
+
+def to_bf16(t: torch.Tensor) -> torch.Tensor:
+    """``t`` rounded to bfloat16, to nearest with ties to even: the reference's
+    ``round_to_bf16``, i.e. what a GPU bf16 store of a float32 result holds."""
+    return t.to(torch.bfloat16)
+
+
+def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+    """Dispatch layout of one rank's tokens (``Buffer.get_dispatch_layout``).
+
+    ``topk_idx``: int64 [N, K], ids in ``-1 .. num_experts - 1``. Returns
+    ``(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
+    is_token_in_rank bool [N, R])``: per rank / expert, the tokens with at least
+    one expert there (each token once, duplicated ids included).
+    """
+    check_tensor("topk_idx", topk_idx, dtype=torch.int64, dims=2)
+    num_experts = check_int("num_experts", num_experts, minimum=1)
+    num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+    n, k = topk_idx.shape
+    per_rank, per_expert, in_rank = _native.reference_layout(
+        _to_bytes(topk_idx), k, num_experts, num_ranks
+    )
+    return (
+        _from_bytes(per_rank, torch.int32, (num_ranks,)),
+        _from_bytes(per_expert, torch.int32, (num_experts,)),
+        _from_bytes(in_rank, torch.bool, (n, num_ranks)),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class RefRankOutput:
+    """What one destination rank receives. ``rows`` is ``num_worst_tokens`` when
+    that is positive, else ``num_recv_tokens``; padding rows (``num_recv_tokens``
+    and up) have ``recv_topk_idx == -1`` and ``recv_topk_weights == 0``, and zeros /
+    ``-1`` elsewhere, which GPU results need not match."""
+
+    #: Tokens received (rows ``< num_recv_tokens`` are real).
+    num_recv_tokens: int
+    #: [rows, H], the dtype of ``x``: the source tokens' data, unchanged.
+    recv_x: torch.Tensor
+    #: float32 [rows, S] when dispatched with scales, else ``None``.
+    recv_scales: torch.Tensor | None
+    #: int64 [rows, K]: local expert ids of this rank, ``-1`` for the others.
+    recv_topk_idx: torch.Tensor
+    #: float32 [rows, K] when dispatched with weights, else ``None``.
+    recv_topk_weights: torch.Tensor | None
+    #: int32 [rows]: each row's token index on its source rank.
+    recv_src_idx: torch.Tensor
+    #: int32 [rows]: each row's source rank.
+    recv_src_rank: torch.Tensor
+    #: Per local expert, received tokens that have it (once per token), rounded
+    #: up to ``expert_alignment``; empty when ``num_worst_tokens > 0``.
+    num_recv_tokens_per_expert: list
+
+
+class RefDispatch:
+    """Result of :func:`dispatch`: every rank's outputs (``ranks[d]``) plus the
+    routing, which :func:`dispatch_cached` and :func:`combine` take back."""
+
+    def __init__(self, handle: _native.RefDispatched, dtype: torch.dtype, hidden: int):
+        self._handle = handle
+        #: Number of ranks ``R``.
+        self.num_ranks = handle.num_ranks
+        r = self.num_ranks
+        #: int32 [R, R]: entry [i, j] counts the tokens ranks ``0..=i`` send to ``j``.
+        self.rank_prefix_matrix = _from_bytes(handle.rank_prefix_matrix, torch.int32, (r, r))
+        #: ``ranks[d]``: what rank ``d`` receives.
+        self.ranks = [self._rank_output(d, dtype, hidden) for d in range(r)]
+
+    def num_tokens(self, rank: int) -> int:
+        """``N`` of source rank ``rank``."""
+        return self._handle.num_tokens(rank)
+
+    def is_token_in_rank(self, rank: int) -> torch.Tensor:
+        """bool [N, R] of source rank ``rank``: token ``t`` has an expert on rank ``j``."""
+        shape = (self.num_tokens(rank), self.num_ranks)
+        return _from_bytes(self._handle.is_token_in_rank(rank), torch.bool, shape)
+
+    def _rank_output(self, d: int, dtype: torch.dtype, hidden: int) -> RefRankOutput:
+        o = self._handle.rank_output(d)
+        rows, k, s = o["num_rows"], self._handle.num_topk, self._handle.num_scales
+        return RefRankOutput(
+            num_recv_tokens=o["num_recv_tokens"],
+            recv_x=_from_bytes(o["recv_x"], dtype, (rows, hidden)),
+            recv_scales=_opt_from_bytes(o["recv_scales"], torch.float32, (rows, s)),
+            recv_topk_idx=_from_bytes(o["recv_topk_idx"], torch.int64, (rows, k)),
+            recv_topk_weights=_opt_from_bytes(o["recv_topk_weights"], torch.float32, (rows, k)),
+            recv_src_idx=_from_bytes(o["recv_src_idx"], torch.int32, (rows,)),
+            recv_src_rank=_from_bytes(o["recv_src_rank"], torch.int32, (rows,)),
+            num_recv_tokens_per_expert=list(o["num_recv_tokens_per_expert"]),
+        )
+
+
+def _check_rank_count(name: str, items, num_ranks: int) -> None:
+    if len(items) != num_ranks:
+        raise ValueError(f"{name} must have one entry per rank ({num_ranks}), got {len(items)}")
+
+
+def _check_token_data(name: str, x, scales, num_tokens: int | None, first):
+    """Checks one rank's ``x`` ([N, H] of ``X_DTYPES``) and ``scales`` (float32 [N, S]
+    or None) against rank 0's ``(x, scales)`` (``first``, None for rank 0)."""
+    check_tensor(name, x, dtype=X_DTYPES, dims=2)
+    if num_tokens is not None and x.shape[0] != num_tokens:
+        raise ValueError(f"{name} must have {num_tokens} rows (tokens), got {x.shape[0]}")
+    if scales is not None:
+        check_tensor(f"{name} scales", scales, dtype=torch.float32, shape=(x.shape[0], None))
+    if first is not None:
+        x0, s0 = first
+        if x.dtype != x0.dtype or x.shape[1] != x0.shape[1]:
+            raise ValueError(
+                f"{name} must be {x0.dtype} with {x0.shape[1]} columns like rank 0's, "
+                f"got {x.dtype} of shape {list(x.shape)}"
+            )
+        if scales is not None and s0 is not None and scales.shape[1] != s0.shape[1]:
+            raise ValueError(
+                f"{name} scales must have {s0.shape[1]} columns like rank 0's, "
+                f"got {scales.shape[1]}"
+            )
+
+
+def dispatch(
+    inputs, num_experts: int, *, expert_alignment: int = 1, num_worst_tokens: int = 0
+) -> RefDispatch:
+    """Dispatch over all ranks at once; ``inputs[r]`` is rank ``r``'s input, a dict:
+
+    - ``x``: bf16 or float8_e4m3fn [N_r, H] (same dtype and H on every rank);
+    - ``scales`` (optional): float32 [N_r, S] or None, any strides; every rank or none;
+    - ``topk_idx``: int64 [N_r, K], ids in ``-1 .. num_experts - 1``;
+    - ``topk_weights`` (optional): float32 [N_r, K] or None; every rank or none.
+
+    ``expert_alignment`` rounds up ``num_recv_tokens_per_expert``;
+    ``num_worst_tokens > 0`` pads every rank's outputs to that many rows (an
+    error if a rank receives more). Rows are a positive multiple of 128 bytes.
+    """
+    if len(inputs) == 0:
+        raise ValueError("inputs must hold at least one rank")
+    num_experts = check_int("num_experts", num_experts, minimum=1)
+    expert_alignment = check_int("expert_alignment", expert_alignment, minimum=1)
+    num_worst_tokens = check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+    native_inputs, first, k = [], None, None
+    for r, inp in enumerate(inputs):
+        x, scales = inp["x"], inp.get("scales")
+        idx, weights = inp["topk_idx"], inp.get("topk_weights")
+        check_tensor(f"inputs[{r}]['topk_idx']", idx, dtype=torch.int64, dims=2)
+        k = idx.shape[1] if k is None else k
+        check_tensor(f"inputs[{r}]['topk_idx']", idx, shape=(None, k))
+        _check_token_data(f"inputs[{r}]['x']", x, scales, idx.shape[0], first)
+        if weights is not None:
+            check_tensor(
+                f"inputs[{r}]['topk_weights']", weights, dtype=torch.float32, shape=idx.shape
+            )
+        if first is None:
+            first = (x, scales)
+        native_inputs.append(
+            (_to_bytes(idx), _opt_bytes(weights), _to_bytes(x), _opt_bytes(scales))
+        )
+    x0, s0 = first
+    handle = _native.reference_dispatch(
+        native_inputs,
+        num_experts,
+        k,
+        x0.shape[1] * x0.element_size(),
+        0 if s0 is None else s0.shape[1],
+        expert_alignment,
+        num_worst_tokens,
+    )
+    return RefDispatch(handle, x0.dtype, x0.shape[1])
+
+
+def dispatch_cached(ref: RefDispatch, xs) -> list:
+    """Cached dispatch: moves new token data along ``ref``'s routing.
+
+    ``xs[r]`` is rank ``r``'s data: a tensor (bf16 or float8_e4m3fn [N_r, H']) or a
+    ``(data, scales)`` tuple with float32 [N_r, S'] scales (or None); dtype, H'
+    and S' may differ from the original dispatch but must agree across ranks.
+    Returns, per destination rank, ``(recv_x [rows, H'], recv_scales float32
+    [rows, S'] or None)``, row ``i`` holding the token of ``ref.ranks[d]``'s row ``i``.
+    """
+    _check_rank_count("xs", xs, ref.num_ranks)
+    native_inputs, first = [], None
+    for r, item in enumerate(xs):
+        x, scales = item if isinstance(item, tuple) else (item, None)
+        _check_token_data(f"xs[{r}]", x, scales, ref.num_tokens(r), first)
+        if first is None:
+            first = (x, scales)
+        native_inputs.append((_to_bytes(x), _opt_bytes(scales)))
+    x0, s0 = first
+    num_scales = 0 if s0 is None else s0.shape[1]
+    out = _native.reference_dispatch_cached(
+        ref._handle, native_inputs, x0.shape[1] * x0.element_size(), num_scales
+    )
+    results = []
+    for o, (recv_x, recv_scales) in zip(ref.ranks, out):
+        rows = o.recv_src_idx.shape[0]
+        results.append(
+            (
+                _from_bytes(recv_x, x0.dtype, (rows, x0.shape[1])),
+                _opt_from_bytes(recv_scales, torch.float32, (rows, num_scales)),
+            )
+        )
+    return results
+
+
+def _bias_pair(name: str, bias, shape) -> tuple:
+    """One rank's bias (None, a tensor, or a pair of tensors / None) as a pair."""
+    if bias is None:
+        return (None, None)
+    pair = bias if isinstance(bias, tuple) else (bias, None)
+    if len(pair) != 2:
+        raise ValueError(f"{name} must be None, a tensor or a pair, got a {len(pair)}-tuple")
+    for i, b in enumerate(pair):
+        if b is not None:
+            check_tensor(f"{name}[{i}]", b, dtype=COMBINE_DTYPES, shape=shape)
+    return pair
+
+
+def combine(ref: RefDispatch, ys, topk_weights=None, biases=None) -> list:
+    """Combine over all ranks at once.
+
+    - ``ys[r]``: bf16 (or float32) [rows_r, H], what rank ``r`` returns for the
+      rows it received (``rows_r = ref.ranks[r].recv_x.shape[0]``; padding rows
+      are ignored);
+    - ``topk_weights``: None, or per rank float32 [rows_r, K];
+    - ``biases``: None, or per rank None, one tensor or a pair ``(b0, b1)`` (each
+      None or bf16 / float32 [N_r, H]) for rank ``r``'s own tokens.
+
+    bf16 values are converted to float32 exactly. Returns, per source rank,
+    ``(combined_x float32 [N_r, H], combined_topk_weights float32 [N_r, K] or
+    None)``: ``(b0 + b1) + y_d0 + y_d1 + ...`` in float32 over the ranks
+    ``d0 < d1 < ...`` the token went to; weights likewise from ``0.0``. Round
+    with :func:`to_bf16` to get what a GPU bf16 output holds.
+    """
+    r_count = ref.num_ranks
+    _check_rank_count("ys", ys, r_count)
+    if topk_weights is not None:
+        _check_rank_count("topk_weights", topk_weights, r_count)
+    if biases is not None:
+        _check_rank_count("biases", biases, r_count)
+    check_tensor("ys[0]", ys[0], dims=2)
+    hidden, k = ys[0].shape[1], ref._handle.num_topk
+    native_inputs = []
+    for r in range(r_count):
+        rows, n = ref.ranks[r].recv_src_idx.shape[0], ref.num_tokens(r)
+        y = check_tensor(f"ys[{r}]", ys[r], dtype=COMBINE_DTYPES, shape=(rows, hidden))
+        w = None if topk_weights is None else topk_weights[r]
+        if w is not None:
+            check_tensor(f"topk_weights[{r}]", w, dtype=torch.float32, shape=(rows, k))
+        b0, b1 = _bias_pair(f"biases[{r}]", None if biases is None else biases[r], (n, hidden))
+        native_inputs.append(
+            tuple(_opt_bytes(None if t is None else t.float()) for t in (y, w, b0, b1))
+        )
+    out = _native.reference_combine(ref._handle, native_inputs, hidden)
+    return [
+        (
+            _from_bytes(x, torch.float32, (ref.num_tokens(r), hidden)),
+            _opt_from_bytes(w, torch.float32, (ref.num_tokens(r), k)),
+        )
+        for r, (x, w) in enumerate(out)
+    ]
