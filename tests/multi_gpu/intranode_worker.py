@@ -1,0 +1,1324 @@
+"""Run under torchrun: intranode dispatch/combine of ``moelink.Buffer`` against the
+CPU reference (``moelink.reference``), one process per GPU.
+
+Rank 0 draws a fresh seed (``MOELINK_TEST_SEED`` overrides it, to replay a run) and
+broadcasts it. Every rank then builds EVERY rank's inputs on the CPU from
+generators seeded with ``(seed, case tag, rank)``, so each rank computes the full
+reference locally and checks its own GPU results without any communication.
+
+Scenarios run in the order of ``SCENARIO_NAMES`` (``MOELINK_INTRANODE_SCENARIOS``,
+a comma list, selects some). Within a scenario the checks only record
+mismatches, so every rank makes the same sequence of collective calls even when
+one rank sees a wrong result; the scenario fails at its end. Each rank prints
+``FAIL <name> [rank r]: <first errors>`` for its own failures; after every
+scenario the ranks exchange their verdicts over gloo and rank 0 prints
+``PASS <name> (<seconds> s)`` when all ranks passed, ``FAIL <name>: ...``
+otherwise. A scenario that fails anywhere gets the shared Buffer replaced, so a
+broken Buffer does not fail the scenarios after it. A watchdog ends the process
+(with a ``FAIL`` line) when a scenario hangs. The exit code is 1 when anything
+failed.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import sys
+import threading
+import time
+import traceback
+import zlib
+from dataclasses import dataclass
+from datetime import timedelta
+
+import moelink
+import torch
+import torch.distributed as dist
+from moelink import reference
+
+#: Scenario names, in run order; the pytest wrapper reads this tuple.
+SCENARIO_NAMES = (
+    "layout",
+    "dispatch_bf16",
+    "dispatch_fp8",
+    "dispatch_no_topk",
+    "dispatch_cached",
+    "worst_tokens",
+    "combine",
+    "stream_flags",
+    "invalid_args",
+    "cuda_graph",
+    "iterations",
+    "create_destroy",
+)
+SCENARIOS_ENV = "MOELINK_INTRANODE_SCENARIOS"
+SEED_ENV = "MOELINK_TEST_SEED"
+
+#: Largest number of tokens per rank any scenario uses; the shared Buffer holds it.
+N_MAX = 300
+#: Largest hidden size any scenario uses (bf16 elements per row).
+H_MAX = 7168
+HIDDENS = (256, 2048, 7168)
+TOPKS = (1, 4, 8)
+#: Seconds a scenario may take before the watchdog ends the process.
+SCENARIO_TIMEOUT_S = 240
+#: Seconds the gloo control collectives wait for the other ranks.
+CONTROL_TIMEOUT_S = 300
+#: GPU cycles ``torch.cuda._sleep`` spins before an input is written (~10 ms), so a
+#: kernel that does not wait for the producer stream reads the poisoned input.
+PRODUCER_DELAY_CYCLES = 20_000_000
+#: Byte written into freed allocator blocks before a call: 0x7f7f... is a huge
+#: float32 / bf16 / int value, an fp8 NaN and neither 0 nor 1 as a bool.
+POISON_BYTE = 0x7F
+BF16_NAN = float("nan")
+MIB = 1 << 20
+
+
+# ----------------------------------------------------------------------------
+# Comparisons: record the first mismatch, never raise mid-scenario.
+# ----------------------------------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """An integer view of ``t`` for bit-exact comparison."""
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16)
+    if t.dtype in (torch.float8_e4m3fn, torch.bool):
+        return t.view(torch.uint8)
+    if t.dtype == torch.float32:
+        return t.view(torch.int32)
+    return t
+
+
+def _fmt(t: torch.Tensor, index: tuple) -> str:
+    v = t[index]
+    if t.dtype in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        return f"{v.float().item()!r} (bits 0x{int(_bits(t)[index].item()) & 0xFFFF:x})"
+    return repr(v.item())
+
+
+def _bf16_ulp_note(got: torch.Tensor, want: torch.Tensor, bad: torch.Tensor) -> str:
+    """For bf16 results: the largest distance in bf16 steps among the mismatches
+    (1 everywhere hints at a different summation order, not at lost data)."""
+    if got.dtype != torch.bfloat16:
+        return ""
+
+    def ordered(t):  # bf16 bits as integers monotone in the value
+        b = t.view(torch.int16).to(torch.int32)
+        return torch.where(b < 0, -(b & 0x7FFF), b)
+
+    dist_ = (ordered(got) - ordered(want)).abs()[bad]
+    return f"; largest distance {int(dist_.max())} bf16 steps"
+
+
+def mismatch(name: str, got, want) -> str | None:
+    """``None`` when ``got`` equals ``want``, else a line naming the first difference.
+
+    Tensors must match in dtype and shape. float32 compares by value (NaN never
+    equals, -0.0 == 0.0), everything else bit for bit (bool and fp8 as bytes).
+    """
+    if got is None or want is None:
+        if got is None and want is None:
+            return None
+        return f"{name}: got {type(got).__name__}, expected {type(want).__name__}"
+    if not isinstance(got, torch.Tensor):
+        return f"{name}: got {type(got).__name__}, expected a tensor"
+    if got.dtype != want.dtype:
+        return f"{name}: dtype {got.dtype}, expected {want.dtype}"
+    if tuple(got.shape) != tuple(want.shape):
+        return f"{name}: shape {list(got.shape)}, expected {list(want.shape)}"
+    g = got.detach().cpu()
+    w = want.detach().cpu()
+    if g.dtype == torch.float32:
+        bad = ~(g == w)
+    else:
+        bad = _bits(g) != _bits(w)
+    if not bool(bad.any()):
+        return None
+    first = tuple(bad.nonzero()[0].tolist())
+    return (
+        f"{name}: {int(bad.sum())} of {bad.numel()} elements differ; first at {list(first)}: "
+        f"got {_fmt(g, first)}, expected {_fmt(w, first)}{_bf16_ulp_note(g, w, bad)}"
+    )
+
+
+class Checker:
+    """Collects failed checks of one scenario; ``done()`` raises if there were any."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def equal(self, name: str, got, want) -> None:
+        m = mismatch(name, got, want)
+        if m is not None:
+            self.errors.append(m)
+
+    def expect(self, cond: bool, message: str) -> None:
+        if not cond:
+            self.errors.append(message)
+
+    def raises(self, name: str, exc_types, fn, *args, **kwargs) -> None:
+        """``fn(*args, **kwargs)`` must raise one of ``exc_types`` (before anything runs)."""
+        try:
+            fn(*args, **kwargs)
+        except exc_types:
+            return
+        except Exception as e:
+            want = "/".join(t.__name__ for t in _as_tuple(exc_types))
+            self.errors.append(f"{name}: raised {type(e).__name__} ({e}), expected {want}")
+            return
+        self.errors.append(f"{name}: no exception raised")
+
+    def done(self) -> None:
+        if self.errors:
+            shown = " | ".join(self.errors[:4])
+            more = f" (+{len(self.errors) - 4} more)" if len(self.errors) > 4 else ""
+            raise AssertionError(f"{len(self.errors)} check(s) failed: {shown}{more}")
+
+
+def _as_tuple(x):
+    return x if isinstance(x, tuple) else (x,)
+
+
+def recorded(check):
+    """Decorates ``check(chk, label, ...)``: an exception while checking (an output
+    of the wrong kind) is recorded as a failed check instead of ending the
+    scenario on this rank only, which would leave the other ranks waiting in the
+    next collective call."""
+
+    @functools.wraps(check)
+    def wrapper(chk: Checker, label: str, *args, **kwargs):
+        try:
+            check(chk, label, *args, **kwargs)
+        except Exception as e:
+            chk.errors.append(f"{label}: checking raised {type(e).__name__}: {e}")
+
+    return wrapper
+
+
+# ----------------------------------------------------------------------------
+# Inputs, built identically on every rank.
+# ----------------------------------------------------------------------------
+
+
+@dataclass
+class Ctx:
+    rank: int
+    num_ranks: int
+    device: torch.device
+    group: dist.ProcessGroup
+    gloo: dist.ProcessGroup
+    seed: int
+    buffer: moelink.Buffer | None = None
+    side_stream: torch.cuda.Stream | None = None
+
+    def generator(self, tag: str, r: int) -> torch.Generator:
+        """The CPU generator of rank ``r``'s data of case ``tag`` (the same on all ranks)."""
+        mixed = (self.seed * 0x9E3779B1 + zlib.crc32(tag.encode()) * 1_000_003 + r) % (1 << 63)
+        return torch.Generator().manual_seed(mixed)
+
+    def shared_generator(self, tag: str) -> torch.Generator:
+        """A generator for draws that concern all ranks (token counts, choices)."""
+        return self.generator(tag, 1 << 20)
+
+
+def nvl_bytes_for(num_ranks: int, hidden: int, max_tokens: int) -> int:
+    """Buffer size for bf16 rows of ``hidden`` (the same buffer serves fp8)."""
+    return moelink.Config(num_sms=24).get_nvl_buffer_size_hint(
+        hidden * 2, num_ranks, max_tokens_per_rank=max_tokens
+    )
+
+
+def new_buffer(ctx: Ctx) -> moelink.Buffer:
+    return moelink.Buffer(
+        ctx.group, nvl_bytes_for(ctx.num_ranks, H_MAX, N_MAX), explicitly_destroy=True
+    )
+
+
+def token_counts(ctx: Ctx, tag: str, *, zero_rank: bool = False, low: int = 0) -> list[int]:
+    """Tokens per rank in ``[low, N_MAX]``; with ``zero_rank`` one random rank has none."""
+    g = ctx.shared_generator(tag + "/counts")
+    counts = torch.randint(low, N_MAX + 1, (ctx.num_ranks,), generator=g).tolist()
+    if zero_rank:
+        counts[int(torch.randint(0, ctx.num_ranks, (1,), generator=g))] = 0
+    return counts
+
+
+def random_bf16(g: torch.Generator, n: int, h: int) -> torch.Tensor:
+    return torch.randn(n, h, generator=g).to(torch.bfloat16)
+
+
+def random_fp8(g: torch.Generator, n: int, h: int) -> torch.Tensor:
+    """Random fp8 bytes without NaN encodings (0x7f, 0xff)."""
+    b = torch.randint(0, 256, (n, h), generator=g, dtype=torch.uint8)
+    b[(b & 0x7F) == 0x7F] = 0
+    return b.view(torch.float8_e4m3fn)
+
+
+def random_scales(g: torch.Generator, n: int, h: int) -> torch.Tensor:
+    return torch.rand(n, h // 128, generator=g) * 4 + 2.0**-10
+
+
+def random_topk_idx(
+    g: torch.Generator,
+    n: int,
+    num_experts: int,
+    k: int,
+    *,
+    duplicates: bool = False,
+    only_experts: int | None = None,
+    drop: bool = True,
+) -> torch.Tensor:
+    """int64 [n, k] expert ids; with ``drop``, some entries -1 and some rows all -1.
+
+    Distinct ids per row (as a router gives) unless ``duplicates``; ids drawn from
+    ``[0, only_experts)`` when given (to route everything to the first rank).
+    """
+    pool = num_experts if only_experts is None else only_experts
+    if duplicates:
+        idx = torch.randint(0, pool, (n, k), generator=g)
+    else:
+        idx = torch.rand(n, pool, generator=g).argsort(dim=1)[:, :k]
+    if drop:
+        idx[torch.rand(n, k, generator=g) < 0.1] = -1
+        idx[torch.rand(n, generator=g) < 0.05] = -1
+    return idx.to(torch.int64).contiguous()
+
+
+@dataclass
+class Case:
+    """One dispatch configuration; ``inputs(ctx, tag)`` builds all ranks' inputs."""
+
+    hidden: int
+    num_experts: int
+    num_topk: int
+    counts: list[int]
+    fp8: bool = False
+    weights: bool = True
+    duplicates: bool = False
+    only_first_rank: bool = False
+    drop: bool = True
+
+    def inputs(self, ctx: Ctx, tag: str) -> list[dict]:
+        out = []
+        for r in range(ctx.num_ranks):
+            g = ctx.generator(tag, r)
+            n = self.counts[r]
+            only = self.num_experts // ctx.num_ranks if self.only_first_rank else None
+            idx = random_topk_idx(
+                g,
+                n,
+                self.num_experts,
+                self.num_topk,
+                duplicates=self.duplicates,
+                only_experts=only,
+                drop=self.drop,
+            )
+            weights = torch.rand(n, self.num_topk, generator=g) + 0.01 if self.weights else None
+            if self.fp8:
+                x, scales = random_fp8(g, n, self.hidden), random_scales(g, n, self.hidden)
+            else:
+                x, scales = random_bf16(g, n, self.hidden), None
+            out.append(dict(x=x, scales=scales, topk_idx=idx, topk_weights=weights))
+        return out
+
+
+def new_token_data(ctx: Ctx, tag: str, counts: list[int], hidden: int, fp8: bool) -> list:
+    """Fresh per-rank token data (for cached dispatch / in-place updates)."""
+    out = []
+    for r, n in enumerate(counts):
+        g = ctx.generator(tag, r)
+        if fp8:
+            out.append((random_fp8(g, n, hidden), random_scales(g, n, hidden)))
+        else:
+            out.append(random_bf16(g, n, hidden))
+    return out
+
+
+def random_ys(ctx: Ctx, tag: str, ref, hidden: int) -> list[torch.Tensor]:
+    """Per-rank expert outputs for combine: bf16 [rows_r, H] (padding rows NaN)."""
+    ys = []
+    for r in range(ctx.num_ranks):
+        out = ref.ranks[r]
+        rows = out.recv_src_idx.shape[0]
+        y = torch.full((rows, hidden), BF16_NAN, dtype=torch.bfloat16)
+        y[: out.num_recv_tokens] = random_bf16(ctx.generator(tag, r), out.num_recv_tokens, hidden)
+        ys.append(y)
+    return ys
+
+
+def scales_on_gpu(scales: torch.Tensor, device, column_major: bool) -> torch.Tensor:
+    """``scales`` on the GPU, contiguous or as a column-major [N, S] view."""
+    if not column_major:
+        return scales.to(device).contiguous()
+    n, s = scales.shape
+    out = torch.empty(s, n, dtype=torch.float32, device=device).T
+    out.copy_(scales)
+    return out
+
+
+def x_on_gpu(item, device, column_major: bool = False):
+    """A CPU tensor or (data, scales) pair as dispatch's ``x`` on the GPU."""
+    if isinstance(item, tuple):
+        data, scales = item
+        return (data.to(device), scales_on_gpu(scales, device, column_major))
+    return item.to(device)
+
+
+def local_x(inp: dict):
+    return inp["x"] if inp["scales"] is None else (inp["x"], inp["scales"])
+
+
+def poison_allocator(device) -> None:
+    """Fill fresh blocks of the caching allocator (small and large pools) with
+    ``POISON_BYTE`` and free them, so an output element a kernel never writes
+    most likely holds poison rather than a plausible value."""
+    blocks = [torch.empty(512 * 1024, dtype=torch.uint8, device=device) for _ in range(16)]
+    blocks += [torch.empty(32 * MIB, dtype=torch.uint8, device=device) for _ in range(4)]
+    for b in blocks:
+        b.fill_(POISON_BYTE)
+    del blocks
+
+
+# ----------------------------------------------------------------------------
+# GPU calls and their checks.
+# ----------------------------------------------------------------------------
+
+
+def gpu_layout(ctx: Ctx, topk_idx: torch.Tensor, num_experts: int) -> dict:
+    per_rank, per_rdma, per_expert, in_rank, _ = ctx.buffer.get_dispatch_layout(
+        topk_idx, num_experts
+    )
+    return dict(
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        num_tokens_per_expert=per_expert,
+        is_token_in_rank=in_rank,
+    )
+
+
+def gpu_dispatch(ctx: Ctx, inp: dict, num_experts: int, *, column_major=False, **kwargs):
+    """Layout + dispatch of this rank's ``inp`` (CPU dict) with top-k; kwargs go to
+    ``dispatch``. Returns the dispatch tuple."""
+    x = x_on_gpu(local_x(inp), ctx.device, column_major)
+    idx = inp["topk_idx"].to(ctx.device)
+    w = None if inp["topk_weights"] is None else inp["topk_weights"].to(ctx.device)
+    layout = gpu_layout(ctx, idx, num_experts)
+    poison_allocator(ctx.device)
+    return ctx.buffer.dispatch(x, topk_idx=idx, topk_weights=w, **layout, **kwargs)
+
+
+@recorded
+def check_layout(chk: Checker, label: str, got, topk_idx_cpu, num_experts: int, num_ranks: int):
+    per_rank, per_rdma, per_expert, in_rank, event = got
+    want_rank, want_expert, want_in_rank = reference.layout(topk_idx_cpu, num_experts, num_ranks)
+    chk.equal(f"{label} num_tokens_per_rank", per_rank, want_rank)
+    chk.expect(per_rdma is None, f"{label}: num_tokens_per_rdma_rank is not None intranode")
+    chk.equal(f"{label} num_tokens_per_expert", per_expert, want_expert)
+    chk.equal(f"{label} is_token_in_rank", in_rank, want_in_rank)
+    chk.expect(isinstance(event, moelink.EventOverlap), f"{label}: event is {type(event).__name__}")
+
+
+@recorded
+def check_recv_data(chk: Checker, label: str, recv_x, want_x, want_scales, rows, n, layout):
+    """recv_x (a tensor, or a (data, scales) pair when ``want_scales`` is given):
+    ``rows`` rows of which the first ``n`` must equal the reference. ``layout``
+    (see :func:`scales_layout`): the layout the scales must come back in."""
+    if want_scales is None:
+        chk.expect(isinstance(recv_x, torch.Tensor), f"{label}: recv_x is {type(recv_x)}")
+        data, scales = recv_x, None
+    else:
+        ok = isinstance(recv_x, tuple) and len(recv_x) == 2
+        chk.expect(ok, f"{label}: recv_x must be a (data, scales) pair, got {type(recv_x)}")
+        if not ok:
+            return
+        data, scales = recv_x
+    if not isinstance(data, torch.Tensor):
+        return
+    chk.expect(data.device == want_device(), f"{label}: recv_x on {data.device}")
+    chk.expect(
+        tuple(data.shape) == (rows, want_x.shape[1]),
+        f"{label}: recv_x shape {list(data.shape)}, expected {[rows, want_x.shape[1]]}",
+    )
+    chk.equal(f"{label} recv_x", data[:n], want_x[:n])
+    if want_scales is None:
+        return
+    chk.expect(
+        tuple(scales.shape) == (rows, want_scales.shape[1]),
+        f"{label}: recv_scales shape {list(scales.shape)}",
+    )
+    chk.equal(f"{label} recv_scales", scales[:n], want_scales[:n])
+    if rows > 1 and scales.shape[1] > 1 and layout is not None:
+        if layout == "col":
+            chk.expect(
+                scales.stride(0) == 1,
+                f"{label}: column-major scales came back with strides {scales.stride()}",
+            )
+        else:
+            chk.expect(
+                scales.is_contiguous(),
+                f"{label}: contiguous scales came back with strides {scales.stride()}",
+            )
+
+
+def scales_layout(column_major: bool, local_rows: int) -> str | None:
+    """The scales layout dispatch must return: "col" or "row" as given, or None
+    (unchecked) when this rank's own scales have fewer than 2 rows, since then
+    their strides do not say which layout they are."""
+    if local_rows < 2:
+        return None
+    return "col" if column_major else "row"
+
+
+def want_device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+@recorded
+def check_dispatch(
+    chk: Checker,
+    label: str,
+    got,
+    ref,
+    rank: int,
+    *,
+    with_topk: bool = True,
+    worst: int = 0,
+    layout: str | None = "row",
+) -> None:
+    """Every output of ``dispatch`` (non-cached) against the reference."""
+    recv_x, recv_idx, recv_w, per_expert, handle, event = got
+    want = ref.ranks[rank]
+    n = want.num_recv_tokens
+    rows = worst if worst else n
+    check_recv_data(chk, label, recv_x, want.recv_x, want.recv_scales, rows, n, layout)
+    if with_topk:
+        # The reference pads like the contract: -1 ids and 0 weights beyond n.
+        chk.equal(f"{label} recv_topk_idx", recv_idx, want.recv_topk_idx)
+        chk.equal(f"{label} recv_topk_weights", recv_w, want.recv_topk_weights)
+    else:
+        chk.expect(recv_idx is None, f"{label}: recv_topk_idx is not None without top-k")
+        chk.expect(recv_w is None, f"{label}: recv_topk_weights is not None without top-k")
+    want_list = [] if worst else list(want.num_recv_tokens_per_expert)
+    chk.expect(
+        isinstance(per_expert, list) and per_expert == want_list,
+        f"{label}: num_recv_tokens_per_expert_list {per_expert!r}, expected {want_list!r}",
+    )
+    chk.expect(
+        isinstance(handle, tuple) and len(handle) == 6,
+        f"{label}: intranode handle must be a 6-tuple, got {type(handle).__name__}",
+    )
+    if isinstance(handle, tuple) and len(handle) == 6:
+        chk.equal(f"{label} handle[0] rank_prefix_matrix", handle[0], ref.rank_prefix_matrix)
+        src_idx = handle[3]
+        chk.expect(
+            src_idx.dim() == 1 and src_idx.shape[0] >= n,
+            f"{label}: handle[3] recv_src_idx shape {list(src_idx.shape)}, {n} rows received",
+        )
+        chk.equal(f"{label} handle[3] recv_src_idx", src_idx[:n], want.recv_src_idx[:n])
+        chk.equal(f"{label} handle[4] is_token_in_rank", handle[4], ref.is_token_in_rank(rank))
+        send_head = handle[5]
+        want_shape = [ref.num_tokens(rank), ref.num_ranks]
+        chk.expect(
+            send_head.dtype == torch.int32 and list(send_head.shape) == want_shape,
+            f"{label}: handle[5] send_head {send_head.dtype} {list(send_head.shape)}, "
+            f"expected int32 {want_shape}",
+        )
+    chk.expect(isinstance(event, moelink.EventOverlap), f"{label}: event is {type(event).__name__}")
+
+
+def expected_combine(ref, ys, *, weights: bool, biases=None) -> list:
+    tw = [o.recv_topk_weights for o in ref.ranks] if weights else None
+    return reference.combine(ref, ys, topk_weights=tw, biases=biases)
+
+
+@recorded
+def check_combine(chk: Checker, label: str, got, want, *, weights: bool) -> None:
+    combined_x, combined_w, event = got
+    want_x, want_w = want
+    chk.equal(f"{label} combined_x", combined_x, reference.to_bf16(want_x))
+    if weights:
+        chk.equal(f"{label} combined_topk_weights", combined_w, want_w)
+    else:
+        chk.expect(combined_w is None, f"{label}: combined_topk_weights without topk_weights")
+    chk.expect(isinstance(event, moelink.EventOverlap), f"{label}: event is {type(event).__name__}")
+
+
+def y_for(chk: Checker, label: str, y_cpu: torch.Tensor, recv_x, device) -> torch.Tensor:
+    """This rank's combine input: the reference-sized ``y``, or (when the GPU
+    received a different number of rows, already a failure) a zero tensor of the
+    GPU's size, so that every rank still makes the same collective calls."""
+    data = recv_x[0] if isinstance(recv_x, tuple) else recv_x
+    if data.shape[0] == y_cpu.shape[0]:
+        return y_cpu.to(device)
+    chk.expect(False, f"{label}: {data.shape[0]} rows received, {y_cpu.shape[0]} expected")
+    return torch.zeros(data.shape[0], y_cpu.shape[1], dtype=torch.bfloat16, device=device)
+
+
+# ----------------------------------------------------------------------------
+# Scenarios
+# ----------------------------------------------------------------------------
+
+
+def scenario_layout(ctx: Ctx) -> None:
+    """get_dispatch_layout against reference.layout: -1 entries, all -1 rows,
+    repeated ids, empty ranks, every (E, K) combination."""
+    chk = Checker()
+    R = ctx.num_ranks
+    combos = list(itertools.product((8 * R, 32 * R), TOPKS))
+    for i, (num_experts, k) in enumerate(combos):
+        tag = f"layout/{i}"
+        counts = token_counts(ctx, tag, zero_rank=(i % 3 == 0))
+        n = counts[ctx.rank]
+        g = ctx.generator(tag, ctx.rank)
+        idx = random_topk_idx(g, n, num_experts, k, duplicates=(i % 2 == 0))
+        if n > 2:
+            idx[1] = -1  # a token with no expert at all
+            idx[2] = idx[2, 0]  # one expert repeated (or -1 repeated)
+        poison_allocator(ctx.device)
+        got = ctx.buffer.get_dispatch_layout(idx.to(ctx.device), num_experts)
+        check_layout(chk, f"E={num_experts} K={k} N={n}", got, idx, num_experts, R)
+    chk.done()
+
+
+def scenario_dispatch_bf16(ctx: Ctx) -> None:
+    """bf16 dispatch with top-k and weights; every output, order included."""
+    chk = Checker()
+    R = ctx.num_ranks
+    cases = [
+        (Case(256, 8 * R, 1, token_counts(ctx, "bf16/0")), 1),
+        (Case(2048, 32 * R, 4, token_counts(ctx, "bf16/1")), 4),
+        (Case(7168, 8 * R, 8, token_counts(ctx, "bf16/2", zero_rank=True)), 1),
+        (Case(7168, 32 * R, 8, token_counts(ctx, "bf16/3")), 4),
+        # Everything goes to rank 0: the other ranks receive nothing.
+        (Case(2048, 8 * R, 4, token_counts(ctx, "bf16/4"), only_first_rank=True), 1),
+    ]
+    for i, (case, alignment) in enumerate(cases):
+        tag = f"bf16/{i}"
+        inputs = case.inputs(ctx, tag)
+        ref = reference.dispatch(inputs, case.num_experts, expert_alignment=alignment)
+        config = moelink.Buffer.get_dispatch_config(R) if i == 1 else None
+        got = gpu_dispatch(
+            ctx, inputs[ctx.rank], case.num_experts, expert_alignment=alignment, config=config
+        )
+        label = f"H={case.hidden} E={case.num_experts} K={case.num_topk} align={alignment}"
+        check_dispatch(chk, label, got, ref, ctx.rank)
+    chk.done()
+
+
+def scenario_dispatch_fp8(ctx: Ctx) -> None:
+    """fp8 dispatch with contiguous and column-major scales; scales come back in
+    the layout they were given in."""
+    chk = Checker()
+    R = ctx.num_ranks
+    cases = [
+        (Case(2048, 8 * R, 4, token_counts(ctx, "fp8/0"), fp8=True), False),
+        (Case(7168, 32 * R, 8, token_counts(ctx, "fp8/1"), fp8=True), True),
+        (Case(256, 8 * R, 1, token_counts(ctx, "fp8/2", zero_rank=True), fp8=True), True),
+        (Case(7168, 8 * R, 4, token_counts(ctx, "fp8/3"), fp8=True), False),
+    ]
+    for i, (case, col_major) in enumerate(cases):
+        inputs = case.inputs(ctx, f"fp8/{i}")
+        ref = reference.dispatch(inputs, case.num_experts)
+        got = gpu_dispatch(ctx, inputs[ctx.rank], case.num_experts, column_major=col_major)
+        label = f"fp8 H={case.hidden} K={case.num_topk} scales={'col' if col_major else 'row'}"
+        layout = scales_layout(col_major, case.counts[ctx.rank])
+        check_dispatch(chk, label, got, ref, ctx.rank, layout=layout)
+    chk.done()
+
+
+def scenario_dispatch_no_topk(ctx: Ctx) -> None:
+    """Dispatch with only the layout (topk_idx=None, topk_weights=None)."""
+    chk = Checker()
+    R = ctx.num_ranks
+    cases = [
+        Case(2048, 8 * R, 4, token_counts(ctx, "notopk/0"), weights=False),
+        Case(7168, 32 * R, 8, token_counts(ctx, "notopk/1", zero_rank=True), weights=False),
+        Case(2048, 8 * R, 1, token_counts(ctx, "notopk/2"), weights=False, fp8=True),
+    ]
+    for i, case in enumerate(cases):
+        inputs = case.inputs(ctx, f"notopk/{i}")
+        ref = reference.dispatch(inputs, case.num_experts)
+        mine = inputs[ctx.rank]
+        layout = gpu_layout(ctx, mine["topk_idx"].to(ctx.device), case.num_experts)
+        poison_allocator(ctx.device)
+        got = ctx.buffer.dispatch(x_on_gpu(local_x(mine), ctx.device), **layout)
+        label = f"no top-k H={case.hidden} fp8={case.fp8}"
+        check_dispatch(chk, label, got, ref, ctx.rank, with_topk=False)
+    chk.done()
+
+
+def scenario_dispatch_cached(ctx: Ctx) -> None:
+    """dispatch(x2, handle=handle) with new data follows the first dispatch's
+    routing; earlier outputs are not touched; combine still works on the handle."""
+    chk = Checker()
+    R = ctx.num_ranks
+    case = Case(2048, 16 * R, 4, token_counts(ctx, "cached/0", zero_rank=True))
+    inputs = case.inputs(ctx, "cached/0")
+    ref = reference.dispatch(inputs, case.num_experts)
+    first = gpu_dispatch(ctx, inputs[ctx.rank], case.num_experts)
+    check_dispatch(chk, "first dispatch", first, ref, ctx.rank)
+    handle = first[4]
+    first_recv = first[0].clone()
+
+    for j, fp8 in enumerate((False, True, False)):
+        tag = f"cached/x{j}"
+        xs = new_token_data(ctx, tag, case.counts, case.hidden, fp8)
+        want = reference.dispatch_cached(ref, xs)[ctx.rank]
+        col_major = fp8  # fp8 goes with column-major scales here
+        poison_allocator(ctx.device)
+        got = ctx.buffer.dispatch(x_on_gpu(xs[ctx.rank], ctx.device, col_major), handle=handle)
+        n = ref.ranks[ctx.rank].num_recv_tokens
+        label = f"cached #{j} fp8={fp8}"
+        layout = scales_layout(col_major, case.counts[ctx.rank])
+        check_recv_data(chk, label, got[0], want[0], want[1], n, n, layout)
+        chk.expect(isinstance(got[5], moelink.EventOverlap), f"{label}: event is {type(got[5])}")
+    chk.equal("first recv_x after cached dispatches", first[0], first_recv)
+
+    ys = random_ys(ctx, "cached/y", ref, case.hidden)
+    y = y_for(chk, "combine on cached handle", ys[ctx.rank], first[0], ctx.device)
+    poison_allocator(ctx.device)
+    got = ctx.buffer.combine(y, handle, topk_weights=first[2])
+    want = expected_combine(ref, ys, weights=True)[ctx.rank]
+    check_combine(chk, "combine on cached handle", got, want, weights=True)
+    chk.done()
+
+
+def scenario_worst_tokens(ctx: Ctx) -> None:
+    """num_worst_tokens = R * N_MAX: padded outputs (-1 ids, 0 weights), empty
+    per-expert list; combine ignores the (NaN) padding rows of its input."""
+    chk = Checker()
+    R = ctx.num_ranks
+    worst = R * N_MAX
+    cases = [
+        (Case(2048, 8 * R, 4, token_counts(ctx, "worst/0", zero_rank=True)), False),
+        (Case(7168, 32 * R, 8, token_counts(ctx, "worst/1"), fp8=True), True),
+        # Full batches, every token routed to rank 0: it receives exactly `worst` rows.
+        (Case(256, 8 * R, 4, [N_MAX] * R, only_first_rank=True, drop=False), False),
+    ]
+    for i, (case, col_major) in enumerate(cases):
+        tag = f"worst/{i}"
+        inputs = case.inputs(ctx, tag)
+        ref = reference.dispatch(inputs, case.num_experts, num_worst_tokens=worst)
+        got = gpu_dispatch(
+            ctx, inputs[ctx.rank], case.num_experts, column_major=col_major, num_worst_tokens=worst
+        )
+        label = f"worst H={case.hidden} fp8={case.fp8}"
+        layout = scales_layout(col_major, case.counts[ctx.rank])
+        check_dispatch(chk, label, got, ref, ctx.rank, worst=worst, layout=layout)
+
+        ys = random_ys(ctx, tag + "/y", ref, case.hidden)
+        y = y_for(chk, label, ys[ctx.rank], got[0], ctx.device)
+        poison_allocator(ctx.device)
+        combined = ctx.buffer.combine(y, got[4], topk_weights=got[2])
+        want = expected_combine(ref, ys, weights=True)[ctx.rank]
+        check_combine(chk, label + " combine", combined, want, weights=True)
+    chk.done()
+
+
+def scenario_combine(ctx: Ctx) -> None:
+    """combine of random expert outputs (not the dispatched rows) with the received
+    weights and no bias, one bias, or a pair; bit exact after bf16 rounding."""
+    chk = Checker()
+    R = ctx.num_ranks
+    cases = [
+        (Case(2048, 8 * R, 4, token_counts(ctx, "combine/0")), "none", True),
+        (Case(7168, 32 * R, 8, token_counts(ctx, "combine/1", zero_rank=True)), "one", True),
+        (Case(256, 8 * R, 1, token_counts(ctx, "combine/2")), "pair", True),
+        (Case(2048, 32 * R, 8, token_counts(ctx, "combine/3")), "second", False),
+        (Case(7168, 8 * R, 4, token_counts(ctx, "combine/4")), "pair", False),
+    ]
+    for i, (case, bias_kind, weights) in enumerate(cases):
+        tag = f"combine/{i}"
+        inputs = case.inputs(ctx, tag)
+        ref = reference.dispatch(inputs, case.num_experts)
+        label = f"combine H={case.hidden} K={case.num_topk} bias={bias_kind} weights={weights}"
+        got = gpu_dispatch(ctx, inputs[ctx.rank], case.num_experts)
+        check_dispatch(chk, label + " dispatch", got, ref, ctx.rank)
+
+        biases = make_biases(ctx, tag + "/bias", case, bias_kind)
+        ys = random_ys(ctx, tag + "/y", ref, case.hidden)
+        y = y_for(chk, label, ys[ctx.rank], got[0], ctx.device)
+        y_before = y.clone()
+        bias = gpu_bias(biases[ctx.rank] if biases else None, ctx.device)
+        config = moelink.Buffer.get_combine_config(R) if i == 1 else None
+        poison_allocator(ctx.device)
+        out = ctx.buffer.combine(
+            y, got[4], topk_weights=got[2] if weights else None, bias=bias, config=config
+        )
+        want = expected_combine(ref, ys, weights=weights, biases=biases)[ctx.rank]
+        check_combine(chk, label, out, want, weights=weights)
+        chk.equal(f"{label}: combine input x unchanged", y, y_before)
+    chk.done()
+
+
+def make_biases(ctx: Ctx, tag: str, case: Case, kind: str):
+    """Per-rank biases for the reference: None, one tensor, (b0, b1) or (None, b1)."""
+    if kind == "none":
+        return None
+    out = []
+    for r, n in enumerate(case.counts):
+        g = ctx.generator(tag, r)
+        b0, b1 = random_bf16(g, n, case.hidden), random_bf16(g, n, case.hidden)
+        out.append({"one": b0, "pair": (b0, b1), "second": (None, b1)}[kind])
+    return out
+
+
+def gpu_bias(bias, device):
+    if bias is None or isinstance(bias, torch.Tensor):
+        return None if bias is None else bias.to(device)
+    return tuple(None if b is None else b.to(device) for b in bias)
+
+
+def delayed_input(ctx: Ctx, src: torch.Tensor, poison, use_event: bool):
+    """A copy of ``src`` written ~10 ms late by a producer stream, poisoned until
+    then. ``use_event``: produced on a side stream and returned with an event
+    captured there (for ``previous_event``); else produced on the current stream.
+    Returns ``(tensor, previous_event or None)``."""
+    dst = torch.full_like(src, poison)
+    if not use_event:
+        torch.cuda._sleep(PRODUCER_DELAY_CYCLES)
+        dst.copy_(src)
+        return dst, None
+    ctx.side_stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(ctx.side_stream):
+        torch.cuda._sleep(PRODUCER_DELAY_CYCLES)
+        dst.copy_(src)
+        event = moelink.Buffer.capture()
+    # Both blocks belong to the current stream's pool: keep them from being reused
+    # (and poisoned) before the side stream's late copy has run.
+    src.record_stream(ctx.side_stream)
+    dst.record_stream(ctx.side_stream)
+    return dst, event
+
+
+def flag_combos():
+    """(async_finish, use_previous_event, allocate_on_comm_stream, valid)."""
+    for async_finish, use_event, alloc in itertools.product((False, True), repeat=3):
+        yield async_finish, use_event, alloc, (not alloc) or (use_event and async_finish)
+
+
+def finish(event, async_finish: bool, use_with: bool) -> None:
+    """Make the current stream wait for an async call's event."""
+    if not async_finish:
+        return
+    if use_with:
+        with event:
+            pass
+    else:
+        event.current_stream_wait()
+
+
+def scenario_stream_flags(ctx: Ctx) -> None:
+    """Every async_finish / previous_event / allocate_on_comm_stream combination of
+    get_dispatch_layout, dispatch and combine; the inputs are written late by the
+    producer stream, so a call that does not wait for it reads poison."""
+    chk = Checker()
+    R = ctx.num_ranks
+    case = Case(2048, 8 * R, 4, token_counts(ctx, "flags"))
+    inputs = case.inputs(ctx, "flags")
+    ref = reference.dispatch(inputs, case.num_experts)
+    mine = inputs[ctx.rank]
+    idx_src = mine["topk_idx"].to(ctx.device)
+    w = mine["topk_weights"].to(ctx.device)
+    buf = ctx.buffer
+
+    for j, (async_finish, use_event, alloc, valid) in enumerate(flag_combos()):
+        label = f"layout async={async_finish} prev={use_event} alloc={alloc}"
+        idx, prev = delayed_input(ctx, idx_src, -1, use_event)
+        kwargs = dict(previous_event=prev, async_finish=async_finish, allocate_on_comm_stream=alloc)
+        if not valid:
+            chk.raises(label, ValueError, buf.get_dispatch_layout, idx, case.num_experts, **kwargs)
+            torch.cuda.synchronize()
+            continue
+        poison_allocator(ctx.device)
+        got = buf.get_dispatch_layout(idx, case.num_experts, **kwargs)
+        finish(got[4], async_finish, use_with=j % 2 == 1)
+        check_layout(chk, label, got, mine["topk_idx"], case.num_experts, R)
+        torch.cuda.synchronize()
+
+    layout = gpu_layout(ctx, idx_src, case.num_experts)
+    handle, recv_w = None, None
+    for j, (async_finish, use_event, alloc, valid) in enumerate(flag_combos()):
+        label = f"dispatch async={async_finish} prev={use_event} alloc={alloc}"
+        xs = new_token_data(ctx, f"flags/x{j}", case.counts, case.hidden, fp8=False)
+        ref_j = reference.dispatch(
+            [dict(inp, x=xs[r]) for r, inp in enumerate(inputs)], case.num_experts
+        )
+        x, prev = delayed_input(ctx, xs[ctx.rank].to(ctx.device), BF16_NAN, use_event)
+        kwargs = dict(
+            topk_idx=idx_src,
+            topk_weights=w,
+            previous_event=prev,
+            async_finish=async_finish,
+            allocate_on_comm_stream=alloc,
+            **layout,
+        )
+        if not valid:
+            chk.raises(label, ValueError, buf.dispatch, x, **kwargs)
+            torch.cuda.synchronize()
+            continue
+        poison_allocator(ctx.device)
+        got = buf.dispatch(x, **kwargs)
+        finish(got[5], async_finish, use_with=j % 2 == 1)
+        check_dispatch(chk, label, got, ref_j, ctx.rank)
+        handle, recv_w = got[4], got[2]
+        torch.cuda.synchronize()
+
+    for j, (async_finish, use_event, alloc, valid) in enumerate(flag_combos()):
+        label = f"combine async={async_finish} prev={use_event} alloc={alloc}"
+        ys = random_ys(ctx, f"flags/y{j}", ref, case.hidden)
+        y_src = ys[ctx.rank].to(ctx.device)
+        y, prev = delayed_input(ctx, y_src, BF16_NAN, use_event)
+        kwargs = dict(
+            topk_weights=recv_w,
+            previous_event=prev,
+            async_finish=async_finish,
+            allocate_on_comm_stream=alloc,
+        )
+        if not valid:
+            chk.raises(label, ValueError, buf.combine, y, handle, **kwargs)
+            torch.cuda.synchronize()
+            continue
+        poison_allocator(ctx.device)
+        got = buf.combine(y, handle, **kwargs)
+        finish(got[2], async_finish, use_with=j % 2 == 1)
+        want = expected_combine(ref, ys, weights=True)[ctx.rank]
+        check_combine(chk, label, got, want, weights=True)
+        torch.cuda.synchronize()
+    chk.done()
+
+
+def scenario_invalid_args(ctx: Ctx) -> None:
+    """Bad arguments raise ValueError / TypeError before anything runs (the same
+    on every rank, so no rank waits for another), and the Buffer works after."""
+    chk = Checker()
+    R = ctx.num_ranks
+    buf = ctx.buffer
+    case = Case(2048, 8 * R, 4, token_counts(ctx, "invalid", low=2))
+    E, H = case.num_experts, case.hidden
+    inputs = case.inputs(ctx, "invalid")
+    ref = reference.dispatch(inputs, E)
+    mine = inputs[ctx.rank]
+    dev = ctx.device
+    x = mine["x"].to(dev)
+    idx = mine["topk_idx"].to(dev)
+    w = mine["topk_weights"].to(dev)
+    layout = gpu_layout(ctx, idx, E)
+    got = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    check_dispatch(chk, "valid dispatch", got, ref, ctx.rank)
+    handle, recv_x = got[4], got[0]
+    rows = recv_x.shape[0]
+    y = torch.zeros(rows, H, dtype=torch.bfloat16, device=dev)
+
+    bad_idx = idx.clone()
+    bad_idx[0, 0] = E
+    n = x.shape[0]
+    x8 = torch.zeros(n, H, dtype=torch.float8_e4m3fn, device=dev)
+    s8_bad = torch.ones(n, H // 128 - 1, dtype=torch.float32, device=dev)
+    big = big_batch(ctx, E, H)
+
+    def dispatch(x_=x, **over):
+        kw = dict(topk_idx=idx, topk_weights=w, **layout)
+        kw.update(over)
+        return buf.dispatch(x_, **kw)
+
+    V, T = ValueError, TypeError
+    calls = [
+        ("layout: topk_idx int32", V, lambda: buf.get_dispatch_layout(idx.int(), E)),
+        ("layout: expert id >= num_experts", V, lambda: buf.get_dispatch_layout(bad_idx, E)),
+        ("layout: num_experts % ranks != 0", V, lambda: buf.get_dispatch_layout(idx, E + 1)),
+        ("layout: topk_idx on CPU", V, lambda: buf.get_dispatch_layout(idx.cpu(), E)),
+        (
+            "layout: allocate_on_comm_stream without previous_event",
+            V,
+            lambda: buf.get_dispatch_layout(
+                idx, E, async_finish=True, allocate_on_comm_stream=True
+            ),
+        ),
+        ("dispatch: x float32", V, lambda: dispatch(x.float())),
+        ("dispatch: x 3-D", V, lambda: dispatch(x.unsqueeze(0))),
+        ("dispatch: x a list", T, lambda: dispatch([x])),
+        ("dispatch: topk_idx int32", V, lambda: dispatch(topk_idx=idx.int())),
+        ("dispatch: expert id >= num_experts", V, lambda: dispatch(topk_idx=bad_idx)),
+        ("dispatch: topk_idx rows != x rows", V, lambda: dispatch(topk_idx=idx[:-1])),
+        (
+            "dispatch: num_experts % ranks != 0",
+            V,
+            lambda: dispatch(
+                num_tokens_per_expert=torch.zeros(E + 1, dtype=torch.int32, device=dev)
+            ),
+        ),
+        (
+            "dispatch: topk_weights shape",
+            V,
+            lambda: dispatch(topk_weights=w[:, :-1].contiguous()),
+        ),
+        ("dispatch: fp8 scales shape", V, lambda: dispatch((x8, s8_bad))),
+        ("dispatch: tokens above the buffer's capacity", V, lambda: buf.dispatch(**big)),
+        ("dispatch: handle with topk_idx", V, lambda: buf.dispatch(x, handle=handle, topk_idx=idx)),
+        (
+            "dispatch: handle with topk_weights",
+            V,
+            lambda: buf.dispatch(x, handle=handle, topk_weights=w),
+        ),
+        ("dispatch: neither layout nor handle", V, lambda: buf.dispatch(x)),
+        ("dispatch: x on CPU", V, lambda: dispatch(x.cpu())),
+        ("dispatch: topk_idx on CPU", V, lambda: dispatch(topk_idx=idx.cpu())),
+        (
+            "dispatch: allocate_on_comm_stream without previous_event",
+            V,
+            lambda: dispatch(async_finish=True, allocate_on_comm_stream=True),
+        ),
+        (
+            "combine: x rows not a multiple of 128 bytes",
+            V,
+            lambda: buf.combine(y[:, :100].contiguous(), handle),
+        ),
+        (
+            "combine: x rows differ",
+            V,
+            lambda: buf.combine(torch.zeros(rows + 1, H, dtype=torch.bfloat16, device=dev), handle),
+        ),
+        ("combine: x float32", V, lambda: buf.combine(y.float(), handle)),
+        ("combine: x on CPU", V, lambda: buf.combine(y.cpu(), handle)),
+        (
+            "combine: bias shape",
+            V,
+            lambda: buf.combine(
+                y, handle, bias=torch.zeros(n + 1, H, dtype=torch.bfloat16, device=dev)
+            ),
+        ),
+        (
+            "combine: topk_weights shape",
+            V,
+            lambda: buf.combine(y, handle, topk_weights=torch.zeros(rows + 1, 4, device=dev)),
+        ),
+        (
+            "combine: allocate_on_comm_stream without previous_event",
+            V,
+            lambda: buf.combine(y, handle, async_finish=True, allocate_on_comm_stream=True),
+        ),
+    ]
+    for name, exc, fn in calls:
+        chk.raises(name, exc, fn)
+    torch.cuda.synchronize()
+
+    # The Buffer still works: a fresh dispatch and combine.
+    inputs2 = case.inputs(ctx, "invalid/after")
+    ref2 = reference.dispatch(inputs2, E)
+    got2 = gpu_dispatch(ctx, inputs2[ctx.rank], E)
+    check_dispatch(chk, "dispatch after errors", got2, ref2, ctx.rank)
+    ys = random_ys(ctx, "invalid/y", ref2, H)
+    y2 = y_for(chk, "combine after errors", ys[ctx.rank], got2[0], dev)
+    out = buf.combine(y2, got2[4], topk_weights=got2[2])
+    want = expected_combine(ref2, ys, weights=True)[ctx.rank]
+    check_combine(chk, "combine after errors", out, want, weights=True)
+    chk.done()
+
+
+def big_batch(ctx: Ctx, num_experts: int, hidden: int) -> dict:
+    """dispatch kwargs for 4 * N_MAX tokens of ``hidden`` bf16 channels (more than
+    the shared Buffer holds at H_MAX), the layout computed on the CPU."""
+    n = 4 * N_MAX
+    g = ctx.generator("invalid/big", ctx.rank)
+    idx = random_topk_idx(g, n, num_experts, 4)
+    per_rank, per_expert, in_rank = reference.layout(idx, num_experts, ctx.num_ranks)
+    dev = ctx.device
+    return dict(
+        x=torch.zeros(n, H_MAX, dtype=torch.bfloat16, device=dev),
+        num_tokens_per_rank=per_rank.to(dev),
+        is_token_in_rank=in_rank.to(dev),
+        num_tokens_per_expert=per_expert.to(dev),
+        topk_idx=idx.to(dev),
+        topk_weights=torch.ones(n, 4, device=dev),
+    )
+
+
+def scenario_cuda_graph(ctx: Ctx) -> None:
+    """dispatch (num_worst_tokens) + an expert (y = 2 x) + combine captured on a
+    side stream into one CUDA graph, replayed 200 times; x (and once the routing,
+    with its layout) changed in place between replays; checked every 50."""
+    chk = Checker()
+    R = ctx.num_ranks
+    worst = R * N_MAX
+    case = Case(2048, 8 * R, 4, token_counts(ctx, "graph"))
+    E, H = case.num_experts, case.hidden
+    inputs = case.inputs(ctx, "graph")
+    mine = inputs[ctx.rank]
+    dev = ctx.device
+    x_s = mine["x"].to(dev)
+    idx_s = mine["topk_idx"].to(dev)
+    w_s = mine["topk_weights"].to(dev)
+    layout = gpu_layout(ctx, idx_s, E)
+    torch.cuda.synchronize()
+
+    def step():
+        recv_x, recv_idx, recv_w, _, handle, _ = ctx.buffer.dispatch(
+            x_s, topk_idx=idx_s, topk_weights=w_s, num_worst_tokens=worst, **layout
+        )
+        y = recv_x * 2
+        combined_x, combined_w, _ = ctx.buffer.combine(y, handle, topk_weights=recv_w)
+        return recv_x, recv_idx, recv_w, combined_x, combined_w
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        outs = step()
+    torch.cuda.synchronize()
+
+    current = inputs
+    for i in range(200):
+        if i == 100:  # new routing: top-k and the layout tensors, in place
+            current = case.inputs(ctx, "graph/routing")
+            mine = current[ctx.rank]
+            x_s.copy_(mine["x"])
+            idx_s.copy_(mine["topk_idx"])
+            w_s.copy_(mine["topk_weights"])
+            new_layout = gpu_layout(ctx, idx_s, E)
+            for key in ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank"):
+                layout[key].copy_(new_layout[key])
+        if i % 50 == 25:  # new token data
+            xs = new_token_data(ctx, f"graph/x{i}", case.counts, H, fp8=False)
+            current = [dict(inp, x=xs[r]) for r, inp in enumerate(current)]
+            x_s.copy_(xs[ctx.rank])
+        graph.replay()
+        if i % 50 == 49:
+            torch.cuda.synchronize()
+            check_graph_outputs(chk, f"replay {i + 1}", outs, current, case, worst, ctx.rank)
+    torch.cuda.synchronize()
+    del graph
+    chk.done()
+
+
+@recorded
+def check_graph_outputs(chk, label, outs, inputs, case: Case, worst: int, rank: int) -> None:
+    recv_x, recv_idx, recv_w, combined_x, combined_w = outs
+    ref = reference.dispatch(inputs, case.num_experts, num_worst_tokens=worst)
+    want = ref.ranks[rank]
+    n = want.num_recv_tokens
+    chk.equal(f"{label} recv_x", recv_x[:n], want.recv_x[:n])
+    chk.equal(f"{label} recv_topk_idx", recv_idx, want.recv_topk_idx)
+    chk.equal(f"{label} recv_topk_weights", recv_w, want.recv_topk_weights)
+    ys = [(o.recv_x.float() * 2).to(torch.bfloat16) for o in ref.ranks]
+    want_x, want_w = expected_combine(ref, ys, weights=True)[rank]
+    chk.equal(f"{label} combined_x", combined_x, reference.to_bf16(want_x))
+    chk.equal(f"{label} combined_topk_weights", combined_w, want_w)
+
+
+def scenario_iterations(ctx: Ctx) -> None:
+    """20 back-to-back dispatch + combine calls with different shapes and data,
+    issued without checks in between; all checked afterwards."""
+    chk = Checker()
+    R = ctx.num_ranks
+    g = ctx.shared_generator("iter/choices")
+    rounds = []
+    for i in range(20):
+        pick = torch.randint(0, 1 << 16, (4,), generator=g).tolist()
+        case = Case(
+            HIDDENS[pick[0] % 3],
+            (8 * R, 32 * R)[pick[1] % 2],
+            TOPKS[pick[2] % 3],
+            token_counts(ctx, f"iter/{i}", zero_rank=(i % 7 == 3)),
+            fp8=(pick[3] % 3 == 0),
+        )
+        inputs = case.inputs(ctx, f"iter/{i}")
+        ref = reference.dispatch(inputs, case.num_experts)
+        ys = random_ys(ctx, f"iter/{i}/y", ref, case.hidden)
+        rounds.append((case, inputs, ref, ys))
+
+    results = []
+    for i, (case, inputs, _ref, ys) in enumerate(rounds):
+        got = gpu_dispatch(ctx, inputs[ctx.rank], case.num_experts, column_major=(i % 2 == 0))
+        y = y_for(chk, f"round {i}", ys[ctx.rank], got[0], ctx.device)
+        combined = ctx.buffer.combine(y, got[4], topk_weights=got[2])
+        results.append((got, combined))
+
+    for i, ((case, _inputs, ref, ys), (got, combined)) in enumerate(zip(rounds, results)):
+        label = f"round {i} H={case.hidden} E={case.num_experts} K={case.num_topk} fp8={case.fp8}"
+        layout = scales_layout(i % 2 == 0, case.counts[ctx.rank])
+        check_dispatch(chk, label, got, ref, ctx.rank, layout=layout)
+        want = expected_combine(ref, ys, weights=True)[ctx.rank]
+        check_combine(chk, label, combined, want, weights=True)
+    chk.done()
+
+
+def scenario_create_destroy(ctx: Ctx) -> None:
+    """100 Buffers of 16 MiB created and destroyed: GPU memory comes back (within
+    64 MiB) and a dispatch + combine works on the last one."""
+    chk = Checker()
+    R = ctx.num_ranks
+    nbytes = 16 * MIB
+    case = Case(256, 8 * R, 4, token_counts(ctx, "create"))
+    need = nvl_bytes_for(R, case.hidden, N_MAX)
+    chk.expect(need <= nbytes, f"16 MiB is below the size hint {need} for the test batch")
+    inputs = case.inputs(ctx, "create")
+    ref = reference.dispatch(inputs, case.num_experts)
+    ys = random_ys(ctx, "create/y", ref, case.hidden)
+
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_before = torch.cuda.mem_get_info()[0]
+    shared = ctx.buffer
+    try:
+        for i in range(100):
+            buf = moelink.Buffer(ctx.group, nbytes, explicitly_destroy=True)
+            if i == 99:
+                ctx.buffer = buf
+                got = gpu_dispatch(ctx, inputs[ctx.rank], case.num_experts)
+                check_dispatch(chk, "last buffer", got, ref, ctx.rank)
+                y = y_for(chk, "last buffer", ys[ctx.rank], got[0], ctx.device)
+                out = buf.combine(y, got[4], topk_weights=got[2])
+                want = expected_combine(ref, ys, weights=True)[ctx.rank]
+                check_combine(chk, "last buffer", out, want, weights=True)
+                del got, out, y
+                torch.cuda.synchronize()
+            buf.destroy()
+    finally:
+        ctx.buffer = shared
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free_after = torch.cuda.mem_get_info()[0]
+    lost = free_before - free_after
+    chk.expect(
+        abs(lost) <= 64 * MIB,
+        f"free GPU memory changed by {lost / MIB:.1f} MiB over 100 create/destroy cycles",
+    )
+    chk.done()
+
+
+SCENARIOS = {
+    "layout": scenario_layout,
+    "dispatch_bf16": scenario_dispatch_bf16,
+    "dispatch_fp8": scenario_dispatch_fp8,
+    "dispatch_no_topk": scenario_dispatch_no_topk,
+    "dispatch_cached": scenario_dispatch_cached,
+    "worst_tokens": scenario_worst_tokens,
+    "combine": scenario_combine,
+    "stream_flags": scenario_stream_flags,
+    "invalid_args": scenario_invalid_args,
+    "cuda_graph": scenario_cuda_graph,
+    "iterations": scenario_iterations,
+    "create_destroy": scenario_create_destroy,
+}
+assert tuple(SCENARIOS) == SCENARIO_NAMES
+
+
+# ----------------------------------------------------------------------------
+# Driver
+# ----------------------------------------------------------------------------
+
+
+class Watchdog:
+    """Ends the process with a FAIL line when a scenario runs past its time: a hang
+    in a kernel or a collective must not keep the test (and the GPUs) forever."""
+
+    def __init__(self, name: str, rank: int, seconds: float) -> None:
+        self.name, self.rank, self.seconds = name, rank, seconds
+        self.timer = threading.Timer(seconds, self._fire)
+        self.timer.daemon = True
+
+    def _fire(self) -> None:
+        print(
+            f"FAIL {self.name} [rank {self.rank}]: no progress for {self.seconds} s (hang?)",
+            flush=True,
+        )
+        os._exit(3)
+
+    def __enter__(self):
+        self.timer.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.timer.cancel()
+        return False
+
+
+def selected_scenarios() -> list[str]:
+    raw = os.environ.get(SCENARIOS_ENV, "").strip()
+    if not raw:
+        return list(SCENARIO_NAMES)
+    names = [s.strip() for s in raw.split(",") if s.strip()]
+    unknown = [s for s in names if s not in SCENARIOS]
+    if unknown:
+        raise ValueError(f"{SCENARIOS_ENV}: unknown scenarios {unknown}; known: {SCENARIO_NAMES}")
+    return names
+
+
+def run_scenario(ctx: Ctx, name: str) -> bool:
+    """Runs one scenario on this rank, agrees on the verdict with the others, and
+    replaces the shared Buffer if any rank failed. Returns True if all passed."""
+    start = time.perf_counter()
+    ok, message = True, ""
+    with Watchdog(name, ctx.rank, SCENARIO_TIMEOUT_S):
+        try:
+            SCENARIOS[name](ctx)
+            torch.cuda.synchronize()
+        except Exception as e:
+            ok, message = False, f"{type(e).__name__}: {e}"
+            print(f"FAIL {name} [rank {ctx.rank}]: {message}", flush=True)
+            traceback.print_exc()
+        verdicts = [None] * ctx.num_ranks
+        dist.all_gather_object(verdicts, ok, group=ctx.gloo)
+        failed = [r for r, v in enumerate(verdicts) if not v]
+        if ctx.rank == 0:
+            seconds = time.perf_counter() - start
+            if failed:
+                print(f"FAIL {name}: failed on ranks {failed} ({seconds:.1f} s)", flush=True)
+            else:
+                print(f"PASS {name} ({seconds:.1f} s)", flush=True)
+        if failed:
+            replace_buffer(ctx)
+    return not failed
+
+
+def replace_buffer(ctx: Ctx) -> None:
+    try:
+        torch.cuda.synchronize()
+        ctx.buffer.destroy()
+    except Exception as e:
+        print(f"[rank {ctx.rank}] destroying the Buffer after a failure: {e!r}", flush=True)
+    ctx.buffer = new_buffer(ctx)
+
+
+def main() -> int:
+    rank = int(os.environ["RANK"])
+    num_ranks = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(local_rank)
+    device = torch.device("cuda", local_rank)
+    dist.init_process_group("nccl", device_id=device)
+    gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+    status = 0
+    try:
+        names = selected_scenarios()
+        seed = [int(os.environ.get(SEED_ENV, "0")) or int.from_bytes(os.urandom(6), "little")]
+        dist.broadcast_object_list(seed, src=0, group=gloo)
+        if rank == 0:
+            print(f"seed {seed[0]} ({SEED_ENV}={seed[0]} replays this run)", flush=True)
+            print(f"scenarios {','.join(names)} on {num_ranks} ranks", flush=True)
+        ctx = Ctx(rank, num_ranks, device, dist.group.WORLD, gloo, seed[0])
+        ctx.side_stream = torch.cuda.Stream()
+        ctx.buffer = new_buffer(ctx)
+        for name in names:
+            if not run_scenario(ctx, name):
+                status = 1
+        ctx.buffer.destroy()
+        dist.barrier(group=gloo)
+    except Exception as e:
+        print(f"FAIL setup [rank {rank}]: {type(e).__name__}: {e}", flush=True)
+        traceback.print_exc()
+        status = 1
+    finally:
+        dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
