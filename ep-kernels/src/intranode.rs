@@ -18,8 +18,8 @@ pub const MAX_RANKS: usize = 32;
 pub const CTRL_HALF_BYTES: u64 = 32 * 1024;
 /// Bytes of the control region at the start of every NVL buffer.
 pub const CTRL_BYTES: u64 = 2 * CTRL_HALF_BYTES;
-/// Threads per block of the data kernels (16 warps).
-pub const THREADS: u32 = 512;
+/// Threads per block of the data kernels (32 warps).
+pub const THREADS: u32 = 1024;
 const NOTIFY_THREADS: u32 = 1024;
 
 /// `moelink::intranode::Ctx`.
@@ -558,8 +558,8 @@ mod tests {
     #[test]
     fn grid_is_bounded_by_work_and_sms() {
         assert_eq!(data_grid(24, 0), 1);
-        assert_eq!(data_grid(24, 16), 1);
-        assert_eq!(data_grid(24, 17), 2);
+        assert_eq!(data_grid(24, 32), 1);
+        assert_eq!(data_grid(24, 33), 2);
         assert_eq!(data_grid(24, 1 << 20), 24);
     }
 }

@@ -200,8 +200,12 @@ class Config:
 
 
 # Chunk sizes mirror DeepEP's tuned tables so printed configs look familiar; they do
-# not affect moelink's fixed-slot kernels. num_sms=24 everywhere is a placeholder.
-_PLACEHOLDER_NUM_SMS = 24
+# not affect moelink's fixed-slot kernels. The SM count is what matters: the sweep on
+# 4 x H200 (benches/results/2026-11-21_intranode-bench-h200x4) gets faster with every
+# SM added for dispatch and combine alike, so the defaults take the most the targets
+# allow, 48. Only 4 ranks were measured; 2 and 8 use the same until measured.
+_TUNED_NUM_SMS = {2: 48, 4: 48, 8: 48}
+_DEFAULT_NUM_SMS = 48
 _DISPATCH_CONFIGS = {
     2: (24, 256, 6, 128),
     4: (6, 256, 6, 128),
@@ -218,7 +222,7 @@ _GENERIC_CHUNKS = (6, 256, 6, 256)
 def _config_for(table: dict, num_ranks: int, num_sms: int | None) -> Config:
     num_ranks = check_int("num_ranks", num_ranks, minimum=1)
     if num_sms is None:
-        num_sms = _PLACEHOLDER_NUM_SMS
+        num_sms = _TUNED_NUM_SMS.get(num_ranks, _DEFAULT_NUM_SMS)
     return Config(num_sms, *table.get(num_ranks, _GENERIC_CHUNKS))
 
 
@@ -226,9 +230,9 @@ def get_dispatch_config(num_ranks: int, *, num_sms: int | None = None) -> Config
     """Default ``Config`` for dispatch among ``num_ranks`` ranks.
 
     Rank counts 2, 4 and 8 have their own entries, any other count (>= 1) gets a
-    generic default. These are placeholders until tuned on hardware: every entry
-    uses ``num_sms=24`` (or ``num_sms`` when given, as ``Buffer.set_num_sms`` will
-    do). Raises ``ValueError`` for ``num_ranks < 1``.
+    generic default. ``num_sms`` is the tuned value (48, from the 4-rank sweep on
+    4 x H200; see the comment above ``_TUNED_NUM_SMS``) unless given, as
+    ``Buffer.set_num_sms`` does. Raises ``ValueError`` for ``num_ranks < 1``.
     """
     return _config_for(_DISPATCH_CONFIGS, num_ranks, num_sms)
 
@@ -237,8 +241,8 @@ def get_combine_config(num_ranks: int, *, num_sms: int | None = None) -> Config:
     """Default ``Config`` for combine among ``num_ranks`` ranks.
 
     Rank counts 2, 4 and 8 have their own entries, any other count (>= 1) gets a
-    generic default. These are placeholders until tuned on hardware: every entry
-    uses ``num_sms=24`` (or ``num_sms`` when given, as ``Buffer.set_num_sms`` will
-    do). Raises ``ValueError`` for ``num_ranks < 1``.
+    generic default. ``num_sms`` is the tuned value (48, from the 4-rank sweep on
+    4 x H200; see the comment above ``_TUNED_NUM_SMS``) unless given, as
+    ``Buffer.set_num_sms`` does. Raises ``ValueError`` for ``num_ranks < 1``.
     """
     return _config_for(_COMBINE_CONFIGS, num_ranks, num_sms)

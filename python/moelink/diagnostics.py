@@ -99,37 +99,6 @@ def run_on_local_gpus(nranks: int, words: int, timeout_s: float = 120.0) -> list
     Returns the reports sorted by rank; a rank that died or did not report
     within ``timeout_s`` appears as ``{"rank": r, "error": ...}``.
     """
-    import queue as queue_mod
-    import socket
+    from ._launch import run_local_ranks
 
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=_local_worker, args=(r, nranks, port, words, q)) for r in range(nranks)
-    ]
-    for p in procs:
-        p.start()
-    reports: dict = {}
-    deadline = time.monotonic() + timeout_s
-    while len(reports) < nranks and time.monotonic() < deadline:
-        try:
-            r = q.get(timeout=0.5)
-            reports[r["rank"]] = r
-        except queue_mod.Empty:
-            dead = [i for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if dead and all(i not in reports for i in dead):
-                break  # a rank crashed: its peers will not finish either
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-    for r, p in enumerate(procs):
-        if r not in reports:
-            why = f"exit code {p.exitcode}" if p.exitcode is not None else "no report in time"
-            reports[r] = {"rank": r, "error": f"rank {r} did not report ({why})"}
-    return [reports[r] for r in sorted(reports)]
+    return run_local_ranks(_local_worker, nranks, words, timeout_s)

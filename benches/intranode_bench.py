@@ -1,0 +1,269 @@
+"""Intranode dispatch/combine benchmark (PERFORMANCE.md, "Intranode high-throughput").
+
+    python -m torch.distributed.run --standalone --nproc-per-node=4 \\
+        benches/intranode_bench.py --out DIR [--sms 8 16 24 ...] [--iters 30]
+
+Every rank runs ``moelink.intranode_demo.run_rank``: the outputs of layout,
+dispatch (bf16, fp8) and combine are checked against the CPU reference at every
+SM count, then timed (CUDA events, L2 flushed, median of --iters), next to
+``torch.distributed.all_to_all_single`` moving the same rows in the same run.
+Rank 0 writes DIR/intranode.json (machine, commit, command, config, results per
+rank and aggregated: medians over ranks), DIR/intranode.png (GB/s against SMs
+per op, with the targets, DeepEP's figure and the baseline) and prints the
+summary table. The exit code is 1 when any check failed on any rank.
+
+    python benches/intranode_bench.py --replot DIR/intranode.json
+
+redraws the PNG next to an existing JSON (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+from moelink import intranode_demo as demo
+
+#: SM counts the benchmark sweeps by default (132 = every SM of an H100/H200).
+BENCH_SMS = (8, 16, 24, 32, 48, 64, 96, 132)
+PLOTTED = [
+    (demo.DISPATCH_BF16, "tab:blue"),
+    (demo.DISPATCH_FP8, "tab:orange"),
+    (demo.COMBINE_BF16, "tab:green"),
+]
+
+
+def git_commit() -> dict:
+    """The commit under test: $MOELINK_GIT_COMMIT, else ``git rev-parse HEAD`` of
+    this checkout (with a dirty flag), else unknown."""
+    commit = os.environ.get("MOELINK_GIT_COMMIT")
+    if commit:
+        return {"commit": commit, "dirty": None}
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return {"commit": commit, "dirty": bool(status.strip())}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": "unknown", "dirty": None}
+
+
+def machine_info() -> dict:
+    import moelink
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "hostname": socket.gethostname(),
+        "gpu": props.name,
+        "gpu_count": torch.cuda.device_count(),
+        "sm_count": props.multi_processor_count,
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(str(v) for v in torch.cuda.nccl.version()),
+        "moelink": moelink.__version__,
+    }
+
+
+def plot(data: dict, path: Path) -> None:
+    """GB/s against SMs, one panel per op: median over ranks (band: min..max over
+    ranks), the targets (dashed up to 48 SMs, star at 24), DeepEP V1 at 24 SMs
+    and the all_to_all_single baseline (dotted)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows: list[dict[str, Any]] = data["results"]["rows"]
+    baseline = next((r for r in rows if r["op"] == demo.BASELINE), None)
+    layout = next((r for r in rows if r["op"] == demo.LAYOUT), None)
+    fig = Figure(figsize=(16, 5.5))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(PLOTTED), sharey=True)
+    top = 0.0
+    for ax, (op, color) in zip(axes, PLOTTED):
+        series = [(op, color, "moelink (cached dispatch)" if "dispatch" in op else "moelink")]
+        if op == demo.DISPATCH_BF16:
+            series.append((demo.DISPATCH_BF16_UNCACHED, "tab:purple", "moelink, uncached"))
+        for name, c, label in series:
+            pts = sorted((r for r in rows if r["op"] == name), key=lambda r: r["num_sms"])
+            if not pts:
+                continue
+            xs = [r["num_sms"] for r in pts]
+            ys = [r["GBps"] for r in pts]
+            lo = [min(r.get("GBps_per_rank") or [r["GBps"]]) for r in pts]
+            hi = [max(r.get("GBps_per_rank") or [r["GBps"]]) for r in pts]
+            ax.plot(xs, ys, marker="o", color=c, label=label)
+            ax.fill_between(xs, lo, hi, color=c, alpha=0.2)
+            top = max(top, *hi)
+            if name == op:
+                for x, y in zip(xs, ys):
+                    ax.annotate(
+                        f"{y:.0f}",
+                        (x, y),
+                        textcoords="offset points",
+                        xytext=(0, 6),
+                        ha="center",
+                        fontsize=8,
+                        color=c,
+                    )
+            ax.set_xticks(xs)
+        target = demo.TARGETS[op]
+        ax.hlines(
+            target.best_gbps,
+            0,
+            demo.TARGET_MAX_SMS,
+            colors="black",
+            linestyles="dashed",
+            label=f"target >= {target.best_gbps:g} (<= {demo.TARGET_MAX_SMS} SMs)",
+        )
+        ax.plot(
+            [demo.COMPARE_SMS],
+            [target.at_compare_sms_gbps],
+            marker="*",
+            markersize=12,
+            color="black",
+            linestyle="none",
+            label=f"target >= {target.at_compare_sms_gbps:g} at {demo.COMPARE_SMS} SMs",
+        )
+        ax.plot(
+            [demo.COMPARE_SMS],
+            [target.deepep_gbps],
+            marker="x",
+            markersize=9,
+            color="tab:red",
+            linestyle="none",
+            label=f"DeepEP V1, {demo.COMPARE_SMS} SMs: {target.deepep_gbps:g}",
+        )
+        if baseline:
+            ax.axhline(
+                baseline["GBps"],
+                color="gray",
+                linestyle="dotted",
+                label=f"NCCL all_to_all_single: {baseline['GBps']:.0f}",
+            )
+        top = max(top, target.best_gbps)
+        ax.set_title(demo.OP_LABELS[op])
+        ax.set_xlabel("SMs (num_sms)")
+        ax.set_xlim(left=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower right")
+    axes[0].set_ylabel("GB/s received per rank / time (median over ranks; band: min..max)")
+    axes[0].set_ylim(0, top * 1.15)
+    w = data["config"]
+    machine = data["machine"]
+    layout_text = f"layout {layout['median_us']:.1f} us (target <= 20)" if layout else ""
+    fig.suptitle(
+        f"intranode dispatch/combine: {w['num_ranks']} x {machine.get('gpu', '?')}, "
+        f"{w['num_tokens']} tokens/rank, hidden {w['hidden']}, top-{w['num_topk']} of "
+        f"{w['num_experts']}; {layout_text}; commit {str(data.get('git_commit'))[:12]}, "
+        f"{data.get('date', '?')[:10]}; checks {'PASS' if data['correct'] else 'FAIL'}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    demo.add_arguments(p, default_sms=BENCH_SMS, json_option=False)
+    p.add_argument("--out", type=Path, help="folder for intranode.json and intranode.png")
+    p.add_argument("--replot", type=Path, help="only redraw the PNG of this intranode.json")
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.replot:
+        data = json.loads(args.replot.read_text())
+        png = args.replot.with_suffix(".png")
+        plot(data, png)
+        print(f"wrote {png}")
+        return 0
+    if args.out is None:
+        print("--out DIR is required", file=sys.stderr)
+        return 2
+    demo.normalize_args(args)
+    for key, value in demo.NO_MULTICAST_ENV.items():
+        os.environ[key] = value
+
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        result = demo.run_rank(rank, world, dist.group.WORLD, args)
+    except Exception:
+        # Fail fast: torchrun then stops the other ranks, which would wait for
+        # this one in their next collective.
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(1)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, result)
+    results = demo.aggregate(gathered)
+    if rank == 0:
+        git = git_commit()
+        data = {
+            "benchmark": "intranode dispatch/combine",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_info(),
+            "git_commit": git["commit"],
+            "git_dirty": git["dirty"],
+            "command": f"python -m torch.distributed.run --nproc-per-node={world} "
+            + " ".join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+            "env": {k: os.environ.get(k) for k in demo.NO_MULTICAST_ENV},
+            "config": {
+                **results["workload"],
+                "num_ranks": world,
+                "sms": args.sms,
+                **results["timing"],
+            },
+            "metric": "bytes received per rank / median time; bf16 and combine: "
+            "recv_x.numel() * 2, fp8: times (1 + 4/128) / 2",
+            "targets": {
+                op: {
+                    "best_gbps_at_most_48_sms": t.best_gbps,
+                    "gbps_at_24_sms": t.at_compare_sms_gbps,
+                    "deepep_v1_gbps_24_sms": t.deepep_gbps,
+                    "deepep_v1_us_24_sms": t.deepep_us,
+                }
+                for op, t in demo.TARGETS.items()
+            },
+            "correct": results["correct"],
+            "checks_failed": [c for c in results["checks"] if not c["ok"]],
+            "checks_run": len(results["checks"]),
+            "results": {"rows": results["rows"], "recv_tokens": results["recv_tokens"]},
+            "baseline": next(r for r in results["rows"] if r["op"] == demo.BASELINE),
+            "per_rank": gathered,
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "intranode.json").write_text(json.dumps(data, indent=2) + "\n")
+        plot(data, args.out / "intranode.png")
+        print(demo.format_report(results))
+        print(f"wrote {args.out / 'intranode.json'} and {args.out / 'intranode.png'}")
+    dist.destroy_process_group()
+    return 0 if results["correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
