@@ -109,7 +109,8 @@ pub struct IntranodeBuffer {
     nvl: RegisteredMemory,
     _channels: Vec<Option<MemoryChannel>>,
     channel_table: DeviceMemory,
-    /// `[0..4)`: ticket (u32), `[8..16)`: notify epoch (u64).
+    /// `[0..4)`: ticket (u32, 0 between kernels; layout and the send kernels),
+    /// `[8..16)`: notify epoch (u64).
     scratch: DeviceMemory,
     host: HostMemory,
     host_epoch: u64,
@@ -525,6 +526,7 @@ impl IntranodeBuffer {
         num_tokens_per_rank: u64,
         num_tokens_per_expert: u64,
         is_token_in_rank: u64,
+        partials: u64,
     ) -> Result<()> {
         self.experts_per_rank(num_experts)?;
         // SAFETY: the caller checked every tensor.
@@ -540,8 +542,15 @@ impl IntranodeBuffer {
                 num_tokens_per_rank,
                 num_tokens_per_expert,
                 is_token_in_rank,
+                partials,
+                self.scratch.ptr(),
             )
         }
+    }
+
+    /// int32 scratch elements [`layout`](Self::layout) needs (`partials`).
+    pub fn layout_scratch_elems(&self, num_tokens: usize, num_experts: usize) -> usize {
+        ep_kernels::launch::layout_scratch_elems(num_tokens, num_experts, self.num_ranks())
     }
 
     /// *Collective.* A host barrier over the bootstrap.

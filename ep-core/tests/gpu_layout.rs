@@ -54,6 +54,10 @@ fn layout_kernel_matches_reference() {
         let per_rank = DeviceMemory::alloc(dev, r * 4).unwrap();
         let per_expert = DeviceMemory::alloc(dev, e * 4).unwrap();
         let in_rank = DeviceMemory::alloc(dev, (n * r).max(1)).unwrap();
+        let partials = DeviceMemory::alloc(dev, 4 * launch::layout_scratch_elems(n, e, r)).unwrap();
+        partials.fill(0x7f).unwrap();
+        let ticket = DeviceMemory::alloc(dev, 4).unwrap();
+        ticket.fill(0).unwrap();
         for m in [&per_rank, &per_expert, &in_rank] {
             m.fill(0xAB).unwrap(); // poison: every element must be written
         }
@@ -70,6 +74,8 @@ fn layout_kernel_matches_reference() {
                 per_rank.ptr(),
                 per_expert.ptr(),
                 in_rank.ptr(),
+                partials.ptr(),
+                ticket.ptr(),
             )
         }
         .unwrap();

@@ -3,19 +3,16 @@
 // ep_core::reference::layout (a token counts once per rank hosting any of its
 // experts, once per expert even if the id repeats in its top-k; -1 = none).
 //
-// Two kinds of blocks, no atomics across blocks and every output element
-// written (outputs come from torch.empty):
-// - expert blocks (the first ceil(E / kExpertsPerBlock)): each scans every id
-//   and counts the tokens of its experts in shared memory;
-// - rank blocks (the rest, kRanksPerBlock ranks each): a thread per token
-//   writes is_token_in_rank for the block's ranks and counts per rank.
+// Token-parallel: a thread per token writes its is_token_in_rank row and counts
+// into the block's shared counters; each block stores its counts into
+// `partials[block]`, and the last block to finish (a ticket, reset to 0 for the
+// next launch) sums them into the outputs. Every output element is written
+// (outputs come from torch.empty). Needs R <= 32 and (E + R) ints of shared memory.
 #include <cstdint>
 
 namespace moelink::layout {
 
 constexpr int kThreads = 256;
-constexpr int kExpertsPerBlock = 32;
-constexpr int kRanksPerBlock = 8;
 
 // True if id `e` already appeared in positions [0, k) of the token's top-k.
 __device__ __forceinline__ bool seen_before(const int64_t* ids, int k, int64_t e) {
@@ -29,48 +26,46 @@ __device__ __forceinline__ bool seen_before(const int64_t* ids, int k, int64_t e
 extern "C" __global__ void __launch_bounds__(moelink::layout::kThreads)
     layout_dispatch(const int64_t* __restrict__ topk_idx, int num_tokens, int num_topk,
                     int num_experts, int num_ranks, int* __restrict__ num_tokens_per_rank,
-                    int* __restrict__ num_tokens_per_expert, bool* __restrict__ is_token_in_rank) {
+                    int* __restrict__ num_tokens_per_expert, bool* __restrict__ is_token_in_rank,
+                    int* __restrict__ partials, unsigned* __restrict__ ticket) {
   using namespace moelink::layout;
-  __shared__ int counts[kExpertsPerBlock > kRanksPerBlock ? kExpertsPerBlock : kRanksPerBlock];
-  const int expert_blocks = (num_experts + kExpertsPerBlock - 1) / kExpertsPerBlock;
+  extern __shared__ int counts[];  // [E] per expert, then [R] per rank
+  __shared__ bool last;
+  const int slots = num_experts + num_ranks;
   const int experts_per_rank = num_experts / num_ranks;
-  for (int i = threadIdx.x; i < kExpertsPerBlock; i += blockDim.x) counts[i] = 0;
+  for (int i = threadIdx.x; i < slots; i += blockDim.x) counts[i] = 0;
   __syncthreads();
 
-  if (int(blockIdx.x) < expert_blocks) {
-    const int64_t e0 = int64_t(blockIdx.x) * kExpertsPerBlock;
-    for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) {
-      const int64_t* ids = topk_idx + int64_t(t) * num_topk;
-      for (int k = 0; k < num_topk; ++k) {
-        const int64_t e = ids[k];
-        if (e >= e0 && e < e0 + kExpertsPerBlock && !seen_before(ids, k, e))
-          atomicAdd(&counts[e - e0], 1);
-      }
-    }
-    __syncthreads();
-    for (int i = threadIdx.x; i < kExpertsPerBlock; i += blockDim.x)
-      if (e0 + i < num_experts) num_tokens_per_expert[e0 + i] = counts[i];
-    return;
-  }
-
-  const int r0 = (int(blockIdx.x) - expert_blocks) * kRanksPerBlock;
-  const int nr = min(kRanksPerBlock, num_ranks - r0);
-  for (int t = threadIdx.x; t < num_tokens; t += blockDim.x) {
-    const int64_t* ids = topk_idx + int64_t(t) * num_topk;
+  const int64_t t = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t < num_tokens) {
+    const int64_t* ids = topk_idx + t * num_topk;
     uint32_t hit = 0;
     for (int k = 0; k < num_topk; ++k) {
       const int64_t e = ids[k];
       if (e < 0) continue;
-      const int r = int(e / experts_per_rank) - r0;
-      if (r >= 0 && r < nr) hit |= 1u << r;
+      if (!seen_before(ids, k, e)) atomicAdd(&counts[e], 1);
+      hit |= 1u << int(e / experts_per_rank);
     }
-    bool* row = is_token_in_rank + int64_t(t) * num_ranks + r0;
-    for (int r = 0; r < nr; ++r) {
-      const bool in = (hit >> r) & 1u;
-      row[r] = in;
-      if (in) atomicAdd(&counts[r], 1);
-    }
+    bool* row = is_token_in_rank + t * num_ranks;
+    for (int r = 0; r < num_ranks; ++r) row[r] = (hit >> r) & 1u;
+    for (uint32_t m = hit; m; m &= m - 1) atomicAdd(&counts[num_experts + __ffs(m) - 1], 1);
   }
   __syncthreads();
-  for (int r = threadIdx.x; r < nr; r += blockDim.x) num_tokens_per_rank[r0 + r] = counts[r];
+  int* mine = partials + int64_t(blockIdx.x) * slots;
+  for (int i = threadIdx.x; i < slots; i += blockDim.x) mine[i] = counts[i];
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();
+  for (int i = threadIdx.x; i < slots; i += blockDim.x) {
+    int sum = 0;
+    for (unsigned b = 0; b < gridDim.x; ++b) sum += __ldcg(partials + int64_t(b) * slots + i);
+    if (i < num_experts)
+      num_tokens_per_expert[i] = sum;
+    else
+      num_tokens_per_rank[i - num_experts] = sum;
+  }
+  if (threadIdx.x == 0) *ticket = 0;
 }

@@ -97,15 +97,25 @@ pub unsafe fn reduce_rows_bf16(
     }
 }
 
+/// Threads (tokens) per block of `layout_dispatch`.
+const LAYOUT_THREADS: u32 = 256;
+
+/// int32 elements of the `partials` scratch [`layout_dispatch`] needs.
+pub fn layout_scratch_elems(num_tokens: usize, num_experts: usize, num_ranks: usize) -> usize {
+    num_tokens.div_ceil(LAYOUT_THREADS as usize).max(1) * (num_experts + num_ranks)
+}
+
 /// `layout_dispatch`: per-rank and per-expert token counts and
 /// `is_token_in_rank` from `topk_idx` (`[num_tokens, num_topk]` int64, -1 =
 /// none), with the semantics of `ep_core::reference::layout`. Every output
 /// element is written. Ids must already be checked to lie in `[-1, num_experts)`.
+/// `partials` is int32 scratch of [`layout_scratch_elems`] elements (any
+/// content); `ticket` a device u32 that is 0 and is left 0.
 ///
 /// # Safety
 /// `topk_idx` must hold `num_tokens * num_topk` int64 values, the outputs
 /// `[num_ranks]` int32, `[num_experts]` int32 and `[num_tokens, num_ranks]`
-/// bytes, all on this device.
+/// bytes, the scratch as documented, all on this device.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn layout_dispatch(
     k: &DeviceKernels,
@@ -118,11 +128,26 @@ pub unsafe fn layout_dispatch(
     num_tokens_per_rank: u64,
     num_tokens_per_expert: u64,
     is_token_in_rank: u64,
+    partials: u64,
+    ticket: u64,
 ) -> Result<()> {
-    if num_ranks <= 0 || num_experts <= 0 || num_experts % num_ranks != 0 {
+    if num_ranks <= 0 || num_ranks > 32 || num_experts <= 0 || num_experts % num_ranks != 0 {
         return Err(CommError::invalid(
             "num_experts",
-            format!("{num_experts} experts cannot be split evenly over {num_ranks} ranks"),
+            format!(
+                "{num_experts} experts cannot be split evenly over {num_ranks} ranks \
+                 (1 to 32 ranks)"
+            ),
+        ));
+    }
+    let smem = 4 * (num_experts as u64 + num_ranks as u64);
+    if smem > 48 * 1024 {
+        return Err(CommError::invalid(
+            "num_experts",
+            format!(
+                "{num_experts} experts: at most {} supported",
+                48 * 1024 / 4 - 32
+            ),
         ));
     }
     if num_tokens < 0 || !(1..=32).contains(&num_topk) {
@@ -131,14 +156,16 @@ pub unsafe fn layout_dispatch(
             format!("shape [{num_tokens}, {num_topk}] (top-k must be 1..=32)"),
         ));
     }
-    const EXPERTS_PER_BLOCK: i32 = 32;
-    const RANKS_PER_BLOCK: i32 = 8;
-    let blocks = (num_experts + EXPERTS_PER_BLOCK - 1) / EXPERTS_PER_BLOCK
-        + (num_ranks + RANKS_PER_BLOCK - 1) / RANKS_PER_BLOCK;
+    let blocks = (num_tokens as u32).div_ceil(LAYOUT_THREADS).max(1);
     let (mut ids, mut n, mut kk, mut e, mut r) =
         (topk_idx, num_tokens, num_topk, num_experts, num_ranks);
-    let (mut per_rank, mut per_expert, mut in_rank) =
-        (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank);
+    let (mut per_rank, mut per_expert, mut in_rank, mut part, mut tk) = (
+        num_tokens_per_rank,
+        num_tokens_per_expert,
+        is_token_in_rank,
+        partials,
+        ticket,
+    );
     let mut params = [
         arg(&mut ids),
         arg(&mut n),
@@ -148,14 +175,16 @@ pub unsafe fn layout_dispatch(
         arg(&mut per_rank),
         arg(&mut per_expert),
         arg(&mut in_rank),
+        arg(&mut part),
+        arg(&mut tk),
     ];
     // SAFETY: argument types match the kernel signature; pointer validity is the caller's contract.
     unsafe {
         k.launch(
             KernelId::LayoutDispatch,
-            (blocks as u32, 1, 1),
-            (256, 1, 1),
-            0,
+            (blocks, 1, 1),
+            (LAYOUT_THREADS, 1, 1),
+            smem as u32,
             stream,
             &mut params,
         )

@@ -130,6 +130,7 @@ impl IntranodeBuffer {
         num_tokens_per_rank: u64,
         num_tokens_per_expert: u64,
         is_token_in_rank: u64,
+        partials: u64,
     ) -> PyResult<()> {
         self.get()?
             .layout(
@@ -141,8 +142,14 @@ impl IntranodeBuffer {
                 num_tokens_per_rank,
                 num_tokens_per_expert,
                 is_token_in_rank,
+                partials,
             )
             .map_err(to_py)
+    }
+
+    /// int32 elements of the scratch `layout` needs.
+    fn layout_scratch_elems(&mut self, num_tokens: usize, num_experts: usize) -> PyResult<usize> {
+        Ok(self.get()?.layout_scratch_elems(num_tokens, num_experts))
     }
 
     /// Notify + send half of a dispatch (cached when `cached`). Returns the

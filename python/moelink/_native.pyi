@@ -62,3 +62,101 @@ def reference_combine(
     inputs: list[tuple[bytes, bytes | None, bytes | None, bytes | None]],
     hidden: int,
 ) -> list[tuple[bytes, bytes | None]]: ...
+def bootstrap_unique_id() -> bytes: ...
+
+class IntranodeBuffer:
+    """Rust half of moelink.Buffer; pointers are device addresses (0 = absent),
+    streams raw cudaStream_t handles."""
+
+    def __init__(
+        self,
+        unique_id: bytes,
+        rank: int,
+        size: int,
+        device: int,
+        num_nvl_bytes: int,
+        timeout_s: float,
+    ) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def destroyed(self) -> bool: ...
+    def local_buffer(self) -> tuple[int, int]: ...
+    def set_max_spins(self, spins: int) -> None: ...
+    def check_device(self) -> None: ...
+    def dispatch_capacity(self, hidden_bytes: int, num_scales: int, num_topk: int) -> int: ...
+    def combine_capacity(self, hidden: int, num_topk: int) -> int: ...
+    def layout_scratch_elems(self, num_tokens: int, num_experts: int) -> int: ...
+    def layout(
+        self,
+        stream: int,
+        topk_idx: int,
+        num_tokens: int,
+        num_topk: int,
+        num_experts: int,
+        num_tokens_per_rank: int,
+        num_tokens_per_expert: int,
+        is_token_in_rank: int,
+        partials: int,
+    ) -> None: ...
+    def dispatch_send(
+        self,
+        stream: int,
+        cached: bool,
+        num_tokens: int,
+        hidden_bytes: int,
+        num_scales: int,
+        num_topk: int,
+        num_experts: int,
+        x: int,
+        scales: int,
+        scale_strides: tuple[int, int],
+        topk_idx: int,
+        topk_weights: int,
+        is_token_in_rank: int,
+        num_tokens_per_expert: int,
+        rank_prefix_matrix: int,
+        send_head: int,
+        expert_alignment: int,
+        num_sms: int,
+    ) -> int: ...
+    def wait_counts(self, epoch: int, num_experts: int) -> tuple[int, list[int]]: ...
+    def dispatch_recv(
+        self,
+        stream: int,
+        num_tokens: int,
+        hidden_bytes: int,
+        num_scales: int,
+        num_topk: int,
+        num_experts: int,
+        rank_prefix_matrix: int,
+        num_rows: int,
+        recv_x: int,
+        recv_scales: int,
+        scale_strides: tuple[int, int],
+        recv_topk_idx: int,
+        recv_topk_weights: int,
+        recv_src_idx: int,
+        num_sms: int,
+    ) -> None: ...
+    def combine(
+        self,
+        stream: int,
+        y: int,
+        num_recv_rows: int,
+        hidden: int,
+        topk_weights: int,
+        num_topk: int,
+        rank_prefix_matrix: int,
+        send_head: int,
+        num_tokens: int,
+        bias0: int,
+        bias1: int,
+        out: int,
+        out_weights: int,
+        num_sms: int,
+    ) -> None: ...
+    def barrier(self) -> None: ...
+    def destroy(self) -> None: ...

@@ -340,6 +340,9 @@ class Buffer:
             per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
             per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
             in_rank = torch.empty((n, R), dtype=torch.bool, device=self.device)
+            scratch = torch.empty(
+                native.layout_scratch_elems(n, num_experts), dtype=torch.int32, device=self.device
+            )
         self._enter_comm(compute, previous_event)
         native.layout(
             self._comm_stream.cuda_stream,
@@ -350,12 +353,13 @@ class Buffer:
             _ptr(per_rank),
             _ptr(per_expert),
             _ptr(in_rank),
+            _ptr(scratch),
         )
         event = self._epilogue(
             compute,
             async_finish,
             allocate_on_comm_stream,
-            (topk_idx,),
+            (topk_idx, scratch),
             (per_rank, per_expert, in_rank),
         )
         return per_rank, None, per_expert, in_rank, event
