@@ -222,7 +222,8 @@ class Buffer:
             raise ValueError("use_rdma_buffer=True: this Buffer has no RDMA buffer")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        ptr, nbytes = self._buffer().local_buffer()
+        ptr, allocated = self._buffer().local_buffer()
+        nbytes = min(allocated, self.num_nvl_bytes)  # the allocation is rounded up
         offset = check_int("offset", offset, minimum=0, maximum=nbytes)
         elem = torch.empty((), dtype=dtype).element_size()
         if offset % elem != 0:

@@ -593,6 +593,8 @@ def scenario_dispatch_bf16(ctx: Ctx) -> None:
         (Case(7168, 32 * R, 8, token_counts(ctx, "bf16/3")), 4),
         # Everything goes to rank 0: the other ranks receive nothing.
         (Case(2048, 8 * R, 4, token_counts(ctx, "bf16/4"), only_first_rank=True), 1),
+        # The largest top-k the kernels take (a warp lane per column).
+        (Case(512, 64 * R, 32, token_counts(ctx, "bf16/5")), 2),
     ]
     for i, (case, alignment) in enumerate(cases):
         tag = f"bf16/{i}"
@@ -727,6 +729,7 @@ def scenario_combine(ctx: Ctx) -> None:
         (Case(7168, 32 * R, 8, token_counts(ctx, "combine/1", zero_rank=True)), "one", True),
         (Case(256, 8 * R, 1, token_counts(ctx, "combine/2")), "pair", True),
         (Case(2048, 32 * R, 8, token_counts(ctx, "combine/3")), "second", False),
+        (Case(512, 64 * R, 32, token_counts(ctx, "combine/k32")), "pair", True),
         (Case(7168, 8 * R, 4, token_counts(ctx, "combine/4")), "pair", False),
     ]
     for i, (case, bias_kind, weights) in enumerate(cases):
@@ -1015,6 +1018,25 @@ def scenario_invalid_args(ctx: Ctx) -> None:
     out = buf.combine(y2, got2[4], topk_weights=got2[2])
     want = expected_combine(ref2, ys, weights=True)[ctx.rank]
     check_combine(chk, "combine after errors", out, want, weights=True)
+
+    # get_local_buffer_tensor: a view of this rank's NVL buffer (after the 64 KiB
+    # control region the dispatch slots begin: the last dispatch's first record).
+    ctrl = 64 * 1024
+    local = buf.get_local_buffer_tensor(torch.int32, size=torch.Size([4, 8]), offset=ctrl)
+    chk.expect(
+        local.dtype == torch.int32 and tuple(local.shape) == (4, 8) and local.device == dev,
+        f"get_local_buffer_tensor: got {local.dtype} {tuple(local.shape)} on {local.device}",
+    )
+    whole = buf.get_local_buffer_tensor(torch.uint8)
+    chk.expect(whole.numel() == buf.num_nvl_bytes, f"whole buffer: {whole.numel()} bytes")
+    pattern = torch.arange(32, dtype=torch.int32, device=dev).view(4, 8) * 7 - 3
+    local.copy_(pattern)
+    chk.equal("get_local_buffer_tensor write/read", whole[ctrl : ctrl + 128].view(torch.int32)
+              .view(4, 8), pattern)  # fmt: skip
+    chk.raises("get_local_buffer_tensor(use_rdma_buffer=True)", ValueError,
+               buf.get_local_buffer_tensor, torch.int32, use_rdma_buffer=True)  # fmt: skip
+    chk.raises("get_local_buffer_tensor(offset beyond)", ValueError,
+               buf.get_local_buffer_tensor, torch.int32, offset=buf.num_nvl_bytes + 4)  # fmt: skip
     chk.done()
 
 
