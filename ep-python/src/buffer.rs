@@ -23,7 +23,7 @@ pub fn bootstrap_unique_id(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
     Ok(PyBytes::new(py, &id.to_bytes()))
 }
 
-#[pyclass(module = "moelink._native", unsendable)]
+#[pyclass(module = "moelink._native")]
 pub struct IntranodeBuffer {
     inner: Option<Inner>,
 }
