@@ -295,8 +295,8 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
                   (int64_t(c.rank) * c.dispatch_slots + slot) * rec.bytes;
       warp_copy16(dst, row, rec.hidden_bytes, lane);
       float* dst_scales = reinterpret_cast<float*>(dst + rec.hidden_bytes);
-      for (int j = lane; j < rec.num_scales; j += 32)
-        dst_scales[j] = scales[t * scale_stride0 + j * scale_stride1];
+      for (int s = lane; s < rec.num_scales; s += 32)
+        dst_scales[s] = scales[t * scale_stride0 + s * scale_stride1];
       if (lane < K) {
         const int64_t first = int64_t(d) * experts_per_rank;
         const bool mine = my_id >= first && my_id < first + experts_per_rank;
