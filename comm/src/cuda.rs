@@ -126,6 +126,20 @@ impl Device {
         self.make_current()?;
         result::ctx::synchronize().call("cuCtxSynchronize")
     }
+
+    /// Sets `len` bytes at device address `ptr` to `value`; complete on return.
+    /// (cuMemsetD8 may return before the device has finished, and kernels on
+    /// non-blocking streams do not wait for the legacy stream, so this
+    /// synchronises the context.)
+    ///
+    /// # Safety
+    /// `ptr..ptr + len` must be device memory mapped in this device's context.
+    pub unsafe fn memset_sync(&self, ptr: u64, len: usize, value: u8) -> Result<()> {
+        self.make_current()?;
+        // SAFETY: the caller's contract.
+        unsafe { result::memset_d8_sync(ptr, value, len) }.call("cuMemsetD8")?;
+        self.synchronize()
+    }
 }
 
 /// A raw CUDA stream handle passed in by a caller (torch's `cuda_stream`).

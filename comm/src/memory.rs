@@ -54,10 +54,8 @@ impl DeviceMemory {
     /// kernels on non-blocking streams do not wait for the legacy stream, so
     /// these helpers synchronise the context.)
     pub fn fill(&self, value: u8) -> Result<()> {
-        self.device.make_current()?;
         // SAFETY: the range is this allocation.
-        unsafe { result::memset_d8_sync(self.ptr, value, self.len) }.call("cuMemsetD8")?;
-        self.device.synchronize()
+        unsafe { self.device.memset_sync(self.ptr, self.len, value) }
     }
 
     pub fn copy_from_host<T: Copy>(&self, offset: usize, src: &[T]) -> Result<()> {

@@ -35,14 +35,9 @@ pub struct SignalPage {
 impl SignalPage {
     pub fn new(device: Device, slots: u32) -> Result<Self> {
         let memory = VmmMemory::alloc(device, slots as usize * SLOT_BYTES as usize)?;
-        device.make_current()?;
+        // Zeroed before any peer or kernel can see it (complete on return).
         // SAFETY: the whole mapped range belongs to this allocation.
-        unsafe { cudarc::driver::result::memset_d8_sync(memory.ptr(), 0, memory.len()) }.map_err(
-            |source| CommError::Cuda {
-                call: "cuMemsetD8",
-                source,
-            },
-        )?;
+        unsafe { device.memset_sync(memory.ptr(), memory.len(), 0) }?;
         Ok(Self {
             memory: Arc::new(memory),
             slots,

@@ -5,7 +5,8 @@
 //!
 //! All tensors are passed as raw device addresses: the Python layer checks
 //! dtypes, shapes, devices and contiguity before calling in, and allocates
-//! the outputs. Every method launches on the stream it is given and returns
+//! the outputs; the buffer's capacity for a call is checked here, before any
+//! launch. Every method launches on the stream it is given and returns
 //! without waiting, except [`IntranodeBuffer::wait_counts`] (bounded).
 //!
 //! Region reuse: a rank may write into a peer's dispatch (combine) region only
@@ -167,7 +168,8 @@ impl IntranodeBuffer {
         let kernels = DeviceKernels::get(device)?;
         let nvl = comm.alloc_memory(num_nvl_bytes)?;
         // The control region starts zeroed; the data regions need not.
-        zero_device(device, nvl.ptr(), CTRL_BYTES as usize)?;
+        // SAFETY: the control region lies inside the allocation, mapped here.
+        unsafe { device.memset_sync(nvl.ptr(), CTRL_BYTES as usize, 0) }?;
         let channels = comm.memory_channels(&nvl, None)?;
         let rank = comm.rank();
         let mut handles: Vec<MemoryChannelDeviceHandle> = Vec::with_capacity(size);
@@ -557,16 +559,4 @@ impl IntranodeBuffer {
     pub fn barrier(&self) -> Result<()> {
         self.comm.barrier()
     }
-}
-
-fn zero_device(device: Device, ptr: u64, len: usize) -> Result<()> {
-    device.make_current()?;
-    // SAFETY: `ptr..ptr+len` is inside an allocation of this device.
-    unsafe { cudarc::driver::result::memset_d8_sync(ptr, 0, len) }.map_err(|source| {
-        CommError::Cuda {
-            call: "cuMemsetD8",
-            source,
-        }
-    })?;
-    device.synchronize()
 }

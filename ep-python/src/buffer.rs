@@ -103,22 +103,6 @@ impl IntranodeBuffer {
         self.get()?.check_device().map_err(to_py)
     }
 
-    /// Tokens per rank a dispatch of this shape can hold.
-    fn dispatch_capacity(
-        &mut self,
-        hidden_bytes: usize,
-        num_scales: usize,
-        num_topk: usize,
-    ) -> PyResult<usize> {
-        let s = shape(0, hidden_bytes, num_scales, num_topk, 1);
-        self.get()?.dispatch_capacity(&s).map_err(to_py)
-    }
-
-    /// Tokens per rank a combine of this shape can hold.
-    fn combine_capacity(&mut self, hidden: usize, num_topk: usize) -> PyResult<usize> {
-        Ok(self.get()?.combine_capacity(hidden, num_topk))
-    }
-
     #[allow(clippy::too_many_arguments)]
     fn layout(
         &mut self,

@@ -521,13 +521,6 @@ class Buffer:
             topk_idx=topk_idx,
             topk_weights=topk_weights,
         )
-        capacity = native.dispatch_capacity(hidden_bytes, num_scales, num_topk)
-        if n > capacity:
-            raise ValueError(
-                f"x has {n} tokens but this Buffer ({self.num_nvl_bytes} bytes) holds {capacity} "
-                f"per rank for rows of {hidden_bytes} bytes; size it with "
-                f"Config.get_nvl_buffer_size_hint(..., max_tokens_per_rank=...)"
-            )
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
             rpm = torch.empty((R, R), dtype=torch.int32, device=self.device)
@@ -653,12 +646,6 @@ class Buffer:
         for name, t in (("x", x), ("bias[0]", b0), ("bias[1]", b1)):
             _check_aligned(name, t)
         num_sms = self._num_sms(config, self.get_combine_config(R))
-        capacity = native.combine_capacity(hidden, num_topk)
-        if n > capacity:
-            raise ValueError(
-                f"{n} tokens but this Buffer ({self.num_nvl_bytes} bytes) combines at most "
-                f"{capacity} per rank for hidden {hidden}"
-            )
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
             out = torch.empty((n, hidden), dtype=torch.bfloat16, device=self.device)
