@@ -20,6 +20,9 @@ pub enum WaitKind {
     FifoDrain = 3,
     Packet = 4,
     InvalidOffset = 5,
+    LlDispatch = 6,
+    LlCombine = 7,
+    LlOverflow = 8,
 }
 
 impl WaitKind {
@@ -30,6 +33,9 @@ impl WaitKind {
             3 => Self::FifoDrain,
             4 => Self::Packet,
             5 => Self::InvalidOffset,
+            6 => Self::LlDispatch,
+            7 => Self::LlCombine,
+            8 => Self::LlOverflow,
             _ => return None,
         })
     }
@@ -41,6 +47,16 @@ impl WaitKind {
             Self::FifoDrain => "the proxy to finish a trigger (flush) in FIFO",
             Self::Packet => "an LL packet (index in `id`) with the expected flag",
             Self::InvalidOffset => "nothing: an offset/size above 4 GiB was rejected on channel",
+            Self::LlDispatch => {
+                "the low-latency dispatch data (buffer parity in `id`; expected: call count)"
+            }
+            Self::LlCombine => {
+                "the low-latency combine data (buffer parity in `id`; expected: call count)"
+            }
+            Self::LlOverflow => {
+                "nothing: a local expert got more rows than fit (its R*T slots, or a peer's \
+                 inbox: a peer out of step) (local expert in `id`; expected: room, observed: rows)"
+            }
         }
     }
 }

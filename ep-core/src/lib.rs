@@ -5,11 +5,13 @@
 //! |---|---|
 //! | [`diagnostics`] | peer-write check: every GPU stores a pattern into every peer over NVLink |
 //! | [`intranode`] | the intranode `Buffer`: NVL buffer, memory channels to every peer, dispatch/combine launch sequences |
+//! | [`low_latency`] | the low-latency `Buffer` part: buffer mapped by every peer, optional proxy port channels, dispatch/combine launches |
 //! | [`reference`](mod@reference) | CPU reference semantics (the test oracle) of layout, dispatch and combine, any number of ranks |
 //! | [`reference_ll`] | CPU reference semantics (the test oracle) of low-latency dispatch (with its fp8 cast) and combine, any number of ranks |
 
 pub mod diagnostics;
 pub mod intranode;
+pub mod low_latency;
 pub mod reference;
 pub mod reference_ll;
 #[cfg(test)]

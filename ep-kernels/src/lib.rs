@@ -4,11 +4,12 @@
 //! |---|---|---|
 //! | build | `build.rs` | nvcc compiles every `.cu` under `cuda/` (one unity TU) into a fatbin |
 //! | module | [`module`] | embedded fatbin, [`KernelId`] table, one lazily loaded module per device |
-//! | launchers | [`launch`], [`intranode`] | one typed, checked launcher per kernel, on a caller-given raw stream |
+//! | launchers | [`launch`], [`intranode`], [`low_latency`] | one typed, checked launcher per kernel, on a caller-given raw stream |
 
 pub mod error;
 pub mod intranode;
 pub mod launch;
+pub mod low_latency;
 pub mod module;
 
 pub use module::{compiled_archs, DeviceKernels, KernelId, FATBIN};

@@ -41,6 +41,8 @@ kernels! {
     CombineSend => "combine_send",
     CombineWait => "combine_wait",
     CombineRecv => "combine_recv",
+    LlDispatch => "ll_dispatch",
+    LlCombine => "ll_combine",
 }
 
 static MODULES: ModuleCache = ModuleCache::new("ep-kernels", FATBIN, KernelId::NAMES);

@@ -3,7 +3,9 @@
 //! around every call that waits on the GPU.
 
 mod buffer;
+mod ll;
 mod reference;
+mod reference_ll;
 
 use std::sync::Once;
 
@@ -146,5 +148,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     reference::register(m)?;
     m.add_function(wrap_pyfunction!(buffer::bootstrap_unique_id, m)?)?;
     m.add_class::<buffer::IntranodeBuffer>()?;
+    m.add_class::<ll::LowLatencyBuffer>()?;
+    m.add_function(wrap_pyfunction!(ll::low_latency_size_hint, m)?)?;
+    m.add_function(wrap_pyfunction!(reference_ll::ref_ll_dispatch, m)?)?;
+    m.add_function(wrap_pyfunction!(reference_ll::ref_ll_combine, m)?)?;
     Ok(())
 }

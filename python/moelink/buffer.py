@@ -28,6 +28,7 @@ from .checks import (
     check_topk_weights,
 )
 from .config import Config, get_combine_config, get_dispatch_config
+from .low_latency import LowLatencyMixin
 
 __all__ = ["Buffer", "EventOverlap"]
 
@@ -95,15 +96,16 @@ def _check_ids() -> bool:
     return os.environ.get("MOELINK_CHECK_IDS", "1") != "0" and not _capturing()
 
 
-class Buffer:
+class Buffer(LowLatencyMixin):
     """Communication buffer for MoE dispatch and combine among the ranks of ``group``
     (one GPU per rank, all on one host). Call-compatible with ``deep_ep.Buffer``.
 
     ``num_nvl_bytes`` is the NVLink buffer each rank allocates and every peer maps;
     size it with ``Config.get_nvl_buffer_size_hint`` (moelink keeps a fixed slot per
     token, so it depends on the largest batch). ``num_rdma_bytes`` is accepted for
-    compatibility and must be 0 without an internode path. Low-latency mode is not
-    available yet.
+    compatibility and must be 0 without an internode path. ``low_latency_mode=True``
+    allocates ``num_rdma_bytes`` of low-latency buffer (size it with
+    ``get_low_latency_rdma_size_hint``); see ``moelink.low_latency``.
     """
 
     #: SMs of dispatch/combine when no config is given (``set_num_sms``).
@@ -132,12 +134,17 @@ class Buffer:
         for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
             if v % 128 != 0:
                 raise ValueError(f"{name} must be a multiple of 128, got {v}")
-        if low_latency_mode or enable_shrink:
-            raise NotImplementedError("low-latency mode (and enable_shrink) is not available yet")
-        if num_rdma_bytes > 0:
+        if enable_shrink and not low_latency_mode:
+            raise ValueError("enable_shrink=True needs low_latency_mode=True")
+        if low_latency_mode and num_rdma_bytes == 0:
             raise ValueError(
-                "num_rdma_bytes must be 0: moelink has no internode (RDMA) path yet; "
-                "Config.get_rdma_buffer_size_hint returns 0 for this reason"
+                "low_latency_mode=True needs num_rdma_bytes > 0 (the low-latency buffer); "
+                "size it with Buffer.get_low_latency_rdma_size_hint"
+            )
+        if num_rdma_bytes > 0 and not low_latency_mode:
+            raise ValueError(
+                "num_rdma_bytes must be 0 without low_latency_mode: moelink has no internode "
+                "(RDMA) path for normal kernels; Config.get_rdma_buffer_size_hint returns 0"
             )
         if not torch.cuda.is_available():
             raise RuntimeError("moelink.Buffer needs a CUDA device")
@@ -148,7 +155,9 @@ class Buffer:
         self.group_size = dist.get_world_size(group)
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
-        self.low_latency_mode = False
+        self.low_latency_mode = bool(low_latency_mode)
+        self.enable_shrink = bool(enable_shrink)
+        self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
         self.device = torch.device("cuda", torch.cuda.current_device())
 
         # Every rank must be on this host (the bootstrap root listens on 127.0.0.1).
@@ -159,14 +168,26 @@ class Buffer:
                 "all ranks of the group must be on one host (intranode only), "
                 f"got {sorted(set(hosts))}"
             )
-        uid = [_native.bootstrap_unique_id() if self.rank == 0 else None]
+        # One bootstrap id per native buffer (intranode, low-latency).
+        uid = [
+            (_native.bootstrap_unique_id(), _native.bootstrap_unique_id())
+            if self.rank == 0
+            else None
+        ]
         dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
         self._comm_stream = torch.cuda.Stream(device=self.device)
+        timeout = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
         if num_nvl_bytes > 0:
-            timeout = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
             self._native = _native.IntranodeBuffer(
-                uid[0], self.rank, self.group_size, self.device.index, num_nvl_bytes, timeout
+                uid[0][0], self.rank, self.group_size, self.device.index, num_nvl_bytes, timeout
             )
+        if low_latency_mode:
+            device_timeout = float(os.environ.get("MOELINK_LL_TIMEOUT_S", str(timeout)))
+            self._ll = _native.LowLatencyBuffer(
+                uid[0][1], self.rank, self.group_size, self.device.index, num_rdma_bytes,
+                timeout, device_timeout, self.allow_nvlink_for_low_latency_mode,
+                self.enable_shrink,
+            )  # fmt: skip
 
     # ----- static helpers -------------------------------------------------------
 
@@ -218,12 +239,14 @@ class Buffer:
         """This rank's NVLink buffer from byte ``offset`` as a ``dtype`` tensor (1-D, or
         the first ``size.numel()`` elements viewed as ``size``). Peers write into it
         during dispatch/combine; it lives as long as the Buffer."""
-        if use_rdma_buffer:
-            raise ValueError("use_rdma_buffer=True: this Buffer has no RDMA buffer")
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
-        ptr, allocated = self._buffer().local_buffer()
-        nbytes = min(allocated, self.num_nvl_bytes)  # the allocation is rounded up
+        if use_rdma_buffer:
+            ptr, allocated = self._ll_native().local_buffer()
+            nbytes = min(allocated, self.num_rdma_bytes)
+        else:
+            ptr, allocated = self._buffer().local_buffer()
+            nbytes = min(allocated, self.num_nvl_bytes)  # the allocation is rounded up
         offset = check_int("offset", offset, minimum=0, maximum=nbytes)
         elem = torch.empty((), dtype=dtype).element_size()
         if offset % elem != 0:
@@ -243,22 +266,28 @@ class Buffer:
         """Frees the buffer (collective: every rank calls it). Needs ``explicitly_destroy=True``."""
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs a Buffer created with explicitly_destroy=True")
-        if self._native is not None:
-            self._comm_stream.synchronize()
-            self._native.check_device()
-            self._native.barrier()
-            self._native.destroy()
-            self._native = None
+        if self._native is not None or self._ll is not None:
+            torch.cuda.synchronize(self.device)
+        for name in ("_native", "_ll"):
+            native = getattr(self, name)
+            if native is not None:
+                native.check_device()
+                native.barrier()
+                native.destroy()
+                setattr(self, name, None)
 
     def __del__(self) -> None:
-        native = getattr(self, "_native", None)
-        if native is None:
+        natives = [getattr(self, n, None) for n in ("_native", "_ll")]
+        if all(n is None for n in natives):
             return
         with contextlib.suppress(Exception):
-            self._comm_stream.synchronize()
-        with contextlib.suppress(Exception):
-            native.destroy()
+            torch.cuda.synchronize(self.device)
+        for native in natives:
+            if native is not None:
+                with contextlib.suppress(Exception):
+                    native.destroy()
         self._native = None
+        self._ll = None
 
     # ----- streams ---------------------------------------------------------------
 

@@ -37,6 +37,8 @@ __all__ = [
     "dispatch",
     "dispatch_cached",
     "layout",
+    "ll_combine",
+    "ll_dispatch",
     "to_bf16",
 ]
 
@@ -324,3 +326,103 @@ def combine(ref: RefDispatch, ys, topk_weights=None, biases=None) -> list:
         )
         for r, (x, w) in enumerate(out)
     ]
+
+
+# ----- low latency ---------------------------------------------------------------------
+
+
+def ll_dispatch(
+    xs,
+    topk_idxs,
+    num_max_dispatch_tokens_per_rank: int,
+    num_experts: int,
+    use_fp8: bool = True,
+    round_scale: bool = False,
+    use_ue8m0: bool = False,
+) -> list:
+    """``low_latency_dispatch`` of every rank at once (``ep_core::reference_ll``):
+    ``xs[r]`` bf16 ``[T_r, H]``, ``topk_idxs[r]`` int64 ``[T_r, K]``. Returns one dict
+    per rank with CPU tensors ``recv_x`` (bf16 or float8_e4m3fn ``[E_local, R*T, H]``),
+    ``scales`` (None, float32 ``[E_local, R*T, G]`` or int32 ``[E_local, R*T, W]``, last
+    two dims column-major as on the GPU), ``recv_count`` int32 ``[E_local]``,
+    ``src_info`` int32 ``[E_local, R*T]``, ``layout_range`` int64 ``[E_local, R]``.
+    Blocks are in source-rank order, rows in token order."""
+    r = len(xs)
+    _check_rank_count("topk_idxs", topk_idxs, r)
+    t = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    inputs, hidden, k = [], None, None
+    for i, (x, idx) in enumerate(zip(xs, topk_idxs)):
+        check_tensor(f"xs[{i}]", x, dtype=torch.bfloat16, dims=2)
+        check_tensor(f"topk_idxs[{i}]", idx, dtype=torch.int64, dims=2)
+        hidden = x.shape[1] if hidden is None else hidden
+        k = idx.shape[1] if k is None else k
+        inputs.append((_to_bytes(x.float()), _to_bytes(idx)))
+    outs = _native.ref_ll_dispatch(
+        inputs, t, hidden, num_experts, k, bool(use_fp8), bool(round_scale), bool(use_ue8m0)
+    )
+    el, rt = num_experts // r, r * t
+    res = []
+    for o in outs:
+        if use_fp8:
+            recv_x = _from_bytes(o["recv_x"], torch.uint8, (el, rt, hidden)).view(
+                torch.float8_e4m3fn
+            )
+            g = hidden // 128
+            if use_ue8m0:
+                w = (g + 3) // 4
+                scales = _from_bytes(o["scales"], torch.int32, (el, w, rt)).transpose(1, 2)
+            else:
+                scales = _from_bytes(o["scales"], torch.float32, (el, g, rt)).transpose(1, 2)
+        else:
+            recv_x = _from_bytes(o["recv_x"], torch.float32, (el, rt, hidden)).to(torch.bfloat16)
+            scales = None
+        res.append(
+            {
+                "recv_x": recv_x,
+                "scales": scales,
+                "recv_count": _from_bytes(o["recv_count"], torch.int32, (el,)),
+                "src_info": _from_bytes(o["src_info"], torch.int32, (el, rt)),
+                "layout_range": _from_bytes(o["layout_range"], torch.int64, (el, r)),
+            }
+        )
+    return res
+
+
+def ll_combine(
+    ys, topk_idxs, topk_weights, handles, num_max_dispatch_tokens_per_rank: int, num_experts: int
+) -> list:
+    """``low_latency_combine`` of every rank at once: ``ys[r]`` bf16 ``[E_local, R*T,
+    H]`` expert outputs in the layout of ``handles[r] = (src_info, layout_range)`` (a
+    GPU handle works as is), ``topk_idxs[r]`` / ``topk_weights[r]`` ``[T_r, K]``.
+    Returns per rank ``(combined bf16 [T_r, H], abs_sum float32 [T_r, H])``: the
+    kernel's order (fma over k ascending from +0) gives ``combined`` bit for bit."""
+    r = len(ys)
+    for name, v in (("topk_idxs", topk_idxs), ("topk_weights", topk_weights),
+                    ("handles", handles)):  # fmt: skip
+        _check_rank_count(name, v, r)
+    inputs, hidden, k = [], None, None
+    for i in range(r):
+        check_tensor(f"ys[{i}]", ys[i], dtype=torch.bfloat16, dims=3)
+        hidden = ys[i].shape[2]
+        k = topk_idxs[i].shape[1]
+        src_info, layout_range = handles[i][0], handles[i][1]
+        inputs.append(
+            (
+                _to_bytes(ys[i].float()),
+                _to_bytes(topk_idxs[i]),
+                _to_bytes(topk_weights[i].float()),
+                _to_bytes(src_info),
+                _to_bytes(layout_range),
+            )
+        )
+    outs = _native.ref_ll_combine(inputs, num_max_dispatch_tokens_per_rank, hidden, num_experts, k)
+    res = []
+    for i, (c, a) in enumerate(outs):
+        n = topk_idxs[i].shape[0]
+        res.append(
+            (
+                _from_bytes(c, torch.float32, (n, hidden)).to(torch.bfloat16),
+                _from_bytes(a, torch.float32, (n, hidden)),
+            )
+        )
+    return res

@@ -20,6 +20,9 @@ enum : uint32_t {
   kWaitFifoDrain = 3,   // Fifo::sync: the proxy to process a trigger (flush)
   kWaitPacket = 4,      // packet read: the peer's packet with the expected flag
   kInvalidOffset = 5,   // a port-channel offset or size that does not fit a trigger
+  kWaitLlDispatch = 6,  // low-latency dispatch: a source's data flag
+  kWaitLlCombine = 7,   // low-latency combine: an expert rank's data flag
+  kLlOverflow = 8,      // low-latency dispatch: more rows for a local expert than slots
 };
 
 // Spin bound used when a caller passes none: about a few seconds of polling.

@@ -1,0 +1,505 @@
+//! The low-latency part of `moelink.Buffer`: one buffer per rank mapped by
+//! every peer (NVLink) and, when the proxy transport is used, port channels
+//! over it; the launch sequences of `low_latency_dispatch` / `combine`
+//! (docs/design-low-latency.md has the design; the kernels are
+//! `ep-kernels/cuda/low_latency.cu`).
+//!
+//! Tensors are raw device addresses checked by the Python layer; the buffer's
+//! capacity for a call is checked here, before any launch. Every launch is
+//! asynchronous on the caller's stream.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use comm::channel::PortChannel;
+use comm::device_handles::PortChannelDeviceHandle;
+use comm::error::{CommError, Result};
+use comm::proxy::ProxyService;
+use comm::registered_memory::RegisteredMemory;
+use comm::transport::Transport;
+use comm::{Bootstrap, Communicator, CommunicatorOptions, Device, DeviceMemory, StreamHandle};
+use ep_kernels::low_latency::{
+    self as k, CombineArgs, DispatchArgs, LlCtx, LlShape, Phases, FLAGS_BYTES, STATE_WORDS,
+};
+use ep_kernels::DeviceKernels;
+
+/// Trigger slots of the proxy's FIFO (two per peer and call are used).
+const FIFO_SLOTS: usize = 1024;
+
+/// How the buffer reaches its peers and how long a receive may wait.
+#[derive(Clone, Copy, Debug)]
+pub struct LowLatencyOptions {
+    /// Peers mapped over NVLink get direct stores; `false` forces the proxy
+    /// (port channels) for every peer, as across nodes without GPU-initiated RDMA.
+    pub allow_nvlink: bool,
+    /// A peer silent for `device_timeout` is masked instead of reported.
+    pub shrink: bool,
+    /// Bound of host-side waits (bootstrap, proxy flushes).
+    pub timeout: Duration,
+    /// Bound of every device-side receive wait.
+    pub device_timeout: Duration,
+}
+
+/// A low-latency dispatch's device addresses (0 = absent where allowed).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DispatchCall {
+    pub x: u64,
+    pub topk_idx: u64,
+    pub num_tokens: usize,
+    pub use_fp8: bool,
+    pub round_scale: bool,
+    pub use_ue8m0: bool,
+    pub recv_x: u64,
+    pub recv_scales: u64,
+    pub recv_count: u64,
+    pub src_info: u64,
+    pub layout_range: u64,
+    pub stats_count: u64,
+    pub stats_wait: u64,
+}
+
+/// A low-latency combine's device addresses.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CombineCall {
+    /// bf16 `[E_local, R*T, H]` (may be the zero-copy region).
+    pub x: u64,
+    pub layout_range: u64,
+    pub topk_idx: u64,
+    pub topk_weights: u64,
+    pub num_tokens: usize,
+    pub out: u64,
+    pub stats_wait: u64,
+}
+
+pub struct LowLatencyBuffer {
+    // Dropped first: the proxy thread stops before the memory it copies goes.
+    proxy: Option<ProxyService>,
+    _ports: Vec<Option<PortChannel>>,
+    ports_table: Option<DeviceMemory>,
+    _peer_mems: Vec<RegisteredMemory>,
+    peers_table: DeviceMemory,
+    mem: RegisteredMemory,
+    state: DeviceMemory,
+    mask: DeviceMemory,
+    comm: Communicator,
+    device: Device,
+    kernels: DeviceKernels,
+    opts: LowLatencyOptions,
+    num_blocks: u32,
+}
+
+impl std::fmt::Debug for LowLatencyBuffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LowLatencyBuffer")
+            .field("rank", &self.rank())
+            .field("num_ranks", &self.num_ranks())
+            .field("bytes", &self.mem.len())
+            .field("proxy", &self.uses_proxy())
+            .finish()
+    }
+}
+
+/// Bytes a buffer needs for calls up to this shape (any top-k), including the
+/// staging regions of the proxy transport: DeepEP's
+/// `get_low_latency_rdma_size_hint`.
+pub fn size_hint(
+    max_tokens: usize,
+    hidden: usize,
+    num_ranks: usize,
+    num_experts: usize,
+) -> Result<usize> {
+    let shape = LlShape {
+        num_ranks,
+        max_tokens,
+        hidden,
+        num_experts,
+        num_topk: k::MAX_TOPK,
+    };
+    shape.check()?;
+    Ok(shape.layout(true).total.div_ceil(128) as usize * 128)
+}
+
+impl LowLatencyBuffer {
+    /// *Collective.* Allocates `num_bytes` on `device`, maps every peer's
+    /// buffer, and (when the proxy transport is needed) builds port channels
+    /// and starts the proxy.
+    pub fn new(
+        bootstrap: Arc<dyn Bootstrap>,
+        device: Device,
+        num_bytes: usize,
+        opts: LowLatencyOptions,
+    ) -> Result<Self> {
+        let size = bootstrap.size();
+        if size > k::MAX_RANKS {
+            return Err(CommError::invalid(
+                "group",
+                format!(
+                    "{size} ranks; low-latency kernels handle at most {}",
+                    k::MAX_RANKS
+                ),
+            ));
+        }
+        if num_bytes < FLAGS_BYTES as usize || num_bytes % 128 != 0 {
+            return Err(CommError::invalid(
+                "num_rdma_bytes",
+                format!(
+                    "{num_bytes} bytes: need a multiple of 128 of at least {FLAGS_BYTES} (see \
+                     Buffer.get_low_latency_rdma_size_hint)"
+                ),
+            ));
+        }
+        let copts = CommunicatorOptions {
+            timeout: opts.timeout,
+            semaphore_slots: 256,
+            ..CommunicatorOptions::default()
+        };
+        let comm = Communicator::new(bootstrap, Some(device), copts)?;
+        let kernels = DeviceKernels::get(device)?;
+        let mem = comm.alloc_memory(num_bytes)?;
+        // Flags start at zero; data regions need not.
+        // SAFETY: the flags lie inside the allocation, mapped here.
+        unsafe { device.memset_sync(mem.ptr(), FLAGS_BYTES as usize, 0) }?;
+        let peer_mems = comm.exchange_memory(&mem)?;
+        let rank = comm.rank();
+        let all_mapped = peer_mems.iter().all(|m| m.is_mapped());
+        let use_proxy = !opts.allow_nvlink || !all_mapped;
+        if use_proxy && mem.len() > u64::from(u32::MAX) {
+            return Err(CommError::invalid(
+                "num_rdma_bytes",
+                "the proxy transport addresses at most 4 GiB per buffer",
+            ));
+        }
+        let bases: Vec<u64> = peer_mems
+            .iter()
+            .enumerate()
+            .map(|(p, m)| {
+                if m.is_mapped() || p == rank {
+                    m.ptr()
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let peers_table = DeviceMemory::alloc(device, 8 * size)?;
+        peers_table.copy_from_host(0, &bases)?;
+        let (proxy, ports, ports_table) = if use_proxy {
+            let mut proxy = ProxyService::new(rank, Some(device), FIFO_SLOTS, rank as u64)?;
+            let ports = comm.port_channels(&proxy, &mem, Transport::CudaIpc)?;
+            let handles: Vec<PortChannelDeviceHandle> = ports
+                .iter()
+                .map(|p| match p {
+                    Some(c) => c.device_handle(comm.device_error()),
+                    // SAFETY: plain data; our own entry is never used.
+                    None => unsafe { std::mem::zeroed() },
+                })
+                .collect();
+            let table = DeviceMemory::alloc(
+                device,
+                size * std::mem::size_of::<PortChannelDeviceHandle>(),
+            )?;
+            table.copy_from_host(0, &handles)?;
+            proxy.start()?;
+            (Some(proxy), ports, Some(table))
+        } else {
+            (None, Vec::new(), None)
+        };
+        let state = DeviceMemory::alloc(device, 4 * STATE_WORDS)?;
+        state.fill(0)?;
+        let mask = DeviceMemory::alloc(device, 4 * k::MAX_RANKS)?;
+        mask.fill(0)?;
+        let num_blocks = device.sm_count()?.max(1) as u32;
+        comm.barrier()?;
+        Ok(Self {
+            proxy,
+            _ports: ports,
+            ports_table,
+            _peer_mems: peer_mems,
+            peers_table,
+            mem,
+            state,
+            mask,
+            comm,
+            device,
+            kernels,
+            opts,
+            num_blocks,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn num_ranks(&self) -> usize {
+        self.comm.size()
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Whether peers are reached through the CPU proxy (port channels).
+    pub fn uses_proxy(&self) -> bool {
+        self.proxy.is_some()
+    }
+
+    /// Device address and length of this rank's buffer.
+    pub fn local_buffer(&self) -> (u64, usize) {
+        (self.mem.ptr(), self.mem.len() as usize)
+    }
+
+    /// Device address of the int32 `[R]` rank mask.
+    pub fn mask_ptr(&self) -> u64 {
+        self.mask.ptr()
+    }
+
+    /// Blocks of every launch (default: one per SM).
+    pub fn set_num_blocks(&mut self, n: u32) {
+        self.num_blocks = n.max(1);
+    }
+
+    pub fn num_blocks(&self) -> u32 {
+        self.num_blocks
+    }
+
+    /// Errors a device wait, the proxy or its FIFO reported, if any.
+    pub fn check_device(&self) -> Result<()> {
+        self.comm.check_device()?;
+        if let Some(p) = &self.proxy {
+            p.fifo().error().check()?;
+            p.check()?;
+        }
+        Ok(())
+    }
+
+    fn shape(
+        &self,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+        num_topk: usize,
+    ) -> Result<LlShape> {
+        let shape = LlShape {
+            num_ranks: self.num_ranks(),
+            max_tokens,
+            hidden,
+            num_experts,
+            num_topk,
+        };
+        shape.check()?;
+        shape.check_smem()?;
+        let need = shape.layout(self.uses_proxy()).total;
+        if need > self.mem.len() {
+            return Err(CommError::invalid(
+                "num_rdma_bytes",
+                format!(
+                    "rank {}: the low-latency buffer has {} bytes, this call needs {need} \
+                     (T={max_tokens}, hidden={hidden}, experts={num_experts}, top-k={num_topk}); \
+                     size it with Buffer.get_low_latency_rdma_size_hint",
+                    self.rank(),
+                    self.mem.len()
+                ),
+            ));
+        }
+        Ok(shape)
+    }
+
+    /// Device address of the zero-copy combine input for this shape.
+    pub fn zero_copy_buffer(
+        &self,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+    ) -> Result<(u64, usize)> {
+        let shape = self.shape(max_tokens, hidden, num_experts, 1)?;
+        let l = shape.layout(self.uses_proxy());
+        Ok((
+            self.mem.ptr() + l.zero_copy,
+            shape.zero_copy_bytes() as usize,
+        ))
+    }
+
+    fn ctx(&self, shape: &LlShape) -> LlCtx {
+        let l = shape.layout(self.uses_proxy());
+        LlCtx {
+            peers: self.peers_table.ptr(),
+            ports: self.ports_table.as_ref().map_or(0, |t| t.ptr()),
+            local: self.mem.ptr(),
+            state: self.state.ptr(),
+            mask: self.mask.ptr(),
+            error: self.comm.device_error().device_ptr(),
+            zc_offset: l.zero_copy,
+            recv_offset: l.recv,
+            stage_offset: l.stage,
+            timeout_ns: self.opts.device_timeout.as_nanos().min(u64::MAX as u128) as u64,
+            rank: self.rank() as i32,
+            num_ranks: self.num_ranks() as i32,
+            use_proxy: i32::from(self.uses_proxy()),
+            shrink: i32::from(self.opts.shrink),
+        }
+    }
+
+    /// Launches `phases` of a low-latency dispatch on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn dispatch(
+        &self,
+        stream: StreamHandle,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+        num_topk: usize,
+        call: &DispatchCall,
+        phases: Phases,
+    ) -> Result<()> {
+        let shape = self.shape(max_tokens, hidden, num_experts, num_topk)?;
+        if call.num_tokens > max_tokens {
+            return Err(CommError::invalid(
+                "x",
+                format!(
+                    "{} tokens > num_max_dispatch_tokens_per_rank {max_tokens}",
+                    call.num_tokens
+                ),
+            ));
+        }
+        if call.use_ue8m0 && !call.round_scale {
+            return Err(CommError::invalid(
+                "use_ue8m0",
+                "use_ue8m0=True needs round_scale=True",
+            ));
+        }
+        let a = DispatchArgs {
+            x: call.x,
+            topk: call.topk_idx,
+            recv_x: call.recv_x,
+            recv_scales: call.recv_scales,
+            recv_count: call.recv_count,
+            src_info: call.src_info,
+            layout_range: call.layout_range,
+            stats_count: call.stats_count,
+            stats_wait: call.stats_wait,
+            msg_bytes: shape.msg_bytes(call.use_fp8, call.use_ue8m0) as i64,
+            inbox_bytes: shape.dispatch_inbox_bytes(call.use_fp8, call.use_ue8m0) as i64,
+            num_tokens: call.num_tokens as i32,
+            max_tokens: max_tokens as i32,
+            hidden: hidden as i32,
+            num_topk: num_topk as i32,
+            num_experts: num_experts as i32,
+            use_fp8: i32::from(call.use_fp8),
+            round_scale: i32::from(call.use_fp8 && call.round_scale),
+            use_ue8m0: i32::from(call.use_fp8 && call.use_ue8m0),
+            phases: phases as i32,
+            pad_: 0,
+        };
+        // SAFETY: the Python layer checked every tensor against this shape.
+        unsafe {
+            k::dispatch(
+                &self.kernels,
+                stream,
+                self.ctx(&shape),
+                a,
+                &shape,
+                self.num_blocks,
+            )
+        }
+    }
+
+    /// Launches `phases` of a low-latency combine on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn combine(
+        &self,
+        stream: StreamHandle,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+        num_topk: usize,
+        call: &CombineCall,
+        phases: Phases,
+    ) -> Result<()> {
+        let shape = self.shape(max_tokens, hidden, num_experts, num_topk)?;
+        if call.num_tokens > max_tokens {
+            return Err(CommError::invalid(
+                "topk_idx",
+                format!(
+                    "{} tokens > num_max_dispatch_tokens_per_rank {max_tokens}",
+                    call.num_tokens
+                ),
+            ));
+        }
+        let a = CombineArgs {
+            x: call.x,
+            layout_range: call.layout_range,
+            topk: call.topk_idx,
+            weights: call.topk_weights,
+            out: call.out,
+            stats_wait: call.stats_wait,
+            inbox_bytes: shape.combine_inbox_bytes() as i64,
+            num_tokens: call.num_tokens as i32,
+            max_tokens: max_tokens as i32,
+            hidden: hidden as i32,
+            num_topk: num_topk as i32,
+            num_experts: num_experts as i32,
+            phases: phases as i32,
+        };
+        // SAFETY: as above.
+        unsafe {
+            k::combine(
+                &self.kernels,
+                stream,
+                self.ctx(&shape),
+                a,
+                &shape,
+                self.num_blocks,
+            )
+        }
+    }
+
+    /// *Collective.* Resets the flags and call counters of every rank (the
+    /// caller has synchronised its streams: no low-latency kernel runs).
+    /// The rank mask is kept.
+    pub fn clean(&self) -> Result<()> {
+        self.device.synchronize()?;
+        self.comm.barrier()?;
+        // SAFETY: both ranges are ours and idle.
+        unsafe {
+            self.device
+                .memset_sync(self.mem.ptr(), FLAGS_BYTES as usize, 0)?;
+            self.device
+                .memset_sync(self.state.ptr(), 4 * STATE_WORDS, 0)?;
+        }
+        self.comm.barrier()
+    }
+
+    /// Clears the rank mask (synchronously).
+    pub fn clean_mask(&self) -> Result<()> {
+        self.mask.fill(0)
+    }
+
+    /// *Collective.* A host barrier over the bootstrap.
+    pub fn barrier(&self) -> Result<()> {
+        self.comm.barrier()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn size_hint_covers_every_topk_and_both_transports() {
+        let hint = size_hint(128, 7168, 4, 288).unwrap();
+        assert_eq!(hint % 128, 0);
+        for k in [1, 8, 32] {
+            let s = LlShape {
+                num_ranks: 4,
+                max_tokens: 128,
+                hidden: 7168,
+                num_experts: 288,
+                num_topk: k,
+            };
+            assert!(s.layout(true).total as usize <= hint);
+            assert!(s.layout(false).total as usize <= hint);
+        }
+        assert!(size_hint(128, 7168, 4, 287).is_err());
+        assert!(size_hint(128, 100, 4, 288).is_err());
+    }
+}

@@ -1,0 +1,728 @@
+// Low-latency dispatch / combine (the decode path), docs/design-low-latency.md.
+//
+// Every rank's low-latency buffer has the same layout (offsets in LlCtx):
+//
+//   flags     [2 parities][R sources] u64: call counters, one per (parity, peer);
+//             at 2048 the outgoing values the proxy copies (same shape)
+//   zero-copy [E_local][R*T][H] bf16: get_next_low_latency_combine_buffer
+//   recv[p]   dispatch: [R sources] inboxes of `inbox_bytes`:
+//               header: E_local int32 counts (padded to 16 bytes), then the
+//               messages sorted by local expert, token-major inside an expert
+//             combine:  [R expert ranks] inboxes of `inbox_bytes`: bf16 rows,
+//               in the order of the dispatch inbox they answer
+//   stage[p]  (proxy transport only) the same shape as recv[p]: what this rank
+//             sends to peer d is assembled in inbox d, then put in one piece
+//
+// Calls alternate the parity p (device counter: graph replays alternate too).
+// A message's place is computed, not allocated: message (t, k) of source s for
+// expert e lies in s's inbox on e's rank at
+//   prefix(e) = sum of s's counts for the experts of e's rank below e
+//   + occurrence(t, k) = number of (t', k') before (t, k), token-major, with id e.
+// The source recomputes the same place in combine, so the expert rank returns
+// row i of block (j, s) into slot prefix + i of s's combine inbox and no slot
+// map has to survive between the calls. Flags count calls: a sender adds one
+// (proxy) or stores the count (NVLink) after its data; the receiver waits for
+// flag >= the number of calls on this parity so far, so nothing is ever reset.
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include <comm/port_channel_device.cuh>
+
+namespace moelink::ll {
+
+constexpr int kMaxRanks = 32;
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kMaxTopk = 32;
+constexpr int kHeaderBytes = 16;
+// Flags region: incoming [2 parities][kMaxRanks] u64 at 0; outgoing flag values
+// (proxy transport: copied to the peer after the data) at kOutFlagsOffset.
+constexpr uint64_t kOutFlagsOffset = 2048;
+
+// Mirrored in Rust (ep_kernels::low_latency::LlCtx).
+struct LlCtx {
+  char** peers;                            // [R] each rank's buffer as mapped here (own = local)
+  comm::PortChannelDeviceHandle* ports;    // [R] (proxy transport) or null
+  char* local;                             // this rank's buffer
+  uint32_t* state;                         // local counters, see kState*
+  int32_t* mask;                           // [R] 1 = masked rank
+  comm::DeviceError* error;                // host-mapped record
+  uint64_t zc_offset;                      // zero-copy region
+  uint64_t recv_offset[2];                 // recv region per parity
+  uint64_t stage_offset[2];                // staging region per parity (proxy)
+  uint64_t timeout_ns;                     // bound of every receive wait
+  int32_t rank;
+  int32_t num_ranks;
+  int32_t use_proxy;                       // 1: peers through port channels
+  int32_t shrink;                          // 1: a silent peer is masked, not an error
+};
+static_assert(sizeof(LlCtx) == 112, "mirrored in Rust");
+
+// `state` words: [0, 2) u64 completed calls; [2] ticket of the receive half;
+// [kDone, +32) per-destination arrivals of the send half; [kExpCtr, +E_local)
+// rows reserved per local expert; [kExpTicket, +E_local) sources done per
+// local expert. All zero between kernels, except the call counter.
+constexpr int kStateTicket = 2;
+constexpr int kStateDone = 4;
+constexpr int kStateExpCtr = kStateDone + kMaxRanks;
+constexpr int kMaxLocalExperts = 1024;
+constexpr int kStateExpTicket = kStateExpCtr + kMaxLocalExperts;
+constexpr int kStateWords = kStateExpTicket + kMaxLocalExperts;
+
+struct DispatchArgs {
+  const __nv_bfloat16* x;  // [N, H]
+  const int64_t* topk;     // [N, K]
+  void* recv_x;            // [E_local, R*T, H] fp8 or bf16
+  void* recv_scales;       // f32 [E_local, G, R*T] or int32 [E_local, W, R*T] (ue8m0)
+  int32_t* recv_count;     // [E_local]
+  int32_t* src_info;       // [E_local, R*T]
+  int64_t* layout_range;   // [E_local, R]
+  int32_t* stats_count;    // [E_local] or null
+  int64_t* stats_wait;     // [R] or null
+  int64_t msg_bytes;
+  int64_t inbox_bytes;
+  int32_t num_tokens;
+  int32_t max_tokens;
+  int32_t hidden;
+  int32_t num_topk;
+  int32_t num_experts;
+  int32_t use_fp8;
+  int32_t round_scale;
+  int32_t use_ue8m0;
+  int32_t phases;  // 1 send, 2 receive, 3 both
+  int32_t pad_;
+};
+static_assert(sizeof(DispatchArgs) == 128, "mirrored in Rust");
+
+struct CombineArgs {
+  const __nv_bfloat16* x;      // [E_local, R*T, H] expert outputs
+  const int64_t* layout_range; // [E_local, R] of the dispatch
+  const int64_t* topk;         // [N, K]
+  const float* weights;        // [N, K]
+  __nv_bfloat16* out;          // [N, H]
+  int64_t* stats_wait;         // [R] or null
+  int64_t inbox_bytes;
+  int32_t num_tokens;
+  int32_t max_tokens;
+  int32_t hidden;
+  int32_t num_topk;
+  int32_t num_experts;
+  int32_t phases;
+};
+static_assert(sizeof(CombineArgs) == 80, "mirrored in Rust");
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+__device__ __forceinline__ int4 ld_nc(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// Data written by peers during this kernel: read at L2, never from L1.
+__device__ __forceinline__ int4 ld_cg(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ int ld_cg_i32(const int* p) {
+  int v;
+  asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void st_na(int4* p, const int4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+__device__ __forceinline__ uint64_t* flag_ptr(char* base, int parity, int src) {
+  return reinterpret_cast<uint64_t*>(base) + parity * kMaxRanks + src;
+}
+
+// Calls on this parity so far, this one included (the value flags reach).
+__device__ __forceinline__ uint64_t calls_on_parity(uint64_t seq) { return (seq + 1) >> 1; }
+
+__device__ __forceinline__ uint64_t current_seq(const LlCtx& c) {
+  return *reinterpret_cast<volatile uint64_t*>(c.state) + 1;
+}
+
+__device__ __forceinline__ bool is_masked(const LlCtx& c, int r) {
+  return *reinterpret_cast<volatile int32_t*>(c.mask + r) != 0;
+}
+
+// Where the inbox of peer `d` that this rank writes lies: the peer's recv
+// region (direct stores) or our staging (proxy; put in one piece later).
+__device__ __forceinline__ char* send_inbox(const LlCtx& c, int parity, int d, int64_t inbox_bytes) {
+  const bool direct = !c.use_proxy || d == c.rank;
+  if (direct) return c.peers[d] + c.recv_offset[parity] + int64_t(c.rank) * inbox_bytes;
+  return c.local + c.stage_offset[parity] + int64_t(d) * inbox_bytes;
+}
+
+// The send half's last arrival for peer d publishes the inbox: a flag store
+// (direct) or a put of the assembled inbox and a remote add (proxy).
+__device__ void publish(const LlCtx& c, int parity, int d, int64_t inbox_bytes, int64_t used_bytes,
+                        uint64_t seq) {
+  __threadfence_system();
+  if (!c.use_proxy || d == c.rank) {
+    comm::store_release_sys(flag_ptr(c.peers[d], parity, c.rank), calls_on_parity(seq));
+    return;
+  }
+  // Proxy: the inbox, then the flag value, both copied by the proxy's stream in
+  // order (copy engines only: a remote-atomic kernel could not be scheduled while
+  // this kernel's receive half holds every SM).
+  comm::PortChannelDeviceHandle& port = c.ports[d];
+  const uint64_t src = c.stage_offset[parity] + uint64_t(d) * inbox_bytes;
+  const uint64_t dst = c.recv_offset[parity] + uint64_t(c.rank) * inbox_bytes;
+  const uint64_t out_off = kOutFlagsOffset + uint64_t(parity * kMaxRanks + d) * 8;
+  *reinterpret_cast<volatile uint64_t*>(c.local + out_off) = calls_on_parity(seq);
+  __threadfence_system();
+  if (used_bytes > 0) port.put(dst, src, uint64_t(used_bytes));
+  port.put(uint64_t(parity * kMaxRanks + c.rank) * 8, out_off, 8);
+}
+
+// One arrival for peer d (after this warp's writes for d); the last of
+// `expected` arrivals publishes. Lane 0 only.
+__device__ __forceinline__ void arrive(const LlCtx& c, int parity, int d, int expected,
+                                       int64_t inbox_bytes, int64_t used_bytes, uint64_t seq) {
+  __threadfence_system();
+  uint32_t* done = c.state + kStateDone + d;
+  const uint32_t prev = atomicAdd(done, 1u);
+  if (int(prev) + 1 == expected) {
+    *done = 0;
+    publish(c, parity, d, inbox_bytes, used_bytes, seq);
+  }
+}
+
+// Waits (lane 0) for the flag of `src` on `parity` to reach the call count.
+// Returns false on timeout: the peer is masked (shrink) or an error recorded.
+__device__ bool wait_flag(const LlCtx& c, int parity, int src, uint64_t seq, uint32_t kind,
+                          int64_t* cycles) {
+  const uint64_t want = calls_on_parity(seq);
+  const uint64_t* f = flag_ptr(c.local, parity, src);
+  const long long t0 = clock64();
+  uint64_t v = comm::load_acquire_sys(f);
+  if (v < want) {
+    const uint64_t start = now_ns();
+    while ((v = comm::load_acquire_sys(f)) < want) {
+      if (is_masked(c, src)) return false;
+      if (now_ns() - start > c.timeout_ns) {
+        if (c.shrink) {
+          atomicExch(c.mask + src, 1);
+        } else {
+          comm::report_error(c.error, comm::kErrorTimeout, kind, c.rank, src, uint64_t(parity), want,
+                             v);
+        }
+        return false;
+      }
+    }
+  }
+  if (cycles) *cycles = clock64() - t0;
+  return true;
+}
+
+// ---- routing: counts, prefixes and occurrences (shared by dispatch and combine)
+
+struct Routing {
+  int* cnt;     // [E] messages per expert (this rank's tokens)
+  int* prefix;  // [E] sum of cnt over the experts of the same rank below e
+  int* total;   // [R] messages per destination rank
+  int* ek;      // [K] the current token's ids (-1: none)
+  int* occ;     // [K] occurrence of (t, k) among its expert's messages
+};
+
+__device__ __forceinline__ int64_t valid_id(int64_t e, int num_experts) {
+  return (e >= 0 && e < num_experts) ? e : -1;
+}
+
+__device__ void count_routing(const Routing& r, const int64_t* topk, int n_entries, int num_experts,
+                              int experts_per_rank, int num_ranks) {
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) r.cnt[e] = 0;
+  __syncthreads();
+  for (int i = threadIdx.x; i < n_entries; i += blockDim.x) {
+    const int64_t e = valid_id(topk[i], num_experts);
+    if (e >= 0) atomicAdd(r.cnt + e, 1);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
+    int s = 0;
+    for (int f = (e / experts_per_rank) * experts_per_rank; f < e; ++f) s += r.cnt[f];
+    r.prefix[e] = s;
+  }
+  for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
+    int s = 0;
+    for (int f = d * experts_per_rank; f < (d + 1) * experts_per_rank; ++f) s += r.cnt[f];
+    r.total[d] = s;
+  }
+  __syncthreads();
+}
+
+// ek / occ of token t (whole block; ends with a barrier).
+__device__ void token_routing(const Routing& r, const int64_t* topk, int t, int num_topk,
+                              int num_experts) {
+  if (threadIdx.x < num_topk) {
+    r.ek[threadIdx.x] = int(valid_id(topk[int64_t(t) * num_topk + threadIdx.x], num_experts));
+    r.occ[threadIdx.x] = 0;
+  }
+  __syncthreads();
+  const int base = t * num_topk;
+  const int lim = base + num_topk;
+  for (int i = threadIdx.x; i < lim; i += blockDim.x) {
+    const int64_t e = valid_id(topk[i], num_experts);
+    if (e < 0) continue;
+    for (int k = 0; k < num_topk; ++k)
+      if (r.ek[k] == e && i < base + k) atomicAdd(r.occ + k, 1);
+  }
+  __syncthreads();
+}
+
+__device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  int4* d = reinterpret_cast<int4*>(dst);
+  const int64_t n = bytes / 16;
+  for (int64_t i = lane; i < n; i += 32) st_na(d + i, s[i]);
+}
+
+__device__ __forceinline__ void warp_copy_global(char* dst, const char* src, int64_t bytes,
+                                                 int lane) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  int4* d = reinterpret_cast<int4*>(dst);
+  const int64_t n = bytes / 16;
+  constexpr int kUnroll = 4;
+  int64_t i = lane;
+  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = ld_nc(s + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) st_na(d + i + 32 * u, v[u]);
+  }
+  for (; i < n; i += 32) st_na(d + i, ld_nc(s + i));
+}
+
+// The last block of the receive half advances the call counter.
+__device__ __forceinline__ void finish_call(const LlCtx& c) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const uint32_t t = atomicAdd(c.state + kStateTicket, 1u);
+    if (t == gridDim.x - 1) {
+      c.state[kStateTicket] = 0;
+      uint64_t* seq = reinterpret_cast<uint64_t*>(c.state);
+      *seq = *seq + 1;
+      __threadfence();
+    }
+  }
+}
+
+// ---- dispatch ---------------------------------------------------------------------
+
+// The cast of one token into the message at `msg` (shared memory), H/8
+// threads each owning 8 channels; exactly the reference's arithmetic.
+__device__ void build_message(const DispatchArgs& a, int t, char* msg) {
+  const int H = a.hidden;
+  const int i = threadIdx.x;  // owns channels 8i .. 8i + 7
+  if (i == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
+  const bool active = i < H / 8;
+  int4 raw = make_int4(0, 0, 0, 0);
+  if (active) raw = ld_nc(reinterpret_cast<const int4*>(a.x + int64_t(t) * H) + i);
+  if (!a.use_fp8) {
+    if (active) reinterpret_cast<int4*>(msg + kHeaderBytes)[i] = raw;
+    return;
+  }
+  const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
+  float f[8];
+  float amax = 0.0f;
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    f[u] = __bfloat162float(v[u]);
+    amax = fmaxf(amax, fabsf(f[u]));
+  }
+  // 16 threads per 128-channel group, aligned: reduce within half-warps.
+#pragma unroll
+  for (int o = 8; o >= 1; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  if (!active) return;
+  amax = fmaxf(amax, 1e-4f);
+  float scale, scale_inv;
+  const float vv = amax * (1.0f / 448.0f);
+  if (a.round_scale) {
+    const uint32_t bits = __float_as_uint(vv);
+    const int p = int((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0 ? 1 : 0);
+    scale = __uint_as_float(uint32_t(-p + 127) << 23);
+    scale_inv = __uint_as_float(uint32_t(p + 127) << 23);
+  } else {
+    scale = __fdiv_rn(448.0f, amax);
+    scale_inv = vv;
+  }
+  uint32_t lo = 0, hi = 0;
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const uint32_t q =
+        uint32_t(__nv_cvt_float_to_fp8(__fmul_rn(f[u], scale), __NV_SATFINITE, __NV_E4M3));
+    if (u < 4)
+      lo |= q << (8 * u);
+    else
+      hi |= q << (8 * (u - 4));
+  }
+  reinterpret_cast<uint2*>(msg + kHeaderBytes)[i] = make_uint2(lo, hi);
+  const int g = i / 16;
+  if (i % 16 == 0) {
+    char* sc = msg + kHeaderBytes + H;
+    if (a.use_ue8m0) {
+      reinterpret_cast<uint8_t*>(sc)[g] = uint8_t(__float_as_uint(scale_inv) >> 23);
+    } else {
+      reinterpret_cast<float*>(sc)[g] = scale_inv;
+    }
+  }
+  if (a.use_ue8m0 && i == 0) {
+    // Unused high bytes of the last packed word (G % 4 != 0) are zero.
+    const int G = H / 128;
+    for (int g2 = G; g2 < (G + 3) / 4 * 4; ++g2)
+      reinterpret_cast<uint8_t*>(msg + kHeaderBytes + H)[g2] = 0;
+  }
+}
+
+__device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t seq, char* smem) {
+  const int parity = int(seq & 1);
+  const int R = c.num_ranks;
+  const int E = a.num_experts;
+  const int EL = E / R;
+  const int K = a.num_topk;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t hdr = (int64_t(EL) * 4 + 15) / 16 * 16;
+  Routing r;
+  r.cnt = reinterpret_cast<int*>(smem);
+  r.prefix = r.cnt + E;
+  r.total = r.prefix + E;
+  r.ek = r.total + kMaxRanks;
+  r.occ = r.ek + kMaxTopk;
+  char* msg = smem + (int64_t(2 * E + kMaxRanks + 2 * kMaxTopk) * 4 + 15) / 16 * 16;
+  count_routing(r, a.topk, a.num_tokens * K, E, EL, R);
+
+  // Block 0 writes every inbox header (this rank's counts for the peer's
+  // experts): one arrival per peer, so a peer with no message still publishes.
+  if (blockIdx.x == 0) {
+    for (int d = warp; d < R; d += kWarps) {
+      if (is_masked(c, d)) continue;
+      int* h = reinterpret_cast<int*>(send_inbox(c, parity, d, a.inbox_bytes));
+      for (int j = lane; j < EL; j += 32) h[j] = r.cnt[d * EL + j];
+      __syncwarp();
+      if (lane == 0)
+        arrive(c, parity, d, r.total[d] + 1, a.inbox_bytes, hdr + int64_t(r.total[d]) * a.msg_bytes,
+               seq);
+    }
+  }
+  for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+    token_routing(r, a.topk, t, K, E);
+    build_message(a, t, msg);
+    __syncthreads();
+    if (warp < K) {
+      const int e = r.ek[warp];
+      const int d = e >= 0 ? e / EL : 0;
+      if (e >= 0 && !is_masked(c, d)) {
+        char* inbox = send_inbox(c, parity, d, a.inbox_bytes);
+        const int64_t pos = r.prefix[e] + r.occ[warp];
+        warp_copy(inbox + hdr + pos * a.msg_bytes, msg, a.msg_bytes, lane);
+        __syncwarp();
+        if (lane == 0)
+          arrive(c, parity, d, r.total[d] + 1, a.inbox_bytes,
+                 hdr + int64_t(r.total[d]) * a.msg_bytes, seq);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// Receive half. Every block waits for every source's flag and reads every inbox
+// header, so each block knows the whole layout: source blocks are placed in
+// source-rank order (begin = counts of the lower sources), and the messages are
+// spread one per warp over the grid. Block 0 writes layout_range, recv_count and
+// the statistics.
+__device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t seq, char* smem) {
+  const int parity = int(seq & 1);
+  const int R = c.num_ranks;
+  const int EL = a.num_experts / R;
+  const int H = a.hidden;
+  const int G = H / 128;
+  const int W = (G + 3) / 4;
+  const int64_t RT = int64_t(R) * a.max_tokens;
+  const int64_t hdr = (int64_t(EL) * 4 + 15) / 16 * 16;
+  const int64_t max_msgs = (a.inbox_bytes - hdr) / a.msg_bytes;
+  const int lane = threadIdx.x % 32;
+  // cnt/begin/base [R][EL]; live [R]; total messages at the end.
+  int* cnt = reinterpret_cast<int*>(smem);
+  int* begin = cnt + R * EL;
+  int* base = begin + R * EL;  // global message index of block (s, j)'s first message
+  int* live = base + R * EL;
+  int* before = live + kMaxRanks;  // [R] messages of the sources below s
+  if (threadIdx.x < R) {
+    const int s = threadIdx.x;
+    int64_t cycles = 0;
+    const bool ok =
+        !is_masked(c, s) && wait_flag(c, parity, s, seq, comm::kWaitLlDispatch, &cycles);
+    live[s] = ok ? 1 : 0;
+    if (ok && blockIdx.x == 0 && a.stats_wait)
+      atomicAdd(reinterpret_cast<unsigned long long*>(a.stats_wait + s),
+                static_cast<unsigned long long>(cycles));
+  }
+  __syncthreads();
+  for (int u = threadIdx.x; u < R * EL; u += blockDim.x) {
+    const int s = u / EL, j = u % EL;
+    const int* h = reinterpret_cast<const int*>(c.local + c.recv_offset[parity] +
+                                                int64_t(s) * a.inbox_bytes);
+    cnt[u] = live[s] && !is_masked(c, s) ? ld_cg_i32(h + j) : 0;
+  }
+  __syncthreads();
+  // Per source: its messages in expert order must fit its inbox.
+  if (threadIdx.x < R) {
+    const int s = threadIdx.x;
+    int p = 0;
+    for (int j = 0; j < EL; ++j) {
+      const int v = cnt[s * EL + j];
+      if (v < 0 || p + v > max_msgs) {
+        if (blockIdx.x == 0)
+          comm::report_error(c.error, comm::kErrorInvalid, comm::kLlOverflow, c.rank, s,
+                             uint64_t(j), uint64_t(max_msgs), uint64_t(p + v));
+        for (int j2 = 0; j2 < EL; ++j2) cnt[s * EL + j2] = 0;
+        p = 0;
+        break;
+      }
+      base[s * EL + j] = p;  // offset inside the inbox for now
+      p += v;
+    }
+    before[s] = p;  // this source's total, turned into a prefix below
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int p = 0;
+    for (int s = 0; s < R; ++s) {
+      const int v = before[s];
+      before[s] = p;
+      p += v;
+    }
+    reinterpret_cast<int*>(before + kMaxRanks)[0] = p;
+  }
+  for (int j = threadIdx.x; j < EL; j += blockDim.x) {
+    int p = 0;
+    for (int s = 0; s < R; ++s) {
+      begin[s * EL + j] = p;
+      p += cnt[s * EL + j];
+    }
+    if (blockIdx.x == 0) {
+      const int n = p > RT ? int(RT) : p;
+      if (p > RT)
+        comm::report_error(c.error, comm::kErrorInvalid, comm::kLlOverflow, c.rank, -1,
+                           uint64_t(j), uint64_t(RT), uint64_t(p));
+      a.recv_count[j] = n;
+      if (a.stats_count) atomicAdd(a.stats_count + j, n);
+      for (int s = 0; s < R; ++s)
+        a.layout_range[int64_t(j) * R + s] =
+            (int64_t(begin[s * EL + j]) << 32) | int64_t(cnt[s * EL + j]);
+    }
+  }
+  __syncthreads();
+  const int total = reinterpret_cast<int*>(before + kMaxRanks)[0];
+  const int gwarp = blockIdx.x * kWarps + threadIdx.x / 32;
+  const int nwarps = gridDim.x * kWarps;
+  for (int m = gwarp; m < total; m += nwarps) {
+    // Source: the last s with before[s] <= m; expert: the last j with base <= offset.
+    int s = 0;
+    while (s + 1 < R && before[s + 1] <= m) ++s;
+    const int off = m - before[s];
+    int lo = 0, hi = EL - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (base[s * EL + mid] <= off) lo = mid; else hi = mid - 1;
+    }
+    // Several experts may start at the same offset (empty ones): take the last
+    // non-empty block that contains off.
+    int j = lo;
+    while (j > 0 && cnt[s * EL + j] == 0) --j;
+    const int i = off - base[s * EL + j];
+    const int64_t rowi = int64_t(begin[s * EL + j]) + i;
+    if (rowi >= RT) continue;
+    const char* msg = c.local + c.recv_offset[parity] + int64_t(s) * a.inbox_bytes + hdr +
+                      int64_t(off) * a.msg_bytes;
+    const int64_t row = int64_t(j) * RT + rowi;
+    if (lane == 0) a.src_info[row] = ld_cg_i32(reinterpret_cast<const int*>(msg));
+    const int4* payload = reinterpret_cast<const int4*>(msg + kHeaderBytes);
+    const int n16 = a.use_fp8 ? H / 16 : H / 8;
+    int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) +
+                                        row * (a.use_fp8 ? H : 2 * H));
+    constexpr int kUnroll = 8;
+    int q = lane;
+    for (; q + 32 * (kUnroll - 1) < n16; q += 32 * kUnroll) {
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = ld_cg(payload + q + 32 * u);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) dst[q + 32 * u] = v[u];
+    }
+    for (; q < n16; q += 32) dst[q] = ld_cg(payload + q);
+    if (a.use_fp8) {
+      const int* sc = reinterpret_cast<const int*>(msg + kHeaderBytes + H);
+      const int nsc = a.use_ue8m0 ? W : G;
+      // Column-major: element (j, row, g) at j*RT*n + g*RT + row.
+      int* out = static_cast<int*>(a.recv_scales) + int64_t(j) * RT * nsc + rowi;
+      for (int g = lane; g < nsc; g += 32) out[int64_t(g) * RT] = ld_cg_i32(sc + g);
+    }
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    ll_dispatch(const LlCtx c, const DispatchArgs a) {
+  extern __shared__ __align__(16) char smem[];
+  const uint64_t seq = current_seq(c);
+  if (a.phases & 1) dispatch_send(c, a, seq, smem);
+  if (a.phases & 2) {
+    __syncthreads();
+    dispatch_recv(c, a, seq, smem);
+    finish_call(c);
+  }
+}
+
+// ---- combine ----------------------------------------------------------------------
+
+__device__ void combine_send(const LlCtx& c, const CombineArgs& a, uint64_t seq, char* smem) {
+  const int parity = int(seq & 1);
+  const int R = c.num_ranks;
+  const int EL = a.num_experts / R;
+  const int64_t RT = int64_t(R) * a.max_tokens;
+  const int64_t row_bytes = int64_t(a.hidden) * 2;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // cnt/begin/prefix [EL][R], total [R], rows per expert (cumulative) [EL + 1].
+  int* cnt = reinterpret_cast<int*>(smem);
+  int* beg = cnt + EL * R;
+  int* pre = beg + EL * R;
+  int* total = pre + EL * R;
+  int* cum = total + kMaxRanks;
+  for (int i = threadIdx.x; i < EL * R; i += blockDim.x) {
+    const int64_t v = a.layout_range[i];
+    cnt[i] = int(v & 0xFFFFFFFF);
+    beg[i] = int(v >> 32);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < EL * R; i += blockDim.x) {
+    const int j = i / R, s = i % R;
+    int p = 0;
+    for (int j0 = 0; j0 < j; ++j0) p += cnt[j0 * R + s];
+    pre[i] = p;
+  }
+  for (int s = threadIdx.x; s < R; s += blockDim.x) {
+    int p = 0;
+    for (int j0 = 0; j0 < EL; ++j0) p += cnt[j0 * R + s];
+    total[s] = p;
+  }
+  for (int j0 = threadIdx.x; j0 < EL; j0 += blockDim.x) {
+    int p = 0;
+    for (int s = 0; s < R; ++s) p += cnt[j0 * R + s];
+    cum[j0 + 1] = p;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    cum[0] = 0;
+    for (int j0 = 1; j0 <= EL; ++j0) cum[j0] += cum[j0 - 1];
+  }
+  __syncthreads();
+  if (blockIdx.x == 0) {
+    for (int s = warp; s < R; s += kWarps)
+      if (lane == 0 && !is_masked(c, s))
+        arrive(c, parity, s, total[s] + 1, a.inbox_bytes, total[s] * row_bytes, seq);
+  }
+  const int gwarp = blockIdx.x * kWarps + warp;
+  const int nwarps = gridDim.x * kWarps;
+  for (int item = gwarp; item < cum[EL]; item += nwarps) {
+    int j = 0;
+    while (cum[j + 1] <= item) ++j;
+    const int row = item - cum[j];
+    int s = 0;
+    while (s < R && !(beg[j * R + s] <= row && row < beg[j * R + s] + cnt[j * R + s])) ++s;
+    if (s == R || is_masked(c, s)) continue;
+    const int64_t pos = pre[j * R + s] + (row - beg[j * R + s]);
+    char* dst = send_inbox(c, parity, s, a.inbox_bytes) + pos * row_bytes;
+    const char* src = reinterpret_cast<const char*>(a.x) + (int64_t(j) * RT + row) * row_bytes;
+    warp_copy_global(dst, src, row_bytes, lane);
+    __syncwarp();
+    if (lane == 0) arrive(c, parity, s, total[s] + 1, a.inbox_bytes, total[s] * row_bytes, seq);
+  }
+}
+
+__device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq, char* smem) {
+  const int parity = int(seq & 1);
+  const int R = c.num_ranks;
+  const int E = a.num_experts;
+  const int EL = E / R;
+  const int K = a.num_topk;
+  const int H = a.hidden;
+  Routing r;
+  r.cnt = reinterpret_cast<int*>(smem);
+  r.prefix = r.cnt + E;
+  r.total = r.prefix + E;
+  r.ek = r.total + kMaxRanks;
+  r.occ = r.ek + kMaxTopk;
+  int* live = r.occ + kMaxTopk;  // [R] 1: data of rank d arrived
+  if (threadIdx.x < R) {
+    const int d = threadIdx.x;
+    int64_t cycles = 0;
+    const bool ok = !is_masked(c, d) && wait_flag(c, parity, d, seq, comm::kWaitLlCombine, &cycles);
+    live[d] = ok ? 1 : 0;
+    if (ok && blockIdx.x == 0 && a.stats_wait)
+      atomicAdd(reinterpret_cast<unsigned long long*>(a.stats_wait + d),
+                static_cast<unsigned long long>(cycles));
+  }
+  count_routing(r, a.topk, a.num_tokens * K, E, EL, R);
+  const int i = threadIdx.x;  // channels 8i .. 8i + 7
+  const int64_t row_bytes = int64_t(H) * 2;
+  for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+    token_routing(r, a.topk, t, K, E);
+    if (i < H / 8) {
+      float acc[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+      for (int k = 0; k < K; ++k) {
+        const int e = r.ek[k];
+        if (e < 0) continue;
+        const int d = e / EL;
+        if (!live[d]) continue;
+        const float w = a.weights[int64_t(t) * K + k];
+        const char* row = c.local + c.recv_offset[parity] + int64_t(d) * a.inbox_bytes +
+                          (int64_t(r.prefix[e]) + r.occ[k]) * row_bytes;
+        const int4 v = ld_cg(reinterpret_cast<const int4*>(row) + i);
+        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&v);
+#pragma unroll
+        for (int u = 0; u < 8; ++u) acc[u] = __fmaf_rn(__bfloat162float(b[u]), w, acc[u]);
+      }
+      __align__(16) __nv_bfloat16 o[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) o[u] = __float2bfloat16_rn(acc[u]);
+      reinterpret_cast<int4*>(a.out + int64_t(t) * H)[i] = *reinterpret_cast<const int4*>(o);
+    }
+    __syncthreads();
+  }
+}
+
+extern "C" __global__ void __launch_bounds__(kThreads, 1)
+    ll_combine(const LlCtx c, const CombineArgs a) {
+  extern __shared__ __align__(16) char smem[];
+  const uint64_t seq = current_seq(c);
+  if (a.phases & 1) combine_send(c, a, seq, smem);
+  if (a.phases & 2) {
+    __syncthreads();
+    combine_recv(c, a, seq, smem);
+    finish_call(c);
+  }
+}
+
+}  // namespace moelink::ll

@@ -1,0 +1,432 @@
+//! Launchers of the low-latency dispatch/combine kernels (`cuda/low_latency.cu`)
+//! and the buffer layout they share with the host (`ep_core::low_latency`).
+//!
+//! All pointers are device addresses (`0` = absent where the kernel allows it).
+
+use std::ffi::c_void;
+use std::mem::size_of;
+
+use comm::error::{CommError, Result};
+use comm::StreamHandle;
+
+use crate::module::{DeviceKernels, KernelId};
+
+/// Largest rank count (one flag per rank and parity, one lane per rank).
+pub const MAX_RANKS: usize = 32;
+/// Largest number of local experts (device counters per local expert).
+pub const MAX_LOCAL_EXPERTS: usize = 1024;
+/// Largest top-k.
+pub const MAX_TOPK: usize = 32;
+/// Largest hidden size (one block thread per 8 channels).
+pub const MAX_HIDDEN: usize = 8192;
+/// Threads per block.
+pub const THREADS: u32 = 1024;
+/// Bytes of the flags region at the start of the buffer.
+pub const FLAGS_BYTES: u64 = 4096;
+/// u32 words of the device state (`kStateWords`).
+pub const STATE_WORDS: usize = 4 + MAX_RANKS + 2 * MAX_LOCAL_EXPERTS;
+/// Message header bytes (the source token index, padded).
+pub const HEADER_BYTES: u64 = 16;
+/// Dynamic shared memory a block may use without opting in.
+const MAX_SMEM: usize = 48 * 1024;
+
+/// `moelink::ll::LlCtx`.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct LlCtx {
+    /// Device array of `num_ranks` buffer bases as mapped here.
+    pub peers: u64,
+    /// Device array of `num_ranks` `PortChannelDeviceHandle`s, or 0.
+    pub ports: u64,
+    pub local: u64,
+    /// Device u32 array of [`STATE_WORDS`].
+    pub state: u64,
+    /// Device int32 `[R]`.
+    pub mask: u64,
+    /// Host-mapped `DeviceError`.
+    pub error: u64,
+    pub zc_offset: u64,
+    pub recv_offset: [u64; 2],
+    pub stage_offset: [u64; 2],
+    pub timeout_ns: u64,
+    pub rank: i32,
+    pub num_ranks: i32,
+    pub use_proxy: i32,
+    pub shrink: i32,
+}
+
+/// `moelink::ll::DispatchArgs`.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct DispatchArgs {
+    pub x: u64,
+    pub topk: u64,
+    pub recv_x: u64,
+    pub recv_scales: u64,
+    pub recv_count: u64,
+    pub src_info: u64,
+    pub layout_range: u64,
+    pub stats_count: u64,
+    pub stats_wait: u64,
+    pub msg_bytes: i64,
+    pub inbox_bytes: i64,
+    pub num_tokens: i32,
+    pub max_tokens: i32,
+    pub hidden: i32,
+    pub num_topk: i32,
+    pub num_experts: i32,
+    pub use_fp8: i32,
+    pub round_scale: i32,
+    pub use_ue8m0: i32,
+    pub phases: i32,
+    pub pad_: i32,
+}
+
+/// `moelink::ll::CombineArgs`.
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct CombineArgs {
+    pub x: u64,
+    pub layout_range: u64,
+    pub topk: u64,
+    pub weights: u64,
+    pub out: u64,
+    pub stats_wait: u64,
+    pub inbox_bytes: i64,
+    pub num_tokens: i32,
+    pub max_tokens: i32,
+    pub hidden: i32,
+    pub num_topk: i32,
+    pub num_experts: i32,
+    pub phases: i32,
+}
+
+const _: () = {
+    assert!(size_of::<LlCtx>() == 112);
+    assert!(size_of::<DispatchArgs>() == 128);
+    assert!(size_of::<CombineArgs>() == 80);
+};
+
+/// Which halves a launch runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Phases {
+    Send = 1,
+    Recv = 2,
+    Both = 3,
+}
+
+const fn round16(n: u64) -> u64 {
+    n.div_ceil(16) * 16
+}
+
+/// The shape of one low-latency call, from which every size follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlShape {
+    pub num_ranks: usize,
+    /// `T`: `num_max_dispatch_tokens_per_rank`.
+    pub max_tokens: usize,
+    pub hidden: usize,
+    pub num_experts: usize,
+    /// `K` (at most [`MAX_TOPK`]).
+    pub num_topk: usize,
+}
+
+impl LlShape {
+    pub fn check(&self) -> Result<()> {
+        let r = self.num_ranks;
+        if r == 0 || r > MAX_RANKS {
+            return Err(CommError::invalid(
+                "group",
+                format!("{r} ranks; low-latency kernels handle 1..={MAX_RANKS}"),
+            ));
+        }
+        if self.num_experts == 0 || self.num_experts % r != 0 {
+            return Err(CommError::invalid(
+                "num_experts",
+                format!(
+                    "{} experts cannot be split evenly over {r} ranks",
+                    self.num_experts
+                ),
+            ));
+        }
+        if self.num_experts / r > MAX_LOCAL_EXPERTS {
+            return Err(CommError::invalid(
+                "num_experts",
+                format!(
+                    "{} experts per rank; at most {MAX_LOCAL_EXPERTS}",
+                    self.num_experts / r
+                ),
+            ));
+        }
+        if self.hidden == 0 || self.hidden % 128 != 0 || self.hidden > MAX_HIDDEN {
+            return Err(CommError::invalid(
+                "hidden",
+                format!(
+                    "{}: must be a positive multiple of 128, at most {MAX_HIDDEN}",
+                    self.hidden
+                ),
+            ));
+        }
+        if self.num_topk == 0 || self.num_topk > MAX_TOPK {
+            return Err(CommError::invalid(
+                "topk_idx",
+                format!("top-k {}: must be 1..={MAX_TOPK}", self.num_topk),
+            ));
+        }
+        if self.max_tokens == 0 || self.max_tokens > i32::MAX as usize / (MAX_RANKS * MAX_TOPK) {
+            return Err(CommError::invalid(
+                "num_max_dispatch_tokens_per_rank",
+                format!("{} is not in 1..=2^21", self.max_tokens),
+            ));
+        }
+        Ok(())
+    }
+
+    pub fn experts_per_rank(&self) -> usize {
+        self.num_experts / self.num_ranks
+    }
+
+    /// Most messages one source sends to one rank: `T * min(K, E_local)`.
+    pub fn max_messages(&self) -> u64 {
+        (self.max_tokens * self.num_topk.min(self.experts_per_rank())) as u64
+    }
+
+    /// Bytes of a dispatch message.
+    pub fn msg_bytes(&self, use_fp8: bool, use_ue8m0: bool) -> u64 {
+        let h = self.hidden as u64;
+        if use_fp8 {
+            let g = h / 128;
+            let scales = if use_ue8m0 { g.div_ceil(4) * 4 } else { 4 * g };
+            round16(HEADER_BYTES + h + scales)
+        } else {
+            HEADER_BYTES + 2 * h
+        }
+    }
+
+    /// Header of a dispatch inbox: the local experts' counts.
+    pub fn header_bytes(&self) -> u64 {
+        round16(4 * self.experts_per_rank() as u64)
+    }
+
+    /// Bytes of one source's dispatch inbox.
+    pub fn dispatch_inbox_bytes(&self, use_fp8: bool, use_ue8m0: bool) -> u64 {
+        self.header_bytes() + self.max_messages() * self.msg_bytes(use_fp8, use_ue8m0)
+    }
+
+    /// Bytes of one expert rank's combine inbox.
+    pub fn combine_inbox_bytes(&self) -> u64 {
+        self.max_messages() * 2 * self.hidden as u64
+    }
+
+    /// Bytes of the region per parity (the larger of both inbox sets; bf16
+    /// dispatch is the largest message).
+    pub fn region_bytes(&self) -> u64 {
+        let inbox = self
+            .dispatch_inbox_bytes(false, false)
+            .max(self.combine_inbox_bytes());
+        round16(self.num_ranks as u64 * inbox)
+    }
+
+    /// Bytes of the zero-copy combine input `[E_local, R*T, H]` bf16.
+    pub fn zero_copy_bytes(&self) -> u64 {
+        (self.experts_per_rank() * self.num_ranks * self.max_tokens * self.hidden * 2) as u64
+    }
+
+    /// Byte offsets of (zero-copy, recv[2], stage[2]) and the total buffer
+    /// size. The zero-copy region sits right after the flags for every K, so
+    /// its address depends only on (T, H, E).
+    pub fn layout(&self, with_staging: bool) -> LlLayout {
+        let zc = FLAGS_BYTES;
+        let region = self.region_bytes();
+        let r0 = round16(zc + self.zero_copy_bytes());
+        let recv = [r0, r0 + region];
+        let (stage, end) = if with_staging {
+            ([r0 + 2 * region, r0 + 3 * region], r0 + 4 * region)
+        } else {
+            ([0, 0], r0 + 2 * region)
+        };
+        LlLayout {
+            zero_copy: zc,
+            recv,
+            stage,
+            total: end,
+        }
+    }
+
+    fn dispatch_smem(&self, use_fp8: bool, use_ue8m0: bool) -> usize {
+        let send = 2 * self.num_experts + MAX_RANKS + 2 * MAX_TOPK;
+        let send = round16(4 * send as u64) as usize + self.msg_bytes(use_fp8, use_ue8m0) as usize;
+        let recv = 4 * (3 * self.num_experts + 2 * MAX_RANKS + 1);
+        send.max(recv)
+    }
+
+    fn combine_smem(&self) -> usize {
+        let el = self.experts_per_rank();
+        let send = 3 * el * self.num_ranks + MAX_RANKS + el + 1;
+        let recv = 2 * self.num_experts + MAX_RANKS + 3 * MAX_TOPK;
+        4 * send.max(recv)
+    }
+
+    /// Errors when a block's shared memory would exceed 48 KiB.
+    pub fn check_smem(&self) -> Result<()> {
+        let need = self.dispatch_smem(false, false).max(self.combine_smem());
+        if need > MAX_SMEM {
+            return Err(CommError::invalid(
+                "num_experts",
+                format!(
+                    "{} experts with hidden {} need {need} bytes of shared memory per block; \
+                     at most {MAX_SMEM}",
+                    self.num_experts, self.hidden
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Where the regions of a low-latency buffer start (bytes from its base).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LlLayout {
+    pub zero_copy: u64,
+    pub recv: [u64; 2],
+    pub stage: [u64; 2],
+    pub total: u64,
+}
+
+fn arg<T>(v: &mut T) -> *mut c_void {
+    (v as *mut T).cast()
+}
+
+/// Launches `ll_dispatch` (`phases` of it) on `num_blocks` blocks.
+///
+/// # Safety
+/// Every pointer of `ctx` and `a` must be valid for the shapes in `a`.
+pub unsafe fn dispatch(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: LlCtx,
+    a: DispatchArgs,
+    shape: &LlShape,
+    num_blocks: u32,
+) -> Result<()> {
+    shape.check()?;
+    let smem = shape.dispatch_smem(a.use_fp8 != 0, a.use_ue8m0 != 0);
+    if smem > MAX_SMEM {
+        shape.check_smem()?;
+    }
+    let (mut c, mut args) = (ctx, a);
+    let mut params = [arg(&mut c), arg(&mut args)];
+    // SAFETY: argument types match the kernel signature; pointers are the caller's contract.
+    unsafe {
+        k.launch(
+            KernelId::LlDispatch,
+            (num_blocks.max(1), 1, 1),
+            (THREADS, 1, 1),
+            smem as u32,
+            stream,
+            &mut params,
+        )
+    }
+}
+
+/// Launches `ll_combine` (`phases` of it) on `num_blocks` blocks.
+///
+/// # Safety
+/// Every pointer of `ctx` and `a` must be valid for the shapes in `a`.
+pub unsafe fn combine(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: LlCtx,
+    a: CombineArgs,
+    shape: &LlShape,
+    num_blocks: u32,
+) -> Result<()> {
+    shape.check()?;
+    shape.check_smem()?;
+    let (mut c, mut args) = (ctx, a);
+    let mut params = [arg(&mut c), arg(&mut args)];
+    // SAFETY: as above.
+    unsafe {
+        k.launch(
+            KernelId::LlCombine,
+            (num_blocks.max(1), 1, 1),
+            (THREADS, 1, 1),
+            shape.combine_smem() as u32,
+            stream,
+            &mut params,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn std_shape() -> LlShape {
+        LlShape {
+            num_ranks: 4,
+            max_tokens: 128,
+            hidden: 7168,
+            num_experts: 288,
+            num_topk: 8,
+        }
+    }
+
+    #[test]
+    fn message_sizes() {
+        let s = std_shape();
+        assert_eq!(s.msg_bytes(false, false), 16 + 14336);
+        assert_eq!(s.msg_bytes(true, false), 16 + 7168 + 56 * 4);
+        assert_eq!(s.msg_bytes(true, true), 16 + 7168 + 64);
+        assert_eq!(s.header_bytes(), 288);
+        assert_eq!(s.max_messages(), 128 * 8);
+    }
+
+    #[test]
+    fn layout_is_ordered_and_zero_copy_independent_of_topk() {
+        let s = std_shape();
+        let l = s.layout(true);
+        assert_eq!(l.zero_copy, FLAGS_BYTES);
+        assert!(l.recv[0] >= l.zero_copy + s.zero_copy_bytes());
+        assert_eq!(l.recv[1] - l.recv[0], s.region_bytes());
+        assert_eq!(l.stage[0], l.recv[1] + s.region_bytes());
+        assert_eq!(l.total, l.stage[1] + s.region_bytes());
+        let s2 = LlShape { num_topk: 1, ..s };
+        assert_eq!(s2.layout(true).zero_copy, l.zero_copy);
+        assert_eq!(s2.layout(true).recv[0], l.recv[0]);
+        assert!(s2.layout(true).total < l.total);
+        assert!(s.layout(false).total < l.total);
+        for o in [l.zero_copy, l.recv[0], l.recv[1], l.stage[0], l.stage[1]] {
+            assert_eq!(o % 16, 0);
+        }
+    }
+
+    #[test]
+    fn shape_checks() {
+        let s = std_shape();
+        assert!(s.check().is_ok());
+        assert!(s.check_smem().is_ok());
+        assert!(LlShape {
+            num_experts: 287,
+            ..s
+        }
+        .check()
+        .is_err());
+        assert!(LlShape { hidden: 100, ..s }.check().is_err());
+        assert!(LlShape { hidden: 8320, ..s }.check().is_err());
+        assert!(LlShape { num_topk: 33, ..s }.check().is_err());
+        assert!(LlShape {
+            num_ranks: 33,
+            num_experts: 33 * 9,
+            ..s
+        }
+        .check()
+        .is_err());
+        assert!(LlShape {
+            num_experts: 4 * 2000,
+            ..s
+        }
+        .check_smem()
+        .is_err());
+    }
+}

@@ -1,0 +1,242 @@
+//! `_native.LowLatencyBuffer`: the Rust half of `moelink.Buffer`'s low-latency
+//! mode. Pointers arrive as ints (`tensor.data_ptr()`, 0 = absent) after the
+//! Python layer checked every tensor; streams as raw `cudaStream_t` ints.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use comm::{Device, StreamHandle, TcpBootstrap, UniqueId};
+use ep_core::low_latency::{
+    size_hint, CombineCall, DispatchCall, LowLatencyBuffer as Inner, LowLatencyOptions,
+};
+use ep_kernels::low_latency::Phases;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::to_py;
+
+#[pyclass(module = "moelink._native")]
+pub struct LowLatencyBuffer {
+    inner: Option<Inner>,
+}
+
+impl LowLatencyBuffer {
+    fn get(&self) -> PyResult<&Inner> {
+        self.inner
+            .as_ref()
+            .ok_or_else(|| PyRuntimeError::new_err("the Buffer was destroyed"))
+    }
+}
+
+fn phases(p: u8) -> PyResult<Phases> {
+    match p {
+        1 => Ok(Phases::Send),
+        2 => Ok(Phases::Recv),
+        3 => Ok(Phases::Both),
+        _ => Err(PyValueError::new_err(format!(
+            "phases {p}: must be 1, 2 or 3"
+        ))),
+    }
+}
+
+/// Bytes of low-latency buffer a rank needs (DeepEP's
+/// `get_low_latency_rdma_size_hint`).
+#[pyfunction]
+pub fn low_latency_size_hint(
+    max_tokens: usize,
+    hidden: usize,
+    num_ranks: usize,
+    num_experts: usize,
+) -> PyResult<usize> {
+    size_hint(max_tokens, hidden, num_ranks, num_experts).map_err(to_py)
+}
+
+#[pymethods]
+impl LowLatencyBuffer {
+    /// *Collective.* Connects `size` ranks through the bootstrap id and builds
+    /// the buffer (and the proxy's port channels when NVLink is not used).
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        unique_id: Vec<u8>,
+        rank: usize,
+        size: usize,
+        device: i32,
+        num_bytes: usize,
+        timeout_s: f64,
+        device_timeout_s: f64,
+        allow_nvlink: bool,
+        shrink: bool,
+    ) -> PyResult<Self> {
+        let timeout = Duration::from_secs_f64(timeout_s);
+        let opts = LowLatencyOptions {
+            allow_nvlink,
+            shrink,
+            timeout,
+            device_timeout: Duration::from_secs_f64(device_timeout_s),
+        };
+        let inner = py
+            .detach(|| {
+                let id = UniqueId::from_bytes(&unique_id)?;
+                let dev = Device::bind(device)?;
+                let boot = TcpBootstrap::new(&id, rank, size, timeout)?;
+                Inner::new(Arc::new(boot), dev, num_bytes, opts)
+            })
+            .map_err(to_py)?;
+        Ok(Self { inner: Some(inner) })
+    }
+
+    #[getter]
+    fn uses_proxy(&self) -> PyResult<bool> {
+        Ok(self.get()?.uses_proxy())
+    }
+
+    /// (device address, bytes) of this rank's buffer.
+    fn local_buffer(&self) -> PyResult<(u64, usize)> {
+        Ok(self.get()?.local_buffer())
+    }
+
+    /// Device address of the int32 `[R]` rank mask.
+    fn mask_ptr(&self) -> PyResult<u64> {
+        Ok(self.get()?.mask_ptr())
+    }
+
+    /// (device address, bytes) of the zero-copy combine input for this shape.
+    fn zero_copy_buffer(
+        &self,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+    ) -> PyResult<(u64, usize)> {
+        self.get()?
+            .zero_copy_buffer(max_tokens, hidden, num_experts)
+            .map_err(to_py)
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> PyResult<u32> {
+        Ok(self.get()?.num_blocks())
+    }
+
+    fn set_num_blocks(&mut self, n: u32) -> PyResult<()> {
+        self.inner
+            .as_mut()
+            .ok_or_else(|| PyRuntimeError::new_err("the Buffer was destroyed"))?
+            .set_num_blocks(n);
+        Ok(())
+    }
+
+    /// Raises TimeoutError / RuntimeError if a device wait, the proxy or its
+    /// FIFO reported a failure.
+    fn check_device(&self) -> PyResult<()> {
+        self.get()?.check_device().map_err(to_py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn dispatch(
+        &self,
+        stream: usize,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+        num_topk: usize,
+        num_tokens: usize,
+        x: u64,
+        topk_idx: u64,
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        recv_x: u64,
+        recv_scales: u64,
+        recv_count: u64,
+        src_info: u64,
+        layout_range: u64,
+        stats_count: u64,
+        stats_wait: u64,
+        phases_: u8,
+    ) -> PyResult<()> {
+        let call = DispatchCall {
+            x,
+            topk_idx,
+            num_tokens,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            recv_x,
+            recv_scales,
+            recv_count,
+            src_info,
+            layout_range,
+            stats_count,
+            stats_wait,
+        };
+        self.get()?
+            .dispatch(
+                StreamHandle(stream),
+                max_tokens,
+                hidden,
+                num_experts,
+                num_topk,
+                &call,
+                phases(phases_)?,
+            )
+            .map_err(to_py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn combine(
+        &self,
+        stream: usize,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+        num_topk: usize,
+        num_tokens: usize,
+        x: u64,
+        layout_range: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        out: u64,
+        stats_wait: u64,
+        phases_: u8,
+    ) -> PyResult<()> {
+        let call = CombineCall {
+            x,
+            layout_range,
+            topk_idx,
+            topk_weights,
+            num_tokens,
+            out,
+            stats_wait,
+        };
+        self.get()?
+            .combine(
+                StreamHandle(stream),
+                max_tokens,
+                hidden,
+                num_experts,
+                num_topk,
+                &call,
+                phases(phases_)?,
+            )
+            .map_err(to_py)
+    }
+
+    /// *Collective.* Resets flags and call counters (device-synchronous).
+    fn clean(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = self.get()?;
+        py.detach(|| inner.clean()).map_err(to_py)
+    }
+
+    /// *Collective.* A host barrier.
+    fn barrier(&self, py: Python<'_>) -> PyResult<()> {
+        let inner = self.get()?;
+        py.detach(|| inner.barrier()).map_err(to_py)
+    }
+
+    /// Frees everything now (idempotent).
+    fn destroy(&mut self) {
+        self.inner = None;
+    }
+}

@@ -1,0 +1,161 @@
+//! Bindings of the CPU reference of low-latency dispatch / combine
+//! (`ep_core::reference_ll`), the oracle behind `moelink.reference.ll_*`.
+//! Arrays cross as raw little-endian bytes, row-major (the scales in the
+//! column-major receive layout the module documents); the checks and all
+//! semantics live in ep-core, whose errors become `ValueError`.
+
+use ep_core::reference_ll::{
+    self as r, LlCombineInput, LlHandle, LlRankInput, LowLatencyArgs, RecvScales, RecvX,
+};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use crate::to_py;
+
+type Bytes<'py> = Bound<'py, PyBytes>;
+
+fn decode<const N: usize, T>(name: &str, b: &[u8], f: fn([u8; N]) -> T) -> PyResult<Vec<T>> {
+    if b.len() % N != 0 {
+        return Err(PyValueError::new_err(format!(
+            "{name}: {} bytes is not a whole number of {N}-byte values",
+            b.len()
+        )));
+    }
+    Ok(b.chunks_exact(N)
+        .map(|c| f(c.try_into().expect("chunks_exact gives N bytes")))
+        .collect())
+}
+
+fn bytes_of<'py, const N: usize, T: Copy>(
+    py: Python<'py>,
+    v: &[T],
+    f: fn(T) -> [u8; N],
+) -> Bytes<'py> {
+    let b: Vec<u8> = v.iter().flat_map(|&x| f(x)).collect();
+    PyBytes::new(py, &b)
+}
+
+/// `low_latency_dispatch` over all ranks. `inputs[r] = (x f32 bytes [T_r, H],
+/// topk_idx int64 bytes [T_r, K])`. Returns one dict per rank: `recv_x`
+/// (f32 bytes for bf16, u8 for fp8), `scales` (f32 or int32 bytes, or None),
+/// `recv_count` (int32), `src_info` (int32), `layout_range` (int64).
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn ref_ll_dispatch<'py>(
+    py: Python<'py>,
+    inputs: Vec<(Bytes<'py>, Bytes<'py>)>,
+    max_tokens: usize,
+    hidden: usize,
+    num_experts: usize,
+    num_topk: usize,
+    use_fp8: bool,
+    round_scale: bool,
+    use_ue8m0: bool,
+) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    let args = LowLatencyArgs {
+        num_max_dispatch_tokens_per_rank: max_tokens,
+        hidden,
+        num_experts,
+        num_topk,
+        use_fp8,
+        round_scale,
+        use_ue8m0,
+    };
+    let mut xs = Vec::with_capacity(inputs.len());
+    let mut ids = Vec::with_capacity(inputs.len());
+    for (x, t) in &inputs {
+        xs.push(decode("x", x.as_bytes(), f32::from_le_bytes)?);
+        ids.push(decode("topk_idx", t.as_bytes(), i64::from_le_bytes)?);
+    }
+    let ins: Vec<LlRankInput<'_>> = xs
+        .iter()
+        .zip(&ids)
+        .map(|(x, t)| LlRankInput { x, topk_idx: t })
+        .collect();
+    let out = py
+        .detach(|| r::low_latency_dispatch(&ins, &args))
+        .map_err(to_py)?;
+    let mut dicts = Vec::with_capacity(out.ranks.len());
+    for rank in &out.ranks {
+        let d = PyDict::new(py);
+        match &rank.recv_x {
+            RecvX::Bf16(v) => {
+                d.set_item("recv_x", bytes_of(py, v, f32::to_le_bytes))?;
+                d.set_item("scales", py.None())?;
+            }
+            RecvX::Fp8 { x, scales } => {
+                d.set_item("recv_x", PyBytes::new(py, x))?;
+                match scales {
+                    RecvScales::F32(s) => {
+                        d.set_item("scales", bytes_of(py, s, f32::to_le_bytes))?
+                    }
+                    RecvScales::Ue8m0(s) => {
+                        d.set_item("scales", bytes_of(py, s, i32::to_le_bytes))?
+                    }
+                }
+            }
+        }
+        d.set_item(
+            "recv_count",
+            bytes_of(py, &rank.recv_count, i32::to_le_bytes),
+        )?;
+        d.set_item("src_info", bytes_of(py, &rank.src_info, i32::to_le_bytes))?;
+        d.set_item(
+            "layout_range",
+            bytes_of(py, &rank.layout_range, i64::to_le_bytes),
+        )?;
+        dicts.push(d);
+    }
+    Ok(dicts)
+}
+
+/// `low_latency_combine` over all ranks. `inputs[r] = (y f32 bytes
+/// [E_local, R*T, H] (bf16 values), topk_idx int64 [T_r, K], topk_weights f32
+/// [T_r, K], src_info int32 [E_local, R*T], layout_range int64 [E_local, R])`.
+/// Returns per rank `(combined_x f32 bytes [T_r, H], abs_sum f32 bytes)`.
+#[pyfunction]
+pub fn ref_ll_combine<'py>(
+    py: Python<'py>,
+    inputs: Vec<(Bytes<'py>, Bytes<'py>, Bytes<'py>, Bytes<'py>, Bytes<'py>)>,
+    max_tokens: usize,
+    hidden: usize,
+    num_experts: usize,
+    num_topk: usize,
+) -> PyResult<Vec<(Bytes<'py>, Bytes<'py>)>> {
+    let args = LowLatencyArgs::bf16(max_tokens, hidden, num_experts, num_topk);
+    let mut dec = Vec::with_capacity(inputs.len());
+    for (y, t, w, s, l) in &inputs {
+        dec.push((
+            decode("y", y.as_bytes(), f32::from_le_bytes)?,
+            decode("topk_idx", t.as_bytes(), i64::from_le_bytes)?,
+            decode("topk_weights", w.as_bytes(), f32::from_le_bytes)?,
+            decode("src_info", s.as_bytes(), i32::from_le_bytes)?,
+            decode("layout_range", l.as_bytes(), i64::from_le_bytes)?,
+        ));
+    }
+    let ins: Vec<LlCombineInput<'_>> = dec
+        .iter()
+        .map(|(y, t, w, s, l)| LlCombineInput {
+            x: y,
+            topk_idx: t,
+            topk_weights: w,
+            handle: LlHandle {
+                src_info: s,
+                layout_range: l,
+            },
+        })
+        .collect();
+    let out = py
+        .detach(|| r::low_latency_combine(&ins, &args))
+        .map_err(to_py)?;
+    Ok(out
+        .iter()
+        .map(|o| {
+            (
+                bytes_of(py, &o.combined_x, f32::to_le_bytes),
+                bytes_of(py, &o.abs_sum, f32::to_le_bytes),
+            )
+        })
+        .collect())
+}

@@ -1,0 +1,368 @@
+"""The low-latency half of ``moelink.Buffer`` (DeepEP's ``low_latency_*`` API).
+
+Kernels: ``ep-kernels/cuda/low_latency.cu``; design: ``docs/design-low-latency.md``.
+Every argument is checked before a launch. Without ``async_finish`` the kernels
+run on the caller's current stream; with it, on the Buffer's communication stream
+(which first waits for the current one) and an event is returned.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _native
+from .checks import check_experts_ranks, check_int, check_tensor, check_topk_idx
+
+__all__ = ["LowLatencyMixin", "get_low_latency_rdma_size_hint"]
+
+_SEND, _RECV, _BOTH = 1, 2, 3
+_MAX_HIDDEN = 8192
+
+
+def get_low_latency_rdma_size_hint(
+    num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+) -> int:
+    """Bytes of low-latency buffer (``num_rdma_bytes``) each rank needs for calls up to
+    this shape, any top-k, either transport."""
+    t = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    h = check_int("hidden", hidden, minimum=1)
+    r = check_int("num_ranks", num_ranks, minimum=1)
+    check_experts_ranks(num_experts, r)
+    return _native.low_latency_size_hint(t, h, r, num_experts)
+
+
+def _ptr(t) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+class _Hook:
+    """The receive half of a low-latency call (``return_recv_hook=True``)."""
+
+    def __init__(self, owner, launch, keep) -> None:
+        self._owner = owner
+        self._launch = launch
+        self._keep = keep
+        self.called = False
+
+    def __call__(self) -> None:
+        if self.called:
+            raise RuntimeError("this low-latency receive hook was already called")
+        self._owner._ll_native().check_device()
+        self._launch(torch.cuda.current_stream(self._owner.device).cuda_stream)
+        self.called = True
+        if self._owner._ll_pending is self:
+            self._owner._ll_pending = None
+        self._keep = None
+
+
+class LowLatencyMixin:
+    """Methods of ``Buffer`` for ``low_latency_mode=True`` (mixed into ``Buffer``)."""
+
+    _ll = None
+    _ll_pending = None
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
+    ) -> int:
+        return get_low_latency_rdma_size_hint(
+            num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts
+        )
+
+    def _ll_native(self):
+        if self._ll is None:
+            raise RuntimeError(
+                "this Buffer has no low-latency buffer (destroyed, or created without "
+                "low_latency_mode=True and num_rdma_bytes > 0)"
+            )
+        return self._ll
+
+    def _ll_begin(self, async_finish: bool, return_recv_hook: bool):
+        ll = self._ll_native()
+        if async_finish and return_recv_hook:
+            raise ValueError("async_finish and return_recv_hook cannot both be True")
+        pending = self._ll_pending
+        if pending is not None and not pending.called:
+            raise RuntimeError(
+                "the receive hook of the previous low-latency call has not run: call it "
+                "before the next low-latency call"
+            )
+        ll.check_device()
+        return ll
+
+    def _ll_shape(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        t = check_int(
+            "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1
+        )
+        el = check_experts_ranks(num_experts, self.group_size)
+        if hidden % 128 != 0 or hidden > _MAX_HIDDEN:
+            raise ValueError(
+                f"hidden must be a positive multiple of 128 up to {_MAX_HIDDEN}, got {hidden}"
+            )
+        return t, el
+
+    def _ll_stream(self, async_finish: bool):
+        compute = torch.cuda.current_stream(self.device)
+        if async_finish:
+            self._comm_stream.wait_stream(compute)
+            return self._comm_stream
+        return compute
+
+    def _ll_finish(self, stream, async_finish: bool, tensors):
+        from .buffer import EventOverlap
+
+        if not async_finish:
+            return EventOverlap(None)
+        for t in tensors:
+            if t is not None and t.numel() > 0:
+                t.record_stream(stream)
+        ev = torch.cuda.Event()
+        ev.record(stream)
+        return EventOverlap(ev, tuple(t for t in tensors if t is not None))
+
+    def _check_ids_now(self) -> bool:
+        from .buffer import _check_ids
+
+        return _check_ids()
+
+    # ----- dispatch ----------------------------------------------------------------
+
+    def low_latency_dispatch(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        num_max_dispatch_tokens_per_rank: int,
+        num_experts: int,
+        cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+        dispatch_wait_recv_cost_stats: torch.Tensor | None = None,
+        use_fp8: bool = True,
+        round_scale: bool = False,
+        use_ue8m0: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+    ):
+        """Sends every (token, selected expert) to the expert's rank, casting to fp8
+        on the fly when ``use_fp8``. Returns ``(recv_x or (recv_x, scales), recv_count,
+        handle, event, hook)``; see ``design/API.md`` ("Low latency")."""
+        ll = self._ll_begin(async_finish, return_recv_hook)
+        r = self.group_size
+        check_tensor("x", x, dtype=torch.bfloat16, dims=2, device=self.device, contiguous=True)
+        n, hidden = x.shape
+        t, el = self._ll_shape(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if n > t:
+            raise ValueError(f"x has {n} tokens, more than num_max_dispatch_tokens_per_rank={t}")
+        check_topk_idx(topk_idx, num_experts, check_values=self._check_ids_now())
+        check_tensor("topk_idx", topk_idx, shape=(n, None), device=self.device, contiguous=True)
+        k = topk_idx.shape[1]
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor(
+                "cumulative_local_expert_recv_stats",
+                cumulative_local_expert_recv_stats,
+                dtype=torch.int32,
+                shape=(el,),
+                device=self.device,
+                contiguous=True,
+            )
+        if dispatch_wait_recv_cost_stats is not None:
+            check_tensor(
+                "dispatch_wait_recv_cost_stats",
+                dispatch_wait_recv_cost_stats,
+                dtype=torch.int64,
+                shape=(r,),
+                device=self.device,
+                contiguous=True,
+            )
+        use_fp8, round_scale, use_ue8m0 = bool(use_fp8), bool(round_scale), bool(use_ue8m0)
+        if use_fp8 and use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True needs round_scale=True")
+        stream = self._ll_stream(async_finish)
+        rt = r * t
+        with torch.cuda.stream(stream):
+            dev = self.device
+            recv_x = torch.empty(
+                (el, rt, hidden),
+                dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
+                device=dev,
+            )
+            scales = None
+            if use_fp8:
+                g = hidden // 128
+                if use_ue8m0:
+                    w = (g + 3) // 4
+                    scales = torch.empty((el, w, rt), dtype=torch.int32, device=dev).transpose(1, 2)
+                else:
+                    scales = torch.empty((el, g, rt), dtype=torch.float32, device=dev).transpose(
+                        1, 2
+                    )
+            recv_count = torch.empty((el,), dtype=torch.int32, device=dev)
+            src_info = torch.empty((el, rt), dtype=torch.int32, device=dev)
+            layout_range = torch.empty((el, r), dtype=torch.int64, device=dev)
+        args = (
+            t, hidden, num_experts, k, n,
+            _ptr(x), _ptr(topk_idx), use_fp8, round_scale, use_ue8m0,
+            _ptr(recv_x), 0 if scales is None else scales.data_ptr(), _ptr(recv_count),
+            _ptr(src_info), _ptr(layout_range),
+            _ptr(cumulative_local_expert_recv_stats), _ptr(dispatch_wait_recv_cost_stats),
+        )  # fmt: skip
+
+        def launch(s, phases):
+            ll.dispatch(s, *args, phases)
+
+        launch(stream.cuda_stream, _SEND if return_recv_hook else _BOTH)
+        keep = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range,
+                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)  # fmt: skip
+        hook = None
+        if return_recv_hook:
+            hook = _Hook(self, lambda s: launch(s, _RECV), keep)
+            self._ll_pending = hook
+        event = self._ll_finish(stream, async_finish, keep)
+        handle = (src_info, layout_range, t, hidden, num_experts)
+        out = (recv_x, scales) if use_fp8 else recv_x
+        return out, recv_count, handle, event, hook
+
+    # ----- combine -----------------------------------------------------------------
+
+    def _check_ll_handle(self, handle):
+        if not isinstance(handle, tuple) or len(handle) != 5:
+            raise TypeError(
+                "handle must be the 5-tuple (src_info, layout_range, "
+                "num_max_dispatch_tokens_per_rank, hidden, num_experts) of low_latency_dispatch"
+            )
+        src_info, layout_range, t, hidden, num_experts = handle
+        t, el = self._ll_shape(t, hidden, num_experts)
+        r = self.group_size
+        check_tensor(
+            "handle[0] (src_info)", src_info, dtype=torch.int32, shape=(el, r * t),
+            device=self.device, contiguous=True,
+        )  # fmt: skip
+        check_tensor(
+            "handle[1] (layout_range)", layout_range, dtype=torch.int64, shape=(el, r),
+            device=self.device, contiguous=True,
+        )  # fmt: skip
+        return src_info, layout_range, t, hidden, num_experts, el
+
+    def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
+        """The bf16 ``[E_local, R*T, H]`` view of the buffer ``low_latency_combine(...,
+        zero_copy=True)`` reads: write the expert outputs here, then combine."""
+        from .buffer import _CudaMemory
+
+        ll = self._ll_native()
+        _, _, t, hidden, num_experts, el = self._check_ll_handle(handle)
+        ptr, nbytes = ll.zero_copy_buffer(t, hidden, num_experts)
+        raw = torch.as_tensor(_CudaMemory(ptr, nbytes, self), device=self.device)
+        return raw.view(torch.bfloat16).view(el, self.group_size * t, hidden)
+
+    def low_latency_combine(
+        self,
+        x: torch.Tensor,
+        topk_idx: torch.Tensor,
+        topk_weights: torch.Tensor,
+        handle,
+        use_logfmt: bool = False,
+        zero_copy: bool = False,
+        async_finish: bool = False,
+        return_recv_hook: bool = False,
+        out: torch.Tensor | None = None,
+        combine_wait_recv_cost_stats: torch.Tensor | None = None,
+    ):
+        """Returns every expert output to its source token and reduces:
+        ``out[t] = sum_k topk_weights[t, k] * y[expert_k, t]`` (float32, skipping -1).
+        Returns ``(combined_x, event, hook)``."""
+        ll = self._ll_begin(async_finish, return_recv_hook)
+        if use_logfmt:
+            raise ValueError("use_logfmt=True is not supported by moelink (bf16 combine only)")
+        src_info, layout_range, t, hidden, num_experts, el = self._check_ll_handle(handle)
+        r = self.group_size
+        if zero_copy:
+            x = self.get_next_low_latency_combine_buffer(handle)
+        else:
+            check_tensor(
+                "x", x, dtype=torch.bfloat16, shape=(el, r * t, hidden), device=self.device,
+                contiguous=True,
+            )  # fmt: skip
+        check_topk_idx(topk_idx, num_experts, check_values=self._check_ids_now())
+        check_tensor("topk_idx", topk_idx, device=self.device, contiguous=True)
+        n, k = topk_idx.shape
+        if n > t:
+            raise ValueError(
+                f"topk_idx has {n} tokens, more than num_max_dispatch_tokens_per_rank={t}"
+            )
+        check_tensor(
+            "topk_weights", topk_weights, dtype=torch.float32, shape=(n, k), device=self.device,
+            contiguous=True,
+        )  # fmt: skip
+        if combine_wait_recv_cost_stats is not None:
+            check_tensor(
+                "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtype=torch.int64,
+                shape=(r,), device=self.device, contiguous=True,
+            )  # fmt: skip
+        if out is not None:
+            check_tensor(
+                "out", out, dtype=torch.bfloat16, shape=(n, hidden), device=self.device,
+                contiguous=True,
+            )  # fmt: skip
+        stream = self._ll_stream(async_finish)
+        if out is None:
+            with torch.cuda.stream(stream):
+                out = torch.empty((n, hidden), dtype=torch.bfloat16, device=self.device)
+        args = (
+            t, hidden, num_experts, k, n, _ptr(x), _ptr(layout_range), _ptr(topk_idx),
+            _ptr(topk_weights), _ptr(out), _ptr(combine_wait_recv_cost_stats),
+        )  # fmt: skip
+
+        def launch(s, phases):
+            ll.combine(s, *args, phases)
+
+        launch(stream.cuda_stream, _SEND if return_recv_hook else _BOTH)
+        keep = (x, topk_idx, topk_weights, src_info, layout_range, out,
+                combine_wait_recv_cost_stats)  # fmt: skip
+        hook = None
+        if return_recv_hook:
+            hook = _Hook(self, lambda s: launch(s, _RECV), keep)
+            self._ll_pending = hook
+        event = self._ll_finish(stream, async_finish, keep)
+        return out, event, hook
+
+    # ----- maintenance -------------------------------------------------------------
+
+    def clean_low_latency_buffer(
+        self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int
+    ) -> None:
+        """*Collective.* Resets the low-latency flags and call counters on every rank
+        (waits for this device first). Needed before low-latency use of a buffer whose
+        low-latency calls were interrupted (a timeout)."""
+        ll = self._ll_native()
+        self._ll_shape(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if self._ll_pending is not None and not self._ll_pending.called:
+            raise RuntimeError("a low-latency receive hook is pending: call it first")
+        torch.cuda.synchronize(self.device)
+        ll.clean()
+
+    def _mask_view(self) -> torch.Tensor:
+        from .buffer import _CudaMemory
+
+        ll = self._ll_native()
+        if not self.enable_shrink:
+            raise RuntimeError("the rank mask needs a Buffer created with enable_shrink=True")
+        raw = torch.as_tensor(
+            _CudaMemory(ll.mask_ptr(), 4 * self.group_size, self), device=self.device
+        )
+        return raw.view(torch.int32)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Masks (``mask=True``) or unmasks rank ``rank_to_mask``: low-latency kernels
+        skip masked ranks (on the current stream)."""
+        rank_to_mask = check_int("rank_to_mask", rank_to_mask, minimum=0,
+                                 maximum=self.group_size - 1)  # fmt: skip
+        self._mask_view()[rank_to_mask].fill_(1 if mask else 0)
+
+    def low_latency_query_mask_buffer(self, mask_status: torch.Tensor) -> None:
+        """Copies the rank mask (int32 ``[R]``, 1 = masked, by a call or by a timeout)
+        into ``mask_status`` (on the current stream)."""
+        check_tensor("mask_status", mask_status, dtype=torch.int32, shape=(self.group_size,),
+                     device=self.device)  # fmt: skip
+        mask_status.copy_(self._mask_view())
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank (on the current stream)."""
+        self._mask_view().zero_()

@@ -1,0 +1,693 @@
+"""Run under torchrun: low-latency dispatch/combine of ``moelink.Buffer`` against the
+CPU reference (``moelink.reference.ll_dispatch`` / ``ll_combine``), one process per GPU.
+
+Rank 0 draws a seed (``MOELINK_TEST_SEED`` replays one) and broadcasts it; every rank
+builds EVERY rank's inputs on the CPU from generators seeded with (seed, tag, rank),
+so each rank computes the full reference locally and checks its own results.
+
+Checks:
+- dispatch: ``recv_count`` and every (local expert, source) block's size exactly;
+  blocks tile the valid rows; each block's rows (token index, payload bits, scale
+  bits) equal the reference's as a multiset (arrival order is free);
+- combine: bit for bit against the reference run on the GPU's own handle (the kernel
+  uses the reference's fma order), and DeepEP's end-to-end check: with identity
+  experts, ``calc_diff`` against ``sum_k w_k x_t`` < 1e-5 (bf16) / 9e-4 (fp8).
+Outputs are poisoned first (freed allocator blocks are filled with 0x7F bytes).
+
+Scenarios run in ``SCENARIO_NAMES`` order (``MOELINK_LL_SCENARIOS`` selects some).
+Each prints ``PASS <name>`` or ``FAIL <name>: ...`` on rank 0 after the ranks agree;
+exit code 1 if anything failed. A watchdog ends a hung run with a FAIL line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+import traceback
+import zlib
+from datetime import timedelta
+
+import moelink
+import torch
+import torch.distributed as dist
+from moelink import reference
+
+SCENARIO_NAMES = (
+    "basic",
+    "modes",
+    "standard_shape",
+    "out_and_stats",
+    "proxy",
+    "invalid_args",
+    "cuda_graph",
+    "masked_rank",
+    "timeout_mask",
+    "create_destroy",
+)
+SCENARIOS_ENV = "MOELINK_LL_SCENARIOS"
+SEED_ENV = "MOELINK_TEST_SEED"
+SCENARIO_TIMEOUT_S = 300
+POISON_BYTE = 0x7F
+
+T_MAX = 128
+H_MAX = 7168
+
+
+class Failure(Exception):
+    pass
+
+
+class Ctx:
+    def __init__(self, rank: int, size: int, seed: int, device) -> None:
+        self.rank, self.size, self.seed, self.device = rank, size, seed, device
+        self.errors: list[str] = []
+
+    def gen(self, tag: str, rank: int) -> torch.Generator:
+        g = torch.Generator()
+        g.manual_seed(zlib.crc32(f"{self.seed}/{tag}/{rank}".encode()))
+        return g
+
+    def fail(self, msg: str) -> None:
+        if len(self.errors) < 20:
+            self.errors.append(msg)
+
+
+def poison(device) -> None:
+    """Fill the caching allocator's free memory with POISON_BYTE: fresh outputs then
+    start poisoned rather than zero."""
+    free, _ = torch.cuda.mem_get_info(device)
+    n = max(0, min(free - (2 << 30), 8 << 30))
+    if n > 0:
+        t = torch.empty(n, dtype=torch.uint8, device=device)
+        t.fill_(POISON_BYTE)
+        del t
+    torch.cuda.synchronize(device)
+
+
+def ll_bytes(size: int, t: int, h: int, e: int) -> int:
+    return moelink.Buffer.get_low_latency_rdma_size_hint(t, h, size, e)
+
+
+def std_experts(size: int) -> int:
+    return 288 if 288 % size == 0 else 72 * size
+
+
+def new_ll_buffer(ctx: Ctx, t=T_MAX, h=H_MAX, e=None, **kw) -> moelink.Buffer:
+    e = e or std_experts(ctx.size)
+    return moelink.Buffer(
+        dist.group.WORLD, 0, ll_bytes(ctx.size, t, h, e), low_latency_mode=True,
+        explicitly_destroy=True, **kw,
+    )  # fmt: skip
+
+
+# ----- inputs --------------------------------------------------------------------------
+
+
+def make_inputs(ctx: Ctx, tag: str, t: int, h: int, e: int, k: int, *, dup: bool = False,
+                zero_rank: bool = True):  # fmt: skip
+    """Every rank's (x bf16 [T_r, H], topk int64 [T_r, K], weights f32 [T_r, K])."""
+    out = []
+    for r in range(ctx.size):
+        g = ctx.gen(tag, r)
+        n = int(torch.randint(max(1, t // 2), t + 1, (1,), generator=g))
+        if zero_rank and r == ctx.size - 1 and ctx.size > 2:
+            n = 0
+        x = (torch.randn(n, h, generator=g) * (torch.rand(n, 1, generator=g) * 4 + 0.1)).to(
+            torch.bfloat16
+        )
+        # Distinct ids per token (as a router gives), about 10 % dropped to -1.
+        scores = torch.rand(n, e, generator=g)
+        idx = scores.topk(k, dim=1).indices.to(torch.int64)
+        if dup and n > 0 and k > 1:
+            idx[0, 1] = idx[0, 0]  # a duplicate id: both rows get identical outputs
+        drop = torch.rand(n, k, generator=g) < 0.1
+        idx[drop] = -1
+        if n > 1:
+            idx[1] = -1  # a token with no expert at all
+        w = torch.rand(n, k, generator=g) + 0.05
+        out.append((x, idx, w))
+    return out
+
+
+# ----- checks --------------------------------------------------------------------------
+
+
+def check_dispatch(ctx: Ctx, label: str, got, want, r: int, use_fp8: bool, ue8m0: bool):
+    (recv_x, scales), recv_count, handle = got
+    src_info, layout_range = handle[0].cpu(), handle[1].cpu()
+    recv_count = recv_count.cpu()
+    if not torch.equal(recv_count, want["recv_count"]):
+        ctx.fail(f"{label}: recv_count {recv_count.tolist()} != {want['recv_count'].tolist()}")
+        return
+    counts = layout_range & 0xFFFFFFFF
+    begins = layout_range >> 32
+    if not torch.equal(counts, want["layout_range"] & 0xFFFFFFFF):
+        ctx.fail(f"{label}: layout_range counts differ")
+        return
+    rx = recv_x.cpu()
+    sc = None if scales is None else scales.cpu()
+    wx, ws = want["recv_x"], want["scales"]
+    el = counts.shape[0]
+    for j in range(el):
+        n = int(recv_count[j])
+        cover = torch.zeros(max(n, 1), dtype=torch.int32)
+        for s in range(ctx.size):
+            c, b = int(counts[j, s]), int(begins[j, s])
+            if c == 0:
+                continue
+            if b < 0 or b + c > n:
+                ctx.fail(f"{label}: block ({j},{s}) [{b},{b + c}) outside [0,{n})")
+                return
+            cover[b : b + c] += 1
+            wb = int(want["layout_range"][j, s] >> 32)
+            g_src, w_src = src_info[j, b : b + c], want["src_info"][j, wb : wb + c]
+            go, wo = torch.sort(g_src, stable=True).indices, torch.sort(w_src, stable=True).indices
+            if not torch.equal(g_src[go], w_src[wo]):
+                ctx.fail(f"{label}: block ({j},{s}) token indices differ")
+                return
+            gx = rx[j, b : b + c][go]
+            wxx = wx[j, wb : wb + c][wo]
+            if not torch.equal(gx.view(torch.uint8), wxx.view(torch.uint8)):
+                bad = (gx.view(torch.uint8) != wxx.view(torch.uint8)).nonzero()[0].tolist()
+                ctx.fail(f"{label}: block ({j},{s}) payload differs at {bad}")
+                return
+            if use_fp8:
+                gs = sc[j, b : b + c][go]
+                wss = ws[j, wb : wb + c][wo]
+                if not torch.equal(gs.contiguous().view(torch.int32), wss.contiguous().view(
+                        torch.int32)):  # fmt: skip
+                    ctx.fail(f"{label}: block ({j},{s}) scales differ")
+                    return
+        if n > 0 and not torch.all(cover[:n] == 1):
+            ctx.fail(f"{label}: blocks of expert {j} do not tile [0,{n})")
+            return
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    if denom == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denom)
+
+
+def dequant(recv_x, scales, use_fp8: bool, ue8m0: bool) -> torch.Tensor:
+    """The expert 'computation' of the identity experts: the received rows as bf16."""
+    if not use_fp8:
+        return recv_x.clone()
+    el, rt, h = recv_x.shape
+    x = recv_x.float().view(el, rt, h // 128, 128)
+    if ue8m0:
+        words = scales.contiguous()  # [el, rt, W]
+        b = words.view(torch.uint8).view(el, rt, -1)[:, :, : h // 128].to(torch.int32)
+        s = torch.pow(2.0, (b - 127).float())
+    else:
+        s = scales.float()
+    return (x * s.unsqueeze(-1)).view(el, rt, h).to(torch.bfloat16)
+
+
+# ----- one round trip -------------------------------------------------------------------
+
+
+def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=True,
+               round_scale=False, ue8m0=False, hook=False, zero_copy=False, out=False,
+               stats=False, ref=None):  # fmt: skip
+    """One dispatch + combine on this rank with every check; returns nothing."""
+    r, dev = ctx.rank, ctx.device
+    h = inputs[0][0].shape[1]
+    x, idx, w = (a.to(dev) for a in inputs[r])
+    if ref is None:
+        ref = reference.ll_dispatch([i[0] for i in inputs], [i[1] for i in inputs], t, e,
+                                    use_fp8, round_scale, ue8m0)  # fmt: skip
+    poison(dev)
+    el = e // ctx.size
+    st_cnt = torch.zeros(el, dtype=torch.int32, device=dev) if stats else None
+    st_wait = torch.zeros(ctx.size, dtype=torch.int64, device=dev) if stats else None
+    recv, count, handle, ev, hk = buf.low_latency_dispatch(
+        x, idx, t, e, cumulative_local_expert_recv_stats=st_cnt,
+        dispatch_wait_recv_cost_stats=st_wait, use_fp8=use_fp8, round_scale=round_scale,
+        use_ue8m0=ue8m0, return_recv_hook=hook,
+    )  # fmt: skip
+    if hook:
+        torch.cuda._sleep(2_000_000)
+        hk()
+    torch.cuda.synchronize(dev)
+    recv_x, scales = recv if use_fp8 else (recv, None)
+    check_dispatch(ctx, label, ((recv_x, scales), count, handle), ref[r], r, use_fp8, ue8m0)
+    if stats:
+        if not torch.equal(st_cnt.cpu(), count.cpu()):
+            ctx.fail(f"{label}: recv stats {st_cnt.tolist()} != recv_count {count.tolist()}")
+        if bool((st_wait.cpu() < 0).any()):
+            ctx.fail(f"{label}: negative wait stats {st_wait.tolist()}")
+    # Identity experts: y = the received rows (dequantized), plus random rows per
+    # expert so the exact check exercises the row mapping.
+    y = dequant(recv_x, scales, use_fp8, ue8m0)
+    g = ctx.gen(label + "/y", r)
+    noise = (torch.randn(y.shape, generator=g) * 0.01).to(torch.bfloat16).to(dev)
+    y_exact = (y.float() + noise.float()).to(torch.bfloat16)
+    yy = y_exact  # duplicate ids get distinct return slots: no constraint on y
+    out_t = None
+    if out:
+        out_t = torch.full((x.shape[0], h), float("nan"), dtype=torch.bfloat16, device=dev)
+    if zero_copy:
+        zc = buf.get_next_low_latency_combine_buffer(handle)
+        zc.copy_(yy)
+        comb_x = zc
+    else:
+        comb_x = yy
+    st_cw = torch.zeros(ctx.size, dtype=torch.int64, device=dev) if stats else None
+    combined, ev, hk = buf.low_latency_combine(
+        comb_x, idx, w, handle, zero_copy=zero_copy, return_recv_hook=hook, out=out_t,
+        combine_wait_recv_cost_stats=st_cw,
+    )  # fmt: skip
+    if hook:
+        torch.cuda._sleep(2_000_000)
+        hk()
+    torch.cuda.synchronize(dev)
+    if out and combined.data_ptr() != out_t.data_ptr():
+        ctx.fail(f"{label}: combine did not write into out=")
+    # Every rank needs every rank's y and handle for the exact reference: gather.
+    ys = gather_rows(ctx, yy, count)
+    handles = _gather(ctx, (handle[0], handle[1]))
+    want = reference.ll_combine(ys, [i[1] for i in inputs], [i[2] for i in inputs],
+                                handles, t, e)  # fmt: skip
+    got = combined.cpu()
+    if not torch.equal(got.view(torch.int16), want[r][0].view(torch.int16)):
+        bad = (got.view(torch.int16) != want[r][0].view(torch.int16)).nonzero()
+        at = tuple(bad[0].tolist())
+        ctx.fail(f"{label}: combine differs from the reference at {list(at)} "
+                 f"({len(bad)} elements): {got[at]} vs {want[r][0][at]}")  # fmt: skip
+    # DeepEP's end-to-end check with the pure identity experts.
+    # Every rank makes the same calls (a rank with no token too).
+    comb_id, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    if x.shape[0] > 0:
+        wsum = (w * (idx >= 0)).sum(1, keepdim=True).to(dev)
+        d = calc_diff(comb_id.float(), x.float() * wsum)
+        tol = 9e-4 if use_fp8 else 1e-5
+        if d >= tol:
+            ctx.fail(f"{label}: calc_diff {d:.3g} >= {tol}")
+
+
+def gather_rows(ctx: Ctx, y: torch.Tensor, count: torch.Tensor) -> list:
+    """Every rank's ``y`` [E_local, R*T, H] on the CPU, gathering only the valid rows
+    (the rest are zeros: the reference never reads them)."""
+    cnt = count.cpu().tolist()
+    mine = [y[j, : cnt[j]].cpu() for j in range(len(cnt))]
+    allr = _gather(ctx, mine)
+    out = []
+    for rows in allr:
+        full = torch.zeros(y.shape, dtype=y.dtype)
+        for j, rj in enumerate(rows):
+            full[j, : rj.shape[0]] = rj
+        out.append(full)
+    return out
+
+
+def _gather(ctx: Ctx, obj):
+    objs = [None] * ctx.size
+    dist.all_gather_object(objs, _to_cpu(obj))
+    return objs
+
+
+def _to_cpu(obj):
+    if isinstance(obj, torch.Tensor):
+        return obj.cpu()
+    return type(obj)(_to_cpu(o) for o in obj)
+
+
+# ----- scenarios ------------------------------------------------------------------------
+
+
+def scenario_basic(ctx: Ctx, buf) -> None:
+    e = 8 * ctx.size
+    inputs = make_inputs(ctx, "basic", 64, 2048, e, 4)
+    round_trip(ctx, buf, "basic fp8", inputs, 64, e)
+    round_trip(ctx, buf, "basic bf16", inputs, 64, e, use_fp8=False)
+
+
+def scenario_modes(ctx: Ctx, buf) -> None:
+    e = 9 * ctx.size
+    n = 0
+    for use_fp8, rs, ue in ((True, False, False), (True, True, False), (True, True, True),
+                            (False, False, False)):  # fmt: skip
+        for hook in (False, True):
+            for zc in (False, True):
+                n += 1
+                k = (1, 3, 8)[n % 3]
+                h = (1024, 2560, 4096)[n % 3]
+                inputs = make_inputs(ctx, f"modes{n}", 40 + n, h, e, k, dup=(n % 4 == 0))
+                label = f"modes fp8={use_fp8} round={rs} ue8m0={ue} hook={hook} zc={zc} k={k}"
+                round_trip(ctx, buf, label, inputs, T_MAX, e, use_fp8=use_fp8, round_scale=rs,
+                           ue8m0=ue, hook=hook, zero_copy=zc)  # fmt: skip
+
+
+def scenario_standard_shape(ctx: Ctx, buf) -> None:
+    e = std_experts(ctx.size)
+    inputs = make_inputs(ctx, "std", 128, 7168, e, 8, zero_rank=False)
+    round_trip(ctx, buf, "standard fp8", inputs, 128, e)
+    round_trip(ctx, buf, "standard bf16 hook", inputs, 128, e, use_fp8=False, hook=True)
+
+
+def scenario_out_and_stats(ctx: Ctx, buf) -> None:
+    e = 8 * ctx.size
+    inputs = make_inputs(ctx, "stats", 100, 2048, e, 6)
+    round_trip(ctx, buf, "out+stats", inputs, 100, e, out=True, stats=True)
+
+
+def scenario_proxy(ctx: Ctx, buf) -> None:
+    pbuf = new_ll_buffer(ctx, allow_nvlink_for_low_latency_mode=False)
+    try:
+        e = 8 * ctx.size
+        for i, (fp8, hook) in enumerate(((True, False), (False, True), (True, True))):
+            inputs = make_inputs(ctx, f"proxy{i}", 64, 2048, e, 5)
+            round_trip(ctx, pbuf, f"proxy fp8={fp8} hook={hook}", inputs, 64, e,
+                       use_fp8=fp8, hook=hook, zero_copy=(i == 2))  # fmt: skip
+        e = std_experts(ctx.size)
+        inputs = make_inputs(ctx, "proxy-std", 128, 7168, e, 8, zero_rank=False)
+        round_trip(ctx, pbuf, "proxy standard", inputs, 128, e)
+    finally:
+        torch.cuda.synchronize()
+        pbuf.destroy()
+
+
+def expect_raise(ctx: Ctx, label: str, exc, fn) -> None:
+    try:
+        fn()
+    except exc:
+        return
+    except Exception as other:  # noqa: BLE001
+        ctx.fail(f"{label}: raised {type(other).__name__}: {other}, expected {exc.__name__}")
+        return
+    ctx.fail(f"{label}: did not raise {exc.__name__}")
+
+
+def scenario_invalid_args(ctx: Ctx, buf) -> None:
+    dev = ctx.device
+    e = 8 * ctx.size
+    x = torch.randn(16, 2048, device=dev).to(torch.bfloat16)
+    idx = torch.randint(0, e, (16, 4), device=dev)
+    bad = [
+        ("x float32", ValueError, lambda: buf.low_latency_dispatch(x.float(), idx, 64, e)),
+        ("x cpu", ValueError, lambda: buf.low_latency_dispatch(x.cpu(), idx, 64, e)),
+        ("x non-contiguous", ValueError,
+         lambda: buf.low_latency_dispatch(x.t().contiguous().t(), idx, 64, e)),
+        ("too many tokens", ValueError, lambda: buf.low_latency_dispatch(x, idx, 8, e)),
+        ("experts not divisible", ValueError,
+         lambda: buf.low_latency_dispatch(x, idx, 64, e + 1)),
+        ("id out of range", ValueError,
+         lambda: buf.low_latency_dispatch(x, idx + e, 64, e)),
+        ("id below -1", ValueError, lambda: buf.low_latency_dispatch(x, idx - 100, 64, e)),
+        ("topk int32", ValueError, lambda: buf.low_latency_dispatch(x, idx.int(), 64, e)),
+        ("topk rows", ValueError, lambda: buf.low_latency_dispatch(x, idx[:3], 64, e)),
+        ("hidden 100", ValueError,
+         lambda: buf.low_latency_dispatch(x[:, :100].contiguous(), idx, 64, e)),
+        ("buffer too small", ValueError,
+         lambda: buf.low_latency_dispatch(x, idx, 100000, e)),
+        ("ue8m0 without round", ValueError,
+         lambda: buf.low_latency_dispatch(x, idx, 64, e, use_ue8m0=True)),
+        ("hook and async", ValueError,
+         lambda: buf.low_latency_dispatch(x, idx, 64, e, async_finish=True,
+                                          return_recv_hook=True)),
+        ("mask without shrink", RuntimeError, lambda: buf.low_latency_update_mask_buffer(0)),
+    ]  # fmt: skip
+    for label, exc, fn in bad:
+        expect_raise(ctx, label, exc, fn)
+    # A valid call afterwards, then combine-side mistakes.
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, 64, e, use_fp8=False)
+    y = torch.zeros_like(recv)
+    w = torch.rand(16, 4, device=dev)
+    bad = [
+        ("combine x fp32", ValueError,
+         lambda: buf.low_latency_combine(y.float(), idx, w, handle)),
+        ("combine handle", TypeError, lambda: buf.low_latency_combine(y, idx, w, handle[:3])),
+        ("combine weights shape", ValueError,
+         lambda: buf.low_latency_combine(y, idx, w[:, :2], handle)),
+        ("combine logfmt", ValueError,
+         lambda: buf.low_latency_combine(y, idx, w, handle, use_logfmt=True)),
+        ("combine out dtype", ValueError,
+         lambda: buf.low_latency_combine(y, idx, w, handle, out=torch.empty(16, 2048,
+                                                                          device=dev))),
+    ]  # fmt: skip
+    for label, exc, fn in bad:
+        expect_raise(ctx, label, exc, fn)
+    # Pending hook: the next call must refuse.
+    _, _, handle2, _, hk = buf.low_latency_dispatch(x, idx, 64, e, return_recv_hook=True)
+    expect_raise(ctx, "call with a pending hook", RuntimeError,
+                 lambda: buf.low_latency_dispatch(x, idx, 64, e))  # fmt: skip
+    hk()
+    expect_raise(ctx, "hook called twice", RuntimeError, hk)
+    torch.cuda.synchronize()
+    inputs = make_inputs(ctx, "after-invalid", 32, 2048, e, 4)
+    round_trip(ctx, buf, "after invalid", inputs, 64, e)
+
+
+def scenario_cuda_graph(ctx: Ctx, buf) -> None:
+    """dispatch + combine captured once, replayed 1000 times (the two buffers alternate
+    inside the graph); inputs change between replays; results checked at the end and
+    at a few replays on the way."""
+    dev, r = ctx.device, ctx.rank
+    e, t, h, k = 8 * ctx.size, 64, 2048, 4
+    inputs = make_inputs(ctx, "graph0", t, h, e, k, zero_rank=False)
+    x = inputs[r][0].to(dev)
+    idx = inputs[r][1].to(dev)
+    w = inputs[r][2].to(dev)
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        # Warm-up call outside the capture.
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+        comb, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+        torch.cuda.synchronize(dev)
+        with torch.cuda.graph(graph, stream=s):
+            recv, count, handle, _, hk = buf.low_latency_dispatch(
+                x, idx, t, e, use_fp8=False, return_recv_hook=True
+            )
+            hk()
+            comb, _, _ = buf.low_latency_combine(recv, idx, w, handle)
+    torch.cuda.synchronize(dev)
+    checks = {0, 1, 499, 999}
+    for it in range(1000):
+        if it in checks:
+            # New token values, same routing (the graph fixed the shapes).
+            inp = []
+            for q in range(ctx.size):
+                g = ctx.gen(f"graph{it}", q)
+                xq = (torch.randn(inputs[q][0].shape, generator=g) * (it % 5 + 1)).to(
+                    torch.bfloat16
+                )
+                inp.append((xq, inputs[q][1], inputs[q][2]))
+            x.copy_(inp[r][0].to(dev))
+            graph.replay()
+            torch.cuda.synchronize(dev)
+            ref = reference.ll_dispatch([i[0] for i in inp], [i[1] for i in inp], t, e, False)
+            check_dispatch(ctx, f"graph replay {it}", ((recv, None), count, handle), ref[r], r,
+                           False, False)  # fmt: skip
+            ys = gather_rows(ctx, recv, count)
+            hs = _gather(ctx, (handle[0], handle[1]))
+            want = reference.ll_combine(ys, [i[1] for i in inp], [i[2] for i in inp], hs, t, e)
+            if not torch.equal(comb.cpu().view(torch.int16), want[r][0].view(torch.int16)):
+                ctx.fail(f"graph replay {it}: combine differs")
+        else:
+            graph.replay()
+    torch.cuda.synchronize(dev)
+    del graph
+
+
+def scenario_masked_rank(ctx: Ctx, buf) -> None:
+    """The last rank is masked on every rank and makes no call; the others complete
+    and match the reference without it. Then everything is unmasked and reset."""
+    masked = ctx.size - 1
+    sbuf = new_ll_buffer(ctx, enable_shrink=True)
+    try:
+        e = 8 * ctx.size
+        el = e // ctx.size
+        inputs = make_inputs(ctx, "masked", 48, 2048, e, 4, zero_rank=False)
+        # Reference: the masked rank sends nothing, nobody sends to it.
+        ref_in = []
+        for q, (x, idx, w) in enumerate(inputs):
+            if q == masked:
+                ref_in.append((x[:0], idx[:0], w[:0]))
+            else:
+                idx = idx.clone()
+                idx[idx // el == masked] = -1
+                ref_in.append((x, idx, w))
+        group = dist.new_group([q for q in range(ctx.size) if q != masked])
+        if ctx.rank != masked:
+            sbuf.low_latency_update_mask_buffer(masked, True)
+            st = torch.zeros(ctx.size, dtype=torch.int32, device=ctx.device)
+            sbuf.low_latency_query_mask_buffer(st)
+            if st.tolist() != [1 if q == masked else 0 for q in range(ctx.size)]:
+                ctx.fail(f"mask query {st.tolist()}")
+            _masked_round_trip(ctx, sbuf, "masked", inputs, ref_in, 48, e, masked, group)
+        dist.barrier()
+        sbuf.low_latency_clean_mask_buffer()
+        sbuf.clean_low_latency_buffer(48, 2048, e)
+        inputs = make_inputs(ctx, "unmasked", 48, 2048, e, 4)
+        round_trip(ctx, sbuf, "after unmask", inputs, 48, e)
+    finally:
+        torch.cuda.synchronize()
+        sbuf.destroy()
+
+
+def _masked_round_trip(ctx, sbuf, label, inputs, ref_in, t, e, masked, group):
+    r, dev = ctx.rank, ctx.device
+    x, idx, w = (a.to(dev) for a in inputs[r])
+    ref = reference.ll_dispatch([i[0] for i in ref_in], [i[1] for i in ref_in], t, e, False)
+    recv, count, handle, _, _ = sbuf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+    torch.cuda.synchronize(dev)
+    check_dispatch(ctx, label, ((recv, None), count, handle), ref[r], r, False, False)
+    comb, _, _ = sbuf.low_latency_combine(recv, idx, w, handle)
+    torch.cuda.synchronize(dev)
+    # Everyone but the masked rank gathers (a subgroup).
+    ys = [None] * (ctx.size - 1)
+    dist.all_gather_object(ys, (recv.cpu(), handle[0].cpu(), handle[1].cpu()), group=group)
+    el = e // ctx.size
+    rt = ctx.size * t
+    full_ys, hs = [], []
+    it = iter(ys)
+    for q in range(ctx.size):
+        if q == masked:
+            full_ys.append(torch.zeros(el, rt, x.shape[1], dtype=torch.bfloat16))
+            hs.append((torch.zeros(el, rt, dtype=torch.int32),
+                       torch.zeros(el, ctx.size, dtype=torch.int64)))  # fmt: skip
+        else:
+            y_, s_, l_ = next(it)
+            full_ys.append(y_)
+            hs.append((s_, l_))
+    want = reference.ll_combine(full_ys, [i[1] for i in ref_in], [i[2] for i in ref_in], hs, t,
+                                e)  # fmt: skip
+    if not torch.equal(comb.cpu().view(torch.int16), want[r][0].view(torch.int16)):
+        ctx.fail(f"{label}: combine differs from the reference without rank {masked}")
+
+
+def scenario_timeout_mask(ctx: Ctx, buf) -> None:
+    """With enable_shrink and a 2 s receive timeout, the last rank skips a call: the
+    others' receive times out, masks it, completes, and reports it in the mask."""
+    masked = ctx.size - 1
+    os.environ["MOELINK_LL_TIMEOUT_S"] = "2"
+    try:
+        sbuf = new_ll_buffer(ctx, enable_shrink=True)
+    finally:
+        del os.environ["MOELINK_LL_TIMEOUT_S"]
+    try:
+        e = 8 * ctx.size
+        inputs = make_inputs(ctx, "timeout", 48, 2048, e, 4, zero_rank=False)
+        ref_in = []
+        for q, (x, idx, w) in enumerate(inputs):
+            if q == masked:
+                ref_in.append((x[:0], idx[:0], w[:0]))
+            else:
+                ref_in.append((x, idx.clone(), w))
+        if ctx.rank != masked:
+            r, dev = ctx.rank, ctx.device
+            x, idx, w = (a.to(dev) for a in inputs[r])
+            t0 = time.time()
+            recv, count, handle, _, _ = sbuf.low_latency_dispatch(x, idx, 48, e, use_fp8=False)
+            torch.cuda.synchronize(dev)
+            took = time.time() - t0
+            st = torch.zeros(ctx.size, dtype=torch.int32, device=dev)
+            sbuf.low_latency_query_mask_buffer(st)
+            if st.tolist() != [1 if q == masked else 0 for q in range(ctx.size)]:
+                ctx.fail(f"timeout: mask {st.tolist()} after {took:.1f} s")
+            ref = reference.ll_dispatch([i[0] for i in ref_in], [i[1] for i in ref_in], 48, e,
+                                        False)  # fmt: skip
+            check_dispatch(ctx, "timeout dispatch", ((recv, None), count, handle), ref[r], r,
+                           False, False)  # fmt: skip
+            # The combine skips the masked rank's experts.
+            comb, _, _ = sbuf.low_latency_combine(recv, idx, w, handle)
+            torch.cuda.synchronize(dev)
+            if not torch.isfinite(comb.float()).all():
+                ctx.fail("timeout: combine output not finite")
+        dist.barrier()
+        sbuf.low_latency_clean_mask_buffer()
+        sbuf.clean_low_latency_buffer(48, 2048, e)
+        inputs = make_inputs(ctx, "after-timeout", 48, 2048, e, 4)
+        round_trip(ctx, sbuf, "after timeout", inputs, 48, e)
+    finally:
+        torch.cuda.synchronize()
+        sbuf.destroy()
+
+
+def scenario_create_destroy(ctx: Ctx, buf) -> None:
+    torch.cuda.synchronize()
+    free0, _ = torch.cuda.mem_get_info(ctx.device)
+    for i in range(10):
+        b = new_ll_buffer(ctx, t=64, h=2048, allow_nvlink_for_low_latency_mode=(i % 2 == 0))
+        if i % 3 == 0:
+            inputs = make_inputs(ctx, f"cd{i}", 16, 2048, 8 * ctx.size, 2)
+            round_trip(ctx, b, f"create/destroy {i}", inputs, 64, 8 * ctx.size)
+        torch.cuda.synchronize()
+        b.destroy()
+    torch.cuda.synchronize()
+    free1, _ = torch.cuda.mem_get_info(ctx.device)
+    if free0 - free1 > 64 << 20:
+        ctx.fail(f"create/destroy leaked {(free0 - free1) >> 20} MiB of device memory")
+
+
+# ----- driver --------------------------------------------------------------------------
+
+
+def main() -> int:
+    dist.init_process_group("nccl", timeout=timedelta(seconds=600))
+    rank, size = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    seed = [int(os.environ.get(SEED_ENV, time.time_ns() % (1 << 31)))]
+    dist.broadcast_object_list(seed, src=0)
+    ctx = Ctx(rank, size, seed[0], device)
+    if rank == 0:
+        print(f"ll_worker: {size} ranks, seed {seed[0]}", flush=True)
+    raw = os.environ.get(SCENARIOS_ENV, "").strip()
+    names = [s for s in raw.split(",") if s] if raw else list(SCENARIO_NAMES)
+    buf = new_ll_buffer(ctx)
+    failed = False
+    for name in names:
+        fn = globals()[f"scenario_{name}"]
+        done = threading.Event()
+
+        def watchdog(name=name, done=done):
+            if not done.wait(SCENARIO_TIMEOUT_S):
+                print(f"FAIL {name} [rank {rank}]: hung for {SCENARIO_TIMEOUT_S} s", flush=True)
+                os._exit(3)
+
+        threading.Thread(target=watchdog, daemon=True).start()
+        ctx.errors = []
+        t0 = time.time()
+        try:
+            fn(ctx, buf)
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            ctx.fail(f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
+        done.set()
+        for msg in ctx.errors[:3]:
+            print(f"FAIL {name} [rank {rank}]: {msg}", flush=True)
+        verdicts = [None] * size
+        dist.all_gather_object(verdicts, ctx.errors)
+        bad = [(q, v) for q, v in enumerate(verdicts) if v]
+        if rank == 0:
+            if bad:
+                print(f"FAIL {name}: " + "; ".join(f"rank {q}: {v[:3]}" for q, v in bad),
+                      flush=True)  # fmt: skip
+            else:
+                print(f"PASS {name} ({time.time() - t0:.1f} s)", flush=True)
+        if bad:
+            failed = True
+            torch.cuda.synchronize()
+            try:
+                buf.destroy()
+            except Exception:  # noqa: BLE001
+                pass
+            buf = new_ll_buffer(ctx)
+    torch.cuda.synchronize()
+    buf.destroy()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""Shared driver of the multi-GPU pytest wrappers: each wraps one torchrun worker
+script whose ``SCENARIO_NAMES`` tuple lists its scenarios, selectable through an
+environment variable, and which prints ``PASS <name>`` / ``FAIL <name>: ...``."""
+
+from __future__ import annotations
+
+import ast
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import cuda_device_count
+
+
+def scenario_names(worker: Path) -> tuple:
+    """The worker's ``SCENARIO_NAMES``, read from its source (importing the worker
+    would need the GPU stack)."""
+    tree = ast.parse(worker.read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "SCENARIO_NAMES" for t in node.targets
+        ):
+            return tuple(ast.literal_eval(node.value))
+    raise AssertionError(f"SCENARIO_NAMES not found in {worker}")
+
+
+def selected_scenarios(worker: Path, env: str) -> list:
+    known = scenario_names(worker)
+    raw = os.environ.get(env, "").strip()
+    if not raw:
+        return list(known)
+    names = [s.strip() for s in raw.split(",") if s.strip()]
+    unknown = [s for s in names if s not in known]
+    if unknown:
+        pytest.fail(f"{env}: unknown scenarios {unknown}; known: {list(known)}")
+    return names
+
+
+def run_torchrun(nproc: int, script: Path, timeout: int) -> tuple:
+    """Runs ``script`` under torchrun in its own process group; on timeout the whole
+    group (torchrun and its workers) is killed. Returns (returncode, output)."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(script),
+    ]
+    p = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=os.environ.copy(),
+        start_new_session=True,
+    )
+    try:
+        out, _ = p.communicate(timeout=timeout)
+        return p.returncode, out
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        out, _ = p.communicate()
+        return None, out + f"\n[test] killed after {timeout} s"
+
+
+def run_suite(nproc: int, worker: Path, env: str, timeout: int) -> None:
+    """Runs the worker on ``nproc`` GPUs (skips without them) and asserts that every
+    selected scenario printed PASS and none FAIL."""
+    if cuda_device_count() < nproc:
+        pytest.skip(f"needs {nproc} GPUs, found {cuda_device_count()}")
+    names = selected_scenarios(worker, env)
+    code, out = run_torchrun(nproc, worker, timeout)
+    tail = out[-8000:]
+    assert code == 0, f"torchrun exited {code}:\n{tail}"
+    lines = out.splitlines()
+    failed = [line for line in lines if line.startswith("FAIL")]
+    assert not failed, "\n".join(failed[:20]) + "\n" + tail
+    passed = [line.split()[1] for line in lines if line.startswith("PASS ")]
+    assert sorted(passed) == sorted(names), f"PASS lines {passed}, expected {names}:\n{tail}"
