@@ -1,0 +1,420 @@
+"""Low-latency dispatch/combine benchmark (PERFORMANCE.md, "Low-latency dispatch / combine").
+
+    python -m torch.distributed.run --standalone --nproc-per-node=4 \\
+        benches/ll_bench.py --out DIR [--iters 200] [--no-sweep] [--no-proxy]
+
+Workload: T tokens per rank (128), hidden 7168, top-8 of 288 experts, fp8 dispatch,
+bf16 combine. For each transport (NVLink memory channels; the CPU proxy forced with
+``allow_nvlink_for_low_latency_mode=False``) every configuration is first checked
+(identity experts: ``calc_diff(combine(dequant(recv)), x * sum(w)) < 9e-4``, and
+``sum(recv_count)`` equal to the messages addressed to this rank), then timed with
+CUDA events, back-to-back, median over --iters:
+- dispatch, combine, dispatch + combine (one call each, no hook);
+- the send and receive halves in hook mode (a 50 us sleep kernel between them, so
+  the receive half measures the receive, not the flight);
+- ``all_to_all_single`` moving the same bytes (dispatch's fp8 messages, combine's
+  bf16 rows), the no-EP-library baseline, in the same run.
+The sweep repeats dispatch / combine / both for tokens 1..256 and hidden 2048..8192.
+Rank 0 writes DIR/ll.json (machine, commit, command, per-rank medians and the max
+over ranks) and DIR/ll.png, and prints the summary table (max over ranks, us).
+
+    python benches/ll_bench.py --replot DIR/ll.json   # redraw the PNG, no GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import sys
+from pathlib import Path
+
+TARGETS = {
+    "nvlink": {"dispatch": 22.0, "combine": 38.0, "both": 60.0},
+    "proxy": {"dispatch": 80.0, "combine": 120.0},
+}
+DEEPEP = {"dispatch": 35.0, "combine": 56.0, "both": 94.0}
+SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+SWEEP_HIDDEN = (2048, 4096, 7168, 8192)
+
+
+def git_commit() -> str:
+    c = os.environ.get("MOELINK_GIT_COMMIT")
+    if c:
+        return c
+    import subprocess
+
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True, cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
+    except Exception:  # noqa: BLE001
+        return "unknown"
+
+
+def calc_diff(x, y) -> float:
+    x, y = x.double(), y.double()
+    denom = (x * x + y * y).sum()
+    return 0.0 if float(denom) == 0 else float(1 - 2 * (x * y).sum() / denom)
+
+
+class Bench:
+    def __init__(self, args, buf, rank: int, size: int, device) -> None:
+        import torch
+
+        self.torch = torch
+        self.args, self.buf, self.rank, self.size, self.device = args, buf, rank, size, device
+
+    def inputs(self, t: int, h: int, e: int, k: int, seed: int):
+        torch = self.torch
+        g = torch.Generator().manual_seed(seed * 1000 + self.rank)
+        x = torch.randn(t, h, generator=g).to(torch.bfloat16).to(self.device)
+        idx = torch.rand(t, e, generator=g).topk(k, dim=1).indices.to(self.device)
+        w = torch.rand(t, k, generator=g).to(self.device)
+        return x, idx, w
+
+    def dequant(self, recv, use_fp8: bool):
+        torch = self.torch
+        if not use_fp8:
+            return recv
+        rx, sc = recv
+        el, rt, h = rx.shape
+        return (
+            (rx.float().view(el, rt, h // 128, 128) * sc.unsqueeze(-1))
+            .view(el, rt, h)
+            .to(torch.bfloat16)
+        )
+
+    def check(self, t: int, h: int, e: int, k: int) -> list:
+        """Identity experts end to end; returns error strings (empty: good)."""
+        torch = self.torch
+        import torch.distributed as dist
+
+        x, idx, w = self.inputs(t, h, e, k, seed=7)
+        recv, count, handle, _, _ = self.buf.low_latency_dispatch(x, idx, t, e, use_fp8=True)
+        y = self.dequant(recv, True)
+        comb, _, _ = self.buf.low_latency_combine(y, idx, w, handle)
+        torch.cuda.synchronize()
+        errs = []
+        d = calc_diff(comb.float(), x.float() * w.sum(1, keepdim=True))
+        if not d < 9e-4:
+            errs.append(f"calc_diff {d:.3g} at T={t} H={h}")
+        all_idx = [torch.empty_like(idx) for _ in range(self.size)]
+        dist.all_gather(all_idx, idx)
+        el = e // self.size
+        want = sum(int(((a >= self.rank * el) & (a < (self.rank + 1) * el)).sum())
+                   for a in all_idx)  # fmt: skip
+        if int(count.sum()) != want:
+            errs.append(f"recv rows {int(count.sum())} != {want} at T={t} H={h}")
+        return errs
+
+    def time_ops(self, t: int, h: int, e: int, k: int, iters: int, hooks: bool) -> dict:
+        """Medians in us. Kernel time: the duration of each ``ll_dispatch`` /
+        ``ll_combine`` kernel in a torch.profiler trace (what DeepEP reports); in hook
+        mode the send and receive launches alternate, with a 50 us sleep kernel
+        between them. ``eager_*``: CUDA events around the Python calls (launch and
+        Python overhead included)."""
+        torch = self.torch
+        from torch.profiler import ProfilerActivity, profile
+
+        buf = self.buf
+        x, idx, w = self.inputs(t, h, e, k, seed=11)
+        recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e)
+        y = self.dequant(recv, True).clone()
+        for _ in range(self.args.warmup):
+            hh = buf.low_latency_dispatch(x, idx, t, e)[2]
+            buf.low_latency_combine(y, idx, w, hh)
+        torch.cuda.synchronize()
+        ev = []
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(iters):
+                q = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                q[0].record()
+                hh = buf.low_latency_dispatch(x, idx, t, e)[2]
+                q[1].record()
+                buf.low_latency_combine(y, idx, w, hh)
+                q[2].record()
+                ev.append(q)
+            if hooks:
+                for _ in range(iters):
+                    r = buf.low_latency_dispatch(x, idx, t, e, return_recv_hook=True)
+                    torch.cuda._sleep(self.args.sleep_cycles)
+                    r[4]()
+                    c = buf.low_latency_combine(y, idx, w, r[2], return_recv_hook=True)
+                    torch.cuda._sleep(self.args.sleep_cycles)
+                    c[2]()
+            torch.cuda.synchronize()
+        kern = sorted((ev_ for ev_ in prof.events() if ev_.name in ("ll_dispatch", "ll_combine")),
+                      key=lambda ev_: ev_.time_range.start)  # fmt: skip
+        kd = [ev_.time_range.elapsed_us() for ev_ in kern if ev_.name == "ll_dispatch"]
+        kc = [ev_.time_range.elapsed_us() for ev_ in kern if ev_.name == "ll_combine"]
+        res = {
+            "dispatch": statistics.median(kd[:iters]),
+            "combine": statistics.median(kc[:iters]),
+            "both": statistics.median(a + b for a, b in zip(kd[:iters], kc[:iters])),
+            "eager_dispatch": statistics.median(a.elapsed_time(b) * 1e3 for a, b, _ in ev),
+            "eager_combine": statistics.median(b.elapsed_time(c) * 1e3 for _, b, c in ev),
+            "eager_both": statistics.median(a.elapsed_time(c) * 1e3 for a, _, c in ev),
+        }
+        if hooks:
+            hd, hc = kd[iters:], kc[iters:]
+            res["dispatch_send"] = statistics.median(hd[0::2])
+            res["dispatch_recv"] = statistics.median(hd[1::2])
+            res["combine_send"] = statistics.median(hc[0::2])
+            res["combine_recv"] = statistics.median(hc[1::2])
+        res["recv_rows"] = int(count.sum())
+        return res
+
+    def graph_times(self, t: int, h: int, e: int, k: int, reps: int = 20, n: int = 10) -> dict:
+        """Per-call time with no CPU in the loop: one CUDA graph holds ``n`` calls
+        (dispatch only, combine only, or dispatch + combine pairs); it is replayed
+        ``reps`` times between events on every rank and the median replay / n is
+        reported (``graph_*``)."""
+        torch = self.torch
+        buf = self.buf
+        x, idx, w = self.inputs(t, h, e, k, seed=13)
+        s = torch.cuda.Stream(self.device)
+        s.wait_stream(torch.cuda.current_stream(self.device))
+        out = {}
+        with torch.cuda.stream(s):
+            recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, t, e)
+            y = self.dequant(recv, True).clone()
+            buf.low_latency_combine(y, idx, w, handle)
+            torch.cuda.synchronize(self.device)
+            bodies = {
+                "graph_dispatch": lambda: buf.low_latency_dispatch(x, idx, t, e),
+                "graph_combine": lambda: buf.low_latency_combine(y, idx, w, handle),
+                "graph_both": lambda: buf.low_latency_combine(
+                    y, idx, w, buf.low_latency_dispatch(x, idx, t, e)[2]
+                ),
+            }
+            for name, body in bodies.items():
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, stream=s):
+                    for _ in range(n):
+                        body()
+                g.replay()
+                torch.cuda.synchronize(self.device)
+                times = []
+                for _ in range(reps):
+                    a = torch.cuda.Event(enable_timing=True)
+                    b = torch.cuda.Event(enable_timing=True)
+                    a.record(s)
+                    g.replay()
+                    b.record(s)
+                    times.append((a, b))
+                torch.cuda.synchronize(self.device)
+                out[name] = statistics.median(a.elapsed_time(b) * 1e3 / n for a, b in times)
+                del g
+        torch.cuda.current_stream(self.device).wait_stream(s)
+        return out
+
+    def baseline(self, t: int, h: int, k: int, iters: int) -> dict:
+        """all_to_all_single of the same bytes: every rank sends its T*K messages
+        (fp8 row + scales + 16-byte header), split evenly; and the bf16 rows back."""
+        torch = self.torch
+        import torch.distributed as dist
+
+        out = {}
+        for name, row in (("a2a_dispatch", 16 + h + h // 128 * 4), ("a2a_combine", 2 * h)):
+            n = t * k * row // self.size * self.size
+            src = torch.empty(n, dtype=torch.uint8, device=self.device)
+            dst = torch.empty_like(src)
+            for _ in range(5):
+                dist.all_to_all_single(dst, src)
+            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                   for _ in range(iters)]  # fmt: skip
+            for a, b in evs:
+                a.record()
+                dist.all_to_all_single(dst, src)
+                b.record()
+            torch.cuda.synchronize()
+            out[name] = statistics.median(a.elapsed_time(b) * 1e3 for a, b in evs)
+        return out
+
+
+def gather_max(rank_results: list) -> dict:
+    """Per key, the maximum over ranks of the per-rank medians (the slowest rank
+    sets the step time)."""
+    keys = rank_results[0].keys()
+    return {k: max(r[k] for r in rank_results) for k in keys}
+
+
+def run(args) -> int:
+    import moelink
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl")
+    rank, size = dist.get_rank(), dist.get_world_size()
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    e, k = args.experts, args.topk
+    t_max = max(args.tokens, *(SWEEP_TOKENS if args.sweep else ()))
+    h_max = max(args.hidden, *(SWEEP_HIDDEN if args.sweep else ()))
+    data = {"transports": {}}
+    failed = []
+    transports = ["nvlink"] + ([] if args.no_proxy else ["proxy"])
+    for tr in transports:
+        nbytes = moelink.Buffer.get_low_latency_rdma_size_hint(t_max, h_max, size, e)
+        buf = moelink.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True,
+                             allow_nvlink_for_low_latency_mode=(tr == "nvlink"),
+                             explicitly_destroy=True)  # fmt: skip
+        b = Bench(args, buf, rank, size, device)
+        res = {}
+        errs = b.check(args.tokens, args.hidden, e, k)
+        main = b.time_ops(args.tokens, args.hidden, e, k, args.iters, hooks=True)
+        main.update(b.baseline(args.tokens, args.hidden, k, args.iters))
+        main.update(b.graph_times(args.tokens, args.hidden, e, k))
+        res["main"] = main
+        sweep = []
+        if args.sweep and tr == "nvlink":
+            for h in SWEEP_HIDDEN:
+                for t in SWEEP_TOKENS:
+                    if t == args.tokens and h == args.hidden:
+                        continue
+                    errs += b.check(t, h, e, k)
+                    r = b.time_ops(t, h, e, k, max(10, args.iters // 5), hooks=False)
+                    sweep.append({"tokens": t, "hidden": h, **r})
+        res["sweep"] = sweep
+        allres = [None] * size
+        dist.all_gather_object(allres, {"res": res, "errors": errs})
+        torch.cuda.synchronize()
+        buf.destroy()
+        if rank == 0:
+            entry = {
+                "per_rank": [a["res"] for a in allres],
+                "main": gather_max([a["res"]["main"] for a in allres]),
+                "sweep": [
+                    gather_max([a["res"]["sweep"][i] for a in allres]) for i in range(len(sweep))
+                ],  # fmt: skip
+            }
+            data["transports"][tr] = entry
+            for q, a in enumerate(allres):
+                failed += [f"rank {q}: {m}" for m in a["errors"]]
+    dist.barrier()
+    if rank == 0:
+        data.update(
+            {
+                "benchmark": "low_latency",
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                "machine": {
+                    "host": socket.gethostname(),
+                    "gpus": size,
+                    "gpu": torch.cuda.get_device_name(device),
+                    "torch": torch.__version__,
+                },  # fmt: skip
+                "git_commit": git_commit(),
+                "command": " ".join(sys.argv),
+                "workload": {
+                    "tokens": args.tokens,
+                    "hidden": args.hidden,
+                    "experts": e,
+                    "topk": k,
+                    "ranks": size,
+                    "dispatch": "fp8",
+                    "combine": "bf16",
+                    "iters": args.iters,
+                },  # fmt: skip
+                "targets_us": TARGETS,
+                "deepep_v1_us": DEEPEP,
+                "check_failures": failed,
+            }
+        )
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "ll.json").write_text(json.dumps(data, indent=2) + "\n")
+        plot(data, args.out / "ll.png")
+        summary(data)
+        for f in failed:
+            print("CHECK FAILED", f)
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+def summary(data: dict) -> None:
+    w = data["workload"]
+    print(f"low-latency, {w['ranks']} ranks, T={w['tokens']} H={w['hidden']} "
+          f"top-{w['topk']} of {w['experts']} (us, max over ranks of medians)")  # fmt: skip
+    cols = ["dispatch", "combine", "both", "dispatch_send", "dispatch_recv", "combine_send",
+            "combine_recv", "graph_dispatch", "graph_combine", "graph_both", "eager_dispatch",
+            "eager_combine", "a2a_dispatch", "a2a_combine"]  # fmt: skip
+    print("(kernel time from the profiler; graph_*: per call inside CUDA graphs;")
+    print(" eager_*: events around the Python calls; a2a_*: all_to_all_single)")
+    print(f"{'transport':10s}" + "".join(f"{c:>14s}" for c in cols))
+    for tr, entry in data["transports"].items():
+        m = entry["main"]
+        print(f"{tr:10s}" + "".join(f"{m.get(c, float('nan')):14.1f}" for c in cols))
+        tg = TARGETS.get(tr, {})
+        print(f"{'  target':10s}" + "".join(
+            f"{tg[c]:14.1f}" if c in tg else f"{'':14s}" for c in cols))  # fmt: skip
+    print(f"{'DeepEP V1':10s}" + "".join(
+        f"{DEEPEP[c]:14.1f}" if c in DEEPEP else f"{'':14s}" for c in cols))  # fmt: skip
+
+
+def plot(data: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(17, 5))
+    ax = axes[0]
+    names = ["dispatch", "combine", "both"]
+    xs = range(len(names))
+    for off, (tr, entry) in zip((-0.2, 0.2), data["transports"].items()):
+        ax.bar([x + off for x in xs], [entry["main"][n] for n in names], width=0.4, label=tr)
+    for i, n in enumerate(names):
+        for tr, mk in (("nvlink", "k_"), ("proxy", "r_")):
+            if n in TARGETS.get(tr, {}):
+                ax.plot([i - 0.4, i + 0.4], [TARGETS[tr][n]] * 2, mk[0] + "--", lw=1)
+        ax.plot(i, DEEPEP[n], "kx")
+    ax.set_xticks(list(xs), names)
+    ax.set_ylabel("us (max over ranks of medians)")
+    ax.set_title("standard workload (dashes: targets, x: DeepEP V1)")
+    ax.legend()
+    sweep = data["transports"].get("nvlink", {}).get("sweep", [])
+    w = data["workload"]
+    pts = sweep + [{"tokens": w["tokens"], "hidden": w["hidden"],
+                    **data["transports"]["nvlink"]["main"]}]  # fmt: skip
+    for ax, op in zip(axes[1:], ("dispatch", "combine")):
+        for h in SWEEP_HIDDEN:
+            row = sorted((p for p in pts if p["hidden"] == h), key=lambda p: p["tokens"])
+            if row:
+                ax.plot([p["tokens"] for p in row], [p[op] for p in row], "o-", label=f"H={h}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per rank")
+        ax.set_ylabel("us")
+        ax.set_title(f"{op} over NVLink, sweep")
+        ax.legend()
+    fig.suptitle(f"moelink low-latency, {w['ranks']} ranks, commit {str(data['git_commit'])[:12]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, default=Path("ll-bench"))
+    p.add_argument("--tokens", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--experts", type=int, default=288)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--sleep-cycles", type=int, default=100_000)
+    p.add_argument("--no-sweep", dest="sweep", action="store_false")
+    p.add_argument("--no-proxy", action="store_true")
+    p.add_argument("--replot", type=Path)
+    args = p.parse_args(argv)
+    if args.replot:
+        data = json.loads(args.replot.read_text())
+        plot(data, args.replot.with_suffix(".png"))
+        summary(data)
+        return 0
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
