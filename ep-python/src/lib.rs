@@ -2,6 +2,7 @@
 //! error mapping only; everything else lives in ep-core. The GIL is released
 //! around every call that waits on the GPU.
 
+mod allreduce;
 mod buffer;
 mod ll;
 mod reference;
@@ -145,6 +146,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(reduce_rows_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(pattern_word, m)?)?;
     m.add_class::<PeerWriteCheck>()?;
+    m.add_class::<allreduce::AllReduceComm>()?;
     reference::register(m)?;
     m.add_function(wrap_pyfunction!(buffer::bootstrap_unique_id, m)?)?;
     m.add_class::<buffer::IntranodeBuffer>()?;

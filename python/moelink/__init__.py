@@ -9,6 +9,7 @@ import torch
 
 from . import _native
 from ._native import CudaError, TimeoutError, __version__
+from .allreduce import AllReduce as AllReduce
 from .buffer import Buffer, EventOverlap
 from .config import Config
 from .diagnostics import peer_write_check

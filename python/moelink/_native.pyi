@@ -158,3 +158,100 @@ class IntranodeBuffer:
     ) -> None: ...
     def barrier(self) -> None: ...
     def destroy(self) -> None: ...
+
+# Allreduce / allgather communicator (crate `collectives`); wrapped by moelink.AllReduce.
+# Tuned entries: (collective, graph, registered, log2 bytes, algorithm, blocks, threads).
+_Tuned = tuple[str, bool, bool, int, str, int, int]
+
+class AllReduceComm:
+    """Rust half of moelink.AllReduce; pointers are device addresses, streams raw
+    cudaStream_t handles, dtypes/ops/algorithms names."""
+
+    def __init__(
+        self,
+        unique_id: bytes,
+        rank: int,
+        size: int,
+        device: int,
+        max_bytes: int,
+        oneshot_max_bytes: int,
+        twoshot_max_bytes: int,
+        allgather_ll_max_bytes: int,
+        timeout_s: float,
+        max_spins: int,
+    ) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def destroyed(self) -> bool: ...
+    @property
+    def max_spins(self) -> int: ...
+    def limits(self) -> tuple[int, int, int, int, int, int]: ...
+    def scratch_bytes(self) -> int: ...
+    def all_reduce(
+        self,
+        stream: int,
+        input: int,
+        output: int,
+        count: int,
+        dtype: str,
+        op: str,
+        accum: str | None,
+        algorithm: str | None,
+        num_blocks: int,
+        num_threads: int,
+        capturing: bool,
+    ) -> tuple[str, int, int]: ...
+    def all_gather(
+        self,
+        stream: int,
+        input: int,
+        output: int,
+        nbytes: int,
+        algorithm: str | None,
+        num_blocks: int,
+        num_threads: int,
+        capturing: bool,
+    ) -> tuple[str, int, int]: ...
+    def select(
+        self,
+        collective: str,
+        nbytes: int,
+        registered: bool,
+        capturing: bool,
+        algorithm: str | None = None,
+        num_blocks: int = 0,
+        num_threads: int = 0,
+    ) -> tuple[str, int, int]: ...
+    def register(self, ptr: int, nbytes: int) -> int: ...
+    def deregister(self, id: int) -> None: ...
+    def is_registered(self, ptr: int, nbytes: int) -> bool: ...
+    def set_tuned(self, entries: list[_Tuned]) -> None: ...
+    def tuned(self) -> list[_Tuned]: ...
+    def set_max_spins(self, spins: int) -> None: ...
+    def check_device(self) -> None: ...
+    def barrier(self) -> None: ...
+    def destroy(self) -> None: ...
+    @staticmethod
+    def algorithm_names() -> list[tuple[str, str]]: ...
+    @staticmethod
+    def variant(dtype: str, op: str, accum: str | None = None) -> str: ...
+    @staticmethod
+    def plan(
+        collective: str,
+        nbytes: int,
+        world_size: int,
+        max_bytes: int,
+        oneshot_max_bytes: int,
+        twoshot_max_bytes: int,
+        allgather_ll_max_bytes: int,
+        max_blocks: int,
+        registered: bool = False,
+        capturing: bool = False,
+        algorithm: str | None = None,
+        num_blocks: int = 0,
+        num_threads: int = 0,
+        tuned: list[_Tuned] = ...,
+    ) -> tuple[str, int, int]: ...

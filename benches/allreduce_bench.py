@@ -1,0 +1,568 @@
+"""Allreduce benchmark (PERFORMANCE.md, "Allreduce"): moelink.AllReduce next to NCCL.
+
+    python -m torch.distributed.run --standalone --nproc-per-node=4 \\
+        benches/allreduce_bench.py --out DIR [--min-bytes 1024] [--max-bytes 1073741824] \\
+        [--iters 30] [--graph-ops 20] [--algorithms oneshot_ll,rsag] [--no-graph] [--tune]
+
+4 ranks, bf16, in place, power-of-two sizes from --min-bytes to --max-bytes. For
+every size, every applicable moelink algorithm (pinned), the selector ("auto", with
+the tuned table when one is loaded or --tune made one) and NCCL through
+``torch.distributed.all_reduce`` are first checked (small-integer inputs whose sums
+bf16 holds exactly, compared bit for bit on every rank), then timed with CUDA
+events after warm-up:
+
+- eager: each op launched on its own, back to back, events around every op; the
+  median over --iters ops (CPU launch overhead included when it exceeds the GPU
+  time, as a training step sees it);
+- graph: --graph-ops ops captured into one CUDA graph; median over replays of
+  replay time / ops.
+
+Bus bandwidth = 2 (R - 1) / R x bytes / time. Numbers are medians over ranks of
+the per-rank medians (per-rank values in the JSON). PERFORMANCE.md targets: the
+latency targets (<= 16 MiB) are compared with the graph times (where no CPU
+overhead hides the kernels) and, from 64 MiB, the bus bandwidth must reach NCCL's
+in the same mode of the same run.
+
+Rank 0 writes DIR/allreduce.json (machine, commit, command, config, per-size
+times per algorithm and mode, NCCL baseline, checks) and DIR/allreduce.png
+(latency and bus bandwidth against size) and prints the summary table. The exit
+code is 1 when a check failed.
+
+    python benches/allreduce_bench.py --replot DIR/allreduce.json
+
+redraws the PNG next to an existing JSON (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import traceback
+from pathlib import Path
+
+NO_MULTICAST_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
+#: PERFORMANCE.md latency targets (us) by size, for 4 ranks.
+TARGET_US = {
+    1 * KIB: 7.0,
+    4 * KIB: 8.0,
+    8 * KIB: 8.0,
+    16 * KIB: 8.0,
+    64 * KIB: 10.0,
+    128 * KIB: 10.0,
+    256 * KIB: 10.0,
+    1 * MIB: 15.0,
+    16 * MIB: 80.0,
+}
+#: From this size on the target is NCCL's bus bandwidth (same run, same mode).
+BW_TARGET_FROM = 64 * MIB
+#: NCCL 2.28 on the reference machine (PERFORMANCE.md, measured 2026-11-21): us.
+NCCL_REFERENCE_US = {
+    1 * KIB: (32.6, 14.1),
+    1 * MIB: (38.1, 22.5),
+    16 * MIB: (97.0, None),
+    64 * MIB: (324.0, None),
+}
+NCCL = "nccl"
+AUTO = "auto"
+AUTO_REG = "auto_registered"
+MODES = ("eager", "graph")
+
+
+def git_commit() -> dict:
+    """The commit under test: $MOELINK_GIT_COMMIT, else ``git rev-parse HEAD`` of
+    this checkout (with a dirty flag), else unknown."""
+    commit = os.environ.get("MOELINK_GIT_COMMIT")
+    if commit:
+        return {"commit": commit, "dirty": None}
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
+        ).stdout.strip()
+        status = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        return {"commit": commit, "dirty": bool(status.strip())}
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": "unknown", "dirty": None}
+
+
+def machine_info() -> dict:
+    import moelink
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return {
+        "hostname": socket.gethostname(),
+        "gpu": props.name,
+        "gpu_count": torch.cuda.device_count(),
+        "sm_count": props.multi_processor_count,
+        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nccl": ".".join(str(v) for v in torch.cuda.nccl.version()),
+        "moelink": moelink.__version__,
+    }
+
+
+def fmt_size(n: int) -> str:
+    for unit, div in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
+        if n >= div and n % div == 0:
+            return f"{n // div} {unit}"
+    return f"{n} B"
+
+
+def bus_gbps(nbytes: int, us: float | None, world: int) -> float | None:
+    if not us:
+        return None
+    return 2 * (world - 1) / world * nbytes / (us * 1e-6) / 1e9
+
+
+# ----------------------------------------------------------------------------
+# Measurement (one rank)
+# ----------------------------------------------------------------------------
+
+
+#: Period of the check pattern (a prime, so no slice or block size is a multiple).
+PERIOD = 8191
+
+
+def _periodic(base, n: int):
+    return base.repeat(n // PERIOD + 1)[:n]
+
+
+def pattern(n: int, rank: int, device):
+    """Small integers (-8..8), exact in bf16 and so are their sums over ranks;
+    period 8191 elements (built from one period, so 1 GiB costs no int64 temporaries)."""
+    import torch
+
+    i = torch.arange(PERIOD, device=device, dtype=torch.int64)
+    return _periodic(((i * 37 + rank * 11) % PERIOD % 17 - 8).to(torch.bfloat16), n)
+
+
+def expected(n: int, world: int, device):
+    import torch
+
+    i = torch.arange(PERIOD, device=device, dtype=torch.int64)
+    base = sum((i * 37 + r * 11) % PERIOD % 17 - 8 for r in range(world))
+    return _periodic(base.to(torch.bfloat16), n)
+
+
+def time_eager(fn, iters: int, warmup: int) -> list:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
+
+
+def time_graph(fn, ops: int, replays: int) -> list:
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(ops):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(replays):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        graph.replay()
+        e.record()
+        e.synchronize()
+        out.append(s.elapsed_time(e) * 1e3 / ops)
+    del graph
+    torch.cuda.synchronize()
+    return out
+
+
+def run_rank(rank: int, world: int, group, args) -> dict:
+    import moelink
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    sizes = []
+    s = args.min_bytes
+    while s <= args.max_bytes:
+        sizes.append(s)
+        s *= 2
+    comm = moelink.AllReduce(
+        group,
+        max_bytes=args.max_bytes,
+        tune_file=args.tune_file if args.tune_file else None,
+    )
+    tuned_loaded = bool(comm.tuned())
+    if args.tune:
+        comm.tune(min_bytes=args.min_bytes, max_bytes=args.max_bytes, verbose=rank == 0)
+        tuned_loaded = True
+    n_max = args.max_bytes // 2
+    x = torch.empty(n_max, dtype=torch.bfloat16, device=device)
+    xr = torch.empty(n_max, dtype=torch.bfloat16, device=device)
+    comm.register(xr)
+    algorithms = [a for a in comm.algorithms("allreduce") if a in args.algorithms]
+    names = [*algorithms, AUTO, AUTO_REG, *([NCCL] if args.nccl else [])]
+    checks, rows = [], []
+    modes = MODES if args.graph else ("eager",)
+    for nbytes in sizes:
+        n = nbytes // 2
+        for name in names:
+            buf = xr if name in ("rsag_zc", AUTO_REG) else x
+            t = buf[:n]
+            if name == NCCL:
+
+                def op(t=t):
+                    dist.all_reduce(t, group=group)
+
+                choice = None
+            else:
+                pin = None if name in (AUTO, AUTO_REG) else name
+                try:  # ValueError: the pinned algorithm cannot serve this size
+                    comm.select(nbytes, registered=buf is xr, capturing=False, algorithm=pin)
+                except ValueError:
+                    continue
+
+                def op(t=t, pin=pin):
+                    comm.all_reduce(t, algorithm=pin)
+
+                choice = None
+            # Check first: exact sums of small integers, every rank.
+            t.copy_(pattern(n, rank, device))
+            op()
+            if name != NCCL:
+                choice = list(comm.last_choice)
+            torch.cuda.synchronize()
+            ok = bool(torch.equal(t, expected(n, world, device)))
+            checks.append({"size": nbytes, "name": name, "ok": ok})
+            row = {"size": nbytes, "name": name, "choice": choice}
+            for mode in modes:
+                t.copy_(pattern(n, rank, device))
+                if mode == "eager":
+                    times = time_eager(op, args.iters, args.warmup)
+                else:
+                    times = time_graph(op, args.graph_ops, max(3, args.iters // 3))
+                    if name != NCCL:
+                        row["graph_choice"] = list(comm.last_choice)
+                row[f"{mode}_us"] = statistics.median(times)
+                row[f"{mode}_p10_us"] = sorted(times)[len(times) // 10]
+                row[f"{mode}_p90_us"] = sorted(times)[(len(times) * 9) // 10]
+            rows.append(row)
+            comm.check()
+        if rank == 0 and args.verbose:
+            print(f"[bench] {fmt_size(nbytes)} done", flush=True)
+    comm.deregister(xr)
+    comm.destroy()
+    return {"rank": rank, "rows": rows, "checks": checks, "tuned": tuned_loaded}
+
+
+def aggregate(per_rank: list, world: int) -> dict:
+    """Median over ranks of every timing; checks must pass on every rank."""
+    rows = []
+    for i, row in enumerate(per_rank[0]["rows"]):
+        out = {"size": row["size"], "name": row["name"], "choice": row["choice"]}
+        if "graph_choice" in row:
+            out["graph_choice"] = row["graph_choice"]
+        for mode in MODES:
+            key = f"{mode}_us"
+            if key not in row:
+                continue
+            vals = [r["rows"][i][key] for r in per_rank]
+            out[key] = statistics.median(vals)
+            out[f"{mode}_us_per_rank"] = vals
+            out[f"{mode}_busbw_gbps"] = bus_gbps(row["size"], out[key], world)
+        rows.append(out)
+    checks = [
+        {**c, "ok": all(r["checks"][i]["ok"] for r in per_rank)}
+        for i, c in enumerate(per_rank[0]["checks"])
+    ]
+    return {"rows": rows, "checks": checks, "correct": all(c["ok"] for c in checks)}
+
+
+def summarize(results: dict, world: int) -> list:
+    """One line per size: NCCL, auto, the best pinned algorithm, target verdict."""
+    by = {}
+    for r in results["rows"]:
+        by.setdefault(r["size"], {})[r["name"]] = r
+    lines = []
+    for size in sorted(by):
+        d = by[size]
+        nccl, auto = d.get(NCCL, {}), d.get(AUTO, {})
+        pinned = [r for n, r in d.items() if n not in (NCCL, AUTO, AUTO_REG)]
+        best_g = min(pinned, key=lambda r: r.get("graph_us") or 1e30, default={})
+        best_e = min(pinned, key=lambda r: r.get("eager_us") or 1e30, default={})
+        verdict = ""
+        if size in TARGET_US and auto.get("graph_us") is not None:
+            target = TARGET_US[size]
+            verdict = f"<= {target:g} us: {'met' if auto['graph_us'] <= target else 'MISSED'}"
+        elif size >= BW_TARGET_FROM and nccl.get("eager_us") and auto.get("eager_us"):
+            ok = auto["eager_us"] <= nccl["eager_us"]
+            verdict = f">= NCCL bus BW: {'met' if ok else 'MISSED'}"
+        lines.append(
+            {
+                "size": size,
+                "nccl_eager_us": nccl.get("eager_us"),
+                "nccl_graph_us": nccl.get("graph_us"),
+                "auto_eager_us": auto.get("eager_us"),
+                "auto_graph_us": auto.get("graph_us"),
+                "auto_algorithm": (auto.get("choice") or [None])[0],
+                "best_eager": (best_e.get("name"), best_e.get("eager_us")),
+                "best_graph": (best_g.get("name"), best_g.get("graph_us")),
+                "auto_busbw_gbps": bus_gbps(size, auto.get("eager_us"), world),
+                "nccl_busbw_gbps": bus_gbps(size, nccl.get("eager_us"), world),
+                "target": verdict,
+            }
+        )
+    return lines
+
+
+def format_table(summary: list) -> str:
+    def f(v, spec=".1f"):
+        return "-" if v is None else format(v, spec)
+
+    head = (
+        f"{'size':>9} | {'NCCL eager':>10} {'graph':>7} | {'moelink eager':>13} {'graph':>7} "
+        f"{'(auto)':<11}| {'best graph':<22}| {'busBW GB/s':>16} | target"
+    )
+    out = [head, "-" * len(head)]
+    for s in summary:
+        bg = s["best_graph"]
+        best = f"{bg[0]} {f(bg[1])}" if bg[0] else "-"
+        bw = f"{f(s['auto_busbw_gbps'], '.0f')}/{f(s['nccl_busbw_gbps'], '.0f')}"
+        out.append(
+            f"{fmt_size(s['size']):>9} | {f(s['nccl_eager_us']):>10} {f(s['nccl_graph_us']):>7} | "
+            f"{f(s['auto_eager_us']):>13} {f(s['auto_graph_us']):>7} "
+            f"{(s['auto_algorithm'] or '-'):<11}| {best:<22}| {bw:>16} | {s['target']}"
+        )
+    out.append("times in us (medians over ranks); busBW: moelink auto / NCCL, eager")
+    return "\n".join(out)
+
+
+def plot(data: dict, path: Path) -> None:
+    """Latency and bus bandwidth against size: every algorithm (graph mode, solid;
+    eager dashed for auto and NCCL), the targets as black markers."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    rows = data["results"]["rows"]
+    world = data["config"]["num_ranks"]
+    names = []
+    for r in rows:
+        if r["name"] not in names:
+            names.append(r["name"])
+    colors = {
+        "oneshot_ll": "tab:blue",
+        "twoshot_ll": "tab:orange",
+        "rsag": "tab:green",
+        "rsag_zc": "tab:purple",
+        AUTO: "black",
+        AUTO_REG: "tab:brown",
+        NCCL: "tab:red",
+    }
+    fig = Figure(figsize=(15, 6))
+    FigureCanvasAgg(fig)
+    ax_lat, ax_bw = fig.subplots(1, 2)
+    for name in names:
+        pts = sorted((r for r in rows if r["name"] == name), key=lambda r: r["size"])
+        for mode, style in (("graph", "-"), ("eager", "--")):
+            key = f"{mode}_us"
+            if mode == "eager" and name not in (AUTO, NCCL):
+                continue
+            xs = [r["size"] for r in pts if r.get(key)]
+            ys = [r[key] for r in pts if r.get(key)]
+            if not xs:
+                continue
+            label = f"{name} ({mode})"
+            c = colors.get(name, None)
+            ax_lat.plot(xs, ys, style, marker="o", markersize=3, color=c, label=label)
+            ax_bw.plot(
+                xs,
+                [bus_gbps(x, y, world) for x, y in zip(xs, ys)],
+                style,
+                marker="o",
+                markersize=3,
+                color=c,
+                label=label,
+            )
+    tx = sorted(TARGET_US)
+    ax_lat.plot(
+        tx,
+        [TARGET_US[s] for s in tx],
+        "k*",
+        markersize=10,
+        linestyle="none",
+        label="PERFORMANCE.md target",
+    )
+    for ax in (ax_lat, ax_bw):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("bytes per rank (bf16, in place)")
+        ax.grid(alpha=0.3, which="both")
+    ax_lat.set_yscale("log")
+    ax_lat.set_ylabel("us per allreduce (median over ranks)")
+    ax_bw.set_ylabel("bus bandwidth GB/s = 2(R-1)/R x bytes / time")
+    ax_lat.legend(fontsize=7, ncol=2)
+    ax_bw.legend(fontsize=7, ncol=2, loc="upper left")
+    machine = data["machine"]
+    fig.suptitle(
+        f"allreduce: {world} x {machine.get('gpu', '?')}, bf16; commit "
+        f"{str(data.get('git_commit'))[:12]}, {data.get('date', '?')[:10]}; checks "
+        f"{'PASS' if data['correct'] else 'FAIL'}",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--out", type=Path, help="folder for allreduce.json and allreduce.png")
+    p.add_argument("--replot", type=Path, help="only redraw the PNG of this allreduce.json")
+    p.add_argument("--min-bytes", type=int, default=1 * KIB)
+    p.add_argument("--max-bytes", type=int, default=1 * GIB)
+    p.add_argument("--iters", type=int, default=30, help="timed eager ops per size")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--graph-ops", type=int, default=20, help="ops per captured graph")
+    p.add_argument("--no-graph", dest="graph", action="store_false", help="eager only")
+    p.add_argument("--no-nccl", dest="nccl", action="store_false", help="skip the baseline")
+    p.add_argument(
+        "--algorithms",
+        default="oneshot_ll,twoshot_ll,rsag,rsag_zc",
+        help="comma list of pinned algorithms to time (the selector is always timed)",
+    )
+    p.add_argument("--tune", action="store_true", help="run AllReduce.tune() first")
+    p.add_argument("--tune-file", default=None, help="tuning file to load (default: the cache)")
+    p.add_argument("--verbose", action="store_true")
+    return p
+
+
+def check_args(args) -> str | None:
+    for name in ("min_bytes", "max_bytes"):
+        v = getattr(args, name)
+        if v < 2 or v & (v - 1):
+            return f"--{name.replace('_', '-')} must be a power of two >= 2, got {v}"
+    if args.min_bytes > args.max_bytes:
+        return "--min-bytes exceeds --max-bytes"
+    if args.iters < 3:
+        return "--iters must be >= 3"
+    args.algorithms = [a.strip() for a in args.algorithms.split(",") if a.strip()]
+    return None
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.replot:
+        data = json.loads(args.replot.read_text())
+        png = args.replot.with_suffix(".png")
+        plot(data, png)
+        print(f"wrote {png}")
+        return 0
+    if args.out is None:
+        print("--out DIR is required", file=sys.stderr)
+        return 2
+    err = check_args(args)
+    if err:
+        print(err, file=sys.stderr)
+        return 2
+    for key, value in NO_MULTICAST_ENV.items():
+        os.environ[key] = value
+
+    import torch
+    import torch.distributed as dist
+
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        result = run_rank(rank, world, dist.group.WORLD, args)
+    except Exception:
+        # Fail fast: torchrun then stops the other ranks, which would wait for
+        # this one in their next collective.
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(1)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, result)
+    results = aggregate(gathered, world)
+    if rank == 0:
+        git = git_commit()
+        summary = summarize(results, world)
+        data = {
+            "benchmark": "allreduce",
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "machine": machine_info(),
+            "git_commit": git["commit"],
+            "git_dirty": git["dirty"],
+            "command": f"python -m torch.distributed.run --nproc-per-node={world} "
+            + " ".join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+            "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV},
+            "config": {
+                "num_ranks": world,
+                "dtype": "bf16",
+                "in_place": True,
+                "min_bytes": args.min_bytes,
+                "max_bytes": args.max_bytes,
+                "iters": args.iters,
+                "warmup": args.warmup,
+                "graph_ops": args.graph_ops if args.graph else None,
+                "algorithms": args.algorithms,
+                "tuned_table": any(r["tuned"] for r in gathered),
+            },
+            "metric": "eager: median of per-op CUDA-event times, ops back to back; graph: "
+            "median over replays of replay time / ops; bus bandwidth 2(R-1)/R x bytes / time",
+            "targets": {
+                "latency_us": {str(k): v for k, v in TARGET_US.items()},
+                "bus_bandwidth_from_bytes": BW_TARGET_FROM,
+                "nccl_reference_us_eager_graph": {str(k): v for k, v in NCCL_REFERENCE_US.items()},
+            },
+            "correct": results["correct"],
+            "checks_failed": [c for c in results["checks"] if not c["ok"]],
+            "checks_run": len(results["checks"]),
+            "results": {"rows": results["rows"]},
+            "summary": summary,
+            "per_rank": gathered,
+        }
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "allreduce.json").write_text(json.dumps(data, indent=1) + "\n")
+        plot(data, args.out / "allreduce.png")
+        print(format_table(summary))
+        if not results["correct"]:
+            print(f"CHECKS FAILED: {data['checks_failed'][:10]}")
+        print(f"wrote {args.out / 'allreduce.json'} and {args.out / 'allreduce.png'}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0 if results["correct"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

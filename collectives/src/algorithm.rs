@@ -1,0 +1,311 @@
+//! The algorithm collection: what each algorithm is, which requests it can
+//! serve (size, registration) and its default launch geometry.
+
+use crate::args::MAX_BLOCKS;
+use crate::module::Family;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Collective {
+    AllReduce,
+    AllGather,
+}
+
+impl Collective {
+    pub fn name(self) -> &'static str {
+        match self {
+            Collective::AllReduce => "allreduce",
+            Collective::AllGather => "allgather",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        match s {
+            "allreduce" => Some(Collective::AllReduce),
+            "allgather" => Some(Collective::AllGather),
+            _ => None,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Allreduce: every rank writes its input as LL16 packets to every peer and
+    /// reduces all copies locally.
+    OneShotLl,
+    /// Allreduce: reduce-scatter + all-gather, both with LL16 packets.
+    TwoShotLl,
+    /// Allreduce: input copied into the registered scratch, read-reduce-scatter
+    /// + all-gather over the peers' mapped scratch, results copied out.
+    RsAg,
+    /// Allreduce: as RsAg on the users' registered tensors (zero copy).
+    RsAgZeroCopy,
+    /// Allgather: LL16 packets to every peer.
+    AgLl,
+    /// Allgather: every rank pulls every peer's chunk from its mapped buffer
+    /// (the registered input, or a copy in the scratch).
+    AgMesh,
+}
+
+/// What a request needs, for applicability checks and geometry.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    pub world_size: usize,
+    /// Largest message (allreduce) / output (allgather) in bytes: `max_bytes`.
+    pub max_bytes: u64,
+    /// Largest allreduce message of the LL algorithms (the LL region is sized for them).
+    pub oneshot_max_bytes: u64,
+    pub twoshot_max_bytes: u64,
+    /// Largest per-rank input of ag_ll.
+    pub allgather_ll_max_bytes: u64,
+    /// Blocks a kernel may use: min(MAX_BLOCKS, SMs) (every block must be resident).
+    pub max_blocks: u32,
+}
+
+/// One call, as the selector sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Request {
+    pub collective: Collective,
+    /// Allreduce: message bytes (per rank); allgather: input bytes per rank.
+    pub nbytes: u64,
+    /// The input tensor lies in a registered range (zero copy possible).
+    pub registered: bool,
+    /// A CUDA graph is being captured on the calling stream.
+    pub capturing: bool,
+}
+
+impl Algorithm {
+    pub const ALL: [Algorithm; 6] = [
+        Algorithm::OneShotLl,
+        Algorithm::TwoShotLl,
+        Algorithm::RsAg,
+        Algorithm::RsAgZeroCopy,
+        Algorithm::AgLl,
+        Algorithm::AgMesh,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::OneShotLl => "oneshot_ll",
+            Algorithm::TwoShotLl => "twoshot_ll",
+            Algorithm::RsAg => "rsag",
+            Algorithm::RsAgZeroCopy => "rsag_zc",
+            Algorithm::AgLl => "ag_ll",
+            Algorithm::AgMesh => "ag_mesh",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|a| a.name() == s)
+    }
+
+    pub fn collective(self) -> Collective {
+        match self {
+            Algorithm::AgLl | Algorithm::AgMesh => Collective::AllGather,
+            _ => Collective::AllReduce,
+        }
+    }
+
+    /// The algorithms of one collective, in the order the tuner tries them.
+    pub fn of(c: Collective) -> impl Iterator<Item = Algorithm> {
+        Self::ALL.into_iter().filter(move |a| a.collective() == c)
+    }
+
+    /// The allreduce kernel family (None for allgather algorithms).
+    pub fn family(self) -> Option<Family> {
+        match self {
+            Algorithm::OneShotLl => Some(Family::OneShotLl),
+            Algorithm::TwoShotLl => Some(Family::TwoShotLl),
+            Algorithm::RsAg | Algorithm::RsAgZeroCopy => Some(Family::RsAg),
+            Algorithm::AgLl | Algorithm::AgMesh => None,
+        }
+    }
+
+    /// Uses the LL packet region and the device call counter.
+    pub fn is_ll(self) -> bool {
+        matches!(
+            self,
+            Algorithm::OneShotLl | Algorithm::TwoShotLl | Algorithm::AgLl
+        )
+    }
+
+    /// Synchronises with per-block semaphore barriers (needs the channel table).
+    pub fn uses_barriers(self) -> bool {
+        matches!(
+            self,
+            Algorithm::RsAg | Algorithm::RsAgZeroCopy | Algorithm::AgMesh
+        )
+    }
+
+    /// Ok if this algorithm can serve `req` under `limits`, else why not.
+    pub fn applicable(self, req: &Request, limits: &Limits) -> Result<(), String> {
+        if self.collective() != req.collective {
+            return Err(format!(
+                "{} is an {} algorithm, not {}",
+                self.name(),
+                self.collective().name(),
+                req.collective.name()
+            ));
+        }
+        let n = req.nbytes;
+        let too_big = |cap: u64, what: &str| {
+            Err(format!(
+                "{} handles at most {cap} bytes ({what}), the message has {n}",
+                self.name()
+            ))
+        };
+        match self {
+            Algorithm::OneShotLl if n > limits.oneshot_max_bytes => {
+                too_big(limits.oneshot_max_bytes, "oneshot_max_bytes")
+            }
+            Algorithm::TwoShotLl if n > limits.twoshot_max_bytes => {
+                too_big(limits.twoshot_max_bytes, "twoshot_max_bytes")
+            }
+            Algorithm::RsAg if n > limits.max_bytes => too_big(limits.max_bytes, "max_bytes"),
+            Algorithm::RsAgZeroCopy if !req.registered => Err(
+                "rsag_zc needs the input tensor registered (AllReduce.register) on every rank"
+                    .into(),
+            ),
+            Algorithm::AgLl if n > limits.allgather_ll_max_bytes => too_big(
+                limits.allgather_ll_max_bytes,
+                "allgather_ll_max_bytes per rank",
+            ),
+            Algorithm::AgMesh if !req.registered && n > limits.max_bytes => {
+                too_big(limits.max_bytes, "max_bytes per rank")
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// (blocks, threads) this algorithm launches with by default for `nbytes`.
+    pub fn default_geometry(self, nbytes: u64, limits: &Limits) -> (u32, u32) {
+        let r = limits.world_size.max(1) as u64;
+        let cap = limits.max_blocks.clamp(1, 64) as u64;
+        let ll = |work_packets: u64| {
+            // One packet per thread, up to 512 threads per block.
+            let threads = work_packets.div_ceil(32).clamp(1, 16) * 32;
+            let blocks = work_packets.div_ceil(threads).clamp(1, cap);
+            (blocks as u32, threads as u32)
+        };
+        // Barrier kernels: each block streams >= 32 KiB of its slice per phase.
+        let streaming = |bytes: u64| {
+            let blocks = bytes.div_ceil(32 << 10).clamp(1, cap);
+            (blocks as u32, 512)
+        };
+        match self {
+            Algorithm::OneShotLl => ll(nbytes.div_ceil(8)),
+            Algorithm::TwoShotLl => ll(r * nbytes.div_ceil(r).div_ceil(8)),
+            Algorithm::AgLl => ll(r * nbytes.div_ceil(8)),
+            Algorithm::RsAg | Algorithm::RsAgZeroCopy => streaming(nbytes.div_ceil(r)),
+            Algorithm::AgMesh => streaming(nbytes),
+        }
+    }
+}
+
+/// `MAX_BLOCKS` as a u32 (blocks a kernel may use before the SM limit).
+pub const MAX_BLOCKS_U32: u32 = MAX_BLOCKS as u32;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(crate) fn limits(r: usize) -> Limits {
+        Limits {
+            world_size: r,
+            max_bytes: 64 << 20,
+            oneshot_max_bytes: 512 << 10,
+            twoshot_max_bytes: 8 << 20,
+            allgather_ll_max_bytes: 512 << 10,
+            max_blocks: 128,
+        }
+    }
+
+    fn req(c: Collective, n: u64, registered: bool) -> Request {
+        Request {
+            collective: c,
+            nbytes: n,
+            registered,
+            capturing: false,
+        }
+    }
+
+    #[test]
+    fn names_round_trip_and_collectives() {
+        for a in Algorithm::ALL {
+            assert_eq!(Algorithm::parse(a.name()), Some(a));
+        }
+        assert_eq!(Algorithm::parse("ring"), None);
+        assert_eq!(Algorithm::of(Collective::AllReduce).count(), 4);
+        assert_eq!(Algorithm::of(Collective::AllGather).count(), 2);
+    }
+
+    #[test]
+    fn applicability() {
+        let l = limits(4);
+        let ar = |n, reg| req(Collective::AllReduce, n, reg);
+        assert!(Algorithm::OneShotLl
+            .applicable(&ar(512 << 10, false), &l)
+            .is_ok());
+        assert!(Algorithm::OneShotLl
+            .applicable(&ar((512 << 10) + 2, false), &l)
+            .is_err());
+        assert!(Algorithm::TwoShotLl
+            .applicable(&ar(8 << 20, false), &l)
+            .is_ok());
+        assert!(Algorithm::TwoShotLl
+            .applicable(&ar((8 << 20) + 1, false), &l)
+            .is_err());
+        assert!(Algorithm::RsAg.applicable(&ar(64 << 20, false), &l).is_ok());
+        assert!(Algorithm::RsAg
+            .applicable(&ar((64 << 20) + 4, false), &l)
+            .is_err());
+        let e = Algorithm::RsAgZeroCopy
+            .applicable(&ar(1 << 20, false), &l)
+            .unwrap_err();
+        assert!(e.contains("register"), "{e}");
+        assert!(Algorithm::RsAgZeroCopy
+            .applicable(&ar(1 << 20, true), &l)
+            .is_ok());
+        let e = Algorithm::AgLl
+            .applicable(&ar(1024, false), &l)
+            .unwrap_err();
+        assert!(e.contains("allgather algorithm"), "{e}");
+        let ag = |n, reg| req(Collective::AllGather, n, reg);
+        assert!(Algorithm::AgLl
+            .applicable(&ag(512 << 10, false), &l)
+            .is_ok());
+        assert!(Algorithm::AgLl
+            .applicable(&ag((512 << 10) + 1, false), &l)
+            .is_err());
+        assert!(Algorithm::AgMesh
+            .applicable(&ag(64 << 20, false), &l)
+            .is_ok());
+        assert!(Algorithm::AgMesh
+            .applicable(&ag((64 << 20) + 1, false), &l)
+            .is_err());
+        assert!(Algorithm::AgMesh
+            .applicable(&ag((64 << 20) + 1, true), &l)
+            .is_ok());
+    }
+
+    #[test]
+    fn default_geometry_is_in_range() {
+        for r in [1, 2, 4, 8] {
+            let mut l = limits(r);
+            for max_blocks in [1, 16, 128] {
+                l.max_blocks = max_blocks;
+                for a in Algorithm::ALL {
+                    for n in [1u64, 2, 17, 1 << 10, 1 << 16, 1 << 20, 1 << 26, 1 << 30] {
+                        let (b, t) = a.default_geometry(n, &l);
+                        assert!(b >= 1 && b <= max_blocks, "{a:?} {n}: {b} blocks");
+                        assert!(t % 32 == 0 && (32..=1024).contains(&t), "{a:?} {n}: {t}");
+                    }
+                }
+            }
+        }
+        // Small LL messages use one small block.
+        assert_eq!(
+            Algorithm::OneShotLl.default_geometry(1024, &limits(4)),
+            (1, 128)
+        );
+    }
+}

@@ -1,0 +1,653 @@
+//! [`AllReduceComm`]: a communicator for allreduce / allgather among the
+//! ranks of one host, and the launch of every algorithm.
+//!
+//! Per rank it holds a comm [`Communicator`], one registered scratch buffer
+//! mapped by every peer ([`ScratchLayout`]: two halves of LL packet space,
+//! then a data region of `max_bytes`), a device table of memory channels
+//! (one per (block, peer), for the per-block barriers), a device word pair
+//! (LL call counter, last-block ticket), the zero-copy registrations and the
+//! tuned table. Calls launch one kernel on the caller's stream and return
+//! without waiting; every rank must make the same calls in the same order
+//! (same sizes, dtypes, algorithm choices), like NCCL.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use comm::channel::MemoryChannel;
+use comm::device_handles::MemoryChannelDeviceHandle;
+use comm::registered_memory::RegisteredMemory;
+use comm::{
+    Bootstrap, CommError, Communicator, CommunicatorOptions, Device, DeviceMemory, Result,
+    StreamHandle,
+};
+
+use crate::algorithm::{Algorithm, Collective, Limits, Request};
+use crate::args::{flags, CollArgs, MAX_BLOCKS, MAX_RANKS};
+use crate::dtype::{variant, Accum, DType, ReduceOp};
+use crate::module::{CollKernels, Kernel};
+use crate::registration::{Registration, Registry};
+use crate::select::{resolve, Choice, TableKey, TunedTable};
+
+/// Spins of every device wait by default: some tens of seconds of polling.
+pub const DEFAULT_MAX_SPINS: i64 = 300_000_000;
+
+/// Sizes of a communicator.
+#[derive(Clone, Debug, PartialEq)]
+pub struct AllReduceConfig {
+    /// Largest allreduce message / allgather output, bytes (the data region).
+    pub max_bytes: usize,
+    /// Largest one-shot LL message (capped at max_bytes).
+    pub oneshot_max_bytes: usize,
+    /// Largest two-shot LL message (capped at max_bytes).
+    pub twoshot_max_bytes: usize,
+    /// Largest per-rank ag_ll input (capped at max_bytes).
+    pub allgather_ll_max_bytes: usize,
+    /// Bound of every host-side wait (bootstrap, registration).
+    pub timeout: Duration,
+    /// Bound of every device-side wait, in polls.
+    pub max_spins: i64,
+}
+
+impl Default for AllReduceConfig {
+    fn default() -> Self {
+        Self {
+            max_bytes: 64 << 20,
+            oneshot_max_bytes: 512 << 10,
+            twoshot_max_bytes: 8 << 20,
+            allgather_ll_max_bytes: 512 << 10,
+            timeout: Duration::from_secs(60),
+            max_spins: DEFAULT_MAX_SPINS,
+        }
+    }
+}
+
+/// Where things live in every rank's scratch buffer (the same on all ranks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchLayout {
+    /// LL packets: two halves of `ll_half_bytes`, used alternately by call parity.
+    pub ll_offset: u64,
+    pub ll_half_bytes: u64,
+    /// Data region (rsag / ag_mesh copy-in, rsag results), `data_bytes` long.
+    pub data_offset: u64,
+    pub data_bytes: u64,
+    pub total: u64,
+}
+
+impl ScratchLayout {
+    /// Sized so every LL algorithm fits at its limit: one-shot and ag_ll keep
+    /// R slots of 2 x pad8(message) (LL16: 16 bytes per 8 data bytes), two-shot
+    /// two regions of R slots of 2 x pad8(message / R).
+    pub fn new(limits: &Limits) -> Self {
+        let r = limits.world_size.max(1) as u64;
+        let pad8 = |x: u64| x.div_ceil(8) * 8;
+        let oneshot = r * 2 * pad8(limits.oneshot_max_bytes);
+        let twoshot = 2 * r * 2 * pad8(limits.twoshot_max_bytes.div_ceil(r));
+        let allgather = r * 2 * pad8(limits.allgather_ll_max_bytes);
+        let half = oneshot.max(twoshot).max(allgather).max(256).div_ceil(256) * 256;
+        let data_bytes = limits.max_bytes.max(256).div_ceil(256) * 256;
+        Self {
+            ll_offset: 0,
+            ll_half_bytes: half,
+            data_offset: 2 * half,
+            data_bytes,
+            total: 2 * half + data_bytes,
+        }
+    }
+}
+
+/// One allreduce call (device addresses; the Python layer checked the tensors).
+#[derive(Clone, Copy, Debug)]
+pub struct AllReduceCall {
+    pub input: u64,
+    /// == input: in place.
+    pub output: u64,
+    pub count: u64,
+    pub dtype: DType,
+    pub op: ReduceOp,
+    pub accum: Option<Accum>,
+    pub algorithm: Option<Algorithm>,
+    /// 0: the choice's default.
+    pub num_blocks: u32,
+    pub num_threads: u32,
+    pub capturing: bool,
+}
+
+/// One allgather call: `output` holds R x `nbytes`; `input` is `nbytes` long,
+/// disjoint from `output` or exactly its chunk `rank` (in place).
+#[derive(Clone, Copy, Debug)]
+pub struct AllGatherCall {
+    pub input: u64,
+    pub output: u64,
+    pub nbytes: u64,
+    pub algorithm: Option<Algorithm>,
+    pub num_blocks: u32,
+    pub num_threads: u32,
+    pub capturing: bool,
+}
+
+pub struct AllReduceComm {
+    comm: Communicator,
+    device: Device,
+    kernels: CollKernels,
+    scratch: RegisteredMemory,
+    peer_scratch: Vec<RegisteredMemory>,
+    _channels: Vec<Vec<Option<MemoryChannel>>>,
+    channel_table: DeviceMemory,
+    /// [0, 8): LL call counter; [8, 12): last-block ticket.
+    state: DeviceMemory,
+    layout: ScratchLayout,
+    limits: Limits,
+    table: TunedTable,
+    registry: Registry,
+    timeout: Duration,
+    max_spins: i64,
+}
+
+impl std::fmt::Debug for AllReduceComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AllReduceComm")
+            .field("rank", &self.rank())
+            .field("num_ranks", &self.num_ranks())
+            .field("limits", &self.limits)
+            .field("layout", &self.layout)
+            .finish()
+    }
+}
+
+fn overlaps(a: u64, a_len: u64, b: u64, b_len: u64) -> bool {
+    a_len > 0 && b_len > 0 && a < b.saturating_add(b_len) && b < a.saturating_add(a_len)
+}
+
+impl AllReduceComm {
+    /// *Collective.* Builds the communicator over `bootstrap` on `device`:
+    /// scratch buffer, its mappings on every peer, a memory channel per
+    /// (block, peer). Every rank must be on this host.
+    pub fn new(
+        bootstrap: Arc<dyn Bootstrap>,
+        device: Device,
+        config: &AllReduceConfig,
+    ) -> Result<Self> {
+        let size = bootstrap.size();
+        if size == 0 || size > MAX_RANKS {
+            return Err(CommError::invalid(
+                "group",
+                format!("{size} ranks; the collectives handle 1 to {MAX_RANKS} (one host)"),
+            ));
+        }
+        if config.max_bytes == 0 {
+            return Err(CommError::invalid("max_bytes", "must be positive"));
+        }
+        let opts = CommunicatorOptions {
+            timeout: config.timeout,
+            semaphore_slots: (MAX_BLOCKS * MAX_RANKS + 64) as u32,
+            ..CommunicatorOptions::default()
+        };
+        let comm = Communicator::new(bootstrap, Some(device), opts)?;
+        let kernels = CollKernels::get(device)?;
+        let sms = device.sm_count()?.max(1) as u32;
+        let max = config.max_bytes as u64;
+        let limits = Limits {
+            world_size: size,
+            max_bytes: max,
+            oneshot_max_bytes: (config.oneshot_max_bytes as u64).min(max),
+            twoshot_max_bytes: (config.twoshot_max_bytes as u64).min(max),
+            allgather_ll_max_bytes: (config.allgather_ll_max_bytes as u64).min(max),
+            max_blocks: sms.min(MAX_BLOCKS as u32),
+        };
+        let layout = ScratchLayout::new(&limits);
+        let scratch = comm.alloc_memory(layout.total as usize)?;
+        // The LL region starts zeroed (flags start at 1); the data region need not.
+        // SAFETY: the LL region lies inside the allocation, mapped here.
+        unsafe { device.memset_sync(scratch.ptr(), layout.data_offset as usize, 0) }?;
+        let peer_scratch = comm.exchange_memory(&scratch)?;
+        for (p, m) in peer_scratch.iter().enumerate() {
+            if !m.is_mapped() {
+                return Err(CommError::invalid(
+                    "group",
+                    format!(
+                        "rank {p}'s scratch cannot be mapped here: every rank must share this host"
+                    ),
+                ));
+            }
+        }
+        let rank = comm.rank();
+        let mut handles: Vec<MemoryChannelDeviceHandle> = Vec::with_capacity(MAX_BLOCKS * size);
+        let mut channels = Vec::with_capacity(MAX_BLOCKS);
+        for _ in 0..MAX_BLOCKS {
+            let row: Vec<Option<MemoryChannel>> = comm
+                .semaphores()?
+                .into_iter()
+                .enumerate()
+                .map(|(p, s)| {
+                    s.map(|semaphore| MemoryChannel {
+                        semaphore,
+                        dst: peer_scratch[p].clone(),
+                        src: scratch.clone(),
+                        packets: scratch.clone(),
+                    })
+                })
+                .collect();
+            for (p, ch) in row.iter().enumerate() {
+                match ch {
+                    Some(c) => handles.push(c.device_handle(comm.device_error())?),
+                    None => {
+                        debug_assert_eq!(p, rank);
+                        // Entry (b, rank) is never used; zeroes keep the table dense.
+                        // SAFETY: the handle is plain data; all-zero is a valid value.
+                        handles.push(unsafe { std::mem::zeroed() });
+                    }
+                }
+            }
+            channels.push(row);
+        }
+        let channel_table = DeviceMemory::alloc(
+            device,
+            handles.len() * std::mem::size_of::<MemoryChannelDeviceHandle>(),
+        )?;
+        channel_table.copy_from_host(0, &handles)?;
+        let state = DeviceMemory::alloc(device, 16)?;
+        state.fill(0)?;
+        // Everybody has mapped everybody before anyone launches.
+        comm.barrier()?;
+        tracing::debug!(
+            "allreduce communicator: rank {rank} of {size}, scratch {} bytes ({layout:?})",
+            layout.total
+        );
+        Ok(Self {
+            comm,
+            device,
+            kernels,
+            scratch,
+            peer_scratch,
+            _channels: channels,
+            channel_table,
+            state,
+            layout,
+            limits,
+            table: TunedTable::new(),
+            registry: Registry::new(),
+            timeout: config.timeout,
+            max_spins: config.max_spins,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.comm.rank()
+    }
+
+    pub fn num_ranks(&self) -> usize {
+        self.comm.size()
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    pub fn layout(&self) -> &ScratchLayout {
+        &self.layout
+    }
+
+    /// Bound of every device wait, in polls (negative: unbounded).
+    pub fn set_max_spins(&mut self, spins: i64) {
+        self.max_spins = spins;
+    }
+
+    pub fn max_spins(&self) -> i64 {
+        self.max_spins
+    }
+
+    /// Error of a device wait that ran out (rank, peer, what), if any. After
+    /// one, the communicator's state is inconsistent across ranks: destroy it.
+    pub fn check_device(&self) -> Result<()> {
+        self.comm.check_device()
+    }
+
+    /// *Collective* host barrier.
+    pub fn barrier(&self) -> Result<()> {
+        self.comm.barrier()
+    }
+
+    pub fn table(&self) -> &TunedTable {
+        &self.table
+    }
+
+    /// Replaces the tuned table (every rank must set the same one).
+    pub fn set_table(&mut self, table: TunedTable) {
+        self.table = table;
+    }
+
+    pub fn insert_tuned(&mut self, key: TableKey, choice: Choice) {
+        self.table.insert(key, choice);
+    }
+
+    /// *Collective.* Registers `[ptr, ptr + len)` for zero-copy algorithms.
+    pub fn register(&mut self, ptr: u64, len: u64) -> Result<u64> {
+        self.registry.register(&self.comm, self.timeout, ptr, len)
+    }
+
+    /// *Collective.* Drops registration `id` after a barrier (so no peer
+    /// still reads it).
+    pub fn deregister(&mut self, id: u64) -> Result<()> {
+        self.comm.barrier()?;
+        self.registry.deregister(id)
+    }
+
+    /// The registration holding `[ptr, ptr + len)`, if any.
+    pub fn registration(&self, ptr: u64, len: u64) -> Option<&Registration> {
+        self.registry.find(ptr, len)
+    }
+
+    /// The algorithm and geometry an allreduce / allgather of `nbytes`
+    /// (allgather: per-rank input) would use.
+    /// `algorithm` pins one (checked), `num_blocks` / `num_threads` override
+    /// the geometry when non-zero (see [`resolve`]).
+    pub fn select(
+        &self,
+        req: &Request,
+        algorithm: Option<Algorithm>,
+        num_blocks: u32,
+        num_threads: u32,
+    ) -> Result<Choice> {
+        resolve(
+            req,
+            &self.limits,
+            &self.table,
+            algorithm,
+            num_blocks,
+            num_threads,
+        )
+    }
+
+    fn base_args(&self, input: u64, output: u64, nbytes: u64) -> CollArgs {
+        let mut a = CollArgs {
+            input,
+            output,
+            scratch: self.scratch.ptr(),
+            channels: self.channel_table.ptr(),
+            error: self.comm.device_error().device_ptr(),
+            counter: self.state.ptr(),
+            ticket: self.state.ptr() + 8,
+            nbytes,
+            ll_offset: self.layout.ll_offset,
+            ll_half_bytes: self.layout.ll_half_bytes,
+            data_offset: self.layout.data_offset,
+            max_spins: self.max_spins,
+            rank: self.rank() as i32,
+            num_ranks: self.num_ranks() as i32,
+            ..CollArgs::default()
+        };
+        for (p, m) in self.peer_scratch.iter().enumerate() {
+            a.peer_scratch[p] = m.ptr();
+        }
+        a
+    }
+
+    /// Rank p's data region, mapped here (ours: our own).
+    fn peer_data(&self, p: usize) -> u64 {
+        self.peer_scratch[p].ptr() + self.layout.data_offset
+    }
+
+    fn aligned16(a: &CollArgs) -> bool {
+        let r = a.num_ranks as usize;
+        [a.input, a.output]
+            .iter()
+            .chain(&a.peer_in[..r])
+            .chain(&a.peer_out[..r])
+            .all(|p| p % 16 == 0)
+    }
+
+    /// Launches an allreduce on `stream`; returns the choice it launched
+    /// (nothing is launched for an empty tensor).
+    pub fn all_reduce(&mut self, stream: StreamHandle, c: &AllReduceCall) -> Result<Choice> {
+        let n = c
+            .count
+            .checked_mul(c.dtype.size() as u64)
+            .ok_or_else(|| CommError::invalid("tensor", "size overflows"))?;
+        if n > self.limits.max_bytes {
+            return Err(CommError::invalid(
+                "tensor",
+                format!(
+                    "{n} bytes exceed max_bytes = {} of this communicator",
+                    self.limits.max_bytes
+                ),
+            ));
+        }
+        let v = variant(c.dtype, c.op, c.accum)?;
+        if n > 0 && (c.input == 0 || c.output == 0) {
+            return Err(CommError::invalid("tensor", "null device pointer"));
+        }
+        if c.output != c.input && overlaps(c.input, n, c.output, n) {
+            return Err(CommError::invalid(
+                "out",
+                "overlaps the input without being the same tensor",
+            ));
+        }
+        let rank = self.rank();
+        let r = self.num_ranks();
+        let reg_in = self.registry.find(c.input, n);
+        let req = Request {
+            collective: Collective::AllReduce,
+            nbytes: n,
+            registered: reg_in.is_some(),
+            capturing: c.capturing,
+        };
+        let choice = self.select(&req, c.algorithm, c.num_blocks, c.num_threads)?;
+        if n == 0 {
+            return Ok(choice);
+        }
+        self.comm.check_device()?;
+        let mut a = self.base_args(c.input, c.output, n);
+        match choice.algorithm {
+            Algorithm::OneShotLl | Algorithm::TwoShotLl => {
+                if (c.input | c.output) % 8 == 0 {
+                    a.flags |= flags::ALIGNED;
+                }
+            }
+            Algorithm::RsAg => {
+                for p in 0..r {
+                    let (i, o) = if p == rank {
+                        (c.input, c.output)
+                    } else {
+                        (self.peer_data(p), self.peer_data(p))
+                    };
+                    a.peer_in[p] = i;
+                    a.peer_out[p] = o;
+                }
+                a.flags |= flags::COPY_IN | flags::COPY_OUT;
+                if Self::aligned16(&a) {
+                    a.flags |= flags::ALIGNED;
+                }
+            }
+            Algorithm::RsAgZeroCopy => {
+                let reg_in = reg_in.expect("applicable: the input is registered");
+                let reg_out = if c.output == c.input {
+                    Some(reg_in)
+                } else {
+                    self.registry.find(c.output, n)
+                };
+                for p in 0..r {
+                    a.peer_in[p] = reg_in.peer_ptr(p, c.input);
+                    a.peer_out[p] = match reg_out {
+                        Some(ro) => ro.peer_ptr(p, c.output),
+                        None if p == rank => c.output,
+                        None => self.peer_data(p),
+                    };
+                }
+                if reg_out.is_none() {
+                    a.flags |= flags::COPY_OUT;
+                }
+                if Self::aligned16(&a) {
+                    a.flags |= flags::ALIGNED;
+                }
+            }
+            Algorithm::AgLl | Algorithm::AgMesh => unreachable!("resolve checked the collective"),
+        }
+        let family = choice.algorithm.family().expect("an allreduce algorithm");
+        // SAFETY: the input/output ranges were checked by the caller (Python:
+        // device, dtype, size, contiguity) and here (size, overlap); scratch,
+        // channels and registrations are owned by self and mapped on every rank.
+        unsafe {
+            self.kernels.launch(
+                Kernel::AllReduce(family, v),
+                choice.num_blocks,
+                choice.num_threads,
+                stream,
+                &a,
+            )
+        }?;
+        Ok(choice)
+    }
+
+    /// Launches an allgather on `stream`; returns the choice it launched.
+    pub fn all_gather(&mut self, stream: StreamHandle, c: &AllGatherCall) -> Result<Choice> {
+        let r = self.num_ranks();
+        let rank = self.rank();
+        let n = c.nbytes;
+        let total = n
+            .checked_mul(r as u64)
+            .ok_or_else(|| CommError::invalid("out", "size overflows"))?;
+        if total > self.limits.max_bytes {
+            return Err(CommError::invalid(
+                "out",
+                format!(
+                    "{total} bytes exceed max_bytes = {} of this communicator",
+                    self.limits.max_bytes
+                ),
+            ));
+        }
+        if n > 0 && (c.input == 0 || c.output == 0) {
+            return Err(CommError::invalid("tensor", "null device pointer"));
+        }
+        let own_chunk = c.output + rank as u64 * n;
+        let in_place = c.input == own_chunk;
+        if !in_place && overlaps(c.input, n, c.output, total) {
+            return Err(CommError::invalid(
+                "inp",
+                "overlaps the output without being this rank's chunk of it",
+            ));
+        }
+        // Zero copy: in place, the registered output holds every rank's input
+        // (rank p's at chunk p); else the input itself must be registered.
+        let (registered, in_place_reg) = if in_place {
+            (self.registry.find(c.output, total).is_some(), true)
+        } else {
+            (self.registry.find(c.input, n).is_some(), false)
+        };
+        let req = Request {
+            collective: Collective::AllGather,
+            nbytes: n,
+            registered,
+            capturing: c.capturing,
+        };
+        let choice = self.select(&req, c.algorithm, c.num_blocks, c.num_threads)?;
+        if n == 0 {
+            return Ok(choice);
+        }
+        self.comm.check_device()?;
+        let mut a = self.base_args(c.input, c.output, n);
+        let kernel = match choice.algorithm {
+            Algorithm::AgLl => {
+                if (c.input | c.output | n) % 8 == 0 {
+                    a.flags |= flags::ALIGNED;
+                }
+                Kernel::AllGatherLl
+            }
+            Algorithm::AgMesh => {
+                if registered {
+                    for p in 0..r {
+                        a.peer_in[p] = if in_place_reg {
+                            let reg = self.registry.find(c.output, total).expect("found above");
+                            reg.peer_ptr(p, c.output) + p as u64 * n
+                        } else {
+                            let reg = self.registry.find(c.input, n).expect("found above");
+                            reg.peer_ptr(p, c.input)
+                        };
+                    }
+                } else {
+                    for p in 0..r {
+                        a.peer_in[p] = if p == rank {
+                            c.input
+                        } else {
+                            self.peer_data(p)
+                        };
+                    }
+                    a.flags |= flags::COPY_IN;
+                }
+                Kernel::AllGatherMesh
+            }
+            _ => unreachable!("resolve checked the collective"),
+        };
+        // SAFETY: as in all_reduce.
+        unsafe {
+            self.kernels
+                .launch(kernel, choice.num_blocks, choice.num_threads, stream, &a)
+        }?;
+        Ok(choice)
+    }
+}
+
+impl Drop for AllReduceComm {
+    fn drop(&mut self) {
+        // Peers' mappings of registered tensors go before the communicator.
+        self.registry.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limits(r: usize, max: u64) -> Limits {
+        Limits {
+            world_size: r,
+            max_bytes: max,
+            oneshot_max_bytes: (512 << 10).min(max),
+            twoshot_max_bytes: (8 << 20).min(max),
+            allgather_ll_max_bytes: (512 << 10).min(max),
+            max_blocks: 128,
+        }
+    }
+
+    /// The LL region holds every LL algorithm at its limit, with the exact
+    /// slot arithmetic of the kernels.
+    #[test]
+    fn scratch_layout_fits_every_ll_algorithm() {
+        for r in 1..=8u64 {
+            for max in [1u64, 1000, 64 << 10, 1 << 20, 64 << 20, 1 << 30] {
+                let l = limits(r as usize, max);
+                let s = ScratchLayout::new(&l);
+                let oneshot = |n: u64| r * n.div_ceil(8) * 16;
+                let twoshot = |n: u64| {
+                    let slice = n.div_ceil(r).div_ceil(8) * 8;
+                    2 * r * (slice / 8) * 16
+                };
+                for n in [1, 7, 8, 9, l.oneshot_max_bytes] {
+                    if n <= l.oneshot_max_bytes {
+                        assert!(oneshot(n) <= s.ll_half_bytes, "r={r} max={max} n={n}");
+                    }
+                }
+                for n in [1, 9, l.twoshot_max_bytes - 1, l.twoshot_max_bytes] {
+                    if n >= 1 && n <= l.twoshot_max_bytes {
+                        assert!(twoshot(n) <= s.ll_half_bytes, "r={r} max={max} n={n}");
+                    }
+                }
+                assert!(oneshot(l.allgather_ll_max_bytes) <= s.ll_half_bytes);
+                assert_eq!(s.data_offset, 2 * s.ll_half_bytes);
+                assert!(s.data_bytes >= max && s.data_offset % 256 == 0);
+                assert_eq!(s.total, s.data_offset + s.data_bytes);
+            }
+        }
+    }
+
+    #[test]
+    fn overlap() {
+        assert!(overlaps(0, 10, 9, 10));
+        assert!(!overlaps(0, 10, 10, 10));
+        assert!(!overlaps(0, 0, 0, 10));
+        assert!(overlaps(5, 1, 0, 10));
+    }
+}

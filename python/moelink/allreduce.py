@@ -1,0 +1,786 @@
+"""``moelink.AllReduce``: allreduce and allgather among the GPUs of one host.
+
+A communicator over a ``torch.distributed`` group that runs moelink's own
+collective kernels (crate ``collectives``; ``docs/design-allreduce.md``) on the
+current torch stream: NVLink loads/stores and LL packets, never NVLink multicast,
+no ``torch.distributed`` collective inside a call, CUDA-graph capturable.
+
+    comm = moelink.AllReduce(group, max_bytes=64 << 20)
+    comm.all_reduce(t)                               # in place, sum, algorithm picked by size
+    comm.all_reduce(t, op="max", out=o)              # out of place
+    comm.all_reduce(x8, accum_dtype=torch.float16)   # fp8 input, fp16 accumulation
+    comm.all_gather(out, inp)                        # out = cat of every rank's inp
+    comm.algorithms()                                # names
+    comm.tune()                                      # time every candidate, keep the winners
+
+Algorithms: allreduce ``oneshot_ll`` (smallest), ``twoshot_ll`` (small/medium),
+``rsag`` (large: copy into the registered scratch, read-reduce-scatter + all-gather
+over the peers' mapped scratch), ``rsag_zc`` (the same on tensors registered with
+``register``: zero copy); allgather ``ag_ll`` and ``ag_mesh``. Every argument is
+checked before anything is launched (``TypeError`` / ``ValueError`` naming it).
+
+Every rank must make the same calls in the same order with the same sizes and
+pins (like NCCL), from one stream at a time. A device wait that runs out (a peer
+that never made the matching call) raises ``moelink.TimeoutError`` naming the rank
+and what it waited for, at the next call or ``check()``; the communicator must
+then be destroyed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import math
+import os
+import re
+import socket
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import _native
+from .checks import check_int
+
+__all__ = [
+    "ALGORITHMS",
+    "AllReduce",
+    "DEFAULT_MAX_BYTES",
+    "TUNE_FILE_ENV",
+    "check_all_gather_args",
+    "check_all_reduce_args",
+    "check_geometry",
+    "default_tune_file",
+    "plan",
+]
+
+#: torch dtype -> kernel dtype name, for allreduce.
+DTYPES = {
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float32: "fp32",
+    torch.int32: "int32",
+    torch.float8_e4m3fn: "fp8_e4m3",
+    torch.float8_e5m2: "fp8_e5m2",
+}
+#: Accumulation types (``accum_dtype``): a torch dtype or its name.
+ACCUM = {torch.float16: "fp16", torch.float32: "fp32", torch.int32: "int32"}
+OPS = ("sum", "min", "max")
+#: Algorithm name -> collective ("allreduce" / "allgather"), in tuner order.
+ALGORITHMS = dict(_native.AllReduceComm.algorithm_names())
+
+DEFAULT_MAX_BYTES = 64 << 20
+DEFAULT_ONESHOT_MAX_BYTES = 512 << 10
+DEFAULT_TWOSHOT_MAX_BYTES = 8 << 20
+DEFAULT_ALLGATHER_LL_MAX_BYTES = 512 << 10
+#: Environment variable naming the tuning file (overrides the default path).
+TUNE_FILE_ENV = "MOELINK_AR_TUNE_FILE"
+TUNE_FORMAT = "moelink-allreduce-tune/1"
+_MAX_SPINS_ENV = "MOELINK_AR_MAX_SPINS"
+
+
+def _dist_op_names() -> dict:
+    try:
+        r = dist.ReduceOp
+        return {r.SUM: "sum", r.MIN: "min", r.MAX: "max"}
+    except (AttributeError, TypeError):  # torch built without distributed
+        return {}
+
+
+_DIST_OPS = _dist_op_names()
+# (dtype name, op, accum) combinations the kernels have (checked once each).
+_VARIANTS_OK: set = set()
+
+
+def _op_name(op) -> str:
+    if isinstance(op, str):
+        name = op.lower()
+        if name not in OPS:
+            raise ValueError(f"op must be one of {OPS}, got {op!r}")
+        return name
+    if not isinstance(op, (int, float)):  # ReduceOp values compare equal to ints
+        for k, v in _DIST_OPS.items():
+            with contextlib.suppress(Exception):
+                if op == k:
+                    return v
+    raise TypeError(f"op must be 'sum', 'min', 'max' or a torch.distributed.ReduceOp, got {op!r}")
+
+
+def _accum_name(accum_dtype):
+    if accum_dtype is None:
+        return None
+    if isinstance(accum_dtype, torch.dtype):
+        if accum_dtype not in ACCUM:
+            raise ValueError(
+                f"accum_dtype must be torch.float16, torch.float32 or torch.int32, "
+                f"got {accum_dtype}"
+            )
+        return ACCUM[accum_dtype]
+    if isinstance(accum_dtype, str) and accum_dtype in ACCUM.values():
+        return accum_dtype
+    raise TypeError(f"accum_dtype must be a torch.dtype (or 'fp16'/'fp32'), got {accum_dtype!r}")
+
+
+def _check_tensor(name: str, t, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}, but this communicator runs on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")
+
+
+def check_all_reduce_args(tensor, op, out, accum_dtype, device, max_bytes: int):
+    """Checks an allreduce's arguments (everything that can be checked without the
+    GPU); returns ``(dtype name, op name, accum name or None, out)`` with ``out``
+    the tensor the result goes to. Raises ``TypeError`` for arguments of the wrong
+    kind (not a tensor, unsupported dtype) and ``ValueError`` for wrong values."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
+    dtype = DTYPES.get(tensor.dtype)
+    if dtype is None:
+        raise TypeError(
+            f"tensor dtype {tensor.dtype} is not supported; supported: "
+            + ", ".join(str(d) for d in DTYPES)
+        )
+    op_name = _op_name(op)
+    accum = _accum_name(accum_dtype)
+    _check_tensor("tensor", tensor, device)
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes > max_bytes:
+        raise ValueError(
+            f"tensor has {nbytes} bytes, more than this communicator's max_bytes={max_bytes}"
+        )
+    if out is None:
+        out = tensor
+    else:
+        _check_tensor("out", out, device)
+        if out.dtype != tensor.dtype:
+            raise TypeError(f"out has dtype {out.dtype}, tensor {tensor.dtype}")
+        if out.numel() != tensor.numel():
+            raise ValueError(f"out has {out.numel()} elements, tensor {tensor.numel()}")
+    key = (dtype, op_name, accum)
+    if key not in _VARIANTS_OK:
+        _native.AllReduceComm.variant(dtype, op_name, accum)  # ValueError if unsupported
+        _VARIANTS_OK.add(key)
+    return dtype, op_name, accum, out
+
+
+def check_all_gather_args(out, inp, world_size: int, device, max_bytes: int) -> int:
+    """Checks an allgather's arguments; returns the bytes per rank."""
+    _check_tensor("out", out, device)
+    _check_tensor("inp", inp, device)
+    if out.dtype != inp.dtype:
+        raise TypeError(f"out has dtype {out.dtype}, inp {inp.dtype}")
+    if out.numel() != world_size * inp.numel():
+        raise ValueError(
+            f"out must hold world_size * inp.numel() = {world_size} * {inp.numel()} elements, "
+            f"it holds {out.numel()}"
+        )
+    total = out.numel() * out.element_size()
+    if total > max_bytes:
+        raise ValueError(
+            f"out has {total} bytes, more than this communicator's max_bytes={max_bytes}"
+        )
+    return inp.numel() * inp.element_size()
+
+
+def check_geometry(num_blocks, num_threads) -> tuple:
+    """``(blocks, threads)`` as ints, 0 for "the algorithm's choice"; the upper
+    bound of ``num_blocks`` (SMs) is checked by the communicator."""
+    blocks = 0 if num_blocks is None else check_int("num_blocks", num_blocks, minimum=1)
+    threads = 0
+    if num_threads is not None:
+        threads = check_int("num_threads", num_threads, minimum=32, maximum=1024)
+        if threads % 32 != 0:
+            raise ValueError(f"num_threads must be a multiple of 32, got {threads}")
+    return blocks, threads
+
+
+def _check_algorithm(algorithm, collective: str):
+    if algorithm is None:
+        return None
+    if not isinstance(algorithm, str):
+        raise TypeError(f"algorithm must be a str or None, got {type(algorithm).__name__}")
+    if ALGORITHMS.get(algorithm) != collective:
+        known = [a for a, c in ALGORITHMS.items() if c == collective]
+        raise ValueError(f"unknown {collective} algorithm {algorithm!r}; known: {known}")
+    return algorithm
+
+
+def plan(
+    nbytes: int,
+    world_size: int,
+    *,
+    collective: str = "allreduce",
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    oneshot_max_bytes: int = DEFAULT_ONESHOT_MAX_BYTES,
+    twoshot_max_bytes: int = DEFAULT_TWOSHOT_MAX_BYTES,
+    allgather_ll_max_bytes: int = DEFAULT_ALLGATHER_LL_MAX_BYTES,
+    max_blocks: int = 128,
+    registered: bool = False,
+    capturing: bool = False,
+    algorithm=None,
+    num_blocks=None,
+    num_threads=None,
+    tuned=(),
+) -> tuple:
+    """The selector without a communicator or GPU: ``(algorithm, blocks, threads)``
+    a call of ``nbytes`` (allgather: per-rank input) would use under these limits
+    and tuned entries (tuples as ``AllReduce.tuned()`` returns them)."""
+    blocks, threads = check_geometry(num_blocks, num_threads)
+    return tuple(
+        _native.AllReduceComm.plan(
+            collective,
+            nbytes,
+            world_size,
+            max_bytes,
+            oneshot_max_bytes,
+            twoshot_max_bytes,
+            allgather_ll_max_bytes,
+            max_blocks,
+            registered,
+            capturing,
+            _check_algorithm(algorithm, collective),
+            blocks,
+            threads,
+            list(tuned),
+        )
+    )
+
+
+def _bucket(nbytes: int) -> int:
+    """``ceil(log2(nbytes))`` (0 for 0 and 1): the tuned table's size key."""
+    return max(0, int(nbytes) - 1).bit_length()
+
+
+def default_tune_file(gpu_name: str, world_size: int) -> Path:
+    """``$MOELINK_AR_TUNE_FILE``, else ``~/.cache/moelink/allreduce-<gpu>-<R>gpu.json``."""
+    env = os.environ.get(TUNE_FILE_ENV)
+    if env:
+        return Path(env).expanduser()
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-").lower() or "gpu"
+    return Path.home() / ".cache" / "moelink" / f"allreduce-{slug}-{world_size}gpu.json"
+
+
+def _entries_from_json(data: dict, gpu: str, world_size: int) -> list:
+    if data.get("format") != TUNE_FORMAT:
+        raise ValueError(f"not a {TUNE_FORMAT} file (format {data.get('format')!r})")
+    if data.get("gpu") != gpu or data.get("world_size") != world_size:
+        raise ValueError(
+            f"tuned for {data.get('world_size')} x {data.get('gpu')}, "
+            f"this job is {world_size} x {gpu}"
+        )
+    out = []
+    for e in data.get("entries", []):
+        out.append(
+            (
+                str(e["collective"]),
+                bool(e["graph"]),
+                bool(e["registered"]),
+                int(e["log2_bytes"]),
+                str(e["algorithm"]),
+                int(e["num_blocks"]),
+                int(e["num_threads"]),
+            )
+        )
+    return out
+
+
+class AllReduce:
+    """Allreduce / allgather communicator among the ranks of ``group`` (one GPU per
+    rank, all on one host; at most 8 ranks).
+
+    ``max_bytes``: the largest allreduce tensor / allgather output in bytes (each rank
+    allocates a scratch buffer of about ``max_bytes`` plus the LL packet space, which
+    every peer maps). ``oneshot_max_bytes`` / ``twoshot_max_bytes`` /
+    ``allgather_ll_max_bytes`` bound the LL algorithms (they size the LL space).
+    ``tune_file``: tuned winners to load (default ``default_tune_file()``; ``False``:
+    none); ``autotune=True`` runs ``tune()`` when there is no file and saves it.
+    ``max_spins``: bound of every device wait in polls (default ~tens of seconds;
+    env ``MOELINK_AR_MAX_SPINS``); ``timeout_s``: bound of host waits (bootstrap,
+    registration; env ``MOELINK_TIMEOUT_S``, default 60).
+    """
+
+    def __init__(
+        self,
+        group=None,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        *,
+        oneshot_max_bytes: int = DEFAULT_ONESHOT_MAX_BYTES,
+        twoshot_max_bytes: int = DEFAULT_TWOSHOT_MAX_BYTES,
+        allgather_ll_max_bytes: int = DEFAULT_ALLGATHER_LL_MAX_BYTES,
+        tune_file=None,
+        autotune: bool = False,
+        max_spins=None,
+        timeout_s=None,
+    ) -> None:
+        self._native = None
+        self._registered: dict = {}
+        max_bytes = check_int("max_bytes", max_bytes, minimum=1)
+        oneshot_max_bytes = check_int("oneshot_max_bytes", oneshot_max_bytes, minimum=0)
+        twoshot_max_bytes = check_int("twoshot_max_bytes", twoshot_max_bytes, minimum=0)
+        allgather_ll_max_bytes = check_int(
+            "allgather_ll_max_bytes", allgather_ll_max_bytes, minimum=0
+        )
+        if max_spins is None:
+            max_spins = int(os.environ.get(_MAX_SPINS_ENV, "300000000"))
+        max_spins = check_int("max_spins", max_spins)
+        if timeout_s is None:
+            timeout_s = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
+        if not torch.cuda.is_available():
+            raise RuntimeError("moelink.AllReduce needs a CUDA device")
+        if not dist.is_initialized():
+            raise RuntimeError("torch.distributed must be initialised before AllReduce")
+        self.group = group if group is not None else dist.group.WORLD
+        self.rank = dist.get_rank(self.group)
+        self.world_size = dist.get_world_size(self.group)
+        if self.world_size > 8:
+            raise ValueError(f"AllReduce handles at most 8 ranks (one host), got {self.world_size}")
+        self.device = torch.device("cuda", torch.cuda.current_device())
+        self.max_bytes = max_bytes
+        self.gpu_name = torch.cuda.get_device_name(self.device)
+        #: (algorithm, blocks, threads) of the last call.
+        self.last_choice = None
+
+        hosts = [None] * self.world_size
+        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
+        if len(set(hosts)) != 1:
+            raise ValueError(
+                f"all ranks of the group must share one host, got {sorted(set(hosts))}"
+            )
+        uid = [_native.bootstrap_unique_id() if self.rank == 0 else None]
+        dist.broadcast_object_list(uid, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self._native = _native.AllReduceComm(
+            uid[0],
+            self.rank,
+            self.world_size,
+            self.device.index,
+            max_bytes,
+            oneshot_max_bytes,
+            twoshot_max_bytes,
+            allgather_ll_max_bytes,
+            float(timeout_s),
+            max_spins,
+        )
+        self.tune_file = None
+        if tune_file is not False:
+            path = (
+                Path(tune_file).expanduser()
+                if tune_file is not None
+                else default_tune_file(self.gpu_name, self.world_size)
+            )
+            self.tune_file = path
+            loaded = self.load_tuning(path)
+            if not loaded and autotune:
+                self.tune(path=path)
+
+    # ----- introspection ---------------------------------------------------------
+
+    def _get(self):
+        if self._native is None:
+            raise RuntimeError("this AllReduce was destroyed")
+        return self._native
+
+    def algorithms(self, collective: str | None = None) -> list:
+        """Algorithm names (of one collective: ``"allreduce"`` / ``"allgather"``)."""
+        return [a for a, c in ALGORITHMS.items() if collective is None or c == collective]
+
+    def limits(self) -> dict:
+        """The sizes this communicator applies (bytes) and its block limit."""
+        w, m, one, two, ag, blocks = self._get().limits()
+        return {
+            "world_size": w,
+            "max_bytes": m,
+            "oneshot_max_bytes": one,
+            "twoshot_max_bytes": two,
+            "allgather_ll_max_bytes": ag,
+            "max_blocks": blocks,
+        }
+
+    def select(
+        self,
+        nbytes: int,
+        collective: str = "allreduce",
+        registered: bool = False,
+        capturing: bool | None = None,
+        algorithm: str | None = None,
+    ) -> tuple:
+        """``(algorithm, blocks, threads)`` a call of ``nbytes`` (allgather: per-rank
+        input) would use now; with ``algorithm`` pinned, ``ValueError`` when that
+        algorithm cannot serve such a call."""
+        if capturing is None:
+            capturing = torch.cuda.is_current_stream_capturing()
+        algorithm = _check_algorithm(algorithm, collective)
+        return tuple(
+            self._get().select(collective, int(nbytes), bool(registered), capturing, algorithm)
+        )
+
+    def tuned(self) -> list:
+        """The tuned table: (collective, graph, registered, log2 bytes, algorithm,
+        blocks, threads) tuples."""
+        return [tuple(e) for e in self._get().tuned()]
+
+    @property
+    def max_spins(self) -> int:
+        return self._get().max_spins
+
+    @max_spins.setter
+    def max_spins(self, spins: int) -> None:
+        self._get().set_max_spins(check_int("max_spins", spins))
+
+    def check(self) -> None:
+        """Raises ``moelink.TimeoutError`` if a device wait of this communicator ran
+        out (synchronise first to see the latest calls' outcome)."""
+        self._get().check_device()
+
+    # ----- collectives -----------------------------------------------------------
+
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        op="sum",
+        algorithm: str | None = None,
+        out: torch.Tensor | None = None,
+        accum_dtype=None,
+        num_blocks: int | None = None,
+        num_threads: int | None = None,
+    ) -> torch.Tensor:
+        """Reduces ``tensor`` over every rank (``op``: "sum", "min", "max") into
+        ``out`` (default: ``tensor``, in place) on the current stream; returns it.
+
+        ``algorithm`` pins an algorithm (else the tuned table or size thresholds
+        choose), ``num_blocks`` / ``num_threads`` the launch geometry (the same on
+        every rank). ``accum_dtype``: the accumulation type of fp8 sums
+        (``torch.float32``, default, or ``torch.float16``); bf16/fp16/fp32 always
+        accumulate in fp32, int32 in int32 (sums wrap around)."""
+        native = self._get()
+        dtype, op_name, accum, out = check_all_reduce_args(
+            tensor, op, out, accum_dtype, self.device, self.max_bytes
+        )
+        algorithm = _check_algorithm(algorithm, "allreduce")
+        blocks, threads = check_geometry(num_blocks, num_threads)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.last_choice = native.all_reduce(
+            stream,
+            tensor.data_ptr(),
+            out.data_ptr(),
+            tensor.numel(),
+            dtype,
+            op_name,
+            accum,
+            algorithm,
+            blocks,
+            threads,
+            torch.cuda.is_current_stream_capturing(),
+        )
+        return out
+
+    def all_gather(
+        self,
+        out: torch.Tensor,
+        inp: torch.Tensor,
+        algorithm: str | None = None,
+        num_blocks: int | None = None,
+        num_threads: int | None = None,
+    ) -> torch.Tensor:
+        """``out`` (world_size x ``inp.numel()`` elements, any dtype) = every rank's
+        ``inp`` in rank order, on the current stream; returns ``out``. ``inp`` may be
+        this rank's chunk of ``out`` (in place)."""
+        native = self._get()
+        nbytes = check_all_gather_args(out, inp, self.world_size, self.device, self.max_bytes)
+        algorithm = _check_algorithm(algorithm, "allgather")
+        blocks, threads = check_geometry(num_blocks, num_threads)
+        stream = torch.cuda.current_stream(self.device).cuda_stream
+        self.last_choice = native.all_gather(
+            stream,
+            inp.data_ptr(),
+            out.data_ptr(),
+            nbytes,
+            algorithm,
+            blocks,
+            threads,
+            torch.cuda.is_current_stream_capturing(),
+        )
+        return out
+
+    # ----- zero copy ---------------------------------------------------------------
+
+    def register(self, tensor: torch.Tensor) -> int:
+        """*Collective.* Registers ``tensor`` (contiguous, on this GPU, the same size
+        on every rank) so that calls on it (or on a slice at the same offset on every
+        rank) can use zero-copy algorithms (``rsag_zc``, ``ag_mesh`` without a copy).
+        The communicator keeps a reference until ``deregister``. Needs memory from
+        PyTorch's default caching allocator (not expandable segments)."""
+        _check_tensor("tensor", tensor, self.device)
+        nbytes = tensor.numel() * tensor.element_size()
+        if nbytes == 0:
+            raise ValueError("cannot register an empty tensor")
+        rid = self._get().register(tensor.data_ptr(), nbytes)
+        self._registered[rid] = tensor
+        return rid
+
+    def deregister(self, tensor_or_id) -> None:
+        """*Collective.* Forgets a registration (a tensor passed to ``register`` or its
+        id), after the current stream's work and a barrier."""
+        if isinstance(tensor_or_id, torch.Tensor):
+            ids = [k for k, t in self._registered.items() if t is tensor_or_id]
+            if not ids:
+                raise ValueError("this tensor is not registered")
+            rid = ids[0]
+        else:
+            rid = check_int("id", tensor_or_id, minimum=0)
+        torch.cuda.current_stream(self.device).synchronize()
+        self._get().deregister(rid)
+        self._registered.pop(rid, None)
+
+    def is_registered(self, tensor: torch.Tensor) -> bool:
+        return bool(
+            self._get().is_registered(tensor.data_ptr(), tensor.numel() * tensor.element_size())
+        )
+
+    # ----- tuning --------------------------------------------------------------------
+
+    def load_tuning(self, path) -> bool:
+        """*Collective.* Rank 0 reads ``path`` (if it exists and was tuned for this
+        GPU model and world size) and every rank takes its entries. Returns whether
+        a table was loaded."""
+        payload = [None]
+        if self.rank == 0:
+            p = Path(path)
+            if p.is_file():
+                try:
+                    data = json.loads(p.read_text())
+                    payload[0] = _entries_from_json(data, self.gpu_name, self.world_size)
+                except (OSError, ValueError, KeyError, TypeError) as e:
+                    payload[0] = f"{p}: {e}"
+        dist.broadcast_object_list(
+            payload, src=dist.get_global_rank(self.group, 0), group=self.group
+        )
+        if isinstance(payload[0], str):
+            warnings.warn(f"moelink.AllReduce: ignoring tuning file {payload[0]}", stacklevel=2)
+            return False
+        if payload[0] is None:
+            return False
+        self._get().set_tuned(payload[0])
+        return True
+
+    def _candidates(self, collective: str, nbytes: int, registered: bool) -> list:
+        max_blocks = self.limits()["max_blocks"]
+        out = []
+        for alg in self.algorithms(collective):
+            try:
+                _, b, t = self.select(nbytes, collective, registered, False, alg)
+            except ValueError:
+                continue  # not applicable at this size / registration
+            for bb, tt in (
+                (b, t),
+                (max(1, b // 2), t),
+                (min(max_blocks, 2 * b), t),
+                (b, 256 if t != 256 else 512),
+                (b, 1024),
+            ):
+                if (alg, bb, tt) not in out:
+                    out.append((alg, bb, tt))
+        return out
+
+    def _bench_fn(self, coll: str, size: int, cand: tuple, buf, res):
+        """A call of ``coll`` moving ``size`` bytes (per rank for allgather) with
+        candidate ``(algorithm, blocks, threads)`` on bf16 ``buf`` / ``res``."""
+        alg, b, t = cand
+        n = size // 2
+        if coll == "allreduce":
+            return lambda: self.all_reduce(
+                buf[:n], out=res[:n], algorithm=alg, num_blocks=b, num_threads=t
+            )
+        out = res[: n * self.world_size]
+        return lambda: self.all_gather(out, buf[:n], algorithm=alg, num_blocks=b, num_threads=t)
+
+    def _time(self, fn, graph: bool, iters: int, warmup: int) -> float:
+        """Mean microseconds per call of ``fn``: back-to-back eager launches, or
+        replays of a graph of ``iters`` calls."""
+        stream = torch.cuda.current_stream(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        if not graph:
+            for _ in range(warmup):
+                fn()
+            start.record(stream)
+            for _ in range(iters):
+                fn()
+            end.record(stream)
+            end.synchronize()
+            return start.elapsed_time(end) * 1e3 / iters
+        # capture_begin/end on a side stream: what torch.cuda.graph does, without
+        # its garbage collection and cache emptying before every capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(stream)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(side):
+            fn()
+            g.capture_begin()
+            try:
+                for _ in range(iters):
+                    fn()
+            finally:
+                g.capture_end()
+        stream.wait_stream(side)
+        for _ in range(max(1, warmup // iters)):
+            g.replay()
+        start.record(stream)
+        for _ in range(3):
+            g.replay()
+        end.record(stream)
+        end.synchronize()
+        del g
+        return start.elapsed_time(end) * 1e3 / (3 * iters)
+
+    def tune(
+        self,
+        *,
+        min_bytes: int = 1024,
+        max_bytes: int | None = None,
+        iters: int = 20,
+        warmup: int = 5,
+        graph=(False, True),
+        registered=(False, True),
+        collectives=("allreduce", "allgather"),
+        path=None,
+        save: bool = True,
+        verbose: bool = False,
+    ) -> dict:
+        """*Collective.* Times every applicable algorithm and a few launch geometries
+        per power-of-two size (bf16 sum; eager and/or CUDA graph; with and without
+        registered tensors), takes the maximum time over ranks, keeps each size's
+        fastest and installs the table on every rank. Rank 0 writes it to ``path``
+        (default: the file this communicator loaded from, else ``default_tune_file``).
+        Returns the JSON document."""
+        native = self._get()
+        max_bytes = min(self.max_bytes, max_bytes or self.max_bytes)
+        min_bytes = check_int("min_bytes", min_bytes, minimum=2)
+        lo, hi = math.ceil(math.log2(min_bytes)), int(math.log2(max_bytes))
+        if hi < lo:
+            raise ValueError(f"no power of two between min_bytes={min_bytes} and {max_bytes}")
+        sizes = [1 << k for k in range(lo, hi + 1)]
+        graph = (graph,) if isinstance(graph, bool) else tuple(graph)
+        registered = (registered,) if isinstance(registered, bool) else tuple(registered)
+        dev = self.device
+        elems = max(sizes) // 2
+        gen = torch.Generator(device=dev).manual_seed(1234 + self.rank)
+        buf = (torch.rand(elems, device=dev, generator=gen) + 0.5).to(torch.bfloat16)
+        # Outputs: an allreduce message, or an allgather output (<= max_bytes).
+        res = torch.empty(max(elems, max_bytes // 2), dtype=torch.bfloat16, device=dev)
+        backend = dist.get_backend(self.group)
+        entries, measurements = [], []
+        for reg in registered:
+            ids = []
+            if reg:
+                try:
+                    ids = [self.register(buf), self.register(res)]
+                except ValueError as e:
+                    if verbose and self.rank == 0:
+                        print(f"[tune] skipping registered tensors: {e}", flush=True)
+                    continue
+            try:
+                for coll in collectives:
+                    for g in graph:
+                        for size in sizes:
+                            # allreduce: the message; allgather: the per-rank input.
+                            if coll == "allgather" and size * self.world_size > max_bytes:
+                                continue
+                            cands = self._candidates(coll, size, reg)
+                            if not cands:
+                                continue
+                            times = [
+                                self._time(
+                                    self._bench_fn(coll, size, c, buf, res), g, iters, warmup
+                                )
+                                for c in cands
+                            ]
+                            tt = torch.tensor(times, dtype=torch.float64)
+                            if backend == "nccl":
+                                tt = tt.to(dev)
+                            dist.all_reduce(tt, op=dist.ReduceOp.MAX, group=self.group)
+                            tt = tt.cpu().tolist()
+                            best = min(range(len(cands)), key=lambda i: tt[i])
+                            alg, b, t = cands[best]
+                            entries.append((coll, g, reg, _bucket(size), alg, b, t))
+                            measurements.append(
+                                {
+                                    "collective": coll,
+                                    "graph": g,
+                                    "registered": reg,
+                                    "bytes": size,
+                                    "candidates": [
+                                        [a, bb, th, round(x, 3)]
+                                        for (a, bb, th), x in zip(cands, tt)
+                                    ],
+                                }
+                            )
+                            if verbose and self.rank == 0:
+                                mode = "graph" if g else "eager"
+                                print(
+                                    f"[tune] {coll} {mode} {'registered ' if reg else ''}"
+                                    f"{size} B: {alg} {b}x{t} {tt[best]:.2f} us",
+                                    flush=True,
+                                )
+            finally:
+                for rid in ids:
+                    self.deregister(rid)
+        native.set_tuned(entries)
+        doc = {
+            "format": TUNE_FORMAT,
+            "gpu": self.gpu_name,
+            "world_size": self.world_size,
+            "moelink": _native.__version__,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "limits": self.limits(),
+            "iters": iters,
+            "entries": [
+                {
+                    "collective": e[0],
+                    "graph": e[1],
+                    "registered": e[2],
+                    "log2_bytes": e[3],
+                    "algorithm": e[4],
+                    "num_blocks": e[5],
+                    "num_threads": e[6],
+                }
+                for e in entries
+            ],
+            "measurements": measurements,
+        }
+        if save and self.rank == 0:
+            target = Path(path) if path is not None else self.tune_file
+            if target is None:
+                target = default_tune_file(self.gpu_name, self.world_size)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp = target.with_suffix(".tmp")
+            tmp.write_text(json.dumps(doc, indent=1) + "\n")
+            tmp.replace(target)
+        return doc
+
+    # ----- lifetime ------------------------------------------------------------------
+
+    def destroy(self) -> None:
+        """*Collective.* Waits for the current stream, then frees the communicator
+        (registrations included). Idempotent."""
+        if self._native is None:
+            return
+        native, self._native = self._native, None
+        try:
+            torch.cuda.current_stream(self.device).synchronize()
+            native.barrier()
+        finally:
+            native.destroy()
+            self._registered.clear()
+
+    def __del__(self) -> None:
+        native = getattr(self, "_native", None)
+        if native is None:
+            return
+        with contextlib.suppress(Exception):
+            torch.cuda.current_stream(self.device).synchronize()
+        with contextlib.suppress(Exception):
+            native.destroy()

@@ -1,0 +1,26 @@
+"""moelink.AllReduce (allreduce, allgather) against a float64 CPU reference, under
+torchrun with 2 and 4 ranks (the scenarios live in ``allreduce_worker.py``).
+
+``MOELINK_AR_SCENARIOS`` (a comma list of names from the worker's
+``SCENARIO_NAMES``) runs only those; ``MOELINK_TEST_SEED`` replays a run's data;
+``MOELINK_AR_MAX_MIB`` caps message sizes (default 256); ``MOELINK_AR_FULL=1`` runs
+every dtype x op at every size.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.multi_gpu.torchrun_suite import run_suite
+
+pytestmark = pytest.mark.multi_gpu
+WORKER = Path(__file__).with_name("allreduce_worker.py")
+SCENARIOS_ENV = "MOELINK_AR_SCENARIOS"
+TIMEOUT_S = 1800
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_allreduce(nproc):
+    run_suite(nproc, WORKER, SCENARIOS_ENV, TIMEOUT_S)
