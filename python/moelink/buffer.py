@@ -83,6 +83,18 @@ def _check_aligned(name: str, t) -> None:
         )
 
 
+def _two_unique_ids() -> tuple:
+    """Two bootstrap ids whose root ports differ: each id's listener is released
+    when it is serialised, so the OS could hand the same port out twice, and both
+    native buffers of one Buffer listen at the same time."""
+    a = _native.bootstrap_unique_id()
+    for _ in range(16):
+        b = _native.bootstrap_unique_id()
+        if b[:-8] != a[:-8]:  # everything but the 8-byte nonce: magic, version, address
+            return a, b
+    raise RuntimeError("could not get two bootstrap ids on distinct ports")
+
+
 def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
@@ -169,11 +181,7 @@ class Buffer(LowLatencyMixin):
                 f"got {sorted(set(hosts))}"
             )
         # One bootstrap id per native buffer (intranode, low-latency).
-        uid = [
-            (_native.bootstrap_unique_id(), _native.bootstrap_unique_id())
-            if self.rank == 0
-            else None
-        ]
+        uid = [_two_unique_ids() if self.rank == 0 else None]
         dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
         self._comm_stream = torch.cuda.Stream(device=self.device)
         timeout = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
