@@ -60,16 +60,13 @@ struct LlCtx {
 };
 static_assert(sizeof(LlCtx) == 112, "mirrored in Rust");
 
-// `state` words: [0, 2) u64 completed calls; [2] ticket of the receive half;
-// [kDone, +32) per-destination arrivals of the send half; [kExpCtr, +E_local)
-// rows reserved per local expert; [kExpTicket, +E_local) sources done per
-// local expert. All zero between kernels, except the call counter.
+// `state` words (kStateWords, mirrored in Rust as STATE_WORDS): [0, 2) u64
+// completed calls; [2] ticket of the receive half; [kStateDone, +32)
+// per-destination arrivals of the send half. All zero between kernels, except
+// the call counter.
 constexpr int kStateTicket = 2;
 constexpr int kStateDone = 4;
-constexpr int kStateExpCtr = kStateDone + kMaxRanks;
-constexpr int kMaxLocalExperts = 1024;
-constexpr int kStateExpTicket = kStateExpCtr + kMaxLocalExperts;
-constexpr int kStateWords = kStateExpTicket + kMaxLocalExperts;
+constexpr int kStateWords = kStateDone + kMaxRanks;
 
 struct DispatchArgs {
   const __nv_bfloat16* x;  // [N, H]

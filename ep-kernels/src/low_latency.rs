@@ -13,7 +13,7 @@ use crate::module::{DeviceKernels, KernelId};
 
 /// Largest rank count (one flag per rank and parity, one lane per rank).
 pub const MAX_RANKS: usize = 32;
-/// Largest number of local experts (device counters per local expert).
+/// Largest number of local experts.
 pub const MAX_LOCAL_EXPERTS: usize = 1024;
 /// Largest top-k.
 pub const MAX_TOPK: usize = 32;
@@ -24,7 +24,7 @@ pub const THREADS: u32 = 1024;
 /// Bytes of the flags region at the start of the buffer.
 pub const FLAGS_BYTES: u64 = 4096;
 /// u32 words of the device state (`kStateWords`).
-pub const STATE_WORDS: usize = 4 + MAX_RANKS + 2 * MAX_LOCAL_EXPERTS;
+pub const STATE_WORDS: usize = 4 + MAX_RANKS;
 /// Message header bytes (the source token index, padded).
 pub const HEADER_BYTES: u64 = 16;
 /// Dynamic shared memory a block may use without opting in.

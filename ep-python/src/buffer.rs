@@ -23,6 +23,21 @@ pub fn bootstrap_unique_id(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
     Ok(PyBytes::new(py, &id.to_bytes()))
 }
 
+/// Binds CUDA device `device` to this thread and connects `size` ranks through
+/// the bootstrap id: the start of every native buffer's constructor.
+pub(crate) fn bind_and_bootstrap(
+    unique_id: &[u8],
+    rank: usize,
+    size: usize,
+    device: i32,
+    timeout: Duration,
+) -> comm::Result<(Device, Arc<TcpBootstrap>)> {
+    let id = UniqueId::from_bytes(unique_id)?;
+    let dev = Device::bind(device)?;
+    let boot = TcpBootstrap::new(&id, rank, size, timeout)?;
+    Ok((dev, Arc::new(boot)))
+}
+
 #[pyclass(module = "moelink._native")]
 pub struct IntranodeBuffer {
     inner: Option<Inner>,
@@ -69,10 +84,8 @@ impl IntranodeBuffer {
         let timeout = Duration::from_secs_f64(timeout_s);
         let inner = py
             .detach(|| {
-                let id = UniqueId::from_bytes(&unique_id)?;
-                let dev = Device::bind(device)?;
-                let boot = TcpBootstrap::new(&id, rank, size, timeout)?;
-                Inner::new(Arc::new(boot), dev, num_nvl_bytes, timeout)
+                let (dev, boot) = bind_and_bootstrap(&unique_id, rank, size, device, timeout)?;
+                Inner::new(boot, dev, num_nvl_bytes, timeout)
             })
             .map_err(to_py)?;
         Ok(Self { inner: Some(inner) })

@@ -2,10 +2,9 @@
 //! mode. Pointers arrive as ints (`tensor.data_ptr()`, 0 = absent) after the
 //! Python layer checked every tensor; streams as raw `cudaStream_t` ints.
 
-use std::sync::Arc;
 use std::time::Duration;
 
-use comm::{Device, StreamHandle, TcpBootstrap, UniqueId};
+use comm::StreamHandle;
 use ep_core::low_latency::{
     size_hint, CombineCall, DispatchCall, LowLatencyBuffer as Inner, LowLatencyOptions,
 };
@@ -13,6 +12,7 @@ use ep_kernels::low_latency::Phases;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
+use crate::buffer::bind_and_bootstrap;
 use crate::to_py;
 
 #[pyclass(module = "moelink._native")]
@@ -78,10 +78,8 @@ impl LowLatencyBuffer {
         };
         let inner = py
             .detach(|| {
-                let id = UniqueId::from_bytes(&unique_id)?;
-                let dev = Device::bind(device)?;
-                let boot = TcpBootstrap::new(&id, rank, size, timeout)?;
-                Inner::new(Arc::new(boot), dev, num_bytes, opts)
+                let (dev, boot) = bind_and_bootstrap(&unique_id, rank, size, device, timeout)?;
+                Inner::new(boot, dev, num_bytes, opts)
             })
             .map_err(to_py)?;
         Ok(Self { inner: Some(inner) })

@@ -33,7 +33,11 @@ type CombineIn<'py> = (
 type BytesPair<'py> = (Bytes<'py>, Option<Bytes<'py>>);
 
 /// Little-endian values of `N` bytes each.
-fn decode<const N: usize, T>(name: &str, b: &[u8], f: fn([u8; N]) -> T) -> PyResult<Vec<T>> {
+pub(crate) fn decode<const N: usize, T>(
+    name: &str,
+    b: &[u8],
+    f: fn([u8; N]) -> T,
+) -> PyResult<Vec<T>> {
     if b.len() % N != 0 {
         return Err(PyValueError::new_err(format!(
             "{name}: {} bytes is not a whole number of {N}-byte values",
@@ -54,7 +58,7 @@ fn f32s(name: &str, b: Option<&Bytes<'_>>) -> PyResult<Option<Vec<f32>>> {
         .transpose()
 }
 
-fn encode<'py, const N: usize, T: Copy>(
+pub(crate) fn encode<'py, const N: usize, T: Copy>(
     py: Python<'py>,
     v: &[T],
     f: fn(T) -> [u8; N],

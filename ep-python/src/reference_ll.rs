@@ -7,34 +7,13 @@
 use ep_core::reference_ll::{
     self as r, LlCombineInput, LlHandle, LlRankInput, LowLatencyArgs, RecvScales, RecvX,
 };
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
+use crate::reference::{decode, encode};
 use crate::to_py;
 
 type Bytes<'py> = Bound<'py, PyBytes>;
-
-fn decode<const N: usize, T>(name: &str, b: &[u8], f: fn([u8; N]) -> T) -> PyResult<Vec<T>> {
-    if b.len() % N != 0 {
-        return Err(PyValueError::new_err(format!(
-            "{name}: {} bytes is not a whole number of {N}-byte values",
-            b.len()
-        )));
-    }
-    Ok(b.chunks_exact(N)
-        .map(|c| f(c.try_into().expect("chunks_exact gives N bytes")))
-        .collect())
-}
-
-fn bytes_of<'py, const N: usize, T: Copy>(
-    py: Python<'py>,
-    v: &[T],
-    f: fn(T) -> [u8; N],
-) -> Bytes<'py> {
-    let b: Vec<u8> = v.iter().flat_map(|&x| f(x)).collect();
-    PyBytes::new(py, &b)
-}
 
 /// `low_latency_dispatch` over all ranks. `inputs[r] = (x f32 bytes [T_r, H],
 /// topk_idx int64 bytes [T_r, K])`. Returns one dict per rank: `recv_x`
@@ -81,29 +60,24 @@ pub fn ref_ll_dispatch<'py>(
         let d = PyDict::new(py);
         match &rank.recv_x {
             RecvX::Bf16(v) => {
-                d.set_item("recv_x", bytes_of(py, v, f32::to_le_bytes))?;
+                d.set_item("recv_x", encode(py, v, f32::to_le_bytes))?;
                 d.set_item("scales", py.None())?;
             }
             RecvX::Fp8 { x, scales } => {
                 d.set_item("recv_x", PyBytes::new(py, x))?;
                 match scales {
-                    RecvScales::F32(s) => {
-                        d.set_item("scales", bytes_of(py, s, f32::to_le_bytes))?
-                    }
+                    RecvScales::F32(s) => d.set_item("scales", encode(py, s, f32::to_le_bytes))?,
                     RecvScales::Ue8m0(s) => {
-                        d.set_item("scales", bytes_of(py, s, i32::to_le_bytes))?
+                        d.set_item("scales", encode(py, s, i32::to_le_bytes))?
                     }
                 }
             }
         }
-        d.set_item(
-            "recv_count",
-            bytes_of(py, &rank.recv_count, i32::to_le_bytes),
-        )?;
-        d.set_item("src_info", bytes_of(py, &rank.src_info, i32::to_le_bytes))?;
+        d.set_item("recv_count", encode(py, &rank.recv_count, i32::to_le_bytes))?;
+        d.set_item("src_info", encode(py, &rank.src_info, i32::to_le_bytes))?;
         d.set_item(
             "layout_range",
-            bytes_of(py, &rank.layout_range, i64::to_le_bytes),
+            encode(py, &rank.layout_range, i64::to_le_bytes),
         )?;
         dicts.push(d);
     }
@@ -153,8 +127,8 @@ pub fn ref_ll_combine<'py>(
         .iter()
         .map(|o| {
             (
-                bytes_of(py, &o.combined_x, f32::to_le_bytes),
-                bytes_of(py, &o.abs_sum, f32::to_le_bytes),
+                encode(py, &o.combined_x, f32::to_le_bytes),
+                encode(py, &o.abs_sum, f32::to_le_bytes),
             )
         })
         .collect())
