@@ -250,6 +250,11 @@ class Buffer(LowLatencyMixin):
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {type(dtype).__name__}")
         if use_rdma_buffer:
+            if not (self.low_latency_mode and self.num_rdma_bytes > 0):
+                raise ValueError(
+                    "use_rdma_buffer=True needs a Buffer created with low_latency_mode=True "
+                    "and num_rdma_bytes > 0"
+                )
             ptr, allocated = self._ll_native().local_buffer()
             nbytes = min(allocated, self.num_rdma_bytes)
         else:
