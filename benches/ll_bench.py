@@ -211,6 +211,42 @@ class Bench:
         torch.cuda.current_stream(self.device).wait_stream(s)
         return out
 
+    def phase_profile(self, t: int, h: int, e: int, k: int, iters: int) -> dict:
+        """With MOELINK_LL_PROFILE=1: each half in hook mode, the device synchronised
+        and the stamps read after every launch; per segment the median over
+        iterations of (median over blocks, max over blocks), us."""
+        torch = self.torch
+        import torch.distributed as dist
+
+        buf = self.buf
+        ll = buf._ll_native()
+        x, idx, w = self.inputs(t, h, e, k, seed=17)
+        recv = buf.low_latency_dispatch(x, idx, t, e)[0]
+        y = self.dequant(recv, True).clone()
+        acc = {name: {} for name in PROF_SEGMENTS}
+
+        def take(name, kernel):
+            for seg, v in profile_segments(ll.profile(), kernel, PROF_SEGMENTS[name]).items():
+                acc[name].setdefault(seg, []).append(v)
+
+        for _ in range(iters):
+            dist.barrier()
+            r = buf.low_latency_dispatch(x, idx, t, e, return_recv_hook=True)
+            take("dispatch_send", 0)
+            dist.barrier()
+            r[4]()
+            take("dispatch_recv", 0)
+            dist.barrier()
+            c = buf.low_latency_combine(y, idx, w, r[2], return_recv_hook=True)
+            take("combine_send", 1)
+            dist.barrier()
+            c[2]()
+            take("combine_recv", 1)
+        torch.cuda.synchronize()
+        return {name: {seg: [statistics.median(a for a, _ in v), statistics.median(b for _, b in v)]
+                       for seg, v in segs.items()}
+                for name, segs in acc.items()}  # fmt: skip
+
     def baseline(self, t: int, h: int, k: int, iters: int) -> dict:
         """all_to_all_single of the same bytes: every rank sends its T*K messages
         (fp8 row + scales + 16-byte header), split evenly; and the bf16 rows back."""
@@ -235,6 +271,60 @@ class Bench:
         return out
 
 
+#: Phase segments of the kernels' stamps (ep-kernels/cuda/low_latency.cu, stamp()):
+#: (kernel, name, from slot, to slot). Slot 1 = block start, 14 = block end (clock64).
+PROF_SEGMENTS = {
+    "dispatch_send": [
+        ("count_routing", 1, 2), ("first token: token_routing", 2, 3),
+        ("first token: fp8 cast", 3, 4), ("warp 0: store message", 11, 12),
+        ("warp 0: fence + arrive", 12, 13), ("first token: all warps done", 4, 5),
+        ("send half", 1, 6), ("block", 1, 14),
+    ],
+    "dispatch_recv": [
+        ("wait flags", 1, 7), ("layout", 7, 8), ("copy messages out", 8, 9),
+        ("finish", 9, 10), ("block", 1, 14),
+    ],
+    "combine_send": [
+        ("layout", 1, 2), ("warp 0: load + store row", 11, 12),
+        ("warp 0: fence + arrive", 12, 13), ("send half", 1, 3), ("block", 1, 14),
+    ],
+    "combine_recv": [
+        ("wait flags + count_routing", 4, 5), ("weighted sums", 5, 6), ("finish", 6, 7),
+        ("block", 1, 14),
+    ],
+}  # fmt: skip
+PROF_BLOCKS, PROF_SLOTS = 256, 16
+
+
+def profile_segments(stamps: list, kernel: int, segments: list) -> dict:
+    """Per segment, (median, max) over the blocks that stamped both ends, in us;
+    clock64 cycles are converted with each block's own globaltimer span. Also the
+    kernel's span (first block start to last block end) and the start skew."""
+    out, ratios, starts, ends = {}, [], [], []
+    blocks = []
+    for b in range(PROF_BLOCKS):
+        o = (kernel * PROF_BLOCKS + b) * PROF_SLOTS
+        v = stamps[o : o + PROF_SLOTS]
+        if v[0] == 0 or v[15] < v[0] or v[14] <= v[1]:
+            continue
+        ratios.append((v[15] - v[0]) / (v[14] - v[1]))
+        starts.append(v[0])
+        ends.append(v[15])
+        blocks.append(v)
+    if not blocks:
+        return out
+    ns_per_cycle = statistics.median(ratios)
+    for name, a, b in segments:
+        d = [(v[b] - v[a]) * ns_per_cycle / 1e3 for v in blocks
+             if v[1] <= v[a] <= v[b] <= v[14]]  # fmt: skip
+        if d:
+            out[name] = (statistics.median(d), max(d))
+    out["kernel span"] = ((max(ends) - min(starts)) / 1e3,) * 2
+    out["block start skew"] = ((max(starts) - min(starts)) / 1e3,) * 2
+    out["ns_per_cycle"] = (ns_per_cycle, ns_per_cycle)
+    return out
+
+
 def gather_max(rank_results: list) -> dict:
     """Per key, the maximum over ranks of the per-rank medians (the slowest rank
     sets the step time)."""
@@ -253,8 +343,8 @@ def run(args) -> int:
     torch.cuda.set_device(local)
     device = torch.device("cuda", local)
     e, k = args.experts, args.topk
-    t_max = max(args.tokens, *(SWEEP_TOKENS if args.sweep else ()))
-    h_max = max(args.hidden, *(SWEEP_HIDDEN if args.sweep else ()))
+    t_max = max((args.tokens, *(SWEEP_TOKENS if args.sweep else ())))
+    h_max = max((args.hidden, *(SWEEP_HIDDEN if args.sweep else ())))
     data = {"transports": {}}
     failed = []
     transports = ["nvlink"] + ([] if args.no_proxy else ["proxy"])
@@ -270,6 +360,8 @@ def run(args) -> int:
         main.update(b.baseline(args.tokens, args.hidden, k, args.iters))
         main.update(b.graph_times(args.tokens, args.hidden, e, k))
         res["main"] = main
+        if os.environ.get("MOELINK_LL_PROFILE") == "1":
+            res["profile"] = b.phase_profile(args.tokens, args.hidden, e, k, 20)
         sweep = []
         if args.sweep and tr == "nvlink":
             for h in SWEEP_HIDDEN:
@@ -292,6 +384,9 @@ def run(args) -> int:
                     gather_max([a["res"]["sweep"][i] for a in allres]) for i in range(len(sweep))
                 ],  # fmt: skip
             }
+            if "profile" in res:
+                entry["profile"] = {a.get("rank", q): a["res"].get("profile")
+                                    for q, a in enumerate(allres)}  # fmt: skip
             data["transports"][tr] = entry
             for q, a in enumerate(allres):
                 failed += [f"rank {q}: {m}" for m in a["errors"]]
@@ -328,10 +423,27 @@ def run(args) -> int:
         (args.out / "ll.json").write_text(json.dumps(data, indent=2) + "\n")
         plot(data, args.out / "ll.png")
         summary(data)
+        print_profile(data)
         for f in failed:
             print("CHECK FAILED", f)
     dist.destroy_process_group()
     return 1 if failed else 0
+
+
+def print_profile(data: dict) -> None:
+    for tr, entry in data["transports"].items():
+        prof = entry.get("profile")
+        if not prof:
+            continue
+        print(f"\nphase stamps, {tr} (us: median over blocks / max over blocks, median of "
+              "20 hook-mode calls, each half alone with the device synchronised)")  # fmt: skip
+        for half in PROF_SEGMENTS:
+            print(f"  {half}")
+            segs = list(next(iter(prof.values()))[half].keys())
+            for seg in segs:
+                cells = "".join(f"  r{r}: {p[half][seg][0]:7.2f} /{p[half][seg][1]:7.2f}"
+                                for r, p in prof.items() if seg in p[half])  # fmt: skip
+                print(f"    {seg:30s}{cells}")
 
 
 def summary(data: dict) -> None:

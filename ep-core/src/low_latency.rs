@@ -81,6 +81,8 @@ pub struct LowLatencyBuffer {
     mem: RegisteredMemory,
     state: DeviceMemory,
     mask: DeviceMemory,
+    /// Phase stamps of every launch (`MOELINK_LL_PROFILE=1`), else `None`.
+    prof: Option<DeviceMemory>,
     comm: Communicator,
     device: Device,
     kernels: DeviceKernels,
@@ -208,6 +210,13 @@ impl LowLatencyBuffer {
         let mask = DeviceMemory::alloc(device, 4 * k::MAX_RANKS)?;
         mask.fill(0)?;
         let num_blocks = device.sm_count()?.max(1) as u32;
+        let prof = if std::env::var("MOELINK_LL_PROFILE").is_ok_and(|v| v == "1") {
+            let m = DeviceMemory::alloc(device, 8 * 2 * k::PROF_BLOCKS * k::PROF_SLOTS)?;
+            m.fill(0)?;
+            Some(m)
+        } else {
+            None
+        };
         comm.barrier()?;
         Ok(Self {
             proxy,
@@ -218,6 +227,7 @@ impl LowLatencyBuffer {
             mem,
             state,
             mask,
+            prof,
             comm,
             device,
             kernels,
@@ -336,7 +346,24 @@ impl LowLatencyBuffer {
             num_ranks: self.num_ranks() as i32,
             use_proxy: i32::from(self.uses_proxy()),
             shrink: i32::from(self.opts.shrink),
+            prof: self.prof.as_ref().map_or(0, |m| m.ptr()),
         }
+    }
+
+    /// The phase stamps of the latest launches, `[2][PROF_BLOCKS][PROF_SLOTS]`
+    /// (dispatch, combine), after synchronising the device. Errors unless the
+    /// buffer was created with `MOELINK_LL_PROFILE=1`.
+    pub fn profile(&self) -> Result<Vec<u64>> {
+        let m = self.prof.as_ref().ok_or_else(|| {
+            CommError::invalid(
+                "profile",
+                "create the Buffer with MOELINK_LL_PROFILE=1 to record phase stamps",
+            )
+        })?;
+        self.device.synchronize()?;
+        let mut v = vec![0u64; 2 * k::PROF_BLOCKS * k::PROF_SLOTS];
+        m.copy_to_host(0, &mut v)?;
+        Ok(v)
     }
 
     /// Launches `phases` of a low-latency dispatch on `stream`.

@@ -57,8 +57,9 @@ struct LlCtx {
   int32_t num_ranks;
   int32_t use_proxy;                       // 1: peers through port channels
   int32_t shrink;                          // 1: a silent peer is masked, not an error
+  uint64_t* prof;                          // MOELINK_LL_PROFILE stamps (see stamp) or null
 };
-static_assert(sizeof(LlCtx) == 112, "mirrored in Rust");
+static_assert(sizeof(LlCtx) == 120, "mirrored in Rust");
 
 // `state` words (kStateWords, mirrored in Rust as STATE_WORDS): [0, 2) u64
 // completed calls; [2] ticket of the receive half; [kStateDone, +32)
@@ -114,6 +115,22 @@ __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
+}
+
+// Optional phase stamps (MOELINK_LL_PROFILE=1, read by Buffer._low_latency_profile):
+// prof[kernel][block][slot], kernel 0 dispatch / 1 combine, written by thread 0
+// of each block (or lane 0 of warp 0 for the per-warp slots): slots 0 and
+// kProfSlots-1 the globaltimer (ns) at the start and the end, the others
+// clock64 (1 at the start, kProfSlots-2 at the end; the rest at the phase
+// boundaries marked by the stamp calls below; benches/ll_bench.py --profile
+// names them).
+constexpr int kProfBlocks = 256;
+constexpr int kProfSlots = 16;
+__device__ __forceinline__ void stamp(const LlCtx& c, int kernel, int slot) {
+  if (c.prof != nullptr && threadIdx.x == 0 && blockIdx.x < kProfBlocks) {
+    const uint64_t v = (slot == 0 || slot == kProfSlots - 1) ? now_ns() : uint64_t(clock64());
+    c.prof[(int64_t(kernel) * kProfBlocks + blockIdx.x) * kProfSlots + slot] = v;
+  }
 }
 
 __device__ __forceinline__ int4 ld_nc(const int4* p) {
@@ -230,6 +247,26 @@ __device__ bool wait_flag(const LlCtx& c, int parity, int src, uint64_t seq, uin
   return true;
 }
 
+// Exclusive prefix sums of the n ints in[i * stride] into out[i * stride] (may
+// alias in), by one warp (every lane calls it); returns the total.
+__device__ __forceinline__ int warp_exclusive_scan(const int* in, int* out, int n, int stride,
+                                                   int lane) {
+  int carry = 0;
+  for (int base = 0; base < n; base += 32) {
+    const int i = base + lane;
+    const int v = i < n ? in[i * stride] : 0;
+    int x = v;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    if (i < n) out[i * stride] = carry + x - v;
+    carry += __shfl_sync(0xffffffffu, x, 31);
+  }
+  return carry;
+}
+
 // ---- routing: counts, prefixes and occurrences (shared by dispatch and combine)
 
 struct Routing {
@@ -253,15 +290,12 @@ __device__ void count_routing(const Routing& r, const int64_t* topk, int n_entri
     if (e >= 0) atomicAdd(r.cnt + e, 1);
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < num_experts; e += blockDim.x) {
-    int s = 0;
-    for (int f = (e / experts_per_rank) * experts_per_rank; f < e; ++f) s += r.cnt[f];
-    r.prefix[e] = s;
-  }
-  for (int d = threadIdx.x; d < num_ranks; d += blockDim.x) {
-    int s = 0;
-    for (int f = d * experts_per_rank; f < (d + 1) * experts_per_rank; ++f) s += r.cnt[f];
-    r.total[d] = s;
+  // One warp per destination rank: prefixes over its experts, and its total.
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int d = warp; d < num_ranks; d += blockDim.x / 32) {
+    const int off = d * experts_per_rank;
+    const int tot = warp_exclusive_scan(r.cnt + off, r.prefix + off, experts_per_rank, 1, lane);
+    if (lane == 0) r.total[d] = tot;
   }
   __syncthreads();
 }
@@ -407,6 +441,7 @@ __device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t se
   r.occ = r.ek + kMaxTopk;
   char* msg = smem + (int64_t(2 * E + kMaxRanks + 2 * kMaxTopk) * 4 + 15) / 16 * 16;
   count_routing(r, a.topk, a.num_tokens * K, E, EL, R);
+  stamp(c, 0, 2);
 
   // Block 0 writes every inbox header (this rank's counts for the peer's
   // experts): one arrival per peer, so a peer with no message still publishes.
@@ -422,24 +457,32 @@ __device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t se
     }
   }
   for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+    const bool first = t == int(blockIdx.x);
     token_routing(r, a.topk, t, K, E);
+    if (first) stamp(c, 0, 3);
     build_message(a, t, msg);
     __syncthreads();
+    if (first) stamp(c, 0, 4);
     if (warp < K) {
       const int e = r.ek[warp];
       const int d = e >= 0 ? e / EL : 0;
       if (e >= 0 && !is_masked(c, d)) {
         char* inbox = send_inbox(c, parity, d, a.inbox_bytes);
         const int64_t pos = r.prefix[e] + r.occ[warp];
+        if (first) stamp(c, 0, 11);
         warp_copy(inbox + hdr + pos * a.msg_bytes, msg, a.msg_bytes, lane);
         __syncwarp();
+        if (first) stamp(c, 0, 12);
         if (lane == 0)
           arrive(c, parity, d, r.total[d] + 1, a.inbox_bytes,
                  hdr + int64_t(r.total[d]) * a.msg_bytes, seq);
+        if (first) stamp(c, 0, 13);
       }
     }
     __syncthreads();
+    if (first) stamp(c, 0, 5);
   }
+  stamp(c, 0, 6);
 }
 
 // Receive half. Every block waits for every source's flag and reads every inbox
@@ -482,56 +525,61 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
     cnt[u] = live[s] && !is_masked(c, s) ? ld_cg_i32(h + j) : 0;
   }
   __syncthreads();
-  // Per source: its messages in expert order must fit its inbox.
-  if (threadIdx.x < R) {
-    const int s = threadIdx.x;
-    int p = 0;
-    for (int j = 0; j < EL; ++j) {
-      const int v = cnt[s * EL + j];
-      if (v < 0 || p + v > max_msgs) {
-        if (blockIdx.x == 0)
-          comm::report_error(c.error, comm::kErrorInvalid, comm::kLlOverflow, c.rank, s,
-                             uint64_t(j), uint64_t(max_msgs), uint64_t(p + v));
-        for (int j2 = 0; j2 < EL; ++j2) cnt[s * EL + j2] = 0;
-        p = 0;
-        break;
+  stamp(c, 0, 7);
+  // Per source (one warp each): its messages in expert order must fit its inbox;
+  // base = offsets inside the inbox.
+  const int warp = threadIdx.x / 32;
+  for (int s = warp; s < R; s += kWarps) {
+    int* cs = cnt + s * EL;
+    const int tot = warp_exclusive_scan(cs, base + s * EL, EL, 1, lane);
+    __syncwarp();
+    int bad_j = -1, bad_at = 0;
+    for (int j0 = 0; j0 < EL && bad_j < 0; j0 += 32) {
+      const int j = j0 + lane;
+      const bool bad = j < EL && (cs[j] < 0 || base[s * EL + j] + cs[j] > max_msgs);
+      const unsigned m = __ballot_sync(0xffffffffu, bad);
+      if (m != 0) {
+        bad_j = j0 + __ffs(m) - 1;
+        bad_at = base[s * EL + bad_j] + cs[bad_j];
       }
-      base[s * EL + j] = p;  // offset inside the inbox for now
-      p += v;
     }
-    before[s] = p;  // this source's total, turned into a prefix below
+    __syncwarp();
+    if (bad_j >= 0) {
+      if (blockIdx.x == 0 && lane == 0)
+        comm::report_error(c.error, comm::kErrorInvalid, comm::kLlOverflow, c.rank, s,
+                           uint64_t(bad_j), uint64_t(max_msgs), uint64_t(bad_at));
+      for (int j = lane; j < EL; j += 32) cs[j] = 0;
+    }
+    if (lane == 0) before[s] = bad_j >= 0 ? 0 : tot;  // turned into a prefix below
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int p = 0;
-    for (int s = 0; s < R; ++s) {
-      const int v = before[s];
-      before[s] = p;
-      p += v;
-    }
-    reinterpret_cast<int*>(before + kMaxRanks)[0] = p;
+  if (warp == 0) {
+    const int tot = warp_exclusive_scan(before, before, R, 1, lane);
+    if (lane == 0) reinterpret_cast<int*>(before + kMaxRanks)[0] = tot;
   }
-  for (int j = threadIdx.x; j < EL; j += blockDim.x) {
-    int p = 0;
-    for (int s = 0; s < R; ++s) {
-      begin[s * EL + j] = p;
-      p += cnt[s * EL + j];
-    }
+  // begin[s][j]: rows of expert j from the sources below s (one warp per expert).
+  for (int j = warp; j < EL; j += kWarps) {
+    const int p = warp_exclusive_scan(cnt + j, begin + j, R, EL, lane);
+    __syncwarp();
     if (blockIdx.x == 0) {
-      const int n = p > RT ? int(RT) : p;
-      if (p > RT)
-        comm::report_error(c.error, comm::kErrorInvalid, comm::kLlOverflow, c.rank, -1,
-                           uint64_t(j), uint64_t(RT), uint64_t(p));
-      a.recv_count[j] = n;
-      if (a.stats_count) atomicAdd(a.stats_count + j, n);
-      for (int s = 0; s < R; ++s)
+      if (lane == 0) {
+        const int n = p > RT ? int(RT) : p;
+        if (p > RT)
+          comm::report_error(c.error, comm::kErrorInvalid, comm::kLlOverflow, c.rank, -1,
+                             uint64_t(j), uint64_t(RT), uint64_t(p));
+        a.recv_count[j] = n;
+        if (a.stats_count) atomicAdd(a.stats_count + j, n);
+      }
+      for (int s = lane; s < R; s += 32)
         a.layout_range[int64_t(j) * R + s] =
             (int64_t(begin[s * EL + j]) << 32) | int64_t(cnt[s * EL + j]);
     }
   }
   __syncthreads();
+  stamp(c, 0, 8);
   const int total = reinterpret_cast<int*>(before + kMaxRanks)[0];
-  const int gwarp = blockIdx.x * kWarps + threadIdx.x / 32;
+  // Message m goes to warp m / gridDim of block m % gridDim: every SM copies.
+  const int gwarp = warp * gridDim.x + blockIdx.x;
   const int nwarps = gridDim.x * kWarps;
   for (int m = gwarp; m < total; m += nwarps) {
     // Source: the last s with before[s] <= m; expert: the last j with base <= offset.
@@ -576,18 +624,24 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
       for (int g = lane; g < nsc; g += 32) out[int64_t(g) * RT] = ld_cg_i32(sc + g);
     }
   }
+  stamp(c, 0, 9);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     ll_dispatch(const LlCtx c, const DispatchArgs a) {
   extern __shared__ __align__(16) char smem[];
+  stamp(c, 0, 0);
+  stamp(c, 0, 1);
   const uint64_t seq = current_seq(c);
   if (a.phases & 1) dispatch_send(c, a, seq, smem);
   if (a.phases & 2) {
     __syncthreads();
     dispatch_recv(c, a, seq, smem);
     finish_call(c);
+    stamp(c, 0, 10);
   }
+  stamp(c, 0, kProfSlots - 2);
+  stamp(c, 0, kProfSlots - 1);
 }
 
 // ---- combine ----------------------------------------------------------------------
@@ -611,38 +665,39 @@ __device__ void combine_send(const LlCtx& c, const CombineArgs& a, uint64_t seq,
     beg[i] = int(v >> 32);
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < EL * R; i += blockDim.x) {
-    const int j = i / R, s = i % R;
-    int p = 0;
-    for (int j0 = 0; j0 < j; ++j0) p += cnt[j0 * R + s];
-    pre[i] = p;
-  }
-  for (int s = threadIdx.x; s < R; s += blockDim.x) {
-    int p = 0;
-    for (int j0 = 0; j0 < EL; ++j0) p += cnt[j0 * R + s];
-    total[s] = p;
+  // pre[j][s]: rows of source s in the experts below j (one warp per source);
+  // cum[j]: rows of the experts below j (all sources).
+  for (int s = warp; s < R; s += kWarps) {
+    const int tot = warp_exclusive_scan(cnt + s, pre + s, EL, R, lane);
+    if (lane == 0) total[s] = tot;
   }
   for (int j0 = threadIdx.x; j0 < EL; j0 += blockDim.x) {
     int p = 0;
     for (int s = 0; s < R; ++s) p += cnt[j0 * R + s];
-    cum[j0 + 1] = p;
+    cum[j0] = p;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    cum[0] = 0;
-    for (int j0 = 1; j0 <= EL; ++j0) cum[j0] += cum[j0 - 1];
+  if (warp == 0) {
+    const int tot = warp_exclusive_scan(cum, cum, EL, 1, lane);
+    if (lane == 0) cum[EL] = tot;
   }
   __syncthreads();
+  stamp(c, 1, 2);
   if (blockIdx.x == 0) {
     for (int s = warp; s < R; s += kWarps)
       if (lane == 0 && !is_masked(c, s))
         arrive(c, parity, s, total[s] + 1, a.inbox_bytes, total[s] * row_bytes, seq);
   }
-  const int gwarp = blockIdx.x * kWarps + warp;
+  // Row `item` goes to warp item / gridDim of block item % gridDim: every SM copies.
+  const int gwarp = warp * gridDim.x + blockIdx.x;
   const int nwarps = gridDim.x * kWarps;
   for (int item = gwarp; item < cum[EL]; item += nwarps) {
-    int j = 0;
-    while (cum[j + 1] <= item) ++j;
+    // The expert: the last j with cum[j] <= item.
+    int j = 0, hi = EL - 1;
+    while (j < hi) {
+      const int mid = (j + hi + 1) / 2;
+      if (cum[mid] <= item) j = mid; else hi = mid - 1;
+    }
     const int row = item - cum[j];
     int s = 0;
     while (s < R && !(beg[j * R + s] <= row && row < beg[j * R + s] + cnt[j * R + s])) ++s;
@@ -650,10 +705,15 @@ __device__ void combine_send(const LlCtx& c, const CombineArgs& a, uint64_t seq,
     const int64_t pos = pre[j * R + s] + (row - beg[j * R + s]);
     char* dst = send_inbox(c, parity, s, a.inbox_bytes) + pos * row_bytes;
     const char* src = reinterpret_cast<const char*>(a.x) + (int64_t(j) * RT + row) * row_bytes;
+    const bool first = item == gwarp;
+    if (first) stamp(c, 1, 11);
     warp_copy_global(dst, src, row_bytes, lane);
     __syncwarp();
+    if (first) stamp(c, 1, 12);
     if (lane == 0) arrive(c, parity, s, total[s] + 1, a.inbox_bytes, total[s] * row_bytes, seq);
+    if (first) stamp(c, 1, 13);
   }
+  stamp(c, 1, 3);
 }
 
 __device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq, char* smem) {
@@ -680,6 +740,7 @@ __device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq,
                 static_cast<unsigned long long>(cycles));
   }
   count_routing(r, a.topk, a.num_tokens * K, E, EL, R);
+  stamp(c, 1, 5);
   const int i = threadIdx.x;  // channels 8i .. 8i + 7
   const int64_t row_bytes = int64_t(H) * 2;
   for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
@@ -708,18 +769,25 @@ __device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq,
     }
     __syncthreads();
   }
+  stamp(c, 1, 6);
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
     ll_combine(const LlCtx c, const CombineArgs a) {
   extern __shared__ __align__(16) char smem[];
+  stamp(c, 1, 0);
+  stamp(c, 1, 1);
   const uint64_t seq = current_seq(c);
   if (a.phases & 1) combine_send(c, a, seq, smem);
   if (a.phases & 2) {
     __syncthreads();
+    stamp(c, 1, 4);
     combine_recv(c, a, seq, smem);
     finish_call(c);
+    stamp(c, 1, 7);
   }
+  stamp(c, 1, kProfSlots - 2);
+  stamp(c, 1, kProfSlots - 1);
 }
 
 }  // namespace moelink::ll

@@ -25,6 +25,11 @@ pub const THREADS: u32 = 1024;
 pub const FLAGS_BYTES: u64 = 4096;
 /// u32 words of the device state (`kStateWords`).
 pub const STATE_WORDS: usize = 4 + MAX_RANKS;
+/// Blocks and slots per kernel of the optional phase stamps (`kProfBlocks`,
+/// `kProfSlots`): slot 0 / `PROF_SLOTS - 1` globaltimer ns at a block's start /
+/// end, the others `clock64` at the phase boundaries listed in the kernel.
+pub const PROF_BLOCKS: usize = 256;
+pub const PROF_SLOTS: usize = 16;
 /// Message header bytes (the source token index, padded).
 pub const HEADER_BYTES: u64 = 16;
 /// Dynamic shared memory a block may use without opting in.
@@ -53,6 +58,8 @@ pub struct LlCtx {
     pub num_ranks: i32,
     pub use_proxy: i32,
     pub shrink: i32,
+    /// Device u64 `[2][PROF_BLOCKS][PROF_SLOTS]` phase stamps, or 0 (off).
+    pub prof: u64,
 }
 
 /// `moelink::ll::DispatchArgs`.
@@ -102,7 +109,7 @@ pub struct CombineArgs {
 }
 
 const _: () = {
-    assert!(size_of::<LlCtx>() == 112);
+    assert!(size_of::<LlCtx>() == 120);
     assert!(size_of::<DispatchArgs>() == 128);
     assert!(size_of::<CombineArgs>() == 80);
 };

@@ -125,6 +125,13 @@ impl LowLatencyBuffer {
         Ok(())
     }
 
+    /// Phase stamps of the latest launches (`MOELINK_LL_PROFILE=1` at creation):
+    /// u64 `[2][256][16]`, see `ep_kernels::low_latency::PROF_SLOTS`.
+    fn profile(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        let inner = self.get()?;
+        py.detach(|| inner.profile()).map_err(to_py)
+    }
+
     /// Raises TimeoutError / RuntimeError if a device wait, the proxy or its
     /// FIFO reported a failure.
     fn check_device(&self) -> PyResult<()> {
