@@ -122,8 +122,8 @@ __device__ __forceinline__ uint64_t now_ns() {
 // of each block (or lane 0 of warp 0 for the per-warp slots): slots 0 and
 // kProfSlots-1 the globaltimer (ns) at the start and the end, the others
 // clock64 (1 at the start, kProfSlots-2 at the end; the rest at the phase
-// boundaries marked by the stamp calls below; benches/ll_bench.py --profile
-// names them).
+// boundaries marked by the stamp calls below; benches/ll_bench.py (run with
+// MOELINK_LL_PROFILE=1) names them).
 constexpr int kProfBlocks = 256;
 constexpr int kProfSlots = 16;
 __device__ __forceinline__ void stamp(const LlCtx& c, int kernel, int slot) {
