@@ -117,7 +117,7 @@ __device__ __forceinline__ uint64_t now_ns() {
   return t;
 }
 
-// Optional phase stamps (MOELINK_LL_PROFILE=1, read by Buffer._low_latency_profile):
+// Optional phase stamps (MOELINK_LL_PROFILE=1, read by Buffer._ll_native().profile()):
 // prof[kernel][block][slot], kernel 0 dispatch / 1 combine, written by thread 0
 // of each block (or lane 0 of warp 0 for the per-warp slots): slots 0 and
 // kProfSlots-1 the globaltimer (ns) at the start and the end, the others
