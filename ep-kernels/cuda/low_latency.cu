@@ -6,21 +6,25 @@
 //             at 2048 the outgoing values the proxy copies (same shape)
 //   zero-copy [E_local][R*T][H] bf16: get_next_low_latency_combine_buffer
 //   recv[p]   dispatch: [R sources] inboxes of `inbox_bytes`:
-//               header: E_local int32 counts (padded to 16 bytes), then the
-//               messages sorted by local expert, token-major inside an expert
+//               header: E_local int32 counts and the number of messages
+//               (padded to 16 bytes), then one message per token of the source
+//               that has an expert on this rank, in token order: the token,
+//               its (local expert, occurrence) pairs and the payload once
 //             combine:  [R expert ranks] inboxes of `inbox_bytes`: bf16 rows,
-//               in the order of the dispatch inbox they answer
+//               one per (token, k) at its place (below)
 //   stage[p]  (proxy transport only) the same shape as recv[p]: what this rank
 //             sends to peer d is assembled in inbox d, then put in one piece
 //
 // Calls alternate the parity p (device counter: graph replays alternate too).
-// A message's place is computed, not allocated: message (t, k) of source s for
-// expert e lies in s's inbox on e's rank at
+// Places are computed, not allocated. The dispatch message of token t to rank
+// d is the (number of earlier tokens with an expert on d)-th of the inbox; its
+// pair for slot k names the received row: row occurrence(t, k) = number of
+// (t', k') before (t, k), token-major, with the same id, of block (expert,
+// source). Combine returns that row to slot
 //   prefix(e) = sum of s's counts for the experts of e's rank below e
-//   + occurrence(t, k) = number of (t', k') before (t, k), token-major, with id e.
-// The source recomputes the same place in combine, so the expert rank returns
-// row i of block (j, s) into slot prefix + i of s's combine inbox and no slot
-// map has to survive between the calls. Flags count calls: a sender adds one
+//   + occurrence(t, k)
+// of s's combine inbox on e's rank, and the source recomputes the same slot
+// from topk_idx, so no slot map has to survive between the calls. Flags count calls: a sender adds one
 // (proxy) or stores the count (NVLink) after its data; the receiver waits for
 // flag >= the number of calls on this parity so far, so nothing is ever reset.
 #include <cuda_bf16.h>
@@ -36,7 +40,16 @@ constexpr int kMaxRanks = 32;
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTopk = 32;
-constexpr int kHeaderBytes = 16;
+// A dispatch message (one per token and destination rank): int4 {token, n, 0,
+// 0}, then n <= K pairs {local expert, occurrence} (int2, in k order), padded
+// to 16 bytes; then the payload (fp8 + scales, or bf16).
+__host__ __device__ constexpr int msg_header_bytes(int num_topk) {
+  return (16 + 8 * num_topk + 15) / 16 * 16;
+}
+// An inbox header: E_local int32 counts, then the number of messages, padded.
+__host__ __device__ constexpr int64_t inbox_header_bytes(int experts_per_rank) {
+  return (int64_t(experts_per_rank + 1) * 4 + 15) / 16 * 16;
+}
 // Flags region: incoming [2 parities][kMaxRanks] u64 at 0; outgoing flag values
 // (proxy transport: copied to the peer after the data) at kOutFlagsOffset.
 constexpr uint64_t kOutFlagsOffset = 2048;
@@ -360,17 +373,37 @@ __device__ __forceinline__ void finish_call(const LlCtx& c) {
 
 // ---- dispatch ---------------------------------------------------------------------
 
-// The cast of one token into the message at `msg` (shared memory), H/8
-// threads each owning 8 channels; exactly the reference's arithmetic.
+// Adds to out[d] (shared, R entries) the number of tokens t < upto with at
+// least one valid expert on rank d (whole block; ballots per warp).
+__device__ void tokens_per_dest(const int64_t* topk, int upto, int K, int E, int EL, int R,
+                                int* out) {
+  const int lane = threadIdx.x % 32;
+  for (int base = 0; base < upto; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    uint32_t m = 0;
+    if (t < upto)
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = valid_id(topk[int64_t(t) * K + k], E);
+        if (e >= 0) m |= 1u << (e / EL);
+      }
+    for (int d = 0; d < R; ++d) {
+      const int n = __popc(__ballot_sync(0xffffffffu, (m >> d) & 1u));
+      if (lane == 0 && n > 0) atomicAdd(out + d, n);
+    }
+  }
+}
+
+// The cast of one token into the payload at `msg` (shared memory; the
+// per-destination header is written by the sending warp), H/8 threads each
+// owning 8 channels; exactly the reference's arithmetic.
 __device__ void build_message(const DispatchArgs& a, int t, char* msg) {
   const int H = a.hidden;
   const int i = threadIdx.x;  // owns channels 8i .. 8i + 7
-  if (i == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
   const bool active = i < H / 8;
   int4 raw = make_int4(0, 0, 0, 0);
   if (active) raw = ld_nc(reinterpret_cast<const int4*>(a.x + int64_t(t) * H) + i);
   if (!a.use_fp8) {
-    if (active) reinterpret_cast<int4*>(msg + kHeaderBytes)[i] = raw;
+    if (active) reinterpret_cast<int4*>(msg)[i] = raw;
     return;
   }
   const __nv_bfloat16* v = reinterpret_cast<const __nv_bfloat16*>(&raw);
@@ -407,10 +440,10 @@ __device__ void build_message(const DispatchArgs& a, int t, char* msg) {
     else
       hi |= q << (8 * (u - 4));
   }
-  reinterpret_cast<uint2*>(msg + kHeaderBytes)[i] = make_uint2(lo, hi);
+  reinterpret_cast<uint2*>(msg)[i] = make_uint2(lo, hi);
   const int g = i / 16;
   if (i % 16 == 0) {
-    char* sc = msg + kHeaderBytes + H;
+    char* sc = msg + H;
     if (a.use_ue8m0) {
       reinterpret_cast<uint8_t*>(sc)[g] = uint8_t(__float_as_uint(scale_inv) >> 23);
     } else {
@@ -421,7 +454,7 @@ __device__ void build_message(const DispatchArgs& a, int t, char* msg) {
     // Unused high bytes of the last packed word (G % 4 != 0) are zero.
     const int G = H / 128;
     for (int g2 = G; g2 < (G + 3) / 4 * 4; ++g2)
-      reinterpret_cast<uint8_t*>(msg + kHeaderBytes + H)[g2] = 0;
+      reinterpret_cast<uint8_t*>(msg + H)[g2] = 0;
   }
 }
 
@@ -432,50 +465,80 @@ __device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t se
   const int EL = E / R;
   const int K = a.num_topk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t hdr = (int64_t(EL) * 4 + 15) / 16 * 16;
+  const int64_t hdr = inbox_header_bytes(EL);
+  const int mh = msg_header_bytes(K);
   Routing r;
   r.cnt = reinterpret_cast<int*>(smem);
   r.prefix = r.cnt + E;
   r.total = r.prefix + E;
   r.ek = r.total + kMaxRanks;
   r.occ = r.ek + kMaxTopk;
-  char* msg = smem + (int64_t(2 * E + kMaxRanks + 2 * kMaxTopk) * 4 + 15) / 16 * 16;
+  int* ntok = r.occ + kMaxTopk;  // [R] messages (tokens) per destination
+  int* pos = ntok + kMaxRanks;   // [R] the current token's message slot per destination
+  int* dl = pos + kMaxRanks;     // [K] the current token's distinct destinations
+  int* nd = dl + kMaxTopk;       // their number
+  char* msg = smem + (int64_t(2 * E + 4 * kMaxRanks + 4 * kMaxTopk + 4) * 4 + 15) / 16 * 16;
+  if (threadIdx.x < kMaxRanks) ntok[threadIdx.x] = 0;
   count_routing(r, a.topk, a.num_tokens * K, E, EL, R);
+  tokens_per_dest(a.topk, a.num_tokens, K, E, EL, R, ntok);
+  __syncthreads();
   stamp(c, 0, 2);
 
   // Block 0 writes every inbox header (this rank's counts for the peer's
-  // experts): one arrival per peer, so a peer with no message still publishes.
+  // experts and its number of messages): one arrival per peer, so a peer with
+  // no message still publishes.
   if (blockIdx.x == 0) {
     for (int d = warp; d < R; d += kWarps) {
       if (is_masked(c, d)) continue;
       int* h = reinterpret_cast<int*>(send_inbox(c, parity, d, a.inbox_bytes));
       for (int j = lane; j < EL; j += 32) h[j] = r.cnt[d * EL + j];
+      if (lane == 0) h[EL] = ntok[d];
       __syncwarp();
       if (lane == 0)
-        arrive(c, parity, d, r.total[d] + 1, a.inbox_bytes, hdr + int64_t(r.total[d]) * a.msg_bytes,
+        arrive(c, parity, d, ntok[d] + 1, a.inbox_bytes, hdr + int64_t(ntok[d]) * a.msg_bytes,
                seq);
     }
   }
   for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
     const bool first = t == int(blockIdx.x);
-    token_routing(r, a.topk, t, K, E);
+    if (threadIdx.x < kMaxRanks) pos[threadIdx.x] = 0;
+    token_routing(r, a.topk, t, K, E);  // ends with a barrier
+    tokens_per_dest(a.topk, t, K, E, EL, R, pos);
+    if (warp == 0) {
+      // Distinct destinations of token t, in the order of their first k.
+      const int d = lane < K && r.ek[lane] >= 0 ? r.ek[lane] / EL : -1;
+      bool leader = d >= 0;
+      for (int k2 = 0; k2 < K; ++k2) {
+        const int d2 = __shfl_sync(0xffffffffu, d, k2);
+        if (k2 < lane && d2 == d) leader = false;
+      }
+      const unsigned lm = __ballot_sync(0xffffffffu, leader);
+      if (leader) dl[__popc(lm & ((1u << lane) - 1u))] = d;
+      if (lane == 0) *nd = __popc(lm);
+    }
     if (first) stamp(c, 0, 3);
     build_message(a, t, msg);
     __syncthreads();
     if (first) stamp(c, 0, 4);
-    if (warp < K) {
-      const int e = r.ek[warp];
-      const int d = e >= 0 ? e / EL : 0;
-      if (e >= 0 && !is_masked(c, d)) {
-        char* inbox = send_inbox(c, parity, d, a.inbox_bytes);
-        const int64_t pos = r.prefix[e] + r.occ[warp];
+    if (warp < *nd) {
+      const int d = dl[warp];
+      if (!is_masked(c, d)) {
+        char* dst = send_inbox(c, parity, d, a.inbox_bytes) + hdr + int64_t(pos[d]) * a.msg_bytes;
         if (first) stamp(c, 0, 11);
-        warp_copy(inbox + hdr + pos * a.msg_bytes, msg, a.msg_bytes, lane);
+        // Header: the token and, in k order, (local expert, occurrence) of every
+        // k whose expert lives on d.
+        const bool mine = lane < K && r.ek[lane] >= 0 && r.ek[lane] / EL == d;
+        const unsigned m = __ballot_sync(0xffffffffu, mine);
+        if (lane == 0) *reinterpret_cast<int4*>(dst) = make_int4(t, __popc(m), 0, 0);
+        if (mine)
+          reinterpret_cast<int2*>(dst + 16)[__popc(m & ((1u << lane) - 1u))] =
+              make_int2(r.ek[lane] - d * EL, r.occ[lane]);
+        warp_copy(dst + mh, msg, a.msg_bytes - mh, lane);
         __syncwarp();
         if (first) stamp(c, 0, 12);
         if (lane == 0)
-          arrive(c, parity, d, r.total[d] + 1, a.inbox_bytes,
-                 hdr + int64_t(r.total[d]) * a.msg_bytes, seq);
+          arrive(c, parity, d, ntok[d] + 1, a.inbox_bytes, hdr + int64_t(ntok[d]) * a.msg_bytes,
+                 seq);
         if (first) stamp(c, 0, 13);
       }
     }
@@ -498,14 +561,15 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
   const int G = H / 128;
   const int W = (G + 3) / 4;
   const int64_t RT = int64_t(R) * a.max_tokens;
-  const int64_t hdr = (int64_t(EL) * 4 + 15) / 16 * 16;
+  const int64_t hdr = inbox_header_bytes(EL);
+  const int mh = msg_header_bytes(a.num_topk);
   const int64_t max_msgs = (a.inbox_bytes - hdr) / a.msg_bytes;
   const int lane = threadIdx.x % 32;
-  // cnt/begin/base [R][EL]; live [R]; total messages at the end.
+  // cnt/begin [R][EL]; nmsg, live [R]; before [R] and the total messages after it.
   int* cnt = reinterpret_cast<int*>(smem);
   int* begin = cnt + R * EL;
-  int* base = begin + R * EL;  // global message index of block (s, j)'s first message
-  int* live = base + R * EL;
+  int* nmsg = begin + R * EL;  // messages (tokens) from source s
+  int* live = nmsg + kMaxRanks;
   int* before = live + kMaxRanks;  // [R] messages of the sources below s
   if (threadIdx.x < R) {
     const int s = threadIdx.x;
@@ -523,34 +587,31 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
     const int* h = reinterpret_cast<const int*>(c.local + c.recv_offset[parity] +
                                                 int64_t(s) * a.inbox_bytes);
     cnt[u] = live[s] && !is_masked(c, s) ? ld_cg_i32(h + j) : 0;
+    if (j == 0) nmsg[s] = live[s] && !is_masked(c, s) ? ld_cg_i32(h + EL) : 0;
   }
   __syncthreads();
   stamp(c, 0, 7);
-  // Per source (one warp each): its messages in expert order must fit its inbox;
-  // base = offsets inside the inbox.
+  // Per source (one warp each): counts >= 0 and its messages must fit its inbox.
   const int warp = threadIdx.x / 32;
   for (int s = warp; s < R; s += kWarps) {
     int* cs = cnt + s * EL;
-    const int tot = warp_exclusive_scan(cs, base + s * EL, EL, 1, lane);
-    __syncwarp();
-    int bad_j = -1, bad_at = 0;
+    int bad_j = -1;
     for (int j0 = 0; j0 < EL && bad_j < 0; j0 += 32) {
       const int j = j0 + lane;
-      const bool bad = j < EL && (cs[j] < 0 || base[s * EL + j] + cs[j] > max_msgs);
-      const unsigned m = __ballot_sync(0xffffffffu, bad);
-      if (m != 0) {
-        bad_j = j0 + __ffs(m) - 1;
-        bad_at = base[s * EL + bad_j] + cs[bad_j];
-      }
+      const unsigned m = __ballot_sync(0xffffffffu, j < EL && cs[j] < 0);
+      if (m != 0) bad_j = j0 + __ffs(m) - 1;
     }
-    __syncwarp();
-    if (bad_j >= 0) {
+    const int nm = nmsg[s];
+    const bool bad = bad_j >= 0 || nm < 0 || nm > max_msgs;
+    if (bad) {
       if (blockIdx.x == 0 && lane == 0)
         comm::report_error(c.error, comm::kErrorInvalid, comm::kLlOverflow, c.rank, s,
-                           uint64_t(bad_j), uint64_t(max_msgs), uint64_t(bad_at));
+                           uint64_t(bad_j >= 0 ? bad_j : EL), uint64_t(max_msgs),
+                           uint64_t(bad_j >= 0 ? cs[bad_j] : nm));
+      __syncwarp();
       for (int j = lane; j < EL; j += 32) cs[j] = 0;
     }
-    if (lane == 0) before[s] = bad_j >= 0 ? 0 : tot;  // turned into a prefix below
+    if (lane == 0) before[s] = bad ? 0 : nm;  // turned into a prefix below
   }
   __syncthreads();
   if (warp == 0) {
@@ -581,47 +642,69 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
   // Message m goes to warp m / gridDim of block m % gridDim: every SM copies.
   const int gwarp = warp * gridDim.x + blockIdx.x;
   const int nwarps = gridDim.x * kWarps;
+  const int K = a.num_topk;
+  const int row_bytes = a.use_fp8 ? H : 2 * H;
+  const int n16 = row_bytes / 16;
+  const int nsc = a.use_ue8m0 ? W : G;
   for (int m = gwarp; m < total; m += nwarps) {
-    // Source: the last s with before[s] <= m; expert: the last j with base <= offset.
+    // Source: the last s with before[s] <= m.
     int s = 0;
     while (s + 1 < R && before[s + 1] <= m) ++s;
-    const int off = m - before[s];
-    int lo = 0, hi = EL - 1;
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (base[s * EL + mid] <= off) lo = mid; else hi = mid - 1;
-    }
-    // Several experts may start at the same offset (empty ones): take the last
-    // non-empty block that contains off.
-    int j = lo;
-    while (j > 0 && cnt[s * EL + j] == 0) --j;
-    const int i = off - base[s * EL + j];
-    const int64_t rowi = int64_t(begin[s * EL + j]) + i;
-    if (rowi >= RT) continue;
     const char* msg = c.local + c.recv_offset[parity] + int64_t(s) * a.inbox_bytes + hdr +
-                      int64_t(off) * a.msg_bytes;
-    const int64_t row = int64_t(j) * RT + rowi;
-    if (lane == 0) a.src_info[row] = ld_cg_i32(reinterpret_cast<const int*>(msg));
-    const int4* payload = reinterpret_cast<const int4*>(msg + kHeaderBytes);
-    const int n16 = a.use_fp8 ? H / 16 : H / 8;
-    int4* dst = reinterpret_cast<int4*>(static_cast<char*>(a.recv_x) +
-                                        row * (a.use_fp8 ? H : 2 * H));
+                      int64_t(m - before[s]) * a.msg_bytes;
+    // Lane i < n holds the i-th (expert, occurrence) pair: its destination row
+    // (-1: out of range, the sender and this rank disagree; skipped).
+    const int4 head = ld_cg(reinterpret_cast<const int4*>(msg));
+    const int n = head.y < 0 ? 0 : (head.y > K ? K : head.y);
+    int64_t drow = -1;
+    if (lane < n) {
+      const int* pr = reinterpret_cast<const int*>(msg + 16) + 2 * lane;
+      const int j = ld_cg_i32(pr), occ = ld_cg_i32(pr + 1);
+      if (j >= 0 && j < EL && occ >= 0 && occ < cnt[s * EL + j]) {
+        const int64_t rowi = int64_t(begin[s * EL + j]) + occ;
+        if (rowi < RT) drow = int64_t(j) * RT + rowi;
+      }
+      if (drow >= 0) a.src_info[drow] = head.x;
+    }
+    const int4* payload = reinterpret_cast<const int4*>(msg + mh);
+    char* recv_x = static_cast<char*>(a.recv_x);
+    // Loops are uniform over the warp (the shuffles need every lane): q0 is
+    // the warp's base index, lane q0 + lane copies.
     constexpr int kUnroll = 8;
-    int q = lane;
-    for (; q + 32 * (kUnroll - 1) < n16; q += 32 * kUnroll) {
+    int q0 = 0;
+    for (; q0 + 32 * kUnroll <= n16; q0 += 32 * kUnroll) {
       int4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = ld_cg(payload + q + 32 * u);
+      for (int u = 0; u < kUnroll; ++u) v[u] = ld_cg(payload + q0 + lane + 32 * u);
+      for (int p = 0; p < n; ++p) {
+        const int64_t r = __shfl_sync(0xffffffffu, drow, p);
+        if (r < 0) continue;
+        int4* dst = reinterpret_cast<int4*>(recv_x + r * row_bytes) + q0 + lane;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) dst[q + 32 * u] = v[u];
+        for (int u = 0; u < kUnroll; ++u) dst[32 * u] = v[u];
+      }
     }
-    for (; q < n16; q += 32) dst[q] = ld_cg(payload + q);
+    for (; q0 < n16; q0 += 32) {
+      const int q = q0 + lane;
+      const int4 v = q < n16 ? ld_cg(payload + q) : make_int4(0, 0, 0, 0);
+      for (int p = 0; p < n; ++p) {
+        const int64_t r = __shfl_sync(0xffffffffu, drow, p);
+        if (r >= 0 && q < n16) reinterpret_cast<int4*>(recv_x + r * row_bytes)[q] = v;
+      }
+    }
     if (a.use_fp8) {
-      const int* sc = reinterpret_cast<const int*>(msg + kHeaderBytes + H);
-      const int nsc = a.use_ue8m0 ? W : G;
-      // Column-major: element (j, row, g) at j*RT*n + g*RT + row.
-      int* out = static_cast<int*>(a.recv_scales) + int64_t(j) * RT * nsc + rowi;
-      for (int g = lane; g < nsc; g += 32) out[int64_t(g) * RT] = ld_cg_i32(sc + g);
+      const int* sc = reinterpret_cast<const int*>(msg + mh + H);
+      for (int g0 = 0; g0 < nsc; g0 += 32) {
+        const int g = g0 + lane;
+        const int v = g < nsc ? ld_cg_i32(sc + g) : 0;
+        for (int p = 0; p < n; ++p) {
+          const int64_t r = __shfl_sync(0xffffffffu, drow, p);
+          if (r < 0 || g >= nsc) continue;
+          // Column-major: element (j, row, g) at j*RT*nsc + g*RT + row.
+          const int64_t j = r / RT, rowi = r % RT;
+          static_cast<int*>(a.recv_scales)[j * RT * nsc + int64_t(g) * RT + rowi] = v;
+        }
+      }
     }
   }
   stamp(c, 0, 9);

@@ -30,7 +30,8 @@ pub const STATE_WORDS: usize = 4 + MAX_RANKS;
 /// end, the others `clock64` at the phase boundaries listed in the kernel.
 pub const PROF_BLOCKS: usize = 256;
 pub const PROF_SLOTS: usize = 16;
-/// Message header bytes (the source token index, padded).
+/// Fixed part of a dispatch message header (`{token, n, 0, 0}`); then 8 bytes
+/// per top-k slot (`msg_header_bytes`).
 pub const HEADER_BYTES: u64 = 16;
 /// Dynamic shared memory a block may use without opting in.
 const MAX_SMEM: usize = 48 * 1024;
@@ -193,9 +194,17 @@ impl LlShape {
         self.num_experts / self.num_ranks
     }
 
-    /// Most messages one source sends to one rank: `T * min(K, E_local)`.
+    /// Most rows one expert rank returns to one source in combine: `T * min(K,
+    /// E_local)`.
     pub fn max_messages(&self) -> u64 {
         (self.max_tokens * self.num_topk.min(self.experts_per_rank())) as u64
+    }
+
+    /// Header of a dispatch message (one per token and destination rank): the
+    /// token, the number n of its top-k slots on that rank, and n (local
+    /// expert, occurrence) pairs; `msg_header_bytes` in the kernel.
+    pub fn msg_header_bytes(&self) -> u64 {
+        round16(HEADER_BYTES + 8 * self.num_topk as u64)
     }
 
     /// Bytes of a dispatch message.
@@ -204,20 +213,21 @@ impl LlShape {
         if use_fp8 {
             let g = h / 128;
             let scales = if use_ue8m0 { g.div_ceil(4) * 4 } else { 4 * g };
-            round16(HEADER_BYTES + h + scales)
+            self.msg_header_bytes() + round16(h + scales)
         } else {
-            HEADER_BYTES + 2 * h
+            self.msg_header_bytes() + 2 * h
         }
     }
 
-    /// Header of a dispatch inbox: the local experts' counts.
+    /// Header of a dispatch inbox: the local experts' counts and the number of
+    /// messages.
     pub fn header_bytes(&self) -> u64 {
-        round16(4 * self.experts_per_rank() as u64)
+        round16(4 * (self.experts_per_rank() as u64 + 1))
     }
 
-    /// Bytes of one source's dispatch inbox.
+    /// Bytes of one source's dispatch inbox: at most one message per token.
     pub fn dispatch_inbox_bytes(&self, use_fp8: bool, use_ue8m0: bool) -> u64 {
-        self.header_bytes() + self.max_messages() * self.msg_bytes(use_fp8, use_ue8m0)
+        self.header_bytes() + self.max_tokens as u64 * self.msg_bytes(use_fp8, use_ue8m0)
     }
 
     /// Bytes of one expert rank's combine inbox.
@@ -261,9 +271,9 @@ impl LlShape {
     }
 
     fn dispatch_smem(&self, use_fp8: bool, use_ue8m0: bool) -> usize {
-        let send = 2 * self.num_experts + MAX_RANKS + 2 * MAX_TOPK;
+        let send = 2 * self.num_experts + 4 * MAX_RANKS + 4 * MAX_TOPK + 4;
         let send = round16(4 * send as u64) as usize + self.msg_bytes(use_fp8, use_ue8m0) as usize;
-        let recv = 4 * (3 * self.num_experts + 2 * MAX_RANKS + 1);
+        let recv = 4 * (2 * self.num_experts + 3 * MAX_RANKS + 1);
         send.max(recv)
     }
 
@@ -382,10 +392,17 @@ mod tests {
     #[test]
     fn message_sizes() {
         let s = std_shape();
-        assert_eq!(s.msg_bytes(false, false), 16 + 14336);
-        assert_eq!(s.msg_bytes(true, false), 16 + 7168 + 56 * 4);
-        assert_eq!(s.msg_bytes(true, true), 16 + 7168 + 64);
-        assert_eq!(s.header_bytes(), 288);
+        // 16 + 8 pairs of 8 bytes: 80.
+        assert_eq!(s.msg_header_bytes(), 80);
+        assert_eq!(s.msg_bytes(false, false), 80 + 14336);
+        assert_eq!(s.msg_bytes(true, false), 80 + 7168 + 56 * 4);
+        assert_eq!(s.msg_bytes(true, true), 80 + 7168 + 64);
+        // 72 counts + the message count, padded: 73 * 4 -> 304.
+        assert_eq!(s.header_bytes(), 304);
+        assert_eq!(
+            s.dispatch_inbox_bytes(true, false),
+            304 + 128 * (80 + 7168 + 224)
+        );
         assert_eq!(s.max_messages(), 128 * 8);
     }
 
