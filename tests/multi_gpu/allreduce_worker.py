@@ -28,8 +28,6 @@ import os
 import random
 import sys
 import tempfile
-import threading
-import time
 import traceback
 import zlib
 from dataclasses import dataclass, field
@@ -39,6 +37,7 @@ from pathlib import Path
 import moelink
 import torch
 import torch.distributed as dist
+import worker_driver
 
 #: Scenario names, in run order; the pytest wrapper reads this tuple.
 SCENARIO_NAMES = (
@@ -1057,65 +1056,22 @@ assert tuple(SCENARIOS) == SCENARIO_NAMES
 # ----------------------------------------------------------------------------
 
 
-class Watchdog:
-    """Ends the process with a FAIL line when a scenario runs past its time."""
-
-    def __init__(self, name: str, rank: int, seconds: float) -> None:
-        self.name, self.rank, self.seconds = name, rank, seconds
-        self.timer = threading.Timer(seconds, self._fire)
-        self.timer.daemon = True
-
-    def _fire(self) -> None:
-        print(
-            f"FAIL {self.name} [rank {self.rank}]: no progress for {self.seconds} s (hang?)",
-            flush=True,
-        )
-        os._exit(3)
-
-    def __enter__(self):
-        self.timer.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.timer.cancel()
-        return False
-
-
-def selected_scenarios() -> list:
-    raw = os.environ.get(SCENARIOS_ENV, "").strip()
-    if not raw:
-        return list(SCENARIO_NAMES)
-    names = [s.strip() for s in raw.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SCENARIOS]
-    if unknown:
-        raise ValueError(f"{SCENARIOS_ENV}: unknown scenarios {unknown}; known: {SCENARIO_NAMES}")
-    return names
+def selected_scenarios() -> list[str]:
+    return worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
 
 
 def run_scenario(ctx: Ctx, name: str) -> bool:
-    start = time.perf_counter()
-    ok = True
     ctx.digests = []
-    with Watchdog(name, ctx.rank, SCENARIO_TIMEOUT_S):
-        try:
-            SCENARIOS[name](ctx)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001 - every failure becomes a FAIL line
-            ok = False
-            print(f"FAIL {name} [rank {ctx.rank}]: {type(e).__name__}: {e}", flush=True)
-            traceback.print_exc()
-        verdicts = [None] * ctx.world
-        dist.all_gather_object(verdicts, ok, group=ctx.gloo)
-        failed = [r for r, v in enumerate(verdicts) if not v]
-        if ctx.rank == 0:
-            seconds = time.perf_counter() - start
-            if failed:
-                print(f"FAIL {name}: failed on ranks {failed} ({seconds:.1f} s)", flush=True)
-            else:
-                print(f"PASS {name} ({seconds:.1f} s)", flush=True)
-        if failed:
-            replace_comm(ctx)
-    return not failed
+    return worker_driver.run_scenario(
+        name,
+        lambda: SCENARIOS[name](ctx),
+        rank=ctx.rank,
+        world=ctx.world,
+        gloo=ctx.gloo,
+        timeout_s=SCENARIO_TIMEOUT_S,
+        sync=torch.cuda.synchronize,
+        on_failure=lambda: replace_comm(ctx),
+    )
 
 
 def replace_comm(ctx: Ctx) -> None:

@@ -25,8 +25,6 @@ import functools
 import itertools
 import os
 import sys
-import threading
-import time
 import traceback
 import zlib
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from datetime import timedelta
 import moelink
 import torch
 import torch.distributed as dist
+import worker_driver
 from moelink import reference
 
 #: Scenario names, in run order; the pytest wrapper reads this tuple.
@@ -1237,67 +1236,23 @@ assert tuple(SCENARIOS) == SCENARIO_NAMES
 # ----------------------------------------------------------------------------
 
 
-class Watchdog:
-    """Ends the process with a FAIL line when a scenario runs past its time: a hang
-    in a kernel or a collective must not keep the test (and the GPUs) forever."""
-
-    def __init__(self, name: str, rank: int, seconds: float) -> None:
-        self.name, self.rank, self.seconds = name, rank, seconds
-        self.timer = threading.Timer(seconds, self._fire)
-        self.timer.daemon = True
-
-    def _fire(self) -> None:
-        print(
-            f"FAIL {self.name} [rank {self.rank}]: no progress for {self.seconds} s (hang?)",
-            flush=True,
-        )
-        os._exit(3)
-
-    def __enter__(self):
-        self.timer.start()
-        return self
-
-    def __exit__(self, *exc):
-        self.timer.cancel()
-        return False
-
-
 def selected_scenarios() -> list[str]:
-    raw = os.environ.get(SCENARIOS_ENV, "").strip()
-    if not raw:
-        return list(SCENARIO_NAMES)
-    names = [s.strip() for s in raw.split(",") if s.strip()]
-    unknown = [s for s in names if s not in SCENARIOS]
-    if unknown:
-        raise ValueError(f"{SCENARIOS_ENV}: unknown scenarios {unknown}; known: {SCENARIO_NAMES}")
-    return names
+    return worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
 
 
 def run_scenario(ctx: Ctx, name: str) -> bool:
     """Runs one scenario on this rank, agrees on the verdict with the others, and
     replaces the shared Buffer if any rank failed. Returns True if all passed."""
-    start = time.perf_counter()
-    ok, message = True, ""
-    with Watchdog(name, ctx.rank, SCENARIO_TIMEOUT_S):
-        try:
-            SCENARIOS[name](ctx)
-            torch.cuda.synchronize()
-        except Exception as e:
-            ok, message = False, f"{type(e).__name__}: {e}"
-            print(f"FAIL {name} [rank {ctx.rank}]: {message}", flush=True)
-            traceback.print_exc()
-        verdicts = [None] * ctx.num_ranks
-        dist.all_gather_object(verdicts, ok, group=ctx.gloo)
-        failed = [r for r, v in enumerate(verdicts) if not v]
-        if ctx.rank == 0:
-            seconds = time.perf_counter() - start
-            if failed:
-                print(f"FAIL {name}: failed on ranks {failed} ({seconds:.1f} s)", flush=True)
-            else:
-                print(f"PASS {name} ({seconds:.1f} s)", flush=True)
-        if failed:
-            replace_buffer(ctx)
-    return not failed
+    return worker_driver.run_scenario(
+        name,
+        lambda: SCENARIOS[name](ctx),
+        rank=ctx.rank,
+        world=ctx.num_ranks,
+        gloo=ctx.gloo,
+        timeout_s=SCENARIO_TIMEOUT_S,
+        sync=torch.cuda.synchronize,
+        on_failure=lambda: replace_buffer(ctx),
+    )
 
 
 def replace_buffer(ctx: Ctx) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 import time
 import traceback
 import zlib
@@ -32,6 +31,7 @@ from datetime import timedelta
 import moelink
 import torch
 import torch.distributed as dist
+import worker_driver
 from moelink import reference
 
 SCENARIO_NAMES = (
@@ -641,28 +641,19 @@ def main() -> int:
     ctx = Ctx(rank, size, seed[0], device)
     if rank == 0:
         print(f"ll_worker: {size} ranks, seed {seed[0]}", flush=True)
-    raw = os.environ.get(SCENARIOS_ENV, "").strip()
-    names = [s for s in raw.split(",") if s] if raw else list(SCENARIO_NAMES)
+    names = worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
     buf = new_ll_buffer(ctx)
     failed = False
     for name in names:
         fn = globals()[f"scenario_{name}"]
-        done = threading.Event()
-
-        def watchdog(name=name, done=done):
-            if not done.wait(SCENARIO_TIMEOUT_S):
-                print(f"FAIL {name} [rank {rank}]: hung for {SCENARIO_TIMEOUT_S} s", flush=True)
-                os._exit(3)
-
-        threading.Thread(target=watchdog, daemon=True).start()
         ctx.errors = []
         t0 = time.time()
-        try:
-            fn(ctx, buf)
-            torch.cuda.synchronize()
-        except Exception as e:  # noqa: BLE001
-            ctx.fail(f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
-        done.set()
+        with worker_driver.Watchdog(name, rank, SCENARIO_TIMEOUT_S):
+            try:
+                fn(ctx, buf)
+                torch.cuda.synchronize()
+            except Exception as e:  # noqa: BLE001
+                ctx.fail(f"raised {type(e).__name__}: {e}\n{traceback.format_exc()}")
         for msg in ctx.errors[:3]:
             print(f"FAIL {name} [rank {rank}]: {msg}", flush=True)
         verdicts = [None] * size
