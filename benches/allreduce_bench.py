@@ -39,12 +39,12 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import traceback
 from pathlib import Path
+
+import bench_common
 
 NO_MULTICAST_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -77,47 +77,6 @@ NCCL = "nccl"
 AUTO = "auto"
 AUTO_REG = "auto_registered"
 MODES = ("eager", "graph")
-
-
-def git_commit() -> dict:
-    """The commit under test: $MOELINK_GIT_COMMIT, else ``git rev-parse HEAD`` of
-    this checkout (with a dirty flag), else unknown."""
-    commit = os.environ.get("MOELINK_GIT_COMMIT")
-    if commit:
-        return {"commit": commit, "dirty": None}
-    root = Path(__file__).resolve().parent.parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True
-        ).stdout.strip()
-        status = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=root,
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-        return {"commit": commit, "dirty": bool(status.strip())}
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": "unknown", "dirty": None}
-
-
-def machine_info() -> dict:
-    import moelink
-    import torch
-
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return {
-        "hostname": socket.gethostname(),
-        "gpu": props.name,
-        "gpu_count": torch.cuda.device_count(),
-        "sm_count": props.multi_processor_count,
-        "gpu_memory_gib": round(props.total_memory / 2**30, 1),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nccl": ".".join(str(v) for v in torch.cuda.nccl.version()),
-        "moelink": moelink.__version__,
-    }
 
 
 def fmt_size(n: int) -> str:
@@ -515,12 +474,12 @@ def main(argv=None) -> int:
     dist.all_gather_object(gathered, result)
     results = aggregate(gathered, world)
     if rank == 0:
-        git = git_commit()
+        git = bench_common.git_commit()
         summary = summarize(results, world)
         data = {
             "benchmark": "allreduce",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine_info(),
+            "machine": bench_common.machine_info(),
             "git_commit": git["commit"],
             "git_dirty": git["dirty"],
             "command": f"python -m torch.distributed.run --nproc-per-node={world} "

@@ -23,6 +23,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import bench_common
+
 MIB = 1 << 20
 
 
@@ -39,17 +41,9 @@ def graph_time(torch, fn, ops: int, reps: int) -> float:
                 fn()
         g.replay()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            a = torch.cuda.Event(enable_timing=True)
-            b = torch.cuda.Event(enable_timing=True)
-            a.record(s)
-            g.replay()
-            b.record(s)
-            times.append((a, b))
-        torch.cuda.synchronize()
+        times = bench_common.replay_times_us(torch, g, reps, ops, s)
     torch.cuda.current_stream().wait_stream(s)
-    return statistics.median(a.elapsed_time(b) * 1e3 / ops for a, b in times)
+    return statistics.median(times)
 
 
 def main(argv=None) -> int:

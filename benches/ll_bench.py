@@ -32,6 +32,8 @@ import statistics
 import sys
 from pathlib import Path
 
+import bench_common
+
 TARGETS = {
     "nvlink": {"dispatch": 22.0, "combine": 38.0, "both": 60.0},
     "proxy": {"dispatch": 80.0, "combine": 120.0},
@@ -39,19 +41,6 @@ TARGETS = {
 DEEPEP = {"dispatch": 35.0, "combine": 56.0, "both": 94.0}
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SWEEP_HIDDEN = (2048, 4096, 7168, 8192)
-
-
-def git_commit() -> str:
-    c = os.environ.get("MOELINK_GIT_COMMIT")
-    if c:
-        return c
-    import subprocess
-
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).parent).stdout.strip()  # fmt: skip
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 def calc_diff(x, y) -> float:
@@ -197,16 +186,7 @@ class Bench:
                         body()
                 g.replay()
                 torch.cuda.synchronize(self.device)
-                times = []
-                for _ in range(reps):
-                    a = torch.cuda.Event(enable_timing=True)
-                    b = torch.cuda.Event(enable_timing=True)
-                    a.record(s)
-                    g.replay()
-                    b.record(s)
-                    times.append((a, b))
-                torch.cuda.synchronize(self.device)
-                out[name] = statistics.median(a.elapsed_time(b) * 1e3 / n for a, b in times)
+                out[name] = statistics.median(bench_common.replay_times_us(torch, g, reps, n, s))
                 del g
         torch.cuda.current_stream(self.device).wait_stream(s)
         return out
@@ -402,7 +382,7 @@ def run(args) -> int:
                     "gpu": torch.cuda.get_device_name(device),
                     "torch": torch.__version__,
                 },  # fmt: skip
-                "git_commit": git_commit(),
+                "git_commit": bench_common.git_commit()["commit"],
                 "command": " ".join(sys.argv),
                 "workload": {
                     "tokens": args.tokens,
