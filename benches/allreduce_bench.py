@@ -76,6 +76,9 @@ NCCL_REFERENCE_US = {
 NCCL = "nccl"
 AUTO = "auto"
 AUTO_REG = "auto_registered"
+#: A pinned algorithm timed on the registered buffer (rsag_push: the all-gather
+#: stores into the peers' registered outputs instead of loading from their scratch).
+REG_SUFFIX = "+reg"
 MODES = ("eager", "graph")
 
 
@@ -190,13 +193,14 @@ def run_rank(rank: int, world: int, group, args) -> dict:
     xr = torch.empty(n_max, dtype=torch.bfloat16, device=device)
     comm.register(xr)
     algorithms = [a for a in comm.algorithms("allreduce") if a in args.algorithms]
-    names = [*algorithms, AUTO, AUTO_REG, *([NCCL] if args.nccl else [])]
+    reg_pinned = [a + REG_SUFFIX for a in algorithms if a == "rsag_push"]
+    names = [*algorithms, *reg_pinned, AUTO, AUTO_REG, *([NCCL] if args.nccl else [])]
     checks, rows = [], []
     modes = MODES if args.graph else ("eager",)
     for nbytes in sizes:
         n = nbytes // 2
         for name in names:
-            buf = xr if name in ("rsag_zc", AUTO_REG) else x
+            buf = xr if name in ("rsag_zc", AUTO_REG) or name.endswith(REG_SUFFIX) else x
             t = buf[:n]
             if name == NCCL:
 
@@ -205,7 +209,7 @@ def run_rank(rank: int, world: int, group, args) -> dict:
 
                 choice = None
             else:
-                pin = None if name in (AUTO, AUTO_REG) else name
+                pin = None if name in (AUTO, AUTO_REG) else name.removesuffix(REG_SUFFIX)
                 try:  # ValueError: the pinned algorithm cannot serve this size
                     comm.select(nbytes, registered=buf is xr, capturing=False, algorithm=pin)
                 except ValueError:
@@ -275,7 +279,7 @@ def summarize(results: dict, world: int) -> list:
     lines = []
     for size in sorted(by):
         d = by[size]
-        nccl, auto = d.get(NCCL, {}), d.get(AUTO, {})
+        nccl, auto, auto_reg = d.get(NCCL, {}), d.get(AUTO, {}), d.get(AUTO_REG, {})
         pinned = [r for n, r in d.items() if n not in (NCCL, AUTO, AUTO_REG)]
         best_g = min(pinned, key=lambda r: r.get("graph_us") or 1e30, default={})
         best_e = min(pinned, key=lambda r: r.get("eager_us") or 1e30, default={})
@@ -286,6 +290,9 @@ def summarize(results: dict, world: int) -> list:
         elif size >= BW_TARGET_FROM and nccl.get("eager_us") and auto.get("eager_us"):
             ok = auto["eager_us"] <= nccl["eager_us"]
             verdict = f">= NCCL bus BW: {'met' if ok else 'MISSED'}"
+            if auto_reg.get("eager_us"):
+                ok = auto_reg["eager_us"] <= nccl["eager_us"]
+                verdict += f" (registered: {'met' if ok else 'MISSED'})"
         lines.append(
             {
                 "size": size,
@@ -294,6 +301,8 @@ def summarize(results: dict, world: int) -> list:
                 "auto_eager_us": auto.get("eager_us"),
                 "auto_graph_us": auto.get("graph_us"),
                 "auto_algorithm": (auto.get("choice") or [None])[0],
+                "auto_registered_eager_us": auto_reg.get("eager_us"),
+                "auto_registered_graph_us": auto_reg.get("graph_us"),
                 "best_eager": (best_e.get("name"), best_e.get("eager_us")),
                 "best_graph": (best_g.get("name"), best_g.get("graph_us")),
                 "auto_busbw_gbps": bus_gbps(size, auto.get("eager_us"), world),
@@ -310,7 +319,8 @@ def format_table(summary: list) -> str:
 
     head = (
         f"{'size':>9} | {'NCCL eager':>10} {'graph':>7} | {'moelink eager':>13} {'graph':>7} "
-        f"{'(auto)':<11}| {'best graph':<22}| {'busBW GB/s':>16} | target"
+        f"{'(auto)':<11}| {'registered':>10} {'graph':>7} | {'best graph':<22}| "
+        f"{'busBW GB/s':>16} | target"
     )
     out = [head, "-" * len(head)]
     for s in summary:
@@ -320,9 +330,13 @@ def format_table(summary: list) -> str:
         out.append(
             f"{fmt_size(s['size']):>9} | {f(s['nccl_eager_us']):>10} {f(s['nccl_graph_us']):>7} | "
             f"{f(s['auto_eager_us']):>13} {f(s['auto_graph_us']):>7} "
-            f"{(s['auto_algorithm'] or '-'):<11}| {best:<22}| {bw:>16} | {s['target']}"
+            f"{(s['auto_algorithm'] or '-'):<11}| {f(s.get('auto_registered_eager_us')):>10} "
+            f"{f(s.get('auto_registered_graph_us')):>7} | {best:<22}| {bw:>16} | {s['target']}"
         )
-    out.append("times in us (medians over ranks); busBW: moelink auto / NCCL, eager")
+    out.append(
+        "times in us (medians over ranks); registered: the selector on a registered tensor; "
+        "busBW: moelink auto (unregistered) / NCCL, eager"
+    )
     return "\n".join(out)
 
 
@@ -343,6 +357,8 @@ def plot(data: dict, path: Path) -> None:
         "twoshot_ll": "tab:orange",
         "rsag": "tab:green",
         "rsag_zc": "tab:purple",
+        "rsag_push": "tab:olive",
+        "rsag_push" + REG_SUFFIX: "tab:cyan",
         AUTO: "black",
         AUTO_REG: "tab:brown",
         NCCL: "tab:red",
@@ -416,7 +432,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-nccl", dest="nccl", action="store_false", help="skip the baseline")
     p.add_argument(
         "--algorithms",
-        default="oneshot_ll,twoshot_ll,rsag,rsag_zc",
+        default="oneshot_ll,twoshot_ll,rsag,rsag_zc,rsag_push",
         help="comma list of pinned algorithms to time (the selector is always timed)",
     )
     p.add_argument("--tune", action="store_true", help="run AllReduce.tune() first")

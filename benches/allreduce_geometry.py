@@ -55,7 +55,14 @@ def main(argv=None) -> int:
     p.add_argument("--threads", default="256,512,1024")
     p.add_argument("--ops", type=int, default=5)
     p.add_argument("--reps", type=int, default=10)
+    p.add_argument(
+        "--no-register",
+        dest="register",
+        action="store_false",
+        help="leave the buffer unregistered (rsag_push: the all-gather pulls)",
+    )
     args = p.parse_args(argv)
+    register = args.register and args.algorithm in ("rsag_zc", "rsag_push", "ag_mesh")
 
     import moelink
     import torch
@@ -71,7 +78,7 @@ def main(argv=None) -> int:
     max_blocks = comm.limits()["max_blocks"]
     buf = torch.empty(max(sizes) // 2, dtype=torch.bfloat16, device="cuda")
     gather = args.algorithm.startswith("ag_")
-    if args.algorithm in ("rsag_zc", "ag_mesh"):
+    if register:
         comm.register(buf)
     rows, failures = [], []
     for size in sizes:
@@ -126,7 +133,7 @@ def main(argv=None) -> int:
             if rank == 0:
                 print(f"{size // MIB:5d} MiB {b!s:>5} x {t:4d}: {med:9.1f} us {bus:6.1f} GB/s",
                       flush=True)  # fmt: skip
-    if args.algorithm in ("rsag_zc", "ag_mesh"):
+    if register:
         comm.deregister(buf)
     comm.destroy()
     everyone = [None] * world
@@ -138,6 +145,7 @@ def main(argv=None) -> int:
             json.dumps(
                 {
                     "algorithm": args.algorithm,
+                    "registered": register,
                     "world": world,
                     "command": " ".join(sys.argv),
                     "rows": rows,

@@ -32,6 +32,7 @@ def test_algorithm_collection():
         "twoshot_ll": "allreduce",
         "rsag": "allreduce",
         "rsag_zc": "allreduce",
+        "rsag_push": "allreduce",
         "ag_ll": "allgather",
         "ag_mesh": "allgather",
     }
@@ -44,9 +45,10 @@ def test_default_choice_follows_message_size():
     assert alg(128 * KIB) == "oneshot_ll"
     assert alg(128 * KIB + 2) == "twoshot_ll"
     assert alg(1 * MIB) == "twoshot_ll"
-    assert alg(1 * MIB + 2) == "rsag"
-    assert alg(64 * MIB) == "rsag"
-    assert alg(64 * MIB, registered=True) == "rsag_zc"
+    assert alg(1 * MIB + 2) == "rsag_push"
+    assert alg(64 * MIB) == "rsag_push"
+    assert alg(2 * MIB, registered=True) == "rsag_zc"
+    assert alg(2 * MIB + 2, registered=True) == "rsag_push"
     # A registered small message still takes the LL path.
     assert alg(4 * KIB, registered=True) == "oneshot_ll"
 
@@ -60,8 +62,8 @@ def test_default_choice_depends_on_world_size():
 
 def test_limits_move_the_crossovers():
     assert alg(8 * KIB, oneshot_max_bytes=4 * KIB) == "twoshot_ll"
-    assert alg(8 * KIB, oneshot_max_bytes=4 * KIB, twoshot_max_bytes=0) == "rsag"
-    assert alg(2 * MIB, max_bytes=2 * MIB) == "rsag"
+    assert alg(8 * KIB, oneshot_max_bytes=4 * KIB, twoshot_max_bytes=0) == "rsag_push"
+    assert alg(2 * MIB, max_bytes=2 * MIB) == "rsag_push"
 
 
 def test_allgather_choice():
@@ -92,7 +94,7 @@ def test_tuned_entries_take_precedence_where_they_apply():
     assert plan(512, 4, tuned=tuned)[0] == "oneshot_ll"  # no entry: thresholds
     assert plan(1000, 4, capturing=True, tuned=tuned) == ("twoshot_ll", 2, 128)
     assert plan(1000, 4, registered=True, tuned=tuned) == ("rsag", 4, 256)
-    assert plan(8 * MIB, 4, tuned=tuned)[0] == "rsag"  # the entry does not apply
+    assert plan(8 * MIB, 4, tuned=tuned)[0] == "rsag_push"  # the entry does not apply
     assert plan(4 * KIB, 4, collective="allgather", tuned=tuned) == ("ag_mesh", 3, 64)
     # Too many blocks for this GPU: the entry is skipped.
     assert plan(1000, 4, max_blocks=2, tuned=tuned)[0] == "oneshot_ll"
@@ -301,7 +303,15 @@ def test_gpu_worker_declares_its_scenarios():
     from tests.multi_gpu.torchrun_suite import scenario_names
 
     names = scenario_names(WORKER)
-    for want in ("oneshot_ll", "twoshot_ll", "rsag", "rsag_zc", "cuda_graph", "back_to_back"):
+    for want in (
+        "oneshot_ll",
+        "twoshot_ll",
+        "rsag",
+        "rsag_zc",
+        "rsag_push",
+        "cuda_graph",
+        "back_to_back",
+    ):
         assert want in names
     assert len(set(names)) == len(names)
 

@@ -13,6 +13,9 @@
 //               per-block barriers. The buffers are the registered scratch
 //               (input copied in, results copied out: algorithm "rsag") or the
 //               users' registered tensors themselves ("rsag_zc", zero copy).
+//               With kFlagPush ("rsag_push") the reduce-scatter moves by stores
+//               instead: each rank stores slice p of its input into rank p's
+//               scratch (slot [rank]), and rank p reduces from local memory.
 //
 // Every element is reduced in rank order 0..R-1 in the accumulation type, so
 // all ranks agree bit for bit. LL regions alternate between two halves by the
@@ -128,7 +131,7 @@ __device__ __forceinline__ void twoshot_ll(const CollArgs& a) {
 }
 
 // Reduces bytes [begin, end) of the buffers in peer_in (rank order) and stores
-// the result at the same offset of every buffer in peer_out. One block.
+// the result at the same offset of every non-null buffer in peer_out. One block.
 template <typename T, typename Acc, int Op>
 __device__ __forceinline__ void reduce_range(const CollArgs& a, uint64_t begin, uint64_t end) {
   const int R = a.num_ranks, rank = a.rank;
@@ -154,8 +157,12 @@ __device__ __forceinline__ void reduce_range(const CollArgs& a, uint64_t begin, 
         if (p < R) acc.add(v[p]);
       const uint4 r = acc.template result<uint4>();
 #pragma unroll
-      for (int k = 0; k < kMaxRanks; ++k)
-        if (k < R) *reinterpret_cast<uint4*>(a.peer_out[rotate(rank, k, R)] + o) = r;
+      for (int k = 0; k < kMaxRanks; ++k) {
+        if (k < R) {
+          char* dst = a.peer_out[rotate(rank, k, R)];
+          if (dst != nullptr) *reinterpret_cast<uint4*>(dst + o) = r;
+        }
+      }
     }
     scalar_begin = vend;
   }
@@ -174,7 +181,10 @@ __device__ __forceinline__ void reduce_range(const CollArgs& a, uint64_t begin, 
       }
     }
     const B r = acc.template result<B>();
-    for (int k = 0; k < R; ++k) *reinterpret_cast<B*>(a.peer_out[rotate(rank, k, R)] + o) = r;
+    for (int k = 0; k < R; ++k) {
+      char* dst = a.peer_out[rotate(rank, k, R)];
+      if (dst != nullptr) *reinterpret_cast<B*>(dst + o) = r;
+    }
   }
 }
 
@@ -190,7 +200,18 @@ __device__ __forceinline__ void rsag(const CollArgs& a) {
   const uint64_t lo = uint64_t(blockIdx.x) * C;
   char* data = a.scratch + a.data_offset;
 
-  if (a.flags & kFlagCopyIn) {
+  if (a.flags & kFlagPush) {
+    // Reduce-scatter by stores: our part of slice p goes to slot [rank] of p's
+    // data region (p reads it from local memory after the barrier).
+    for (int k = 1; k < R; ++k) {
+      const int p = rotate(rank, k, R);
+      const uint64_t len = slice_len(n, S, p);
+      if (lo < len) {
+        block_copy<false>(a.peer_scratch[p] + a.data_offset + uint64_t(rank) * S + lo,
+                          a.input + uint64_t(p) * S + lo, len - lo < C ? len - lo : C);
+      }
+    }
+  } else if (a.flags & kFlagCopyIn) {
     for (int k = 1; k < R; ++k) {
       const int s = rotate(rank, k, R);
       const uint64_t len = slice_len(n, S, s);
@@ -215,7 +236,10 @@ __device__ __forceinline__ void rsag(const CollArgs& a) {
       const uint64_t len = slice_len(n, S, s);
       if (lo < len) {
         const uint64_t off = uint64_t(s) * S + lo;
-        block_copy<true>(a.output + off, data + off, len - lo < C ? len - lo : C);
+        // rsag: the owners stored their results into our data region; rsag_push
+        // (unregistered output): each owner kept its result in its own.
+        const char* src = (a.flags & kFlagPush) ? a.peer_scratch[s] + a.data_offset : data;
+        block_copy<true>(a.output + off, src + off, len - lo < C ? len - lo : C);
       }
     }
   }

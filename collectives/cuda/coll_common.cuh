@@ -36,6 +36,8 @@ enum : int32_t {
   kFlagAligned = 1,  // every pointer the kernel vectorises over is aligned (8 B for LL, 16 B else)
   kFlagCopyIn = 2,   // rsag / ag_mesh: copy the input into this rank's scratch first
   kFlagCopyOut = 4,  // rsag: copy the other ranks' result slices from scratch to the output
+  kFlagPush = 8,     // rsag_push: store the input slices into the owners' scratch (no copy-in);
+                     // with kFlagCopyOut the result slices are read from the owners' scratch
 };
 // Reduction operators (template argument of the allreduce kernels).
 enum : int { kSum = 0, kMin = 1, kMax = 2 };

@@ -39,6 +39,11 @@ pub enum Algorithm {
     RsAg,
     /// Allreduce: as RsAg on the users' registered tensors (zero copy).
     RsAgZeroCopy,
+    /// Allreduce: reduce-scatter by stores (every rank stores slice p of its
+    /// input into rank p's scratch), local reduction, then all-gather by
+    /// stores into the peers' registered output, or (an unregistered output)
+    /// by loads from the owners' scratch. Needs no registration.
+    RsAgPush,
     /// Allgather: LL16 packets to every peer.
     AgLl,
     /// Allgather: every rank pulls every peer's chunk from its mapped buffer
@@ -74,11 +79,12 @@ pub struct Request {
 }
 
 impl Algorithm {
-    pub const ALL: [Algorithm; 6] = [
+    pub const ALL: [Algorithm; 7] = [
         Algorithm::OneShotLl,
         Algorithm::TwoShotLl,
         Algorithm::RsAg,
         Algorithm::RsAgZeroCopy,
+        Algorithm::RsAgPush,
         Algorithm::AgLl,
         Algorithm::AgMesh,
     ];
@@ -89,6 +95,7 @@ impl Algorithm {
             Algorithm::TwoShotLl => "twoshot_ll",
             Algorithm::RsAg => "rsag",
             Algorithm::RsAgZeroCopy => "rsag_zc",
+            Algorithm::RsAgPush => "rsag_push",
             Algorithm::AgLl => "ag_ll",
             Algorithm::AgMesh => "ag_mesh",
         }
@@ -115,7 +122,7 @@ impl Algorithm {
         match self {
             Algorithm::OneShotLl => Some(Family::OneShotLl),
             Algorithm::TwoShotLl => Some(Family::TwoShotLl),
-            Algorithm::RsAg | Algorithm::RsAgZeroCopy => Some(Family::RsAg),
+            Algorithm::RsAg | Algorithm::RsAgZeroCopy | Algorithm::RsAgPush => Some(Family::RsAg),
             Algorithm::AgLl | Algorithm::AgMesh => None,
         }
     }
@@ -132,7 +139,7 @@ impl Algorithm {
     pub fn uses_barriers(self) -> bool {
         matches!(
             self,
-            Algorithm::RsAg | Algorithm::RsAgZeroCopy | Algorithm::AgMesh
+            Algorithm::RsAg | Algorithm::RsAgZeroCopy | Algorithm::RsAgPush | Algorithm::AgMesh
         )
     }
 
@@ -160,7 +167,9 @@ impl Algorithm {
             Algorithm::TwoShotLl if n > limits.twoshot_max_bytes => {
                 too_big(limits.twoshot_max_bytes, "twoshot_max_bytes")
             }
-            Algorithm::RsAg if n > limits.max_bytes => too_big(limits.max_bytes, "max_bytes"),
+            Algorithm::RsAg | Algorithm::RsAgPush if n > limits.max_bytes => {
+                too_big(limits.max_bytes, "max_bytes")
+            }
             Algorithm::RsAgZeroCopy if !req.registered => Err(
                 "rsag_zc needs the input tensor registered (AllReduce.register) on every rank"
                     .into(),
@@ -176,8 +185,9 @@ impl Algorithm {
         }
     }
 
-    /// (blocks, threads) this algorithm launches with by default for `nbytes`.
-    pub fn default_geometry(self, nbytes: u64, limits: &Limits) -> (u32, u32) {
+    /// (blocks, threads) this algorithm launches with by default for `req`.
+    pub fn default_geometry(self, req: &Request, limits: &Limits) -> (u32, u32) {
+        let nbytes = req.nbytes;
         let r = limits.world_size.max(1) as u64;
         let cap = limits.max_blocks.clamp(1, 64) as u64;
         let ll = |work_packets: u64| {
@@ -196,6 +206,23 @@ impl Algorithm {
             Algorithm::TwoShotLl => ll(r * nbytes.div_ceil(r).div_ceil(8)),
             Algorithm::AgLl => ll(r * nbytes.div_ceil(8)),
             Algorithm::RsAg | Algorithm::RsAgZeroCopy => streaming(nbytes.div_ceil(r)),
+            // 1024 threads from 16 MiB slices. A registered (in place: output)
+            // tensor takes the store all-gather, which wants every block the GPU
+            // allows; the load all-gather of an unregistered one degrades beyond
+            // 64 blocks at large sizes. benches/allreduce_geometry.py on 4 x H200
+            // (2026-11-22), 1 GiB: registered 128 x 1024 4518 us, 64 x 1024 4667;
+            // unregistered 64 x 1024 4797, 128 x 1024 5908.
+            Algorithm::RsAgPush => {
+                let slice = nbytes.div_ceil(r);
+                let cap = if req.registered {
+                    limits.max_blocks.max(1) as u64
+                } else {
+                    cap
+                };
+                let blocks = slice.div_ceil(32 << 10).clamp(1, cap);
+                let threads = if slice >= 16 << 20 { 1024 } else { 512 };
+                (blocks as u32, threads)
+            }
             Algorithm::AgMesh => streaming(nbytes),
         }
     }
@@ -234,7 +261,7 @@ mod tests {
             assert_eq!(Algorithm::parse(a.name()), Some(a));
         }
         assert_eq!(Algorithm::parse("ring"), None);
-        assert_eq!(Algorithm::of(Collective::AllReduce).count(), 4);
+        assert_eq!(Algorithm::of(Collective::AllReduce).count(), 5);
         assert_eq!(Algorithm::of(Collective::AllGather).count(), 2);
     }
 
@@ -257,6 +284,12 @@ mod tests {
         assert!(Algorithm::RsAg.applicable(&ar(64 << 20, false), &l).is_ok());
         assert!(Algorithm::RsAg
             .applicable(&ar((64 << 20) + 4, false), &l)
+            .is_err());
+        assert!(Algorithm::RsAgPush
+            .applicable(&ar(64 << 20, false), &l)
+            .is_ok());
+        assert!(Algorithm::RsAgPush
+            .applicable(&ar((64 << 20) + 4, true), &l)
             .is_err());
         let e = Algorithm::RsAgZeroCopy
             .applicable(&ar(1 << 20, false), &l)
@@ -295,17 +328,34 @@ mod tests {
                 l.max_blocks = max_blocks;
                 for a in Algorithm::ALL {
                     for n in [1u64, 2, 17, 1 << 10, 1 << 16, 1 << 20, 1 << 26, 1 << 30] {
-                        let (b, t) = a.default_geometry(n, &l);
-                        assert!(b >= 1 && b <= max_blocks, "{a:?} {n}: {b} blocks");
-                        assert!(t % 32 == 0 && (32..=1024).contains(&t), "{a:?} {n}: {t}");
+                        for registered in [false, true] {
+                            let q = req(a.collective(), n, registered);
+                            let (b, t) = a.default_geometry(&q, &l);
+                            assert!(b >= 1 && b <= max_blocks, "{a:?} {n}: {b} blocks");
+                            assert!(t % 32 == 0 && (32..=1024).contains(&t), "{a:?} {n}: {t}");
+                        }
                     }
                 }
             }
         }
         // Small LL messages use one small block.
+        let ar = |n, registered| req(Collective::AllReduce, n, registered);
         assert_eq!(
-            Algorithm::OneShotLl.default_geometry(1024, &limits(4)),
+            Algorithm::OneShotLl.default_geometry(&ar(1024, false), &limits(4)),
             (1, 128)
+        );
+        // rsag_push: every block for a registered tensor, at most 64 otherwise.
+        assert_eq!(
+            Algorithm::RsAgPush.default_geometry(&ar(1 << 30, true), &limits(4)),
+            (128, 1024)
+        );
+        assert_eq!(
+            Algorithm::RsAgPush.default_geometry(&ar(1 << 30, false), &limits(4)),
+            (64, 1024)
+        );
+        assert_eq!(
+            Algorithm::RsAgPush.default_geometry(&ar(16 << 20, true), &limits(4)),
+            (128, 512)
         );
     }
 }

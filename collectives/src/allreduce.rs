@@ -67,7 +67,8 @@ pub struct ScratchLayout {
     /// LL packets: two halves of `ll_half_bytes`, used alternately by call parity.
     pub ll_offset: u64,
     pub ll_half_bytes: u64,
-    /// Data region (rsag / ag_mesh copy-in, rsag results), `data_bytes` long.
+    /// Data region (rsag / ag_mesh copy-in, rsag results, rsag_push slots),
+    /// `data_bytes` long (at least R x the 16-rounded slice of `max_bytes`).
     pub data_offset: u64,
     pub data_bytes: u64,
     pub total: u64,
@@ -84,7 +85,8 @@ impl ScratchLayout {
         let twoshot = 2 * r * 2 * pad8(limits.twoshot_max_bytes.div_ceil(r));
         let allgather = r * 2 * pad8(limits.allgather_ll_max_bytes);
         let half = oneshot.max(twoshot).max(allgather).max(256).div_ceil(256) * 256;
-        let data_bytes = limits.max_bytes.max(256).div_ceil(256) * 256;
+        // rsag_push keeps R slots of the 16-rounded slice: up to 16 R bytes more.
+        let data_bytes = (limits.max_bytes.max(256) + 16 * r).div_ceil(256) * 256;
         Self {
             ll_offset: 0,
             ll_half_bytes: half,
@@ -484,6 +486,42 @@ impl AllReduceComm {
                     a.flags |= flags::ALIGNED;
                 }
             }
+            Algorithm::RsAgPush => {
+                // Rank p stored its part of our slice into slot [p] of our data
+                // region; the kernel reads rank p's part at peer_in[p] + (offset
+                // of our slice), so slot p sits at data + (p - rank) x S.
+                let s = n.div_ceil(r as u64).div_ceil(16) * 16;
+                let own = self.peer_data(rank);
+                let reg_out = self.registry.find(c.output, n);
+                for p in 0..r {
+                    a.peer_in[p] = if p == rank {
+                        c.input
+                    } else {
+                        own.wrapping_add((p as u64).wrapping_sub(rank as u64).wrapping_mul(s))
+                    };
+                }
+                match reg_out {
+                    // All-gather by stores into every rank's registered output.
+                    Some(ro) => {
+                        for p in 0..r {
+                            a.peer_out[p] = ro.peer_ptr(p, c.output);
+                        }
+                    }
+                    // Our result goes to our output and to slot [rank] of our own
+                    // data region, from which the peers load it (COPY_OUT).
+                    None => {
+                        a.peer_out[rank] = c.output;
+                        if r > 1 {
+                            a.peer_out[(rank + 1) % r] = own;
+                        }
+                        a.flags |= flags::COPY_OUT;
+                    }
+                }
+                a.flags |= flags::PUSH;
+                if Self::aligned16(&a) {
+                    a.flags |= flags::ALIGNED;
+                }
+            }
             Algorithm::AgLl | Algorithm::AgMesh => unreachable!("resolve checked the collective"),
         }
         let family = choice.algorithm.family().expect("an allreduce algorithm");
@@ -638,6 +676,11 @@ mod tests {
                 assert!(oneshot(l.allgather_ll_max_bytes) <= s.ll_half_bytes);
                 assert_eq!(s.data_offset, 2 * s.ll_half_bytes);
                 assert!(s.data_bytes >= max && s.data_offset % 256 == 0);
+                // rsag_push: R slots of the 16-rounded slice, for every size.
+                for n in [1, 15, max.saturating_sub(1).max(1), max] {
+                    let slice = n.div_ceil(r).div_ceil(16) * 16;
+                    assert!(r * slice <= s.data_bytes, "r={r} max={max} n={n}");
+                }
                 assert_eq!(s.total, s.data_offset + s.data_bytes);
             }
         }

@@ -22,6 +22,9 @@ pub mod flags {
     pub const COPY_IN: i32 = 2;
     /// Copy the other ranks' result slices from the scratch to the output (rsag).
     pub const COPY_OUT: i32 = 4;
+    /// rsag_push: store the input slices into the owners' scratch instead of
+    /// copying in; with COPY_OUT, read the results from the owners' scratch.
+    pub const PUSH: i32 = 8;
 }
 
 /// The argument block of every collective kernel (see the header for what

@@ -11,7 +11,7 @@
 //! | zero copy | [`registration`] | users' tensors exported by CUDA IPC and mapped by every peer |
 //! | communicator | [`allreduce`] | [`AllReduceComm`]: scratch, channels, counter, launches |
 //!
-//! Allreduce: `oneshot_ll`, `twoshot_ll`, `rsag`, `rsag_zc`; allgather: `ag_ll`,
+//! Allreduce: `oneshot_ll`, `twoshot_ll`, `rsag`, `rsag_zc`, `rsag_push`; allgather: `ag_ll`,
 //! `ag_mesh`. sum / min / max of bf16, fp16, fp32, int32, fp8 (e4m3, e5m2;
 //! sums accumulated in fp16 or fp32). No NVLink multicast anywhere.
 

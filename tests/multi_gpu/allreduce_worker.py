@@ -45,6 +45,7 @@ SCENARIO_NAMES = (
     "twoshot_ll",
     "rsag",
     "rsag_zc",
+    "rsag_push",
     "allgather_ll",
     "allgather_mesh",
     "selector",
@@ -267,6 +268,7 @@ def algorithm_capacity(ctx: Ctx, algorithm: str) -> int:
         "twoshot_ll": lim["twoshot_max_bytes"],
         "rsag": lim["max_bytes"],
         "rsag_zc": lim["max_bytes"],
+        "rsag_push": lim["max_bytes"],
     }[algorithm]
 
 
@@ -296,8 +298,9 @@ def run_algorithm_scenario(ctx: Ctx, algorithm: str) -> None:
     comm = ctx.comm
     cap = algorithm_capacity(ctx, algorithm)
     zc = algorithm == "rsag_zc"
+    push = algorithm == "rsag_push"
     reg_in = reg_out = None
-    if zc:
+    if zc or push:
         reg_in = torch.empty(ctx.max_bytes + 16, dtype=torch.uint8, device=ctx.device)
         reg_out = torch.empty_like(reg_in)
         comm.register(reg_in)
@@ -311,9 +314,10 @@ def run_algorithm_scenario(ctx: Ctx, algorithm: str) -> None:
                         if not variant_runs(ctx, dtype, op, n * es):
                             continue
                         ctx.case += 1
-                        # Rotate: in place / out of place (/ unregistered output for zc),
-                        # and now and then a view at an element offset (unaligned).
-                        mode = ctx.case % 3 if zc else ctx.case % 2
+                        # Rotate: in place / out of place (/ unregistered output for zc;
+                        # / registered in place, registered output for push), and now
+                        # and then a view at an element offset (unaligned).
+                        mode = ctx.case % (3 if zc else 4 if push else 2)
                         shift = 1 if (ctx.case % 5 == 0 and (n + 1) * es <= cap) else 0
                         tag = (algorithm, dtype, op, accum, n, shift)
                         inputs = [make_input(ctx, tag, p, n, dtype) for p in range(ctx.world)]
@@ -331,6 +335,18 @@ def run_algorithm_scenario(ctx: Ctx, algorithm: str) -> None:
                                 out = poison(
                                     torch.empty(n + shift, dtype=dtype, device=ctx.device)
                                 )[shift:]
+                        elif push and mode >= 2:
+                            # 2: registered, in place; 3: unregistered input, registered
+                            # output (the all-gather stores into the peers' outputs).
+                            if mode == 2:
+                                x = reg_in.view(dtype)[shift : shift + n]
+                                x.copy_(inputs[ctx.rank])
+                                out = None
+                            else:
+                                buf = torch.empty(n + shift, dtype=dtype, device=ctx.device)
+                                x = buf[shift:]
+                                x.copy_(inputs[ctx.rank])
+                                out = poison(reg_out.view(dtype)[shift : shift + n])
                         else:
                             buf = torch.empty(n + shift, dtype=dtype, device=ctx.device)
                             x = buf[shift:]
@@ -369,7 +385,7 @@ def run_algorithm_scenario(ctx: Ctx, algorithm: str) -> None:
             check_allreduce(ctx, chk, f"{algorithm} geometry {blocks}x{threads}", x, inputs, "sum")
         compare_digests(ctx, chk)
     finally:
-        if zc:
+        if zc or push:
             comm.deregister(reg_in)
             comm.deregister(reg_out)
     chk.done()
@@ -389,6 +405,10 @@ def scenario_rsag(ctx):
 
 def scenario_rsag_zc(ctx):
     run_algorithm_scenario(ctx, "rsag_zc")
+
+
+def scenario_rsag_push(ctx):
+    run_algorithm_scenario(ctx, "rsag_push")
 
 
 # ----------------------------------------------------------------------------
@@ -565,7 +585,7 @@ def scenario_selector(ctx: Ctx) -> None:
         compare_digests(ctx, chk)
     finally:
         comm.deregister(reg)
-    want = {"oneshot_ll", "twoshot_ll", "rsag", "rsag_zc", "ag_ll", "ag_mesh"}
+    want = {"oneshot_ll", "twoshot_ll", "rsag_zc", "rsag_push", "ag_ll", "ag_mesh"}
     if reg.numel() > 2 * MIB:
         chk.expect(
             want <= seen, f"the selector used {sorted(seen)}, expected all of {sorted(want)}"
@@ -580,7 +600,7 @@ def scenario_fp8_accuracy(ctx: Ctx) -> None:
     comm = ctx.comm
     n = 100_003
     for dtype in FP8:
-        for algorithm in ("oneshot_ll", "twoshot_ll", "rsag"):
+        for algorithm in ("oneshot_ll", "twoshot_ll", "rsag", "rsag_push"):
             if n > algorithm_capacity(ctx, algorithm):
                 continue
             tag = ("fp8acc", dtype, algorithm)
@@ -642,6 +662,7 @@ def scenario_cuda_graph(ctx: Ctx) -> None:
         ("twoshot_ll", 256 * KIB),
         ("rsag", 3 * MIB + 2),
         ("rsag_zc", 2 * MIB),
+        ("rsag_push", 3 * MIB + 2),
         (None, 1 * KIB),
         (None, 4 * MIB),
     ):
@@ -725,14 +746,16 @@ def b2b_block(ctx: Ctx, block: int, p: int, rows: int, n: int) -> torch.Tensor:
 
 
 def scenario_back_to_back(ctx: Ctx) -> None:
-    """10,000 small allreduces back to back (LL algorithms mixed with rsag at the
-    same size), every result checked; then 100 replays of a graph of 100 one-shot
-    allreduces. A stale LL flag or a reused half would mix rows."""
+    """10,000 small allreduces back to back (LL algorithms mixed with rsag and
+    rsag_push at the same size), every result checked; 400 rsag_push calls back to
+    back into a registered output; then 100 replays of a graph of 100 one-shot
+    allreduces. A stale LL flag, a reused half or a scratch slot overwritten while
+    a peer still reads it would mix rows."""
     chk = Checker()
     comm = ctx.comm
     rows = 500
     sizes = (256, 1, 4097, 3, 256, 1023, 17, 256, 64, 2048) * 2
-    algs = ("oneshot_ll", "oneshot_ll", "twoshot_ll", "oneshot_ll", "rsag")
+    algs = ("oneshot_ll", "rsag_push", "rsag_push", "twoshot_ll", "oneshot_ll", "rsag")
     for block, n in enumerate(sizes):
         x = b2b_block(ctx, block, ctx.rank, rows, n)
         out = torch.empty_like(x)
@@ -751,6 +774,27 @@ def scenario_back_to_back(ctx: Ctx) -> None:
             f"block {block} (n={n}): rows {bad.nonzero().flatten()[:8].tolist()} wrong "
             f"(of {int(bad.sum())}); last row ok: {bool((got[-1] == want[-1]).all())}",
         )
+    # rsag_push with a registered output: the all-gather stores into the peers'
+    # outputs, the next call's reduce-scatter into their scratch.
+    rows, n = 400, 4099
+    x = b2b_block(ctx, 500, ctx.rank, rows, n)
+    out = torch.empty_like(x)
+    comm.register(out)
+    try:
+        poison(out)
+        for r in range(rows):
+            comm.all_reduce(x[r], out=out[r], algorithm="rsag_push")
+        torch.cuda.synchronize()
+        comm.check()
+        want = sum(b2b_block(ctx, 500, p, rows, n).cpu().to(torch.int64) for p in range(ctx.world))
+        bad = (out.cpu().to(torch.int64) != want).any(1)
+        chk.expect(
+            not bool(bad.any()),
+            f"rsag_push registered output: rows {bad.nonzero().flatten()[:8].tolist()} wrong "
+            f"(of {int(bad.sum())})",
+        )
+    finally:
+        comm.deregister(out)
     # Graph replays: the device counter advances per replay.
     rows, n = 100, 512
     x = b2b_block(ctx, 1000, ctx.rank, rows, n)
@@ -1037,6 +1081,7 @@ SCENARIOS = {
     "twoshot_ll": scenario_twoshot_ll,
     "rsag": scenario_rsag,
     "rsag_zc": scenario_rsag_zc,
+    "rsag_push": scenario_rsag_push,
     "allgather_ll": scenario_allgather_ll,
     "allgather_mesh": scenario_allgather_mesh,
     "selector": scenario_selector,
