@@ -69,7 +69,12 @@ fn single_rank_allreduce_is_identity() {
                 .map(|_| rng.random_range(-1.0f32..1.0) + 2.0)
                 .collect();
             input.copy_from_host(offset, &host).unwrap();
-            for alg in [Algorithm::OneShotLl, Algorithm::TwoShotLl, Algorithm::RsAg] {
+            for alg in [
+                Algorithm::OneShotLl,
+                Algorithm::TwoShotLl,
+                Algorithm::RsAg,
+                Algorithm::RsAgPush,
+            ] {
                 for op in ReduceOp::ALL {
                     output.fill(0xFF).unwrap();
                     let call = AllReduceCall {
