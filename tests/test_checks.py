@@ -359,3 +359,13 @@ def test_check_same_device_rejects():
 def test_check_same_device_cuda():
     with pytest.raises(ValueError, match=r"w must be on the same device as x \(cuda:0\), got cpu"):
         check_same_device(x=torch.zeros(1, device="cuda:0"), w=torch.zeros(1))
+
+
+def test_tensor_ptr_is_zero_for_absent_tensors():
+    from moelink.checks import tensor_ptr
+
+    assert tensor_ptr(None) == 0
+    assert tensor_ptr(torch.empty(0)) == 0
+    t = torch.arange(4)
+    assert tensor_ptr(t) == t.data_ptr() != 0
+    assert tensor_ptr(t[1:]) == t.data_ptr() + t.element_size()

@@ -27,6 +27,7 @@ from .checks import (
     check_topk_idx,
     check_topk_weights,
 )
+from .checks import tensor_ptr as _ptr
 from .config import Config, get_combine_config, get_dispatch_config
 from .low_latency import LowLatencyMixin
 
@@ -70,10 +71,6 @@ class _CudaMemory:
             "version": 3,
             "strides": None,
         }
-
-
-def _ptr(t) -> int:
-    return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
 def _check_aligned(name: str, t) -> None:

@@ -33,6 +33,12 @@ SCALE_BLOCK = 128
 HIDDEN_BYTES_ALIGN = 128
 
 
+def tensor_ptr(t) -> int:
+    """Device address of ``t``; 0 for None or an empty tensor (what the native
+    calls take for an absent tensor)."""
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
 def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
     """``value`` as a Python ``int`` (any integer type but ``bool``), within bounds."""
     if isinstance(value, bool) or isinstance(value, torch.Tensor):

@@ -12,6 +12,7 @@ import torch
 
 from . import _native
 from .checks import check_experts_ranks, check_int, check_tensor, check_topk_idx
+from .checks import tensor_ptr as _ptr
 
 __all__ = ["LowLatencyMixin", "get_low_latency_rdma_size_hint"]
 
@@ -29,10 +30,6 @@ def get_low_latency_rdma_size_hint(
     r = check_int("num_ranks", num_ranks, minimum=1)
     check_experts_ranks(num_experts, r)
     return _native.low_latency_size_hint(t, h, r, num_experts)
-
-
-def _ptr(t) -> int:
-    return 0 if t is None or t.numel() == 0 else t.data_ptr()
 
 
 class _Hook:
