@@ -456,15 +456,9 @@ def check_args(args) -> str | None:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.replot:
-        data = json.loads(args.replot.read_text())
-        png = args.replot.with_suffix(".png")
-        plot(data, png)
-        print(f"wrote {png}")
-        return 0
-    if args.out is None:
-        print("--out DIR is required", file=sys.stderr)
-        return 2
+    code = bench_common.replot_or_require_out(args, plot)
+    if code is not None:
+        return code
     err = check_args(args)
     if err:
         print(err, file=sys.stderr)

@@ -4,9 +4,11 @@ the timing of CUDA-graph replays. The scripts run as ``python benches/<name>.py`
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
+import sys
 from pathlib import Path
 
 
@@ -64,3 +66,18 @@ def replay_times_us(torch, graph, reps: int, ops: int, stream=None) -> list:
         times.append((a, b))
     torch.cuda.synchronize()
     return [a.elapsed_time(b) * 1e3 / ops for a, b in times]
+
+
+def replot_or_require_out(args, plot) -> int | None:
+    """``--replot JSON``: redraw the PNG beside that JSON and return 0; no ``--out``:
+    say so and return 2; else None (the caller measures)."""
+    if args.replot:
+        data = json.loads(args.replot.read_text())
+        png = args.replot.with_suffix(".png")
+        plot(data, png)
+        print(f"wrote {png}")
+        return 0
+    if args.out is None:
+        print("--out DIR is required", file=sys.stderr)
+        return 2
+    return None

@@ -149,15 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if args.replot:
-        data = json.loads(args.replot.read_text())
-        png = args.replot.with_suffix(".png")
-        plot(data, png)
-        print(f"wrote {png}")
-        return 0
-    if args.out is None:
-        print("--out DIR is required", file=sys.stderr)
-        return 2
+    code = bench_common.replot_or_require_out(args, plot)
+    if code is not None:
+        return code
     demo.normalize_args(args)
     for key, value in demo.NO_MULTICAST_ENV.items():
         os.environ[key] = value
