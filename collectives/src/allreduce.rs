@@ -156,6 +156,12 @@ impl std::fmt::Debug for AllReduceComm {
     }
 }
 
+/// Bytes of one rank's slice in the rsag family (`S` in allreduce.cu): n / R
+/// rounded up to 16.
+fn rsag_slice(n: u64, ranks: u64) -> u64 {
+    n.div_ceil(ranks).div_ceil(16) * 16
+}
+
 fn overlaps(a: u64, a_len: u64, b: u64, b_len: u64) -> bool {
     a_len > 0 && b_len > 0 && a < b.saturating_add(b_len) && b < a.saturating_add(a_len)
 }
@@ -460,9 +466,6 @@ impl AllReduceComm {
                     a.peer_out[p] = o;
                 }
                 a.flags |= flags::COPY_IN | flags::COPY_OUT;
-                if Self::aligned16(&a) {
-                    a.flags |= flags::ALIGNED;
-                }
             }
             Algorithm::RsAgZeroCopy => {
                 let reg_in = reg_in.expect("applicable: the input is registered");
@@ -482,15 +485,12 @@ impl AllReduceComm {
                 if reg_out.is_none() {
                     a.flags |= flags::COPY_OUT;
                 }
-                if Self::aligned16(&a) {
-                    a.flags |= flags::ALIGNED;
-                }
             }
             Algorithm::RsAgPush => {
                 // Rank p stored its part of our slice into slot [p] of our data
                 // region; the kernel reads rank p's part at peer_in[p] + (offset
                 // of our slice), so slot p sits at data + (p - rank) x S.
-                let s = n.div_ceil(r as u64).div_ceil(16) * 16;
+                let s = rsag_slice(n, r as u64);
                 let own = self.peer_data(rank);
                 let reg_out = self.registry.find(c.output, n);
                 for p in 0..r {
@@ -518,11 +518,12 @@ impl AllReduceComm {
                     }
                 }
                 a.flags |= flags::PUSH;
-                if Self::aligned16(&a) {
-                    a.flags |= flags::ALIGNED;
-                }
             }
             Algorithm::AgLl | Algorithm::AgMesh => unreachable!("resolve checked the collective"),
+        }
+        // The rsag family vectorises over 16 bytes when every pointer allows it.
+        if choice.algorithm.uses_barriers() && Self::aligned16(&a) {
+            a.flags |= flags::ALIGNED;
         }
         let family = choice.algorithm.family().expect("an allreduce algorithm");
         // SAFETY: the input/output ranges were checked by the caller (Python:
@@ -678,7 +679,7 @@ mod tests {
                 assert!(s.data_bytes >= max && s.data_offset % 256 == 0);
                 // rsag_push: R slots of the 16-rounded slice, for every size.
                 for n in [1, 15, max.saturating_sub(1).max(1), max] {
-                    let slice = n.div_ceil(r).div_ceil(16) * 16;
+                    let slice = rsag_slice(n, r);
                     assert!(r * slice <= s.data_bytes, "r={r} max={max} n={n}");
                 }
                 assert_eq!(s.total, s.data_offset + s.data_bytes);
