@@ -191,8 +191,12 @@ impl AllReduceComm {
             ..CommunicatorOptions::default()
         };
         let comm = Communicator::new(bootstrap, Some(device), opts)?;
+        comm.device_share().require("allreduce", 1)?;
         let kernels = CollKernels::get(device)?;
-        let sms = device.sm_count()?.max(1) as u32;
+        // Every block of every rank must be resident together, and the block
+        // count must be the same on every rank (block b talks to block b):
+        // the smallest share of any rank (the whole GPU unless ranks share one).
+        let sms = comm.device_share().group_sms.max(1);
         let max = config.max_bytes as u64;
         let limits = Limits {
             world_size: size,

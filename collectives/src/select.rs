@@ -168,6 +168,24 @@ pub fn select(req: &Request, limits: &Limits, table: &TunedTable) -> Choice {
 
 /// The choice for a call: `pinned` (checked: it must serve `req`) or
 /// [`select`]; then `num_blocks` / `num_threads` override the geometry when
+/// `num_blocks` capped to `limits.max_blocks` (every block of every rank must
+/// be resident together: the GPU's SMs, or a rank's share where ranks share a
+/// GPU), logged once per process when it caps.
+fn cap_blocks(num_blocks: u32, limits: &Limits) -> u32 {
+    if num_blocks <= limits.max_blocks {
+        return num_blocks;
+    }
+    static LOGGED: std::sync::Once = std::sync::Once::new();
+    LOGGED.call_once(|| {
+        tracing::warn!(
+            "allreduce num_blocks {num_blocks} capped to {}: every block of every rank must be \
+             resident together (the SMs of this rank's share of its GPU)",
+            limits.max_blocks
+        )
+    });
+    limits.max_blocks.max(1)
+}
+
 /// non-zero (checked: 1..=max_blocks blocks; 32..=1024 threads, a multiple of 32).
 pub fn resolve(
     req: &Request,
@@ -191,17 +209,13 @@ pub fn resolve(
         None => select(req, limits, table),
     };
     if num_blocks != 0 {
-        if num_blocks > limits.max_blocks {
+        if num_blocks > crate::args::MAX_BLOCKS as u32 {
             return Err(CommError::invalid(
                 "num_blocks",
-                format!(
-                    "{num_blocks}: at most {} (every block must be resident: min({}, SMs))",
-                    limits.max_blocks,
-                    crate::args::MAX_BLOCKS
-                ),
+                format!("{num_blocks}: at most {}", crate::args::MAX_BLOCKS),
             ));
         }
-        c.num_blocks = num_blocks;
+        c.num_blocks = cap_blocks(num_blocks, limits);
     }
     if num_threads != 0 {
         if !(32..=1024).contains(&num_threads) || num_threads % 32 != 0 {
@@ -387,6 +401,19 @@ mod tests {
         let e = resolve(&ar(1 << 20), &l, &t, Some(Algorithm::OneShotLl), 0, 0);
         assert!(e.is_err()); // 1 MiB > oneshot_max_bytes (512 KiB)
         assert!(resolve(&ar(64), &l, &t, None, 129, 0).is_err());
+        // Above this rank's share of a shared GPU (but within MAX_BLOCKS): capped.
+        let mut shared = limits(4);
+        shared.max_blocks = 16;
+        let c = resolve(
+            &ar(64 << 10),
+            &shared,
+            &t,
+            Some(Algorithm::OneShotLl),
+            100,
+            0,
+        )
+        .unwrap();
+        assert_eq!(c.num_blocks, 16);
         assert!(resolve(&ar(64), &l, &t, None, 0, 100).is_err());
         assert!(resolve(&ar(64), &l, &t, None, 0, 2048).is_err());
         assert!(resolve(&ar(64), &l, &t, None, 0, 16).is_err());

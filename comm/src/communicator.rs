@@ -15,6 +15,7 @@ use crate::bootstrap::Bootstrap;
 use crate::channel::{MemoryChannel, PortChannel};
 use crate::cuda::Device;
 use crate::device_error::DeviceErrorRecord;
+use crate::device_share::{ranks_on_same_device, DeviceShare};
 use crate::error::{CommError, Result};
 use crate::fd_passing::FdServer;
 use crate::memory::DeviceMemory;
@@ -98,6 +99,11 @@ pub struct Communicator {
     seq: AtomicU64,
     timeout: Duration,
     ipc_connections: Mutex<Vec<Option<Arc<dyn Connection>>>>,
+    /// This rank's share of its device (ranks on the same GPU found through
+    /// the setup exchange); the whole device when alone or without a device.
+    share: DeviceShare,
+    /// Ranks of the group on this rank's device, this one included.
+    device_peers: Vec<usize>,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -142,6 +148,8 @@ impl Communicator {
             seq: AtomicU64::new(0),
             timeout: opts.timeout,
             ipc_connections: Mutex::new(vec![None; size]),
+            share: DeviceShare::whole(0),
+            device_peers: vec![rank],
         };
         let page_info = match device {
             Some(d) => {
@@ -166,7 +174,22 @@ impl Communicator {
                 .map(|m| m.info().to_bytes())
                 .unwrap_or_default(),
         );
+        // Which GPU each rank uses: (host, device UUID); zeros without a device.
+        let uuid = match device {
+            Some(d) => d.uuid()?,
+            None => [0; 16],
+        };
+        let (device_sms, context_sms) = match device {
+            Some(d) => (d.sm_count()?.max(0) as u32, d.context_sm_count()?),
+            None => (0, None),
+        };
+        w.u64(host_id);
+        w.bytes(&uuid);
+        w.u64(device_sms as u64);
+        w.u64(context_sms.unwrap_or(0) as u64);
         let all = comm.bootstrap.all_gather(&w.finish())?;
+        let mut placement = Vec::with_capacity(size);
+        let mut sm_counts = Vec::with_capacity(size);
         for (r, b) in all.iter().enumerate() {
             let mut rd = Reader::new(b, "communicator setup");
             let eth = rd.bytes()?;
@@ -174,6 +197,23 @@ impl Communicator {
                 comm.peer_ethernet[r] = Some(String::from_utf8_lossy(eth).into_owned());
             }
             let page = rd.bytes()?;
+            let peer_host = rd.u64()?;
+            let mut peer_uuid = [0u8; 16];
+            let u = rd.bytes()?;
+            if u.len() != 16 {
+                return Err(CommError::invalid(
+                    "bootstrap",
+                    format!(
+                        "rank {r} sent a device id of {} bytes, expected 16",
+                        u.len()
+                    ),
+                ));
+            }
+            peer_uuid.copy_from_slice(u);
+            let sms = rd.u64()?.min(u32::MAX as u64) as u32;
+            let ctx_sms = rd.u64()?.min(u32::MAX as u64) as u32;
+            placement.push((peer_host, peer_uuid));
+            sm_counts.push((sms, (ctx_sms > 0).then_some(ctx_sms)));
             rd.end()?;
             if r == rank {
                 comm.signal_pages[r] = page_info.clone();
@@ -185,6 +225,19 @@ impl Communicator {
                     host_id,
                     comm.timeout,
                 )?);
+            }
+        }
+        if let Some(d) = device {
+            comm.device_peers = ranks_on_same_device(&placement, rank);
+            comm.share = DeviceShare::of_group(&placement, &sm_counts, rank);
+            if comm.share.is_shared() {
+                tracing::debug!(
+                    "rank {rank}: {} ranks on device {} ({:?}); share {:?}",
+                    comm.device_peers.len(),
+                    d.ordinal,
+                    comm.device_peers,
+                    comm.share
+                );
             }
         }
         // Every rank has mapped every signal page before anyone may drop theirs.
@@ -202,6 +255,17 @@ impl Communicator {
 
     pub fn device(&self) -> Option<Device> {
         self.device
+    }
+
+    /// This rank's share of its GPU: how many ranks of the group use it and
+    /// how many SMs one of this rank's grids may take (see [`DeviceShare`]).
+    pub fn device_share(&self) -> DeviceShare {
+        self.share
+    }
+
+    /// Ranks of the group on this rank's GPU (this one included), in rank order.
+    pub fn ranks_on_device(&self) -> &[usize] {
+        &self.device_peers
     }
 
     pub fn bootstrap(&self) -> &Arc<dyn Bootstrap> {

@@ -115,6 +115,35 @@ impl Device {
         self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
     }
 
+    /// The device's UUID (the same in every process that sees the device).
+    pub fn uuid(&self) -> Result<[u8; 16]> {
+        let cu_dev = result::device::get(self.ordinal).call("cuDeviceGet")?;
+        let u = result::device::get_uuid(cu_dev).call("cuDeviceGetUuid")?;
+        Ok(u.bytes.map(|b| b as u8))
+    }
+
+    /// SMs this process's context of the device may use where the driver
+    /// limits them (an MPS client with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`);
+    /// `None` where the driver does not say.
+    pub fn context_sm_count(&self) -> Result<Option<u32>> {
+        self.make_current()?;
+        // SAFETY: a zeroed param struct is a valid out-parameter; the current
+        // context is this device's retained primary context.
+        let mut p: sys::CUexecAffinityParam = unsafe { std::mem::zeroed() };
+        let r = unsafe {
+            sys::cuCtxGetExecAffinity(
+                &mut p,
+                sys::CUexecAffinityType::CU_EXEC_AFFINITY_TYPE_SM_COUNT,
+            )
+        };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Ok(None);
+        }
+        // SAFETY: the SM-count type fills the smCount member of the union.
+        let n = unsafe { p.param.smCount.val };
+        Ok((n > 0).then_some(n))
+    }
+
     /// (free, total) bytes of device memory, as the driver reports them.
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         self.make_current()?;

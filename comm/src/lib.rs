@@ -8,6 +8,7 @@
 //! | memory | [`memory`], [`vmm`], [`host_memory`], [`fd_passing`] | device allocations (legacy IPC, cuMem POSIX fd), host-mapped memory, fd passing over unix sockets |
 //! | registration | [`registered_memory`], [`wire`] | buffers + how to reach them, serializable |
 //! | transports | [`transport`] | [`transport::Connection`]s: CUDA IPC, Ethernet |
+//! | sharing | [`device_share`] | ranks on one GPU: each rank's SM share, so all ranks' blocks are resident together |
 //! | signalling | [`semaphore`], [`fifo`], [`proxy`], [`device_error`] | semaphores, trigger FIFO, CPU proxy, device error records |
 //! | channels | [`channel`], [`device_handles`] | memory and port channels, `#[repr(C)]` device handles |
 //! | errors | [`error`] | [`CommError`]: which call, which argument, which rank waited for what |
@@ -21,6 +22,7 @@ pub mod communicator;
 pub mod cuda;
 pub mod device_error;
 pub mod device_handles;
+pub mod device_share;
 pub mod error;
 pub mod fd_passing;
 pub mod fifo;
@@ -38,6 +40,7 @@ pub mod wire;
 pub use bootstrap::{Bootstrap, TcpBootstrap, UniqueId};
 pub use communicator::{Communicator, CommunicatorOptions};
 pub use cuda::{device_count, init_driver, Device, OwnedStream, StreamHandle};
+pub use device_share::DeviceShare;
 pub use error::{CommError, Result};
 pub use memory::{DeviceMemory, IpcHandle, PeerMemory};
 

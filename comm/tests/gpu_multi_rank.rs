@@ -599,10 +599,20 @@ fn nothing_on_other_devices(c: &Ctx) -> R {
     Ok(())
 }
 
+/// Free device memory read while no rank allocates or frees (ranks that share
+/// the GPU move its free memory too): meet, read, meet again.
+fn quiesced_free_memory(c: &Ctx) -> R<usize> {
+    c.device.synchronize()?;
+    c.comm.barrier()?;
+    let (free, _) = c.device.mem_info()?;
+    c.comm.barrier()?;
+    Ok(free)
+}
+
 /// 500 x (allocate 1 GiB, register, every peer maps it, drop everything):
 /// device memory use must come back to where it started.
 fn create_destroy_500(c: &Ctx) -> R {
-    let (free_before, _) = c.device.mem_info()?;
+    let free_before = quiesced_free_memory(c)?;
     let start = Instant::now();
     for i in 0..500 {
         let m = c.comm.alloc_memory(1 << 30)?;
@@ -620,7 +630,7 @@ fn create_destroy_500(c: &Ctx) -> R {
         drop(m);
         c.comm.barrier()?;
     }
-    let (free_after, _) = c.device.mem_info()?;
+    let free_after = quiesced_free_memory(c)?;
     let grew = free_before as i64 - free_after as i64;
     println!(
         "rank {}: 500 x 1 GiB create/map/destroy in {:.1} s, free memory change {} MiB",
@@ -654,7 +664,9 @@ fn multi_rank_suite() {
         size >= 2 && size % 2 == 0,
         "needs an even number of ranks >= 2, got {size}"
     );
-    let device = Device::bind(local.parse().unwrap()).expect("bind device");
+    // Ranks map to GPUs round-robin; several ranks may share one GPU.
+    let ordinal = local.parse::<usize>().unwrap() % comm::device_count();
+    let device = Device::bind(ordinal as i32).expect("bind device");
     let opts = CommunicatorOptions {
         ethernet: Some("127.0.0.1:0".parse().unwrap()),
         ..Default::default()

@@ -165,6 +165,8 @@ impl IntranodeBuffer {
             ..CommunicatorOptions::default()
         };
         let comm = Communicator::new(bootstrap, Some(device), opts)?;
+        comm.device_share()
+            .require("intranode dispatch/combine", 1)?;
         let kernels = DeviceKernels::get(device)?;
         let nvl = comm.alloc_memory(num_nvl_bytes)?;
         // The control region starts zeroed; the data regions need not.
@@ -229,6 +231,17 @@ impl IntranodeBuffer {
     /// Bound of every device-side wait, in polls.
     pub fn set_max_spins(&mut self, spins: i64) {
         self.max_spins = spins;
+    }
+
+    /// This rank's share of its GPU (ranks that share it, SMs per rank).
+    pub fn device_share(&self) -> comm::DeviceShare {
+        self.comm.device_share()
+    }
+
+    /// `num_sms` of a data kernel, capped to this rank's share of its GPU (so
+    /// that ranks sharing a GPU never wait on peers whose blocks cannot start).
+    fn sms(&self, num_sms: u32) -> u32 {
+        self.comm.device_share().cap("intranode num_sms", num_sms)
     }
 
     /// Error of a device wait that ran out (rank, peer, what), if any.
@@ -381,6 +394,7 @@ impl IntranodeBuffer {
         experts_per_rank: usize,
         num_sms: u32,
     ) -> Result<()> {
+        let num_sms = self.sms(num_sms);
         let send = SendArgs {
             rec,
             x: inp.x,
@@ -444,6 +458,7 @@ impl IntranodeBuffer {
         out: &DispatchOutputs,
         num_sms: u32,
     ) -> Result<()> {
+        let num_sms = self.sms(num_sms);
         let cap = self.dispatch_capacity(shape)?;
         let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
         let ctx = self.ctx(cap, 0);
@@ -468,6 +483,7 @@ impl IntranodeBuffer {
 
     /// Launches a whole combine on `stream`.
     pub fn combine(&mut self, stream: StreamHandle, a: &CombineArgs, num_sms: u32) -> Result<()> {
+        let num_sms = self.sms(num_sms);
         let cap = self.combine_capacity(a.hidden, a.num_topk);
         if a.num_tokens > cap {
             return Err(CommError::invalid(

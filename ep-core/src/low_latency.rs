@@ -156,6 +156,8 @@ impl LowLatencyBuffer {
             ..CommunicatorOptions::default()
         };
         let comm = Communicator::new(bootstrap, Some(device), copts)?;
+        comm.device_share()
+            .require("low-latency dispatch/combine", 1)?;
         let kernels = DeviceKernels::get(device)?;
         let mem = comm.alloc_memory(num_bytes)?;
         // Flags start at zero; data regions need not.
@@ -209,7 +211,9 @@ impl LowLatencyBuffer {
         state.fill(0)?;
         let mask = DeviceMemory::alloc(device, 4 * k::MAX_RANKS)?;
         mask.fill(0)?;
-        let num_blocks = device.sm_count()?.max(1) as u32;
+        // One block per SM of this rank's share of the GPU: every rank's blocks
+        // are resident together, also where ranks share a GPU (under MPS).
+        let num_blocks = comm.device_share().sms.max(1);
         let prof = if std::env::var("MOELINK_LL_PROFILE").is_ok_and(|v| v == "1") {
             let m = DeviceMemory::alloc(device, 8 * 2 * k::PROF_BLOCKS * k::PROF_SLOTS)?;
             m.fill(0)?;
