@@ -37,7 +37,6 @@ import json
 import math
 import os
 import re
-import socket
 import warnings
 from pathlib import Path
 
@@ -45,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import _native
+from ._group import check_group
 from .checks import check_int
 
 __all__ = [
@@ -348,12 +348,7 @@ class AllReduce:
         #: (algorithm, blocks, threads) of the last call.
         self.last_choice = None
 
-        hosts = [None] * self.world_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=self.group)
-        if len(set(hosts)) != 1:
-            raise ValueError(
-                f"all ranks of the group must share one host, got {sorted(set(hosts))}"
-            )
+        check_group(self.group, "AllReduce")
         uid = [_native.bootstrap_unique_id() if self.rank == 0 else None]
         dist.broadcast_object_list(uid, src=dist.get_global_rank(self.group, 0), group=self.group)
         self._native = _native.AllReduceComm(

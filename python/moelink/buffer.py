@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 
 import torch
 import torch.distributed as dist
 
 from . import _native
+from ._group import check_group
 from .checks import (
     check_bias,
     check_dispatch_x,
@@ -169,14 +169,9 @@ class Buffer(LowLatencyMixin):
         self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
         self.device = torch.device("cuda", torch.cuda.current_device())
 
-        # Every rank must be on this host (the bootstrap root listens on 127.0.0.1).
-        hosts = [None] * self.group_size
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        if len(set(hosts)) != 1:
-            raise ValueError(
-                "all ranks of the group must be on one host (intranode only), "
-                f"got {sorted(set(hosts))}"
-            )
+        # Every rank must be on this host (intranode only; the bootstrap root
+        # listens on 127.0.0.1), and NCCL cannot serve ranks that share a GPU.
+        check_group(group, "Buffer")
         # One bootstrap id per native buffer (intranode, low-latency).
         uid = [_two_unique_ids() if self.rank == 0 else None]
         dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
