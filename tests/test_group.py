@@ -8,7 +8,6 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-
 from moelink import _group
 
 

@@ -277,9 +277,16 @@ impl Communicator {
         &self.error
     }
 
-    /// Ok unless a kernel using this communicator's handles reported a failure.
+    /// Ok unless a kernel using this communicator's handles reported a failure
+    /// (a rejected argument is reported once, a timeout every time).
     pub fn check_device(&self) -> Result<()> {
         self.error.check()
+    }
+
+    /// Ok unless a device wait timed out (the ranks are out of step); leaves a
+    /// rejected argument for [`check_device`](Self::check_device).
+    pub fn check_device_timeout(&self) -> Result<()> {
+        self.error.check_timeout()
     }
 
     fn next_tag(&self) -> u64 {

@@ -43,14 +43,31 @@ impl DeviceErrorRecord {
     }
 
     /// Ok while nothing was reported; else the error, described.
+    /// The recorded failure as an error. A rejected argument (not a timeout)
+    /// is reported once: the record is cleared, so the caller can go on with
+    /// good arguments; a timeout stays, since the ranks are out of step.
     pub fn check(&self) -> Result<()> {
         match self.read() {
             None => Ok(()),
-            Some(e) => Err(describe(&e)),
+            Some(e) => {
+                if e.code != ERROR_TIMEOUT {
+                    self.reset();
+                }
+                Err(describe(&e))
+            }
         }
     }
 
     /// Clears the record (only while no kernel that may write it is running).
+    /// Like [`check`](Self::check), for a timeout only (kept); a rejected
+    /// argument stays recorded for the next full check.
+    pub fn check_timeout(&self) -> Result<()> {
+        match self.read() {
+            Some(e) if e.code == ERROR_TIMEOUT => Err(describe(&e)),
+            _ => Ok(()),
+        }
+    }
+
     pub fn reset(&self) {
         // SAFETY: the record is ours; no writer runs concurrently by contract.
         unsafe { std::ptr::write_bytes(self.mem.as_ptr(), 0, self.mem.len()) };
@@ -77,6 +94,20 @@ pub fn describe(e: &DeviceError) -> CommError {
         ),
         None => format!("unknown wait kind {} (id {})", e.kind, e.id),
     };
+    if kind == Some(WaitKind::InvalidExpertId) {
+        let observed = e.observed as i64;
+        return CommError::invalid(
+            "topk_idx",
+            format!(
+                "rank {}: token {}, column {} holds expert id {observed}, outside [-1, {}) \
+                 (found on the GPU)",
+                e.rank,
+                e.id >> 8,
+                e.id & 0xff,
+                e.expected
+            ),
+        );
+    }
     if e.code == ERROR_TIMEOUT {
         CommError::Timeout {
             rank: e.rank as i64,
@@ -85,5 +116,72 @@ pub fn describe(e: &DeviceError) -> CommError {
         }
     } else {
         CommError::invalid("device operation", format!("rank {}: {what}", e.rank))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::device_handles::ERROR_INVALID;
+
+    fn record_with(e: DeviceError) -> DeviceErrorRecord {
+        let r = DeviceErrorRecord::new(None).unwrap();
+        // SAFETY: the record's memory holds exactly one DeviceError.
+        unsafe { std::ptr::write_volatile(r.mem.as_ptr() as *mut DeviceError, e) };
+        r
+    }
+
+    #[test]
+    fn a_bad_expert_id_names_token_column_and_value_once() {
+        let r = record_with(DeviceError {
+            code: ERROR_INVALID,
+            kind: WaitKind::InvalidExpertId as u32,
+            rank: 3,
+            peer: -1,
+            id: (17 << 8) | 5,
+            expected: 64,
+            observed: (-7i64) as u64,
+        });
+        let msg = r.check().unwrap_err().to_string();
+        assert!(msg.contains("topk_idx"), "{msg}");
+        assert!(
+            msg.contains("rank 3: token 17, column 5 holds expert id -7"),
+            "{msg}"
+        );
+        assert!(msg.contains("[-1, 64)"), "{msg}");
+        // Reported once: the record is clear for the next call.
+        assert!(r.check().is_ok());
+    }
+
+    #[test]
+    fn a_timeout_stays_recorded() {
+        let r = record_with(DeviceError {
+            code: ERROR_TIMEOUT,
+            kind: WaitKind::Semaphore as u32,
+            rank: 1,
+            peer: 0,
+            id: 2,
+            expected: 5,
+            observed: 4,
+        });
+        assert!(matches!(r.check(), Err(CommError::Timeout { rank: 1, .. })));
+        assert!(r.check().is_err());
+        assert!(r.check_timeout().is_err());
+    }
+
+    #[test]
+    fn check_timeout_leaves_a_bad_argument_for_the_full_check() {
+        let r = record_with(DeviceError {
+            code: ERROR_INVALID,
+            kind: WaitKind::InvalidExpertId as u32,
+            rank: 0,
+            peer: -1,
+            id: 1 << 8,
+            expected: 8,
+            observed: 8,
+        });
+        assert!(r.check_timeout().is_ok());
+        assert!(r.check().is_err());
+        assert!(r.check().is_ok());
     }
 }

@@ -23,6 +23,7 @@ pub enum WaitKind {
     LlDispatch = 6,
     LlCombine = 7,
     LlOverflow = 8,
+    InvalidExpertId = 9,
 }
 
 impl WaitKind {
@@ -36,6 +37,7 @@ impl WaitKind {
             6 => Self::LlDispatch,
             7 => Self::LlCombine,
             8 => Self::LlOverflow,
+            9 => Self::InvalidExpertId,
             _ => return None,
         })
     }
@@ -56,6 +58,10 @@ impl WaitKind {
             Self::LlOverflow => {
                 "nothing: a local expert got more rows than fit (its R*T slots, or a peer's \
                  inbox: a peer out of step) (local expert in `id`; expected: room, observed: rows)"
+            }
+            Self::InvalidExpertId => {
+                "nothing: an expert id outside [-1, num_experts) (token << 8 | column in `id`; \
+                 expected: num_experts, observed: the id)"
             }
         }
     }

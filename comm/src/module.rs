@@ -64,6 +64,13 @@ impl LoadedModule {
     }
 }
 
+/// `MOELINK_TRAP_ON_TIMEOUT=1`: a device wait that runs out traps its kernel
+/// (the context is lost, as with DeepEP's timeout) after recording what it
+/// waited for, for users who prefer a crash to an error on the next call.
+pub fn trap_on_timeout() -> bool {
+    std::env::var("MOELINK_TRAP_ON_TIMEOUT").is_ok_and(|v| v == "1")
+}
+
 /// A fatbin plus its kernel names; loads one [`LoadedModule`] per device on
 /// first use and keeps it for the life of the process.
 pub struct ModuleCache {
@@ -125,6 +132,16 @@ impl ModuleCache {
             let f = unsafe { result::module::get_function(module, cname) }
                 .call("cuModuleGetFunction")?;
             functions.push(f);
+        }
+        if trap_on_timeout() {
+            // SAFETY: module is loaded; the symbol, where the module has it, is
+            // the 4-byte `comm_trap_on_timeout` of common_device.cuh.
+            if let Ok((ptr, 4)) = unsafe {
+                result::module::get_global(module, CString::from(c"comm_trap_on_timeout"))
+            } {
+                // SAFETY: a 4-byte device global of this module, in this context.
+                unsafe { result::memcpy_htod_sync(ptr, &[1i32]) }.call("cuMemcpyHtoD")?;
+            }
         }
         tracing::debug!("loaded {} kernels on device {}", self.label, device.ordinal);
         Ok(LoadedModule {

@@ -244,9 +244,16 @@ impl IntranodeBuffer {
         self.comm.device_share().cap("intranode num_sms", num_sms)
     }
 
-    /// Error of a device wait that ran out (rank, peer, what), if any.
+    /// Error a kernel recorded (a device wait that ran out: rank, peer, what;
+    /// or an expert id out of range: rank, token, column), if any.
     pub fn check_device(&self) -> Result<()> {
         self.comm.check_device()
+    }
+
+    /// Error of a device wait that ran out, if any (an expert id out of range
+    /// stays for [`check_device`](Self::check_device)).
+    pub fn check_device_timeout(&self) -> Result<()> {
+        self.comm.check_device_timeout()
     }
 
     /// Bytes of each data region (dispatch, combine): half of what follows
@@ -422,7 +429,7 @@ impl IntranodeBuffer {
         while flag.load(Ordering::Acquire) < epoch {
             spins += 1;
             if spins % 1024 == 0 {
-                self.comm.check_device()?;
+                self.comm.check_device_timeout()?;
                 if start.elapsed() > self.timeout {
                     return Err(CommError::Timeout {
                         rank: self.rank() as i64,
@@ -562,6 +569,8 @@ impl IntranodeBuffer {
                 is_token_in_rank,
                 partials,
                 self.scratch.ptr(),
+                self.comm.device_error().device_ptr(),
+                self.rank() as i32,
             )
         }
     }

@@ -267,18 +267,36 @@ impl LowLatencyBuffer {
         self.mask.ptr()
     }
 
-    /// Blocks of every launch (default: one per SM).
+    /// Blocks of every launch (default: one per SM of this rank's share of its
+    /// GPU; more is capped to that share, so ranks sharing a GPU stay resident).
     pub fn set_num_blocks(&mut self, n: u32) {
-        self.num_blocks = n.max(1);
+        self.num_blocks = self
+            .comm
+            .device_share()
+            .cap("low-latency num_blocks", n.max(1));
+    }
+
+    /// This rank's share of its GPU (ranks that share it, SMs per rank).
+    pub fn device_share(&self) -> comm::DeviceShare {
+        self.comm.device_share()
     }
 
     pub fn num_blocks(&self) -> u32 {
         self.num_blocks
     }
 
-    /// Errors a device wait, the proxy or its FIFO reported, if any.
+    /// Errors a device wait, the proxy or its FIFO reported, if any (an expert
+    /// id out of range is reported once).
     pub fn check_device(&self) -> Result<()> {
-        self.comm.check_device()?;
+        self.check_device_timeout()?;
+        self.comm.check_device()
+    }
+
+    /// Errors that leave the ranks out of step (a device wait that timed out,
+    /// the proxy or its FIFO), if any; an expert id out of range stays for
+    /// [`check_device`](Self::check_device).
+    pub fn check_device_timeout(&self) -> Result<()> {
+        self.comm.check_device_timeout()?;
         if let Some(p) = &self.proxy {
             p.fifo().error().check()?;
             p.check()?;
@@ -485,7 +503,8 @@ impl LowLatencyBuffer {
     }
 
     /// *Collective.* Resets the flags and call counters of every rank (the
-    /// caller has synchronised its streams: no low-latency kernel runs).
+    /// caller has synchronised its streams: no low-latency kernel runs) and
+    /// forgets a recorded device error (a timeout): the ranks are in step again.
     /// The rank mask is kept.
     pub fn clean(&self) -> Result<()> {
         self.device.synchronize()?;
@@ -497,6 +516,7 @@ impl LowLatencyBuffer {
             self.device
                 .memset_sync(self.state.ptr(), 4 * STATE_WORDS, 0)?;
         }
+        self.comm.device_error().reset();
         self.comm.barrier()
     }
 

@@ -2,6 +2,7 @@
 //! poisoned outputs. Needs a CUDA GPU: `#[ignore]`d here, run on the GPU
 //! machine by scripts/gpu_run.sh (`--include-ignored`).
 
+use comm::device_error::DeviceErrorRecord;
 use comm::{Device, DeviceMemory, StreamHandle};
 use ep_core::reference;
 use ep_kernels::{launch, DeviceKernels};
@@ -26,12 +27,85 @@ fn routing(rng: &mut impl Rng, n: usize, k: usize, e: usize) -> Vec<i64> {
     ids
 }
 
+/// Outputs of the layout kernel on `ids`: (tokens per rank, tokens per
+/// expert, is_token_in_rank as bytes), and what it recorded in `err`.
+fn run_layout(
+    dev: Device,
+    kernels: &DeviceKernels,
+    ids: &[i64],
+    (n, k, e, r): (usize, usize, usize, usize),
+    err: &DeviceErrorRecord,
+) -> (Vec<i32>, Vec<i32>, Vec<u8>) {
+    let d_ids = DeviceMemory::alloc(dev, (n * k * 8).max(8)).unwrap();
+    if n > 0 {
+        d_ids.copy_from_host(0, ids).unwrap();
+    }
+    let per_rank = DeviceMemory::alloc(dev, r * 4).unwrap();
+    let per_expert = DeviceMemory::alloc(dev, e * 4).unwrap();
+    let in_rank = DeviceMemory::alloc(dev, (n * r).max(1)).unwrap();
+    let partials = DeviceMemory::alloc(dev, 4 * launch::layout_scratch_elems(n, e, r)).unwrap();
+    partials.fill(0x7f).unwrap();
+    let ticket = DeviceMemory::alloc(dev, 4).unwrap();
+    ticket.fill(0).unwrap();
+    for m in [&per_rank, &per_expert, &in_rank] {
+        m.fill(0xAB).unwrap(); // poison: every element must be written
+    }
+    // SAFETY: buffers sized as the launcher documents.
+    unsafe {
+        launch::layout_dispatch(
+            kernels,
+            StreamHandle(0),
+            d_ids.ptr(),
+            n as i32,
+            k as i32,
+            e as i32,
+            r as i32,
+            per_rank.ptr(),
+            per_expert.ptr(),
+            in_rank.ptr(),
+            partials.ptr(),
+            ticket.ptr(),
+            err.device_ptr(),
+            7,
+        )
+    }
+    .unwrap();
+    dev.synchronize().unwrap();
+    let mut got_rank = vec![0i32; r];
+    let mut got_expert = vec![0i32; e];
+    let mut got_in = vec![0u8; n * r];
+    per_rank.copy_to_host(0, &mut got_rank).unwrap();
+    per_expert.copy_to_host(0, &mut got_expert).unwrap();
+    if n > 0 {
+        in_rank.copy_to_host(0, &mut got_in).unwrap();
+    }
+    (got_rank, got_expert, got_in)
+}
+
+fn check_against_reference(
+    got: (Vec<i32>, Vec<i32>, Vec<u8>),
+    ids: &[i64],
+    shape: (usize, usize, usize, usize),
+    case: &str,
+) {
+    let (_, k, e, r) = shape;
+    let want = reference::layout(ids, k, e, r).unwrap();
+    assert_eq!(got.0, want.num_tokens_per_rank, "{case}: tokens per rank");
+    assert_eq!(
+        got.1, want.num_tokens_per_expert,
+        "{case}: tokens per expert"
+    );
+    let want_in: Vec<u8> = want.is_token_in_rank.iter().map(|&b| b as u8).collect();
+    assert_eq!(got.2, want_in, "{case}: is_token_in_rank");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
 fn layout_kernel_matches_reference() {
     assert!(comm::device_count() > 0, "no CUDA device");
     let dev = Device::bind(0).unwrap();
     let kernels = DeviceKernels::get(dev).unwrap();
+    let err = DeviceErrorRecord::new(Some(dev)).unwrap();
     let seed: u64 = rand::rng().random();
     println!("seed {seed}");
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
@@ -44,60 +118,42 @@ fn layout_kernel_matches_reference() {
         (17, 4, 12, 1),
         (5000, 6, 96, 3),
     ];
-    for (n, k, e, r) in cases {
+    for shape in cases {
+        let (n, k, e, _) = shape;
         let ids = routing(&mut rng, n, k, e);
-        let want = reference::layout(&ids, k, e, r).unwrap();
-        let d_ids = DeviceMemory::alloc(dev, (n * k * 8).max(8)).unwrap();
-        if n > 0 {
-            d_ids.copy_from_host(0, &ids).unwrap();
-        }
-        let per_rank = DeviceMemory::alloc(dev, r * 4).unwrap();
-        let per_expert = DeviceMemory::alloc(dev, e * 4).unwrap();
-        let in_rank = DeviceMemory::alloc(dev, (n * r).max(1)).unwrap();
-        let partials = DeviceMemory::alloc(dev, 4 * launch::layout_scratch_elems(n, e, r)).unwrap();
-        partials.fill(0x7f).unwrap();
-        let ticket = DeviceMemory::alloc(dev, 4).unwrap();
-        ticket.fill(0).unwrap();
-        for m in [&per_rank, &per_expert, &in_rank] {
-            m.fill(0xAB).unwrap(); // poison: every element must be written
-        }
-        // SAFETY: buffers sized as the launcher documents.
-        unsafe {
-            launch::layout_dispatch(
-                &kernels,
-                StreamHandle(0),
-                d_ids.ptr(),
-                n as i32,
-                k as i32,
-                e as i32,
-                r as i32,
-                per_rank.ptr(),
-                per_expert.ptr(),
-                in_rank.ptr(),
-                partials.ptr(),
-                ticket.ptr(),
-            )
-        }
-        .unwrap();
-        dev.synchronize().unwrap();
-        let mut got_rank = vec![0i32; r];
-        let mut got_expert = vec![0i32; e];
-        let mut got_in = vec![0u8; n * r];
-        per_rank.copy_to_host(0, &mut got_rank).unwrap();
-        per_expert.copy_to_host(0, &mut got_expert).unwrap();
-        if n > 0 {
-            in_rank.copy_to_host(0, &mut got_in).unwrap();
-        }
-        let case = format!("seed {seed}, N={n} K={k} E={e} R={r}");
-        assert_eq!(
-            got_rank, want.num_tokens_per_rank,
-            "{case}: tokens per rank"
+        let got = run_layout(dev, &kernels, &ids, shape, &err);
+        check_against_reference(got, &ids, shape, &format!("seed {seed}, {shape:?}"));
+        assert!(
+            err.check().is_ok(),
+            "seed {seed}, {shape:?}: valid ids were reported"
         );
-        assert_eq!(
-            got_expert, want.num_tokens_per_expert,
-            "{case}: tokens per expert"
-        );
-        let want_in: Vec<u8> = want.is_token_in_rank.iter().map(|&b| b as u8).collect();
-        assert_eq!(got_in, want_in, "{case}: is_token_in_rank");
+    }
+}
+
+/// An id outside [-1, E) (too large, or below -1) counts nowhere, and the
+/// record names its token, column and value.
+#[test]
+#[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
+fn layout_kernel_reports_an_out_of_range_id() {
+    assert!(comm::device_count() > 0, "no CUDA device");
+    let dev = Device::bind(0).unwrap();
+    let kernels = DeviceKernels::get(dev).unwrap();
+    let err = DeviceErrorRecord::new(Some(dev)).unwrap();
+    let seed: u64 = rand::rng().random();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let shape = (1000, 8, 64, 4);
+    let (n, k, e, _) = shape;
+    for bad in [e as i64, 1 << 40, -2, i64::MIN] {
+        let mut ids = routing(&mut rng, n, k, e);
+        let (t, c) = (rng.random_range(0..n), rng.random_range(0..k));
+        ids[t * k + c] = bad;
+        let got = run_layout(dev, &kernels, &ids, shape, &err);
+        let case = format!("seed {seed}, id {bad} at ({t}, {c})");
+        let msg = err.check().expect_err(&case).to_string();
+        let want =
+            format!("rank 7: token {t}, column {c} holds expert id {bad}, outside [-1, {e})");
+        assert!(msg.contains(&want), "{case}: {msg}");
+        ids[t * k + c] = -1;
+        check_against_reference(got, &ids, shape, &case);
     }
 }

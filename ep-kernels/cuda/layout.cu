@@ -8,7 +8,13 @@
 // `partials[block]`, and the last block to finish (a ticket, reset to 0 for the
 // next launch) sums them into the outputs. Every output element is written
 // (outputs come from torch.empty). Needs R <= 32 and (E + R) ints of shared memory.
+//
+// An id outside [-1, E) counts nowhere and is recorded in `error` (the
+// communicator's host-mapped record: token, column, value), which the host
+// raises as a ValueError at the call's next synchronous point.
 #include <cstdint>
+
+#include <comm/common_device.cuh>
 
 namespace moelink::layout {
 
@@ -27,7 +33,8 @@ extern "C" __global__ void __launch_bounds__(moelink::layout::kThreads)
     layout_dispatch(const int64_t* __restrict__ topk_idx, int num_tokens, int num_topk,
                     int num_experts, int num_ranks, int* __restrict__ num_tokens_per_rank,
                     int* __restrict__ num_tokens_per_expert, bool* __restrict__ is_token_in_rank,
-                    int* __restrict__ partials, unsigned* __restrict__ ticket) {
+                    int* __restrict__ partials, unsigned* __restrict__ ticket,
+                    comm::DeviceError* error, int rank) {
   using namespace moelink::layout;
   extern __shared__ int counts[];  // [E] per expert, then [R] per rank
   __shared__ bool last;
@@ -42,7 +49,13 @@ extern "C" __global__ void __launch_bounds__(moelink::layout::kThreads)
     uint32_t hit = 0;
     for (int k = 0; k < num_topk; ++k) {
       const int64_t e = ids[k];
-      if (e < 0) continue;
+      if (e < 0 || e >= num_experts) {
+        if (e != -1)
+          comm::report_error(error, comm::kErrorInvalid, comm::kInvalidExpertId, rank, -1,
+                             (uint64_t(t) << 8) | uint64_t(k), uint64_t(num_experts),
+                             uint64_t(e));
+        continue;
+      }
       if (!seen_before(ids, k, e)) atomicAdd(&counts[e], 1);
       hit |= 1u << int(e / experts_per_rank);
     }

@@ -294,13 +294,24 @@ __device__ __forceinline__ int64_t valid_id(int64_t e, int num_experts) {
   return (e >= 0 && e < num_experts) ? e : -1;
 }
 
+// `report` (null: none): an id outside [-1, E) is recorded in its error record
+// (token, column of the [N, num_topk] ids, value), raised by the host later.
 __device__ void count_routing(const Routing& r, const int64_t* topk, int n_entries, int num_experts,
-                              int experts_per_rank, int num_ranks) {
+                              int experts_per_rank, int num_ranks, const LlCtx* report = nullptr,
+                              int num_topk = 1) {
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) r.cnt[e] = 0;
   __syncthreads();
   for (int i = threadIdx.x; i < n_entries; i += blockDim.x) {
-    const int64_t e = valid_id(topk[i], num_experts);
-    if (e >= 0) atomicAdd(r.cnt + e, 1);
+    const int64_t raw = topk[i];
+    const int64_t e = valid_id(raw, num_experts);
+    if (e >= 0) {
+      atomicAdd(r.cnt + e, 1);
+    } else if (report != nullptr && raw != -1) {
+      comm::report_error(report->error, comm::kErrorInvalid, comm::kInvalidExpertId,
+                         report->rank, -1,
+                         (uint64_t(i / num_topk) << 8) | uint64_t(i % num_topk),
+                         uint64_t(num_experts), uint64_t(raw));
+    }
   }
   __syncthreads();
   // One warp per destination rank: prefixes over its experts, and its total.
@@ -479,7 +490,8 @@ __device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t se
   int* nd = dl + kMaxTopk;       // their number
   char* msg = smem + (int64_t(2 * E + 4 * kMaxRanks + 4 * kMaxTopk + 4) * 4 + 15) / 16 * 16;
   if (threadIdx.x < kMaxRanks) ntok[threadIdx.x] = 0;
-  count_routing(r, a.topk, a.num_tokens * K, E, EL, R);
+  // Block 0 also reports ids outside [-1, E) (they count nowhere).
+  count_routing(r, a.topk, a.num_tokens * K, E, EL, R, blockIdx.x == 0 ? &c : nullptr, K);
   tokens_per_dest(a.topk, a.num_tokens, K, E, EL, R, ntok);
   __syncthreads();
   stamp(c, 0, 2);
@@ -571,12 +583,19 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
   int* nmsg = begin + R * EL;  // messages (tokens) from source s
   int* live = nmsg + kMaxRanks;
   int* before = live + kMaxRanks;  // [R] messages of the sources below s
+  // before[kMaxRanks]: the total messages; before[kMaxRanks + 1]: 1 when a
+  // source that is not masked timed out (an error is recorded): the counts this
+  // call returns are then -1, never a partial result that looks whole.
+  int* timed_out = before + kMaxRanks + 1;
+  if (threadIdx.x == 0) *timed_out = 0;
+  __syncthreads();
   if (threadIdx.x < R) {
     const int s = threadIdx.x;
     int64_t cycles = 0;
     const bool ok =
         !is_masked(c, s) && wait_flag(c, parity, s, seq, comm::kWaitLlDispatch, &cycles);
     live[s] = ok ? 1 : 0;
+    if (!ok && !is_masked(c, s)) atomicExch(timed_out, 1);
     if (ok && blockIdx.x == 0 && a.stats_wait)
       atomicAdd(reinterpret_cast<unsigned long long*>(a.stats_wait + s),
                 static_cast<unsigned long long>(cycles));
@@ -628,7 +647,7 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
         if (p > RT)
           comm::report_error(c.error, comm::kErrorInvalid, comm::kLlOverflow, c.rank, -1,
                              uint64_t(j), uint64_t(RT), uint64_t(p));
-        a.recv_count[j] = n;
+        a.recv_count[j] = *timed_out ? -1 : n;
         if (a.stats_count) atomicAdd(a.stats_count + j, n);
       }
       for (int s = lane; s < R; s += 32)
@@ -832,11 +851,17 @@ __device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq,
       float acc[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
+      bool poisoned = false;
       for (int k = 0; k < K; ++k) {
         const int e = r.ek[k];
         if (e < 0) continue;
         const int d = e / EL;
-        if (!live[d]) continue;
+        if (!live[d]) {
+          // A rank that timed out (not one masked on purpose): this token's
+          // sum would be partial, so it becomes NaN.
+          if (!is_masked(c, d)) poisoned = true;
+          continue;
+        }
         const float w = a.weights[int64_t(t) * K + k];
         const char* row = c.local + c.recv_offset[parity] + int64_t(d) * a.inbox_bytes +
                           (int64_t(r.prefix[e]) + r.occ[k]) * row_bytes;
@@ -847,7 +872,7 @@ __device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq,
       }
       __align__(16) __nv_bfloat16 o[8];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) o[u] = __float2bfloat16_rn(acc[u]);
+      for (int u = 0; u < 8; ++u) o[u] = __float2bfloat16_rn(poisoned ? __int_as_float(0x7fc00000) : acc[u]);
       reinterpret_cast<int4*>(a.out + int64_t(t) * H)[i] = *reinterpret_cast<const int4*>(o);
     }
     __syncthreads();

@@ -108,7 +108,9 @@ pub fn layout_scratch_elems(num_tokens: usize, num_experts: usize, num_ranks: us
 /// `layout_dispatch`: per-rank and per-expert token counts and
 /// `is_token_in_rank` from `topk_idx` (`[num_tokens, num_topk]` int64, -1 =
 /// none), with the semantics of `ep_core::reference::layout`. Every output
-/// element is written. Ids must already be checked to lie in `[-1, num_experts)`.
+/// element is written. An id outside `[-1, num_experts)` counts nowhere and is
+/// recorded (rank `rank`, its token, column and value) in the device error
+/// record at `error` (0: not recorded).
 /// `partials` is int32 scratch of [`layout_scratch_elems`] elements (any
 /// content); `ticket` a device u32 that is 0 and is left 0.
 ///
@@ -130,6 +132,8 @@ pub unsafe fn layout_dispatch(
     is_token_in_rank: u64,
     partials: u64,
     ticket: u64,
+    error: u64,
+    rank: i32,
 ) -> Result<()> {
     if num_ranks <= 0 || num_ranks > 32 || num_experts <= 0 || num_experts % num_ranks != 0 {
         return Err(CommError::invalid(
@@ -159,12 +163,14 @@ pub unsafe fn layout_dispatch(
     let blocks = (num_tokens as u32).div_ceil(LAYOUT_THREADS).max(1);
     let (mut ids, mut n, mut kk, mut e, mut r) =
         (topk_idx, num_tokens, num_topk, num_experts, num_ranks);
-    let (mut per_rank, mut per_expert, mut in_rank, mut part, mut tk) = (
+    let (mut per_rank, mut per_expert, mut in_rank, mut part, mut tk, mut err, mut rk) = (
         num_tokens_per_rank,
         num_tokens_per_expert,
         is_token_in_rank,
         partials,
         ticket,
+        error,
+        rank,
     );
     let mut params = [
         arg(&mut ids),
@@ -177,6 +183,8 @@ pub unsafe fn layout_dispatch(
         arg(&mut in_rank),
         arg(&mut part),
         arg(&mut tk),
+        arg(&mut err),
+        arg(&mut rk),
     ];
     // SAFETY: argument types match the kernel signature; pointer validity is the caller's contract.
     unsafe {

@@ -273,7 +273,8 @@ impl LlShape {
     fn dispatch_smem(&self, use_fp8: bool, use_ue8m0: bool) -> usize {
         let send = 2 * self.num_experts + 4 * MAX_RANKS + 4 * MAX_TOPK + 4;
         let send = round16(4 * send as u64) as usize + self.msg_bytes(use_fp8, use_ue8m0) as usize;
-        let recv = 4 * (2 * self.num_experts + 3 * MAX_RANKS + 1);
+        // cnt, begin [R][EL]; nmsg, live, before [32]; the total; the timeout flag.
+        let recv = 4 * (2 * self.num_experts + 3 * MAX_RANKS + 2);
         send.max(recv)
     }
 

@@ -116,6 +116,12 @@ impl IntranodeBuffer {
         self.get()?.check_device().map_err(to_py)
     }
 
+    /// Raises TimeoutError if a device wait ran out (an expert id out of range
+    /// is left for check_device).
+    fn check_device_timeout(&mut self) -> PyResult<()> {
+        self.get()?.check_device_timeout().map_err(to_py)
+    }
+
     #[allow(clippy::too_many_arguments)]
     fn layout(
         &mut self,

@@ -117,6 +117,20 @@ impl LowLatencyBuffer {
         Ok(self.get()?.num_blocks())
     }
 
+    /// This rank's share of its GPU: (ranks on the GPU, the GPU's SMs, the SM
+    /// limit of this rank's context (MPS) or None, SMs per grid, the smallest
+    /// SMs per grid of any rank).
+    fn device_share(&self) -> PyResult<(usize, u32, Option<u32>, u32, u32)> {
+        let s = self.get()?.device_share();
+        Ok((
+            s.ranks_on_device,
+            s.device_sms,
+            s.context_sms,
+            s.sms,
+            s.group_sms,
+        ))
+    }
+
     fn set_num_blocks(&mut self, n: u32) -> PyResult<()> {
         self.inner
             .as_mut()
@@ -136,6 +150,10 @@ impl LowLatencyBuffer {
     /// FIFO reported a failure.
     fn check_device(&self) -> PyResult<()> {
         self.get()?.check_device().map_err(to_py)
+    }
+
+    fn check_device_timeout(&self) -> PyResult<()> {
+        self.get()?.check_device_timeout().map_err(to_py)
     }
 
     #[allow(clippy::too_many_arguments)]

@@ -97,12 +97,16 @@ def _capturing() -> bool:
 
 
 def _check_ids() -> bool:
-    """Whether expert ids are range-checked on the host (a device sync per call).
+    """Whether expert ids are also range-checked on the host before a launch: a
+    debug switch (``MOELINK_CHECK_IDS=1``; it costs a device sync per call).
 
-    On by default; ``MOELINK_CHECK_IDS=0`` turns it off for routers that are known
-    to produce ids in ``[-1, num_experts)`` (the check costs a sync, ~50-100 us).
-    Never done under CUDA-graph capture or with ``num_worst_tokens``."""
-    return os.environ.get("MOELINK_CHECK_IDS", "1") != "0" and not _capturing()
+    The kernels check every id anyway (the layout, notify and low-latency
+    dispatch kernels record an id outside ``[-1, num_experts)``): the call raises
+    ``ValueError`` naming the rank, token and column at its end where it waits
+    for the GPU (a dispatch without ``num_worst_tokens``), otherwise at the end of
+    the next call, in ``check()`` or in ``destroy()``. Never done under CUDA-graph
+    capture."""
+    return os.environ.get("MOELINK_CHECK_IDS", "0") == "1" and not _capturing()
 
 
 class Buffer(LowLatencyMixin):
@@ -231,7 +235,18 @@ class Buffer(LowLatencyMixin):
             raise RuntimeError(
                 "this Buffer has no NVLink buffer (destroyed, or created with num_nvl_bytes=0)"
             )
+        # A timed-out wait leaves the ranks out of step: raise before launching.
+        self._native.check_device_timeout()
         return self._native
+
+    def check(self) -> None:
+        """Raises what a kernel of this Buffer recorded, if anything: an expert id
+        outside ``[-1, num_experts)`` (``ValueError`` naming the rank, token and
+        column; reported once) or a device wait that timed out
+        (``moelink.TimeoutError`` naming the rank and what it waited for)."""
+        for native in (self._native, self._ll):
+            if native is not None:
+                native.check_device()
 
     def get_local_buffer_tensor(
         self, dtype: torch.dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False
@@ -330,9 +345,15 @@ class Buffer(LowLatencyMixin):
                     t.record_stream(self._comm_stream)
             ev = torch.cuda.Event()
             ev.record(self._comm_stream)
-            return EventOverlap(ev, tuple(t for t in (*inputs, *outputs) if t is not None))
-        compute.wait_stream(self._comm_stream)
-        return EventOverlap(None)
+            event = EventOverlap(ev, tuple(t for t in (*inputs, *outputs) if t is not None))
+        else:
+            compute.wait_stream(self._comm_stream)
+            event = EventOverlap(None)
+        # What a kernel recorded (an expert id out of range, in this call or an
+        # earlier one): raised after the launches and the stream bookkeeping, so
+        # the ranks stay in step and no tensor is freed under a running kernel.
+        self._native.check_device()
+        return event
 
     def _check_device(self, **tensors) -> None:
         for name, t in tensors.items():

@@ -44,12 +44,17 @@ class _Hook:
     def __call__(self) -> None:
         if self.called:
             raise RuntimeError("this low-latency receive hook was already called")
-        self._owner._ll_native().check_device()
+        ll = self._owner._ll_native()
+        ll.check_device_timeout()
         self._launch(torch.cuda.current_stream(self._owner.device).cuda_stream)
         self.called = True
         if self._owner._ll_pending is self:
             self._owner._ll_pending = None
         self._keep = None
+        # What a kernel recorded (an expert id out of range, in this call or an
+        # earlier one): raised once the receive half is launched, so the ranks
+        # stay in step.
+        ll.check_device()
 
 
 class LowLatencyMixin:
@@ -84,7 +89,8 @@ class LowLatencyMixin:
                 "the receive hook of the previous low-latency call has not run: call it "
                 "before the next low-latency call"
             )
-        ll.check_device()
+        # A timed-out wait leaves the ranks out of step: raise before launching.
+        ll.check_device_timeout()
         return ll
 
     def _ll_shape(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
@@ -213,6 +219,8 @@ class LowLatencyMixin:
             hook = _Hook(self, lambda s: launch(s, _RECV), keep)
             self._ll_pending = hook
         event = self._ll_finish(stream, async_finish, keep)
+        if hook is None:
+            ll.check_device()  # after the launch (see _Hook.__call__)
         handle = (src_info, layout_range, t, hidden, num_experts)
         out = (recv_x, scales) if use_fp8 else recv_x
         return out, recv_count, handle, event, hook
@@ -318,6 +326,8 @@ class LowLatencyMixin:
             hook = _Hook(self, lambda s: launch(s, _RECV), keep)
             self._ll_pending = hook
         event = self._ll_finish(stream, async_finish, keep)
+        if hook is None:
+            ll.check_device()  # after the launch (see _Hook.__call__)
         return out, event, hook
 
     # ----- maintenance -------------------------------------------------------------

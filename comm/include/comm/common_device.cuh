@@ -23,6 +23,7 @@ enum : uint32_t {
   kWaitLlDispatch = 6,  // low-latency dispatch: a source's data flag
   kWaitLlCombine = 7,   // low-latency combine: an expert rank's data flag
   kLlOverflow = 8,      // low-latency dispatch: more rows for a local expert than slots
+  kInvalidExpertId = 9, // an expert id outside [-1, E): id = token << 8 | column
 };
 
 // Spin bound used when a caller passes none: about a few seconds of polling.
@@ -44,6 +45,11 @@ static_assert(sizeof(DeviceError) == 40, "DeviceError layout is mirrored in Rust
 static_assert(offsetof(DeviceError, id) == 16, "DeviceError layout is mirrored in Rust");
 
 #if defined(__CUDACC__)
+
+// Set to 1 by the host at module load when MOELINK_TRAP_ON_TIMEOUT=1
+// (comm::module): a wait that times out then traps its kernel after recording
+// what it waited for. One copy per module (every crate compiles one unit).
+__device__ int comm_trap_on_timeout;
 
 __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
   uint64_t v;
@@ -79,6 +85,7 @@ __device__ __forceinline__ void report_error(DeviceError* err, uint32_t code, ui
   err->observed = observed;
   __threadfence_system();
   atomicExch(reinterpret_cast<unsigned int*>(&err->code), code);
+  if (code == kErrorTimeout && *reinterpret_cast<volatile int*>(&comm_trap_on_timeout)) __trap();
 }
 
 // Spins until `done(observed)` holds for the value `load()` returns, at most
