@@ -70,7 +70,8 @@ def test_allgather_choice():
     assert alg(16 * KIB, collective="allgather") == "ag_ll"
     assert alg(64 * KIB, collective="allgather") == "ag_ll"  # 256 KiB of output
     assert alg(64 * KIB + 1, collective="allgather") == "ag_mesh"
-    assert alg(64 * MIB, collective="allgather", registered=True) == "ag_mesh"
+    # The whole output (world_size x nbytes) must fit max_bytes, registered or not.
+    assert alg(16 * MIB, collective="allgather", registered=True) == "ag_mesh"
 
 
 def test_default_geometry_is_sane():

@@ -22,7 +22,7 @@ use comm::{
 };
 
 use crate::algorithm::{Algorithm, Collective, Limits, Request};
-use crate::args::{flags, CollArgs, MAX_BLOCKS, MAX_RANKS};
+use crate::args::{flags, CollArgs, MAX_BLOCKS, MAX_BYTES, MAX_RANKS};
 use crate::dtype::{variant, Accum, DType, ReduceOp};
 use crate::module::{CollKernels, Kernel};
 use crate::registration::{Registration, Registry};
@@ -182,8 +182,11 @@ impl AllReduceComm {
                 format!("{size} ranks; the collectives handle 1 to {MAX_RANKS} (one host)"),
             ));
         }
-        if config.max_bytes == 0 {
-            return Err(CommError::invalid("max_bytes", "must be positive"));
+        if config.max_bytes == 0 || config.max_bytes > MAX_BYTES {
+            return Err(CommError::invalid(
+                "max_bytes",
+                format!("{}: must be in 1..={MAX_BYTES}", config.max_bytes),
+            ));
         }
         let opts = CommunicatorOptions {
             timeout: config.timeout,

@@ -12,6 +12,9 @@ use comm::device_handles::MemoryChannelDeviceHandle;
 pub const MAX_RANKS: usize = 8;
 /// Blocks a barrier-synchronised kernel may use (rows of the channel table).
 pub const MAX_BLOCKS: usize = 128;
+/// Largest `max_bytes` of a communicator (1 TiB: more than any GPU holds; the
+/// scratch layout's arithmetic stays far from overflow).
+pub const MAX_BYTES: usize = 1 << 40;
 
 /// `CollArgs::flags` bits.
 pub mod flags {

@@ -32,8 +32,9 @@ use ep_kernels::intranode::{
 };
 use ep_kernels::DeviceKernels;
 
-/// Largest number of experts per rank (`E / R`) the host-mapped counts hold.
-pub const MAX_EXPERTS_PER_RANK: usize = 1024;
+/// Largest number of experts per rank (`E / R`) the host-mapped counts hold
+/// (one of the [`limits`](crate::limits)).
+pub use crate::limits::MAX_EXPERTS_PER_RANK;
 const HOST_COUNTS_OFFSET: usize = 64;
 const HOST_BYTES: usize = HOST_COUNTS_OFFSET + 4 * (1 + MAX_EXPERTS_PER_RANK);
 

@@ -4,6 +4,7 @@
 //! | module | what it does |
 //! |---|---|
 //! | [`diagnostics`] | peer-write check: every GPU stores a pattern into every peer over NVLink |
+//! | [`limits`] | every limit of the EP API in one place, and the checks that apply them |
 //! | [`intranode`] | the intranode `Buffer`: NVL buffer, memory channels to every peer, dispatch/combine launch sequences |
 //! | [`low_latency`] | the low-latency `Buffer` part: buffer mapped by every peer, optional proxy port channels, dispatch/combine launches |
 //! | [`reference`](mod@reference) | CPU reference semantics (the test oracle) of layout, dispatch and combine, any number of ranks |
@@ -11,6 +12,7 @@
 
 pub mod diagnostics;
 pub mod intranode;
+pub mod limits;
 pub mod low_latency;
 pub mod reference;
 pub mod reference_ll;

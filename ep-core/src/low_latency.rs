@@ -118,6 +118,8 @@ pub fn size_hint(
         num_topk: k::MAX_TOPK,
     };
     shape.check()?;
+    // A shape whose blocks cannot hold their shared memory never runs.
+    shape.check_smem()?;
     Ok(shape.layout(true).total.div_ceil(128) as usize * 128)
 }
 
@@ -552,5 +554,26 @@ mod tests {
         }
         assert!(size_hint(128, 7168, 4, 287).is_err());
         assert!(size_hint(128, 100, 4, 288).is_err());
+    }
+
+    #[test]
+    fn size_hint_applies_the_limits() {
+        use crate::limits::{LL_MAX_HIDDEN, LL_MAX_TOKENS_PER_RANK, MAX_RANKS};
+        let name = |r: Result<usize>| match r {
+            Err(CommError::InvalidArgument { name, .. }) => name,
+            other => panic!("expected InvalidArgument, got {other:?}"),
+        };
+        assert_eq!(name(size_hint(128, 2 * LL_MAX_HIDDEN, 4, 16)), "hidden");
+        assert_eq!(
+            name(size_hint(LL_MAX_TOKENS_PER_RANK + 1, 128, 4, 16)),
+            "num_max_dispatch_tokens_per_rank"
+        );
+        assert_eq!(name(size_hint(128, 128, MAX_RANKS + 1, 66)), "group");
+        assert_eq!(name(size_hint(128, 128, 2, 4096)), "num_experts");
+        // Shared memory: 8192 experts do not fit a block at any hidden.
+        assert_eq!(name(size_hint(128, 128, 8, 8192)), "num_experts");
+        // The largest shape within the limits does not overflow.
+        let big = size_hint(LL_MAX_TOKENS_PER_RANK, LL_MAX_HIDDEN, MAX_RANKS, 3840).unwrap();
+        assert!(big > 1 << 40);
     }
 }

@@ -5,20 +5,27 @@
 //! the exact contract (the Python-level contract is `design/API.md`, sections
 //! "Layout", "dispatch" and "combine"; low latency is not covered here).
 //!
+//! Every size is checked against [`crate::limits`] (the GPU path's limits)
+//! before anything is allocated; outputs whose size an argument chooses
+//! (`num_worst_tokens`) are allocated fallibly and held to
+//! [`limits::reference_max_bytes`], so no argument panics or aborts.
+//!
 //! # Model
 //!
-//! There are `R` ranks (`R >= 1`) and `E` experts, `E` a positive multiple of
-//! `R`; every rank hosts `E_local = E / R` consecutive experts, so expert `e`
-//! lives on rank `e / E_local` and has local id `e - rank * E_local` there.
-//! Source rank `r` holds `N_r >= 0` tokens (`N_r == 0` is allowed). Token `t`
+//! There are `R` ranks (`1 <= R <= MAX_RANKS`) and `E` experts, `E` a
+//! positive multiple of `R`; every rank hosts `E_local = E / R` consecutive
+//! experts (at most `MAX_EXPERTS_PER_RANK`), so expert `e` lives on rank
+//! `e / E_local` and has local id `e - rank * E_local` there. Source rank `r`
+//! holds `0 <= N_r <= MAX_TOKENS_PER_RANK` tokens. Token `t`
 //! of rank `r` has a row of `K` expert ids `topk_idx[t * K .. (t + 1) * K]`
 //! (`1 <= K <= MAX_TOPK`), each in `-1 ..= E - 1`; `-1` means "no expert".
 //! All matrices are flat, row-major `Vec`s / slices.
 //!
 //! Token payloads are opaque bytes (`hidden_bytes` per token, a multiple of
-//! [`HIDDEN_BYTES_ALIGNMENT`]), so bf16 and fp8 are moved the same way; fp8
-//! tokens additionally carry a row of `num_scales` f32 scales (`H / 128` for
-//! DeepEP's fp8 format) that travels with the token. Nothing is converted.
+//! [`HIDDEN_BYTES_ALIGNMENT`], at most `MAX_HIDDEN_BYTES`), so bf16 and fp8
+//! are moved the same way; fp8 tokens additionally carry a row of
+//! `num_scales` f32 scales (`H / 128` for DeepEP's fp8 format) that travels
+//! with the token. Nothing is converted.
 //!
 //! # Choices where the Python contract is silent
 //!
@@ -66,12 +73,13 @@
 
 use comm::error::{CommError, Result};
 
-/// Largest supported top-k (`K`): the normal kernels give each column a warp lane.
-pub const MAX_TOPK: usize = 32;
+use crate::limits::{self, check_budget, zeroed};
 
-/// Token rows (`hidden_bytes` of dispatch, `2 * hidden` bytes of combine's bf16
-/// rows) must be a positive multiple of this many bytes.
-pub const HIDDEN_BYTES_ALIGNMENT: usize = 128;
+/// Largest supported top-k (`K`): the normal kernels give each column a warp
+/// lane. Token rows (`hidden_bytes` of dispatch, `2 * hidden` bytes of
+/// combine's bf16 rows) must be a positive multiple of
+/// `HIDDEN_BYTES_ALIGNMENT` bytes. Both are [`limits`].
+pub use crate::limits::{MAX_TOPK, ROW_BYTES_ALIGNMENT as HIDDEN_BYTES_ALIGNMENT};
 
 /// Result of [`layout`] / [`layout_internode`] for one source rank: the
 /// outputs of `Buffer.get_dispatch_layout`.
@@ -122,10 +130,11 @@ impl Layout {
 /// `num_topk`; `N = 0` is fine). See [`Layout`] for the meaning of each field;
 /// `num_tokens_per_rdma_rank` is `None`.
 ///
-/// Errors (`InvalidArgument`): `num_ranks == 0`; `num_experts` not a positive
-/// multiple of `num_ranks`; `num_topk` not in `1..=MAX_TOPK`; `topk_idx`
-/// length not a multiple of `num_topk`; an id outside `-1 ..= num_experts - 1`;
-/// more than `i32::MAX` tokens.
+/// Errors (`InvalidArgument`): `num_ranks` not in `1..=MAX_RANKS`;
+/// `num_experts` not a positive multiple of `num_ranks` or more than
+/// `MAX_EXPERTS_PER_RANK` per rank; `num_topk` not in `1..=MAX_TOPK`;
+/// `topk_idx` length not a multiple of `num_topk`; an id outside
+/// `-1 ..= num_experts - 1`; more than `MAX_TOKENS_PER_RANK` tokens.
 pub fn layout(
     topk_idx: &[i64],
     num_topk: usize,
@@ -282,24 +291,43 @@ impl Dispatched {
 /// number of ranks is `inputs.len()`. See [`RankOutput`] for what each rank
 /// receives and [`Dispatched`] for the routing.
 ///
-/// Errors (`InvalidArgument`): no ranks; every [`layout`] error; a
-/// `hidden_bytes` that is not a positive multiple of
-/// [`HIDDEN_BYTES_ALIGNMENT`]; `expert_alignment == 0`; `x`, `topk_weights` or
-/// `scales` of the wrong length; weights passed by some ranks only; scales
-/// present with `num_scales == 0` or absent with `num_scales > 0`; a rank
-/// receiving more than `num_worst_tokens` (when positive) tokens; counts that
-/// overflow `i32`.
+/// Errors (`InvalidArgument`): no ranks or more than `MAX_RANKS` (`inputs`);
+/// every [`layout`] error; a `hidden_bytes` that is not a positive multiple
+/// of [`HIDDEN_BYTES_ALIGNMENT`] or above `MAX_HIDDEN_BYTES`; `num_scales`
+/// above `MAX_NUM_SCALES`; `expert_alignment` not in
+/// `1..=MAX_EXPERT_ALIGNMENT`; `num_worst_tokens` above `MAX_RECV_TOKENS`;
+/// `x`, `topk_weights` or `scales` of the wrong length; weights passed by
+/// some ranks only; scales present with `num_scales == 0` or absent with
+/// `num_scales > 0`; a rank receiving more than `num_worst_tokens` (when
+/// positive) tokens; counts that overflow `i32`; outputs beyond
+/// [`limits::reference_max_bytes`] or that cannot be allocated
+/// (`num_worst_tokens`).
 pub fn dispatch(inputs: &[RankInput<'_>], args: &DispatchArgs) -> Result<Dispatched> {
-    let num_ranks = inputs.len();
-    if num_ranks == 0 {
-        return Err(CommError::invalid("inputs", "need at least one rank"));
-    }
-    let experts_per_rank = experts_per_rank(args.num_experts, num_ranks)?;
-    check_topk(args.num_topk)?;
-    check_row_bytes("hidden_bytes", args.hidden_bytes)?;
-    if args.expert_alignment == 0 {
-        return Err(CommError::invalid("expert_alignment", "must be at least 1"));
-    }
+    let num_ranks = limits::check_ranks("inputs", inputs.len())?;
+    let experts_per_rank = limits::experts_per_rank(args.num_experts, num_ranks)?;
+    limits::check_topk("num_topk", args.num_topk)?;
+    limits::check_row_bytes("hidden_bytes", args.hidden_bytes)?;
+    limits::check_range(
+        "num_scales",
+        args.num_scales,
+        0,
+        limits::MAX_NUM_SCALES,
+        "scales per token",
+    )?;
+    limits::check_range(
+        "expert_alignment",
+        args.expert_alignment,
+        1,
+        limits::MAX_EXPERT_ALIGNMENT,
+        "tokens",
+    )?;
+    limits::check_range(
+        "num_worst_tokens",
+        args.num_worst_tokens,
+        0,
+        limits::MAX_RECV_TOKENS,
+        "rows",
+    )?;
     let with_weights = inputs[0].topk_weights.is_some();
     let k = args.num_topk;
     let mut layouts = Vec::with_capacity(num_ranks);
@@ -341,30 +369,47 @@ pub fn dispatch(inputs: &[RankInput<'_>], args: &DispatchArgs) -> Result<Dispatc
     }
 
     let rank_prefix_matrix = prefix_matrix(&layouts)?;
+    let num_recv = |d: usize| rank_prefix_matrix[(num_ranks - 1) * num_ranks + d] as usize;
+    if let Some(d) =
+        (0..num_ranks).find(|&d| args.num_worst_tokens > 0 && num_recv(d) > args.num_worst_tokens)
+    {
+        return Err(CommError::invalid(
+            "num_worst_tokens",
+            format!(
+                "rank {d} receives {} tokens, more than num_worst_tokens = {}",
+                num_recv(d),
+                args.num_worst_tokens
+            ),
+        ));
+    }
+    // Every output row: payload, scales, ids, weights, source index and rank.
+    let row_bytes = args.hidden_bytes + 4 * args.num_scales + 12 * k + 8;
+    let total_rows = (0..num_ranks)
+        .map(|d| rows_for(num_recv(d), args.num_worst_tokens))
+        .sum();
+    check_budget(
+        "num_worst_tokens",
+        limits::mul("num_worst_tokens", total_rows, row_bytes)?,
+    )?;
     let mut ranks = Vec::with_capacity(num_ranks);
     for d in 0..num_ranks {
-        let num_recv = rank_prefix_matrix[(num_ranks - 1) * num_ranks + d] as usize;
-        if args.num_worst_tokens > 0 && num_recv > args.num_worst_tokens {
-            return Err(CommError::invalid(
-                "num_worst_tokens",
-                format!(
-                    "rank {d} receives {num_recv} tokens, more than num_worst_tokens = {}",
-                    args.num_worst_tokens
-                ),
-            ));
-        }
+        let num_recv = num_recv(d);
         let rows = rows_for(num_recv, args.num_worst_tokens);
-        let (recv_src_rank, recv_src_idx) = routes_to(&layouts, d, rows);
+        let (recv_src_rank, recv_src_idx) = routes_to(&layouts, d, rows)?;
         let (recv_x, recv_scales) = gather(
             &recv_src_rank,
             &recv_src_idx,
             |s| (inputs[s].x, inputs[s].scales),
             args.hidden_bytes,
             args.num_scales,
-        );
+        )?;
 
-        let mut recv_topk_idx = vec![-1i64; rows * k];
-        let mut recv_topk_weights = with_weights.then(|| vec![0.0f32; rows * k]);
+        let mut recv_topk_idx = zeroed("num_worst_tokens", rows * k, -1i64)?;
+        let mut recv_topk_weights = if with_weights {
+            Some(zeroed("num_worst_tokens", rows * k, 0.0f32)?)
+        } else {
+            None
+        };
         let mut counts = vec![0usize; experts_per_rank];
         let first = (d * experts_per_rank) as i64;
         let last = first + experts_per_rank as i64;
@@ -391,7 +436,7 @@ pub fn dispatch(inputs: &[RankInput<'_>], args: &DispatchArgs) -> Result<Dispatc
                 .iter()
                 .map(|&c| {
                     to_i32(
-                        "num_recv_tokens_per_expert",
+                        "expert_alignment",
                         c.div_ceil(args.expert_alignment) * args.expert_alignment,
                     )
                 })
@@ -442,8 +487,9 @@ pub struct CachedOutput {
 /// dispatch; `N_r` must not.
 ///
 /// Errors (`InvalidArgument`): `inputs.len()` different from the handle's
-/// number of ranks; a bad `hidden_bytes`; `x` / `scales` of the wrong length;
-/// scales present with `num_scales == 0` or absent with `num_scales > 0`.
+/// number of ranks; a bad `hidden_bytes` or `num_scales`; `x` / `scales` of
+/// the wrong length; scales present with `num_scales == 0` or absent with
+/// `num_scales > 0`; outputs beyond [`limits::reference_max_bytes`].
 pub fn dispatch_cached(
     handle: &Dispatched,
     inputs: &[TokenData<'_>],
@@ -451,12 +497,24 @@ pub fn dispatch_cached(
     num_scales: usize,
 ) -> Result<Vec<CachedOutput>> {
     check_rank_count(inputs.len(), handle.num_ranks())?;
-    check_row_bytes("hidden_bytes", hidden_bytes)?;
+    limits::check_row_bytes("hidden_bytes", hidden_bytes)?;
+    limits::check_range(
+        "num_scales",
+        num_scales,
+        0,
+        limits::MAX_NUM_SCALES,
+        "scales per token",
+    )?;
     for (r, input) in inputs.iter().enumerate() {
         let n = handle.layouts[r].num_tokens();
         check_token_data(r, n, input.x, input.scales, hidden_bytes, num_scales)?;
     }
-    Ok(handle
+    let rows: usize = handle.ranks.iter().map(RankOutput::num_rows).sum();
+    check_budget(
+        "hidden_bytes",
+        limits::mul("hidden_bytes", rows, hidden_bytes + 4 * num_scales)?,
+    )?;
+    handle
         .ranks
         .iter()
         .map(|out| {
@@ -466,13 +524,13 @@ pub fn dispatch_cached(
                 |s| (inputs[s].x, inputs[s].scales),
                 hidden_bytes,
                 num_scales,
-            );
-            CachedOutput {
+            )?;
+            Ok(CachedOutput {
                 recv_x,
                 recv_scales,
-            }
+            })
         })
-        .collect())
+        .collect()
 }
 
 /// One rank's combine inputs. The rank plays two roles: `y` and
@@ -518,8 +576,10 @@ pub struct CombineOutput {
 /// [`HIDDEN_BYTES_ALIGNMENT`]).
 ///
 /// Errors (`InvalidArgument`): `inputs.len()` different from the handle's
-/// number of ranks; a bad `hidden`; `y`, `topk_weights` or a bias of the wrong
-/// length; weights passed by some ranks only.
+/// number of ranks; a bad `hidden` (bf16 rows of `2 * hidden` bytes as
+/// [`limits::check_row_bytes`] requires); `y`, `topk_weights` or a bias of
+/// the wrong length; weights passed by some ranks only; outputs beyond
+/// [`limits::reference_max_bytes`].
 pub fn combine(
     handle: &Dispatched,
     inputs: &[CombineInput<'_>],
@@ -527,15 +587,13 @@ pub fn combine(
 ) -> Result<Vec<CombineOutput>> {
     let num_ranks = handle.num_ranks();
     check_rank_count(inputs.len(), num_ranks)?;
-    if hidden == 0 || (2 * hidden) % HIDDEN_BYTES_ALIGNMENT != 0 {
-        return Err(CommError::invalid(
-            "hidden",
-            format!(
-                "{hidden} bf16 elements per row is not a positive multiple of \
-                 {HIDDEN_BYTES_ALIGNMENT} bytes"
-            ),
-        ));
-    }
+    limits::check_multiple(
+        "hidden",
+        hidden,
+        HIDDEN_BYTES_ALIGNMENT / 2,
+        limits::MAX_HIDDEN_BYTES / 2,
+        "bf16 elements per row",
+    )?;
     let k = handle.args.num_topk;
     let with_weights = inputs[0].topk_weights.is_some();
     for (r, input) in inputs.iter().enumerate() {
@@ -563,24 +621,28 @@ pub fn combine(
         }
     }
 
+    let tokens: usize = handle.layouts.iter().map(Layout::num_tokens).sum();
+    check_budget("hidden", limits::mul("hidden", tokens, 4 * (hidden + k))?)?;
     let mut outputs: Vec<CombineOutput> = inputs
         .iter()
         .enumerate()
         .map(|(r, input)| {
-            let len = handle.layouts[r].num_tokens() * hidden;
-            let b0 = input.bias[0];
-            let b1 = input.bias[1];
-            let combined_x = (0..len)
-                .map(|i| b0.map_or(0.0, |b| b[i]) + b1.map_or(0.0, |b| b[i]))
-                .collect();
-            let combined_topk_weights =
-                with_weights.then(|| vec![0.0f32; handle.layouts[r].num_tokens() * k]);
-            CombineOutput {
+            let n = handle.layouts[r].num_tokens();
+            let mut combined_x = zeroed("hidden", n * hidden, 0.0f32)?;
+            for (i, v) in combined_x.iter_mut().enumerate() {
+                *v = input.bias[0].map_or(0.0, |b| b[i]) + input.bias[1].map_or(0.0, |b| b[i]);
+            }
+            let combined_topk_weights = if with_weights {
+                Some(zeroed("topk_weights", n * k, 0.0f32)?)
+            } else {
+                None
+            };
+            Ok(CombineOutput {
                 combined_x,
                 combined_topk_weights,
-            }
+            })
         })
-        .collect();
+        .collect::<Result<_>>()?;
     // Destination ranks in ascending order: each token's copies are added in
     // ascending destination-rank order.
     for (d, input) in inputs.iter().enumerate() {
@@ -653,39 +715,6 @@ pub fn bf16_ulp_distance(a: f32, b: f32) -> u32 {
 
 // ---- internals --------------------------------------------------------------
 
-fn experts_per_rank(num_experts: usize, num_ranks: usize) -> Result<usize> {
-    if num_ranks == 0 {
-        return Err(CommError::invalid("num_ranks", "need at least one rank"));
-    }
-    if num_experts == 0 || num_experts % num_ranks != 0 {
-        return Err(CommError::invalid(
-            "num_experts",
-            format!("{num_experts} experts is not a positive multiple of {num_ranks} ranks"),
-        ));
-    }
-    Ok(num_experts / num_ranks)
-}
-
-fn check_topk(num_topk: usize) -> Result<()> {
-    if num_topk == 0 || num_topk > MAX_TOPK {
-        return Err(CommError::invalid(
-            "num_topk",
-            format!("top-k {num_topk} is not in 1..={MAX_TOPK}"),
-        ));
-    }
-    Ok(())
-}
-
-fn check_row_bytes(name: &'static str, bytes: usize) -> Result<()> {
-    if bytes == 0 || bytes % HIDDEN_BYTES_ALIGNMENT != 0 {
-        return Err(CommError::invalid(
-            name,
-            format!("{bytes} bytes per row is not a positive multiple of {HIDDEN_BYTES_ALIGNMENT}"),
-        ));
-    }
-    Ok(())
-}
-
 fn check_rank_count(got: usize, want: usize) -> Result<()> {
     if got != want {
         return Err(CommError::invalid(
@@ -697,14 +726,17 @@ fn check_rank_count(got: usize, want: usize) -> Result<()> {
 }
 
 /// `len == rows * cols` for matrix `name` of rank `rank`.
-fn check_len(name: &'static str, rank: usize, len: usize, rows: usize, cols: usize) -> Result<()> {
-    if len != rows * cols {
+pub(crate) fn check_len(
+    name: &'static str,
+    rank: usize,
+    len: usize,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    if rows.checked_mul(cols) != Some(len) {
         return Err(CommError::invalid(
             name,
-            format!(
-                "rank {rank}: {len} elements, expected [{rows}, {cols}] = {}",
-                rows * cols
-            ),
+            format!("rank {rank}: {len} elements, expected [{rows}, {cols}]"),
         ));
     }
     Ok(())
@@ -754,8 +786,9 @@ fn compute_layout(
     ranks_per_node: Option<usize>,
     rank: Option<usize>,
 ) -> Result<Layout> {
-    let experts_per_rank = experts_per_rank(num_experts, num_ranks)?;
-    check_topk(num_topk)?;
+    limits::check_ranks("num_ranks", num_ranks)?;
+    let experts_per_rank = limits::experts_per_rank(num_experts, num_ranks)?;
+    limits::check_topk("num_topk", num_topk)?;
     let whose = rank.map_or_else(String::new, |r| format!("rank {r}: "));
     if topk_idx.len() % num_topk != 0 {
         return Err(CommError::invalid(
@@ -767,7 +800,15 @@ fn compute_layout(
         ));
     }
     let n = topk_idx.len() / num_topk;
-    to_i32("topk_idx", n)?;
+    if n > limits::MAX_TOKENS_PER_RANK {
+        return Err(CommError::invalid(
+            "topk_idx",
+            format!(
+                "{whose}{n} tokens, more than {}",
+                limits::MAX_TOKENS_PER_RANK
+            ),
+        ));
+    }
     if let Some(pos) = topk_idx
         .iter()
         .position(|&e| e < -1 || e >= num_experts as i64)
@@ -832,21 +873,19 @@ fn prefix_matrix(layouts: &[Layout]) -> Result<Vec<i32>> {
 }
 
 /// Source (rank, index) of each row received by `dest`, in order, padded to
-/// `rows` with -1.
-fn routes_to(layouts: &[Layout], dest: usize, rows: usize) -> (Vec<i32>, Vec<i32>) {
-    let mut src_rank = Vec::with_capacity(rows);
-    let mut src_idx = Vec::with_capacity(rows);
-    for (s, layout) in layouts.iter().enumerate() {
-        for t in 0..layout.num_tokens() {
-            if layout.token_in_rank(t, dest) {
-                src_rank.push(s as i32);
-                src_idx.push(t as i32);
-            }
-        }
+/// `rows` (at least the received tokens) with -1.
+fn routes_to(layouts: &[Layout], dest: usize, rows: usize) -> Result<(Vec<i32>, Vec<i32>)> {
+    let mut src_rank = zeroed("num_worst_tokens", rows, -1)?;
+    let mut src_idx = zeroed("num_worst_tokens", rows, -1)?;
+    let received = layouts.iter().enumerate().flat_map(|(s, layout)| {
+        (0..layout.num_tokens())
+            .filter(move |&t| layout.token_in_rank(t, dest))
+            .map(move |t| (s as i32, t as i32))
+    });
+    for ((rank, idx), (s, t)) in src_rank.iter_mut().zip(src_idx.iter_mut()).zip(received) {
+        (*rank, *idx) = (s, t);
     }
-    src_rank.resize(rows, -1);
-    src_idx.resize(rows, -1);
-    (src_rank, src_idx)
+    Ok((src_rank, src_idx))
 }
 
 /// Copies the source rows named by `src_rank` / `src_idx` (`-1` = padding,
@@ -857,10 +896,14 @@ fn gather<'a>(
     data: impl Fn(usize) -> (&'a [u8], Option<&'a [f32]>),
     hidden_bytes: usize,
     num_scales: usize,
-) -> (Vec<u8>, Option<Vec<f32>>) {
+) -> Result<(Vec<u8>, Option<Vec<f32>>)> {
     let rows = src_rank.len();
-    let mut x = vec![0u8; rows * hidden_bytes];
-    let mut scales = (num_scales > 0).then(|| vec![0.0f32; rows * num_scales]);
+    let mut x = zeroed("num_worst_tokens", rows * hidden_bytes, 0u8)?;
+    let mut scales = if num_scales > 0 {
+        Some(zeroed("num_worst_tokens", rows * num_scales, 0.0f32)?)
+    } else {
+        None
+    };
     for (i, (&s, &t)) in src_rank.iter().zip(src_idx).enumerate() {
         if s < 0 {
             continue;
@@ -874,7 +917,7 @@ fn gather<'a>(
                 .copy_from_slice(&ss[t * num_scales..(t + 1) * num_scales]);
         }
     }
-    (x, scales)
+    Ok((x, scales))
 }
 
 #[cfg(test)]
@@ -1844,6 +1887,12 @@ mod tests {
         assert_invalid(layout(&[0, -2], 2, 4, 2), "topk_idx");
         assert_invalid(layout_internode(&topk, 2, 4, 2, 0), "ranks_per_node");
         assert_invalid(layout_internode(&topk, 2, 8, 4, 3), "ranks_per_node");
+        // The kernels' limits, before anything is allocated.
+        assert_invalid(layout(&topk, 2, 1 << 40, 2), "num_experts");
+        assert_invalid(layout(&topk, 2, usize::MAX - 1, 2), "num_experts");
+        assert_invalid(layout(&topk, 2, 66, 33), "num_ranks");
+        assert_invalid(layout(&topk, 2, 4, usize::MAX), "num_ranks");
+        layout(&topk, 2, limits::MAX_EXPERTS, limits::MAX_RANKS).unwrap();
         // The limits themselves are fine.
         layout(&[0; 32], 32, 4, 2).unwrap();
         layout(&[-1, 3], 2, 4, 2).unwrap();
@@ -1886,6 +1935,28 @@ mod tests {
         assert_invalid(with(|a| a.num_scales = 0), "scales");
         assert_invalid(with(|a| a.num_scales = 2), "scales");
         assert_invalid(with(|a| a.num_worst_tokens = 1), "num_worst_tokens");
+        // The kernels' limits, before anything is allocated.
+        assert_invalid(with(|a| a.num_experts = 1 << 40), "num_experts");
+        assert_invalid(with(|a| a.hidden_bytes = 1 << 40), "hidden_bytes");
+        assert_invalid(with(|a| a.num_scales = usize::MAX), "num_scales");
+        assert_invalid(
+            with(|a| a.expert_alignment = usize::MAX),
+            "expert_alignment",
+        );
+        assert_invalid(with(|a| a.num_worst_tokens = 1 << 40), "num_worst_tokens");
+        assert_invalid(
+            with(|a| a.num_worst_tokens = usize::MAX),
+            "num_worst_tokens",
+        );
+        // Within the limits, but outputs beyond the reference's budget.
+        assert_invalid(
+            with(|a| a.num_worst_tokens = limits::MAX_RECV_TOKENS),
+            "num_worst_tokens",
+        );
+        assert_invalid(
+            dispatch(&vec![good; limits::MAX_RANKS + 1], &args),
+            "inputs",
+        );
 
         let bad = |f: fn(&mut RankInput)| {
             let mut b = good;

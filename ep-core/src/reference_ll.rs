@@ -140,12 +140,16 @@
 //! - **Ids below `-1`** are rejected (DeepEP ignores every negative id).
 //! - **`K > MAX_TOPK`** (32) is rejected. DeepEP's low-latency kernels allow a
 //!   smaller top-k; the contract here is the larger one.
-//! - **`round_scale` / `use_ue8m0` without `use_fp8`** are ignored (DeepEP only
-//!   reads them for fp8). `use_ue8m0` without `round_scale` is rejected.
+//! - **`round_scale` without `use_fp8`** is ignored (DeepEP only reads it for
+//!   fp8). **`use_ue8m0` without `use_fp8`** is rejected (bf16 dispatch has no
+//!   scales to pack), and so is `use_ue8m0` without `round_scale`.
 //! - **Non-finite `x` with `use_fp8`** is rejected: DeepEP's amax skips NaNs and
 //!   an infinite amax gives a zero multiplier, so the cast is meaningless. bf16
 //!   dispatch moves any bf16 bits, NaN and infinities included.
-//! - **`H`** must be a positive multiple of 128 in both modes.
+//! - **`H`** must be a positive multiple of 128 in both modes, at most
+//!   `LL_MAX_HIDDEN` (8192); every other size is held to the low-latency
+//!   kernels' [`limits`] too, so the reference accepts exactly
+//!   the shapes a `Buffer` runs.
 //!
 //! # Comparing GPU results, and tolerances
 //!
@@ -168,12 +172,14 @@
 //! (`enable_shrink`), hooks and events, and the optional statistics tensors
 //! (`cumulative_local_expert_recv_stats` gains `recv_count`).
 
-use crate::reference::{round_to_bf16, MAX_TOPK};
+use crate::limits::{self, check_budget, zeroed};
+use crate::reference::{check_len, round_to_bf16};
 use comm::error::{CommError, Result};
+use ep_kernels::low_latency::LlShape;
 
 /// Channels per fp8 scale; `H` must be a positive multiple of this in both
-/// modes.
-pub const FP8_GROUP_SIZE: usize = 128;
+/// modes, at most `LL_MAX_HIDDEN` ([`limits`]).
+pub use crate::limits::FP8_GROUP_SIZE;
 
 /// Largest finite e4m3fn value: the saturation bound of the cast and the
 /// target of a group's amax.
@@ -257,67 +263,49 @@ impl LowLatencyArgs {
     /// The receive shape for `num_ranks` ranks, after checking the shape
     /// arguments (not the fp8 flags).
     ///
-    /// Errors (`InvalidArgument`): `num_ranks == 0` (`inputs`); `num_experts`
-    /// not a positive multiple of `num_ranks`; `num_topk` not in
-    /// `1..=MAX_TOPK`; `hidden` not a positive multiple of [`FP8_GROUP_SIZE`];
-    /// `num_max_dispatch_tokens_per_rank == 0` or `R * T` beyond int32; a
-    /// receive buffer whose size overflows `usize`.
+    /// Errors (`InvalidArgument`), the limits of the low-latency kernels
+    /// ([`limits`]): `num_ranks` not in `1..=MAX_RANKS`
+    /// (`inputs`); `num_experts` not a positive multiple of `num_ranks`, more
+    /// than `MAX_EXPERTS_PER_RANK` per rank, or more than a kernel block's
+    /// shared memory holds at this `hidden`; `num_topk` not in
+    /// `1..=MAX_TOPK`; `hidden` not a positive multiple of [`FP8_GROUP_SIZE`]
+    /// or above `LL_MAX_HIDDEN`; `num_max_dispatch_tokens_per_rank` not in
+    /// `1..=LL_MAX_TOKENS_PER_RANK`.
     pub fn recv_shape(&self, num_ranks: usize) -> Result<RecvShape> {
-        if num_ranks == 0 {
-            return Err(CommError::invalid("inputs", "need at least one rank"));
-        }
-        if self.num_experts == 0 || self.num_experts % num_ranks != 0 {
-            return Err(CommError::invalid(
-                "num_experts",
-                format!(
-                    "{} experts is not a positive multiple of {num_ranks} ranks",
-                    self.num_experts
-                ),
-            ));
-        }
-        if self.num_topk == 0 || self.num_topk > MAX_TOPK {
-            return Err(CommError::invalid(
-                "num_topk",
-                format!("top-k {} is not in 1..={MAX_TOPK}", self.num_topk),
-            ));
-        }
-        if self.hidden == 0 || self.hidden % FP8_GROUP_SIZE != 0 {
-            return Err(CommError::invalid(
-                "hidden",
-                format!(
-                    "hidden {} is not a positive multiple of {FP8_GROUP_SIZE}",
-                    self.hidden
-                ),
-            ));
-        }
-        let t = self.num_max_dispatch_tokens_per_rank;
-        let rows = num_ranks
-            .checked_mul(t)
-            .filter(|&rows| t > 0 && i32::try_from(rows).is_ok())
-            .ok_or_else(|| {
-                CommError::invalid(
-                    "num_max_dispatch_tokens_per_rank",
-                    format!("{t} tokens per rank: need 1 ..= i32::MAX / {num_ranks}"),
-                )
-            })?;
-        let shape = RecvShape {
+        limits::check_ranks("inputs", num_ranks)?;
+        let num_local_experts = limits::experts_per_rank(self.num_experts, num_ranks)?;
+        limits::check_topk("num_topk", self.num_topk)?;
+        limits::check_ll_hidden("hidden", self.hidden)?;
+        let t = limits::check_range(
+            "num_max_dispatch_tokens_per_rank",
+            self.num_max_dispatch_tokens_per_rank,
+            1,
+            limits::LL_MAX_TOKENS_PER_RANK,
+            "tokens per rank",
+        )?;
+        LlShape {
             num_ranks,
-            num_local_experts: self.num_experts / num_ranks,
             max_tokens: t,
             hidden: self.hidden,
-        };
-        rows.checked_mul(shape.num_local_experts)
-            .and_then(|n| n.checked_mul(self.hidden))
-            .ok_or_else(|| {
-                CommError::invalid(
-                    "num_max_dispatch_tokens_per_rank",
-                    "receive buffer size overflows usize",
-                )
-            })?;
-        Ok(shape)
+            num_experts: self.num_experts,
+            num_topk: self.num_topk,
+        }
+        .check_smem()?;
+        Ok(RecvShape {
+            num_ranks,
+            num_local_experts,
+            max_tokens: t,
+            hidden: self.hidden,
+        })
     }
 
     fn check_format(&self) -> Result<()> {
+        if self.use_ue8m0 && !self.use_fp8 {
+            return Err(CommError::invalid(
+                "use_ue8m0",
+                "ue8m0 scales need use_fp8=True (bf16 dispatch has no scales)",
+            ));
+        }
         if self.use_fp8 && self.use_ue8m0 && !self.round_scale {
             return Err(CommError::invalid(
                 "use_ue8m0",
@@ -325,6 +313,20 @@ impl LowLatencyArgs {
             ));
         }
         Ok(())
+    }
+
+    /// Bytes of every rank's outputs of a dispatch of this shape (the
+    /// reference's f32 channels for bf16), checked against
+    /// [`limits::reference_max_bytes`].
+    fn check_budget(&self, shape: &RecvShape) -> Result<()> {
+        let per_row = if self.use_fp8 {
+            self.hidden + 4 * shape.num_scales() + 4
+        } else {
+            4 * self.hidden + 4
+        };
+        let rows = shape.num_rows() as u128 * shape.num_ranks as u128;
+        let bytes = usize::try_from(rows * per_row as u128).unwrap_or(usize::MAX);
+        check_budget("num_max_dispatch_tokens_per_rank", bytes)
     }
 }
 
@@ -499,6 +501,7 @@ pub fn low_latency_dispatch(
 ) -> Result<LlDispatched> {
     let shape = args.recv_shape(inputs.len())?;
     args.check_format()?;
+    args.check_budget(&shape)?;
     let (num_ranks, k, h) = (shape.num_ranks, args.num_topk, args.hidden);
     let mut num_tokens = Vec::with_capacity(num_ranks);
     for (r, input) in inputs.iter().enumerate() {
@@ -541,7 +544,7 @@ pub fn low_latency_dispatch(
     let g = shape.num_scales();
     let ranks = (0..num_ranks)
         .map(|d| {
-            let mut src_info = vec![-1i32; el * rt];
+            let mut src_info = zeroed("num_max_dispatch_tokens_per_rank", el * rt, -1i32)?;
             let mut layout_range = vec![0i64; el * num_ranks];
             let mut recv_count = vec![0i32; el];
             // (local expert, row, source rank, token) of every valid row.
@@ -566,7 +569,11 @@ pub fn low_latency_dispatch(
             }
             let recv_x = match &cast {
                 None => {
-                    let mut x = vec![0.0f32; shape.num_rows() * h];
+                    let mut x = zeroed(
+                        "num_max_dispatch_tokens_per_rank",
+                        shape.num_rows() * h,
+                        0.0f32,
+                    )?;
                     for &(j, row, r, t) in &placed {
                         let at = shape.row_index(j, row) * h;
                         x[at..at + h].copy_from_slice(&inputs[r].x[t * h..(t + 1) * h]);
@@ -574,9 +581,16 @@ pub fn low_latency_dispatch(
                     RecvX::Bf16(x)
                 }
                 Some(cast) => {
-                    let mut x = vec![0u8; shape.num_rows() * h];
-                    let mut f32_scales = vec![0.0f32; shape.num_rows() * g];
-                    let mut packed = vec![0i32; shape.num_rows() * shape.num_packed_scales()];
+                    let rows = shape.num_rows();
+                    let name = "num_max_dispatch_tokens_per_rank";
+                    let mut x = zeroed(name, rows * h, 0u8)?;
+                    let (f32_len, packed_len) = if args.use_ue8m0 {
+                        (0, rows * shape.num_packed_scales())
+                    } else {
+                        (rows * g, 0)
+                    };
+                    let mut f32_scales = zeroed(name, f32_len, 0.0f32)?;
+                    let mut packed = zeroed(name, packed_len, 0i32)?;
                     for &(j, row, r, t) in &placed {
                         let at = shape.row_index(j, row) * h;
                         x[at..at + h].copy_from_slice(&cast[r].x[t * h..(t + 1) * h]);
@@ -599,14 +613,14 @@ pub fn low_latency_dispatch(
                     RecvX::Fp8 { x, scales }
                 }
             };
-            LlRankOutput {
+            Ok(LlRankOutput {
                 recv_x,
                 recv_count,
                 src_info,
                 layout_range,
-            }
+            })
         })
-        .collect();
+        .collect::<Result<_>>()?;
     Ok(LlDispatched {
         args: *args,
         shape,
@@ -1395,20 +1409,6 @@ fn check_topk_idx(rank: usize, topk_idx: &[i64], args: &LowLatencyArgs) -> Resul
         ));
     }
     Ok(n)
-}
-
-/// `len == rows * cols` for matrix `name` of rank `rank`.
-fn check_len(name: &'static str, rank: usize, len: usize, rows: usize, cols: usize) -> Result<()> {
-    if len != rows * cols {
-        return Err(CommError::invalid(
-            name,
-            format!(
-                "rank {rank}: {len} elements, expected [{rows}, {cols}] = {}",
-                rows * cols
-            ),
-        ));
-    }
-    Ok(())
 }
 
 /// True if `v` is exactly a bf16 value (its low 16 bits are zero).
@@ -3114,12 +3114,43 @@ mod tests {
             "num_max_dispatch_tokens_per_rank",
         );
         assert_invalid(with(|a| a.use_ue8m0 = true), "use_ue8m0");
-        // The fp8 flags mean nothing without use_fp8; ue8m0 with round_scale is fine.
+        // round_scale means nothing without use_fp8; use_ue8m0 is an error
+        // there; ue8m0 with round_scale is fine.
         with(|a| {
             a.use_fp8 = false;
-            a.use_ue8m0 = true;
+            a.round_scale = true;
         })
         .unwrap();
+        assert_invalid(
+            with(|a| {
+                a.use_fp8 = false;
+                a.use_ue8m0 = true;
+                a.round_scale = true;
+            }),
+            "use_ue8m0",
+        );
+        // The kernels' limits, before anything is allocated.
+        assert_invalid(with(|a| a.hidden = limits::LL_MAX_HIDDEN + 128), "hidden");
+        assert_invalid(
+            with(|a| a.num_max_dispatch_tokens_per_rank = limits::LL_MAX_TOKENS_PER_RANK + 1),
+            "num_max_dispatch_tokens_per_rank",
+        );
+        assert_invalid(
+            with(|a| a.num_max_dispatch_tokens_per_rank = usize::MAX),
+            "num_max_dispatch_tokens_per_rank",
+        );
+        assert_invalid(with(|a| a.num_experts = 2 * 1025), "num_experts");
+        assert_invalid(with(|a| a.num_experts = usize::MAX - 1), "num_experts");
+        let many = vec![good; limits::MAX_RANKS + 1];
+        assert_invalid(low_latency_dispatch(&many, &args), "inputs");
+        // Within the limits, but outputs beyond the reference's budget.
+        assert_invalid(
+            with(|a| {
+                a.num_max_dispatch_tokens_per_rank = limits::LL_MAX_TOKENS_PER_RANK;
+                a.hidden = limits::LL_MAX_HIDDEN;
+            }),
+            "num_max_dispatch_tokens_per_rank",
+        );
         with(|a| {
             a.round_scale = true;
             a.use_ue8m0 = true;

@@ -13,7 +13,8 @@ use comm::StreamHandle;
 use crate::module::{DeviceKernels, KernelId};
 
 /// Largest rank count the kernels handle (one warp lane per rank).
-pub const MAX_RANKS: usize = 32;
+pub use crate::limits::MAX_RANKS;
+use crate::limits::{MAX_TOPK, ROW_BYTES_ALIGNMENT};
 /// Bytes of one half of the control region (two halves alternate per notify).
 pub const CTRL_HALF_BYTES: u64 = 32 * 1024;
 /// Bytes of the control region at the start of every NVL buffer.
@@ -70,16 +71,16 @@ impl RecordLayout {
     /// Record of a dispatch: row | `num_scales` f32 | `num_topk` i64 local ids |
     /// `num_topk` f32 weights | i32 source index, padded to 16 bytes.
     pub fn dispatch(hidden_bytes: usize, num_scales: usize, num_topk: usize) -> Result<Self> {
-        if hidden_bytes == 0 || hidden_bytes % 128 != 0 {
+        if hidden_bytes == 0 || hidden_bytes % ROW_BYTES_ALIGNMENT != 0 {
             return Err(CommError::invalid(
                 "hidden_bytes",
-                format!("{hidden_bytes} is not a positive multiple of 128"),
+                format!("{hidden_bytes} is not a positive multiple of {ROW_BYTES_ALIGNMENT}"),
             ));
         }
-        if num_topk > MAX_RANKS {
+        if num_topk > MAX_TOPK {
             return Err(CommError::invalid(
                 "num_topk",
-                format!("{num_topk} is above {MAX_RANKS}"),
+                format!("{num_topk} is above {MAX_TOPK}"),
             ));
         }
         let h = hidden_bytes as i64;

@@ -5,10 +5,12 @@
 //! | build | `build.rs` | nvcc compiles every `.cu` under `cuda/` (one unity TU) into a fatbin |
 //! | module | [`module`] | embedded fatbin, [`KernelId`] table, one lazily loaded module per device |
 //! | launchers | [`launch`], [`intranode`], [`low_latency`] | one typed, checked launcher per kernel, on a caller-given raw stream |
+//! | limits | [`limits`] | every limit of the EP API (ranks, top-k, experts, tokens, row sizes), defined once |
 
 pub mod error;
 pub mod intranode;
 pub mod launch;
+pub mod limits;
 pub mod low_latency;
 pub mod module;
 

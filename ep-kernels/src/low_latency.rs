@@ -11,14 +11,13 @@ use comm::StreamHandle;
 
 use crate::module::{DeviceKernels, KernelId};
 
-/// Largest rank count (one flag per rank and parity, one lane per rank).
-pub const MAX_RANKS: usize = 32;
-/// Largest number of local experts.
-pub const MAX_LOCAL_EXPERTS: usize = 1024;
-/// Largest top-k.
-pub const MAX_TOPK: usize = 32;
-/// Largest hidden size (one block thread per 8 channels).
-pub const MAX_HIDDEN: usize = 8192;
+use crate::limits::FP8_GROUP_SIZE;
+/// Largest rank count (one flag per rank and parity, one lane per rank), top-k,
+/// number of local experts and hidden size: the crate's [`limits`](crate::limits).
+pub use crate::limits::{
+    LL_MAX_HIDDEN as MAX_HIDDEN, LL_MAX_TOKENS_PER_RANK as MAX_TOKENS,
+    MAX_EXPERTS_PER_RANK as MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_TOPK,
+};
 /// Threads per block.
 pub const THREADS: u32 = 1024;
 /// Bytes of the flags region at the start of the buffer.
@@ -166,11 +165,11 @@ impl LlShape {
                 ),
             ));
         }
-        if self.hidden == 0 || self.hidden % 128 != 0 || self.hidden > MAX_HIDDEN {
+        if self.hidden == 0 || self.hidden % FP8_GROUP_SIZE != 0 || self.hidden > MAX_HIDDEN {
             return Err(CommError::invalid(
                 "hidden",
                 format!(
-                    "{}: must be a positive multiple of 128, at most {MAX_HIDDEN}",
+                    "{}: must be a positive multiple of {FP8_GROUP_SIZE}, at most {MAX_HIDDEN}",
                     self.hidden
                 ),
             ));
@@ -181,10 +180,10 @@ impl LlShape {
                 format!("top-k {}: must be 1..={MAX_TOPK}", self.num_topk),
             ));
         }
-        if self.max_tokens == 0 || self.max_tokens > i32::MAX as usize / (MAX_RANKS * MAX_TOPK) {
+        if self.max_tokens == 0 || self.max_tokens > MAX_TOKENS {
             return Err(CommError::invalid(
                 "num_max_dispatch_tokens_per_rank",
-                format!("{} is not in 1..=2^21", self.max_tokens),
+                format!("{} is not in 1..={MAX_TOKENS}", self.max_tokens),
             ));
         }
         Ok(())

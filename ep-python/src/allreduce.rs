@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use collectives::algorithm::{Algorithm, Collective, Limits, Request};
+use collectives::args::{MAX_BLOCKS, MAX_BYTES, MAX_RANKS};
 use collectives::select::{parse_algorithm, resolve, Choice, TableKey, TunedTable};
 use collectives::{
     dtype, Accum, AllGatherCall, AllReduceCall, AllReduceComm as Inner, AllReduceConfig, DType,
@@ -372,13 +373,38 @@ impl AllReduceComm {
         num_threads: u32,
         tuned: Vec<TunedTuple>,
     ) -> PyResult<ChoiceTuple> {
-        if world_size == 0 || max_blocks == 0 {
-            return Err(to_py(CommError::invalid(
-                "world_size",
-                "world_size and max_blocks must be positive",
-            )));
-        }
         let c = self::collective(collective)?;
+        let invalid = |name: &'static str, why: String| Err(to_py(CommError::invalid(name, why)));
+        if world_size == 0 || world_size > MAX_RANKS {
+            return invalid(
+                "world_size",
+                format!("{world_size} ranks: the collectives handle 1..={MAX_RANKS} (one host)"),
+            );
+        }
+        if max_blocks == 0 || max_blocks as usize > MAX_BLOCKS {
+            return invalid(
+                "max_blocks",
+                format!("{max_blocks}: must be in 1..={MAX_BLOCKS}"),
+            );
+        }
+        if max_bytes == 0 || max_bytes > MAX_BYTES as u64 {
+            return invalid(
+                "max_bytes",
+                format!("{max_bytes}: must be in 1..={MAX_BYTES}"),
+            );
+        }
+        // What the communicator refuses before any launch: an allreduce
+        // tensor, or an allgather output, above max_bytes.
+        let (total, what) = match c {
+            Collective::AllReduce => (Some(nbytes), format!("{nbytes} bytes")),
+            Collective::AllGather => (
+                nbytes.checked_mul(world_size as u64),
+                format!("an allgather output of {world_size} x {nbytes} bytes"),
+            ),
+        };
+        if total.is_none_or(|t| t > max_bytes) {
+            return invalid("nbytes", format!("{what}: more than max_bytes={max_bytes}"));
+        }
         let limits = Limits {
             world_size,
             max_bytes,

@@ -129,6 +129,36 @@ fn reduce_rows_bf16(
     .map_err(to_py)
 }
 
+/// Every limit of the API as `(name, value, what)`: `ep_core::limits::TABLE`
+/// and the allreduce communicator's (`collectives::args`). The Python checks
+/// and the table in docs/api-notes.md read them from here.
+#[pyfunction]
+fn limits() -> Vec<(&'static str, u64, &'static str)> {
+    use collectives::args::{MAX_BLOCKS, MAX_BYTES, MAX_RANKS};
+    let allreduce = [
+        (
+            "allreduce_max_ranks",
+            MAX_RANKS as u64,
+            "ranks of an AllReduce (one host)",
+        ),
+        (
+            "allreduce_max_blocks",
+            MAX_BLOCKS as u64,
+            "blocks of an allreduce kernel (max_blocks)",
+        ),
+        (
+            "allreduce_max_bytes",
+            MAX_BYTES as u64,
+            "max_bytes of an AllReduce",
+        ),
+    ];
+    ep_core::limits::TABLE
+        .iter()
+        .map(|l| (l.name, l.value, l.what))
+        .chain(allreduce)
+        .collect()
+}
+
 /// Pattern word `i` written by `src` into `dst` (the CPU twin of the kernel's).
 #[pyfunction]
 fn pattern_word(seed: u64, src: u32, dst: u32, i: u64) -> u64 {
@@ -145,6 +175,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(compiled_archs, m)?)?;
     m.add_function(wrap_pyfunction!(reduce_rows_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(pattern_word, m)?)?;
+    m.add_function(wrap_pyfunction!(limits, m)?)?;
     m.add_class::<PeerWriteCheck>()?;
     m.add_class::<allreduce::AllReduceComm>()?;
     reference::register(m)?;

@@ -6,7 +6,7 @@
 //! live in ep-core, whose `InvalidArgument` errors become `ValueError`.
 
 use ep_core::reference::{self, CombineInput, DispatchArgs, Dispatched, RankInput, TokenData};
-use pyo3::exceptions::{PyIndexError, PyValueError};
+use pyo3::exceptions::{PyIndexError, PyMemoryError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -58,27 +58,42 @@ fn f32s(name: &str, b: Option<&Bytes<'_>>) -> PyResult<Option<Vec<f32>>> {
         .transpose()
 }
 
+/// `v` as little-endian values of `N` bytes each, written straight into a new
+/// `bytes` object. An allocation that fails is a `MemoryError`, not a panic.
 pub(crate) fn encode<'py, const N: usize, T: Copy>(
     py: Python<'py>,
     v: &[T],
     f: fn(T) -> [u8; N],
-) -> Bytes<'py> {
-    let bytes: Vec<u8> = v.iter().flat_map(|&x| f(x)).collect();
-    PyBytes::new(py, &bytes)
+) -> PyResult<Bytes<'py>> {
+    let len = v
+        .len()
+        .checked_mul(N)
+        .ok_or_else(|| PyMemoryError::new_err(format!("{} values of {N} bytes", v.len())))?;
+    PyBytes::new_with(py, len, |buf| {
+        for (dst, &x) in buf.chunks_exact_mut(N).zip(v) {
+            dst.copy_from_slice(&f(x));
+        }
+        Ok(())
+    })
 }
 
-fn i32_bytes<'py>(py: Python<'py>, v: &[i32]) -> Bytes<'py> {
+/// A copy of `b` as a new `bytes` object (`MemoryError` when it cannot be
+/// allocated).
+pub(crate) fn raw_bytes<'py>(py: Python<'py>, b: &[u8]) -> PyResult<Bytes<'py>> {
+    encode(py, b, |x| [x])
+}
+
+fn i32_bytes<'py>(py: Python<'py>, v: &[i32]) -> PyResult<Bytes<'py>> {
     encode(py, v, i32::to_le_bytes)
 }
 
-fn f32_bytes<'py>(py: Python<'py>, v: Option<&[f32]>) -> Option<Bytes<'py>> {
-    v.map(|v| encode(py, v, f32::to_le_bytes))
+fn f32_bytes<'py>(py: Python<'py>, v: Option<&[f32]>) -> PyResult<Option<Bytes<'py>>> {
+    v.map(|v| encode(py, v, f32::to_le_bytes)).transpose()
 }
 
 /// `0` / `1` bytes, the layout of a torch bool tensor.
-fn bool_bytes<'py>(py: Python<'py>, v: &[bool]) -> Bytes<'py> {
-    let bytes: Vec<u8> = v.iter().map(|&b| u8::from(b)).collect();
-    PyBytes::new(py, &bytes)
+fn bool_bytes<'py>(py: Python<'py>, v: &[bool]) -> PyResult<Bytes<'py>> {
+    encode(py, v, |b| [u8::from(b)])
 }
 
 /// `ep_core::reference::layout` of one rank's int64 `topk_idx` `[N, num_topk]`.
@@ -95,9 +110,9 @@ fn reference_layout<'py>(
     let idx = i64s("topk_idx", topk_idx)?;
     let l = reference::layout(&idx, num_topk, num_experts, num_ranks).map_err(to_py)?;
     Ok((
-        i32_bytes(py, &l.num_tokens_per_rank),
-        i32_bytes(py, &l.num_tokens_per_expert),
-        bool_bytes(py, &l.is_token_in_rank),
+        i32_bytes(py, &l.num_tokens_per_rank)?,
+        i32_bytes(py, &l.num_tokens_per_expert)?,
+        bool_bytes(py, &l.is_token_in_rank)?,
     ))
 }
 
@@ -171,15 +186,14 @@ fn reference_dispatch_cached<'py>(
         .collect();
     let out = reference::dispatch_cached(&handle.get().inner, &data, hidden_bytes, num_scales)
         .map_err(to_py)?;
-    Ok(out
-        .iter()
+    out.iter()
         .map(|o| {
-            (
-                PyBytes::new(py, &o.recv_x),
-                f32_bytes(py, o.recv_scales.as_deref()),
-            )
+            Ok((
+                raw_bytes(py, &o.recv_x)?,
+                f32_bytes(py, o.recv_scales.as_deref())?,
+            ))
         })
-        .collect())
+        .collect()
 }
 
 /// `ep_core::reference::combine`: `inputs[r]` is rank `r`'s `(y f32 [rows,
@@ -213,15 +227,14 @@ fn reference_combine<'py>(
         })
         .collect();
     let out = reference::combine(&handle.get().inner, &combine_inputs, hidden).map_err(to_py)?;
-    Ok(out
-        .iter()
+    out.iter()
         .map(|o| {
-            (
-                encode(py, &o.combined_x, f32::to_le_bytes),
-                f32_bytes(py, o.combined_topk_weights.as_deref()),
-            )
+            Ok((
+                encode(py, &o.combined_x, f32::to_le_bytes)?,
+                f32_bytes(py, o.combined_topk_weights.as_deref())?,
+            ))
         })
-        .collect())
+        .collect()
 }
 
 /// The result of `reference_dispatch`: every rank's outputs plus the routing,
@@ -271,7 +284,7 @@ impl RefDispatched {
 
     /// int32 `[R, R]`, cumulative over source ranks.
     #[getter]
-    fn rank_prefix_matrix<'py>(&self, py: Python<'py>) -> Bytes<'py> {
+    fn rank_prefix_matrix<'py>(&self, py: Python<'py>) -> PyResult<Bytes<'py>> {
         i32_bytes(py, &self.inner.rank_prefix_matrix)
     }
 
@@ -284,7 +297,7 @@ impl RefDispatched {
     /// bool `[N, R]` of source rank `rank`, as 0 / 1 bytes.
     fn is_token_in_rank<'py>(&self, py: Python<'py>, rank: usize) -> PyResult<Bytes<'py>> {
         self.check_rank(rank)?;
-        Ok(bool_bytes(py, &self.inner.layouts[rank].is_token_in_rank))
+        bool_bytes(py, &self.inner.layouts[rank].is_token_in_rank)
     }
 
     /// What destination rank `rank` receives, as a dict of the fields of
@@ -295,18 +308,18 @@ impl RefDispatched {
         let d = PyDict::new(py);
         d.set_item("num_recv_tokens", o.num_recv_tokens)?;
         d.set_item("num_rows", o.num_rows())?;
-        d.set_item("recv_x", PyBytes::new(py, &o.recv_x))?;
-        d.set_item("recv_scales", f32_bytes(py, o.recv_scales.as_deref()))?;
+        d.set_item("recv_x", raw_bytes(py, &o.recv_x)?)?;
+        d.set_item("recv_scales", f32_bytes(py, o.recv_scales.as_deref())?)?;
         d.set_item(
             "recv_topk_idx",
-            encode(py, &o.recv_topk_idx, i64::to_le_bytes),
+            encode(py, &o.recv_topk_idx, i64::to_le_bytes)?,
         )?;
         d.set_item(
             "recv_topk_weights",
-            f32_bytes(py, o.recv_topk_weights.as_deref()),
+            f32_bytes(py, o.recv_topk_weights.as_deref())?,
         )?;
-        d.set_item("recv_src_idx", i32_bytes(py, &o.recv_src_idx))?;
-        d.set_item("recv_src_rank", i32_bytes(py, &o.recv_src_rank))?;
+        d.set_item("recv_src_idx", i32_bytes(py, &o.recv_src_idx)?)?;
+        d.set_item("recv_src_rank", i32_bytes(py, &o.recv_src_rank)?)?;
         d.set_item(
             "num_recv_tokens_per_expert",
             o.num_recv_tokens_per_expert.clone(),

@@ -10,7 +10,7 @@ use ep_core::reference_ll::{
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use crate::reference::{decode, encode};
+use crate::reference::{decode, encode, raw_bytes};
 use crate::to_py;
 
 type Bytes<'py> = Bound<'py, PyBytes>;
@@ -60,24 +60,27 @@ pub fn ref_ll_dispatch<'py>(
         let d = PyDict::new(py);
         match &rank.recv_x {
             RecvX::Bf16(v) => {
-                d.set_item("recv_x", encode(py, v, f32::to_le_bytes))?;
+                d.set_item("recv_x", encode(py, v, f32::to_le_bytes)?)?;
                 d.set_item("scales", py.None())?;
             }
             RecvX::Fp8 { x, scales } => {
-                d.set_item("recv_x", PyBytes::new(py, x))?;
+                d.set_item("recv_x", raw_bytes(py, x)?)?;
                 match scales {
-                    RecvScales::F32(s) => d.set_item("scales", encode(py, s, f32::to_le_bytes))?,
+                    RecvScales::F32(s) => d.set_item("scales", encode(py, s, f32::to_le_bytes)?)?,
                     RecvScales::Ue8m0(s) => {
-                        d.set_item("scales", encode(py, s, i32::to_le_bytes))?
+                        d.set_item("scales", encode(py, s, i32::to_le_bytes)?)?
                     }
                 }
             }
         }
-        d.set_item("recv_count", encode(py, &rank.recv_count, i32::to_le_bytes))?;
-        d.set_item("src_info", encode(py, &rank.src_info, i32::to_le_bytes))?;
+        d.set_item(
+            "recv_count",
+            encode(py, &rank.recv_count, i32::to_le_bytes)?,
+        )?;
+        d.set_item("src_info", encode(py, &rank.src_info, i32::to_le_bytes)?)?;
         d.set_item(
             "layout_range",
-            encode(py, &rank.layout_range, i64::to_le_bytes),
+            encode(py, &rank.layout_range, i64::to_le_bytes)?,
         )?;
         dicts.push(d);
     }
@@ -123,13 +126,12 @@ pub fn ref_ll_combine<'py>(
     let out = py
         .detach(|| r::low_latency_combine(&ins, &args))
         .map_err(to_py)?;
-    Ok(out
-        .iter()
+    out.iter()
         .map(|o| {
-            (
-                encode(py, &o.combined_x, f32::to_le_bytes),
-                encode(py, &o.abs_sum, f32::to_le_bytes),
-            )
+            Ok((
+                encode(py, &o.combined_x, f32::to_le_bytes)?,
+                encode(py, &o.abs_sum, f32::to_le_bytes)?,
+            ))
         })
-        .collect())
+        .collect()
 }
