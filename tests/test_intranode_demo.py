@@ -11,6 +11,7 @@ import torch
 from moelink import intranode_demo as demo
 
 from tests.conftest import cuda_device_count
+from tests.test_launch import one_error_line
 
 SMALL = {"num_tokens": 64, "hidden": 256, "num_experts": 16, "num_topk": 4}
 
@@ -183,3 +184,280 @@ def test_main_job_without_gpu_runs_the_cpu_simulation():
     assert "No CUDA device" in out
     assert "correctness: PASS" in out
     assert demo.TABLE_HEADER in out
+
+
+# ----------------------------------------------------------------------------
+# Ranks that share GPUs: SM counts, the report
+
+
+def test_sms_within_the_share_of_a_shared_gpu():
+    alone = {"ranks_per_gpu": 1, "share_sms": 132}
+    assert demo._sms_within_share([24, 32, 48], alone) == ([24, 32, 48], None)
+    four = {"ranks_per_gpu": 4, "share_sms": 33}
+    kept, note = demo._sms_within_share([24, 32, 48], four)
+    assert kept == [24, 32] and "[24, 32, 48] reduced to [24, 32]" in note and "32 SMs" in note
+    eight = {"ranks_per_gpu": 8, "share_sms": 15}
+    assert demo._sms_within_share([24, 32, 48], eight)[0] == [14]  # the share, even
+    tiny = {"ranks_per_gpu": 32, "share_sms": 1}
+    assert demo._sms_within_share([24], tiny)[0] == [2]
+    roomy = {"ranks_per_gpu": 2, "share_sms": 66}
+    assert demo._sms_within_share([24, 48], roomy) == ([24, 48], None)
+
+
+def test_shared_gpu_note_says_what_is_measured():
+    assert demo.shared_gpu_note(4, 1, True) == (
+        "4 ranks on 1 GPU (MPS): bandwidth figures measure one GPU's memory, not NVLink"
+    )
+    assert demo.shared_gpu_note(2, 1, False).startswith("2 ranks on 1 GPU (time-sliced, no MPS)")
+    assert "mix one GPU's memory with NVLink" in demo.shared_gpu_note(8, 2, True)
+
+
+def _gpu_result(rank: int, **extra) -> dict:
+    row = demo._row(demo.DISPATCH_BF16, 24, [500.0, 510.0, 490.0], 211e6)  # 422 GB/s
+    layout = demo._row(demo.LAYOUT, None, [15.0, 15.0, 15.0], None)
+    return {
+        "mode": "gpu",
+        "rank": rank,
+        "num_ranks": 4,
+        "device": "NVIDIA H200",
+        "workload": {**SMALL, "seed": 0},
+        "timing": {"clock": "CUDA events", "iters": 3, "warmup": 1, "l2_flush_bytes": 1},
+        "recv_tokens": [100, 120, 110, 90],
+        "correct": True,
+        "checks": [{"name": "x", "ok": True, "detail": ""}],
+        "rows": [layout, row],
+        **extra,
+    }
+
+
+def test_report_of_ranks_sharing_a_gpu_judges_no_target():
+    shared = {
+        "num_gpus": 1,
+        "ranks_per_gpu": 4,
+        "mps": True,
+        "sms_note": "SM counts [24, 48] reduced to [24]: ...",
+        "baseline_skipped": "all_to_all_single skipped: the group is gloo (...)",
+    }
+    text = demo.format_report(demo.aggregate([_gpu_result(r, **shared) for r in range(4)]))
+    assert demo.shared_gpu_note(4, 1, True) in text
+    assert "SM counts [24, 48] reduced to [24]" in text
+    assert "all_to_all_single skipped: the group is gloo" in text
+    assert "correctness: PASS" in text
+    assert " met" not in text and "MISSED" not in text
+    assert "not judged (ranks share a GPU)" in text
+    bf16 = next(line for line in text.splitlines() if line.startswith("dispatch bf16"))
+    assert " ok " not in bf16 and "n/a" in bf16 and bf16.rstrip().endswith("-")  # no a2a ratio
+    # The same numbers with one rank per GPU are judged.
+    alone = {"num_gpus": 4, "ranks_per_gpu": 1, "mps": False}
+    judged = demo.format_report(demo.aggregate([_gpu_result(r, **alone) for r in range(4)]))
+    assert "target 330 met" in judged and "target <= 20 us met" in judged
+    assert "NVLink" not in judged and "not judged" not in judged
+
+
+def _env_worker(rank, num_ranks, port, payload, queue):
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_PORT")
+    keys += ("MOELINK_LAUNCH_GPUS", "MOELINK_LAUNCH_MPS", "NCCL_NVLS_ENABLE")
+    import os
+
+    queue.put(
+        {"rank": rank, "port": port, "payload": payload, **{k: os.environ.get(k) for k in keys}}
+    )
+
+
+def test_local_ranks_start_with_the_launcher_variables():
+    """The main job's spawned ranks get what ``moelink.launch`` gives its ranks
+    (set before they start), and this process's environment is left as it was."""
+    import os
+
+    from moelink import _launch, launch
+
+    before = dict(os.environ)
+    with launch.gpu_sharing(3, 2, "off", log=lambda msg: None) as sharing:
+        reports = _launch.run_local_ranks(_env_worker, 3, "payload", 120, sharing)
+    assert dict(os.environ) == before
+    assert [r["rank"] for r in reports] == [0, 1, 2]
+    for r in reports:
+        assert "error" not in r, r
+        assert r["RANK"] == r["LOCAL_RANK"] == str(r["rank"])
+        assert r["WORLD_SIZE"] == r["LOCAL_WORLD_SIZE"] == "3"
+        assert r["MASTER_PORT"] == str(r["port"])
+        assert (r["MOELINK_LAUNCH_GPUS"], r["MOELINK_LAUNCH_MPS"]) == ("2", "0")
+        assert r["NCCL_NVLS_ENABLE"] == "0"
+        assert r["payload"] == "payload"
+
+
+# ----------------------------------------------------------------------------
+# The command line: every invalid option exits 2 with one error line, before any work
+
+BAD_OPTIONS = [
+    (["--hidden", "100"], 0, "--hidden must be a multiple of 128, got 100"),
+    (["--hidden", "0"], 0, "--hidden must be in 128..65536"),
+    (["--hidden", str(1 << 20)], 1, "--hidden must be in 128..65536"),
+    (["--num-experts", "7"], 0, "--num-experts 7 is not a multiple of the 4 ranks"),
+    (["--num-experts", "0"], 1, "--num-experts must be positive"),
+    (["--num-experts", "4096"], 1, "at most 1024 experts per rank"),
+    (["--ranks", "3"], 0, "--num-experts 256 is not a multiple of the 3 ranks (--ranks)"),
+    (["--ranks", "3"], 8, "--num-experts 256 is not a multiple of the 3 ranks"),
+    (["--ranks", "0"], 1, "--ranks must be positive"),
+    (["--ranks", "64", "--num-experts", "64"], 1, "--ranks must be in 1..32"),
+    (["--ranks", "x"], 1, "argument --ranks: invalid int value"),
+    (["--num-topk", "33"], 0, "--num-topk must be in 1..32"),
+    (["--num-topk", "0"], 1, "--num-topk must be in 1..32"),
+    (["--num-topk", "20", "--num-experts", "16"], 1, "--num-topk must be in 1..16"),
+    (["--num-tokens", "0"], 0, "--num-tokens must be in 1..65536"),
+    (["--num-tokens", "-5"], 1, "--num-tokens must be in 1..65536"),
+    (["--num-tokens", str(1 << 40)], 1, "--num-tokens must be in 1..65536"),
+    (["--sms", "3"], 1, "argument --sms: SM counts must be even"),
+    (["--sms", "0"], 1, "argument --sms: SM counts must be even"),
+    (["--sms", "24,abc"], 1, "argument --sms: SM counts are integers, got 'abc'"),
+    (["--sms", ""], 1, "argument --sms: expected SM counts"),
+    (["--sms", "4096"], 1, "SM counts must be even, 2..1024"),
+    (["--iters", "0"], 0, "--iters must be in 1..100000"),
+    (["--warmup", "-1"], 0, "--warmup must be in 0..100000"),
+    (["--seed", "-1"], 0, "--seed must be in 0..4294967295"),
+    (["--timeout", "0"], 0, "argument --timeout"),
+    (["--timeout", "inf"], 0, "argument --timeout"),
+    (["--words", "0", "--peer-write"], 1, "--words must be in 1..268435456"),
+    (["--mps", "always"], 1, "argument --mps: invalid choice"),
+    (["--no-such-option"], 0, "unrecognized arguments: --no-such-option"),
+    (["--json", "/nonexistent/x.json"], 0, "--json: directory /nonexistent does not exist"),
+    # The output path is checked first.
+    (["--hidden", "100", "--json", "/nonexistent/x.json"], 1, "--json: directory /nonexistent"),
+]
+
+
+@pytest.mark.parametrize("argv, num_gpus, message", BAD_OPTIONS)
+def test_bad_options_exit_2_withone_error_line(argv, num_gpus, message, capsys):
+    from moelink.__main__ import parse_args
+
+    with pytest.raises(SystemExit) as e:
+        parse_args(argv, num_gpus)
+    assert e.value.code == 2
+    out, err = capsys.readouterr()
+    assert message in one_error_line(err)
+    assert out == ""
+
+
+def test_json_path_that_is_a_directory_is_refused(tmp_path, capsys):
+    from moelink.__main__ import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--json", str(tmp_path)], 0)
+    assert "is a directory" in one_error_line(capsys.readouterr().err)
+
+
+def test_mps_mode_from_the_environment_is_checked(monkeypatch, capsys):
+    from moelink.__main__ import parse_args
+
+    monkeypatch.setenv("MOELINK_MPS", "sometimes")
+    with pytest.raises(SystemExit) as e:
+        parse_args([], 1)
+    assert e.value.code == 2
+    assert "MOELINK_MPS must be one of auto, on, off" in one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize(
+    "argv, num_gpus, ranks, tokens",
+    [
+        ([], 0, 4, 1024),
+        ([], 1, 1, 4096),
+        ([], 4, 4, 4096),
+        (["--ranks", "8"], 1, 8, 4096),  # more ranks than GPUs: several per GPU
+        (["--ranks", "2", "--num-tokens", "64"], 0, 2, 64),
+        (["--ranks", "32"], 1, 32, 4096),
+    ],
+)
+def test_valid_options_and_machine_defaults(argv, num_gpus, ranks, tokens, monkeypatch, tmp_path):
+    from moelink.__main__ import parse_args
+
+    monkeypatch.delenv("MOELINK_MPS", raising=False)
+    args, got = parse_args([*argv, "--json", str(tmp_path / "out.json")], num_gpus)
+    assert got == ranks and args.num_tokens == tokens
+    assert args.mps == "auto" and args.sms == [24, 32, 48]
+
+
+def test_bad_options_from_the_shell():
+    """A few of the invalid options through ``python -m moelink`` on this machine:
+    exit 2, one ``error:`` line on stderr, nothing on stdout (no work started)."""
+    picks = [BAD_OPTIONS[i] for i in (0, 3, 6, 11, 14, 17, 30)]
+    procs = [
+        (
+            subprocess.Popen(
+                [sys.executable, "-m", "moelink", *argv],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            ),
+            message,
+        )
+        for argv, num_gpus, message in picks
+        if num_gpus == 0 or cuda_device_count() > 0
+    ]
+    for p, message in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 2, err
+        assert message in one_error_line(err)
+        assert out == ""
+
+
+def test_cli_parser_property():
+    """Random option values (any integer, text, NaN, empty): parse_args either
+    exits 2 with one ``error:`` line or returns options the workload can take."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+    import contextlib
+    import io
+
+    from moelink import checks
+    from moelink.__main__ import parse_args
+
+    ints = st.integers(min_value=-(2**63), max_value=2**64)
+    values = st.one_of(
+        ints.map(str),
+        st.sampled_from(["", "nan", "inf", "-0", "1e3", "0x10", " 8", "24,32", "2,,4"]),
+        st.text(max_size=8),
+    )
+    options = st.sampled_from(
+        [
+            "--num-tokens",
+            "--hidden",
+            "--num-experts",
+            "--num-topk",
+            "--sms",
+            "--iters",
+            "--warmup",
+            "--seed",
+            "--ranks",
+            "--timeout",
+            "--mps",
+            "--words",
+        ]
+    )
+    argv_lists = st.lists(st.tuples(options, values), max_size=5).map(
+        lambda pairs: [f"{k}={v}" for k, v in pairs]
+    )
+
+    @hypothesis.settings(max_examples=300, deadline=None)
+    @hypothesis.given(argv=argv_lists, num_gpus=st.sampled_from([0, 1, 2, 8]))
+    def check(argv, num_gpus):
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            try:
+                args, ranks = parse_args(argv, num_gpus)
+            except SystemExit as e:
+                assert e.code == 2
+                one_error_line(err.getvalue())
+                return
+        assert err.getvalue() == ""
+        assert 1 <= ranks <= demo.MAX_RANKS
+        assert 1 <= args.num_tokens <= demo.MAX_TOKENS
+        assert args.hidden % 128 == 0 and 128 <= args.hidden <= demo.MAX_HIDDEN
+        assert args.num_experts % ranks == 0
+        assert 1 <= args.num_experts // ranks <= demo.MAX_EXPERTS_PER_RANK
+        assert 1 <= args.num_topk <= min(checks.MAX_TOPK, args.num_experts)
+        assert args.sms and all(s % 2 == 0 and 2 <= s <= demo.MAX_SMS for s in args.sms)
+        assert args.iters >= 1 and args.warmup >= 0 and 0 <= args.seed <= demo.MAX_SEED
+        assert args.timeout > 0 and args.timeout != float("inf")
+        assert args.mps in ("auto", "on", "off")
+
+    check()

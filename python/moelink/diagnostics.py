@@ -76,13 +76,16 @@ def peer_write_check(group=None, words: int = 1 << 20, seed: int | None = None) 
 
 
 def _local_worker(rank: int, nranks: int, port: int, words: int, queue) -> None:
-    import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=nranks
-    )
+    from .launch import init_distributed
+
+    try:
+        # RANK, LOCAL_WORLD_SIZE, MASTER_PORT, MPS: set by run_on_local_gpus.
+        init_distributed(backend="gloo")
+    except Exception as e:  # reported by the parent
+        queue.put({"rank": rank, "error": repr(e)})
+        return
     try:
         report = peer_write_check(words=words)
         report.pop("mismatches")
@@ -93,12 +96,15 @@ def _local_worker(rank: int, nranks: int, port: int, words: int, queue) -> None:
         dist.destroy_process_group()
 
 
-def run_on_local_gpus(nranks: int, words: int, timeout_s: float = 120.0) -> list:
-    """Runs :func:`peer_write_check` with one spawned process per local GPU.
+def run_on_local_gpus(nranks: int, words: int, timeout_s: float = 120.0, sharing=None) -> list:
+    """Runs :func:`peer_write_check` on ``nranks`` spawned processes, rank ``r`` on
+    local GPU ``r % G`` (several per GPU where ranks outnumber GPUs), over a gloo
+    group. ``sharing``: a ``moelink.launch.GpuSharing`` whose MPS daemon the
+    caller holds; None: one is set up here for the run (``$MOELINK_MPS``).
 
     Returns the reports sorted by rank; a rank that died or did not report
     within ``timeout_s`` appears as ``{"rank": r, "error": ...}``.
     """
     from ._launch import run_local_ranks
 
-    return run_local_ranks(_local_worker, nranks, words, timeout_s)
+    return run_local_ranks(_local_worker, nranks, words, timeout_s, sharing)

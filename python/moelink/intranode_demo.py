@@ -10,7 +10,11 @@ scores), experts spread evenly over the ranks. ``python -m moelink`` and
 - :func:`run_rank`: the GPU path, one call per rank: a ``moelink.Buffer``, layout,
   dispatch (bf16 and fp8), combine, each checked against ``moelink.reference``
   and then timed for every SM count, next to ``torch.distributed.all_to_all_single``
-  moving the same rows in the same run.
+  moving the same rows in the same run (NCCL groups only: where ranks share a GPU
+  the group is gloo, which cannot move CUDA tensors, and the baseline is skipped).
+- :func:`run_on_local_gpus`: :func:`run_rank` on N spawned ranks placed
+  round-robin on the local GPUs, several per GPU where N exceeds them (under MPS
+  where ``moelink.launch`` can have it).
 - :func:`run_cpu_simulation`: no GPU: the same workload through the CPU reference
   with all ranks simulated in one process, checked against an independent
   computation, timed by the wall clock.
@@ -24,9 +28,9 @@ Timed dispatches are cached (the layout handle passed back), as DeepEP times
 them; the ``dispatch bf16 uncached`` row is the full call (layout arguments,
 CPU wait for the counts) and has no target.
 
-Module-level imports are the standard library's only (torch, ``moelink.Buffer``
-and ``moelink.reference`` are imported where used), so this module imports on
-a machine without a GPU.
+Module-level imports are the standard library's and ``moelink.launch``'s (itself
+standard library only); torch, ``moelink.Buffer`` and ``moelink.reference`` are
+imported where used, so this module imports on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -38,17 +42,22 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from .launch import NO_MULTICAST_ENV
+
 __all__ = [
     "DEFAULT_SMS",
+    "NO_MULTICAST_ENV",
     "add_arguments",
     "aggregate",
     "cast_to_fp8",
+    "check_options",
     "dequantize_fp8",
     "format_report",
     "make_inputs",
     "run_cpu_simulation",
     "run_on_local_gpus",
     "run_rank",
+    "shared_gpu_note",
 ]
 
 #: SM counts :func:`run_rank` times unless told otherwise.
@@ -64,6 +73,17 @@ FP8_BYTES_FACTOR = (1 + 4 / SCALE_BLOCK) / 2
 L2_FLUSH_BYTES = 256 << 20
 #: Timed repeats of each reference call on the CPU path at most.
 CPU_MAX_REPEATS = 3
+
+# Bounds of the command-line options (:func:`check_options`). Ranks, experts per
+# rank and top-k are the intranode kernels' limits; the others keep a run within
+# memory and time (every rank builds every rank's inputs on the CPU).
+MAX_RANKS = 32
+MAX_EXPERTS_PER_RANK = 1024
+MAX_TOKENS = 1 << 16
+MAX_HIDDEN = 1 << 16
+MAX_SMS = 1024
+MAX_ITERS = 100_000
+MAX_SEED = 2**32 - 1
 
 # Operation names (keys of the result rows) and how the table prints them.
 LAYOUT = "layout"
@@ -336,10 +356,13 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
     Every rank of ``group`` calls it at once with the same ``args`` (an
     ``argparse.Namespace`` from :func:`add_arguments`: ``num_tokens``,
     ``hidden``, ``num_experts``, ``num_topk``, ``sms``, ``iters``, ``warmup``,
-    ``seed``). ``group`` must be able to run ``all_to_all_single`` on CUDA
-    tensors (NCCL). For every SM count the outputs of the layout, dispatch (bf16,
+    ``seed``). For every SM count the outputs of the layout, dispatch (bf16,
     then cached bf16 and fp8), and combine are compared with
     ``moelink.reference`` (bit-exact, order included) before they are timed.
+    The ``all_to_all_single`` baseline runs where ``group`` is NCCL (every rank
+    on its own GPU); on another backend (gloo: ranks that share a GPU) it is
+    skipped and the result says why (``baseline_skipped``). Where ranks share a
+    GPU, SM counts above a rank's share of it are left out (``sms_note``).
     Returns this rank's result (see :func:`format_report`); a failed check does
     not stop the timing, it sets ``correct`` to False.
     """
@@ -350,10 +373,19 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
     from moelink import reference
 
     workload = _workload(args)
-    sms = [int(s) for s in args.sms]
     iters, warmup = int(args.iters), int(args.warmup)
     n, hidden, num_experts = workload["num_tokens"], workload["hidden"], workload["num_experts"]
     device = torch.device("cuda", torch.cuda.current_device())
+    gpus = _gpu_placement(group, device)
+    sms, sms_note = _sms_within_share([int(s) for s in args.sms], gpus)
+    if sms_note:
+        _log(rank, sms_note)
+    baseline_skipped = None
+    if dist.get_backend(group) != "nccl":
+        baseline_skipped = (
+            f"all_to_all_single skipped: the group is {dist.get_backend(group)} "
+            "(ranks share a GPU; NCCL refuses that, gloo cannot move CUDA tensors)"
+        )
 
     # Inputs of every rank (the reference needs them all), this rank's on the GPU.
     _log(rank, f"building inputs and the CPU reference for {num_ranks} ranks")
@@ -479,24 +511,28 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
 
         # Baseline: the same rows through NCCL, this rank's tokens grouped by
         # destination; the output is recv_x exactly.
-        _log(rank, "timing the all_to_all_single baseline")
-        mask = ref_layout[2].to(device)
-        send = torch.cat([mine["x"][mask[:, d]] for d in range(num_ranks)])
-        in_splits = [int(c) for c in ref_layout[0]]
-        column = rank_prefix[:, rank]
-        out_splits = [int(column[0])] + [
-            int(column[s] - column[s - 1]) for s in range(1, num_ranks)
-        ]
-        recv = torch.empty(sum(out_splits), hidden, dtype=torch.bfloat16, device=device)
+        if baseline_skipped is None:
+            _log(rank, "timing the all_to_all_single baseline")
+            mask = ref_layout[2].to(device)
+            send = torch.cat([mine["x"][mask[:, d]] for d in range(num_ranks)])
+            in_splits = [int(c) for c in ref_layout[0]]
+            column = rank_prefix[:, rank]
+            out_splits = [int(column[0])] + [
+                int(column[s] - column[s - 1]) for s in range(1, num_ranks)
+            ]
+            recv = torch.empty(sum(out_splits), hidden, dtype=torch.bfloat16, device=device)
 
-        def all_to_all():
-            dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
+            def all_to_all():
+                dist.all_to_all_single(recv, send, out_splits, in_splits, group=group)
 
-        all_to_all()
-        torch.cuda.synchronize()
-        checks.equal("all_to_all_single.recv", recv, want.recv_x)
-        dist.barrier(group=group)
-        rows.append(_row(BASELINE, None, _time_gpu(all_to_all, iters, warmup, scratch), bf16_bytes))
+            all_to_all()
+            torch.cuda.synchronize()
+            checks.equal("all_to_all_single.recv", recv, want.recv_x)
+            dist.barrier(group=group)
+            times = _time_gpu(all_to_all, iters, warmup, scratch)
+            rows.append(_row(BASELINE, None, times, bf16_bytes))
+        else:
+            _log(rank, baseline_skipped)
         torch.cuda.synchronize()
         dist.barrier(group=group)
     finally:
@@ -507,6 +543,11 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
         "rank": rank,
         "num_ranks": num_ranks,
         "device": torch.cuda.get_device_name(device),
+        "num_gpus": gpus["num_gpus"],
+        "ranks_per_gpu": gpus["ranks_per_gpu"],
+        "mps": gpus["mps"],
+        "sms_note": sms_note,
+        "baseline_skipped": baseline_skipped,
         "workload": workload,
         "timing": {
             "clock": "CUDA events",
@@ -519,6 +560,49 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
         "checks": checks.items,
         "rows": rows,
     }
+
+
+def _gpu_placement(group, device) -> dict:
+    """How the ranks of ``group`` sit on GPUs (collective): ``num_gpus`` (distinct
+    devices), ``ranks_per_gpu`` (the most on one), ``mps`` (whether the ranks run
+    under MPS, as ``moelink.launch`` says), and ``share_sms``: the fewest SMs a
+    rank may use beside the others on its GPU. Under MPS the driver reports a
+    client's limited SM count as the device's; otherwise the device's SMs are
+    split evenly among its ranks."""
+    import torch
+    import torch.distributed as dist
+
+    props = torch.cuda.get_device_properties(device)
+    mps = os.environ.get("MOELINK_LAUNCH_MPS") == "1"
+    mine = (str(props.uuid), int(props.multi_processor_count), mps)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, mine, group=group)
+    per_gpu: dict = {}
+    for uuid, _, _ in everyone:
+        per_gpu[uuid] = per_gpu.get(uuid, 0) + 1
+    share = min(sms if on_mps else sms // per_gpu[uuid] for uuid, sms, on_mps in everyone)
+    return {
+        "num_gpus": len(per_gpu),
+        "ranks_per_gpu": max(per_gpu.values()),
+        "mps": all(on_mps for _, _, on_mps in everyone),
+        "share_sms": share,
+    }
+
+
+def _sms_within_share(sms: list, gpus: dict) -> tuple:
+    """(the SM counts to time, a note or None): where ranks share GPUs, the
+    counts above every rank's share (rounded down to even) are left out, or
+    replaced by the share where none is left."""
+    if gpus["ranks_per_gpu"] <= 1:
+        return sms, None
+    share = max(2, gpus["share_sms"] // 2 * 2)
+    kept = [s for s in sms if s <= share] or [share]
+    if kept == sms:
+        return sms, None
+    return kept, (
+        f"SM counts {sms} reduced to {kept}: up to {gpus['ranks_per_gpu']} ranks share a GPU, "
+        f"so each may use {share} SMs with every rank's blocks resident"
+    )
 
 
 def _timed_ops(buffer, x, x_fp8, recv_x, handle, config, layout_args, bf16_bytes) -> list:
@@ -784,18 +868,33 @@ def aggregate(results: list) -> dict:
 # ----------------------------------------------------------------------------
 # Report
 
+
+def shared_gpu_note(num_ranks: int, num_gpus: int, mps: bool) -> str:
+    """What the figures of ``num_ranks`` ranks sharing ``num_gpus`` GPUs mean, e.g.
+    ``4 ranks on 1 GPU (MPS): bandwidth figures measure one GPU's memory, not
+    NVLink``."""
+    where = f"{num_ranks} ranks on {num_gpus} GPU{'s' if num_gpus != 1 else ''}"
+    how = "MPS" if mps else "time-sliced, no MPS"
+    if num_gpus == 1:
+        what = "bandwidth figures measure one GPU's memory, not NVLink"
+    else:
+        what = "bandwidth figures mix one GPU's memory with NVLink; not NVLink figures"
+    return f"{where} ({how}): {what}"
+
+
 TABLE_HEADER = (
     f"{'op':<22} {'SMs':>4} {'median us':>10} {'min us':>9} {'max us':>9} {'GB/s':>7}  "
     f"{'target':<20} {'':<5} {'vs a2a':>6}"
 )
 
 
-def _target_cell(row: dict, on_gpu: bool) -> tuple:
-    """(target text, verdict) for one row."""
+def _target_cell(row: dict, judged: bool) -> tuple:
+    """(target text, verdict) for one row; the verdict is ``n/a`` where the row
+    is not judged (the CPU, ranks sharing a GPU)."""
     op, sms = row["op"], row["num_sms"]
     if op in (LAYOUT, LAYOUT_UNCHECKED):
         verdict = "ok" if row["median_us"] <= LAYOUT_TARGET_US else "miss"
-        return f"<= {LAYOUT_TARGET_US:g} us", verdict if on_gpu else "n/a"
+        return f"<= {LAYOUT_TARGET_US:g} us", verdict if judged else "n/a"
     if op == BASELINE:
         return "(baseline)", ""
     target = TARGETS.get(op)
@@ -810,10 +909,16 @@ def _target_cell(row: dict, on_gpu: bool) -> tuple:
     else:
         return f"- (> {TARGET_MAX_SMS} SMs)", ""
     verdict = "ok" if row["GBps"] >= goal else "below"
-    return text, verdict if on_gpu else "n/a"
+    return text, verdict if judged else "n/a"
 
 
-def _summary_lines(rows: list, on_gpu: bool) -> list:
+def _met(ok: bool, judged: bool) -> str:
+    if not judged:
+        return "not judged (ranks share a GPU)"
+    return "met" if ok else "MISSED"
+
+
+def _summary_lines(rows: list, on_gpu: bool, judged: bool = True) -> list:
     lines = []
     for op, target in TARGETS.items():
         ops = [r for r in rows if r["op"] == op]
@@ -833,14 +938,14 @@ def _summary_lines(rows: list, on_gpu: bool) -> list:
         eligible = [r for r in ops if r["num_sms"] <= TARGET_MAX_SMS]
         if eligible:
             best = max(eligible, key=lambda r: r["GBps"])
-            met = "met" if best["GBps"] >= target.best_gbps else "MISSED"
+            met = _met(best["GBps"] >= target.best_gbps, judged)
             parts.append(
                 f"best <= {TARGET_MAX_SMS} SMs {best['GBps']:.1f} GB/s ({best['num_sms']} SMs), "
                 f"target {target.best_gbps:g} {met}"
             )
         at = [r for r in ops if r["num_sms"] == COMPARE_SMS]
         if at:
-            met = "met" if at[0]["GBps"] >= target.at_compare_sms_gbps else "MISSED"
+            met = _met(at[0]["GBps"] >= target.at_compare_sms_gbps, judged)
             parts.append(
                 f"{COMPARE_SMS} SMs {at[0]['GBps']:.1f} GB/s, target "
                 f"{target.at_compare_sms_gbps:g} {met}, DeepEP V1 {target.deepep_gbps:g}"
@@ -850,7 +955,7 @@ def _summary_lines(rows: list, on_gpu: bool) -> list:
         layout = [r for r in rows if r["op"] == op]
         if layout and on_gpu:
             us = layout[0]["median_us"]
-            met = "met" if us <= LAYOUT_TARGET_US else "MISSED"
+            met = _met(us <= LAYOUT_TARGET_US, judged)
             lines.append(
                 f"  {OP_LABELS[op]}: {us:.1f} us, target <= {LAYOUT_TARGET_US:g} us {met}, "
                 f"DeepEP V1 {LAYOUT_DEEPEP_US:g} us"
@@ -870,6 +975,8 @@ def format_report(results: dict) -> str:
     w = results["workload"]
     timing = results["timing"]
     on_gpu = results["mode"] == "gpu"
+    # Targets are NVLink figures: judged only where every rank has its own GPU.
+    judged = on_gpu and results.get("ranks_per_gpu", 1) <= 1
     ranks = results["num_ranks"]
     recv = results["recv_tokens"]
     lines = []
@@ -882,6 +989,13 @@ def format_report(results: dict) -> str:
         lines.append(
             f"intranode dispatch/combine on {ranks} x {results.get('device', 'GPU')} ({who})"
         )
+        if results.get("ranks_per_gpu", 1) > 1:
+            lines.append(
+                shared_gpu_note(ranks, results.get("num_gpus", 1), bool(results.get("mps")))
+            )
+        for key in ("sms_note", "baseline_skipped"):
+            if results.get(key):
+                lines.append(results[key])
     else:
         lines.append(
             f"intranode dispatch/combine SIMULATED ON THE CPU: {ranks} ranks in one process "
@@ -920,7 +1034,7 @@ def format_report(results: dict) -> str:
         key=lambda r: (order.index(r["op"]) if r["op"] in order else len(order), r["num_sms"] or 0),
     )
     for row in rows:
-        target, verdict = _target_cell(row, on_gpu)
+        target, verdict = _target_cell(row, judged)
         sms = "-" if row["num_sms"] is None else str(row["num_sms"])
         gbps = "-" if row["GBps"] is None else f"{row['GBps']:.1f}"
         ratio = "-"
@@ -934,7 +1048,7 @@ def format_report(results: dict) -> str:
             f"{row['min_us']:>9.1f} {row['max_us']:>9.1f} {gbps:>7}  {target:<20} "
             f"{verdict:<5} {ratio:>6}"
         )
-    summary = _summary_lines(results["rows"], on_gpu)
+    summary = _summary_lines(results["rows"], on_gpu, judged)
     if summary:
         lines.append("")
         lines.append("summary:")
@@ -949,10 +1063,15 @@ def format_report(results: dict) -> str:
 def _sms_list(text: str) -> list:
     values = []
     for part in text.replace(",", " ").split():
-        s = int(part)
-        if s < 2 or s % 2 != 0:
-            raise argparse.ArgumentTypeError(f"SM counts must be even and >= 2, got {s}")
+        try:
+            s = int(part)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"SM counts are integers, got {part!r}") from None
+        if not 2 <= s <= MAX_SMS or s % 2 != 0:
+            raise argparse.ArgumentTypeError(f"SM counts must be even, 2..{MAX_SMS}, got {s}")
         values.append(s)
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected SM counts, got {text!r}")
     return values
 
 
@@ -990,37 +1109,62 @@ def add_arguments(
     return parser
 
 
-def normalize_args(args) -> argparse.Namespace:
-    """Flattens ``--sms`` and checks the workload; returns ``args``."""
+def normalize_args(args, num_ranks: int | None = None) -> argparse.Namespace:
+    """Flattens ``--sms`` and checks the options (:func:`check_options`, with
+    ``num_ranks`` where it is known); returns ``args``."""
     args.sms = sorted({s for group in args.sms for s in group})
-    if args.iters < 1 or args.warmup < 0:
-        raise ValueError("--iters must be >= 1 and --warmup >= 0")
-    if args.num_tokens is not None:
-        _check_workload(1, args.num_tokens, args.hidden, args.num_experts, args.num_topk)
+    check_options(args, num_ranks)
     return args
 
 
-#: NCCL / symmetric-memory multicast stays off on the reference machine.
-NO_MULTICAST_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
+def _in_range(option: str, value: int, low: int, high: int, note: str = "") -> None:
+    if not low <= value <= high:
+        raise ValueError(f"{option} must be in {low}..{high}{note}, got {value}")
+
+
+def check_options(args, num_ranks: int | None = None) -> None:
+    """``ValueError`` naming the option for a value of :func:`add_arguments`'s
+    options the workload cannot take (``num_ranks``: the ranks it will run on,
+    where known; ``args.num_tokens`` None: not decided yet). Run before any work,
+    so a bad option costs nothing."""
+    from .checks import MAX_TOPK
+
+    _in_range("--iters", args.iters, 1, MAX_ITERS)
+    _in_range("--warmup", args.warmup, 0, MAX_ITERS)
+    _in_range("--seed", args.seed, 0, MAX_SEED)
+    if args.num_tokens is not None:
+        _in_range("--num-tokens", args.num_tokens, 1, MAX_TOKENS, " (tokens per rank)")
+    if args.hidden % SCALE_BLOCK != 0:
+        raise ValueError(f"--hidden must be a multiple of {SCALE_BLOCK}, got {args.hidden}")
+    _in_range("--hidden", args.hidden, SCALE_BLOCK, MAX_HIDDEN)
+    ranks = 1 if num_ranks is None else num_ranks
+    if num_ranks is not None:
+        _in_range("--ranks", num_ranks, 1, MAX_RANKS)
+    experts = args.num_experts
+    if experts < 1:
+        raise ValueError(f"--num-experts must be positive, got {experts}")
+    if experts % ranks != 0:
+        raise ValueError(
+            f"--num-experts {experts} is not a multiple of the {ranks} ranks (--ranks): "
+            "experts are spread evenly over the ranks"
+        )
+    if experts // ranks > MAX_EXPERTS_PER_RANK:
+        raise ValueError(
+            f"--num-experts must give at most {MAX_EXPERTS_PER_RANK} experts per rank, got "
+            f"{experts} on {ranks} rank(s)"
+        )
+    note = f" (experts per token: at most {MAX_TOPK} and at most --num-experts)"
+    _in_range("--num-topk", args.num_topk, 1, min(MAX_TOPK, experts), note)
 
 
 def _local_worker(rank: int, num_ranks: int, port: int, args, queue) -> None:
-    for key, value in NO_MULTICAST_ENV.items():
-        os.environ[key] = value
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     try:
-        import torch
         import torch.distributed as dist
 
-        torch.cuda.set_device(rank)
-        dist.init_process_group(
-            "nccl", rank=rank, world_size=num_ranks, device_id=torch.device("cuda", rank)
-        )
+        from .launch import init_distributed
+
+        # RANK, LOCAL_WORLD_SIZE, MASTER_PORT, MPS: set by run_on_local_gpus.
+        init_distributed(timeout_s=float(getattr(args, "timeout", 900.0)))
         try:
             queue.put(run_rank(rank, num_ranks, dist.group.WORLD, args))
         finally:
@@ -1029,13 +1173,14 @@ def _local_worker(rank: int, num_ranks: int, port: int, args, queue) -> None:
         queue.put({"rank": rank, "error": f"{e!r}\n{traceback.format_exc()}"})
 
 
-def run_on_local_gpus(num_ranks: int, args, timeout_s: float = 900.0) -> list:
-    """:func:`run_rank` on ``num_ranks`` local GPUs, one spawned process each
-    (NCCL group over 127.0.0.1, multicast off). Returns the results by rank; a
-    rank that failed, died or did not report within ``timeout_s`` appears as
-    ``{"rank": r, "error": ...}``."""
+def run_on_local_gpus(num_ranks: int, args, timeout_s: float = 900.0, sharing=None) -> list:
+    """:func:`run_rank` on ``num_ranks`` spawned processes, rank ``r`` on local
+    GPU ``r % G``: an NCCL group where every rank has its own GPU, gloo where
+    ranks share one (``moelink.launch.init_distributed``), over 127.0.0.1 with
+    multicast off. ``sharing``: a ``moelink.launch.GpuSharing`` whose MPS daemon
+    the caller holds; None: one is set up here for the run (``$MOELINK_MPS``).
+    Returns the results by rank; a rank that failed, died or did not report
+    within ``timeout_s`` appears as ``{"rank": r, "error": ...}``."""
     from ._launch import run_local_ranks
 
-    for key, value in NO_MULTICAST_ENV.items():
-        os.environ[key] = value
-    return run_local_ranks(_local_worker, num_ranks, args, timeout_s)
+    return run_local_ranks(_local_worker, num_ranks, args, timeout_s, sharing)
