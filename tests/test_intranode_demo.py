@@ -408,7 +408,6 @@ def test_cli_parser_property():
     import contextlib
     import io
 
-    from moelink import checks
     from moelink.__main__ import parse_args
 
     ints = st.integers(min_value=-(2**63), max_value=2**64)
@@ -454,7 +453,7 @@ def test_cli_parser_property():
         assert args.hidden % 128 == 0 and 128 <= args.hidden <= demo.MAX_HIDDEN
         assert args.num_experts % ranks == 0
         assert 1 <= args.num_experts // ranks <= demo.MAX_EXPERTS_PER_RANK
-        assert 1 <= args.num_topk <= min(checks.MAX_TOPK, args.num_experts)
+        assert 1 <= args.num_topk <= min(demo.MAX_TOPK, args.num_experts)
         assert args.sms and all(s % 2 == 0 and 2 <= s <= demo.MAX_SMS for s in args.sms)
         assert args.iters >= 1 and args.warmup >= 0 and 0 <= args.seed <= demo.MAX_SEED
         assert args.timeout > 0 and args.timeout != float("inf")

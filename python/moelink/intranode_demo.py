@@ -28,9 +28,10 @@ Timed dispatches are cached (the layout handle passed back), as DeepEP times
 them; the ``dispatch bf16 uncached`` row is the full call (layout arguments,
 CPU wait for the counts) and has no target.
 
-Module-level imports are the standard library's and ``moelink.launch``'s (itself
-standard library only); torch, ``moelink.Buffer`` and ``moelink.reference`` are
-imported where used, so this module imports on a machine without a GPU.
+Module-level imports are the standard library's, ``moelink.launch`` (itself
+standard library only) and ``moelink._native`` (the limits); torch,
+``moelink.Buffer`` and ``moelink.reference`` are imported where used, so this
+module imports on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
+from . import _native
 from .launch import NO_MULTICAST_ENV
 
 __all__ = [
@@ -75,13 +77,17 @@ L2_FLUSH_BYTES = 256 << 20
 CPU_MAX_REPEATS = 3
 
 # Bounds of the command-line options (:func:`check_options`). Ranks, experts per
-# rank and top-k are the intranode kernels' limits; the others keep a run within
-# memory and time (every rank builds every rank's inputs on the CPU).
-MAX_RANKS = 32
-MAX_EXPERTS_PER_RANK = 1024
+# rank, top-k and SM counts are the kernels' limits (``moelink._native.limits()``);
+# the others keep a run within memory and time (every rank builds every rank's
+# inputs on the CPU).
+_LIMITS = {name: value for name, value, _ in _native.limits()}
+MAX_RANKS = _LIMITS["max_ranks"]
+MAX_EXPERTS_PER_RANK = _LIMITS["max_experts_per_rank"]
+MAX_TOPK = _LIMITS["max_topk"]
+MIN_SMS = _LIMITS["min_num_sms"]
+MAX_SMS = _LIMITS["max_num_sms"]
 MAX_TOKENS = 1 << 16
 MAX_HIDDEN = 1 << 16
-MAX_SMS = 1024
 MAX_ITERS = 100_000
 MAX_SEED = 2**32 - 1
 
@@ -1067,8 +1073,10 @@ def _sms_list(text: str) -> list:
             s = int(part)
         except ValueError:
             raise argparse.ArgumentTypeError(f"SM counts are integers, got {part!r}") from None
-        if not 2 <= s <= MAX_SMS or s % 2 != 0:
-            raise argparse.ArgumentTypeError(f"SM counts must be even, 2..{MAX_SMS}, got {s}")
+        if not MIN_SMS <= s <= MAX_SMS or s % 2 != 0:
+            raise argparse.ArgumentTypeError(
+                f"SM counts must be even, {MIN_SMS}..{MAX_SMS}, got {s}"
+            )
         values.append(s)
     if not values:
         raise argparse.ArgumentTypeError(f"expected SM counts, got {text!r}")
@@ -1127,8 +1135,6 @@ def check_options(args, num_ranks: int | None = None) -> None:
     options the workload cannot take (``num_ranks``: the ranks it will run on,
     where known; ``args.num_tokens`` None: not decided yet). Run before any work,
     so a bad option costs nothing."""
-    from .checks import MAX_TOPK
-
     _in_range("--iters", args.iters, 1, MAX_ITERS)
     _in_range("--warmup", args.warmup, 0, MAX_ITERS)
     _in_range("--seed", args.seed, 0, MAX_SEED)
