@@ -58,8 +58,9 @@ For tests only: ``MOELINK_LAUNCH_GPUS_OVERRIDE=G`` makes the launcher plan for
 ``G`` GPUs without asking the driver.
 
 The launcher's messages go to stderr, prefixed ``[moelink.launch]``. This module
-imports only the standard library at import time (torch where
-:func:`init_distributed` runs), so the launcher starts fast.
+imports only the standard library (torch where :func:`init_distributed` runs);
+the launcher process never initialises CUDA itself (it counts GPUs in a short
+child process), so it can start an MPS daemon after counting them.
 """
 
 from __future__ import annotations
