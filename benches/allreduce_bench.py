@@ -3,13 +3,17 @@
     python -m torch.distributed.run --standalone --nproc-per-node=4 \\
         benches/allreduce_bench.py --out DIR [--min-bytes 1024] [--max-bytes 1073741824] \\
         [--iters 30] [--graph-ops 20] [--algorithms oneshot_ll,rsag] [--no-graph] [--tune]
+    python -m moelink.launch -n 4 benches/allreduce_bench.py --out DIR   # any GPU count
 
 4 ranks, bf16, in place, power-of-two sizes from --min-bytes to --max-bytes. For
 every size, every applicable moelink algorithm (pinned), the selector ("auto", with
 the tuned table when one is loaded or --tune made one) and NCCL through
 ``torch.distributed.all_reduce`` are first checked (small-integer inputs whose sums
 bf16 holds exactly, compared bit for bit on every rank), then timed with CUDA
-events after warm-up:
+events after warm-up. Where ranks share a GPU (NCCL refuses that) the baseline is
+the same-GPU copy instead: ``dst.copy_(src)`` of the same bytes on every rank, all
+ranks at once, timed the same way (one GPU's HBM ceiling; row ``same_gpu_copy``),
+and the targets (NVLink figures) are not judged:
 
 - eager: each op launched on its own, back to back, events around every op; the
   median over --iters ops (CPU launch overhead included when it exceeds the GPU
@@ -46,11 +50,6 @@ from pathlib import Path
 
 import bench_common
 
-NO_MULTICAST_ENV = {
-    "NCCL_NVLS_ENABLE": "0",
-    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-    "NVSHMEM_DISABLE_NVLS": "1",
-}
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 #: PERFORMANCE.md latency targets (us) by size, for 4 ranks.
 TARGET_US = {
@@ -74,6 +73,10 @@ NCCL_REFERENCE_US = {
     64 * MIB: (324.0, None),
 }
 NCCL = "nccl"
+#: The baseline where ranks share a GPU.
+COPY = bench_common.COPY_BASELINE
+BASELINES = (NCCL, COPY)
+NCCL_LABEL = "NCCL all_reduce"
 AUTO = "auto"
 AUTO_REG = "auto_registered"
 #: A pinned algorithm timed on the registered buffer (rsag_push: the all-gather
@@ -125,22 +128,9 @@ def expected(n: int, world: int, device):
     return _periodic(base.to(torch.bfloat16), n)
 
 
-def time_eager(fn, iters: int, warmup: int) -> list:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) * 1e3 for s, e in zip(starts, ends)]
-
-
-def time_graph(fn, ops: int, replays: int) -> list:
+def time_graph(fn, ops: int, replays: int, ready=None) -> list:
+    """``ops`` calls of ``fn`` captured in one CUDA graph; per replay, us per call.
+    ``ready()`` (a barrier) runs once before the timed replays."""
     import torch
 
     side = torch.cuda.Stream()
@@ -155,6 +145,8 @@ def time_graph(fn, ops: int, replays: int) -> list:
             fn()
     graph.replay()
     torch.cuda.synchronize()
+    if ready is not None:
+        ready()
     out = []
     for _ in range(replays):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -168,7 +160,11 @@ def time_graph(fn, ops: int, replays: int) -> list:
     return out
 
 
-def run_rank(rank: int, world: int, group, args) -> dict:
+def run_rank(rank: int, world: int, group, args, nccl: bool = True) -> dict:
+    """This rank's checks and timings. ``nccl``: the group is NCCL, so NCCL's
+    all_reduce is the baseline; else (ranks share a GPU) the same-GPU copy of
+    the same bytes (``dst.copy_(src)`` into the registered buffer's other end,
+    all ranks at once after a barrier; not checked: it is no allreduce)."""
     import moelink
     import torch
     import torch.distributed as dist
@@ -194,7 +190,8 @@ def run_rank(rank: int, world: int, group, args) -> dict:
     comm.register(xr)
     algorithms = [a for a in comm.algorithms("allreduce") if a in args.algorithms]
     reg_pinned = [a + REG_SUFFIX for a in algorithms if a == "rsag_push"]
-    names = [*algorithms, *reg_pinned, AUTO, AUTO_REG, *([NCCL] if args.nccl else [])]
+    baseline = NCCL if nccl else COPY
+    names = [*algorithms, *reg_pinned, AUTO, AUTO_REG, *([baseline] if args.baseline else [])]
     checks, rows = [], []
     modes = MODES if args.graph else ("eager",)
     for nbytes in sizes:
@@ -202,10 +199,20 @@ def run_rank(rank: int, world: int, group, args) -> dict:
         for name in names:
             buf = xr if name in ("rsag_zc", AUTO_REG) or name.endswith(REG_SUFFIX) else x
             t = buf[:n]
+            ready = None
             if name == NCCL:
 
                 def op(t=t):
                     dist.all_reduce(t, group=group)
+
+                choice = None
+            elif name == COPY:
+                # The same bytes, from x into the registered buffer (idle here).
+                def op(t=t, dst=xr[:n]):
+                    dst.copy_(t)
+
+                def ready():  # every rank copies at once
+                    dist.barrier(group=group)
 
                 choice = None
             else:
@@ -220,21 +227,24 @@ def run_rank(rank: int, world: int, group, args) -> dict:
 
                 choice = None
             # Check first: exact sums of small integers, every rank.
-            t.copy_(pattern(n, rank, device))
-            op()
-            if name != NCCL:
-                choice = list(comm.last_choice)
-            torch.cuda.synchronize()
-            ok = bool(torch.equal(t, expected(n, world, device)))
-            checks.append({"size": nbytes, "name": name, "ok": ok})
+            if name != COPY:
+                t.copy_(pattern(n, rank, device))
+                op()
+                if name != NCCL:
+                    choice = list(comm.last_choice)
+                torch.cuda.synchronize()
+                ok = bool(torch.equal(t, expected(n, world, device)))
+                checks.append({"size": nbytes, "name": name, "ok": ok})
             row = {"size": nbytes, "name": name, "choice": choice}
             for mode in modes:
                 t.copy_(pattern(n, rank, device))
                 if mode == "eager":
-                    times = time_eager(op, args.iters, args.warmup)
+                    times = bench_common.event_times_us(
+                        torch, op, args.iters, args.warmup, ready=ready
+                    )
                 else:
-                    times = time_graph(op, args.graph_ops, max(3, args.iters // 3))
-                    if name != NCCL:
+                    times = time_graph(op, args.graph_ops, max(3, args.iters // 3), ready)
+                    if name not in BASELINES:
                         row["graph_choice"] = list(comm.last_choice)
                 row[f"{mode}_us"] = statistics.median(times)
                 row[f"{mode}_p10_us"] = sorted(times)[len(times) // 10]
@@ -271,8 +281,10 @@ def aggregate(per_rank: list, world: int) -> dict:
     return {"rows": rows, "checks": checks, "correct": all(c["ok"] for c in checks)}
 
 
-def summarize(results: dict, world: int) -> list:
-    """One line per size: NCCL, auto, the best pinned algorithm, target verdict."""
+def summarize(results: dict, world: int, judged: bool = True) -> list:
+    """One line per size: the baseline (NCCL, or the same-GPU copy), auto, the best
+    pinned algorithm, target verdict (``judged`` False: ranks share a GPU, the
+    targets are NVLink figures and are not judged)."""
     by = {}
     for r in results["rows"]:
         by.setdefault(r["size"], {})[r["name"]] = r
@@ -280,11 +292,15 @@ def summarize(results: dict, world: int) -> list:
     for size in sorted(by):
         d = by[size]
         nccl, auto, auto_reg = d.get(NCCL, {}), d.get(AUTO, {}), d.get(AUTO_REG, {})
-        pinned = [r for n, r in d.items() if n not in (NCCL, AUTO, AUTO_REG)]
+        base = nccl or d.get(COPY, {})
+        pinned = [r for n, r in d.items() if n not in (*BASELINES, AUTO, AUTO_REG)]
         best_g = min(pinned, key=lambda r: r.get("graph_us") or 1e30, default={})
         best_e = min(pinned, key=lambda r: r.get("eager_us") or 1e30, default={})
         verdict = ""
-        if size in TARGET_US and auto.get("graph_us") is not None:
+        if not judged:
+            judged_size = size in TARGET_US or size >= BW_TARGET_FROM
+            verdict = "not judged (ranks share a GPU)" if judged_size else ""
+        elif size in TARGET_US and auto.get("graph_us") is not None:
             target = TARGET_US[size]
             verdict = f"<= {target:g} us: {'met' if auto['graph_us'] <= target else 'MISSED'}"
         elif size >= BW_TARGET_FROM and nccl.get("eager_us") and auto.get("eager_us"):
@@ -296,8 +312,9 @@ def summarize(results: dict, world: int) -> list:
         lines.append(
             {
                 "size": size,
-                "nccl_eager_us": nccl.get("eager_us"),
-                "nccl_graph_us": nccl.get("graph_us"),
+                "baseline": base.get("name"),
+                "baseline_eager_us": base.get("eager_us"),
+                "baseline_graph_us": base.get("graph_us"),
                 "auto_eager_us": auto.get("eager_us"),
                 "auto_graph_us": auto.get("graph_us"),
                 "auto_algorithm": (auto.get("choice") or [None])[0],
@@ -306,43 +323,55 @@ def summarize(results: dict, world: int) -> list:
                 "best_eager": (best_e.get("name"), best_e.get("eager_us")),
                 "best_graph": (best_g.get("name"), best_g.get("graph_us")),
                 "auto_busbw_gbps": bus_gbps(size, auto.get("eager_us"), world),
-                "nccl_busbw_gbps": bus_gbps(size, nccl.get("eager_us"), world),
+                "baseline_busbw_gbps": bus_gbps(size, base.get("eager_us"), world),
                 "target": verdict,
             }
         )
     return lines
 
 
-def format_table(summary: list) -> str:
+def format_table(summary: list, note: str | None = None) -> str:
+    """The summary as a table; ``note`` (ranks share a GPU) heads it once. The
+    baseline column is NCCL, or the same-GPU copy where the rows say so."""
+
     def f(v, spec=".1f"):
         return "-" if v is None else format(v, spec)
 
+    copy = any(s.get("baseline") == COPY for s in summary)
+    short = "copy" if copy else "NCCL"
     head = (
-        f"{'size':>9} | {'NCCL eager':>10} {'graph':>7} | {'moelink eager':>13} {'graph':>7} "
+        f"{'size':>9} | {short + ' eager':>10} {'graph':>7} | {'moelink eager':>13} {'graph':>7} "
         f"{'(auto)':<11}| {'registered':>10} {'graph':>7} | {'best graph':<22}| "
         f"{'busBW GB/s':>16} | target"
     )
-    out = [head, "-" * len(head)]
+    out = ([note] if note else []) + [head, "-" * len(head)]
     for s in summary:
         bg = s["best_graph"]
         best = f"{bg[0]} {f(bg[1])}" if bg[0] else "-"
-        bw = f"{f(s['auto_busbw_gbps'], '.0f')}/{f(s['nccl_busbw_gbps'], '.0f')}"
+        bw = f"{f(s['auto_busbw_gbps'], '.0f')}/{f(s['baseline_busbw_gbps'], '.0f')}"
+        base_e, base_g = f(s["baseline_eager_us"]), f(s["baseline_graph_us"])
         out.append(
-            f"{fmt_size(s['size']):>9} | {f(s['nccl_eager_us']):>10} {f(s['nccl_graph_us']):>7} | "
+            f"{fmt_size(s['size']):>9} | {base_e:>10} {base_g:>7} | "
             f"{f(s['auto_eager_us']):>13} {f(s['auto_graph_us']):>7} "
             f"{(s['auto_algorithm'] or '-'):<11}| {f(s.get('auto_registered_eager_us')):>10} "
             f"{f(s.get('auto_registered_graph_us')):>7} | {best:<22}| {bw:>16} | {s['target']}"
         )
     out.append(
         "times in us (medians over ranks); registered: the selector on a registered tensor; "
-        "busBW: moelink auto (unregistered) / NCCL, eager"
+        f"busBW: moelink auto (unregistered) / {short}, eager"
     )
+    if copy:
+        out.append(
+            f"copy: {bench_common.COPY_LABEL} ({bench_common.COPY_HOW}); its busBW is that "
+            "of an allreduce as fast as the copy"
+        )
     return "\n".join(out)
 
 
 def plot(data: dict, path: Path) -> None:
     """Latency and bus bandwidth against size: every algorithm (graph mode, solid;
-    eager dashed for auto and NCCL), the targets as black markers."""
+    eager dashed for auto and the baseline: NCCL, or the same-GPU copy where
+    ranks share a GPU), the targets as black markers."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -362,7 +391,9 @@ def plot(data: dict, path: Path) -> None:
         AUTO: "black",
         AUTO_REG: "tab:brown",
         NCCL: "tab:red",
+        COPY: "tab:gray",
     }
+    labels = {COPY: bench_common.COPY_LABEL}
     fig = Figure(figsize=(15, 6))
     FigureCanvasAgg(fig)
     ax_lat, ax_bw = fig.subplots(1, 2)
@@ -370,13 +401,13 @@ def plot(data: dict, path: Path) -> None:
         pts = sorted((r for r in rows if r["name"] == name), key=lambda r: r["size"])
         for mode, style in (("graph", "-"), ("eager", "--")):
             key = f"{mode}_us"
-            if mode == "eager" and name not in (AUTO, NCCL):
+            if mode == "eager" and name not in (AUTO, *BASELINES):
                 continue
             xs = [r["size"] for r in pts if r.get(key)]
             ys = [r[key] for r in pts if r.get(key)]
             if not xs:
                 continue
-            label = f"{name} ({mode})"
+            label = f"{labels.get(name, name)} ({mode})"
             c = colors.get(name, None)
             ax_lat.plot(xs, ys, style, marker="o", markersize=3, color=c, label=label)
             ax_bw.plot(
@@ -388,6 +419,8 @@ def plot(data: dict, path: Path) -> None:
                 color=c,
                 label=label,
             )
+    machine = data["machine"]
+    note = machine.get("shared_gpu_note")
     tx = sorted(TARGET_US)
     ax_lat.plot(
         tx,
@@ -395,7 +428,7 @@ def plot(data: dict, path: Path) -> None:
         "k*",
         markersize=10,
         linestyle="none",
-        label="PERFORMANCE.md target",
+        label="PERFORMANCE.md target" + (" (NVLink, not judged)" if note else ""),
     )
     for ax in (ax_lat, ax_bw):
         ax.set_xscale("log", base=2)
@@ -406,11 +439,10 @@ def plot(data: dict, path: Path) -> None:
     ax_bw.set_ylabel("bus bandwidth GB/s = 2(R-1)/R x bytes / time")
     ax_lat.legend(fontsize=7, ncol=2)
     ax_bw.legend(fontsize=7, ncol=2, loc="upper left")
-    machine = data["machine"]
     fig.suptitle(
-        f"allreduce: {world} x {machine.get('gpu', '?')}, bf16; commit "
+        f"allreduce: {world} ranks, {machine.get('gpu', '?')}, bf16; commit "
         f"{str(data.get('git_commit'))[:12]}, {data.get('date', '?')[:10]}; checks "
-        f"{'PASS' if data['correct'] else 'FAIL'}",
+        f"{'PASS' if data['correct'] else 'FAIL'}" + (f"\n{note}" if note else ""),
         fontsize=10,
     )
     fig.tight_layout()
@@ -429,7 +461,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--graph-ops", type=int, default=20, help="ops per captured graph")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="eager only")
-    p.add_argument("--no-nccl", dest="nccl", action="store_false", help="skip the baseline")
+    p.add_argument(
+        "--no-baseline",
+        "--no-nccl",
+        dest="baseline",
+        action="store_false",
+        help="skip the baseline (NCCL, or the same-GPU copy where ranks share a GPU)",
+    )
     p.add_argument(
         "--algorithms",
         default="oneshot_ll,twoshot_ll,rsag,rsag_zc,rsag_push",
@@ -463,18 +501,15 @@ def main(argv=None) -> int:
     if err:
         print(err, file=sys.stderr)
         return 2
-    for key, value in NO_MULTICAST_ENV.items():
-        os.environ[key] = value
 
-    import torch
     import torch.distributed as dist
+    from moelink.launch import NO_MULTICAST_ENV
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    info = bench_common.init()
+    rank, world = info.rank, info.world_size
+    nccl = bench_common.uses_nccl(info)
     try:
-        result = run_rank(rank, world, dist.group.WORLD, args)
+        result = run_rank(rank, world, dist.group.WORLD, args, nccl)
     except Exception:
         # Fail fast: torchrun then stops the other ranks, which would wait for
         # this one in their next collective.
@@ -485,15 +520,16 @@ def main(argv=None) -> int:
     results = aggregate(gathered, world)
     if rank == 0:
         git = bench_common.git_commit()
-        summary = summarize(results, world)
+        machine = bench_common.machine_info(info)
+        summary = summarize(results, world, judged=not info.ranks_share_gpus)
         data = {
             "benchmark": "allreduce",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": bench_common.machine_info(),
+            "machine": machine,
             "git_commit": git["commit"],
             "git_dirty": git["dirty"],
-            "command": f"python -m torch.distributed.run --nproc-per-node={world} "
-            + " ".join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+            "command": bench_common.run_command(world, argv),
+            "baseline": bench_common.baseline_record(info, NCCL_LABEL) if args.baseline else None,
             "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV},
             "config": {
                 "num_ranks": world,
@@ -524,7 +560,7 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "allreduce.json").write_text(json.dumps(data, indent=1) + "\n")
         plot(data, args.out / "allreduce.png")
-        print(format_table(summary))
+        print(format_table(summary, machine["shared_gpu_note"]))
         if not results["correct"]:
             print(f"CHECKS FAILED: {data['checks_failed'][:10]}")
         print(f"wrote {args.out / 'allreduce.json'} and {args.out / 'allreduce.png'}")

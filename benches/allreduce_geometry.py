@@ -5,20 +5,26 @@ are chosen from; with ag_mesh, the pull-only NVLink ceiling).
     python -m torch.distributed.run --standalone --nproc-per-node=4 \\
         benches/allreduce_geometry.py --out DIR [--algorithm rsag_zc] \\
         [--sizes-mib 64,256] [--blocks 32,64,128] [--threads 256,512,1024]
+    python -m moelink.launch -n 4 benches/allreduce_geometry.py --out DIR   # any GPU count
 
 bf16 sum in place on a registered buffer (small integers, so the result is
 exact and checked bit for bit after the timing). Per (size, blocks, threads):
 --ops calls captured in one CUDA graph, median over --reps replays of replay
-time / ops; NCCL's all_reduce in the same kind of graph is the baseline. Rank 0
-prints the table (time us, bus GB/s, medians over ranks) and writes
-DIR/allreduce_geometry.json.
+time / ops; NCCL's all_reduce (all_gather_into_tensor) in the same kind of graph
+is the baseline. Where ranks share a GPU (NCCL refuses that) the baseline is the
+same-GPU copy instead: ``dst.copy_(src)`` of the same bytes (the allgather: of
+its output) on every rank, all ranks at once, in the same kind of graph (one
+GPU's HBM ceiling; row ``copy``), and block counts above a rank's share of the
+GPU are left out (``limits()["max_blocks"]``). Rank 0 prints the table (time us,
+bus GB/s, medians over ranks) and writes DIR/allreduce_geometry.json (with the
+machine: ranks per GPU, backend, MPS state; and the baseline).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -26,9 +32,14 @@ from pathlib import Path
 import bench_common
 
 MIB = 1 << 20
+#: Row names of the baselines (the ``blocks`` column).
+NCCL = "nccl"
+COPY = "copy"
 
 
-def graph_time(torch, fn, ops: int, reps: int) -> float:
+def graph_time(torch, fn, ops: int, reps: int, ready=None) -> float:
+    """``ops`` calls of ``fn`` in one CUDA graph: median over ``reps`` replays of
+    replay time / ops, us. ``ready()`` (a barrier) runs before the replays."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -41,6 +52,8 @@ def graph_time(torch, fn, ops: int, reps: int) -> float:
                 fn()
         g.replay()
         torch.cuda.synchronize()
+        if ready is not None:
+            ready()
         times = bench_common.replay_times_us(torch, g, reps, ops, s)
     torch.cuda.current_stream().wait_stream(s)
     return statistics.median(times)
@@ -68,18 +81,30 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("nccl")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    info = bench_common.init()
+    rank, world = info.rank, info.world_size
+    baseline = NCCL if bench_common.uses_nccl(info) else COPY
+    note = bench_common.shared_gpu_note(info)
+    if rank == 0 and note:
+        print(
+            f"{note}\nbaseline (row copy): {bench_common.COPY_LABEL} ({bench_common.COPY_HOW}); "
+            "its bus GB/s: that of a collective as fast as the copy"
+        )
     sizes = [int(x) * MIB for x in args.sizes_mib.split(",")]
     blocks = [int(x) for x in args.blocks.split(",")]
     threads = [int(x) for x in args.threads.split(",")]
     comm = moelink.AllReduce(dist.group.WORLD, max_bytes=max(sizes), tune_file=False)
     max_blocks = comm.limits()["max_blocks"]
+    # Ranks that share a GPU get a share of its SMs: more blocks would be capped.
+    usable = [b for b in blocks if b <= max_blocks] or [max_blocks]
+    if rank == 0 and usable != blocks:
+        print(f"blocks {blocks} -> {usable}: at most {max_blocks} per rank here", flush=True)
     buf = torch.empty(max(sizes) // 2, dtype=torch.bfloat16, device="cuda")
     gather = args.algorithm.startswith("ag_")
     if register:
         comm.register(buf)
+    # The copy baseline's destination (allreduce: of x; allgather: of its output).
+    copy_dst = torch.empty_like(buf) if baseline == COPY and not gather else None
     rows, failures = [], []
     for size in sizes:
         n = size // 2
@@ -99,28 +124,35 @@ def main(argv=None) -> int:
             ref = (base + rank).to(torch.bfloat16)
             want = (base * world + world * (world - 1) // 2).float()
             out = x
-        cands = [(b, t) for b in blocks for t in threads if b <= max_blocks]
-        for b, t in [*cands, ("nccl", 0)]:
-            if gather and b == "nccl":
+        cands = [(b, t) for b in usable for t in threads]
+        for b, t in [*cands, (baseline, 0)]:
+            ready = None
+            if b == COPY:
+                # The same bytes within the GPU: allreduce x -> copy_dst; allgather
+                # buf (as large as the output) -> out. Every rank at once.
+                src, dst = (buf[: out.numel()], out) if gather else (x, copy_dst[:n])
+                fn = lambda src=src, dst=dst: dst.copy_(src)  # noqa: E731
+                ready = dist.barrier
+            elif gather and b == NCCL:
                 fn = lambda x=x, out=out: dist.all_gather_into_tensor(out, x)  # noqa: E731
             elif gather:
                 fn = lambda x=x, out=out, b=b, t=t: comm.all_gather(  # noqa: E731
                     out, x, algorithm=args.algorithm, num_blocks=b, num_threads=t
                 )
-            elif b == "nccl":
+            elif b == NCCL:
                 fn = lambda x=x: dist.all_reduce(x)  # noqa: E731
             else:
                 fn = lambda x=x, b=b, t=t: comm.all_reduce(  # noqa: E731
                     x, algorithm=args.algorithm, num_blocks=b, num_threads=t
                 )
             x.copy_(ref)
-            us = graph_time(torch, fn, args.ops, args.reps)
+            us = graph_time(torch, fn, args.ops, args.reps, ready)
             # Correctness after the timing: one more call on fresh small integers.
             x.copy_(ref)
             out.fill_(float("nan"))
             x.copy_(ref)
             fn()
-            if not torch.equal(out.float(), want):
+            if b != COPY and not torch.equal(out.float(), want):
                 failures.append(f"rank {rank}: {size} B {b}x{t} wrong")
             everyone = [None] * world
             dist.all_gather_object(everyone, us)
@@ -147,7 +179,16 @@ def main(argv=None) -> int:
                     "algorithm": args.algorithm,
                     "registered": register,
                     "world": world,
-                    "command": " ".join(sys.argv),
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+                    "machine": bench_common.machine_info(info),
+                    "git_commit": bench_common.git_commit()["commit"],
+                    "command": bench_common.run_command(world, argv),
+                    "baseline": {
+                        "row": baseline,
+                        **bench_common.baseline_record(
+                            info, "NCCL all_gather_into_tensor" if gather else "NCCL all_reduce"
+                        ),
+                    },
                     "rows": rows,
                     "failures": failures,
                 },

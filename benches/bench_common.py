@@ -1,6 +1,8 @@
-"""Helpers the benchmark scripts share: what was measured (commit, machine) and
-the timing of CUDA-graph replays. The scripts run as ``python benches/<name>.py``
-(also under torchrun) and import this module by its bare name."""
+"""Helpers the benchmark scripts share: what was measured (commit, machine, how
+the ranks sit on GPUs), the baseline where ranks share a GPU, and the timing of
+CUDA events and CUDA-graph replays. The scripts run as ``python benches/<name>.py``
+under ``python -m moelink.launch -n N`` (N may exceed the GPUs: ranks then share
+them) or torchrun, and import this module by its bare name."""
 
 from __future__ import annotations
 
@@ -35,12 +37,73 @@ def git_commit() -> dict:
         return {"commit": "unknown", "dirty": None}
 
 
-def machine_info() -> dict:
+#: The baseline where ranks share a GPU (NCCL refuses two ranks on one GPU), as
+#: the JSON, the tables and the plots name it.
+COPY_BASELINE = "same_gpu_copy"
+COPY_LABEL = "same-GPU copy, not NCCL"
+COPY_HOW = (
+    "dst.copy_(src) of the same bytes on every rank, all ranks at once, timed the same "
+    "way: the HBM ceiling of one GPU"
+)
+
+
+def init(timeout_s: float = 900.0):
+    """``moelink.launch.init_distributed``: this rank's device (``local_rank %
+    device_count``) and the process group (NCCL where every rank has its own GPU,
+    gloo where ranks share one). Returns its ``DistInfo``."""
+    from moelink.launch import init_distributed
+
+    return init_distributed(timeout_s=timeout_s)
+
+
+def uses_nccl(info) -> bool:
+    """Whether the group is NCCL, so that NCCL collectives on CUDA tensors (the
+    baselines) can run; else the baseline is the same-GPU copy."""
+    return info.backend == "nccl"
+
+
+def baseline_record(info, nccl_label: str) -> dict:
+    """The baseline of this run, for the JSON: ``kind`` (``nccl`` or
+    ``same_gpu_copy``), ``label`` (what tables and plots call it) and ``how``."""
+    if uses_nccl(info):
+        return {"kind": "nccl", "label": nccl_label, "how": f"{nccl_label} in the same run"}
+    return {"kind": COPY_BASELINE, "label": COPY_LABEL, "how": COPY_HOW}
+
+
+def mps_state() -> dict:
+    """How this rank runs on its GPU: under MPS as ``moelink.launch`` says
+    (``MOELINK_LAUNCH_MPS``; None where another launcher started it), its MPS
+    thread percentage and whether an MPS pipe directory is set."""
+    launch = os.environ.get("MOELINK_LAUNCH_MPS")
+    return {
+        "launch_mps": None if launch is None else launch == "1",
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": os.environ.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"),
+        "CUDA_MPS_PIPE_DIRECTORY_set": bool(os.environ.get("CUDA_MPS_PIPE_DIRECTORY")),
+    }
+
+
+def shared_gpu_note(info) -> str | None:
+    """Where ranks share a GPU, the line every table of the run prints once (how
+    the ranks sit, and that bandwidths measure one GPU's memory, not NVLink);
+    else None. The same words as the main job (``moelink.intranode_demo``)."""
+    if not info.ranks_share_gpus:
+        return None
+    import torch
+    from moelink.intranode_demo import shared_gpu_note as note
+
+    gpus = min(info.local_world_size, torch.cuda.device_count())
+    return note(info.world_size, gpus, os.environ.get("MOELINK_LAUNCH_MPS") == "1")
+
+
+def machine_info(info=None) -> dict:
+    """The machine and, with ``info`` (from :func:`init`), how the ranks sit on it:
+    ``world_size``, ``ranks_per_gpu``, ``ranks_share_gpus``, ``backend``, the MPS
+    state (:func:`mps_state`) and ``shared_gpu_note``."""
     import moelink
     import torch
 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return {
+    out = {
         "hostname": socket.gethostname(),
         "gpu": props.name,
         "gpu_count": torch.cuda.device_count(),
@@ -51,6 +114,60 @@ def machine_info() -> dict:
         "nccl": ".".join(str(v) for v in torch.cuda.nccl.version()),
         "moelink": moelink.__version__,
     }
+    if info is not None:
+        out.update(
+            {
+                "world_size": info.world_size,
+                "ranks_per_gpu": info.ranks_per_gpu,
+                "ranks_share_gpus": info.ranks_share_gpus,
+                "backend": info.backend,
+                "mps": mps_state(),
+                "shared_gpu_note": shared_gpu_note(info),
+            }
+        )
+    return out
+
+
+def run_command(world: int, argv) -> str:
+    """The command line of this run: the launcher (``moelink.launch``, which sets
+    ``MOELINK_LAUNCH_GPUS``, else torchrun), the script and ``argv``."""
+    if "MOELINK_LAUNCH_GPUS" in os.environ:
+        launcher = f"python -m moelink.launch -n {world}"
+    else:
+        launcher = f"python -m torch.distributed.run --nproc-per-node={world}"
+    return " ".join([launcher, sys.argv[0], *(sys.argv[1:] if argv is None else argv)])
+
+
+def copy_call(torch, nbytes: int, device):
+    """A call that copies ``nbytes`` within ``device`` (``dst.copy_(src)``): the
+    baseline where ranks share a GPU."""
+    src = torch.ones(max(1, int(nbytes)), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return lambda: dst.copy_(src)
+
+
+def event_times_us(torch, fn, iters: int, warmup: int = 0, before=None, ready=None) -> list:
+    """``warmup`` untimed calls of ``fn``, then (after ``ready()``, e.g. a barrier,
+    so that every rank starts at once) ``iters`` calls back to back, each between
+    two CUDA events on the current stream, ``before()`` (e.g. an L2 flush) ahead
+    of each outside the events; per call, microseconds."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if ready is not None:
+        ready()
+    pairs = []
+    for _ in range(iters):
+        if before is not None:
+            before()
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        pairs.append((a, b))
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) * 1e3 for a, b in pairs]
 
 
 def replay_times_us(torch, graph, reps: int, ops: int, stream=None) -> list:

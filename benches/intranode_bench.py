@@ -2,15 +2,21 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node=4 \\
         benches/intranode_bench.py --out DIR [--sms 8 16 24 ...] [--iters 30]
+    python -m moelink.launch -n 4 benches/intranode_bench.py --out DIR   # any GPU count
 
 Every rank runs ``moelink.intranode_demo.run_rank``: the outputs of layout,
 dispatch (bf16, fp8) and combine are checked against the CPU reference at every
-SM count, then timed (CUDA events, L2 flushed, median of --iters), next to
-``torch.distributed.all_to_all_single`` moving the same rows in the same run.
-Rank 0 writes DIR/intranode.json (machine, commit, command, config, results per
-rank and aggregated: medians over ranks), DIR/intranode.png (GB/s against SMs
-per op, with the targets, DeepEP's figure and the baseline) and prints the
-summary table. The exit code is 1 when any check failed on any rank.
+SM count, then timed (CUDA events, L2 flushed, median of --iters), next to a
+baseline in the same run: ``torch.distributed.all_to_all_single`` (NCCL) moving
+the same rows where every rank has its own GPU; where ranks share a GPU (NCCL
+refuses that) the same-GPU copy: ``dst.copy_(src)`` of the bytes each rank
+receives, all ranks at once, timed the same way (one GPU's HBM ceiling; SM
+counts above a rank's share of the GPU are left out, the targets are not judged).
+Rank 0 writes DIR/intranode.json (machine with ranks per GPU, backend and MPS
+state, commit, command, config, baseline, results per rank and aggregated:
+medians over ranks), DIR/intranode.png (GB/s against SMs per op, with the
+targets, DeepEP's figure and the baseline) and prints the summary table. The
+exit code is 1 when any check failed on any rank.
 
     python benches/intranode_bench.py --replot DIR/intranode.json
 
@@ -33,6 +39,9 @@ from moelink import intranode_demo as demo
 
 #: SM counts the benchmark sweeps by default (132 = every SM of an H100/H200).
 BENCH_SMS = (8, 16, 24, 32, 48, 64, 96, 132)
+#: The baseline row where ranks share a GPU.
+COPY = bench_common.COPY_BASELINE
+NCCL_LABEL = "NCCL all_to_all_single"
 PLOTTED = [
     (demo.DISPATCH_BF16, "tab:blue"),
     (demo.DISPATCH_FP8, "tab:orange"),
@@ -43,12 +52,13 @@ PLOTTED = [
 def plot(data: dict, path: Path) -> None:
     """GB/s against SMs, one panel per op: median over ranks (band: min..max over
     ranks), the targets (dashed up to 48 SMs, star at 24), DeepEP V1 at 24 SMs
-    and the all_to_all_single baseline (dotted)."""
+    and the baseline (dotted: NCCL all_to_all_single, or the same-GPU copy where
+    ranks share a GPU)."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
     rows: list[dict[str, Any]] = data["results"]["rows"]
-    baseline = next((r for r in rows if r["op"] == demo.BASELINE), None)
+    baseline = data.get("baseline")
     layout = next((r for r in rows if r["op"] == demo.LAYOUT), None)
     fig = Figure(figsize=(16, 5.5))
     FigureCanvasAgg(fig)
@@ -113,9 +123,9 @@ def plot(data: dict, path: Path) -> None:
                 baseline["GBps"],
                 color="gray",
                 linestyle="dotted",
-                label=f"NCCL all_to_all_single: {baseline['GBps']:.0f}",
+                label=f"{baseline.get('label', NCCL_LABEL)}: {baseline['GBps']:.0f}",
             )
-        top = max(top, target.best_gbps)
+        top = max(top, target.best_gbps, baseline["GBps"] if baseline else 0.0)
         ax.set_title(demo.OP_LABELS[op])
         ax.set_xlabel("SMs (num_sms)")
         ax.set_xlim(left=0)
@@ -126,15 +136,51 @@ def plot(data: dict, path: Path) -> None:
     w = data["config"]
     machine = data["machine"]
     layout_text = f"layout {layout['median_us']:.1f} us (target <= 20)" if layout else ""
+    note = machine.get("shared_gpu_note")
     fig.suptitle(
-        f"intranode dispatch/combine: {w['num_ranks']} x {machine.get('gpu', '?')}, "
+        f"intranode dispatch/combine: {w['num_ranks']} ranks, {machine.get('gpu', '?')}, "
         f"{w['num_tokens']} tokens/rank, hidden {w['hidden']}, top-{w['num_topk']} of "
         f"{w['num_experts']}; {layout_text}; commit {str(data.get('git_commit'))[:12]}, "
-        f"{data.get('date', '?')[:10]}; checks {'PASS' if data['correct'] else 'FAIL'}",
+        f"{data.get('date', '?')[:10]}; checks {'PASS' if data['correct'] else 'FAIL'}"
+        + (f"\n{note}; targets are NVLink figures, not judged" if note else ""),
         fontsize=10,
     )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def copy_row(torch, dist, result: dict, args) -> dict:
+    """The same-GPU copy baseline of one rank (collective: every rank copies at
+    once): the bytes this rank receives in a bf16 dispatch, timed as
+    ``run_rank`` times the ops (CUDA events, L2 flushed, --warmup, --iters)."""
+    nbytes = result["recv_tokens"][result["rank"]] * result["workload"]["hidden"] * 2
+    device = torch.device("cuda", torch.cuda.current_device())
+    scratch = torch.empty(demo.L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
+    copy = bench_common.copy_call(torch, nbytes, device)
+    times = bench_common.event_times_us(
+        torch, copy, int(args.iters), int(args.warmup), before=scratch.zero_, ready=dist.barrier
+    )
+    return demo._row(COPY, None, times, nbytes)  # a row like run_rank's
+
+
+def copy_lines(copy: dict, rows: list) -> list:
+    """The lines below the table where ranks share a GPU: the copy baseline and
+    each op's best GB/s as a fraction of it."""
+    lines = [
+        "",
+        f"baseline: {bench_common.COPY_LABEL} ({bench_common.COPY_HOW}):",
+        f"  {copy['median_us']:.1f} us, {copy['GBps']:.1f} GB/s per rank (median over ranks; "
+        f"rank 0 copies {copy['bytes'] / 1e6:.1f} MB)",
+    ]
+    for op, _ in PLOTTED:
+        timed = [r for r in rows if r["op"] == op]
+        if timed:
+            best = max(timed, key=lambda r: r["GBps"])
+            lines.append(
+                f"  {demo.OP_LABELS[op]}: best {best['GBps']:.1f} GB/s ({best['num_sms']} SMs) "
+                f"= {best['GBps'] / copy['GBps']:.2f} x the copy"
+            )
+    return lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,18 +199,16 @@ def main(argv=None) -> int:
     if code is not None:
         return code
     demo.normalize_args(args)
-    for key, value in demo.NO_MULTICAST_ENV.items():
-        os.environ[key] = value
 
     import torch
     import torch.distributed as dist
 
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local_rank)
-    dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    info = bench_common.init()
+    rank, world = info.rank, info.world_size
     try:
         result = demo.run_rank(rank, world, dist.group.WORLD, args)
+        if not bench_common.uses_nccl(info):
+            result["rows"].append(copy_row(torch, dist, result, args))
     except Exception:
         # Fail fast: torchrun then stops the other ranks, which would wait for
         # this one in their next collective.
@@ -173,16 +217,18 @@ def main(argv=None) -> int:
     gathered: list = [None] * world
     dist.all_gather_object(gathered, result)
     results = demo.aggregate(gathered)
+    rows = results["rows"]
+    baseline = next((r for r in rows if r["op"] in (demo.BASELINE, COPY)), None)
+    baseline_record = bench_common.baseline_record(info, NCCL_LABEL)
     if rank == 0:
         git = bench_common.git_commit()
         data = {
             "benchmark": "intranode dispatch/combine",
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": bench_common.machine_info(),
+            "machine": bench_common.machine_info(info),
             "git_commit": git["commit"],
             "git_dirty": git["dirty"],
-            "command": f"python -m torch.distributed.run --nproc-per-node={world} "
-            + " ".join([sys.argv[0], *(sys.argv[1:] if argv is None else argv)]),
+            "command": bench_common.run_command(world, argv),
             "env": {k: os.environ.get(k) for k in demo.NO_MULTICAST_ENV},
             "config": {
                 **results["workload"],
@@ -204,14 +250,16 @@ def main(argv=None) -> int:
             "correct": results["correct"],
             "checks_failed": [c for c in results["checks"] if not c["ok"]],
             "checks_run": len(results["checks"]),
-            "results": {"rows": results["rows"], "recv_tokens": results["recv_tokens"]},
-            "baseline": next(r for r in results["rows"] if r["op"] == demo.BASELINE),
+            "results": {"rows": rows, "recv_tokens": results["recv_tokens"]},
+            "baseline": baseline and {**baseline_record, **baseline},
             "per_rank": gathered,
         }
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "intranode.json").write_text(json.dumps(data, indent=2) + "\n")
         plot(data, args.out / "intranode.png")
-        print(demo.format_report(results))
+        print(demo.format_report({**results, "rows": [r for r in rows if r["op"] != COPY]}))
+        if baseline and baseline["op"] == COPY:
+            print("\n".join(copy_lines(baseline, rows)))
         print(f"wrote {args.out / 'intranode.json'} and {args.out / 'intranode.png'}")
     dist.destroy_process_group()
     return 0 if results["correct"] else 1

@@ -2,19 +2,22 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node=4 \\
         benches/intranode_profile.py [--sms 24 48] [--iters 10]
+    python -m moelink.launch -n 4 benches/intranode_profile.py   # any GPU count
 
 Runs the PERFORMANCE.md workload (moelink.intranode_demo.make_inputs) and prints,
 on rank 0, the mean GPU time of every moelink kernel (dispatch_notify,
 dispatch_send, dispatch_wait, dispatch_recv, combine_send, ...) per SM count:
 where the time of a dispatch or a combine goes. No correctness check here: the
-benchmark (intranode_bench.py) does that.
+benchmark (intranode_bench.py) does that. Where ranks share a GPU the times are
+one GPU's memory, not NVLink (said once above the table), and SM counts above a
+rank's share of the GPU are left out, as in the benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 
+import bench_common
 import moelink
 import torch
 import torch.distributed as dist
@@ -29,9 +32,16 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--num-tokens", type=int, default=4096)
     args = p.parse_args()
-    rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    info = bench_common.init()
+    rank, size = info.rank, info.world_size
+    # Where ranks share a GPU: only SM counts within a rank's share (as the bench).
+    gpus = demo._gpu_placement(dist.group.WORLD, info.device)
+    sms_list, sms_note = demo._sms_within_share(args.sms, gpus)
+    note = bench_common.shared_gpu_note(info)
+    if rank == 0:
+        for line in (note, sms_note):
+            if line:
+                print(line, flush=True)
     inp = {k: v.cuda() for k, v in demo.make_inputs(rank, size, args.num_tokens).items()}
     hidden, e = inp["x"].shape[1], 256
     hint = moelink.Config(24).get_nvl_buffer_size_hint(
@@ -46,7 +56,7 @@ def main() -> None:
         topk_idx=inp["topk_idx"],
         topk_weights=inp["topk_weights"],
     )
-    for sms in args.sms:
+    for sms in sms_list:
         cfg = moelink.Config(sms)
         recv, _, recv_w, _, handle, _ = buf.dispatch(inp["x"], config=cfg, **layout)
         fp8 = (inp["x_fp8"], inp["x_scales"])

@@ -2,6 +2,7 @@
 
     python -m torch.distributed.run --standalone --nproc-per-node=4 \\
         benches/ll_bench.py --out DIR [--iters 200] [--no-sweep] [--no-proxy]
+    python -m moelink.launch -n 4 benches/ll_bench.py --out DIR   # any GPU count
 
 Workload: T tokens per rank (128), hidden 7168, top-8 of 288 experts, fp8 dispatch,
 bf16 combine. For each transport (NVLink memory channels; the CPU proxy forced with
@@ -12,11 +13,16 @@ CUDA events, back-to-back, median over --iters:
 - dispatch, combine, dispatch + combine (one call each, no hook);
 - the send and receive halves in hook mode (a 50 us sleep kernel between them, so
   the receive half measures the receive, not the flight);
-- ``all_to_all_single`` moving the same bytes (dispatch's fp8 messages, combine's
-  bf16 rows), the no-EP-library baseline, in the same run.
+- the baseline, moving the same bytes (dispatch's fp8 messages, combine's bf16
+  rows) in the same run: ``all_to_all_single`` (NCCL, the no-EP-library baseline,
+  ``a2a_*``) where every rank has its own GPU; where ranks share a GPU (NCCL
+  refuses that) the same-GPU copy (``copy_*``): ``dst.copy_(src)`` of those bytes
+  on every rank, all ranks at once, timed the same way (one GPU's HBM ceiling).
 The sweep repeats dispatch / combine / both for tokens 1..256 and hidden 2048..8192.
-Rank 0 writes DIR/ll.json (machine, commit, command, per-rank medians and the max
-over ranks) and DIR/ll.png, and prints the summary table (max over ranks, us).
+Rank 0 writes DIR/ll.json (machine with ranks per GPU, backend and MPS state,
+commit, command, baseline, per-rank medians and the max over ranks) and DIR/ll.png,
+and prints the summary table (max over ranks, us). Where ranks share a GPU the
+times are one GPU's memory (and its time slices without MPS), not NVLink.
 
     python benches/ll_bench.py --replot DIR/ll.json   # redraw the PNG, no GPU
 """
@@ -27,7 +33,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 from pathlib import Path
@@ -41,6 +46,9 @@ TARGETS = {
 DEEPEP = {"dispatch": 35.0, "combine": 56.0, "both": 94.0}
 SWEEP_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 SWEEP_HIDDEN = (2048, 4096, 7168, 8192)
+NCCL_LABEL = "NCCL all_to_all_single"
+#: Column prefix of the baseline: NCCL's all_to_all_single, or the same-GPU copy.
+BASELINE_PREFIX = {"nccl": "a2a", bench_common.COPY_BASELINE: "copy"}
 
 
 def calc_diff(x, y) -> float:
@@ -50,11 +58,14 @@ def calc_diff(x, y) -> float:
 
 
 class Bench:
-    def __init__(self, args, buf, rank: int, size: int, device) -> None:
+    def __init__(self, args, buf, rank: int, size: int, device, nccl: bool) -> None:
         import torch
 
         self.torch = torch
         self.args, self.buf, self.rank, self.size, self.device = args, buf, rank, size, device
+        #: NCCL group: CUDA tensors go through torch.distributed; else (gloo:
+        #: ranks share a GPU) CPU copies do, and the baseline is the same-GPU copy.
+        self.nccl = nccl
 
     def inputs(self, t: int, h: int, e: int, k: int, seed: int):
         torch = self.torch
@@ -90,8 +101,9 @@ class Bench:
         d = calc_diff(comb.float(), x.float() * w.sum(1, keepdim=True))
         if not d < 9e-4:
             errs.append(f"calc_diff {d:.3g} at T={t} H={h}")
-        all_idx = [torch.empty_like(idx) for _ in range(self.size)]
-        dist.all_gather(all_idx, idx)
+        mine = idx if self.nccl else idx.cpu()
+        all_idx = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(all_idx, mine)
         el = e // self.size
         want = sum(int(((a >= self.rank * el) & (a < (self.rank + 1) * el)).sum())
                    for a in all_idx)  # fmt: skip
@@ -228,26 +240,28 @@ class Bench:
                 for name, segs in acc.items()}  # fmt: skip
 
     def baseline(self, t: int, h: int, k: int, iters: int) -> dict:
-        """all_to_all_single of the same bytes: every rank sends its T*K messages
-        (fp8 row + scales + 16-byte header), split evenly; and the bf16 rows back."""
+        """The same bytes as the EP calls: every rank sends its T*K messages (fp8
+        row + scales + 16-byte header), split evenly; and the bf16 rows back. NCCL
+        group: all_to_all_single (``a2a_*``); else ``dst.copy_(src)`` of those
+        bytes on every rank, all ranks at once (``copy_*``)."""
         torch = self.torch
         import torch.distributed as dist
 
+        prefix = BASELINE_PREFIX["nccl" if self.nccl else bench_common.COPY_BASELINE]
         out = {}
-        for name, row in (("a2a_dispatch", 16 + h + h // 128 * 4), ("a2a_combine", 2 * h)):
+        for name, row in (("dispatch", 16 + h + h // 128 * 4), ("combine", 2 * h)):
             n = t * k * row // self.size * self.size
-            src = torch.empty(n, dtype=torch.uint8, device=self.device)
-            dst = torch.empty_like(src)
-            for _ in range(5):
-                dist.all_to_all_single(dst, src)
-            evs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                   for _ in range(iters)]  # fmt: skip
-            for a, b in evs:
-                a.record()
-                dist.all_to_all_single(dst, src)
-                b.record()
-            torch.cuda.synchronize()
-            out[name] = statistics.median(a.elapsed_time(b) * 1e3 for a, b in evs)
+            if self.nccl:
+                src = torch.empty(n, dtype=torch.uint8, device=self.device)
+                dst = torch.empty_like(src)
+
+                def call(dst=dst, src=src):
+                    dist.all_to_all_single(dst, src)
+            else:
+                call = bench_common.copy_call(torch, n, self.device)
+            ready = None if self.nccl else dist.barrier  # every rank copies at once
+            times = bench_common.event_times_us(torch, call, iters, 5, ready=ready)
+            out[f"{prefix}_{name}"] = statistics.median(times)
         return out
 
 
@@ -317,11 +331,9 @@ def run(args) -> int:
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("nccl")
-    rank, size = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
+    info = bench_common.init()
+    rank, size, device = info.rank, info.world_size, info.device
+    nccl = bench_common.uses_nccl(info)
     e, k = args.experts, args.topk
     t_max = max((args.tokens, *(SWEEP_TOKENS if args.sweep else ())))
     h_max = max((args.hidden, *(SWEEP_HIDDEN if args.sweep else ())))
@@ -333,7 +345,7 @@ def run(args) -> int:
         buf = moelink.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True,
                              allow_nvlink_for_low_latency_mode=(tr == "nvlink"),
                              explicitly_destroy=True)  # fmt: skip
-        b = Bench(args, buf, rank, size, device)
+        b = Bench(args, buf, rank, size, device, nccl)
         res = {}
         errs = b.check(args.tokens, args.hidden, e, k)
         main = b.time_ops(args.tokens, args.hidden, e, k, args.iters, hooks=True)
@@ -376,14 +388,10 @@ def run(args) -> int:
             {
                 "benchmark": "low_latency",
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
-                "machine": {
-                    "host": socket.gethostname(),
-                    "gpus": size,
-                    "gpu": torch.cuda.get_device_name(device),
-                    "torch": torch.__version__,
-                },  # fmt: skip
+                "machine": bench_common.machine_info(info),
                 "git_commit": bench_common.git_commit()["commit"],
-                "command": " ".join(sys.argv),
+                "command": bench_common.run_command(size, None),
+                "baseline": bench_common.baseline_record(info, NCCL_LABEL),
                 "workload": {
                     "tokens": args.tokens,
                     "hidden": args.hidden,
@@ -426,15 +434,27 @@ def print_profile(data: dict) -> None:
                 print(f"    {seg:30s}{cells}")
 
 
+def baseline_of(data: dict) -> tuple:
+    """(column prefix, label) of the run's baseline; runs recorded before the
+    same-GPU copy existed had NCCL's all_to_all_single."""
+    base = data.get("baseline") or {"kind": "nccl", "label": NCCL_LABEL}
+    return BASELINE_PREFIX[base["kind"]], base["label"]
+
+
 def summary(data: dict) -> None:
     w = data["workload"]
+    prefix, label = baseline_of(data)
     print(f"low-latency, {w['ranks']} ranks, T={w['tokens']} H={w['hidden']} "
           f"top-{w['topk']} of {w['experts']} (us, max over ranks of medians)")  # fmt: skip
+    note = data["machine"].get("shared_gpu_note")
+    if note:
+        print(f"{note}; targets and DeepEP V1 are NVLink figures")
     cols = ["dispatch", "combine", "both", "dispatch_send", "dispatch_recv", "combine_send",
             "combine_recv", "graph_dispatch", "graph_combine", "graph_both", "eager_dispatch",
-            "eager_combine", "a2a_dispatch", "a2a_combine"]  # fmt: skip
+            "eager_combine", f"{prefix}_dispatch", f"{prefix}_combine"]  # fmt: skip
     print("(kernel time from the profiler; graph_*: per call inside CUDA graphs;")
-    print(" eager_*: events around the Python calls; a2a_*: all_to_all_single)")
+    print(f" eager_*: events around the Python calls; {prefix}_*: {label}"
+          + (f", {bench_common.COPY_HOW})" if prefix == "copy" else ")"))  # fmt: skip
     print(f"{'transport':10s}" + "".join(f"{c:>14s}" for c in cols))
     for tr, entry in data["transports"].items():
         m = entry["main"]
@@ -463,6 +483,12 @@ def plot(data: dict, path: Path) -> None:
             if n in TARGETS.get(tr, {}):
                 ax.plot([i - 0.4, i + 0.4], [TARGETS[tr][n]] * 2, mk[0] + "--", lw=1)
         ax.plot(i, DEEPEP[n], "kx")
+    prefix, label = baseline_of(data)
+    base = [(i, next(iter(data["transports"].values()))["main"].get(f"{prefix}_{n}"))
+            for i, n in enumerate(names)]  # fmt: skip
+    base = [(i, v) for i, v in base if v is not None]
+    if base:
+        ax.plot(*zip(*base), "D", color="gray", linestyle="none", label=f"{label}, same bytes")
     ax.set_xticks(list(xs), names)
     ax.set_ylabel("us (max over ranks of medians)")
     ax.set_title("standard workload (dashes: targets, x: DeepEP V1)")
@@ -471,6 +497,7 @@ def plot(data: dict, path: Path) -> None:
     w = data["workload"]
     pts = sweep + [{"tokens": w["tokens"], "hidden": w["hidden"],
                     **data["transports"]["nvlink"]["main"]}]  # fmt: skip
+    note = data["machine"].get("shared_gpu_note")
     for ax, op in zip(axes[1:], ("dispatch", "combine")):
         for h in SWEEP_HIDDEN:
             row = sorted((p for p in pts if p["hidden"] == h), key=lambda p: p["tokens"])
@@ -479,9 +506,12 @@ def plot(data: dict, path: Path) -> None:
         ax.set_xscale("log", base=2)
         ax.set_xlabel("tokens per rank")
         ax.set_ylabel("us")
-        ax.set_title(f"{op} over NVLink, sweep")
+        ax.set_title(f"{op}, memory channels ({'one GPU' if note else 'NVLink'}), sweep")
         ax.legend()
-    fig.suptitle(f"moelink low-latency, {w['ranks']} ranks, commit {str(data['git_commit'])[:12]}")
+    title = f"moelink low-latency, {w['ranks']} ranks, commit {str(data['git_commit'])[:12]}"
+    if note:
+        title += f"\n{note}; targets and DeepEP are NVLink figures"
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
