@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
+from moelink import _native
 from moelink.checks import (
+    LIMITS,
+    MAX_TOPK,
     check_bias,
     check_dispatch_x,
     check_experts_ranks,
@@ -186,8 +190,10 @@ def test_check_hidden_bytes():
     assert check_hidden_bytes(128, 1) == 128
     assert check_hidden_bytes(64, 2) == 128
     assert check_hidden_bytes(32, 4) == 128
-    with pytest.raises(ValueError, match=r"multiple of 128 bytes, got hidden=100 \* element_size"):
+    with pytest.raises(ValueError, match=r"multiple of 128 bytes up to 1048576, got hidden=100 \*"):
         check_hidden_bytes(100, 2)
+    with pytest.raises(ValueError, match=r"up to 1048576, got hidden=524352 \* element_size=2"):
+        check_hidden_bytes((1 << 19) + 64, 2)
     with pytest.raises(ValueError, match="= 64"):
         check_hidden_bytes(64, 1)
     with pytest.raises(ValueError, match="hidden must be positive, got 0"):
@@ -369,3 +375,24 @@ def test_tensor_ptr_is_zero_for_absent_tensors():
     t = torch.arange(4)
     assert tensor_ptr(t) == t.data_ptr() != 0
     assert tensor_ptr(t[1:]) == t.data_ptr() + t.element_size()
+
+
+# --- the limits table ------------------------------------------------------------------
+
+
+def _documented_limits() -> list:
+    """``(name, value, bounds)`` rows of the table under "## Limits" in docs/api-notes.md."""
+    text = (Path(__file__).parent.parent / "docs" / "api-notes.md").read_text()
+    section = text.split("\n## Limits\n", 1)[1].split("\n## ", 1)[0]
+    rows = []
+    for line in section.splitlines():
+        m = re.fullmatch(r"\| `(\w+)` \| (\d+) \| (.+) \|", line.strip())
+        if m:
+            rows.append((m[1], int(m[2]), m[3]))
+    return rows
+
+
+def test_docs_limits_table_matches_the_exported_limits():
+    assert _documented_limits() == [tuple(row) for row in _native.limits()]
+    assert LIMITS == {name: value for name, value, _ in _native.limits()}
+    assert (MAX_TOPK, LIMITS["ll_max_hidden"], LIMITS["allreduce_max_ranks"]) == (32, 8192, 8)

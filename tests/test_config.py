@@ -90,6 +90,13 @@ def test_odd_num_sms(num_sms):
         Config(num_sms=num_sms)
 
 
+@pytest.mark.parametrize("num_sms", [1026, 10**6, 2**64])
+def test_num_sms_above_the_limit(num_sms):
+    with pytest.raises(ValueError, match=rf"num_sms must be <= 1024, got {num_sms}"):
+        Config(num_sms=num_sms)
+    assert Config(num_sms=1024).num_sms == 1024
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("value", [0, -2])
 def test_non_positive(name, value):
@@ -162,16 +169,25 @@ def test_nvl_hint_multiple_of_128_and_monotonic():
                 assert size % 128 == 0
                 assert size > prev_t
                 prev_t = size
-    # Odd sizes still give a multiple of 128.
-    assert c.get_nvl_buffer_size_hint(100, 3, max_tokens_per_rank=7) % 128 == 0
+    # Odd ranks and token counts still give a multiple of 128.
+    assert c.get_nvl_buffer_size_hint(384, 3, max_tokens_per_rank=7) % 128 == 0
+    # The largest shape within the limits.
+    assert c.get_nvl_buffer_size_hint(1 << 20, 32, max_tokens_per_rank=(1 << 26) - 1) > 1 << 50
 
 
 @pytest.mark.parametrize(
     "args,kwargs,match",
     [
-        ((0, 4), {}, "hidden_bytes must be positive"),
+        ((0, 4), {}, "hidden_bytes must be a positive multiple of 128"),
+        ((100, 4), {}, "hidden_bytes must be a positive multiple of 128 up to 1048576, got 100"),
+        ((-128, 4), {}, "hidden_bytes must be a positive multiple of 128"),
+        (((1 << 20) + 128, 4), {}, "hidden_bytes must be a positive multiple of 128 up to"),
+        ((2**64, 4), {}, "hidden_bytes must be a positive multiple of 128 up to"),
         ((1024, 0), {}, "num_ranks must be positive"),
+        ((1024, 33), {}, "num_ranks must be <= 32, got 33"),
         ((1024, 4), {"max_tokens_per_rank": 0}, "max_tokens_per_rank must be positive"),
+        ((1024, 4), {"max_tokens_per_rank": 1 << 26}, "max_tokens_per_rank must be <= 67108863"),
+        ((1024, 4), {"max_tokens_per_rank": -(2**63)}, "max_tokens_per_rank must be positive"),
     ],
 )
 def test_nvl_hint_rejects_bad_arguments(args, kwargs, match):
@@ -182,10 +198,14 @@ def test_nvl_hint_rejects_bad_arguments(args, kwargs, match):
 def test_rdma_hint_is_zero_for_now():
     c = Config()
     for hidden_bytes in (256, 14336):
-        for ranks in (1, 2, 8, 16, 64):
+        for ranks in (1, 2, 8, 16, 32):
             assert c.get_rdma_buffer_size_hint(hidden_bytes, ranks) == 0
     with pytest.raises(ValueError, match="num_ranks must be positive"):
         c.get_rdma_buffer_size_hint(1024, 0)
+    with pytest.raises(ValueError, match="num_ranks must be <= 32"):
+        c.get_rdma_buffer_size_hint(1024, 64)
+    with pytest.raises(ValueError, match="hidden_bytes must be a positive multiple of 128"):
+        c.get_rdma_buffer_size_hint(100, 4)
 
 
 @pytest.mark.parametrize("get", [get_dispatch_config, get_combine_config])
@@ -198,7 +218,9 @@ def test_default_configs(get):
         assert c.num_max_rdma_chunked_send_tokens < c.num_max_rdma_chunked_recv_tokens
         assert c.get_nvl_buffer_size_hint(7168 * 2, ranks) > 0
     assert get(3) == get(5) == get(1)  # generic default
-    assert get(64).num_sms == 48
+    assert get(32).num_sms == 48
+    with pytest.raises(ValueError, match="num_ranks must be <= 32, got 64"):
+        get(64)
     assert get(8, num_sms=32).num_sms == 32
     with pytest.raises(ValueError, match="num_sms must be even"):
         get(8, num_sms=31)

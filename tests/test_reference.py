@@ -302,7 +302,9 @@ def test_bad_arguments_raise():
     inputs = hand_inputs()
     for inp in inputs:
         inp["x"] = inp["x"][:, :32]  # 64 bytes per row
-    with pytest.raises(ValueError, match="hidden_bytes"):
+    with pytest.raises(
+        ValueError, match=r"inputs\[0\]\['x'\] rows must be a positive multiple of 128"
+    ):
         reference.dispatch(inputs, E)
     inputs = hand_inputs()
     inputs[0]["scales"] = torch.ones(4, 1)

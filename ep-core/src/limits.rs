@@ -90,7 +90,11 @@ pub const TABLE: &[Limit] = &[
         MIN_NUM_SMS,
         "num_sms of intranode dispatch / combine (even)",
     ),
-    limit("max_num_sms", MAX_NUM_SMS, "num_sms (even)"),
+    limit(
+        "max_num_sms",
+        MAX_NUM_SMS,
+        "num_sms; a call uses at most its rank's share of the GPU",
+    ),
     limit(
         "reference_max_bytes",
         DEFAULT_REFERENCE_MAX_BYTES,

@@ -11,6 +11,7 @@ from . import _native
 from ._native import CudaError, TimeoutError, __version__
 from .allreduce import AllReduce as AllReduce
 from .buffer import Buffer, EventOverlap
+from .checks import DtypeError
 from .config import Config
 from .diagnostics import peer_write_check
 
@@ -21,6 +22,7 @@ __all__ = [
     "Buffer",
     "Config",
     "CudaError",
+    "DtypeError",
     "EventOverlap",
     "TimeoutError",
     "__version__",

@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from . import _native
 from ._group import check_group
-from .checks import check_int
+from .checks import LIMITS, check_bool, check_int
 
 __all__ = [
     "ALGORITHMS",
@@ -193,7 +193,11 @@ def check_all_gather_args(out, inp, world_size: int, device, max_bytes: int) -> 
 def check_geometry(num_blocks, num_threads) -> tuple:
     """``(blocks, threads)`` as ints, 0 for "the algorithm's choice"; the upper
     bound of ``num_blocks`` (SMs) is checked by the communicator."""
-    blocks = 0 if num_blocks is None else check_int("num_blocks", num_blocks, minimum=1)
+    blocks = 0
+    if num_blocks is not None:
+        blocks = check_int(
+            "num_blocks", num_blocks, minimum=1, maximum=LIMITS["allreduce_max_blocks"]
+        )
     threads = 0
     if num_threads is not None:
         threads = check_int("num_threads", num_threads, minimum=32, maximum=1024)
@@ -232,7 +236,30 @@ def plan(
 ) -> tuple:
     """The selector without a communicator or GPU: ``(algorithm, blocks, threads)``
     a call of ``nbytes`` (allgather: per-rank input) would use under these limits
-    and tuned entries (tuples as ``AllReduce.tuned()`` returns them)."""
+    and tuned entries (tuples as ``AllReduce.tuned()`` returns them).
+
+    As the communicator: ``world_size`` is 1 to 8 (``LIMITS["allreduce_max_ranks"]``),
+    ``max_bytes`` at most ``LIMITS["allreduce_max_bytes"]``, and a call above
+    ``max_bytes`` (an allgather's whole output) raises ``ValueError``."""
+    if not isinstance(collective, str):
+        raise TypeError(f"collective must be 'allreduce' or 'allgather', got {collective!r}")
+    max_total = LIMITS["allreduce_max_bytes"]
+    nbytes = check_int("nbytes", nbytes, minimum=0, maximum=max_total)
+    world_size = check_int(
+        "world_size", world_size, minimum=1, maximum=LIMITS["allreduce_max_ranks"]
+    )
+    max_bytes = check_int("max_bytes", max_bytes, minimum=1, maximum=max_total)
+    ll_caps = [
+        check_int(name, value, minimum=0, maximum=max_total)
+        for name, value in (
+            ("oneshot_max_bytes", oneshot_max_bytes),
+            ("twoshot_max_bytes", twoshot_max_bytes),
+            ("allgather_ll_max_bytes", allgather_ll_max_bytes),
+        )
+    ]
+    max_blocks = check_int(
+        "max_blocks", max_blocks, minimum=1, maximum=LIMITS["allreduce_max_blocks"]
+    )
     blocks, threads = check_geometry(num_blocks, num_threads)
     return tuple(
         _native.AllReduceComm.plan(
@@ -240,18 +267,43 @@ def plan(
             nbytes,
             world_size,
             max_bytes,
-            oneshot_max_bytes,
-            twoshot_max_bytes,
-            allgather_ll_max_bytes,
+            *ll_caps,
             max_blocks,
-            registered,
-            capturing,
+            check_bool("registered", registered),
+            check_bool("capturing", capturing),
             _check_algorithm(algorithm, collective),
             blocks,
             threads,
-            list(tuned),
+            _check_tuned(tuned),
         )
     )
+
+
+def _check_tuned(tuned) -> list:
+    """``tuned`` as a list of ``(collective, graph, registered, log2 bytes,
+    algorithm, blocks, threads)`` tuples, as ``AllReduce.tuned()`` returns them."""
+    if not isinstance(tuned, (list, tuple)):
+        raise TypeError(f"tuned must be a list of tuples, got {type(tuned).__name__}")
+    out = []
+    for i, e in enumerate(tuned):
+        name = f"tuned[{i}]"
+        if not isinstance(e, (list, tuple)) or len(e) != 7:
+            raise TypeError(f"{name} must be a 7-tuple like AllReduce.tuned()'s, got {e!r}")
+        coll, graph, registered, log2, algorithm, blocks, threads = e
+        if not isinstance(coll, str) or not isinstance(algorithm, str):
+            raise TypeError(f"{name}: collective and algorithm must be str, got {e!r}")
+        out.append(
+            (
+                coll,
+                check_bool(f"{name}[1] (graph)", graph),
+                check_bool(f"{name}[2] (registered)", registered),
+                check_int(f"{name}[3] (log2 bytes)", log2, minimum=0, maximum=64),
+                algorithm,
+                check_int(f"{name}[5] (blocks)", blocks, minimum=0, maximum=2**32 - 1),
+                check_int(f"{name}[6] (threads)", threads, minimum=0, maximum=2**32 - 1),
+            )
+        )
+    return out
 
 
 def _bucket(nbytes: int) -> int:
@@ -322,7 +374,9 @@ class AllReduce:
     ) -> None:
         self._native = None
         self._registered: dict = {}
-        max_bytes = check_int("max_bytes", max_bytes, minimum=1)
+        max_bytes = check_int(
+            "max_bytes", max_bytes, minimum=1, maximum=LIMITS["allreduce_max_bytes"]
+        )
         oneshot_max_bytes = check_int("oneshot_max_bytes", oneshot_max_bytes, minimum=0)
         twoshot_max_bytes = check_int("twoshot_max_bytes", twoshot_max_bytes, minimum=0)
         allgather_ll_max_bytes = check_int(
@@ -340,8 +394,11 @@ class AllReduce:
         self.group = group if group is not None else dist.group.WORLD
         self.rank = dist.get_rank(self.group)
         self.world_size = dist.get_world_size(self.group)
-        if self.world_size > 8:
-            raise ValueError(f"AllReduce handles at most 8 ranks (one host), got {self.world_size}")
+        max_ranks = LIMITS["allreduce_max_ranks"]
+        if self.world_size > max_ranks:
+            raise ValueError(
+                f"AllReduce handles at most {max_ranks} ranks (one host), got {self.world_size}"
+            )
         self.device = torch.device("cuda", torch.cuda.current_device())
         self.max_bytes = max_bytes
         self.gpu_name = torch.cuda.get_device_name(self.device)

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from . import _native
 from ._group import check_group
 from .checks import (
+    LIMITS,
     check_bias,
     check_dispatch_x,
     check_experts_ranks,
@@ -198,7 +199,7 @@ class Buffer(LowLatencyMixin):
     @classmethod
     def set_num_sms(cls, new_num_sms: int) -> None:
         """SMs used by dispatch/combine when no ``config`` is passed (even)."""
-        n = check_int("new_num_sms", new_num_sms, minimum=2)
+        n = check_int("new_num_sms", new_num_sms, minimum=2, maximum=LIMITS["max_num_sms"])
         if n % 2 != 0:
             raise ValueError(f"new_num_sms must be even, got {n}")
         cls.num_sms = n
@@ -478,8 +479,12 @@ class Buffer(LowLatencyMixin):
         num_scales = 0 if scales is None else scales.shape[1]
         s_strides = (0, 0) if scales is None else tuple(scales.stride())
         num_sms = self._num_sms(config, self.get_dispatch_config(R))
-        expert_alignment = check_int("expert_alignment", expert_alignment, minimum=1)
-        num_worst_tokens = check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+        expert_alignment = check_int(
+            "expert_alignment", expert_alignment, minimum=1, maximum=LIMITS["max_expert_alignment"]
+        )
+        num_worst_tokens = check_int(
+            "num_worst_tokens", num_worst_tokens, minimum=0, maximum=LIMITS["max_recv_tokens"]
+        )
         if num_tokens_per_rdma_rank is not None:
             raise ValueError("num_tokens_per_rdma_rank must be None within one node")
 

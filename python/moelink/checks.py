@@ -1,36 +1,60 @@
 """Argument checks run before any kernel is launched.
 
 Each check raises ``TypeError`` for an argument of the wrong kind (not a tensor, not
-an integer) and ``ValueError`` for a wrong value, with a message that names the
-argument and says what was expected and what was given. Tensors may live on any
-device unless a check asks for one, so everything here also runs on CPU tensors.
+an integer, not a sequence), ``DtypeError`` (both a ``TypeError`` and a
+``ValueError``) for a tensor of the wrong dtype, and ``ValueError`` for a wrong
+value, with a message that names the argument and says what was expected and what
+was given. Tensors may live on any device unless a check asks for one, so everything
+here also runs on CPU tensors.
+
+The limits (``LIMITS``) come from the Rust definitions through
+``moelink._native.limits()``; ``docs/api-notes.md`` has them as a table.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 
 import torch
 
+from . import _native
+
 __all__ = [
+    "LIMITS",
     "MAX_TOPK",
+    "DtypeError",
     "check_bias",
+    "check_bool",
     "check_dispatch_x",
     "check_experts_ranks",
     "check_hidden_bytes",
     "check_int",
+    "check_keys",
+    "check_multiple",
+    "check_rank_list",
+    "check_row_bytes",
     "check_same_device",
     "check_tensor",
     "check_topk_idx",
     "check_topk_weights",
 ]
 
+
+class DtypeError(TypeError, ValueError):
+    """A tensor of the wrong dtype. A ``TypeError`` (the tensor is of the wrong kind)
+    and, as before it existed, a ``ValueError``."""
+
+
+#: Every limit of the API, name -> value, as defined in Rust (``ep_kernels::limits``
+#: and ``collectives::args``).
+LIMITS = {name: value for name, value, _ in _native.limits()}
 #: Largest number of experts per token (``topk_idx.shape[1]``) the kernels handle.
-MAX_TOPK = 32
+MAX_TOPK = LIMITS["max_topk"]
 #: Channels per fp8 scale.
-SCALE_BLOCK = 128
+SCALE_BLOCK = LIMITS["fp8_group_size"]
 #: Row sizes in bytes must be multiples of this.
-HIDDEN_BYTES_ALIGN = 128
+HIDDEN_BYTES_ALIGN = LIMITS["row_bytes_alignment"]
 
 
 def tensor_ptr(t) -> int:
@@ -52,6 +76,61 @@ def check_int(name: str, value, *, minimum: int | None = None, maximum: int | No
         raise ValueError(f"{name} must be {what}, got {value}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{name} must be <= {maximum}, got {value}")
+    return value
+
+
+def check_multiple(name: str, value, unit: int, maximum: int) -> int:
+    """``value`` as an ``int``: a positive multiple of ``unit``, at most ``maximum``."""
+    value = check_int(name, value)
+    if value <= 0 or value % unit != 0 or value > maximum:
+        raise ValueError(
+            f"{name} must be a positive multiple of {unit} up to {maximum}, got {value}"
+        )
+    return value
+
+
+def check_bool(name: str, value) -> bool:
+    """``value`` as a ``bool``: ``True`` / ``False`` (or an integer 0 / 1)."""
+    if isinstance(value, bool):
+        return value
+    if not isinstance(value, torch.Tensor):
+        try:
+            if operator.index(value) in (0, 1):
+                return bool(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+
+
+def check_rank_list(name: str, value, num_ranks: int | None = None) -> list:
+    """``value`` (a list or tuple with one entry per rank) as a list: ``num_ranks``
+    entries when given, else 1 to ``max_ranks``."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(
+            f"{name} must be a list with one entry per rank, got {type(value).__name__}"
+        )
+    if num_ranks is not None and len(value) != num_ranks:
+        raise ValueError(f"{name} must have one entry per rank ({num_ranks}), got {len(value)}")
+    if not 1 <= len(value) <= LIMITS["max_ranks"]:
+        raise ValueError(
+            f"{name} must have one entry per rank, 1 to {LIMITS['max_ranks']}, got {len(value)}"
+        )
+    return list(value)
+
+
+def check_keys(name: str, value, required, optional=()) -> Mapping:
+    """``value``: a mapping with every key of ``required`` and no key beyond
+    ``required`` and ``optional``."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict, got {type(value).__name__}")
+    missing = [k for k in required if k not in value]
+    if missing:
+        raise ValueError(f"{name} must have the keys {list(required)}, missing {missing}")
+    unknown = [k for k in value if k not in required and k not in optional]
+    if unknown:
+        raise ValueError(
+            f"{name} has unknown keys {unknown}; known: {list(required) + list(optional)}"
+        )
     return value
 
 
@@ -90,7 +169,7 @@ def check_tensor(
         accepted = tuple(dtype) if isinstance(dtype, (tuple, list, set, frozenset)) else (dtype,)
         if t.dtype not in accepted:
             want = str(accepted[0]) if len(accepted) == 1 else f"one of {list(map(str, accepted))}"
-            raise ValueError(f"{name} must have dtype {want}, got {t.dtype}")
+            raise DtypeError(f"{name} must have dtype {want}, got {t.dtype}")
     if shape is not None:
         shape = tuple(shape)
         if dims is not None and dims != len(shape):
@@ -112,20 +191,20 @@ def check_tensor(
     return t
 
 
-def check_topk_idx(topk_idx, num_experts: int, *, check_values: bool = True):
-    """Checks top-k expert ids: int64 [N, K] with 1 <= K <= 32, every value in
-    ``[-1, num_experts)`` (-1 = no expert). Returns ``topk_idx``.
+def check_topk_idx(topk_idx, num_experts: int, *, check_values: bool = True, name="topk_idx"):
+    """Checks top-k expert ids (called ``name``): int64 [N, K] with 1 <= K <= 32,
+    every value in ``[-1, num_experts)`` (-1 = no expert). Returns ``topk_idx``.
 
     The value check is one min/max reduction; on a CUDA tensor reading its result
     waits for the device, so paths that must not synchronise (``num_worst_tokens``,
     CUDA-graph capture) pass ``check_values=False``.
     """
     num_experts = check_int("num_experts", num_experts, minimum=1)
-    check_tensor("topk_idx", topk_idx, dtype=torch.int64, dims=2)
+    check_tensor(name, topk_idx, dtype=torch.int64, dims=2)
     k = topk_idx.shape[1]
     if not 1 <= k <= MAX_TOPK:
         raise ValueError(
-            f"topk_idx must have 1 to {MAX_TOPK} columns (experts per token), "
+            f"{name} must have 1 to {MAX_TOPK} columns (experts per token), "
             f"got shape {list(topk_idx.shape)}"
         )
     if check_values and topk_idx.numel() > 0:
@@ -134,7 +213,7 @@ def check_topk_idx(topk_idx, num_experts: int, *, check_values: bool = True):
         if bad is not None:
             where = (topk_idx == bad).nonzero()[0].tolist()
             raise ValueError(
-                f"topk_idx values must be in [-1, num_experts={num_experts}), got {bad} at {where}"
+                f"{name} values must be in [-1, num_experts={num_experts}), got {bad} at {where}"
             )
     return topk_idx
 
@@ -146,29 +225,38 @@ def check_topk_weights(topk_weights, topk_idx):
     )
 
 
-def check_experts_ranks(num_experts: int, num_ranks: int) -> int:
-    """Checks that ``num_experts`` (>= 1) splits evenly over ``num_ranks`` (>= 1);
+def check_experts_ranks(num_experts: int, num_ranks: int, ranks_name: str = "num_ranks") -> int:
+    """Checks that ``num_experts`` (>= 1) splits evenly over ``num_ranks`` (1 to
+    ``max_ranks``, called ``ranks_name``), at most ``max_experts_per_rank`` each;
     returns the number of experts per rank."""
-    num_experts = check_int("num_experts", num_experts, minimum=1)
-    num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+    num_ranks = check_int(ranks_name, num_ranks, minimum=1, maximum=LIMITS["max_ranks"])
+    num_experts = check_int("num_experts", num_experts, minimum=1, maximum=LIMITS["max_experts"])
     if num_experts % num_ranks != 0:
         raise ValueError(
-            f"num_experts must be a multiple of num_ranks, got num_experts={num_experts} "
-            f"and num_ranks={num_ranks}"
+            f"num_experts must be a multiple of {ranks_name}, got num_experts={num_experts} "
+            f"and {ranks_name}={num_ranks}"
         )
-    return num_experts // num_ranks
+    per_rank = num_experts // num_ranks
+    if per_rank > LIMITS["max_experts_per_rank"]:
+        raise ValueError(
+            f"num_experts must be at most {LIMITS['max_experts_per_rank']} per rank, got "
+            f"num_experts={num_experts} over {ranks_name}={num_ranks} ({per_rank} per rank)"
+        )
+    return per_rank
 
 
 def check_hidden_bytes(hidden: int, element_size: int) -> int:
     """Checks that a row of ``hidden`` elements of ``element_size`` bytes is a
-    positive multiple of 128 bytes; returns the row size in bytes."""
+    positive multiple of 128 bytes, at most ``max_hidden_bytes``; returns the row
+    size in bytes."""
     hidden = check_int("hidden", hidden, minimum=1)
     element_size = check_int("element_size", element_size, minimum=1)
     hidden_bytes = hidden * element_size
-    if hidden_bytes % HIDDEN_BYTES_ALIGN != 0:
+    if hidden_bytes % HIDDEN_BYTES_ALIGN != 0 or hidden_bytes > LIMITS["max_hidden_bytes"]:
         raise ValueError(
-            f"hidden * element_size must be a multiple of {HIDDEN_BYTES_ALIGN} bytes, "
-            f"got hidden={hidden} * element_size={element_size} = {hidden_bytes}"
+            f"hidden * element_size must be a multiple of {HIDDEN_BYTES_ALIGN} bytes up to "
+            f"{LIMITS['max_hidden_bytes']}, got hidden={hidden} * element_size={element_size} "
+            f"= {hidden_bytes}"
         )
     return hidden_bytes
 
@@ -201,16 +289,25 @@ def check_dispatch_x(x, num_tokens: int | None = None):
         num_tokens = check_int("num_tokens", num_tokens, minimum=0)
         if n != num_tokens:
             raise ValueError(f"{data_name} must have {num_tokens} rows (tokens), got {n}")
-    row_bytes = hidden * data.element_size()
-    if hidden == 0 or row_bytes % HIDDEN_BYTES_ALIGN != 0:
-        raise ValueError(
-            f"{data_name} rows must be a positive multiple of {HIDDEN_BYTES_ALIGN} bytes, "
-            f"got hidden={hidden} of {data.dtype} ({row_bytes} bytes)"
-        )
+    check_row_bytes(data_name, data)
     if is_pair:
         check_tensor("x[1] (scales)", scales, dtype=torch.float32, shape=(n, hidden // SCALE_BLOCK))
         check_same_device(**{"x[0]": data, "x[1] (scales)": scales})
     return data, scales
+
+
+def check_row_bytes(name: str, t) -> int:
+    """Checks that the rows of the 2-D tensor ``t`` (called ``name``) are a
+    positive multiple of 128 bytes, at most ``max_hidden_bytes``; returns their size."""
+    hidden = t.shape[1]
+    row_bytes = hidden * t.element_size()
+    max_bytes = LIMITS["max_hidden_bytes"]
+    if row_bytes == 0 or row_bytes % HIDDEN_BYTES_ALIGN != 0 or row_bytes > max_bytes:
+        raise ValueError(
+            f"{name} rows must be a positive multiple of {HIDDEN_BYTES_ALIGN} bytes up to "
+            f"{max_bytes}, got hidden={hidden} of {t.dtype} ({row_bytes} bytes)"
+        )
+    return row_bytes
 
 
 def check_bias(bias, num_tokens: int, hidden: int):

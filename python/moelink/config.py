@@ -10,7 +10,7 @@ size hints depend on the number of tokens instead.
 
 from __future__ import annotations
 
-from .checks import MAX_TOPK, check_int
+from .checks import HIDDEN_BYTES_ALIGN, LIMITS, MAX_TOPK, check_int, check_multiple
 
 __all__ = [
     "COMBINE_RECORD_TOPK",
@@ -38,6 +38,17 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
+def _check_hidden_bytes(hidden_bytes) -> int:
+    """Row bytes of a size hint: a positive multiple of 128 up to ``max_hidden_bytes``."""
+    return check_multiple(
+        "hidden_bytes", hidden_bytes, HIDDEN_BYTES_ALIGN, LIMITS["max_hidden_bytes"]
+    )
+
+
+def _check_num_ranks(num_ranks) -> int:
+    return check_int("num_ranks", num_ranks, minimum=1, maximum=LIMITS["max_ranks"])
+
+
 def token_record_bytes(
     hidden_bytes: int, num_topk: int = MAX_TOPK, num_scales: int | None = None
 ) -> int:
@@ -48,11 +59,13 @@ def token_record_bytes(
     ``num_topk`` expert ids (int64) and weights (float32), and 16 bytes for the
     source token index and padding; rounded up to a multiple of 16.
     """
-    hidden_bytes = check_int("hidden_bytes", hidden_bytes, minimum=1)
-    num_topk = check_int("num_topk", num_topk, minimum=0)
+    hidden_bytes = check_int(
+        "hidden_bytes", hidden_bytes, minimum=1, maximum=LIMITS["max_hidden_bytes"]
+    )
+    num_topk = check_int("num_topk", num_topk, minimum=0, maximum=MAX_TOPK)
     if num_scales is None:
         num_scales = hidden_bytes // 128
-    num_scales = check_int("num_scales", num_scales, minimum=0)
+    num_scales = check_int("num_scales", num_scales, minimum=0, maximum=LIMITS["max_num_scales"])
     raw = hidden_bytes + num_scales * 4 + num_topk * (8 + 4) + 16
     return _round_up(raw, _RECORD_ALIGN)
 
@@ -60,8 +73,10 @@ def token_record_bytes(
 def combine_record_bytes(hidden_bytes: int, num_topk: int = COMBINE_RECORD_TOPK) -> int:
     """Bytes of one combine slot: one expert-output row plus ``num_topk`` float32
     weights, rounded up to a multiple of 16."""
-    hidden_bytes = check_int("hidden_bytes", hidden_bytes, minimum=1)
-    num_topk = check_int("num_topk", num_topk, minimum=0)
+    hidden_bytes = check_int(
+        "hidden_bytes", hidden_bytes, minimum=1, maximum=LIMITS["max_hidden_bytes"]
+    )
+    num_topk = check_int("num_topk", num_topk, minimum=0, maximum=MAX_TOPK)
     return _round_up(hidden_bytes + num_topk * 4, _RECORD_ALIGN)
 
 
@@ -73,7 +88,8 @@ class Config:
     num_max_rdma_chunked_recv_tokens=256)``, as ``deep_ep.Config``.
 
     - ``num_sms``: SMs the kernels use; even, because they run in pairs (one sender
-      and one receiver block per channel).
+      and one receiver block per channel), from 2 to 1024 (``LIMITS["max_num_sms"]``;
+      a call uses at most the SMs of its rank's share of the GPU).
     - The chunk sizes (tokens): every count positive and, for both the NVLink and
       the RDMA pair, the send chunk smaller than the receive chunk.
 
@@ -98,8 +114,8 @@ class Config:
         num_max_rdma_chunked_send_tokens: int = 6,
         num_max_rdma_chunked_recv_tokens: int = 256,
     ) -> None:
-        num_sms = check_int("num_sms", num_sms, minimum=1)
-        if num_sms % 2 != 0:
+        num_sms = check_int("num_sms", num_sms, minimum=1, maximum=LIMITS["max_num_sms"])
+        if num_sms % 2 != 0 or num_sms < LIMITS["min_num_sms"]:
             raise ValueError(
                 f"num_sms must be even (SMs are used in pairs: one sender and one "
                 f"receiver block per channel), got {num_sms}"
@@ -178,10 +194,19 @@ class Config:
         on ``max_tokens_per_rank`` and not on this config's chunk sizes; a buffer
         sized with this hint holds batches of up to ``max_tokens_per_rank`` tokens
         per rank.
+
+        ``hidden_bytes`` is a positive multiple of 128 up to ``max_hidden_bytes``,
+        ``num_ranks`` at most ``max_ranks`` and ``max_tokens_per_rank`` at most
+        ``max_tokens_per_rank`` (``moelink.checks.LIMITS``); else ``ValueError``.
         """
-        hidden_bytes = check_int("hidden_bytes", hidden_bytes, minimum=1)
-        num_ranks = check_int("num_ranks", num_ranks, minimum=1)
-        max_tokens_per_rank = check_int("max_tokens_per_rank", max_tokens_per_rank, minimum=1)
+        hidden_bytes = _check_hidden_bytes(hidden_bytes)
+        num_ranks = _check_num_ranks(num_ranks)
+        max_tokens_per_rank = check_int(
+            "max_tokens_per_rank",
+            max_tokens_per_rank,
+            minimum=1,
+            maximum=LIMITS["max_tokens_per_rank"],
+        )
         slots = num_ranks * max_tokens_per_rank
         slot_bytes = max(token_record_bytes(hidden_bytes), combine_record_bytes(hidden_bytes))
         return _round_up(2 * slots * slot_bytes + COUNTER_BYTES, _ALIGN)
@@ -194,8 +219,8 @@ class Config:
         unconditionally and pass the result to ``Buffer``, which needs no RDMA
         buffer within a node. The arguments are still checked.
         """
-        check_int("hidden_bytes", hidden_bytes, minimum=1)
-        check_int("num_ranks", num_ranks, minimum=1)
+        _check_hidden_bytes(hidden_bytes)
+        _check_num_ranks(num_ranks)
         return 0
 
 
@@ -220,7 +245,7 @@ _GENERIC_CHUNKS = (6, 256, 6, 256)
 
 
 def _config_for(table: dict, num_ranks: int, num_sms: int | None) -> Config:
-    num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+    num_ranks = _check_num_ranks(num_ranks)
     if num_sms is None:
         num_sms = _TUNED_NUM_SMS.get(num_ranks, _DEFAULT_NUM_SMS)
     return Config(num_sms, *table.get(num_ranks, _GENERIC_CHUNKS))
@@ -232,7 +257,7 @@ def get_dispatch_config(num_ranks: int, *, num_sms: int | None = None) -> Config
     Rank counts 2, 4 and 8 have their own entries, any other count (>= 1) gets a
     generic default. ``num_sms`` is the tuned value (48, from the 4-rank sweep on
     4 x H200; see the comment above ``_TUNED_NUM_SMS``) unless given, as
-    ``Buffer.set_num_sms`` does. Raises ``ValueError`` for ``num_ranks < 1``.
+    ``Buffer.set_num_sms`` does. Raises ``ValueError`` for ``num_ranks`` outside 1 to 32.
     """
     return _config_for(_DISPATCH_CONFIGS, num_ranks, num_sms)
 
@@ -243,6 +268,6 @@ def get_combine_config(num_ranks: int, *, num_sms: int | None = None) -> Config:
     Rank counts 2, 4 and 8 have their own entries, any other count (>= 1) gets a
     generic default. ``num_sms`` is the tuned value (48, from the 4-rank sweep on
     4 x H200; see the comment above ``_TUNED_NUM_SMS``) unless given, as
-    ``Buffer.set_num_sms`` does. Raises ``ValueError`` for ``num_ranks < 1``.
+    ``Buffer.set_num_sms`` does. Raises ``ValueError`` for ``num_ranks`` outside 1 to 32.
     """
     return _config_for(_COMBINE_CONFIGS, num_ranks, num_sms)

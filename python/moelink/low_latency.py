@@ -11,25 +11,47 @@ from __future__ import annotations
 import torch
 
 from . import _native
-from .checks import check_experts_ranks, check_int, check_tensor, check_topk_idx
+from .checks import (
+    LIMITS,
+    check_bool,
+    check_experts_ranks,
+    check_int,
+    check_multiple,
+    check_tensor,
+    check_topk_idx,
+)
 from .checks import tensor_ptr as _ptr
 
 __all__ = ["LowLatencyMixin", "get_low_latency_rdma_size_hint"]
 
 _SEND, _RECV, _BOTH = 1, 2, 3
-_MAX_HIDDEN = 8192
+
+
+def _check_ll_shape(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, ranks_name):
+    """``(T, H, E, E_local)`` as ints, within the low-latency limits (``LIMITS``)."""
+    t = check_int(
+        "num_max_dispatch_tokens_per_rank",
+        num_max_dispatch_tokens_per_rank,
+        minimum=1,
+        maximum=LIMITS["ll_max_tokens_per_rank"],
+    )
+    h = check_multiple("hidden", hidden, LIMITS["fp8_group_size"], LIMITS["ll_max_hidden"])
+    el = check_experts_ranks(num_experts, num_ranks, ranks_name)
+    return t, h, int(num_experts), el
 
 
 def get_low_latency_rdma_size_hint(
     num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int, num_experts: int
 ) -> int:
     """Bytes of low-latency buffer (``num_rdma_bytes``) each rank needs for calls up to
-    this shape, any top-k, either transport."""
-    t = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
-    h = check_int("hidden", hidden, minimum=1)
-    r = check_int("num_ranks", num_ranks, minimum=1)
-    check_experts_ranks(num_experts, r)
-    return _native.low_latency_size_hint(t, h, r, num_experts)
+    this shape, any top-k, either transport. ``ValueError`` for a shape beyond the
+    limits (``moelink.checks.LIMITS``: ``ll_max_tokens_per_rank``, ``ll_max_hidden``,
+    ``max_ranks``, ``max_experts_per_rank``) or whose kernel blocks would need more
+    shared memory than they have."""
+    t, h, e, _ = _check_ll_shape(
+        num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, "num_ranks"
+    )
+    return _native.low_latency_size_hint(t, h, int(num_ranks), e)
 
 
 class _Hook:
@@ -94,14 +116,9 @@ class LowLatencyMixin:
         return ll
 
     def _ll_shape(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        t = check_int(
-            "num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1
+        t, _, _, el = _check_ll_shape(
+            num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts, "group size"
         )
-        el = check_experts_ranks(num_experts, self.group_size)
-        if hidden % 128 != 0 or hidden > _MAX_HIDDEN:
-            raise ValueError(
-                f"hidden must be a positive multiple of 128 up to {_MAX_HIDDEN}, got {hidden}"
-            )
         return t, el
 
     def _ll_stream(self, async_finish: bool):
@@ -175,7 +192,11 @@ class LowLatencyMixin:
                 device=self.device,
                 contiguous=True,
             )
-        use_fp8, round_scale, use_ue8m0 = bool(use_fp8), bool(round_scale), bool(use_ue8m0)
+        use_fp8 = check_bool("use_fp8", use_fp8)
+        round_scale = check_bool("round_scale", round_scale)
+        use_ue8m0 = check_bool("use_ue8m0", use_ue8m0)
+        if use_ue8m0 and not use_fp8:
+            raise ValueError("use_ue8m0=True needs use_fp8=True (bf16 dispatch has no scales)")
         if use_fp8 and use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0=True needs round_scale=True")
         stream = self._ll_stream(async_finish)

@@ -17,8 +17,13 @@ Dispatch results are exact (compare bit for bit); combine sums depend on the
 summation order, see the Rust module docs for the tolerances to use.
 
 Inputs should be CPU tensors (others are copied to the CPU); every result is a
-fresh CPU tensor. Arguments are checked here for shapes and dtypes and in Rust
-for everything else; a bad value raises ``ValueError``, a non-tensor ``TypeError``.
+fresh CPU tensor. Arguments are checked here for types, shapes, dtypes and the
+limits (``moelink.checks.LIMITS``, the GPU path's) and in Rust for everything
+else: an argument of the wrong kind raises ``TypeError`` (a tensor of the wrong
+dtype ``moelink.checks.DtypeError``, both a ``TypeError`` and a ``ValueError``),
+a bad value ``ValueError``, each naming the argument (and the rank, where ranks
+disagree). Outputs larger than ``$MOELINK_REFERENCE_MAX_BYTES`` (default 16 GiB)
+are refused with a ``ValueError`` instead of exhausting memory.
 """
 
 from __future__ import annotations
@@ -28,7 +33,18 @@ import dataclasses
 import torch
 
 from . import _native
-from .checks import check_int, check_tensor
+from .checks import (
+    LIMITS,
+    check_bool,
+    check_experts_ranks,
+    check_int,
+    check_keys,
+    check_multiple,
+    check_rank_list,
+    check_row_bytes,
+    check_tensor,
+    check_topk_idx,
+)
 
 __all__ = [
     "RefDispatch",
@@ -46,6 +62,19 @@ __all__ = [
 X_DTYPES = (torch.bfloat16, torch.float8_e4m3fn)
 #: dtypes accepted for combine's rows and biases (converted exactly to float32).
 COMBINE_DTYPES = (torch.bfloat16, torch.float32)
+#: Combine's rows (``hidden`` bf16 elements) are a multiple of this many elements.
+HIDDEN_UNIT = LIMITS["row_bytes_alignment"] // 2
+
+
+def _same_on_every_rank(name: str, value: int, first, what: str, first_name: str) -> int:
+    """``value`` (rank ``r``'s ``what`` of ``name``) must equal rank 0's ``first``
+    (None for rank 0 itself); returns the common value."""
+    if first is not None and value != first:
+        raise ValueError(
+            f"{name} has {value} {what}, but {first_name} has {first}: "
+            "every rank must have the same"
+        )
+    return value
 
 
 def _to_bytes(t: torch.Tensor) -> bytes:
@@ -82,9 +111,11 @@ def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
     is_token_in_rank bool [N, R])``: per rank / expert, the tokens with at least
     one expert there (each token once, duplicated ids included).
     """
-    check_tensor("topk_idx", topk_idx, dtype=torch.int64, dims=2)
-    num_experts = check_int("num_experts", num_experts, minimum=1)
-    num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+    num_ranks = check_int("num_ranks", num_ranks, minimum=1, maximum=LIMITS["max_ranks"])
+    num_experts = check_int("num_experts", num_experts, minimum=1, maximum=LIMITS["max_experts"])
+    check_experts_ranks(num_experts, num_ranks)
+    # Values are checked in Rust, which names the token and column.
+    check_topk_idx(topk_idx, num_experts, check_values=False)
     n, k = topk_idx.shape
     per_rank, per_expert, in_rank = _native.reference_layout(
         _to_bytes(topk_idx), k, num_experts, num_ranks
@@ -160,9 +191,12 @@ class RefDispatch:
         )
 
 
-def _check_rank_count(name: str, items, num_ranks: int) -> None:
-    if len(items) != num_ranks:
-        raise ValueError(f"{name} must have one entry per rank ({num_ranks}), got {len(items)}")
+def _check_ref(ref) -> None:
+    if not isinstance(ref, RefDispatch):
+        raise TypeError(
+            f"ref must be the RefDispatch that moelink.reference.dispatch returned, "
+            f"got {type(ref).__name__}"
+        )
 
 
 def _check_token_data(name: str, x, scales, num_tokens: int | None, first):
@@ -171,8 +205,15 @@ def _check_token_data(name: str, x, scales, num_tokens: int | None, first):
     check_tensor(name, x, dtype=X_DTYPES, dims=2)
     if num_tokens is not None and x.shape[0] != num_tokens:
         raise ValueError(f"{name} must have {num_tokens} rows (tokens), got {x.shape[0]}")
+    if first is None:
+        check_row_bytes(name, x)
     if scales is not None:
         check_tensor(f"{name} scales", scales, dtype=torch.float32, shape=(x.shape[0], None))
+        if scales.shape[1] > LIMITS["max_num_scales"]:
+            raise ValueError(
+                f"{name} scales must have at most {LIMITS['max_num_scales']} columns, "
+                f"got {scales.shape[1]}"
+            )
     if first is not None:
         x0, s0 = first
         if x.dtype != x0.dtype or x.shape[1] != x0.shape[1]:
@@ -201,18 +242,23 @@ def dispatch(
     ``num_worst_tokens > 0`` pads every rank's outputs to that many rows (an
     error if a rank receives more). Rows are a positive multiple of 128 bytes.
     """
-    if len(inputs) == 0:
-        raise ValueError("inputs must hold at least one rank")
-    num_experts = check_int("num_experts", num_experts, minimum=1)
-    expert_alignment = check_int("expert_alignment", expert_alignment, minimum=1)
-    num_worst_tokens = check_int("num_worst_tokens", num_worst_tokens, minimum=0)
+    inputs = check_rank_list("inputs", inputs)
+    num_experts = check_int("num_experts", num_experts, minimum=1, maximum=LIMITS["max_experts"])
+    check_experts_ranks(num_experts, len(inputs), "len(inputs)")
+    expert_alignment = check_int(
+        "expert_alignment", expert_alignment, minimum=1, maximum=LIMITS["max_expert_alignment"]
+    )
+    num_worst_tokens = check_int(
+        "num_worst_tokens", num_worst_tokens, minimum=0, maximum=LIMITS["max_recv_tokens"]
+    )
     native_inputs, first, k = [], None, None
     for r, inp in enumerate(inputs):
+        check_keys(f"inputs[{r}]", inp, ("x", "topk_idx"), ("scales", "topk_weights"))
         x, scales = inp["x"], inp.get("scales")
         idx, weights = inp["topk_idx"], inp.get("topk_weights")
-        check_tensor(f"inputs[{r}]['topk_idx']", idx, dtype=torch.int64, dims=2)
-        k = idx.shape[1] if k is None else k
-        check_tensor(f"inputs[{r}]['topk_idx']", idx, shape=(None, k))
+        name = f"inputs[{r}]['topk_idx']"
+        check_topk_idx(idx, num_experts, check_values=False, name=name)
+        k = _same_on_every_rank(name, idx.shape[1], k, "columns (K)", "inputs[0]['topk_idx']")
         _check_token_data(f"inputs[{r}]['x']", x, scales, idx.shape[0], first)
         if weights is not None:
             check_tensor(
@@ -245,9 +291,14 @@ def dispatch_cached(ref: RefDispatch, xs) -> list:
     Returns, per destination rank, ``(recv_x [rows, H'], recv_scales float32
     [rows, S'] or None)``, row ``i`` holding the token of ``ref.ranks[d]``'s row ``i``.
     """
-    _check_rank_count("xs", xs, ref.num_ranks)
+    _check_ref(ref)
+    xs = check_rank_list("xs", xs, ref.num_ranks)
     native_inputs, first = [], None
     for r, item in enumerate(xs):
+        if isinstance(item, tuple) and len(item) != 2:
+            raise ValueError(
+                f"xs[{r}] must be a tensor or a (data, scales) pair, got a {len(item)}-tuple"
+            )
         x, scales = item if isinstance(item, tuple) else (item, None)
         _check_token_data(f"xs[{r}]", x, scales, ref.num_tokens(r), first)
         if first is None:
@@ -299,13 +350,17 @@ def combine(ref: RefDispatch, ys, topk_weights=None, biases=None) -> list:
     ``d0 < d1 < ...`` the token went to; weights likewise from ``0.0``. Round
     with :func:`to_bf16` to get what a GPU bf16 output holds.
     """
+    _check_ref(ref)
     r_count = ref.num_ranks
-    _check_rank_count("ys", ys, r_count)
+    ys = check_rank_list("ys", ys, r_count)
     if topk_weights is not None:
-        _check_rank_count("topk_weights", topk_weights, r_count)
+        topk_weights = check_rank_list("topk_weights", topk_weights, r_count)
     if biases is not None:
-        _check_rank_count("biases", biases, r_count)
-    check_tensor("ys[0]", ys[0], dims=2)
+        biases = check_rank_list("biases", biases, r_count)
+    check_tensor("ys[0]", ys[0], dtype=COMBINE_DTYPES, dims=2)
+    # bf16 rows of a positive multiple of 128 bytes, as the GPU combine moves them.
+    max_hidden = LIMITS["max_hidden_bytes"] // 2
+    check_multiple("ys[0].shape[1] (hidden)", ys[0].shape[1], HIDDEN_UNIT, max_hidden)
     hidden, k = ys[0].shape[1], ref._handle.num_topk
     native_inputs = []
     for r in range(r_count):
@@ -346,21 +401,36 @@ def ll_dispatch(
     ``scales`` (None, float32 ``[E_local, R*T, G]`` or int32 ``[E_local, R*T, W]``, last
     two dims column-major as on the GPU), ``recv_count`` int32 ``[E_local]``,
     ``src_info`` int32 ``[E_local, R*T]``, ``layout_range`` int64 ``[E_local, R]``.
-    Blocks are in source-rank order, rows in token order."""
+    Blocks are in source-rank order, rows in token order. ``use_ue8m0`` needs
+    ``use_fp8`` (and ``round_scale``)."""
+    xs = check_rank_list("xs", xs)
     r = len(xs)
-    _check_rank_count("topk_idxs", topk_idxs, r)
-    t = check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank, minimum=1)
+    topk_idxs = check_rank_list("topk_idxs", topk_idxs, r)
+    t = _check_ll_tokens(num_max_dispatch_tokens_per_rank)
+    num_experts = check_int("num_experts", num_experts, minimum=1, maximum=LIMITS["max_experts"])
+    el = check_experts_ranks(num_experts, r, "len(xs)")
+    use_fp8 = check_bool("use_fp8", use_fp8)
+    round_scale = check_bool("round_scale", round_scale)
+    use_ue8m0 = check_bool("use_ue8m0", use_ue8m0)
+    if use_ue8m0 and not use_fp8:
+        raise ValueError("use_ue8m0=True needs use_fp8=True (bf16 dispatch has no scales)")
     inputs, hidden, k = [], None, None
     for i, (x, idx) in enumerate(zip(xs, topk_idxs)):
         check_tensor(f"xs[{i}]", x, dtype=torch.bfloat16, dims=2)
-        check_tensor(f"topk_idxs[{i}]", idx, dtype=torch.int64, dims=2)
-        hidden = x.shape[1] if hidden is None else hidden
-        k = idx.shape[1] if k is None else k
+        if hidden is None:
+            hidden = _check_ll_hidden("xs[0].shape[1] (hidden)", x.shape[1])
+        _same_on_every_rank(f"xs[{i}]", x.shape[1], hidden, "columns (hidden)", "xs[0]")
+        check_topk_idx(idx, num_experts, check_values=False, name=f"topk_idxs[{i}]")
+        k = _same_on_every_rank(f"topk_idxs[{i}]", idx.shape[1], k, "columns (K)", "topk_idxs[0]")
+        if idx.shape[0] != x.shape[0]:
+            raise ValueError(
+                f"topk_idxs[{i}] must have {x.shape[0]} rows like xs[{i}], got {idx.shape[0]}"
+            )
         inputs.append((_to_bytes(x.float()), _to_bytes(idx)))
     outs = _native.ref_ll_dispatch(
-        inputs, t, hidden, num_experts, k, bool(use_fp8), bool(round_scale), bool(use_ue8m0)
+        inputs, t, hidden, num_experts, k, use_fp8, round_scale, use_ue8m0
     )
-    el, rt = num_experts // r, r * t
+    rt = r * t
     res = []
     for o in outs:
         if use_fp8:
@@ -388,34 +458,69 @@ def ll_dispatch(
     return res
 
 
+def _check_ll_tokens(value) -> int:
+    return check_int(
+        "num_max_dispatch_tokens_per_rank",
+        value,
+        minimum=1,
+        maximum=LIMITS["ll_max_tokens_per_rank"],
+    )
+
+
+def _check_ll_hidden(name: str, value) -> int:
+    return check_multiple(name, value, LIMITS["fp8_group_size"], LIMITS["ll_max_hidden"])
+
+
 def ll_combine(
     ys, topk_idxs, topk_weights, handles, num_max_dispatch_tokens_per_rank: int, num_experts: int
 ) -> list:
     """``low_latency_combine`` of every rank at once: ``ys[r]`` bf16 ``[E_local, R*T,
     H]`` expert outputs in the layout of ``handles[r] = (src_info, layout_range)`` (a
-    GPU handle works as is), ``topk_idxs[r]`` / ``topk_weights[r]`` ``[T_r, K]``.
-    Returns per rank ``(combined bf16 [T_r, H], abs_sum float32 [T_r, H])``: the
-    kernel's order (fma over k ascending from +0) gives ``combined`` bit for bit."""
+    GPU handle works as is), ``topk_idxs[r]`` int64 / ``topk_weights[r]`` float32
+    ``[T_r, K]``. Returns per rank ``(combined bf16 [T_r, H], abs_sum float32 [T_r,
+    H])``: the kernel's order (fma over k ascending from +0) gives ``combined`` bit for
+    bit."""
+    ys = check_rank_list("ys", ys)
     r = len(ys)
-    for name, v in (("topk_idxs", topk_idxs), ("topk_weights", topk_weights),
-                    ("handles", handles)):  # fmt: skip
-        _check_rank_count(name, v, r)
+    topk_idxs = check_rank_list("topk_idxs", topk_idxs, r)
+    topk_weights = check_rank_list("topk_weights", topk_weights, r)
+    handles = check_rank_list("handles", handles, r)
+    t = _check_ll_tokens(num_max_dispatch_tokens_per_rank)
+    num_experts = check_int("num_experts", num_experts, minimum=1, maximum=LIMITS["max_experts"])
+    el = check_experts_ranks(num_experts, r, "len(ys)")
     inputs, hidden, k = [], None, None
     for i in range(r):
         check_tensor(f"ys[{i}]", ys[i], dtype=torch.bfloat16, dims=3)
-        hidden = ys[i].shape[2]
-        k = topk_idxs[i].shape[1]
-        src_info, layout_range = handles[i][0], handles[i][1]
+        if hidden is None:
+            hidden = _check_ll_hidden("ys[0].shape[2] (hidden)", ys[0].shape[2])
+        check_tensor(f"ys[{i}]", ys[i], shape=(el, r * t, hidden))
+        idx = check_topk_idx(topk_idxs[i], num_experts, check_values=False, name=f"topk_idxs[{i}]")
+        k = _same_on_every_rank(f"topk_idxs[{i}]", idx.shape[1], k, "columns (K)", "topk_idxs[0]")
+        w = check_tensor(
+            f"topk_weights[{i}]", topk_weights[i], dtype=torch.float32, shape=idx.shape
+        )
+        handle = handles[i]
+        if not isinstance(handle, (tuple, list)) or len(handle) < 2:
+            raise TypeError(
+                f"handles[{i}] must be a (src_info, layout_range, ...) tuple, "
+                f"got {type(handle).__name__}"
+            )
+        src_info = check_tensor(
+            f"handles[{i}][0] (src_info)", handle[0], dtype=torch.int32, shape=(el, r * t)
+        )
+        layout_range = check_tensor(
+            f"handles[{i}][1] (layout_range)", handle[1], dtype=torch.int64, shape=(el, r)
+        )
         inputs.append(
             (
                 _to_bytes(ys[i].float()),
-                _to_bytes(topk_idxs[i]),
-                _to_bytes(topk_weights[i].float()),
+                _to_bytes(idx),
+                _to_bytes(w),
                 _to_bytes(src_info),
                 _to_bytes(layout_range),
             )
         )
-    outs = _native.ref_ll_combine(inputs, num_max_dispatch_tokens_per_rank, hidden, num_experts, k)
+    outs = _native.ref_ll_combine(inputs, t, hidden, num_experts, k)
     res = []
     for i, (c, a) in enumerate(outs):
         n = topk_idxs[i].shape[0]
