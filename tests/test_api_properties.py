@@ -249,6 +249,9 @@ def test_dispatch_cached_and_combine(job, data):
     def draw(value):
         return disturb(data.draw, value)
 
+    rank = data.draw(sized(st.integers(0, len(inputs) - 1)))
+    call(["rank"], ref.num_tokens, disturb(data.draw, rank))
+    call(["rank"], ref.is_token_in_rank, disturb(data.draw, rank))
     # Cached dispatch with the same data.
     xs = [(inp["x"], inp["scales"]) if "scales" in inp else inp["x"] for inp in inputs]
     call(["ref", "xs"], reference.dispatch_cached, draw(ref), draw(xs))

@@ -169,12 +169,16 @@ class RefDispatch:
 
     def num_tokens(self, rank: int) -> int:
         """``N`` of source rank ``rank``."""
-        return self._handle.num_tokens(rank)
+        return self._handle.num_tokens(self._rank(rank))
 
     def is_token_in_rank(self, rank: int) -> torch.Tensor:
         """bool [N, R] of source rank ``rank``: token ``t`` has an expert on rank ``j``."""
+        rank = self._rank(rank)
         shape = (self.num_tokens(rank), self.num_ranks)
         return _from_bytes(self._handle.is_token_in_rank(rank), torch.bool, shape)
+
+    def _rank(self, rank) -> int:
+        return check_int("rank", rank, minimum=0, maximum=self.num_ranks - 1)
 
     def _rank_output(self, d: int, dtype: torch.dtype, hidden: int) -> RefRankOutput:
         o = self._handle.rank_output(d)
