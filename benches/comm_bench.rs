@@ -43,7 +43,7 @@
 //!   device-error records and the proxy's first error; every rank exchanges its
 //!   status through the bootstrap, so a failure on any rank stops all of them
 //!   with the failing rank's message. Every host wait is bounded (60 s), every
-//!   device wait has a spin bound.
+//!   device wait by 30 s of GPU time.
 
 use std::fmt::Write as _;
 use std::sync::Arc;
@@ -70,8 +70,9 @@ const BUF_BYTES: usize = MAX_BYTES + 2 * MIB;
 const WAIT: Duration = Duration::from_secs(60);
 /// Bound of every bootstrap call (above `WAIT`: a peer may sit in a GPU wait).
 const BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(150);
-/// Spin bound of every device-side wait (polls).
-const MAX_SPINS: i64 = 1 << 28;
+/// Bound of every device-side wait, ns of GPU time (below `WAIT`, so a hang is
+/// reported by the device, naming rank and peer).
+const DEVICE_TIMEOUT_NS: i64 = comm::error::DEFAULT_DEVICE_TIMEOUT_NS;
 const FIFO_SLOTS: usize = 1024;
 const THREADS: u32 = 1024;
 /// Bytes per block of the memory-channel put before another block is added.
@@ -734,7 +735,7 @@ impl Bench {
                         src as u64,
                         CHECK_BYTES as u64,
                         1,
-                        MAX_SPINS,
+                        DEVICE_TIMEOUT_NS,
                     )
                 }?;
                 self.sync(&what)
@@ -762,7 +763,9 @@ impl Bench {
             Chan::Memory => {
                 let h = self.mem()?;
                 // SAFETY: the handle's pointers are valid for this device.
-                unsafe { testing::memchan_wait(self.device, self.stream.handle(), h, MAX_SPINS) }?;
+                unsafe {
+                    testing::memchan_wait(self.device, self.stream.handle(), h, DEVICE_TIMEOUT_NS)
+                }?;
             }
             Chan::Port => {
                 let h = self.port()?;
@@ -777,7 +780,7 @@ impl Bench {
                         0,
                         0,
                         1,
-                        MAX_SPINS,
+                        DEVICE_TIMEOUT_NS,
                     )
                 }?;
             }
@@ -843,11 +846,27 @@ impl Bench {
         match chan {
             // SAFETY: the handles are valid for this device; out_ns is a device u64.
             Chan::Memory => unsafe {
-                testing::memchan_pingpong(dev, s, self.mem()?, iters, initiator, MAX_SPINS, t)
+                testing::memchan_pingpong(
+                    dev,
+                    s,
+                    self.mem()?,
+                    iters,
+                    initiator,
+                    DEVICE_TIMEOUT_NS,
+                    t,
+                )
             },
             // SAFETY: as above.
             Chan::Port => unsafe {
-                testing::portchan_pingpong(dev, s, self.port()?, iters, initiator, MAX_SPINS, t)
+                testing::portchan_pingpong(
+                    dev,
+                    s,
+                    self.port()?,
+                    iters,
+                    initiator,
+                    DEVICE_TIMEOUT_NS,
+                    t,
+                )
             },
         }
         .context("launching the ping-pong kernel")
@@ -884,7 +903,7 @@ impl Bench {
                         self.stream.handle(),
                         port,
                         iters,
-                        MAX_SPINS,
+                        DEVICE_TIMEOUT_NS,
                         self.out_ns.ptr(),
                     )
                 })?;
@@ -924,7 +943,7 @@ impl Bench {
                             self.stream.handle(),
                             port,
                             iters,
-                            MAX_SPINS,
+                            DEVICE_TIMEOUT_NS,
                             self.out_ns.ptr(),
                         )
                     })?;
@@ -1074,7 +1093,7 @@ impl Bench {
                     0,
                     (bytes * iters) as u64,
                     iters as i32,
-                    MAX_SPINS,
+                    DEVICE_TIMEOUT_NS,
                 )
             },
         }

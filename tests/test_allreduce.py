@@ -325,3 +325,24 @@ def test_needs_a_gpu_and_a_process_group():
         moelink.AllReduce(None)
     with pytest.raises(ValueError, match="max_bytes"):
         moelink.AllReduce(None, max_bytes=0)
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, 1e-12, float("nan"), float("inf")])
+def test_device_timeout_must_be_positive(monkeypatch, bad):
+    # Checked before anything needs a GPU or a process group.
+    monkeypatch.delenv(ar.DEVICE_TIMEOUT_ENV, raising=False)
+    with pytest.raises(ValueError, match="device_timeout_s"):
+        moelink.AllReduce(None, device_timeout_s=bad)
+    monkeypatch.setenv(ar.DEVICE_TIMEOUT_ENV, str(bad))
+    with pytest.raises(ValueError, match=ar.DEVICE_TIMEOUT_ENV):
+        moelink.AllReduce(None)
+
+
+def test_device_timeout_types(monkeypatch):
+    with pytest.raises(TypeError, match="device_timeout_s"):
+        moelink.AllReduce(None, device_timeout_s="30")
+    with pytest.raises(TypeError, match="device_timeout_s"):
+        moelink.AllReduce(None, device_timeout_s=True)
+    monkeypatch.setenv(ar.DEVICE_TIMEOUT_ENV, "soon")
+    with pytest.raises(ValueError, match=f"{ar.DEVICE_TIMEOUT_ENV} must be a number"):
+        moelink.AllReduce(None)

@@ -36,14 +36,14 @@ __device__ __forceinline__ void ag_ll(const CollArgs& a) {
     if (copy_own) store8(own_out, i * 8, m, v, aligned);
   }
 
-  int64_t budget = a.max_spins;
+  comm::WaitClock clock(a.timeout_ns);
   bool ok = true;
   const char* inbox = a.scratch + call.region;
   const uint64_t work = uint64_t(R - 1) * P;
   for (uint64_t j = tid; j < work; j += nth) {
     const int p = rotate(rank, 1 + int(j / P), R);
     const uint64_t i = j % P;
-    const uint64_t v = ll_read(inbox + uint64_t(p) * slot + i * 16, call.flag, a, p, i, budget, ok);
+    const uint64_t v = ll_read(inbox + uint64_t(p) * slot + i * 16, call.flag, a, p, i, clock, ok);
     store8(a.output + uint64_t(p) * m, i * 8, m, v, aligned);
   }
   ll_end(a);
@@ -104,7 +104,7 @@ extern "C" __global__ void coll_layout_probe(unsigned long long* out) {
       offsetof(CollArgs, ll_offset),
       offsetof(CollArgs, ll_half_bytes),
       offsetof(CollArgs, data_offset),
-      offsetof(CollArgs, max_spins),
+      offsetof(CollArgs, timeout_ns),
       offsetof(CollArgs, rank),
       offsetof(CollArgs, num_ranks),
       offsetof(CollArgs, flags),

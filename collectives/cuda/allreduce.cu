@@ -42,7 +42,7 @@ __device__ __forceinline__ void oneshot_ll(const CollArgs& a) {
     for (int k = 1; k < R; ++k) ll_write(a.peer_scratch[rotate(rank, k, R)] + mine + i * 16, v, call.flag);
   }
 
-  int64_t budget = a.max_spins;
+  comm::WaitClock clock(a.timeout_ns);
   bool ok = true;
   const char* inbox = a.scratch + call.region;
   for (uint64_t i = tid; i < P; i += nth) {
@@ -50,7 +50,7 @@ __device__ __forceinline__ void oneshot_ll(const CollArgs& a) {
     for (int p = 0; p < R; ++p) {
       const uint64_t v = p == rank ? load8(a.input, i * 8, n, aligned)
                                    : ll_read(inbox + uint64_t(p) * slot + i * 16, call.flag, a, p,
-                                             i, budget, ok);
+                                             i, clock, ok);
       if (p == 0) {
         acc.init(v);
       } else {
@@ -89,7 +89,7 @@ __device__ __forceinline__ void twoshot_ll(const CollArgs& a) {
   }
 
   // Reduce our slice; the result goes to our output and to every peer (slot [rank] of B).
-  int64_t budget = a.max_spins;
+  comm::WaitClock clock(a.timeout_ns);
   bool ok = true;
   const uint64_t own = slice_len(n, S, rank);
   const uint64_t own_packets = ceil_div(own, 8);
@@ -101,7 +101,7 @@ __device__ __forceinline__ void twoshot_ll(const CollArgs& a) {
     for (int p = 0; p < R; ++p) {
       const uint64_t v = p == rank ? load8(own_in, i * 8, own, aligned)
                                    : ll_read(in_a + uint64_t(p) * slot + i * 16, call.flag, a, p,
-                                             i, budget, ok);
+                                             i, clock, ok);
       if (p == 0) {
         acc.init(v);
       } else {
@@ -123,7 +123,7 @@ __device__ __forceinline__ void twoshot_ll(const CollArgs& a) {
     const uint64_t len = slice_len(n, S, p);
     if (i * 8 < len) {
       const uint64_t v =
-          ll_read(in_b + uint64_t(p) * slot + i * 16, call.flag, a, p, Ps + i, budget, ok);
+          ll_read(in_b + uint64_t(p) * slot + i * 16, call.flag, a, p, Ps + i, clock, ok);
       store8(a.output + uint64_t(p) * S, i * 8, len, v, aligned);
     }
   }

@@ -11,8 +11,8 @@
 // - the device-side LL call counter (one flag per call, CUDA-graph safe);
 // - the per-block barrier over memory-channel semaphores.
 //
-// Every wait is bounded by `CollArgs::max_spins` and reports into the
-// communicator's host-mapped DeviceError record (rank, peer, what, values).
+// Every wait is bounded by `CollArgs::timeout_ns` of GPU time and reports into
+// the communicator's host-mapped DeviceError record (rank, peer, what, values).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -59,7 +59,7 @@ struct CollArgs {
   uint64_t ll_offset;                         // LL region: two halves of ll_half_bytes
   uint64_t ll_half_bytes;
   uint64_t data_offset;                       // data region (copy-in of rsag / ag_mesh)
-  int64_t max_spins;                          // bound of every wait (negative: none)
+  int64_t timeout_ns;                         // bound of every wait, ns of GPU time (> 0)
   int32_t rank;
   int32_t num_ranks;
   int32_t flags;
@@ -71,7 +71,7 @@ static_assert(offsetof(CollArgs, peer_in) == 88, "mirrored in Rust");
 static_assert(offsetof(CollArgs, peer_out) == 152, "mirrored in Rust");
 static_assert(offsetof(CollArgs, channels) == 216, "mirrored in Rust");
 static_assert(offsetof(CollArgs, nbytes) == 248, "mirrored in Rust");
-static_assert(offsetof(CollArgs, max_spins) == 280, "mirrored in Rust");
+static_assert(offsetof(CollArgs, timeout_ns) == 280, "mirrored in Rust");
 static_assert(offsetof(CollArgs, rank) == 288, "mirrored in Rust");
 static_assert(offsetof(CollArgs, flags) == 296, "mirrored in Rust");
 
@@ -375,12 +375,14 @@ __device__ __forceinline__ void ll_write(char* dst, uint64_t v, uint32_t flag) {
 }
 
 // Waits for the packet at `src` (written by rank `peer`) to carry `flag` and
-// returns its data. `budget` is what is left of this thread's `max_spins`
-// polls for the whole kernel; when it runs out the failure is reported (rank,
-// peer, packet index, expected and seen flag) and this thread stops waiting
-// for the rest of the kernel (`ok` false), so the kernel still ends.
+// returns its data. `clock` is this thread's bound for the whole kernel
+// (`a.timeout_ns` from its first poll that found nothing); when it runs out
+// the failure is reported (rank, peer, packet index, expected and seen flag)
+// and this thread stops waiting for the rest of the kernel (`ok` false), so
+// the kernel still ends.
 __device__ __forceinline__ uint64_t ll_read(const char* src, uint32_t flag, const CollArgs& a,
-                                            int peer, uint64_t index, int64_t& budget, bool& ok) {
+                                            int peer, uint64_t index, comm::WaitClock& clock,
+                                            bool& ok) {
   uint32_t x, f0, y, f1;
   for (;;) {
     asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
@@ -389,7 +391,7 @@ __device__ __forceinline__ uint64_t ll_read(const char* src, uint32_t flag, cons
                  : "memory");
     if (f0 == flag && f1 == flag) break;
     if (!ok) return 0;
-    if (a.max_spins >= 0 && --budget < 0) {
+    if (clock.expired()) {
       comm::report_error(a.error, comm::kErrorTimeout, comm::kWaitPacket, a.rank, peer, index,
                          flag, f0 != flag ? f0 : f1);
       ok = false;
@@ -414,7 +416,7 @@ __device__ __forceinline__ void block_barrier(const CollArgs& a) {
   if (p < a.num_ranks && p != a.rank) {
     comm::MemoryChannelDeviceHandle& ch = a.channels[blockIdx.x * a.num_ranks + p];
     ch.signal();
-    ch.wait(a.max_spins);
+    ch.wait(a.timeout_ns);
   }
   __syncthreads();
 }

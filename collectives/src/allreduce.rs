@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use comm::channel::MemoryChannel;
 use comm::device_handles::MemoryChannelDeviceHandle;
+use comm::error::check_device_timeout_ns;
 use comm::registered_memory::RegisteredMemory;
 use comm::{
     Bootstrap, CommError, Communicator, CommunicatorOptions, Device, DeviceMemory, Result,
@@ -28,8 +29,9 @@ use crate::module::{CollKernels, Kernel};
 use crate::registration::{Registration, Registry};
 use crate::select::{resolve, Choice, TableKey, TunedTable};
 
-/// Spins of every device wait by default: some tens of seconds of polling.
-pub const DEFAULT_MAX_SPINS: i64 = 300_000_000;
+/// Bound of every device wait by default: 30 s of GPU time (below the 60 s
+/// host-side `timeout`, so a hang is reported by the device, naming rank and peer).
+pub const DEFAULT_DEVICE_TIMEOUT_NS: i64 = comm::error::DEFAULT_DEVICE_TIMEOUT_NS;
 
 /// Sizes of a communicator.
 #[derive(Clone, Debug, PartialEq)]
@@ -44,8 +46,8 @@ pub struct AllReduceConfig {
     pub allgather_ll_max_bytes: usize,
     /// Bound of every host-side wait (bootstrap, registration).
     pub timeout: Duration,
-    /// Bound of every device-side wait, in polls.
-    pub max_spins: i64,
+    /// Bound of every device-side wait, nanoseconds of GPU time (positive).
+    pub device_timeout_ns: i64,
 }
 
 impl Default for AllReduceConfig {
@@ -56,7 +58,7 @@ impl Default for AllReduceConfig {
             twoshot_max_bytes: 8 << 20,
             allgather_ll_max_bytes: 512 << 10,
             timeout: Duration::from_secs(60),
-            max_spins: DEFAULT_MAX_SPINS,
+            device_timeout_ns: DEFAULT_DEVICE_TIMEOUT_NS,
         }
     }
 }
@@ -142,7 +144,7 @@ pub struct AllReduceComm {
     table: TunedTable,
     registry: Registry,
     timeout: Duration,
-    max_spins: i64,
+    device_timeout_ns: i64,
 }
 
 impl std::fmt::Debug for AllReduceComm {
@@ -188,6 +190,7 @@ impl AllReduceComm {
                 format!("{}: must be in 1..={MAX_BYTES}", config.max_bytes),
             ));
         }
+        check_device_timeout_ns(config.device_timeout_ns)?;
         let opts = CommunicatorOptions {
             timeout: config.timeout,
             semaphore_slots: (MAX_BLOCKS * MAX_RANKS + 64) as u32,
@@ -282,7 +285,7 @@ impl AllReduceComm {
             table: TunedTable::new(),
             registry: Registry::new(),
             timeout: config.timeout,
-            max_spins: config.max_spins,
+            device_timeout_ns: config.device_timeout_ns,
         })
     }
 
@@ -306,13 +309,14 @@ impl AllReduceComm {
         &self.layout
     }
 
-    /// Bound of every device wait, in polls (negative: unbounded).
-    pub fn set_max_spins(&mut self, spins: i64) {
-        self.max_spins = spins;
+    /// Bound of every device wait, nanoseconds of GPU time (positive).
+    pub fn set_device_timeout_ns(&mut self, timeout_ns: i64) -> Result<()> {
+        self.device_timeout_ns = check_device_timeout_ns(timeout_ns)?;
+        Ok(())
     }
 
-    pub fn max_spins(&self) -> i64 {
-        self.max_spins
+    pub fn device_timeout_ns(&self) -> i64 {
+        self.device_timeout_ns
     }
 
     /// Error of a device wait that ran out (rank, peer, what), if any. After
@@ -390,7 +394,7 @@ impl AllReduceComm {
             ll_offset: self.layout.ll_offset,
             ll_half_bytes: self.layout.ll_half_bytes,
             data_offset: self.layout.data_offset,
-            max_spins: self.max_spins,
+            timeout_ns: self.device_timeout_ns,
             rank: self.rank() as i32,
             num_ranks: self.num_ranks() as i32,
             ..CollArgs::default()

@@ -50,7 +50,8 @@ pub struct CollArgs {
     pub ll_offset: u64,
     pub ll_half_bytes: u64,
     pub data_offset: u64,
-    pub max_spins: i64,
+    /// Bound of every device wait, nanoseconds of GPU time (> 0).
+    pub timeout_ns: i64,
     pub rank: i32,
     pub num_ranks: i32,
     pub flags: i32,
@@ -65,7 +66,7 @@ const _: () = {
     assert!(offset_of!(CollArgs, peer_out) == 152);
     assert!(offset_of!(CollArgs, channels) == 216);
     assert!(offset_of!(CollArgs, nbytes) == 248);
-    assert!(offset_of!(CollArgs, max_spins) == 280);
+    assert!(offset_of!(CollArgs, timeout_ns) == 280);
     assert!(offset_of!(CollArgs, rank) == 288);
     assert!(offset_of!(CollArgs, flags) == 296);
 };
@@ -88,7 +89,7 @@ pub fn layout_probe_expected() -> Vec<u64> {
         offset_of!(CollArgs, ll_offset),
         offset_of!(CollArgs, ll_half_bytes),
         offset_of!(CollArgs, data_offset),
-        offset_of!(CollArgs, max_spins),
+        offset_of!(CollArgs, timeout_ns),
         offset_of!(CollArgs, rank),
         offset_of!(CollArgs, num_ranks),
         offset_of!(CollArgs, flags),

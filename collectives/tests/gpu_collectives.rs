@@ -28,10 +28,34 @@ fn single_rank_comm(dev: Device) -> AllReduceComm {
     let boot = TcpBootstrap::new(&id, 0, 1, Duration::from_secs(30)).unwrap();
     let cfg = AllReduceConfig {
         max_bytes: 8 << 20,
-        max_spins: 10_000_000,
+        device_timeout_ns: 5_000_000_000,
         ..AllReduceConfig::default()
     };
     AllReduceComm::new(Arc::new(boot), dev, &cfg).unwrap()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
+fn a_device_timeout_must_be_positive() {
+    let dev = device();
+    let mut comm = single_rank_comm(dev);
+    assert_eq!(comm.device_timeout_ns(), 5_000_000_000);
+    for bad in [0, -1] {
+        let e = comm.set_device_timeout_ns(bad).unwrap_err();
+        assert!(e.to_string().contains("timeout"), "{e}");
+    }
+    assert_eq!(comm.device_timeout_ns(), 5_000_000_000);
+    comm.set_device_timeout_ns(1_000).unwrap();
+    assert_eq!(comm.device_timeout_ns(), 1_000);
+
+    let id = UniqueId::new(None).unwrap();
+    let boot = TcpBootstrap::new(&id, 0, 1, Duration::from_secs(30)).unwrap();
+    let cfg = AllReduceConfig {
+        device_timeout_ns: 0,
+        ..AllReduceConfig::default()
+    };
+    let e = AllReduceComm::new(Arc::new(boot), dev, &cfg).unwrap_err();
+    assert!(e.to_string().contains("timeout"), "{e}");
 }
 
 #[test]

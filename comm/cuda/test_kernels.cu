@@ -1,52 +1,47 @@
 // Kernels behind comm's GPU tests and benchmarks. Each drives the device API
 // the way a real kernel would and reports failures through the handles' error
-// records (so a hang becomes a reported timeout).
+// records (so a hang becomes a reported timeout). `timeout_ns` bounds each
+// device wait (GPU time, comm::spin_until).
 #include <comm/memory_channel_device.cuh>
 #include <comm/port_channel_device.cuh>
 
 using namespace comm;
 
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Signal/wait ping-pong on one memory channel (one thread). The initiator
 // signals then waits; the other side waits then signals. out_ns[0] = elapsed.
 extern "C" __global__ void comm_test_memchan_pingpong(MemoryChannelDeviceHandle h, int iters,
-                                                      int initiator, int64_t max_spins,
+                                                      int initiator, int64_t timeout_ns,
                                                       uint64_t* out_ns) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  const uint64_t t0 = globaltimer_ns();
+  const uint64_t t0 = now_ns();
   for (int i = 0; i < iters; ++i) {
     if (initiator) {
       h.signal();
-      if (!h.wait(max_spins)) break;
+      if (!h.wait(timeout_ns)) break;
     } else {
-      if (!h.wait(max_spins)) break;
+      if (!h.wait(timeout_ns)) break;
       h.signal();
     }
   }
-  out_ns[0] = globaltimer_ns() - t0;
+  out_ns[0] = now_ns() - t0;
 }
 
 // The same over a port channel (signals through the proxy).
 extern "C" __global__ void comm_test_portchan_pingpong(PortChannelDeviceHandle h, int iters,
-                                                       int initiator, int64_t max_spins,
+                                                       int initiator, int64_t timeout_ns,
                                                        uint64_t* out_ns) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  const uint64_t t0 = globaltimer_ns();
+  const uint64_t t0 = now_ns();
   for (int i = 0; i < iters; ++i) {
     if (initiator) {
       h.signal();
-      if (!h.wait(max_spins)) break;
+      if (!h.wait(timeout_ns)) break;
     } else {
-      if (!h.wait(max_spins)) break;
+      if (!h.wait(timeout_ns)) break;
       h.signal();
     }
   }
-  out_ns[0] = globaltimer_ns() - t0;
+  out_ns[0] = now_ns() - t0;
 }
 
 // Grid-wide put of `bytes` from src + src_off to the peer's dst + dst_off
@@ -71,8 +66,9 @@ extern "C" __global__ void comm_test_memchan_copy(MemoryChannelDeviceHandle h, u
 }
 
 // One thread waits for the peer's next signal on a memory channel.
-extern "C" __global__ void comm_test_memchan_wait(MemoryChannelDeviceHandle h, int64_t max_spins) {
-  if (threadIdx.x == 0 && blockIdx.x == 0) h.wait(max_spins);
+extern "C" __global__ void comm_test_memchan_wait(MemoryChannelDeviceHandle h,
+                                                  int64_t timeout_ns) {
+  if (threadIdx.x == 0 && blockIdx.x == 0) h.wait(timeout_ns);
 }
 
 // LL packets: write (`read` == 0) `bytes` of src + src_off as packets (flag) at
@@ -80,14 +76,14 @@ extern "C" __global__ void comm_test_memchan_wait(MemoryChannelDeviceHandle h, i
 // dst_off into src + src_off. ll16 selects LL16 over LL8.
 extern "C" __global__ void comm_test_packets(MemoryChannelDeviceHandle h, int ll16, int read,
                                              uint64_t dst_off, uint64_t src_off, uint64_t bytes,
-                                             uint32_t flag, int64_t max_spins) {
+                                             uint32_t flag, int64_t timeout_ns) {
   const size_t tid = size_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const size_t nthreads = size_t(gridDim.x) * blockDim.x;
   if (read) {
     if (ll16)
-      h.read_packets<LL16Packet>(dst_off, src_off, bytes, flag, tid, nthreads, max_spins);
+      h.read_packets<LL16Packet>(dst_off, src_off, bytes, flag, tid, nthreads, timeout_ns);
     else
-      h.read_packets<LL8Packet>(dst_off, src_off, bytes, flag, tid, nthreads, max_spins);
+      h.read_packets<LL8Packet>(dst_off, src_off, bytes, flag, tid, nthreads, timeout_ns);
   } else {
     if (ll16)
       h.put_packets<LL16Packet>(dst_off, src_off, bytes, flag, tid, nthreads);
@@ -101,7 +97,7 @@ extern "C" __global__ void comm_test_packets(MemoryChannelDeviceHandle h, int ll
 // Repeats `iters` times (size split in `iters` consecutive pieces for puts).
 extern "C" __global__ void comm_test_portchan_op(PortChannelDeviceHandle h, int op,
                                                  uint64_t dst_off, uint64_t src_off,
-                                                 uint64_t size, int iters, int64_t max_spins) {
+                                                 uint64_t size, int iters, int64_t timeout_ns) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   const uint64_t piece = iters > 0 ? size / iters : size;
   for (int i = 0; i < iters; ++i) {
@@ -109,11 +105,11 @@ extern "C" __global__ void comm_test_portchan_op(PortChannelDeviceHandle h, int 
     switch (op) {
       case 0: h.put(d, s, piece); break;
       case 1: h.put_with_signal(d, s, piece); break;
-      case 2: h.put_with_signal_and_flush(d, s, piece, max_spins); break;
+      case 2: h.put_with_signal_and_flush(d, s, piece, timeout_ns); break;
       case 3: h.signal(); break;
-      case 4: h.wait(max_spins); break;
-      case 5: h.flush(max_spins); break;
-      case 6: h.put(d, s, piece); h.flush(max_spins); break;
+      case 4: h.wait(timeout_ns); break;
+      case 5: h.flush(timeout_ns); break;
+      case 6: h.put(d, s, piece); h.flush(timeout_ns); break;
     }
   }
 }
@@ -132,25 +128,25 @@ extern "C" __global__ void comm_test_portchan_atomics(PortChannelDeviceHandle h,
 // FIFO round trip: push a no-op trigger (a 0-byte put) and wait until the
 // proxy popped it, `iters` times. out_ns[0] = elapsed.
 extern "C" __global__ void comm_test_fifo_roundtrip(PortChannelDeviceHandle h, int iters,
-                                                    int64_t max_spins, uint64_t* out_ns) {
+                                                    int64_t timeout_ns, uint64_t* out_ns) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  const uint64_t t0 = globaltimer_ns();
+  const uint64_t t0 = now_ns();
   for (int i = 0; i < iters; ++i) {
     const uint64_t pos = h.put(0, 0, 0);
-    if (!h.fifo.sync(pos, max_spins)) break;
+    if (!h.fifo.sync(pos, timeout_ns)) break;
   }
-  out_ns[0] = globaltimer_ns() - t0;
+  out_ns[0] = now_ns() - t0;
 }
 
 // Latency breakdown, part 1: push `iters` no-op triggers back to back without
 // waiting for each, then wait for the last. Per push: the proxy's service time
 // per trigger (or the push cost, whichever is larger).
 extern "C" __global__ void comm_test_fifo_push_only(PortChannelDeviceHandle h, int iters,
-                                                    int64_t max_spins, uint64_t* out_ns) {
+                                                    int64_t timeout_ns, uint64_t* out_ns) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
-  const uint64_t t0 = globaltimer_ns();
+  const uint64_t t0 = now_ns();
   uint64_t pos = 0;
   for (int i = 0; i < iters; ++i) pos = h.put(0, 0, 0);
-  h.fifo.sync(pos, max_spins);
-  out_ns[0] = globaltimer_ns() - t0;
+  h.fifo.sync(pos, timeout_ns);
+  out_ns[0] = now_ns() - t0;
 }

@@ -18,8 +18,8 @@ pub enum CommError {
     /// A caller passed something that cannot work; nothing was launched.
     #[error("invalid argument `{name}`: {reason}")]
     InvalidArgument { name: &'static str, reason: String },
-    /// A bounded wait ran out. `waited_ms` is 0 for a GPU wait, which is bounded
-    /// by a spin count rather than a clock.
+    /// A bounded wait ran out. `waited_ms` is 0 for a GPU wait: its bound is a
+    /// time on the GPU's clock that the device record does not carry.
     #[error("rank {rank} timed out waiting for {what}{}", waited_suffix(*.waited_ms))]
     Timeout {
         rank: i64,
@@ -36,13 +36,32 @@ pub enum CommError {
 
 fn waited_suffix(ms: u64) -> String {
     if ms == 0 {
-        " (its spin bound ran out)".into()
+        " (its time bound on the GPU ran out)".into()
     } else {
         format!(" (waited {ms} ms)")
     }
 }
 
 pub type Result<T, E = CommError> = std::result::Result<T, E>;
+
+/// Bound of a device-side wait when the user sets none: 30 s of GPU time
+/// (`kDefaultTimeoutNs` of `common_device.cuh`), below the hosts' 60 s bounds so
+/// that the device's error, which names the rank, the peer and the counter, is
+/// the one the user sees.
+pub const DEFAULT_DEVICE_TIMEOUT_NS: i64 = 30_000_000_000;
+
+/// `timeout_ns` if it can bound a device wait (positive nanoseconds), else
+/// `InvalidArgument("timeout")`: no public setter takes an unbounded wait.
+pub fn check_device_timeout_ns(timeout_ns: i64) -> Result<i64> {
+    if timeout_ns > 0 {
+        Ok(timeout_ns)
+    } else {
+        Err(CommError::invalid(
+            "timeout",
+            format!("a device wait's bound must be positive nanoseconds, got {timeout_ns}"),
+        ))
+    }
+}
 
 /// Attach the name of the failed driver call to a cudarc error.
 pub trait CudaResultExt<T> {
@@ -61,5 +80,46 @@ impl CommError {
             name,
             reason: reason.into(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_device_timeout_must_be_positive() {
+        for bad in [0, -1, i64::MIN] {
+            let e = check_device_timeout_ns(bad).unwrap_err();
+            assert!(
+                matches!(
+                    e,
+                    CommError::InvalidArgument {
+                        name: "timeout",
+                        ..
+                    }
+                ),
+                "{e}"
+            );
+            assert!(e.to_string().contains(&bad.to_string()), "{e}");
+        }
+        assert_eq!(check_device_timeout_ns(1).unwrap(), 1);
+        assert_eq!(
+            check_device_timeout_ns(DEFAULT_DEVICE_TIMEOUT_NS).unwrap(),
+            DEFAULT_DEVICE_TIMEOUT_NS
+        );
+    }
+
+    #[test]
+    fn a_gpu_timeout_says_its_time_bound_ran_out() {
+        let e = CommError::Timeout {
+            rank: 2,
+            what: "(on the GPU) a signal".into(),
+            waited_ms: 0,
+        };
+        assert_eq!(
+            e.to_string(),
+            "rank 2 timed out waiting for (on the GPU) a signal (its time bound on the GPU ran out)"
+        );
     }
 }

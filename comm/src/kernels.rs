@@ -101,7 +101,9 @@ pub fn layout_probe(device: Device) -> Result<Vec<u64>> {
 }
 
 /// Launchers of the kernels behind comm's GPU tests and benchmarks
-/// (`cuda/test_kernels.cu`). Grid sizes are the caller's.
+/// (`cuda/test_kernels.cu`). Grid sizes are the caller's. `timeout_ns` bounds
+/// each device wait in nanoseconds of GPU time; these test launchers take it
+/// as given (no check; a very large value such as [`i64::MAX`] is no bound).
 pub mod testing {
     use super::{arg, module};
     use crate::cuda::{Device, StreamHandle};
@@ -131,7 +133,7 @@ pub mod testing {
         mut h: MemoryChannelDeviceHandle,
         mut iters: i32,
         initiator: bool,
-        mut max_spins: i64,
+        mut timeout_ns: i64,
         mut out_ns: u64,
     ) -> Result<()> {
         let mut init = initiator as i32;
@@ -139,7 +141,7 @@ pub mod testing {
             arg(&mut h),
             arg(&mut iters),
             arg(&mut init),
-            arg(&mut max_spins),
+            arg(&mut timeout_ns),
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_memchan_pingpong.
@@ -154,7 +156,7 @@ pub mod testing {
         mut h: PortChannelDeviceHandle,
         mut iters: i32,
         initiator: bool,
-        mut max_spins: i64,
+        mut timeout_ns: i64,
         mut out_ns: u64,
     ) -> Result<()> {
         let mut init = initiator as i32;
@@ -162,7 +164,7 @@ pub mod testing {
             arg(&mut h),
             arg(&mut iters),
             arg(&mut init),
-            arg(&mut max_spins),
+            arg(&mut timeout_ns),
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_portchan_pingpong.
@@ -208,9 +210,9 @@ pub mod testing {
         device: Device,
         stream: StreamHandle,
         mut h: MemoryChannelDeviceHandle,
-        mut max_spins: i64,
+        mut timeout_ns: i64,
     ) -> Result<()> {
-        let p = &mut [arg(&mut h), arg(&mut max_spins)];
+        let p = &mut [arg(&mut h), arg(&mut timeout_ns)];
         // SAFETY: parameter list matches comm_test_memchan_wait.
         unsafe { module(device)?.launch(6, (1, 1, 1), (32, 1, 1), 0, stream, p) }
     }
@@ -230,7 +232,7 @@ pub mod testing {
         mut src_off: u64,
         mut bytes: u64,
         mut flag: u32,
-        mut max_spins: i64,
+        mut timeout_ns: i64,
     ) -> Result<()> {
         let (mut l, mut r) = (ll16 as i32, read as i32);
         let p = &mut [
@@ -241,7 +243,7 @@ pub mod testing {
             arg(&mut src_off),
             arg(&mut bytes),
             arg(&mut flag),
-            arg(&mut max_spins),
+            arg(&mut timeout_ns),
         ];
         // SAFETY: parameter list matches comm_test_packets.
         unsafe { module(device)?.launch(7, (4, 1, 1), (256, 1, 1), 0, stream, p) }
@@ -259,7 +261,7 @@ pub mod testing {
         mut src_off: u64,
         mut size: u64,
         mut iters: i32,
-        mut max_spins: i64,
+        mut timeout_ns: i64,
     ) -> Result<()> {
         let mut o = op as i32;
         let p = &mut [
@@ -269,7 +271,7 @@ pub mod testing {
             arg(&mut src_off),
             arg(&mut size),
             arg(&mut iters),
-            arg(&mut max_spins),
+            arg(&mut timeout_ns),
         ];
         // SAFETY: parameter list matches comm_test_portchan_op.
         unsafe { module(device)?.launch(8, (1, 1, 1), (32, 1, 1), 0, stream, p) }
@@ -309,13 +311,13 @@ pub mod testing {
         stream: StreamHandle,
         mut h: PortChannelDeviceHandle,
         mut iters: i32,
-        mut max_spins: i64,
+        mut timeout_ns: i64,
         mut out_ns: u64,
     ) -> Result<()> {
         let p = &mut [
             arg(&mut h),
             arg(&mut iters),
-            arg(&mut max_spins),
+            arg(&mut timeout_ns),
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_fifo_roundtrip.
@@ -331,13 +333,13 @@ pub mod testing {
         stream: StreamHandle,
         mut h: PortChannelDeviceHandle,
         mut iters: i32,
-        mut max_spins: i64,
+        mut timeout_ns: i64,
         mut out_ns: u64,
     ) -> Result<()> {
         let p = &mut [
             arg(&mut h),
             arg(&mut iters),
-            arg(&mut max_spins),
+            arg(&mut timeout_ns),
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_fifo_push_only.

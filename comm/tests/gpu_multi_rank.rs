@@ -25,7 +25,9 @@ use comm::{
 
 type R<T = ()> = Result<T, CommError>;
 
-const SPINS: i64 = 1 << 28;
+/// Bound of every device wait (20 s of GPU time: below `WAIT`, so a hang is
+/// reported by the device, naming rank and peer).
+const TIMEOUT_NS: i64 = 20_000_000_000;
 const WAIT: Duration = Duration::from_secs(60);
 
 struct Ctx {
@@ -93,7 +95,10 @@ impl DeviceMemoryView<'_> {
                 call: "cuMemcpyHtoD",
                 source,
             },
-        )
+        )?;
+        // From pageable memory cuMemcpyHtoD may return once the data is staged,
+        // before it lands; a peer reads it after a host barrier, so wait for it.
+        device.synchronize()
     }
 
     fn read(&self, device: Device, off: u64, n: usize) -> R<Vec<u8>> {
@@ -156,7 +161,7 @@ fn memchan_pingpong(c: &Ctx) -> R {
             h,
             1000,
             c.rank % 2 == 0,
-            SPINS,
+            TIMEOUT_NS,
             out.ptr(),
         )
     }?;
@@ -231,7 +236,7 @@ fn memchan_put_get(c: &Ctx) -> R {
             }?;
             if !get {
                 // SAFETY: handle from this communicator.
-                unsafe { testing::memchan_wait(c.device, c.stream.handle(), h, SPINS) }?;
+                unsafe { testing::memchan_wait(c.device, c.stream.handle(), h, TIMEOUT_NS) }?;
             }
             c.sync("put/get")?;
             c.comm.barrier()?;
@@ -282,7 +287,7 @@ fn legacy_ipc_put(c: &Ctx) -> R {
             1,
             true,
         )?;
-        testing::memchan_wait(c.device, c.stream.handle(), h, SPINS)?;
+        testing::memchan_wait(c.device, c.stream.handle(), h, TIMEOUT_NS)?;
     }
     c.sync("legacy IPC put")?;
     let mut got = vec![0u8; n + 2];
@@ -322,7 +327,7 @@ fn packets(c: &Ctx) -> R {
                     SRC,
                     n as u64,
                     flag,
-                    SPINS,
+                    TIMEOUT_NS,
                 )?;
                 testing::packets(
                     c.device,
@@ -334,7 +339,7 @@ fn packets(c: &Ctx) -> R {
                     OUT,
                     n as u64,
                     flag,
-                    SPINS,
+                    TIMEOUT_NS,
                 )?;
             }
             c.sync("packets")?;
@@ -410,7 +415,7 @@ fn port_put_signal_flush(
                     SRC + src_off,
                     n as u64,
                     pieces as i32,
-                    SPINS,
+                    TIMEOUT_NS,
                 )?;
                 if op == PortOp::PutThenFlush {
                     // the flush returned only after the data landed: now signal
@@ -423,7 +428,7 @@ fn port_put_signal_flush(
                         0,
                         0,
                         1,
-                        SPINS,
+                        TIMEOUT_NS,
                     )?;
                 }
                 testing::portchan_op(
@@ -435,7 +440,7 @@ fn port_put_signal_flush(
                     0,
                     0,
                     1,
-                    SPINS,
+                    TIMEOUT_NS,
                 )?;
             }
             c.stream
@@ -500,7 +505,7 @@ fn port_atomics(c: &Ctx, comm: &Communicator, buf: &RegisteredMemory, transport:
                 0,
                 0,
                 1,
-                SPINS,
+                TIMEOUT_NS,
             )?;
         }
         c.stream
@@ -533,18 +538,27 @@ fn port_atomics(c: &Ctx, comm: &Communicator, buf: &RegisteredMemory, transport:
 }
 
 /// A wait nobody answers must end with an error naming the rank and the peer,
-/// not hang.
+/// not hang, and not before its time bound (ranks that share a GPU and are
+/// time-sliced poll less often, but the bound is GPU time, not polls).
 fn timeout_is_reported(c: &Ctx) -> R {
+    const BOUND: Duration = Duration::from_millis(100);
     let chans = memory_channels(c)?;
     let h = chans[c.partner()]
         .as_ref()
         .unwrap()
         .device_handle(c.comm.device_error())?;
     c.comm.device_error().reset();
+    let start = Instant::now();
     // SAFETY: handle from this communicator.
-    unsafe { testing::memchan_wait(c.device, c.stream.handle(), h, 100_000) }?;
+    unsafe { testing::memchan_wait(c.device, c.stream.handle(), h, BOUND.as_nanos() as i64) }?;
     c.stream
         .synchronize_bounded(WAIT, c.rank as i64, "timed-out wait")?;
+    let took = start.elapsed();
+    if took < BOUND {
+        return Err(fail(format!(
+            "a wait bounded by {BOUND:?} gave up after {took:?}"
+        )));
+    }
     let r = c.comm.check_device();
     c.comm.device_error().reset();
     match r {

@@ -41,8 +41,9 @@ const HOST_BYTES: usize = HOST_COUNTS_OFFSET + 4 * (1 + MAX_EXPERTS_PER_RANK);
 /// How long the CPU waits for the notify kernel's counts by default.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 
-/// Spins of every device wait: about 30 s at ~100 ns per poll.
-pub const DEFAULT_MAX_SPINS: i64 = 300_000_000;
+/// Bound of every device wait by default: 30 s of GPU time (below
+/// [`DEFAULT_TIMEOUT`], so a hang is reported by the device, naming rank and peer).
+pub const DEFAULT_DEVICE_TIMEOUT_NS: i64 = comm::error::DEFAULT_DEVICE_TIMEOUT_NS;
 
 /// What a dispatch moves per token (the same on every rank).
 #[derive(Clone, Copy, Debug)]
@@ -118,7 +119,7 @@ pub struct IntranodeBuffer {
     host_epoch: u64,
     combine_dirty: bool,
     timeout: Duration,
-    max_spins: i64,
+    device_timeout_ns: i64,
 }
 
 impl std::fmt::Debug for IntranodeBuffer {
@@ -208,7 +209,7 @@ impl IntranodeBuffer {
             host_epoch: 0,
             combine_dirty: false,
             timeout,
-            max_spins: DEFAULT_MAX_SPINS,
+            device_timeout_ns: DEFAULT_DEVICE_TIMEOUT_NS,
         })
     }
 
@@ -229,9 +230,14 @@ impl IntranodeBuffer {
         (self.nvl.ptr(), self.nvl.len() as usize)
     }
 
-    /// Bound of every device-side wait, in polls.
-    pub fn set_max_spins(&mut self, spins: i64) {
-        self.max_spins = spins;
+    /// Bound of every device-side wait, nanoseconds of GPU time (positive).
+    pub fn set_device_timeout_ns(&mut self, timeout_ns: i64) -> Result<()> {
+        self.device_timeout_ns = comm::error::check_device_timeout_ns(timeout_ns)?;
+        Ok(())
+    }
+
+    pub fn device_timeout_ns(&self) -> i64 {
+        self.device_timeout_ns
     }
 
     /// This rank's share of its GPU (ranks that share it, SMs per rank).
@@ -286,7 +292,7 @@ impl IntranodeBuffer {
             combine_offset: CTRL_BYTES + region,
             dispatch_slots: dispatch_slots as i64,
             combine_slots: combine_slots as i64,
-            max_spins: self.max_spins,
+            timeout_ns: self.device_timeout_ns,
             rank: self.rank() as i32,
             num_ranks: self.num_ranks() as i32,
         }

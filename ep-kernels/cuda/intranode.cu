@@ -43,7 +43,7 @@ struct Ctx {
   uint64_t combine_offset;                    // byte offset of the combine region
   int64_t dispatch_slots;                     // T_d: slots per source block of the dispatch region
   int64_t combine_slots;                      // T_c: slots per block of the combine region
-  int64_t max_spins;                          // bound of every wait
+  int64_t timeout_ns;                         // bound of every wait, ns of GPU time
   int32_t rank;
   int32_t num_ranks;
 };
@@ -117,7 +117,7 @@ __device__ __forceinline__ void signal_and_wait_all(const Ctx& c) {
   const int p = threadIdx.x;
   if (p < c.num_ranks && p != c.rank) {
     c.channels[p].signal();
-    c.channels[p].wait(c.max_spins);
+    c.channels[p].wait(c.timeout_ns);
   }
 }
 
@@ -253,7 +253,7 @@ extern "C" __global__ void combine_barrier(Ctx c) { moelink::intranode::signal_a
 // dispatch_wait / combine_wait: one wait per peer for its end-of-send signal.
 __device__ __forceinline__ void wait_all(const Ctx& c) {
   const int p = threadIdx.x;
-  if (p < c.num_ranks && p != c.rank) c.channels[p].wait(c.max_spins);
+  if (p < c.num_ranks && p != c.rank) c.channels[p].wait(c.timeout_ns);
 }
 extern "C" __global__ void dispatch_wait(Ctx c) { wait_all(c); }
 extern "C" __global__ void combine_wait(Ctx c) { wait_all(c); }

@@ -124,12 +124,6 @@ struct CombineArgs {
 };
 static_assert(sizeof(CombineArgs) == 80, "mirrored in Rust");
 
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 // Optional phase stamps (MOELINK_LL_PROFILE=1, read by Buffer._ll_native().profile()):
 // prof[kernel][block][slot], kernel 0 dispatch / 1 combine, written by thread 0
 // of each block (or lane 0 of warp 0 for the per-warp slots): slots 0 and
@@ -141,7 +135,7 @@ constexpr int kProfBlocks = 256;
 constexpr int kProfSlots = 16;
 __device__ __forceinline__ void stamp(const LlCtx& c, int kernel, int slot) {
   if (c.prof != nullptr && threadIdx.x == 0 && blockIdx.x < kProfBlocks) {
-    const uint64_t v = (slot == 0 || slot == kProfSlots - 1) ? now_ns() : uint64_t(clock64());
+    const uint64_t v = (slot == 0 || slot == kProfSlots - 1) ? comm::now_ns() : uint64_t(clock64());
     c.prof[(int64_t(kernel) * kProfBlocks + blockIdx.x) * kProfSlots + slot] = v;
   }
 }
@@ -233,28 +227,28 @@ __device__ __forceinline__ void arrive(const LlCtx& c, int parity, int d, int ex
   }
 }
 
-// Waits (lane 0) for the flag of `src` on `parity` to reach the call count.
-// Returns false on timeout: the peer is masked (shrink) or an error recorded.
+// Waits (lane 0) for the flag of `src` on `parity` to reach the call count, at
+// most `timeout_ns` of GPU time (comm::WaitClock). Returns false on timeout:
+// the peer is masked (shrink) or an error recorded.
 __device__ bool wait_flag(const LlCtx& c, int parity, int src, uint64_t seq, uint32_t kind,
                           int64_t* cycles) {
   const uint64_t want = calls_on_parity(seq);
   const uint64_t* f = flag_ptr(c.local, parity, src);
   const long long t0 = clock64();
   uint64_t v = comm::load_acquire_sys(f);
-  if (v < want) {
-    const uint64_t start = now_ns();
-    while ((v = comm::load_acquire_sys(f)) < want) {
-      if (is_masked(c, src)) return false;
-      if (now_ns() - start > c.timeout_ns) {
-        if (c.shrink) {
-          atomicExch(c.mask + src, 1);
-        } else {
-          comm::report_error(c.error, comm::kErrorTimeout, kind, c.rank, src, uint64_t(parity), want,
-                             v);
-        }
-        return false;
+  comm::WaitClock clock(c.timeout_ns > uint64_t(INT64_MAX) ? INT64_MAX : int64_t(c.timeout_ns));
+  while (v < want) {
+    if (is_masked(c, src)) return false;
+    if (clock.expired()) {
+      if (c.shrink) {
+        atomicExch(c.mask + src, 1);
+      } else {
+        comm::report_error(c.error, comm::kErrorTimeout, kind, c.rank, src, uint64_t(parity), want,
+                           v);
       }
+      return false;
     }
+    v = comm::load_acquire_sys(f);
   }
   if (cycles) *cycles = clock64() - t0;
   return true;

@@ -39,7 +39,8 @@ pub struct IntranodeCtx {
     pub combine_offset: u64,
     pub dispatch_slots: i64,
     pub combine_slots: i64,
-    pub max_spins: i64,
+    /// Bound of every device wait, nanoseconds of GPU time.
+    pub timeout_ns: i64,
     pub rank: i32,
     pub num_ranks: i32,
 }

@@ -95,7 +95,7 @@ impl AllReduceComm {
         twoshot_max_bytes: usize,
         allgather_ll_max_bytes: usize,
         timeout_s: f64,
-        max_spins: i64,
+        device_timeout_ns: i64,
     ) -> PyResult<Self> {
         if !(timeout_s.is_finite() && timeout_s > 0.0) {
             return Err(PyValueError::new_err(format!(
@@ -109,7 +109,7 @@ impl AllReduceComm {
             twoshot_max_bytes,
             allgather_ll_max_bytes,
             timeout,
-            max_spins,
+            device_timeout_ns,
         };
         let inner = py
             .detach(|| {
@@ -299,14 +299,15 @@ impl AllReduceComm {
             .collect())
     }
 
-    fn set_max_spins(&mut self, spins: i64) -> PyResult<()> {
-        self.get()?.set_max_spins(spins);
-        Ok(())
+    /// Bound of every device wait, nanoseconds of GPU time (positive;
+    /// ValueError otherwise).
+    fn set_device_timeout_ns(&mut self, timeout_ns: i64) -> PyResult<()> {
+        self.get()?.set_device_timeout_ns(timeout_ns).map_err(to_py)
     }
 
     #[getter]
-    fn max_spins(&mut self) -> PyResult<i64> {
-        Ok(self.get()?.max_spins())
+    fn device_timeout_ns(&mut self) -> PyResult<i64> {
+        Ok(self.get()?.device_timeout_ns())
     }
 
     /// Raises moelink.TimeoutError if a device wait of this communicator ran

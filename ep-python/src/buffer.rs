@@ -106,9 +106,15 @@ impl IntranodeBuffer {
         Ok(self.get()?.local_buffer())
     }
 
-    fn set_max_spins(&mut self, spins: i64) -> PyResult<()> {
-        self.get()?.set_max_spins(spins);
-        Ok(())
+    /// Bound of every device wait of this buffer, nanoseconds of GPU time
+    /// (positive; ValueError otherwise).
+    fn set_device_timeout_ns(&mut self, timeout_ns: i64) -> PyResult<()> {
+        self.get()?.set_device_timeout_ns(timeout_ns).map_err(to_py)
+    }
+
+    #[getter]
+    fn device_timeout_ns(&mut self) -> PyResult<i64> {
+        Ok(self.get()?.device_timeout_ns())
     }
 
     /// Raises TimeoutError if a device wait of this buffer ran out.

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import _native
+from ._device_timeout import device_timeout_ns, env_device_timeout_ns
 from ._group import check_group
 from .checks import LIMITS, check_bool, check_int
 
@@ -51,6 +52,7 @@ __all__ = [
     "ALGORITHMS",
     "AllReduce",
     "DEFAULT_MAX_BYTES",
+    "DEVICE_TIMEOUT_ENV",
     "TUNE_FILE_ENV",
     "check_all_gather_args",
     "check_all_reduce_args",
@@ -81,7 +83,8 @@ DEFAULT_ALLGATHER_LL_MAX_BYTES = 512 << 10
 #: Environment variable naming the tuning file (overrides the default path).
 TUNE_FILE_ENV = "MOELINK_AR_TUNE_FILE"
 TUNE_FORMAT = "moelink-allreduce-tune/1"
-_MAX_SPINS_ENV = "MOELINK_AR_MAX_SPINS"
+#: Environment variable of ``AllReduce``'s ``device_timeout_s`` (seconds, default 30).
+DEVICE_TIMEOUT_ENV = "MOELINK_AR_TIMEOUT_S"
 
 
 def _dist_op_names() -> dict:
@@ -354,9 +357,10 @@ class AllReduce:
     ``allgather_ll_max_bytes`` bound the LL algorithms (they size the LL space).
     ``tune_file``: tuned winners to load (default ``default_tune_file()``; ``False``:
     none); ``autotune=True`` runs ``tune()`` when there is no file and saves it.
-    ``max_spins``: bound of every device wait in polls (default ~tens of seconds;
-    env ``MOELINK_AR_MAX_SPINS``); ``timeout_s``: bound of host waits (bootstrap,
-    registration; env ``MOELINK_TIMEOUT_S``, default 60).
+    ``device_timeout_s``: bound of every device wait, in seconds of GPU time (default
+    30; env ``MOELINK_AR_TIMEOUT_S``; positive, else ``ValueError``); ``timeout_s``:
+    bound of host waits (bootstrap, registration; env ``MOELINK_TIMEOUT_S``, default
+    60).
     """
 
     def __init__(
@@ -369,7 +373,7 @@ class AllReduce:
         allgather_ll_max_bytes: int = DEFAULT_ALLGATHER_LL_MAX_BYTES,
         tune_file=None,
         autotune: bool = False,
-        max_spins=None,
+        device_timeout_s=None,
         timeout_s=None,
     ) -> None:
         self._native = None
@@ -382,9 +386,10 @@ class AllReduce:
         allgather_ll_max_bytes = check_int(
             "allgather_ll_max_bytes", allgather_ll_max_bytes, minimum=0
         )
-        if max_spins is None:
-            max_spins = int(os.environ.get(_MAX_SPINS_ENV, "300000000"))
-        max_spins = check_int("max_spins", max_spins)
+        if device_timeout_s is None:
+            timeout_ns = env_device_timeout_ns(DEVICE_TIMEOUT_ENV)
+        else:
+            timeout_ns = device_timeout_ns("device_timeout_s", device_timeout_s)
         if timeout_s is None:
             timeout_s = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
         if not torch.cuda.is_available():
@@ -418,7 +423,7 @@ class AllReduce:
             twoshot_max_bytes,
             allgather_ll_max_bytes,
             float(timeout_s),
-            max_spins,
+            timeout_ns,
         )
         self.tune_file = None
         if tune_file is not False:
@@ -479,12 +484,13 @@ class AllReduce:
         return [tuple(e) for e in self._get().tuned()]
 
     @property
-    def max_spins(self) -> int:
-        return self._get().max_spins
+    def device_timeout_s(self) -> float:
+        """Bound of every device wait, seconds of GPU time (positive)."""
+        return self._get().device_timeout_ns / 1e9
 
-    @max_spins.setter
-    def max_spins(self, spins: int) -> None:
-        self._get().set_max_spins(check_int("max_spins", spins))
+    @device_timeout_s.setter
+    def device_timeout_s(self, seconds: float) -> None:
+        self._get().set_device_timeout_ns(device_timeout_ns("device_timeout_s", seconds))
 
     def check(self) -> None:
         """Raises ``moelink.TimeoutError`` if a device wait of this communicator ran

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _native
+from ._device_timeout import env_device_timeout_ns
 from ._group import check_group
 from .checks import (
     LIMITS,
@@ -120,6 +121,10 @@ class Buffer(LowLatencyMixin):
     compatibility and must be 0 without an internode path. ``low_latency_mode=True``
     allocates ``num_rdma_bytes`` of low-latency buffer (size it with
     ``get_low_latency_rdma_size_hint``); see ``moelink.low_latency``.
+
+    Every intranode device wait is bounded by ``MOELINK_DEVICE_TIMEOUT_S`` seconds of
+    GPU time (default 30, read at creation; positive, else ``ValueError``); a wait
+    that runs out raises ``moelink.TimeoutError`` naming the rank and the peer.
     """
 
     #: SMs of dispatch/combine when no config is given (``set_num_sms``).
@@ -160,6 +165,8 @@ class Buffer(LowLatencyMixin):
                 "num_rdma_bytes must be 0 without low_latency_mode: moelink has no internode "
                 "(RDMA) path for normal kernels; Config.get_rdma_buffer_size_hint returns 0"
             )
+        # Bound of every intranode device wait (seconds of GPU time, default 30).
+        device_timeout_ns = env_device_timeout_ns("MOELINK_DEVICE_TIMEOUT_S")
         if not torch.cuda.is_available():
             raise RuntimeError("moelink.Buffer needs a CUDA device")
         if not dist.is_initialized():
@@ -186,6 +193,7 @@ class Buffer(LowLatencyMixin):
             self._native = _native.IntranodeBuffer(
                 uid[0][0], self.rank, self.group_size, self.device.index, num_nvl_bytes, timeout
             )
+            self._native.set_device_timeout_ns(device_timeout_ns)
         if low_latency_mode:
             device_timeout = float(os.environ.get("MOELINK_LL_TIMEOUT_S", str(timeout)))
             self._ll = _native.LowLatencyBuffer(

@@ -1,5 +1,7 @@
 // Shared device-side basics of comm: the error record a bounded wait fills in
-// when it runs out, memory-order helpers, and the spin loop every wait uses.
+// when it runs out, memory-order helpers, the GPU clock, and the spin loop
+// every wait uses (bounded by time, so that time-slicing between contexts
+// neither trips a wait early nor holds it past its bound).
 //
 // Structs here are plain data for the host compiler (Rust mirrors them with
 // #[repr(C)]; sizes and offsets are asserted on both sides and by a GPU test);
@@ -26,8 +28,12 @@ enum : uint32_t {
   kInvalidExpertId = 9, // an expert id outside [-1, E): id = token << 8 | column
 };
 
-// Spin bound used when a caller passes none: about a few seconds of polling.
-constexpr int64_t kDefaultMaxSpins = int64_t(1) << 30;
+// Bound of a wait whose caller passes none: 30 s of GPU time (shorter than the
+// hosts' 60 s bounds, so the device's error, which names rank, peer and
+// counter, is the one the user sees). Every bound is in nanoseconds.
+constexpr int64_t kDefaultTimeoutNs = int64_t(30) * 1000 * 1000 * 1000;
+// A wait reads the clock once every kPollsPerClockRead polls.
+constexpr uint32_t kPollsPerClockRead = 16;
 
 // The first failure of a kernel, in host-mapped memory: written once by the
 // device (first writer wins), read by the host, which turns it into an error
@@ -88,14 +94,49 @@ __device__ __forceinline__ void report_error(DeviceError* err, uint32_t code, ui
   if (code == kErrorTimeout && *reinterpret_cast<volatile int*>(&comm_trap_on_timeout)) __trap();
 }
 
-// Spins until `done(observed)` holds for the value `load()` returns, at most
-// `max_spins` polls (negative: no bound). Returns the last observed value and
-// sets `ok`. The caller reports a timeout with the context it has.
+// Nanoseconds of the GPU's global timer (%globaltimer: wall-clock time, so it
+// advances while this context is switched out).
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The time bound of one thread's waits: `timeout_ns` from the first poll that
+// found nothing (the clock is not read while every poll succeeds). Either one
+// wait's (spin_until) or a series' (a kernel's packet reads share one).
+// expired() is called after each failed poll and reads the clock on the first
+// call and then once every kPollsPerClockRead calls.
+struct WaitClock {
+  int64_t timeout_ns;
+  uint64_t start = 0;
+  uint32_t polls = 0;
+  bool started = false;
+
+  __device__ __forceinline__ explicit WaitClock(int64_t timeout) : timeout_ns(timeout) {}
+
+  __device__ __forceinline__ bool expired() {
+    if (polls++ % kPollsPerClockRead != 0) return false;
+    const uint64_t t = now_ns();
+    if (!started) {
+      started = true;
+      start = t;
+      return false;
+    }
+    return int64_t(t - start) >= timeout_ns;
+  }
+};
+
+// Spins until `done(observed)` holds for the value `load()` returns, for at
+// most `timeout_ns` of GPU time after the first poll that failed. Returns the
+// last observed value and sets `ok`. The caller reports a timeout with the
+// context it has.
 template <typename Load, typename Done>
-__device__ __forceinline__ uint64_t spin_until(Load load, Done done, int64_t max_spins, bool& ok) {
+__device__ __forceinline__ uint64_t spin_until(Load load, Done done, int64_t timeout_ns, bool& ok) {
   uint64_t v = load();
-  for (int64_t spins = 0; !done(v); ++spins) {
-    if (max_spins >= 0 && spins >= max_spins) {
+  WaitClock clock(timeout_ns);
+  while (!done(v)) {
+    if (clock.expired()) {
       ok = false;
       return v;
     }

@@ -76,15 +76,17 @@ struct FifoDeviceHandle {
   uint64_t id;             // which FIFO (proxy index), for error reports
 
 #if defined(__CUDACC__)
-  // Pushes a trigger; returns its position (for sync()). Waits (bounded) while
-  // the ring is full. Any thread may call it; each call claims its own slot.
-  __device__ __forceinline__ uint64_t push(ProxyTrigger t, int64_t max_spins = kDefaultMaxSpins) {
+  // Pushes a trigger; returns its position (for sync()). Waits (at most
+  // `timeout_ns` of GPU time) while the ring is full. Any thread may call it;
+  // each call claims its own slot.
+  __device__ __forceinline__ uint64_t push(ProxyTrigger t,
+                                          int64_t timeout_ns = kDefaultTimeoutNs) {
     const uint64_t pos = atomicAdd(reinterpret_cast<unsigned long long*>(head), 1ull);
     if (pos >= uint64_t(size) + *reinterpret_cast<volatile uint64_t*>(tail_cache)) {
       bool ok;
       const uint64_t seen =
           spin_until([&] { return load_acquire_sys(tail); },
-                     [&](uint64_t v) { return pos < uint64_t(size) + v; }, max_spins, ok);
+                     [&](uint64_t v) { return pos < uint64_t(size) + v; }, timeout_ns, ok);
       if (!ok) {
         report_error(error, kErrorTimeout, kWaitFifoSpace, rank, -1, id, pos - size + 1, seen);
         return pos;  // the trigger is dropped; the host reports the error
@@ -97,11 +99,12 @@ struct FifoDeviceHandle {
     return pos;
   }
 
-  // Waits (bounded) until the proxy has finished the trigger at `pos`.
-  __device__ __forceinline__ bool sync(uint64_t pos, int64_t max_spins = kDefaultMaxSpins) {
+  // Waits (at most `timeout_ns` of GPU time) until the proxy has finished the
+  // trigger at `pos`.
+  __device__ __forceinline__ bool sync(uint64_t pos, int64_t timeout_ns = kDefaultTimeoutNs) {
     bool ok;
     const uint64_t seen = spin_until([&] { return load_acquire_sys(tail); },
-                                     [&](uint64_t v) { return v > pos; }, max_spins, ok);
+                                     [&](uint64_t v) { return v > pos; }, timeout_ns, ok);
     if (!ok) report_error(error, kErrorTimeout, kWaitFifoDrain, rank, -1, id, pos + 1, seen);
     return ok;
   }

@@ -42,17 +42,17 @@ struct MemoryChannelDeviceHandle {
   __device__ __forceinline__ bool read_packets(uint64_t packet_offset, uint64_t src_offset,
                                                uint64_t bytes, uint32_t flag, size_t tid,
                                                size_t nthreads,
-                                               int64_t max_spins = kDefaultMaxSpins) {
+                                               int64_t timeout_ns = kDefaultTimeoutNs) {
     return comm::read_packets(src + src_offset,
                               reinterpret_cast<const Packet*>(packets + packet_offset), bytes,
                               flag, tid, nthreads, semaphore.error, semaphore.rank,
-                              semaphore.peer, max_spins);
+                              semaphore.peer, timeout_ns);
   }
 
   __device__ __forceinline__ void signal() { semaphore.signal(); }
   __device__ __forceinline__ void relaxed_signal() { semaphore.relaxed_signal(); }
-  __device__ __forceinline__ bool wait(int64_t max_spins = kDefaultMaxSpins) {
-    return semaphore.wait(max_spins);
+  __device__ __forceinline__ bool wait(int64_t timeout_ns = kDefaultTimeoutNs) {
+    return semaphore.wait(timeout_ns);
   }
   __device__ __forceinline__ bool poll() { return semaphore.poll(); }
 #endif

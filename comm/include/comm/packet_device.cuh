@@ -67,22 +67,23 @@ __device__ __forceinline__ void put_packets(Packet* dst, const void* src, size_t
 }
 
 // Waits for every packet of `src` to carry `flag` and copies their data to
-// `dst`. Each wait is bounded by `max_spins`; a timeout is reported to `err`
-// (kWaitPacket, id = packet index) and the function returns false.
+// `dst`. Each packet's wait is bounded by `timeout_ns` of GPU time; a timeout
+// is reported to `err` (kWaitPacket, id = packet index) and the function
+// returns false.
 template <typename Packet>
 __device__ __forceinline__ bool read_packets(void* dst, const Packet* src, size_t bytes,
                                              uint32_t flag, size_t tid, size_t nthreads,
                                              DeviceError* err, int32_t rank, int32_t peer,
-                                             int64_t max_spins = kDefaultMaxSpins) {
+                                             int64_t timeout_ns = kDefaultTimeoutNs) {
   char* d = static_cast<char*>(dst);
   const size_t n = bytes / Packet::kDataBytes;
   for (size_t i = tid; i < n; i += nthreads) {
-    int64_t spins = 0;
-    while (!src[i].try_read(d + i * Packet::kDataBytes, flag)) {
-      if (max_spins >= 0 && ++spins > max_spins) {
-        report_error(err, kErrorTimeout, kWaitPacket, rank, peer, i, flag, 0);
-        return false;
-      }
+    bool ok;
+    spin_until([&] { return uint64_t(src[i].try_read(d + i * Packet::kDataBytes, flag)); },
+               [](uint64_t got) { return got != 0; }, timeout_ns, ok);
+    if (!ok) {
+      report_error(err, kErrorTimeout, kWaitPacket, rank, peer, i, flag, 0);
+      return false;
     }
   }
   return true;

@@ -57,21 +57,21 @@ struct PortChannelDeviceHandle {
   }
 
   // put + signal, then waits until the proxy has completed both.
-  __device__ __forceinline__ bool put_with_signal_and_flush(uint64_t dst_offset,
-                                                            uint64_t src_offset, uint64_t size,
-                                                            int64_t max_spins = kDefaultMaxSpins) {
+  __device__ __forceinline__ bool put_with_signal_and_flush(
+      uint64_t dst_offset, uint64_t src_offset, uint64_t size,
+      int64_t timeout_ns = kDefaultTimeoutNs) {
     if (!fits(dst_offset, src_offset, size)) return false;
     const uint64_t pos = fifo.push(make_data_trigger(kTriggerData | kTriggerSignal | kTriggerFlush,
                                                      channel, dst_mem, dst_offset, src_mem,
                                                      src_offset, size));
-    return fifo.sync(pos, max_spins);
+    return fifo.sync(pos, timeout_ns);
   }
 
   // Waits until every operation this channel pushed before has completed.
-  __device__ __forceinline__ bool flush(int64_t max_spins = kDefaultMaxSpins) {
+  __device__ __forceinline__ bool flush(int64_t timeout_ns = kDefaultTimeoutNs) {
     const uint64_t pos =
         fifo.push(make_data_trigger(kTriggerFlush, channel, dst_mem, 0, src_mem, 0, 0));
-    return fifo.sync(pos, max_spins);
+    return fifo.sync(pos, timeout_ns);
   }
 
   // Atomically adds `value` to the 64-bit (or 32-bit) integer at `dst_offset` of
@@ -85,8 +85,8 @@ struct PortChannelDeviceHandle {
     return fifo.push(make_atomic_trigger(kTriggerAtomicAdd32, channel, dst_mem, dst_offset, value));
   }
 
-  __device__ __forceinline__ bool wait(int64_t max_spins = kDefaultMaxSpins) {
-    return semaphore.wait(max_spins);
+  __device__ __forceinline__ bool wait(int64_t timeout_ns = kDefaultTimeoutNs) {
+    return semaphore.wait(timeout_ns);
   }
   __device__ __forceinline__ bool poll() { return semaphore.poll(); }
 #endif

@@ -46,10 +46,10 @@ struct SemaphoreDeviceHandle {
     return true;
   }
 
-  // Waits for the peer's next signal, at most `max_spins` polls. On timeout it
-  // records the failure in `error` (rank, peer, id, expected, observed), still
-  // counts the wait, and returns false. One thread calls it.
-  __device__ __forceinline__ bool wait(int64_t max_spins = kDefaultMaxSpins) {
+  // Waits for the peer's next signal, at most `timeout_ns` of GPU time. On
+  // timeout it records the failure in `error` (rank, peer, id, expected,
+  // observed), still counts the wait, and returns false. One thread calls it.
+  __device__ __forceinline__ bool wait(int64_t timeout_ns = kDefaultTimeoutNs) {
     const uint64_t want = *expected_inbound + 1;
     *expected_inbound = want;
     bool ok;
@@ -57,7 +57,7 @@ struct SemaphoreDeviceHandle {
     // one fence.acq_rel.sys after it raised the memory-channel round trip from
     // 3.0 to 4.2 us; the system-scope fence costs more than acquire loads.)
     const uint64_t seen = spin_until([&] { return load_acquire_sys(inbound); },
-                                     [&](uint64_t v) { return v >= want; }, max_spins, ok);
+                                     [&](uint64_t v) { return v >= want; }, timeout_ns, ok);
     if (!ok) report_error(error, kErrorTimeout, kWaitSemaphore, rank, peer, id, want, seen);
     return ok;
   }

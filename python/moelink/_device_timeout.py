@@ -1,0 +1,43 @@
+"""The bound of every device-side wait: seconds for users (an argument or an
+environment variable), positive integer nanoseconds of GPU time for the kernels
+(``%globaltimer``, so ranks that share a GPU and are time-sliced neither give up
+early nor wait past it)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+
+#: Seconds a device wait may take when nothing sets it: shorter than the host-side
+#: bounds (``MOELINK_TIMEOUT_S``, 60 s), so that the device's error, which names the
+#: rank, the peer and the counter, is the one the user sees.
+DEFAULT_DEVICE_TIMEOUT_S = 30.0
+_MAX_NS = (1 << 63) - 1
+
+
+def device_timeout_ns(name: str, seconds) -> int:
+    """``seconds`` (a positive, finite number: at least 1 ns) in nanoseconds.
+    ``ValueError`` / ``TypeError`` naming ``name`` otherwise."""
+    if isinstance(seconds, bool) or not isinstance(seconds, numbers.Real):
+        raise TypeError(f"{name} must be a number of seconds, got {type(seconds).__name__}")
+    try:
+        ns = round(float(seconds) * 1e9) if math.isfinite(seconds) else 0
+    except OverflowError:  # an int beyond any float
+        ns = 0
+    if not 0 < ns <= _MAX_NS:
+        raise ValueError(f"{name} must be a positive, finite number of seconds, got {seconds!r}")
+    return ns
+
+
+def env_device_timeout_ns(env: str) -> int:
+    """The bound environment variable ``env`` sets (seconds), else the default, in
+    nanoseconds; ``ValueError`` naming ``env`` for a value that is not one."""
+    raw = os.environ.get(env)
+    if raw is None:
+        return device_timeout_ns(env, DEFAULT_DEVICE_TIMEOUT_S)
+    try:
+        seconds = float(raw)
+    except ValueError:
+        raise ValueError(f"{env} must be a number of seconds, got {raw!r}") from None
+    return device_timeout_ns(env, seconds)
