@@ -229,7 +229,8 @@ impl Communicator {
         }
         if let Some(d) = device {
             comm.device_peers = ranks_on_same_device(&placement, rank);
-            comm.share = DeviceShare::of_group(&placement, &sm_counts, rank);
+            comm.share = DeviceShare::of_group(&placement, &sm_counts, rank)
+                .limited_by(crate::device_share::sms_per_rank_from_env()?);
             if comm.share.is_shared() {
                 tracing::debug!(
                     "rank {rank}: {} ranks on device {} ({:?}); share {:?}",

@@ -8,8 +8,13 @@
 //! rank's grids never exceed its *share*: the SMs its context may use (MPS sets
 //! that with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, read through
 //! `cuCtxGetExecAffinity`), and at most the device's SMs divided by the ranks on
-//! the device. [`crate::Communicator`] finds the co-located ranks by exchanging
-//! device UUIDs and host ids through the bootstrap.
+//! the device. Under an MPS thread percentage the driver reports the limited
+//! count L as the device's too, so the share is L / ranks: the clients' SM sets
+//! may overlap (measured on one H200, 2 ranks at 50 %: grids of 66 one-block-
+//! per-SM blocks deadlock, grids of 33 pass, and 66 pass without a limit).
+//! `MOELINK_SMS_PER_RANK` lowers the share further. [`crate::Communicator`]
+//! finds the co-located ranks by exchanging device UUIDs and host ids through
+//! the bootstrap.
 
 use std::collections::HashSet;
 use std::sync::Mutex;
@@ -84,6 +89,21 @@ impl DeviceShare {
         s
     }
 
+    /// The share with `sms` and `group_sms` at most `limit` (None: unchanged).
+    /// `MOELINK_SMS_PER_RANK` sets it for every rank (the same on all ranks):
+    /// grids that leave SMs to other work, or smaller than a device partition
+    /// the driver does not report.
+    pub fn limited_by(self, limit: Option<u32>) -> Self {
+        match limit {
+            Some(l) => Self {
+                sms: self.sms.min(l),
+                group_sms: self.group_sms.min(l),
+                ..self
+            },
+            None => self,
+        }
+    }
+
     /// Whether other ranks of the group use this device too.
     pub fn is_shared(&self) -> bool {
         self.ranks_on_device > 1
@@ -138,6 +158,20 @@ impl DeviceShare {
             );
         }
         limit
+    }
+}
+
+/// `MOELINK_SMS_PER_RANK`: at most this many SMs per rank's grids (>= 1).
+pub fn sms_per_rank_from_env() -> Result<Option<u32>> {
+    match std::env::var("MOELINK_SMS_PER_RANK") {
+        Err(_) => Ok(None),
+        Ok(v) => match v.trim().parse::<u32>() {
+            Ok(n) if n >= 1 => Ok(Some(n)),
+            _ => Err(CommError::invalid(
+                "MOELINK_SMS_PER_RANK",
+                format!("{v:?}: expected a whole number of SMs, at least 1"),
+            )),
+        },
     }
 }
 
@@ -206,6 +240,21 @@ mod tests {
         // An MPS limit on one rank lowers everybody's group share.
         let sms = [(132, Some(20)), (132, None), (132, None)];
         assert_eq!(DeviceShare::of_group(&placement, &sms, 1).group_sms, 20);
+    }
+
+    #[test]
+    fn an_mps_limit_is_divided_by_the_ranks_too() {
+        // Under CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 an H200 client sees 66 SMs
+        // as the device's and as its context's. The clients' SM sets may
+        // overlap: measured, two 66-block grids (one block per SM) deadlock,
+        // 33-block grids pass. So the share is the limit / the ranks.
+        assert_eq!(DeviceShare::new(66, Some(66), 2, 0).sms, 33);
+        // Without a limit (MPS at 100 %, or time-slicing): SMs / ranks.
+        assert_eq!(DeviceShare::new(132, Some(132), 2, 1).sms, 66);
+        // A limit lowers both numbers.
+        let s = DeviceShare::new(132, None, 2, 0).limited_by(Some(20));
+        assert_eq!((s.sms, s.group_sms), (20, 20));
+        assert_eq!(DeviceShare::whole(132).limited_by(None).sms, 132);
     }
 
     #[test]
