@@ -148,6 +148,26 @@ def test_mps_mode_comes_from_the_option_then_the_environment():
         launch.mps_mode("maybe", {})
 
 
+def test_mps_percentage_is_none_unless_asked():
+    assert launch.mps_percentage(None, {}) == "none"
+    assert launch.mps_percentage(None, {"MOELINK_MPS_PERCENTAGE": "Auto"}) == "auto"
+    assert launch.mps_percentage("25", {"MOELINK_MPS_PERCENTAGE": "auto"}) == "25"
+    assert launch.mps_percentage("100", {}) == "100"
+    for bad in ("0", "101", "12.5", "-3", "half"):
+        with pytest.raises(launch.LaunchError, match="none, auto or a whole number"):
+            launch.mps_percentage(bad, {})
+    sharing = launch.GpuSharing(
+        3, 1, launch.MpsPlan("start"), launch.placements(3, 1), percentage="none"
+    )
+    assert [sharing.thread_percentage(r) for r in range(3)] == [None] * 3
+    sharing.percentage = "auto"
+    assert [sharing.thread_percentage(r) for r in range(3)] == [33] * 3
+    sharing.percentage = "40"
+    assert sharing.env(1)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
+    sharing.plan = launch.MpsPlan("timeslice")
+    assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in sharing.env(1)
+
+
 def test_a_daemon_is_reachable_only_while_its_control_socket_answers(tmp_path, monkeypatch):
     monkeypatch.setattr(launch, "DEFAULT_MPS_PIPE_DIR", str(tmp_path / "default"))
     pipe = tmp_path / "pipe"
@@ -365,7 +385,8 @@ def test_children_get_the_rank_environment(sandbox):
 
 def test_mps_daemon_started_once_and_stopped_at_normal_exit(sandbox):
     code, out, err, _ = sandbox.run(
-        sandbox.command("--mps", "on"), MOELINK_LAUNCH_GPUS_OVERRIDE="2"
+        sandbox.command("--mps", "on", "--mps-percentage", "auto"),
+        MOELINK_LAUNCH_GPUS_OVERRIDE="2",
     )
     assert code == 0, err
     pipe_dir = _assert_started_and_stopped_once(sandbox)
@@ -384,7 +405,9 @@ def test_auto_starts_the_daemon_as_root(sandbox):
     code, out, err, _ = sandbox.run(sandbox.command(), MOELINK_LAUNCH_GPUS_OVERRIDE="1")
     assert code == 0, err
     _assert_started_and_stopped_once(sandbox)
-    assert {r["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for r in _reports(out).values()} == {"33"}
+    # No thread percentage by default (grids already use SMs / ranks).
+    assert {r["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for r in _reports(out).values()} == {None}
+    assert "no MPS thread percentage" in err
 
 
 def test_no_mps_where_every_rank_has_its_own_gpu(sandbox):
@@ -469,7 +492,10 @@ def test_a_running_daemon_is_used_and_left_running(sandbox, tmp_path):
     server.listen(16)
     try:
         code, out, err, _ = sandbox.run(
-            sandbox.command(), CUDA_MPS_PIPE_DIRECTORY=str(pipe), MOELINK_MPS="on"
+            sandbox.command(),
+            CUDA_MPS_PIPE_DIRECTORY=str(pipe),
+            MOELINK_MPS="on",
+            MOELINK_MPS_PERCENTAGE="auto",
         )
         assert code == 0, err
         assert sandbox.mps_log() == []  # neither started nor stopped
@@ -525,6 +551,7 @@ BAD_LAUNCHES = [
     (["-n", "2", "--timeout", "nan", "{script}"], "--timeout"),
     (["-n", "2", "--kill-grace", "0", "{script}"], "--kill-grace"),
     (["-n", "2", "--mps", "maybe", "{script}"], "--mps"),
+    (["-n", "2", "--mps-percentage", "0", "{script}"], "--mps-percentage"),
     (["-n", "2", "--no-python", "/nonexistent/binary"], "not an executable"),
     (["-n", "2", "--no-python", "-m", "{script}"], "not allowed with"),
     (["-n", "2", "--mps", "on", "{script}"], "--mps on: cannot use MPS"),

@@ -39,8 +39,16 @@ processes' contexts (correct, but every wait between ranks costs milliseconds).
           (their ``CUDA_MPS_PIPE_DIRECTORY`` names an empty directory).
 ========  ====================================================================
 
-Under MPS each rank gets ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE = floor(100 / ranks
-on its GPU)``. Where every rank has its own GPU, nothing about MPS is changed.
+Under MPS no rank gets an SM limit by default: moelink sizes every grid to the
+GPU's SMs / the ranks on it, so all ranks' blocks are resident together.
+``--mps-percentage`` (default ``$MOELINK_MPS_PERCENTAGE``, else ``none``) sets
+``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for every rank: ``auto`` is ``floor(100 /
+ranks on its GPU)``, a number 1 to 100 that percentage. Measured on one H200 with
+2 ranks at 50 %: grids of the limit (66 blocks of 1024 threads each) deadlock,
+because the clients' SM sets may overlap; so under a limit of L SMs moelink
+uses L / ranks per rank, which halves the grids again. A limit is for keeping
+other work of a rank from taking the GPU, not for speed. Where every rank has
+its own GPU, nothing about MPS is changed.
 A daemon the launcher started is stopped (``quit``) when the run ends, whether the
 ranks passed, one failed, the run timed out, or the launcher got SIGINT / SIGTERM
 / SIGHUP; its temporary directory is removed.
@@ -104,6 +112,7 @@ NO_MULTICAST_ENV = {
 }
 MPS_MODES = ("auto", "on", "off")
 MPS_MODE_ENV = "MOELINK_MPS"
+MPS_PERCENTAGE_ENV = "MOELINK_MPS_PERCENTAGE"
 MPS_BINARY = "nvidia-cuda-mps-control"
 #: Where CUDA clients look for the MPS control pipe without $CUDA_MPS_PIPE_DIRECTORY.
 DEFAULT_MPS_PIPE_DIR = "/tmp/nvidia-mps"
@@ -273,6 +282,22 @@ def mps_mode(value: str | None, env=None) -> str:
     return mode
 
 
+def mps_percentage(value: str | None, env=None) -> str:
+    """The MPS thread percentage: ``value`` (``--mps-percentage``) if given, else
+    ``$MOELINK_MPS_PERCENTAGE``, else ``none``: ``none``, ``auto`` or a whole
+    number 1 to 100 (as a string); LaunchError for anything else."""
+    env = os.environ if env is None else env
+    source = "--mps-percentage"
+    if value is None:
+        value, source = env.get(MPS_PERCENTAGE_ENV) or "none", MPS_PERCENTAGE_ENV
+    v = value.strip().lower()
+    if v in ("none", "auto"):
+        return v
+    if v.isdigit() and 1 <= int(v) <= 100:
+        return str(int(v))
+    raise LaunchError(f"{source} must be none, auto or a whole number 1 to 100, got {value!r}")
+
+
 def _control_answers(path: str) -> bool:
     """Whether an MPS control endpoint at ``path`` is live. The daemon listens on
     a UNIX socket named ``control`` and leaves it behind when it quits, so a
@@ -432,6 +457,16 @@ class GpuSharing:
     plan: MpsPlan
     placement: list = field(default_factory=list)
     mps_env: dict = field(default_factory=dict)
+    #: ``none``, ``auto`` or a number 1..100 (:func:`mps_percentage`).
+    percentage: str = "none"
+
+    def thread_percentage(self, rank: int) -> int | None:
+        """``rank``'s ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` (None: not set)."""
+        if not self.uses_mps or self.percentage == "none":
+            return None
+        if self.percentage == "auto":
+            return self.placement[rank].thread_percentage
+        return int(self.percentage)
 
     @property
     def shared(self) -> bool:
@@ -445,8 +480,9 @@ class GpuSharing:
         """MPS variables of ``rank``: the daemon's directories (or, MPS off, an
         empty pipe directory), its thread percentage, ``MOELINK_LAUNCH_MPS``."""
         out = dict(self.mps_env)
-        if self.uses_mps:
-            out["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(self.placement[rank].thread_percentage)
+        pct = self.thread_percentage(rank)
+        if pct is not None:
+            out["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(pct)
         out["MOELINK_LAUNCH_MPS"] = "1" if self.uses_mps else "0"
         return out
 
@@ -467,13 +503,22 @@ class GpuSharing:
 
 
 def _percentages(sharing: GpuSharing) -> str:
-    values = sorted({p.thread_percentage for p in sharing.placement})
-    return " or ".join(f"{v}%" for v in values)
+    """How much of its GPU each rank may use, for the launcher's line."""
+    values = sorted({sharing.thread_percentage(r) for r in range(sharing.num_ranks)} - {None})
+    if not values:
+        return "each rank may use every SM (no MPS thread percentage); grids use SMs / ranks"
+    return "each rank may use " + " or ".join(f"{v}%" for v in values) + " of its GPU's SMs"
 
 
 @contextlib.contextmanager
 def gpu_sharing(
-    num_ranks: int, num_gpus: int, mode: str = "auto", *, log=_log, env=None
+    num_ranks: int,
+    num_gpus: int,
+    mode: str = "auto",
+    *,
+    percentage: str = "none",
+    log=_log,
+    env=None,
 ) -> Iterator[GpuSharing]:
     """Carries out the MPS plan of ``num_ranks`` round-robin ranks on ``num_gpus``
     GPUs (:func:`decide_mps` with this process's uid, ``PATH`` and environment)
@@ -492,7 +537,9 @@ def gpu_sharing(
         binary=binary,
         existing_pipe_dir=reachable_mps_daemon(env),
     )
-    sharing = GpuSharing(num_ranks, num_gpus, plan, placements(num_ranks, num_gpus))
+    sharing = GpuSharing(
+        num_ranks, num_gpus, plan, placements(num_ranks, num_gpus), percentage=percentage
+    )
     daemon = None
     hidden_dir = None
     try:
@@ -504,7 +551,7 @@ def gpu_sharing(
                 sharing.mps_env = daemon.env
                 log(
                     f"{sharing.describe()}: started an MPS control daemon ({daemon.pipe_dir}); "
-                    f"each rank may use {_percentages(sharing)} of its GPU's SMs"
+                    f"{_percentages(sharing)}"
                 )
             elif mode == "on":
                 raise LaunchError(f"--mps on: could not start MPS: {why}")
@@ -516,7 +563,7 @@ def gpu_sharing(
             sharing.mps_env = {"CUDA_MPS_PIPE_DIRECTORY": plan.pipe_dir}
             log(
                 f"{sharing.describe()}: using the running MPS daemon ({plan.pipe_dir}); "
-                f"each rank may use {_percentages(sharing)} of its GPU's SMs"
+                f"{_percentages(sharing)}"
             )
         if plan.action == "timeslice":
             if plan.hide_existing:
@@ -773,6 +820,12 @@ def build_parser() -> CliParser:
         choices=MPS_MODES,
         help=f"MPS where ranks share a GPU (default: ${MPS_MODE_ENV}, else auto)",
     )
+    p.add_argument(
+        "--mps-percentage",
+        metavar="none|auto|N",
+        help=f"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE of every rank under MPS (default: "
+        f"${MPS_PERCENTAGE_ENV}, else none; auto: 100 / ranks on the GPU)",
+    )
     p.add_argument("--timeout", type=positive_seconds, help="seconds for the whole run")
     p.add_argument(
         "--kill-grace",
@@ -809,6 +862,7 @@ def check_args(args) -> None:
     elif not args.module and not os.path.isfile(args.prog):
         raise LaunchError(f"no such script: {args.prog!r}")
     args.mps = mps_mode(args.mps)
+    args.mps_percentage = mps_percentage(args.mps_percentage)
 
 
 def main(argv=None) -> int:
@@ -824,7 +878,9 @@ def main(argv=None) -> int:
     code = 1
     with signals_raise():
         try:
-            with gpu_sharing(args.nproc, num_gpus, args.mps) as sharing:
+            with gpu_sharing(
+                args.nproc, num_gpus, args.mps, percentage=args.mps_percentage
+            ) as sharing:
                 if num_gpus == 0:
                     _log(f"no CUDA GPU found: {args.nproc} ranks run without one")
                 port = free_port()
