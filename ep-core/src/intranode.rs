@@ -113,7 +113,8 @@ pub struct IntranodeBuffer {
     _channels: Vec<Option<MemoryChannel>>,
     channel_table: DeviceMemory,
     /// `[0..4)`: ticket (u32, 0 between kernels; layout and the send kernels),
-    /// `[8..16)`: notify epoch (u64).
+    /// `[4..8)`: peers whose device wait timed out (u32 bit mask, sticky: the
+    /// receive kernels poison what came from them), `[8..16)`: notify epoch (u64).
     scratch: DeviceMemory,
     host: HostMemory,
     host_epoch: u64,
@@ -361,6 +362,9 @@ impl IntranodeBuffer {
             host_counts: self.host.device_ptr() + HOST_COUNTS_OFFSET as u64,
             host_epoch: self.host.device_ptr(),
             epoch_value: epoch,
+            topk_idx: if shape.num_topk > 0 { inp.topk_idx } else { 0 },
+            num_topk: shape.num_topk as i32,
+            error: self.comm.device_error().device_ptr(),
         };
         // SAFETY: the caller (the Python layer) checked every tensor.
         unsafe { k::dispatch_notify(&self.kernels, stream, ctx, notify) }?;

@@ -37,7 +37,8 @@ constexpr uint64_t kCtrlHalfBytes = 32 * 1024;
 struct Ctx {
   comm::MemoryChannelDeviceHandle* channels;  // [R] device array; entry `rank` unused
   char* local;                                // this rank's NVL buffer
-  uint32_t* ticket;                           // device counter of the last-block pattern (0 between kernels)
+  uint32_t* ticket;                           // [0]: last-block counter (0 between kernels);
+                                              // [1]: bit p set once a wait for peer p timed out
   uint64_t* epoch;                            // device counter of notify calls (control-half parity)
   uint64_t dispatch_offset;                   // byte offset of the dispatch region
   uint64_t combine_offset;                    // byte offset of the combine region
@@ -112,12 +113,25 @@ __device__ __forceinline__ void last_block_signals(const Ctx& c) {
   }
 }
 
+// A wait for peer p that ran out of time (the error is recorded by the
+// semaphore) marks p in ticket[1]. The mark stays for the Buffer's life: the
+// ranks are out of step from then on, so the receive kernels poison every row
+// that came from (or depends on) a marked peer instead of passing stale slots
+// as results.
+__device__ __forceinline__ void wait_peer(const Ctx& c, int p) {
+  if (!c.channels[p].wait(c.timeout_ns)) atomicOr(c.ticket + 1, 1u << p);
+}
+
+__device__ __forceinline__ unsigned timed_out_peers(const Ctx& c) {
+  return *reinterpret_cast<volatile uint32_t*>(c.ticket + 1);
+}
+
 // One signal to and one wait for every peer (one thread per peer).
 __device__ __forceinline__ void signal_and_wait_all(const Ctx& c) {
   const int p = threadIdx.x;
   if (p < c.num_ranks && p != c.rank) {
     c.channels[p].signal();
-    c.channels[p].wait(c.timeout_ns);
+    wait_peer(c, p);
   }
 }
 
@@ -171,7 +185,10 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& 
 using moelink::intranode::Ctx;
 using moelink::intranode::RecordLayout;
 
-// dispatch_notify: one block. (1) send_head[t][d] = slot of token t on rank d
+// dispatch_notify: one block. (0) every expert id of topk_idx (if given) must
+// lie in [-1, E): the first one outside is recorded in `error` (naming token
+// and column) before the host epoch is written, so the host, which waits on
+// that epoch, raises it at the end of the call without another sync. (1) send_head[t][d] = slot of token t on rank d
 // (exclusive count over earlier tokens going to d) or -1; (2) into every rank
 // d's control half: row [rank] = {tokens to each rank, this rank's per-expert
 // counts for d's experts}; (3) signal + wait every peer (a barrier: a peer
@@ -184,7 +201,9 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kNotifyThreads)
                     const int* __restrict__ num_tokens_per_expert, int num_tokens,
                     int experts_per_rank, int expert_alignment, int* __restrict__ rank_prefix_matrix,
                     int* __restrict__ send_head, int* __restrict__ host_counts,
-                    unsigned long long* __restrict__ host_epoch, unsigned long long epoch_value) {
+                    unsigned long long* __restrict__ host_epoch, unsigned long long epoch_value,
+                    const int64_t* __restrict__ topk_idx, int num_topk,
+                    comm::DeviceError* error) {
   using namespace moelink::intranode;
   __shared__ int warp_sums[32];
   __shared__ int sent[kMaxRanks];
@@ -196,6 +215,18 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kNotifyThreads)
   const int per_thread = (num_tokens + kNotifyThreads - 1) / kNotifyThreads;
   const int t0 = min(num_tokens, int(threadIdx.x) * per_thread);
   const int t1 = min(num_tokens, t0 + per_thread);
+  if (topk_idx != nullptr) {
+    const int64_t num_experts = int64_t(experts_per_rank) * R;
+    for (int64_t i = int64_t(t0) * num_topk; i < int64_t(t1) * num_topk; ++i) {
+      const int64_t e = topk_idx[i];
+      if (e < -1 || e >= num_experts) {
+        const int64_t t = i / num_topk, k = i % num_topk;
+        comm::report_error(error, comm::kErrorInvalid, comm::kInvalidExpertId, rank, -1,
+                           (uint64_t(t) << 8) | uint64_t(k), uint64_t(num_experts), uint64_t(e));
+        break;
+      }
+    }
+  }
   for (int d = 0; d < R; ++d) {
     int count = 0;
     for (int t = t0; t < t1; ++t) count += is_token_in_rank[int64_t(t) * R + d] ? 1 : 0;
@@ -253,7 +284,7 @@ extern "C" __global__ void combine_barrier(Ctx c) { moelink::intranode::signal_a
 // dispatch_wait / combine_wait: one wait per peer for its end-of-send signal.
 __device__ __forceinline__ void wait_all(const Ctx& c) {
   const int p = threadIdx.x;
-  if (p < c.num_ranks && p != c.rank) c.channels[p].wait(c.timeout_ns);
+  if (p < c.num_ranks && p != c.rank) moelink::intranode::wait_peer(c, p);
 }
 extern "C" __global__ void dispatch_wait(Ctx c) { wait_all(c); }
 extern "C" __global__ void combine_wait(Ctx c) { wait_all(c); }
@@ -313,7 +344,10 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
 // dispatch_recv: a warp per output row. Row i < num_recv comes from the
 // record of (source, slot) located through column `rank` of
 // rank_prefix_matrix; rows beyond (num_worst_tokens padding) get top-k id -1,
-// weight 0 and source index -1.
+// weight 0 and source index -1. Once any wait of this Buffer timed out, the
+// counts (rank_prefix_matrix) themselves may be a peer's stale row, so every
+// row is poisoned, not copied: bytes 0xff (NaN in bf16 and e4m3), NaN scales
+// and weights, top-k id -1 and source index -1.
 extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
     dispatch_recv(Ctx c, RecordLayout rec, const int* __restrict__ rank_prefix_matrix,
                   int64_t num_rows, char* __restrict__ recv_x, float* __restrict__ recv_scales,
@@ -326,7 +360,19 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   const int R = c.num_ranks, K = rec.num_topk;
   const int my_prefix = lane < R ? rank_prefix_matrix[lane * R + c.rank] : 0;
   const int64_t num_recv = __shfl_sync(0xffffffffu, my_prefix, R - 1);
+  const bool poisoned = timed_out_peers(c) != 0;
   for (int64_t i = warp; i < num_rows; i += nwarps) {
+    if (poisoned) {
+      int4* row = reinterpret_cast<int4*>(recv_x + i * rec.hidden_bytes);
+      for (int j = lane; j < rec.hidden_bytes / 16; j += 32) row[j] = make_int4(-1, -1, -1, -1);
+      for (int j = lane; j < rec.num_scales; j += 32)
+        recv_scales[i * scale_stride0 + j * scale_stride1] = __int_as_float(0x7fffffff);
+      if (recv_topk_idx != nullptr && lane < K) recv_topk_idx[i * K + lane] = -1;
+      if (recv_topk_weights != nullptr && lane < K)
+        recv_topk_weights[i * K + lane] = __int_as_float(0x7fffffff);
+      if (recv_src_idx != nullptr && lane == 0) recv_src_idx[i] = -1;
+      continue;
+    }
     if (i >= num_recv) {
       if (recv_topk_idx != nullptr && lane < K) recv_topk_idx[i * K + lane] = -1;
       if (recv_topk_weights != nullptr && lane < K) recv_topk_weights[i * K + lane] = 0.f;
@@ -388,6 +434,8 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
 // combine_recv: a warp per token t: out[t] = bf16((bias0 + bias1) + copy_d0 +
 // copy_d1 + ...) in f32 over the ranks d0 < d1 < ... that received t (the CPU
 // reference's order, so results match it bit for bit); weights likewise from 0.
+// A token that one of the ranks whose wait timed out received is NaN (row and
+// weights), not a partial sum.
 extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
     combine_recv(Ctx c, const int* __restrict__ send_head, int num_tokens, int hidden,
                  int64_t record_bytes, const __nv_bfloat16* __restrict__ bias0,
@@ -403,9 +451,17 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   // may be inactive, so they are not shuffled).
   __shared__ int slots[kWarps][kMaxRanks];
   int* my_slots = slots[threadIdx.x / 32];
+  const unsigned late = timed_out_peers(c);
   for (int64_t t = warp; t < num_tokens; t += nwarps) {
     const int my_slot = lane < R ? send_head[t * R + lane] : -1;
     const unsigned srcs = __ballot_sync(0xffffffffu, my_slot >= 0);
+    if (srcs & late) {
+      int4* row = reinterpret_cast<int4*>(out + t * hidden);
+      for (int v = lane; v < hidden / 8; v += 32) row[v] = make_int4(-1, -1, -1, -1);
+      if (out_weights != nullptr && lane < num_topk)
+        out_weights[t * num_topk + lane] = __int_as_float(0x7fffffff);
+      continue;
+    }
     __syncwarp();
     if (lane < R) my_slots[lane] = my_slot;
     __syncwarp();

@@ -152,6 +152,12 @@ pub struct NotifyArgs {
     /// Host-mapped u64 (device address), set to `epoch_value` last.
     pub host_epoch: u64,
     pub epoch_value: u64,
+    /// `[N, num_topk]` int64 expert ids, checked against `[-1, E)`; 0: none.
+    pub topk_idx: u64,
+    pub num_topk: i32,
+    /// comm's `DeviceError` record (device address): the first id out of
+    /// range, before `host_epoch` is written.
+    pub error: u64,
 }
 
 /// # Safety
@@ -177,6 +183,18 @@ pub unsafe fn dispatch_notify(
     if a.expert_alignment < 1 {
         return Err(CommError::invalid("expert_alignment", "must be at least 1"));
     }
+    if a.topk_idx != 0 && !(1..=crate::limits::MAX_TOPK as i32).contains(&a.num_topk) {
+        return Err(CommError::invalid(
+            "topk_idx",
+            format!("{} columns; 1 to {}", a.num_topk, crate::limits::MAX_TOPK),
+        ));
+    }
+    if a.error == 0 {
+        return Err(CommError::invalid(
+            "error",
+            "the device error record is required",
+        ));
+    }
     let (mut c, mut itr, mut npe, mut n, mut epr, mut al) = (
         ctx,
         a.is_token_in_rank,
@@ -192,6 +210,7 @@ pub unsafe fn dispatch_notify(
         a.host_epoch,
         a.epoch_value,
     );
+    let (mut ids, mut k_, mut err) = (a.topk_idx, a.num_topk, a.error);
     let mut params = [
         arg(&mut c),
         arg(&mut itr),
@@ -204,6 +223,9 @@ pub unsafe fn dispatch_notify(
         arg(&mut hc),
         arg(&mut he),
         arg(&mut ev),
+        arg(&mut ids),
+        arg(&mut k_),
+        arg(&mut err),
     ];
     // SAFETY: argument types match the kernel; pointers are the caller's contract.
     unsafe {

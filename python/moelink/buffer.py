@@ -297,13 +297,22 @@ class Buffer(LowLatencyMixin):
             raise RuntimeError("destroy() needs a Buffer created with explicitly_destroy=True")
         if self._native is not None or self._ll is not None:
             torch.cuda.synchronize(self.device)
+        # A device error (a timeout of an earlier call) is raised after the
+        # barrier and the free, so that the other ranks' destroy() is not left
+        # waiting and nothing stays allocated.
+        error = None
         for name in ("_native", "_ll"):
             native = getattr(self, name)
             if native is not None:
-                native.check_device()
+                try:
+                    native.check_device()
+                except Exception as e:  # noqa: BLE001 - re-raised below
+                    error = error or e
                 native.barrier()
                 native.destroy()
                 setattr(self, name, None)
+        if error is not None:
+            raise error
 
     def __del__(self) -> None:
         natives = [getattr(self, n, None) for n in ("_native", "_ll")]

@@ -93,19 +93,21 @@ MAX_SEED = 2**32 - 1
 
 # Operation names (keys of the result rows) and how the table prints them.
 LAYOUT = "layout"
-LAYOUT_UNCHECKED = "layout_unchecked"
+LAYOUT_HOST_CHECK = "layout_host_check"
 DISPATCH_BF16 = "dispatch_bf16"
 DISPATCH_FP8 = "dispatch_fp8"
 COMBINE_BF16 = "combine_bf16"
 DISPATCH_BF16_UNCACHED = "dispatch_bf16_uncached"
+DISPATCH_BF16_UNCACHED_HOST_CHECK = "dispatch_bf16_uncached_host_check"
 BASELINE = "all_to_all_single"
 OP_LABELS = {
     LAYOUT: "layout",
-    LAYOUT_UNCHECKED: "layout, ids unchecked",
+    LAYOUT_HOST_CHECK: "layout, host id check",
     DISPATCH_BF16: "dispatch bf16",
     DISPATCH_FP8: "dispatch fp8",
     COMBINE_BF16: "combine bf16",
     DISPATCH_BF16_UNCACHED: "dispatch bf16 uncached",
+    DISPATCH_BF16_UNCACHED_HOST_CHECK: "uncached+host id chk",
     BASELINE: "all_to_all_single",
 }
 
@@ -442,18 +444,15 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
             scratch,
         )
         rows.append(_row(LAYOUT, None, times, None))
-        # The same call without the host-side id range check (a device sync).
-        os.environ["MOELINK_CHECK_IDS"] = "0"
-        try:
-            times = _time_gpu(
-                lambda: buffer.get_dispatch_layout(mine["topk_idx"], num_experts),
-                iters,
-                warmup,
-                scratch,
-            )
-        finally:
-            os.environ.pop("MOELINK_CHECK_IDS", None)
-        rows.append(_row(LAYOUT_UNCHECKED, None, times, None))
+        # The same call with the host-side id range check as well (the debug
+        # switch; a device sync per call), which the device-side check replaced.
+        times = _time_with_host_id_check(
+            lambda: buffer.get_dispatch_layout(mine["topk_idx"], num_experts),
+            iters,
+            warmup,
+            scratch,
+        )
+        rows.append(_row(LAYOUT_HOST_CHECK, None, times, None))
 
         layout_args = {
             "num_tokens_per_rank": num_tokens_per_rank,
@@ -513,6 +512,16 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
             for op, fn, nbytes in timed:
                 dist.barrier(group=group)
                 rows.append(_row(op, s, _time_gpu(fn, iters, warmup, scratch), nbytes))
+            # The uncached dispatch again with the host-side id check (before the
+            # device-side check in the notify kernel, every call paid this sync).
+            dist.barrier(group=group)
+            times = _time_with_host_id_check(
+                lambda c=config: buffer.dispatch(mine["x"], config=c, **layout_args),
+                iters,
+                warmup,
+                scratch,
+            )
+            rows.append(_row(DISPATCH_BF16_UNCACHED_HOST_CHECK, s, times, bf16_bytes))
             del recv_x, recv_idx, recv_w, handle
 
         # Baseline: the same rows through NCCL, this rank's tokens grouped by
@@ -609,6 +618,16 @@ def _sms_within_share(sms: list, gpus: dict) -> tuple:
         f"SM counts {sms} reduced to {kept}: up to {gpus['ranks_per_gpu']} ranks share a GPU, "
         f"so each may use {share} SMs with every rank's blocks resident"
     )
+
+
+def _time_with_host_id_check(fn, iters: int, warmup: int, scratch) -> list:
+    """:func:`_time_gpu` of ``fn`` with ``MOELINK_CHECK_IDS=1``: the host-side
+    expert-id check (a device sync per call) on top of the device-side one."""
+    os.environ["MOELINK_CHECK_IDS"] = "1"
+    try:
+        return _time_gpu(fn, iters, warmup, scratch)
+    finally:
+        os.environ.pop("MOELINK_CHECK_IDS", None)
 
 
 def _timed_ops(buffer, x, x_fp8, recv_x, handle, config, layout_args, bf16_bytes) -> list:
@@ -898,7 +917,7 @@ def _target_cell(row: dict, judged: bool) -> tuple:
     """(target text, verdict) for one row; the verdict is ``n/a`` where the row
     is not judged (the CPU, ranks sharing a GPU)."""
     op, sms = row["op"], row["num_sms"]
-    if op in (LAYOUT, LAYOUT_UNCHECKED):
+    if op == LAYOUT:
         verdict = "ok" if row["median_us"] <= LAYOUT_TARGET_US else "miss"
         return f"<= {LAYOUT_TARGET_US:g} us", verdict if judged else "n/a"
     if op == BASELINE:
@@ -957,7 +976,7 @@ def _summary_lines(rows: list, on_gpu: bool, judged: bool = True) -> list:
                 f"{target.at_compare_sms_gbps:g} {met}, DeepEP V1 {target.deepep_gbps:g}"
             )
         lines.append(f"  {label}: " + "; ".join(parts))
-    for op in (LAYOUT, LAYOUT_UNCHECKED):
+    for op in (LAYOUT,):
         layout = [r for r in rows if r["op"] == op]
         if layout and on_gpu:
             us = layout[0]["median_us"]
