@@ -2,8 +2,10 @@
 # GPU loop, step 2 (on the GPU machine, repository root, .gpu/ carried along):
 #   bash scripts/gpu_run.sh [LOG_DIR] [-- extra commands are not taken; use GPU_RUN_EXTRA]
 # Installs the wheel into a temporary target, sets the no-multicast policy, runs the
-# GPU tests (pytest -m "gpu or multi_gpu", Rust GPU tests with --include-ignored),
-# each under `timeout`, and writes logs + summary.json into LOG_DIR (default $OUT,
+# GPU tests (Rust GPU tests with --include-ignored; the multi-rank suites at each
+# rank count of GPU_RUN_RANKS through `python -m moelink.launch`, ranks sharing GPUs
+# where they outnumber them; pytest -m gpu), each under `timeout`, with per-step wall
+# times, and writes logs + summary.json into LOG_DIR (default $OUT,
 # else ./gpu-logs): per-step logs are re-packed into steps.tgz after every step (the device
 # tool brings back at most 8 files), next to machine.txt and summary.json.
 # GPU_RUN_PYTEST_ARGS narrows pytest (e.g. "-k peer");
@@ -23,16 +25,18 @@ python3 -m pip install -q --no-deps --no-index --target "$SITE" .gpu/wheels/*.wh
   { echo "gpu_run: wheel install failed" >&2; exit 2; }
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 
-declare -A RESULT
+declare -A RESULT SECONDS_OF
 run() { # name timeout cmd...   (GPU_RUN_STEPS: a regex of step names to run)
   local name=$1 t=$2; shift 2
   if [ -n "${GPU_RUN_STEPS:-}" ] && ! [[ $name =~ $GPU_RUN_STEPS ]]; then return; fi
   echo "=== $name: $* (timeout ${t}s)"
+  local t0=$SECONDS
   timeout -k 10 "$t" "$@" > "$STEPS/$name.log" 2>&1
   local rc=$?
   RESULT[$name]=$rc
+  SECONDS_OF[$name]=$((SECONDS - t0))
   grep -E "^(PASS|FAIL|SKIPPED)|test result|passed|failed|error|ERROR SUMMARY" "$STEPS/$name.log" | tail -n 30
-  echo "=== $name: rc=$rc"
+  echo "=== $name: rc=$rc (${SECONDS_OF[$name]} s)"
   tar -czf "$LOG/steps.tgz" -C "$(dirname "$STEPS")" steps
 }
 
@@ -46,37 +50,56 @@ run() { # name timeout cmd...   (GPU_RUN_STEPS: a regex of step names to run)
 cat "$LOG/machine.txt" | head -n 12
 
 NGPU=$(nvidia-smi -L | wc -l)
+# Multi-rank suites: every rank count of GPU_RUN_RANKS (default "2 4"; "8" too, as
+# a call of its own) on whatever GPUs there are: ranks map to GPUs round-robin
+# through `python -m moelink.launch`, several per GPU where ranks outnumber GPUs,
+# under an MPS daemon the launcher starts and stops (GPU_RUN_MPS=off: time-slicing).
+RANKS=${GPU_RUN_RANKS:-2 4}
+export MOELINK_MPS=${GPU_RUN_MPS:-auto}
+LAUNCH="python3 -m moelink.launch"
 for exe in .gpu/bin/*; do
   [ -x "$exe" ] || continue
   name=$(basename "$exe")
   case "$name" in
-    gpu_multi_rank)  # multi-process: one rank per GPU under torchrun, at 2 and 4 ranks
-      for n in 2 4; do
-        [ "$NGPU" -ge "$n" ] || { echo "=== rust-$name-$n: skipped, $NGPU GPUs"; continue; }
-        run "rust-$name-$n" 400 python3 -m torch.distributed.run --standalone \
-          --nproc-per-node="$n" --no-python "$exe" --include-ignored --test-threads=1 --nocapture
+    gpu_multi_rank)  # multi-process: the comm suite at every rank count
+      for n in $RANKS; do
+        run "rust-$name-$n" 400 $LAUNCH -n "$n" --timeout 380 --no-python "$exe" \
+          --include-ignored --test-threads=1 --nocapture
       done ;;
     comm_bench) ;;  # a benchmark: run through GPU_RUN_EXTRA
     *) run "rust-$name" 300 "$exe" --include-ignored --test-threads=1 ;;
   esac
 done
-if [ -n "${GPU_RUN_SANITIZE:-}" ] && [ -x .gpu/bin/gpu_multi_rank ]; then
-  # compute-sanitizer memcheck and racecheck over the multi-rank suite at 2 ranks
-  # (without the 500 x 1 GiB loop) and over the single-GPU kernel tests.
+for n in $RANKS; do
+  run "peer_write-$n" 120 $LAUNCH -n "$n" --timeout 110 tests/multi_gpu/peer_write_worker.py
+  run "intranode-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
+  run "low_latency-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/ll_worker.py
+  run "allreduce-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/allreduce_worker.py
+done
+# MOELINK_TRAP_ON_TIMEOUT=1 (2 ranks, no MPS: a trap under MPS takes down every
+# rank on the GPU): a device timeout traps the kernel.
+run "trap-2" 120 env MOELINK_MPS=off $LAUNCH -n 2 --timeout 100 tests/multi_gpu/trap_worker.py
+if [ -n "${GPU_RUN_MAIN_RANKS:-}" ]; then
+  # The main job (python -m moelink) on that many ranks, shared GPUs included.
+  run "main-${GPU_RUN_MAIN_RANKS}" 400 python3 -m moelink --ranks "$GPU_RUN_MAIN_RANKS" \
+    --num-tokens 1024 --iters 5 --warmup 2 --timeout 380
+fi
+if [ -n "${GPU_RUN_SANITIZE:-}" ]; then
+  # compute-sanitizer memcheck over the 2-rank workers (ranks share GPUs where there
+  # are fewer than 2; run without MPS, so they time-slice) and memcheck + racecheck
+  # over the single-GPU kernel tests.
+  for w in intranode ll; do
+    run "sanitize-memcheck-$w-2" 500 env MOELINK_MPS=off $LAUNCH -n 2 --timeout 480 \
+      --no-python compute-sanitizer --tool memcheck --error-exitcode 9 \
+      python3 "tests/multi_gpu/${w}_worker.py"
+  done
   for tool in memcheck racecheck; do
-    # Left out under the sanitizer: scenarios that launch thousands of tiny
-    # kernels from proxy threads (atomics, Ethernet), which it slows past the
-    # suite's 60 s bootstrap bound, and the 500 x 1 GiB loop.
-    run "sanitize-$tool-multi_rank" 150 env \
-      MOELINK_TEST_SKIP=create_destroy_500x1GiB,port_cuda_ipc_atomics,port_ethernet_put_signal_flush,port_ethernet_atomics \
-      python3 -m torch.distributed.run --standalone --nproc-per-node=2 --no-python \
-      compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      .gpu/bin/gpu_multi_rank --include-ignored --test-threads=1 --nocapture
     run "sanitize-$tool-kernels" 200 compute-sanitizer --tool "$tool" --error-exitcode 9 \
       .gpu/bin/gpu_kernels --include-ignored --test-threads=1
   done
 fi
-run pytest-gpu 540 python3 -m pytest tests -m "gpu or multi_gpu" -v -rs -p no:cacheprovider ${GPU_RUN_PYTEST_ARGS:-}
+# Single-GPU pytest tests (the multi-rank suites ran above, step by step).
+run pytest-gpu 540 python3 -m pytest tests -m gpu -v -rs -p no:cacheprovider ${GPU_RUN_PYTEST_ARGS:-}
 if [ -n "${GPU_RUN_EXTRA:-}" ]; then
   run extra 540 bash -c "$GPU_RUN_EXTRA"
 fi
@@ -90,7 +113,7 @@ status=0
   for k in "${!RESULT[@]}"; do
     [ $first -eq 1 ] || echo ","
     first=0
-    printf '    "%s": %s' "$k" "${RESULT[$k]}"
+    printf '    "%s": {"rc": %s, "seconds": %s}' "$k" "${RESULT[$k]}" "${SECONDS_OF[$k]}"
     [ "${RESULT[$k]}" -eq 0 ] || status=1
   done
   echo; echo "  }"; echo "}"

@@ -28,10 +28,10 @@ import os
 import random
 import sys
 import tempfile
+import time
 import traceback
 import zlib
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 
 import moelink
@@ -509,8 +509,7 @@ def scenario_selector(ctx: Ctx) -> None:
     # through NCCL).
     n = 100_003
     mine = make_input(ctx, ("gathered",), ctx.rank, n, torch.bfloat16)
-    gathered = torch.empty(n * ctx.world, dtype=torch.bfloat16, device=ctx.device)
-    dist.all_gather_into_tensor(gathered, mine, group=ctx.group)
+    gathered = torch.cat(worker_driver.all_gather_tensor(mine, ctx.group))
     regenerated = torch.cat(
         [make_input(ctx, ("gathered",), p, n, torch.bfloat16) for p in range(ctx.world)]
     )
@@ -959,23 +958,43 @@ def scenario_invalid_args(ctx: Ctx) -> None:
 
 
 def scenario_timeout(ctx: Ctx) -> None:
-    """Rank 1 skips a call: the others' kernels give up after max_spins polls and
-    the next call / check() raises moelink.TimeoutError naming the rank and what it
-    waited for (an LL packet, then a semaphore signal, from rank 1)."""
+    """Rank 1 skips a call: the others' kernels give up after device_timeout_s
+    (2 s of GPU time, not before) and the next call / check() raises
+    moelink.TimeoutError naming the rank and what it waited for (an LL packet, then a
+    semaphore signal, from rank 1). A non-positive bound is refused."""
     chk = Checker()
     if ctx.world < 2:
         chk.done()
         return
+    bound_s = 2.0
     for algorithm, what in (("oneshot_ll", "LL packet"), ("rsag", "semaphore")):
-        comm = ctx.new_comm(max_bytes=4 * MIB, max_spins=2_000_000)
+        comm = ctx.new_comm(max_bytes=4 * MIB, device_timeout_s=bound_s)
         try:
+            chk.expect(
+                comm.device_timeout_s == bound_s,
+                f"device_timeout_s is {comm.device_timeout_s}, want {bound_s}",
+            )
+            expect_raises(
+                chk,
+                "device_timeout_s = 0",
+                ValueError,
+                lambda c=comm: setattr(c, "device_timeout_s", 0),
+            )
             x = torch.ones(4096, dtype=torch.float32, device=ctx.device)
             comm.all_reduce(x, algorithm=algorithm)  # a good call first
             torch.cuda.synchronize()
             dist.barrier(group=ctx.gloo)
+            start = time.monotonic()
             if ctx.rank != 1:
                 comm.all_reduce(x, algorithm=algorithm)
             torch.cuda.synchronize()
+            waited = time.monotonic() - start
+            if ctx.rank != 1:
+                # Time-slicing (ranks sharing a GPU) must not end the wait early.
+                chk.expect(
+                    waited >= bound_s,
+                    f"{algorithm}: gave up after {waited:.3f} s, before the {bound_s} s bound",
+                )
             if ctx.rank == 1:
                 comm.check()
                 chk.expect(True, "")
@@ -1053,9 +1072,7 @@ def scenario_tuner(ctx: Ctx) -> None:
 
 def scenario_create_destroy(ctx: Ctx) -> None:
     chk = Checker()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free_before = torch.cuda.mem_get_info()[0]
+    free_before = worker_driver.quiesced_free_memory(ctx.device, ctx.gloo)
     for i in range(20):
         comm = ctx.new_comm(max_bytes=16 * MIB)
         x = torch.full((1000,), float(ctx.rank + i), device=ctx.device)
@@ -1064,12 +1081,9 @@ def scenario_create_destroy(ctx: Ctx) -> None:
         want = sum(p + i for p in range(ctx.world))
         chk.expect(bool((x == want).all()), f"cycle {i}: got {x[0].item()}, want {want}")
         comm.destroy()
-    torch.cuda.synchronize()
-    # A rank's scratch is freed once every peer has unmapped it too: wait for the
-    # peers' destroy() before measuring.
-    dist.barrier(group=ctx.gloo)
-    torch.cuda.empty_cache()
-    lost = free_before - torch.cuda.mem_get_info()[0]
+    # A rank's scratch is freed once every peer has unmapped it too: the quiesced
+    # reading waits for the peers' destroy() before measuring.
+    lost = free_before - worker_driver.quiesced_free_memory(ctx.device, ctx.gloo)
     chk.expect(
         abs(lost) <= 64 * MIB, f"free GPU memory changed by {lost / MIB:.1f} MiB over 20 cycles"
     )
@@ -1129,13 +1143,8 @@ def replace_comm(ctx: Ctx) -> None:
 
 
 def main() -> int:
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
-    gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+    wg = worker_driver.init_worker(CONTROL_TIMEOUT_S)
+    rank, world, device, gloo = wg.rank, wg.world, wg.device, wg.gloo
     status = 0
     try:
         names = selected_scenarios()
@@ -1151,7 +1160,7 @@ def main() -> int:
                 f"max {max_bytes / MIB:g} MiB; full={full}",
                 flush=True,
             )
-        ctx = Ctx(rank, world, device, dist.group.WORLD, gloo, seed[0], max_bytes, full)
+        ctx = Ctx(rank, world, device, wg.group, gloo, seed[0], max_bytes, full)
         ctx.comm = ctx.new_comm()
         for name in names:
             if not run_scenario(ctx, name):

@@ -28,7 +28,6 @@ import sys
 import traceback
 import zlib
 from dataclasses import dataclass
-from datetime import timedelta
 
 import moelink
 import torch
@@ -49,6 +48,7 @@ SCENARIO_NAMES = (
     "invalid_args",
     "cuda_graph",
     "iterations",
+    "timeout_poison",
     "create_destroy",
 )
 SCENARIOS_ENV = "MOELINK_INTRANODE_SCENARIOS"
@@ -929,7 +929,6 @@ def scenario_invalid_args(ctx: Ctx) -> None:
     V, T = ValueError, TypeError
     calls = [
         ("layout: topk_idx int32", V, lambda: buf.get_dispatch_layout(idx.int(), E)),
-        ("layout: expert id >= num_experts", V, lambda: buf.get_dispatch_layout(bad_idx, E)),
         ("layout: num_experts % ranks != 0", V, lambda: buf.get_dispatch_layout(idx, E + 1)),
         ("layout: topk_idx on CPU", V, lambda: buf.get_dispatch_layout(idx.cpu(), E)),
         (
@@ -943,7 +942,6 @@ def scenario_invalid_args(ctx: Ctx) -> None:
         ("dispatch: x 3-D", V, lambda: dispatch(x.unsqueeze(0))),
         ("dispatch: x a list", T, lambda: dispatch([x])),
         ("dispatch: topk_idx int32", V, lambda: dispatch(topk_idx=idx.int())),
-        ("dispatch: expert id >= num_experts", V, lambda: dispatch(topk_idx=bad_idx)),
         ("dispatch: topk_idx rows != x rows", V, lambda: dispatch(topk_idx=idx[:-1])),
         (
             "dispatch: num_experts % ranks != 0",
@@ -1005,6 +1003,23 @@ def scenario_invalid_args(ctx: Ctx) -> None:
     ]
     for name, exc, fn in calls:
         chk.raises(name, exc, fn)
+    torch.cuda.synchronize()
+
+    # Expert ids out of range: the kernels flag them (no host sync); the call runs
+    # on every rank (the ranks stay in step) and raises ValueError naming the
+    # token and column, at its end or from check().
+    g = ctx.shared_generator("invalid/bad-id")
+    t_bad = int(torch.randint(0, n, (1,), generator=g))
+    c_bad = int(torch.randint(0, idx.shape[1], (1,), generator=g))
+    for value in (E, -2, 1 << 40):
+        bad = idx.clone()
+        bad[t_bad, c_bad] = value
+        for label, launch in (
+            ("layout", lambda b=bad: buf.get_dispatch_layout(b, E)),
+            ("dispatch", lambda b=bad: dispatch(topk_idx=b)),
+        ):
+            why = worker_driver.bad_ids_failure(launch, buf.check, dev, t_bad, c_bad)
+            chk.expect(why is None, f"{label} with expert id {value} at ({t_bad}, {c_bad}): {why}")
     torch.cuda.synchronize()
 
     # The Buffer still works: a fresh dispatch and combine.
@@ -1183,9 +1198,7 @@ def scenario_create_destroy(ctx: Ctx) -> None:
     ref = reference.dispatch(inputs, case.num_experts)
     ys = random_ys(ctx, "create/y", ref, case.hidden)
 
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free_before = torch.cuda.mem_get_info()[0]
+    free_before = worker_driver.quiesced_free_memory(ctx.device, ctx.gloo)
     shared = ctx.buffer
     try:
         for i in range(100):
@@ -1203,14 +1216,121 @@ def scenario_create_destroy(ctx: Ctx) -> None:
             buf.destroy()
     finally:
         ctx.buffer = shared
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free_after = torch.cuda.mem_get_info()[0]
+    free_after = worker_driver.quiesced_free_memory(ctx.device, ctx.gloo)
     lost = free_before - free_after
     chk.expect(
         abs(lost) <= 64 * MIB,
         f"free GPU memory changed by {lost / MIB:.1f} MiB over 100 create/destroy cycles",
     )
+    chk.done()
+
+
+def scenario_timeout_poison(ctx: Ctx) -> None:
+    """With a 2 s device timeout, the last rank skips a call. What the others'
+    calls return does not pass as valid: a combine gives NaN in every token that
+    the late rank received (every other token exact); a dispatch with
+    ``num_worst_tokens`` (no host wait) gives NaN rows and source index -1 in every
+    row; a dispatch with a host wait raises ``moelink.TimeoutError``. ``check()``
+    names the late rank. Each case uses a fresh Buffer (the ranks stay out of
+    step after a timeout); the ranks quiesce before it is destroyed."""
+    chk = Checker()
+    R, r = ctx.num_ranks, ctx.rank
+    late = R - 1
+    skip = r == late
+    case = Case(256, 8 * R, 4, token_counts(ctx, "timeout", low=1))
+    inputs = case.inputs(ctx, "timeout")
+    E = case.num_experts
+    ref = reference.dispatch(inputs, E)
+    ys = random_ys(ctx, "timeout/y", ref, case.hidden)
+    shared = ctx.buffer
+
+    def fresh() -> moelink.Buffer:
+        os.environ["MOELINK_DEVICE_TIMEOUT_S"] = "2"
+        try:
+            return moelink.Buffer(
+                ctx.group, nvl_bytes_for(R, case.hidden, N_MAX), explicitly_destroy=True
+            )
+        finally:
+            del os.environ["MOELINK_DEVICE_TIMEOUT_S"]
+
+    def named_late(label: str, e: BaseException) -> None:
+        why = f"{label}: the TimeoutError does not name rank {late}: {e}"
+        chk.expect(f"from rank {late}" in str(e), why)
+
+    def expect_timeout(label: str, buf: moelink.Buffer) -> None:
+        torch.cuda.synchronize()
+        try:
+            buf.check()
+        except moelink.TimeoutError as e:
+            named_late(label, e)
+            return
+        chk.expect(False, f"{label}: check() raised no TimeoutError")
+
+    def retire(buf: moelink.Buffer) -> None:
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.gloo)
+        try:
+            buf.destroy()
+        except moelink.TimeoutError:
+            pass
+
+    try:
+        # 1. The late rank skips a combine.
+        ctx.buffer = buf = fresh()
+        got = gpu_dispatch(ctx, inputs[r], E)
+        check_dispatch(chk, "dispatch before the skipped combine", got, ref, r)
+        if not skip:
+            y = y_for(chk, "combine", ys[r], got[0], ctx.device)
+            out_x, out_w, _ = buf.combine(y, got[4], topk_weights=got[2])
+            torch.cuda.synchronize()
+            want_x, want_w = expected_combine(ref, ys, weights=True)[r]
+            hit = ref.is_token_in_rank(r)[:, late]
+            cx, cw = out_x.cpu(), out_w.cpu()
+            chk.expect(
+                bool(torch.isnan(cx[hit].float()).all()) and bool(torch.isnan(cw[hit]).all()),
+                f"combine: {int(hit.sum())} tokens went to late rank {late}; not all NaN",
+            )
+            chk.equal("combine: tokens the late rank did not get", cx[~hit],
+                      reference.to_bf16(want_x)[~hit])  # fmt: skip
+            chk.equal("combine: their weights", cw[~hit], want_w[~hit])
+            expect_timeout("combine", buf)
+        del got
+        retire(buf)
+
+        # 2. The late rank skips a dispatch with num_worst_tokens.
+        ctx.buffer = buf = fresh()
+        worst = sum(case.counts)
+        if not skip:
+            try:
+                got = gpu_dispatch(ctx, inputs[r], E, num_worst_tokens=worst)
+                torch.cuda.synchronize()
+                recv_x, recv_idx, recv_w, _, handle, _ = got
+                chk.expect(
+                    bool(torch.isnan(recv_x.float()).all()),
+                    "worst-tokens dispatch: recv_x rows are not all NaN",
+                )
+                chk.expect(
+                    bool((handle[3] == -1).all()) and bool((recv_idx == -1).all()),
+                    "worst-tokens dispatch: recv_src_idx / recv_topk_idx not all -1",
+                )
+                chk.expect(bool(torch.isnan(recv_w).all()), "worst-tokens dispatch: weights")
+                del got, recv_x, recv_idx, recv_w, handle
+                expect_timeout("worst-tokens dispatch", buf)
+            except moelink.TimeoutError as e:  # the GPU was done before the call returned
+                named_late("worst-tokens dispatch", e)
+        retire(buf)
+
+        # 3. The late rank skips a dispatch whose counts the host waits for.
+        ctx.buffer = buf = fresh()
+        if not skip:
+            try:
+                gpu_dispatch(ctx, inputs[r], E)
+                chk.expect(False, "dispatch with a host wait returned without TimeoutError")
+            except moelink.TimeoutError as e:
+                named_late("dispatch with a host wait", e)
+        retire(buf)
+    finally:
+        ctx.buffer = shared
     chk.done()
 
 
@@ -1226,6 +1346,7 @@ SCENARIOS = {
     "invalid_args": scenario_invalid_args,
     "cuda_graph": scenario_cuda_graph,
     "iterations": scenario_iterations,
+    "timeout_poison": scenario_timeout_poison,
     "create_destroy": scenario_create_destroy,
 }
 assert tuple(SCENARIOS) == SCENARIO_NAMES
@@ -1265,13 +1386,8 @@ def replace_buffer(ctx: Ctx) -> None:
 
 
 def main() -> int:
-    rank = int(os.environ["RANK"])
-    num_ranks = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
-    gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=CONTROL_TIMEOUT_S))
+    wg = worker_driver.init_worker(CONTROL_TIMEOUT_S)
+    rank, num_ranks, device, gloo = wg.rank, wg.world, wg.device, wg.gloo
     status = 0
     try:
         names = selected_scenarios()
@@ -1279,8 +1395,12 @@ def main() -> int:
         dist.broadcast_object_list(seed, src=0, group=gloo)
         if rank == 0:
             print(f"seed {seed[0]} ({SEED_ENV}={seed[0]} replays this run)", flush=True)
-            print(f"scenarios {','.join(names)} on {num_ranks} ranks", flush=True)
-        ctx = Ctx(rank, num_ranks, device, dist.group.WORLD, gloo, seed[0])
+            print(
+                f"scenarios {','.join(names)} on {num_ranks} ranks, "
+                f"{wg.ranks_per_gpu} per GPU ({dist.get_backend(wg.group)})",
+                flush=True,
+            )
+        ctx = Ctx(rank, num_ranks, device, wg.group, gloo, seed[0])
         ctx.side_stream = torch.cuda.Stream()
         ctx.buffer = new_buffer(ctx)
         for name in names:

@@ -26,7 +26,6 @@ import sys
 import time
 import traceback
 import zlib
-from datetime import timedelta
 
 import moelink
 import torch
@@ -44,6 +43,7 @@ SCENARIO_NAMES = (
     "cuda_graph",
     "masked_rank",
     "timeout_mask",
+    "timeout_poison",
     "create_destroy",
 )
 SCENARIOS_ENV = "MOELINK_LL_SCENARIOS"
@@ -60,8 +60,9 @@ class Failure(Exception):
 
 
 class Ctx:
-    def __init__(self, rank: int, size: int, seed: int, device) -> None:
+    def __init__(self, rank: int, size: int, seed: int, device, ranks_per_gpu=1, gloo=None) -> None:
         self.rank, self.size, self.seed, self.device = rank, size, seed, device
+        self.ranks_per_gpu, self.gloo = ranks_per_gpu, gloo
         self.errors: list[str] = []
 
     def gen(self, tag: str, rank: int) -> torch.Generator:
@@ -74,11 +75,11 @@ class Ctx:
             self.errors.append(msg)
 
 
-def poison(device) -> None:
+def poison(device, ranks_per_gpu: int = 1) -> None:
     """Fill the caching allocator's free memory with POISON_BYTE: fresh outputs then
-    start poisoned rather than zero."""
+    start poisoned rather than zero (ranks that share the GPU split what is free)."""
     free, _ = torch.cuda.mem_get_info(device)
-    n = max(0, min(free - (2 << 30), 8 << 30))
+    n = max(0, min(free // ranks_per_gpu - (2 << 30), (8 << 30) // ranks_per_gpu))
     if n > 0:
         t = torch.empty(n, dtype=torch.uint8, device=device)
         t.fill_(POISON_BYTE)
@@ -221,7 +222,7 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
     if ref is None:
         ref = reference.ll_dispatch([i[0] for i in inputs], [i[1] for i in inputs], t, e,
                                     use_fp8, round_scale, ue8m0)  # fmt: skip
-    poison(dev)
+    poison(dev, ctx.ranks_per_gpu)
     el = e // ctx.size
     st_cnt = torch.zeros(el, dtype=torch.int32, device=dev) if stats else None
     st_wait = torch.zeros(ctx.size, dtype=torch.int64, device=dev) if stats else None
@@ -396,9 +397,6 @@ def scenario_invalid_args(ctx: Ctx, buf) -> None:
         ("too many tokens", ValueError, lambda: buf.low_latency_dispatch(x, idx, 8, e)),
         ("experts not divisible", ValueError,
          lambda: buf.low_latency_dispatch(x, idx, 64, e + 1)),
-        ("id out of range", ValueError,
-         lambda: buf.low_latency_dispatch(x, idx + e, 64, e)),
-        ("id below -1", ValueError, lambda: buf.low_latency_dispatch(x, idx - 100, 64, e)),
         ("topk int32", ValueError, lambda: buf.low_latency_dispatch(x, idx.int(), 64, e)),
         ("topk rows", ValueError, lambda: buf.low_latency_dispatch(x, idx[:3], 64, e)),
         ("hidden 100", ValueError,
@@ -414,6 +412,24 @@ def scenario_invalid_args(ctx: Ctx, buf) -> None:
     ]  # fmt: skip
     for label, exc, fn in bad:
         expect_raise(ctx, label, exc, fn)
+    # Expert ids out of range: the dispatch kernel flags them (no host sync); the
+    # call runs on every rank and ValueError names the token and column, at the end
+    # of the call, of its hook, or from check().
+    g = torch.Generator().manual_seed(ctx.seed)
+    t_bad = int(torch.randint(0, 16, (1,), generator=g))
+    c_bad = int(torch.randint(0, 4, (1,), generator=g))
+    for value, hook in ((e, False), (-2, False), (1 << 40, True)):
+        bad_idx = idx.clone()
+        bad_idx[t_bad, c_bad] = value
+
+        def launch(b=bad_idx, h=hook):
+            out = buf.low_latency_dispatch(x, b, 64, e, return_recv_hook=h)
+            if h:
+                out[4]()
+
+        why = worker_driver.bad_ids_failure(launch, buf.check, dev, t_bad, c_bad)
+        if why is not None:
+            ctx.fail(f"dispatch with expert id {value} at ({t_bad}, {c_bad}), hook={hook}: {why}")
     # A valid call afterwards, then combine-side mistakes.
     recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, 64, e, use_fp8=False)
     y = torch.zeros_like(recv)
@@ -611,9 +627,73 @@ def scenario_timeout_mask(ctx: Ctx, buf) -> None:
         sbuf.destroy()
 
 
+def scenario_timeout_poison(ctx: Ctx, buf) -> None:
+    """Without shrink, with a 2 s device timeout, the last rank skips a call. The
+    others' calls still return, but nothing passes as valid: a dispatch returns
+    counts of -1, a combine returns NaN in every token that an expert of the late
+    rank would have added to (the others are exact), and check() raises
+    moelink.TimeoutError naming the late rank. clean_low_latency_buffer() recovers."""
+    late = ctx.size - 1
+    r, dev = ctx.rank, ctx.device
+    e = 8 * ctx.size
+    el = e // ctx.size
+    os.environ["MOELINK_LL_TIMEOUT_S"] = "2"
+    try:
+        tbuf = new_ll_buffer(ctx)
+    finally:
+        del os.environ["MOELINK_LL_TIMEOUT_S"]
+
+    def expect_timeout(label: str) -> None:
+        try:
+            tbuf.check()
+        except moelink.TimeoutError as ex:
+            if f"from rank {late}" not in str(ex):
+                ctx.fail(f"{label}: the TimeoutError does not name rank {late}: {ex}")
+            return
+        ctx.fail(f"{label}: check() raised no TimeoutError")
+
+    def recover() -> None:
+        torch.cuda.synchronize(dev)
+        dist.barrier()
+        tbuf.clean_low_latency_buffer(48, 2048, e)
+
+    try:
+        x, idx, w = (a.to(dev) for a in make_inputs(ctx, "poison", 48, 2048, e, 4,
+                                                    zero_rank=False)[r])  # fmt: skip
+        # 1. The late rank skips a dispatch.
+        if r != late:
+            _, count, _, _, _ = tbuf.low_latency_dispatch(x, idx, 48, e, use_fp8=False)
+            torch.cuda.synchronize(dev)
+            if count.tolist() != [-1] * el:
+                ctx.fail(f"dispatch after a timeout: counts {count.tolist()}, expected -1s")
+            expect_timeout("dispatch")
+        recover()
+        # 2. Every rank dispatches; the late rank skips the combine.
+        recv, count, handle, _, _ = tbuf.low_latency_dispatch(x, idx, 48, e, use_fp8=False)
+        torch.cuda.synchronize(dev)
+        if r != late:
+            comb, _, _ = tbuf.low_latency_combine(recv, idx, w, handle)
+            torch.cuda.synchronize(dev)
+            nan_rows = torch.isnan(comb.float()).any(dim=1).cpu()
+            want = ((idx.cpu() >= late * el) & (idx.cpu() < (late + 1) * el)).any(dim=1)
+            if not torch.equal(nan_rows, want):
+                ctx.fail(
+                    f"combine after a timeout: NaN rows {nan_rows.nonzero().flatten().tolist()}, "
+                    f"expected those routed to rank {late}: {want.nonzero().flatten().tolist()}"
+                )
+            if not torch.isfinite(comb[~want.to(dev)].float()).all():
+                ctx.fail("combine after a timeout: a token not routed to the late rank is NaN")
+            expect_timeout("combine")
+        recover()
+        inputs = make_inputs(ctx, "after-poison", 48, 2048, e, 4)
+        round_trip(ctx, tbuf, "after the timeouts", inputs, 48, e)
+    finally:
+        torch.cuda.synchronize()
+        tbuf.destroy()
+
+
 def scenario_create_destroy(ctx: Ctx, buf) -> None:
-    torch.cuda.synchronize()
-    free0, _ = torch.cuda.mem_get_info(ctx.device)
+    free0 = worker_driver.quiesced_free_memory(ctx.device, ctx.gloo)
     for i in range(10):
         b = new_ll_buffer(ctx, t=64, h=2048, allow_nvlink_for_low_latency_mode=(i % 2 == 0))
         if i % 3 == 0:
@@ -621,8 +701,7 @@ def scenario_create_destroy(ctx: Ctx, buf) -> None:
             round_trip(ctx, b, f"create/destroy {i}", inputs, 64, 8 * ctx.size)
         torch.cuda.synchronize()
         b.destroy()
-    torch.cuda.synchronize()
-    free1, _ = torch.cuda.mem_get_info(ctx.device)
+    free1 = worker_driver.quiesced_free_memory(ctx.device, ctx.gloo)
     if free0 - free1 > 64 << 20:
         ctx.fail(f"create/destroy leaked {(free0 - free1) >> 20} MiB of device memory")
 
@@ -631,18 +710,27 @@ def scenario_create_destroy(ctx: Ctx, buf) -> None:
 
 
 def main() -> int:
-    dist.init_process_group("nccl", timeout=timedelta(seconds=600))
-    rank, size = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ.get("LOCAL_RANK", rank))
-    torch.cuda.set_device(local)
-    device = torch.device("cuda", local)
+    wg = worker_driver.init_worker(600)
+    rank, size, device = wg.rank, wg.world, wg.device
     seed = [int(os.environ.get(SEED_ENV, time.time_ns() % (1 << 31)))]
     dist.broadcast_object_list(seed, src=0)
-    ctx = Ctx(rank, size, seed[0], device)
+    ctx = Ctx(rank, size, seed[0], device, wg.ranks_per_gpu, wg.gloo)
     if rank == 0:
-        print(f"ll_worker: {size} ranks, seed {seed[0]}", flush=True)
+        print(
+            f"ll_worker: {size} ranks, {wg.ranks_per_gpu} per GPU "
+            f"({dist.get_backend(wg.group)}), seed {seed[0]}",
+            flush=True,
+        )
     names = worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
     buf = new_ll_buffer(ctx)
+    ranks_on_gpu, sms, ctx_sms, share, group_share = buf._ll.device_share()
+    if rank == 0:
+        print(
+            f"ll_worker: {ranks_on_gpu} ranks on this GPU of {sms} SMs, context SM limit "
+            f"{ctx_sms}, {share} blocks per grid (group {group_share}); "
+            f"MPS thread percentage {os.environ.get('CUDA_MPS_ACTIVE_THREAD_PERCENTAGE')}",
+            flush=True,
+        )
     failed = False
     for name in names:
         fn = globals()[f"scenario_{name}"]

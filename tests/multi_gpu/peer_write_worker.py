@@ -20,7 +20,8 @@ import torch.distributed as dist
 def main() -> int:
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
+    # Ranks may share GPUs (round-robin); the control plane is gloo either way.
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
     dist.init_process_group("gloo")
     status = 0
     try:

@@ -1,5 +1,6 @@
 """moelink.AllReduce (allreduce, allgather) against a float64 CPU reference, under
-torchrun with 2 and 4 ranks (the scenarios live in ``allreduce_worker.py``).
+``moelink.launch`` with 2, 4 and 8 ranks, several per GPU where ranks outnumber the
+GPUs (the scenarios live in ``allreduce_worker.py``).
 
 ``MOELINK_AR_SCENARIOS`` (a comma list of names from the worker's
 ``SCENARIO_NAMES``) runs only those; ``MOELINK_TEST_SEED`` replays a run's data;
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multi_gpu.torchrun_suite import run_suite
+from tests.multi_gpu.torchrun_suite import rank_counts, run_suite
 
 pytestmark = pytest.mark.multi_gpu
 WORKER = Path(__file__).with_name("allreduce_worker.py")
@@ -21,6 +22,6 @@ SCENARIOS_ENV = "MOELINK_AR_SCENARIOS"
 TIMEOUT_S = 1800
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", rank_counts())
 def test_allreduce(nproc):
     run_suite(nproc, WORKER, SCENARIOS_ENV, TIMEOUT_S)

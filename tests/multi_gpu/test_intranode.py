@@ -1,5 +1,6 @@
-"""Intranode dispatch/combine against the CPU reference, under torchrun with 2 and
-4 ranks (the scenarios live in ``intranode_worker.py``).
+"""Intranode dispatch/combine against the CPU reference, under ``moelink.launch``
+with 2, 4 and 8 ranks, several per GPU where ranks outnumber the GPUs (the
+scenarios live in ``intranode_worker.py``).
 
 ``MOELINK_INTRANODE_SCENARIOS`` (a comma list of names from the worker's
 ``SCENARIO_NAMES``) runs only those; ``MOELINK_TEST_SEED`` replays a run's data.
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multi_gpu.torchrun_suite import run_suite
+from tests.multi_gpu.torchrun_suite import rank_counts, run_suite
 
 pytestmark = pytest.mark.multi_gpu
 WORKER = Path(__file__).with_name("intranode_worker.py")
@@ -19,6 +20,6 @@ SCENARIOS_ENV = "MOELINK_INTRANODE_SCENARIOS"
 TIMEOUT_S = 600
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
+@pytest.mark.parametrize("nproc", rank_counts())
 def test_intranode(nproc):
     run_suite(nproc, WORKER, SCENARIOS_ENV, TIMEOUT_S)

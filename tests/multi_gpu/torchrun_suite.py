@@ -1,6 +1,11 @@
-"""Shared driver of the multi-GPU pytest wrappers: each wraps one torchrun worker
-script whose ``SCENARIO_NAMES`` tuple lists its scenarios, selectable through an
-environment variable, and which prints ``PASS <name>`` / ``FAIL <name>: ...``."""
+"""Shared driver of the multi-rank pytest wrappers: each wraps one worker script
+(run under ``python -m moelink.launch``, which places ranks round-robin on the
+local GPUs, several per GPU when ranks outnumber GPUs, under MPS where it can)
+whose ``SCENARIO_NAMES`` tuple lists its scenarios, selectable through an
+environment variable, and which prints ``PASS <name>`` / ``FAIL <name>: ...``.
+
+``MOELINK_TEST_RANKS`` (a comma list, default ``2,4,8``) says which rank counts
+the wrappers are parametrized over."""
 
 from __future__ import annotations
 
@@ -40,15 +45,30 @@ def selected_scenarios(worker: Path, env: str) -> list:
     return names
 
 
-def run_torchrun(nproc: int, script: Path, timeout: int) -> tuple:
-    """Runs ``script`` under torchrun in its own process group; on timeout the whole
-    group (torchrun and its workers) is killed. Returns (returncode, output)."""
+RANKS_ENV = "MOELINK_TEST_RANKS"
+DEFAULT_RANKS = (2, 4, 8)
+
+
+def rank_counts() -> tuple:
+    """The rank counts the multi-rank suites are parametrized over."""
+    raw = os.environ.get(RANKS_ENV, "").strip()
+    if not raw:
+        return DEFAULT_RANKS
+    return tuple(sorted({int(x) for x in raw.split(",") if x.strip()}))
+
+
+def run_launcher(nproc: int, script: Path, timeout: int, env: dict | None = None) -> tuple:
+    """Runs ``script`` on ``nproc`` ranks under ``python -m moelink.launch`` in its
+    own process group (``env``: extra variables); on timeout the whole group
+    (launcher and ranks) is killed. Returns (returncode, output)."""
     cmd = [
         sys.executable,
         "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc-per-node={nproc}",
+        "moelink.launch",
+        "-n",
+        str(nproc),
+        "--timeout",
+        str(timeout),
         str(script),
     ]
     p = subprocess.Popen(
@@ -56,11 +76,11 @@ def run_torchrun(nproc: int, script: Path, timeout: int) -> tuple:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=os.environ.copy(),
+        env={**os.environ, **(env or {})},
         start_new_session=True,
     )
     try:
-        out, _ = p.communicate(timeout=timeout)
+        out, _ = p.communicate(timeout=timeout + 60)
         return p.returncode, out
     except subprocess.TimeoutExpired:
         os.killpg(p.pid, signal.SIGKILL)
@@ -69,12 +89,12 @@ def run_torchrun(nproc: int, script: Path, timeout: int) -> tuple:
 
 
 def run_suite(nproc: int, worker: Path, env: str, timeout: int) -> None:
-    """Runs the worker on ``nproc`` GPUs (skips without them) and asserts that every
-    selected scenario printed PASS and none FAIL."""
-    if cuda_device_count() < nproc:
-        pytest.skip(f"needs {nproc} GPUs, found {cuda_device_count()}")
+    """Runs the worker on ``nproc`` ranks over the local GPUs (skips without a GPU)
+    and asserts that every selected scenario printed PASS and none FAIL."""
+    if cuda_device_count() < 1:
+        pytest.skip("needs a CUDA GPU, found none")
     names = selected_scenarios(worker, env)
-    code, out = run_torchrun(nproc, worker, timeout)
+    code, out = run_launcher(nproc, worker, timeout)
     tail = out[-8000:]
     assert code == 0, f"torchrun exited {code}:\n{tail}"
     lines = out.splitlines()

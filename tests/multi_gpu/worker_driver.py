@@ -1,6 +1,7 @@
 """Scenario driver shared by the torchrun workers (intranode, allreduce,
-low-latency): the hang watchdog, the scenario selection from an environment
-variable, and one scenario run whose verdict every rank agrees on before rank 0
+low-latency): the process-group setup (ranks may share GPUs), the hang watchdog,
+the scenario selection from an environment variable, quiesced free-memory
+readings, and one scenario run whose verdict every rank agrees on before rank 0
 prints ``PASS <name>`` / ``FAIL <name>: ...``.
 
 The workers run as scripts (``python tests/multi_gpu/<worker>.py``), so they import
@@ -13,8 +14,70 @@ import os
 import threading
 import time
 import traceback
+from dataclasses import dataclass
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
+from moelink.launch import init_distributed
+
+
+@dataclass
+class WorkerGroup:
+    """What a worker's ``main`` sets up: the rank, its device, the group the
+    Buffers are made on (``group``: NCCL where every rank has its own GPU, gloo
+    where ranks share one, since NCCL refuses that) and a gloo group for control
+    messages (``gloo``; the same group where ranks share a GPU)."""
+
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+    group: dist.ProcessGroup
+    gloo: dist.ProcessGroup
+    ranks_per_gpu: int
+
+    @property
+    def shares_gpu(self) -> bool:
+        return self.ranks_per_gpu > 1
+
+
+def init_worker(control_timeout_s: float) -> WorkerGroup:
+    """Process group and device of a worker started by torchrun or
+    ``python -m moelink.launch``: device ``local_rank % device_count``."""
+    d = init_distributed(timeout_s=control_timeout_s)
+    if d.backend == "gloo":
+        gloo = dist.group.WORLD
+    else:
+        gloo = dist.new_group(backend="gloo", timeout=timedelta(seconds=control_timeout_s))
+    return WorkerGroup(
+        d.rank, d.world_size, d.local_rank, d.device, dist.group.WORLD, gloo, d.ranks_per_gpu
+    )
+
+
+def quiesced_free_memory(device: torch.device, gloo) -> int:
+    """Free device memory read while no rank of the group allocates or frees:
+    ranks that share the GPU move its free memory too, so every rank releases
+    its cache, the ranks meet, read, and meet again."""
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    dist.barrier(group=gloo)
+    free = torch.cuda.mem_get_info(device)[0]
+    dist.barrier(group=gloo)
+    return free
+
+
+def all_gather_tensor(t: torch.Tensor, group) -> list:
+    """Every rank's ``t`` (same shape), through ``group`` whatever its backend
+    (gloo moves CPU tensors only)."""
+    if dist.get_backend(group) == "nccl":
+        out = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(out, t, group=group)
+        return out
+    host = t.cpu()
+    out = [torch.empty_like(host) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(out, host, group=group)
+    return [o.to(t.device) for o in out]
 
 
 class Watchdog:
@@ -84,3 +147,32 @@ def run_scenario(
         if failed:
             on_failure()
     return not failed
+
+
+def bad_ids_failure(launch, check, device, token: int, column: int) -> str | None:
+    """Runs ``launch()``, a collective call (every rank makes it) whose ``topk_idx``
+    holds an expert id out of range at (``token``, ``column``). The kernels flag it:
+    the ``ValueError`` comes at the end of that call, or, where the call does not
+    wait for the GPU, from ``check()`` once the GPU has run it. Returns None when
+    it named the token and column, else what went wrong."""
+    msg = None
+    try:
+        launch()
+    except ValueError as e:
+        msg = str(e)
+    if msg is None:
+        torch.cuda.synchronize(device)
+        try:
+            check()
+        except ValueError as e:
+            msg = str(e)
+    if msg is None:
+        return "no ValueError, neither from the call nor from check()"
+    want = f"token {token}, column {column}"
+    if want not in msg or "topk_idx" not in msg:
+        return f"the ValueError does not name topk_idx and {want!r}: {msg}"
+    try:
+        check()
+    except ValueError as e:
+        return f"reported twice: {e}"
+    return None
