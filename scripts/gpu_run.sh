@@ -31,8 +31,14 @@ run() { # name timeout cmd...   (GPU_RUN_STEPS: a regex of step names to run)
   if [ -n "${GPU_RUN_STEPS:-}" ] && ! [[ $name =~ $GPU_RUN_STEPS ]]; then return; fi
   echo "=== $name: $* (timeout ${t}s)"
   local t0=$SECONDS
+  # Re-pack the logs every 15 s while the step runs, so that a device call cut
+  # off by its own time limit still brings back how far this step got.
+  ( while sleep 15; do tar -czf "$LOG/steps.tgz.tmp" -C "$(dirname "$STEPS")" steps &&
+      mv "$LOG/steps.tgz.tmp" "$LOG/steps.tgz"; done ) &
+  local packer=$!
   timeout -k 10 "$t" "$@" > "$STEPS/$name.log" 2>&1
   local rc=$?
+  kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
   RESULT[$name]=$rc
   SECONDS_OF[$name]=$((SECONDS - t0))
   grep -E "^(PASS|FAIL|SKIPPED)|test result|passed|failed|error|ERROR SUMMARY" "$STEPS/$name.log" | tail -n 30

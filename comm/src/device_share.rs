@@ -7,9 +7,9 @@
 //! time-slices the contexts, which is correct at any grid size but slow. So a
 //! rank's grids never exceed its *share*: the SMs its context may use (MPS sets
 //! that with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, read through
-//! `cuCtxGetExecAffinity`), and at most the device's SMs divided by the ranks on
-//! the device. Under an MPS thread percentage the driver reports the limited
-//! count L as the device's too, so the share is L / ranks: the clients' SM sets
+//! `cuCtxGetExecAffinity`), and at most the device's SMs, less one per rank
+//! (for the proxy's copy kernels), divided by the ranks on the device. Under an MPS thread percentage the driver reports the limited
+//! count L as the device's too, so the share is (L - ranks) / ranks: the clients' SM sets
 //! may overlap (measured on one H200, 2 ranks at 50 %: grids of 66 one-block-
 //! per-SM blocks deadlock, grids of 33 pass, and 66 pass without a limit).
 //! `MOELINK_SMS_PER_RANK` lowers the share further. [`crate::Communicator`]
@@ -33,7 +33,9 @@ pub struct DeviceShare {
     /// The SMs this rank's context may use, where the driver limits it (MPS).
     pub context_sms: Option<u32>,
     /// Blocks of one SM-wide grid that fit beside every other rank's: the
-    /// smaller of `context_sms` and `device_sms / ranks_on_device`, at least 0.
+    /// smaller of `context_sms` and `(device_sms - ranks_on_device) /
+    /// ranks_on_device` where ranks share the device (one SM each left free),
+    /// at least 0.
     pub sms: u32,
     /// The smallest `sms` of any rank of the group: grids whose size must be
     /// the same on every rank (allreduce's block-to-block channels) use this.
@@ -52,14 +54,20 @@ impl DeviceShare {
         ranks_on_device: usize,
         index_on_device: usize,
     ) -> Self {
-        let ranks = ranks_on_device.max(1);
-        let even = device_sms / ranks.min(u32::MAX as usize) as u32;
+        let ranks = ranks_on_device.max(1).min(u32::MAX as usize) as u32;
+        // Ranks that share the device leave one SM each free: a proxy's copies
+        // between two processes' memory on one device run as kernels of the
+        // rank's context, and must find an SM while every rank's grid waits.
+        // (Measured, 4 ranks on an H200: low-latency over the proxy timed out
+        // with 4 x 33 blocks on 132 SMs and passed with 4 x 32.)
+        let reserve = if ranks > 1 { ranks } else { 0 };
+        let even = device_sms.saturating_sub(reserve) / ranks;
         let sms = match context_sms {
             Some(c) if c > 0 => c.min(even),
             _ => even,
         };
         Self {
-            ranks_on_device: ranks,
+            ranks_on_device: ranks as usize,
             index_on_device,
             device_sms,
             context_sms,
@@ -191,16 +199,18 @@ mod tests {
     #[test]
     fn share_is_the_even_split_or_the_mps_limit_whichever_is_smaller() {
         assert_eq!(DeviceShare::whole(132).sms, 132);
-        assert_eq!(DeviceShare::new(132, None, 4, 0).sms, 33);
-        assert_eq!(DeviceShare::new(132, None, 8, 3).sms, 16);
+        // One SM per rank stays free where ranks share the device.
+        assert_eq!(DeviceShare::new(132, None, 2, 0).sms, 65);
+        assert_eq!(DeviceShare::new(132, None, 4, 0).sms, 32);
+        assert_eq!(DeviceShare::new(132, None, 8, 3).sms, 15);
         // MPS at 25 %: 33 SMs; the split agrees.
-        assert_eq!(DeviceShare::new(132, Some(33), 4, 0).sms, 33);
+        assert_eq!(DeviceShare::new(132, Some(33), 4, 0).sms, 32);
         // MPS limit above the split (oversubscribed percentages): the split wins.
-        assert_eq!(DeviceShare::new(132, Some(66), 4, 0).sms, 33);
+        assert_eq!(DeviceShare::new(132, Some(66), 4, 0).sms, 32);
         // MPS limit below the split: the limit wins.
         assert_eq!(DeviceShare::new(132, Some(20), 2, 0).sms, 20);
         // A context that reports 0 (no affinity set) is ignored.
-        assert_eq!(DeviceShare::new(132, Some(0), 2, 1).sms, 66);
+        assert_eq!(DeviceShare::new(132, Some(0), 2, 1).sms, 65);
         // More ranks than SMs: nothing fits.
         assert_eq!(DeviceShare::new(4, None, 8, 0).sms, 0);
         assert!(DeviceShare::new(132, None, 2, 0).is_shared());
@@ -209,10 +219,10 @@ mod tests {
 
     #[test]
     fn require_names_the_group_and_the_numbers() {
-        let s = DeviceShare::new(16, None, 8, 0);
+        let s = DeviceShare::new(24, None, 8, 0);
         assert!(s.require("low-latency", 2).is_ok());
         let e = s.require("intranode", 4).unwrap_err().to_string();
-        assert!(e.contains("8 ranks share one GPU of 16 SMs"), "{e}");
+        assert!(e.contains("8 ranks share one GPU of 24 SMs"), "{e}");
         assert!(e.contains("intranode"), "{e}");
         assert!(DeviceShare::new(4, None, 8, 0).require("x", 1).is_err());
     }
@@ -221,8 +231,8 @@ mod tests {
     fn cap_limits_to_the_share_and_never_to_zero() {
         let s = DeviceShare::new(132, None, 4, 0);
         assert_eq!(s.cap("t1", 20), 20);
-        assert_eq!(s.cap("t1", 48), 33);
-        assert_eq!(s.cap("t1", 48), 33);
+        assert_eq!(s.cap("t1", 48), 32);
+        assert_eq!(s.cap("t1", 48), 32);
         assert_eq!(DeviceShare::new(4, None, 8, 0).cap("t2", 5), 1);
     }
 
@@ -234,9 +244,9 @@ mod tests {
         let placement = [a, b, a];
         let sms = [(132, None), (132, None), (132, None)];
         let s1 = DeviceShare::of_group(&placement, &sms, 1);
-        assert_eq!((s1.sms, s1.group_sms, s1.ranks_on_device), (132, 66, 1));
+        assert_eq!((s1.sms, s1.group_sms, s1.ranks_on_device), (132, 65, 1));
         let s2 = DeviceShare::of_group(&placement, &sms, 2);
-        assert_eq!((s2.sms, s2.group_sms, s2.index_on_device), (66, 66, 1));
+        assert_eq!((s2.sms, s2.group_sms, s2.index_on_device), (65, 65, 1));
         // An MPS limit on one rank lowers everybody's group share.
         let sms = [(132, Some(20)), (132, None), (132, None)];
         assert_eq!(DeviceShare::of_group(&placement, &sms, 1).group_sms, 20);
@@ -247,10 +257,10 @@ mod tests {
         // Under CUDA_MPS_ACTIVE_THREAD_PERCENTAGE=50 an H200 client sees 66 SMs
         // as the device's and as its context's. The clients' SM sets may
         // overlap: measured, two 66-block grids (one block per SM) deadlock,
-        // 33-block grids pass. So the share is the limit / the ranks.
-        assert_eq!(DeviceShare::new(66, Some(66), 2, 0).sms, 33);
-        // Without a limit (MPS at 100 %, or time-slicing): SMs / ranks.
-        assert_eq!(DeviceShare::new(132, Some(132), 2, 1).sms, 66);
+        // 33-block grids pass. So the share is (the limit - ranks) / the ranks.
+        assert_eq!(DeviceShare::new(66, Some(66), 2, 0).sms, 32);
+        // Without a limit (MPS at 100 %, or time-slicing): (SMs - ranks) / ranks.
+        assert_eq!(DeviceShare::new(132, Some(132), 2, 1).sms, 65);
         // A limit lowers both numbers.
         let s = DeviceShare::new(132, None, 2, 0).limited_by(Some(20));
         assert_eq!((s.sms, s.group_sms), (20, 20));

@@ -581,9 +581,9 @@ def _gpu_placement(group, device) -> dict:
     """How the ranks of ``group`` sit on GPUs (collective): ``num_gpus`` (distinct
     devices), ``ranks_per_gpu`` (the most on one), ``mps`` (whether the ranks run
     under MPS, as ``moelink.launch`` says), and ``share_sms``: the fewest SMs a
-    rank may use beside the others on its GPU. Under MPS the driver reports a
-    client's limited SM count as the device's; otherwise the device's SMs are
-    split evenly among its ranks."""
+    rank may use beside the others on its GPU, by the library's rule (comm's
+    DeviceShare): the SMs the driver reports (under an MPS thread percentage, the
+    limited count), less one per rank, split evenly among the GPU's ranks."""
     import torch
     import torch.distributed as dist
 
@@ -595,7 +595,10 @@ def _gpu_placement(group, device) -> dict:
     per_gpu: dict = {}
     for uuid, _, _ in everyone:
         per_gpu[uuid] = per_gpu.get(uuid, 0) + 1
-    share = min(sms if on_mps else sms // per_gpu[uuid] for uuid, sms, on_mps in everyone)
+    share = min(
+        sms if per_gpu[uuid] == 1 else (sms - per_gpu[uuid]) // per_gpu[uuid]
+        for uuid, sms, _ in everyone
+    )
     return {
         "num_gpus": len(per_gpu),
         "ranks_per_gpu": max(per_gpu.values()),
