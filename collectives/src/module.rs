@@ -195,6 +195,12 @@ mod tests {
     use super::*;
     use crate::dtype::VARIANT_SUFFIXES;
 
+    /// MOELINK_TRAP_ON_TIMEOUT finds its switch in this fatbin.
+    #[test]
+    fn the_fatbin_has_the_trap_switch_under_its_c_name() {
+        assert!(comm::module::has_trap_switch(FATBIN));
+    }
+
     #[test]
     fn names_follow_the_index_scheme() {
         assert_eq!(NAMES.len(), NUM_AR + 3);

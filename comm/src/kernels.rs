@@ -346,3 +346,12 @@ pub mod testing {
         unsafe { module(device)?.launch(11, (1, 1, 1), (32, 1, 1), 0, stream, p) }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    /// MOELINK_TRAP_ON_TIMEOUT finds its switch in comm's own fatbin.
+    #[test]
+    fn the_fatbin_has_the_trap_switch_under_its_c_name() {
+        assert!(crate::module::has_trap_switch(super::FATBIN));
+    }
+}

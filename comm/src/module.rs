@@ -71,6 +71,18 @@ pub fn trap_on_timeout() -> bool {
     std::env::var("MOELINK_TRAP_ON_TIMEOUT").is_ok_and(|v| v == "1")
 }
 
+/// Whether `fatbin` defines the trap switch under its C name (what
+/// [`ModuleCache`] looks up), not only a C++-mangled one
+/// (`_ZN4comm20comm_trap_on_timeoutE`), which the lookup would miss.
+pub fn has_trap_switch(fatbin: &[u8]) -> bool {
+    const NAME: &[u8] = b"comm_trap_on_timeout";
+    fatbin.windows(NAME.len()).enumerate().any(|(i, w)| {
+        w == NAME
+            && !(i >= 2 && &fatbin[i - 2..i] == b"20")
+            && fatbin.get(i + NAME.len()) != Some(&b'E')
+    })
+}
+
 /// A fatbin plus its kernel names; loads one [`LoadedModule`] per device on
 /// first use and keeps it for the life of the process.
 pub struct ModuleCache {
@@ -136,11 +148,18 @@ impl ModuleCache {
         if trap_on_timeout() {
             // SAFETY: module is loaded; the symbol, where the module has it, is
             // the 4-byte `comm_trap_on_timeout` of common_device.cuh.
-            if let Ok((ptr, 4)) = unsafe {
+            match unsafe {
                 result::module::get_global(module, CString::from(c"comm_trap_on_timeout"))
             } {
-                // SAFETY: a 4-byte device global of this module, in this context.
-                unsafe { result::memcpy_htod_sync(ptr, &[1i32]) }.call("cuMemcpyHtoD")?;
+                Ok((ptr, 4)) => {
+                    // SAFETY: a 4-byte device global of this module, in this context.
+                    unsafe { result::memcpy_htod_sync(ptr, &[1i32]) }.call("cuMemcpyHtoD")?;
+                }
+                _ => tracing::warn!(
+                    "MOELINK_TRAP_ON_TIMEOUT=1: the {} module has no comm_trap_on_timeout; \
+                     its waits report timeouts without trapping",
+                    self.label
+                ),
             }
         }
         tracing::debug!("loaded {} kernels on device {}", self.label, device.ordinal);

@@ -83,3 +83,15 @@ impl DeviceKernels {
         .inspect_err(|_| tracing::error!("launch of {} failed", id.name()))
     }
 }
+
+#[cfg(test)]
+mod trap_switch_tests {
+    /// MOELINK_TRAP_ON_TIMEOUT finds its switch in this fatbin.
+    #[test]
+    fn the_fatbin_has_the_trap_switch_under_its_c_name() {
+        assert!(comm::module::has_trap_switch(super::FATBIN));
+        assert!(!comm::module::has_trap_switch(
+            b"_ZN4comm20comm_trap_on_timeoutE"
+        ));
+    }
+}

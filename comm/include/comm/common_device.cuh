@@ -55,7 +55,11 @@ static_assert(offsetof(DeviceError, id) == 16, "DeviceError layout is mirrored i
 // Set to 1 by the host at module load when MOELINK_TRAP_ON_TIMEOUT=1
 // (comm::module): a wait that times out then traps its kernel after recording
 // what it waited for. One copy per module (every crate compiles one unit).
+// C linkage: the host finds it by this exact name (cuModuleGetGlobal); inside
+// the namespace a C++ name would be mangled and the switch never found.
+extern "C" {
 __device__ int comm_trap_on_timeout;
+}
 
 __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
   uint64_t v;
