@@ -1740,7 +1740,8 @@ fn remaining(deadline: Instant) -> Option<Duration> {
         .filter(|d| *d >= Duration::from_millis(1))
 }
 
-/// Milliseconds since `start`, at least 1 (0 means a spin bound in `Timeout`).
+/// Milliseconds since `start`, at least 1 (0 in `Timeout` marks a device wait,
+/// bounded by GPU time, not a host one).
 fn elapsed_ms(start: Instant) -> u64 {
     (start.elapsed().as_millis() as u64).max(1)
 }
