@@ -70,6 +70,26 @@ def test_ll_reference_bf16_moves_rows_unchanged():
             assert rows == want
 
 
+@pytest.mark.parametrize("use_fp8", [False, True])
+def test_ll_reference_of_one_rank_is_that_rank_of_all(use_fp8):
+    r, n, h, e, k, t = 3, 5, 256, 9, 3, 8
+    xs, idxs = _inputs(r, n, h, e, k, seed=2)
+    every = reference.ll_dispatch(xs, idxs, t, e, use_fp8=use_fp8)
+    for d in range(r):
+        one = reference.ll_dispatch(xs, idxs, t, e, use_fp8=use_fp8, rank=d)
+        assert [o is None for o in one] == [q != d for q in range(r)]
+        for key, want in every[d].items():
+            got = one[d][key]
+            if want is None:
+                assert got is None
+            else:
+                a, b = got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8)
+                assert torch.equal(a, b), key
+    for bad in (-1, r, 2**70):
+        with pytest.raises(ValueError, match="rank"):
+            reference.ll_dispatch(xs, idxs, t, e, rank=bad)
+
+
 def test_ll_reference_fp8_scales_are_column_major_and_dequantize():
     r, n, h, e, k, t = 2, 4, 512, 4, 2, 4
     xs, idxs = _inputs(r, n, h, e, k, seed=1)

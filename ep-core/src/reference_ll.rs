@@ -499,10 +499,47 @@ pub fn low_latency_dispatch(
     inputs: &[LlRankInput<'_>],
     args: &LowLatencyArgs,
 ) -> Result<LlDispatched> {
+    let (shape, num_tokens, cast) = prepare_dispatch(inputs, args)?;
+    let ranks = (0..shape.num_ranks)
+        .map(|d| receive(d, inputs, args, &shape, cast.as_deref()))
+        .collect::<Result<_>>()?;
+    Ok(LlDispatched {
+        args: *args,
+        shape,
+        num_tokens,
+        ranks,
+    })
+}
+
+/// What `rank` receives in [`low_latency_dispatch`] of every rank's `inputs`
+/// (its `ranks[rank]`), computed alone: 1 / R of the work and memory, for a
+/// rank that checks its own GPU results.
+pub fn low_latency_dispatch_rank(
+    inputs: &[LlRankInput<'_>],
+    args: &LowLatencyArgs,
+    rank: usize,
+) -> Result<LlRankOutput> {
+    if rank >= inputs.len() {
+        return Err(CommError::invalid(
+            "rank",
+            format!("{rank}: the dispatch has {} ranks", inputs.len()),
+        ));
+    }
+    let (shape, _, cast) = prepare_dispatch(inputs, args)?;
+    receive(rank, inputs, args, &shape, cast.as_deref())
+}
+
+/// The checks of a dispatch, the receive shape, every rank's token count and
+/// (fp8) every rank's tokens cast once.
+#[allow(clippy::type_complexity)]
+fn prepare_dispatch(
+    inputs: &[LlRankInput<'_>],
+    args: &LowLatencyArgs,
+) -> Result<(RecvShape, Vec<usize>, Option<Vec<Fp8Tokens>>)> {
     let shape = args.recv_shape(inputs.len())?;
     args.check_format()?;
     args.check_budget(&shape)?;
-    let (num_ranks, k, h) = (shape.num_ranks, args.num_topk, args.hidden);
+    let (num_ranks, h) = (shape.num_ranks, args.hidden);
     let mut num_tokens = Vec::with_capacity(num_ranks);
     for (r, input) in inputs.iter().enumerate() {
         let n = check_topk_idx(r, input.topk_idx, args)?;
@@ -538,94 +575,94 @@ pub fn low_latency_dispatch(
             .map(|input| quantize_groups(input.x, args.round_scale))
             .collect()
     });
+    Ok((shape, num_tokens, cast))
+}
 
+/// Rank `d`'s outputs of a dispatch (see [`low_latency_dispatch`]).
+fn receive(
+    d: usize,
+    inputs: &[LlRankInput<'_>],
+    args: &LowLatencyArgs,
+    shape: &RecvShape,
+    cast: Option<&[Fp8Tokens]>,
+) -> Result<LlRankOutput> {
+    let (num_ranks, k, h) = (shape.num_ranks, args.num_topk, args.hidden);
     let el = shape.num_local_experts;
     let rt = shape.rows_per_expert();
     let g = shape.num_scales();
-    let ranks = (0..num_ranks)
-        .map(|d| {
-            let mut src_info = zeroed("num_max_dispatch_tokens_per_rank", el * rt, -1i32)?;
-            let mut layout_range = vec![0i64; el * num_ranks];
-            let mut recv_count = vec![0i32; el];
-            // (local expert, row, source rank, token) of every valid row.
-            let mut placed = Vec::new();
-            for j in 0..el {
-                let e = (d * el + j) as i64;
-                let mut next = 0usize;
-                for (r, input) in inputs.iter().enumerate() {
-                    let begin = next;
-                    for (t, row) in input.topk_idx.chunks_exact(k).enumerate() {
-                        for _ in row.iter().filter(|&&id| id == e) {
-                            src_info[shape.row_index(j, next)] = t as i32;
-                            placed.push((j, next, r, t));
-                            next += 1;
-                        }
-                    }
-                    // Fits: at most T per block, R * T <= i32::MAX.
-                    layout_range[j * num_ranks + r] =
-                        pack_layout_range(begin as i32, (next - begin) as i32);
+    let mut src_info = zeroed("num_max_dispatch_tokens_per_rank", el * rt, -1i32)?;
+    let mut layout_range = vec![0i64; el * num_ranks];
+    let mut recv_count = vec![0i32; el];
+    // (local expert, row, source rank, token) of every valid row.
+    let mut placed = Vec::new();
+    for j in 0..el {
+        let e = (d * el + j) as i64;
+        let mut next = 0usize;
+        for (r, input) in inputs.iter().enumerate() {
+            let begin = next;
+            for (t, row) in input.topk_idx.chunks_exact(k).enumerate() {
+                for _ in row.iter().filter(|&&id| id == e) {
+                    src_info[shape.row_index(j, next)] = t as i32;
+                    placed.push((j, next, r, t));
+                    next += 1;
                 }
-                recv_count[j] = next as i32;
             }
-            let recv_x = match &cast {
-                None => {
-                    let mut x = zeroed(
-                        "num_max_dispatch_tokens_per_rank",
-                        shape.num_rows() * h,
-                        0.0f32,
-                    )?;
-                    for &(j, row, r, t) in &placed {
-                        let at = shape.row_index(j, row) * h;
-                        x[at..at + h].copy_from_slice(&inputs[r].x[t * h..(t + 1) * h]);
-                    }
-                    RecvX::Bf16(x)
-                }
-                Some(cast) => {
-                    let rows = shape.num_rows();
-                    let name = "num_max_dispatch_tokens_per_rank";
-                    let mut x = zeroed(name, rows * h, 0u8)?;
-                    let (f32_len, packed_len) = if args.use_ue8m0 {
-                        (0, rows * shape.num_packed_scales())
-                    } else {
-                        (rows * g, 0)
-                    };
-                    let mut f32_scales = zeroed(name, f32_len, 0.0f32)?;
-                    let mut packed = zeroed(name, packed_len, 0i32)?;
-                    for &(j, row, r, t) in &placed {
-                        let at = shape.row_index(j, row) * h;
-                        x[at..at + h].copy_from_slice(&cast[r].x[t * h..(t + 1) * h]);
-                        for (group, &s) in cast[r].scales[t * g..(t + 1) * g].iter().enumerate() {
-                            if args.use_ue8m0 {
-                                let w = shape.packed_scale_index(j, row, group / UE8M0_PER_INT32);
-                                let shift = 8 * (group % UE8M0_PER_INT32);
-                                packed[w] =
-                                    (packed[w] as u32 | u32::from(ue8m0_byte(s)) << shift) as i32;
-                            } else {
-                                f32_scales[shape.scale_index(j, row, group)] = s;
-                            }
-                        }
-                    }
-                    let scales = if args.use_ue8m0 {
-                        RecvScales::Ue8m0(packed)
-                    } else {
-                        RecvScales::F32(f32_scales)
-                    };
-                    RecvX::Fp8 { x, scales }
-                }
+            // Fits: at most T per block, R * T <= i32::MAX.
+            layout_range[j * num_ranks + r] =
+                pack_layout_range(begin as i32, (next - begin) as i32);
+        }
+        recv_count[j] = next as i32;
+    }
+    let recv_x = match &cast {
+        None => {
+            let mut x = zeroed(
+                "num_max_dispatch_tokens_per_rank",
+                shape.num_rows() * h,
+                0.0f32,
+            )?;
+            for &(j, row, r, t) in &placed {
+                let at = shape.row_index(j, row) * h;
+                x[at..at + h].copy_from_slice(&inputs[r].x[t * h..(t + 1) * h]);
+            }
+            RecvX::Bf16(x)
+        }
+        Some(cast) => {
+            let rows = shape.num_rows();
+            let name = "num_max_dispatch_tokens_per_rank";
+            let mut x = zeroed(name, rows * h, 0u8)?;
+            let (f32_len, packed_len) = if args.use_ue8m0 {
+                (0, rows * shape.num_packed_scales())
+            } else {
+                (rows * g, 0)
             };
-            Ok(LlRankOutput {
-                recv_x,
-                recv_count,
-                src_info,
-                layout_range,
-            })
-        })
-        .collect::<Result<_>>()?;
-    Ok(LlDispatched {
-        args: *args,
-        shape,
-        num_tokens,
-        ranks,
+            let mut f32_scales = zeroed(name, f32_len, 0.0f32)?;
+            let mut packed = zeroed(name, packed_len, 0i32)?;
+            for &(j, row, r, t) in &placed {
+                let at = shape.row_index(j, row) * h;
+                x[at..at + h].copy_from_slice(&cast[r].x[t * h..(t + 1) * h]);
+                for (group, &s) in cast[r].scales[t * g..(t + 1) * g].iter().enumerate() {
+                    if args.use_ue8m0 {
+                        let w = shape.packed_scale_index(j, row, group / UE8M0_PER_INT32);
+                        let shift = 8 * (group % UE8M0_PER_INT32);
+                        packed[w] = (packed[w] as u32 | u32::from(ue8m0_byte(s)) << shift) as i32;
+                    } else {
+                        f32_scales[shape.scale_index(j, row, group)] = s;
+                    }
+                }
+            }
+            let scales = if args.use_ue8m0 {
+                RecvScales::Ue8m0(packed)
+            } else {
+                RecvScales::F32(f32_scales)
+            };
+            RecvX::Fp8 { x, scales }
+        }
+    };
+    Ok(LlRankOutput {
+        recv_x,
+        recv_count,
+        src_info,
+        layout_range,
     })
 }
 
@@ -2043,6 +2080,30 @@ mod tests {
         (0..128)
             .map(|i| HAND_GROUP_Q.get(i).copied().unwrap_or(0))
             .collect()
+    }
+
+    #[test]
+    fn one_rank_is_that_rank_of_the_whole_dispatch() {
+        let h = 256;
+        let shift = |r: usize, t: usize, g: usize| 2 * g as i32 - t as i32 - 3 * r as i32;
+        let x = hand_x(h, |r, t| hand_fp8_token(r, t, 2, shift));
+        let inputs = [0, 1].map(|r| LlRankInput {
+            x: &x[r],
+            topk_idx: HAND_TOPK[r],
+        });
+        for use_fp8 in [false, true] {
+            let args = LowLatencyArgs {
+                use_fp8,
+                ..LowLatencyArgs::new(HAND_T, h, 4, 2)
+            };
+            let all = low_latency_dispatch(&inputs, &args).unwrap();
+            for d in 0..2 {
+                let one = low_latency_dispatch_rank(&inputs, &args, d).unwrap();
+                assert_eq!(one, all.ranks[d], "rank {d}, fp8 {use_fp8}");
+            }
+            let e = low_latency_dispatch_rank(&inputs, &args, 2).unwrap_err();
+            assert!(e.to_string().contains("rank"), "{e}");
+        }
     }
 
     #[test]

@@ -18,8 +18,10 @@ type Bytes<'py> = Bound<'py, PyBytes>;
 /// `low_latency_dispatch` over all ranks. `inputs[r] = (x f32 bytes [T_r, H],
 /// topk_idx int64 bytes [T_r, K])`. Returns one dict per rank: `recv_x`
 /// (f32 bytes for bf16, u8 for fp8), `scales` (f32 or int32 bytes, or None),
-/// `recv_count` (int32), `src_info` (int32), `layout_range` (int64).
+/// `recv_count` (int32), `src_info` (int32), `layout_range` (int64). With
+/// `only_rank`, that rank's dict alone is computed and the others are None.
 #[pyfunction]
+#[pyo3(signature = (inputs, max_tokens, hidden, num_experts, num_topk, use_fp8, round_scale, use_ue8m0, only_rank=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn ref_ll_dispatch<'py>(
     py: Python<'py>,
@@ -31,7 +33,8 @@ pub fn ref_ll_dispatch<'py>(
     use_fp8: bool,
     round_scale: bool,
     use_ue8m0: bool,
-) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    only_rank: Option<usize>,
+) -> PyResult<Vec<Option<Bound<'py, PyDict>>>> {
     let args = LowLatencyArgs {
         num_max_dispatch_tokens_per_rank: max_tokens,
         hidden,
@@ -52,11 +55,30 @@ pub fn ref_ll_dispatch<'py>(
         .zip(&ids)
         .map(|(x, t)| LlRankInput { x, topk_idx: t })
         .collect();
-    let out = py
-        .detach(|| r::low_latency_dispatch(&ins, &args))
-        .map_err(to_py)?;
-    let mut dicts = Vec::with_capacity(out.ranks.len());
-    for rank in &out.ranks {
+    let ranks: Vec<Option<r::LlRankOutput>> = match only_rank {
+        None => py
+            .detach(|| r::low_latency_dispatch(&ins, &args))
+            .map_err(to_py)?
+            .ranks
+            .into_iter()
+            .map(Some)
+            .collect(),
+        Some(k) => {
+            let one = py
+                .detach(|| r::low_latency_dispatch_rank(&ins, &args, k))
+                .map_err(to_py)?;
+            let mut one = Some(one);
+            (0..ins.len())
+                .map(|d| if d == k { one.take() } else { None })
+                .collect()
+        }
+    };
+    let mut dicts = Vec::with_capacity(ranks.len());
+    for rank in &ranks {
+        let Some(rank) = rank else {
+            dicts.push(None);
+            continue;
+        };
         let d = PyDict::new(py);
         match &rank.recv_x {
             RecvX::Bf16(v) => {
@@ -82,7 +104,7 @@ pub fn ref_ll_dispatch<'py>(
             "layout_range",
             encode(py, &rank.layout_range, i64::to_le_bytes)?,
         )?;
-        dicts.push(d);
+        dicts.push(Some(d));
     }
     Ok(dicts)
 }

@@ -69,7 +69,7 @@ def low_latency_size_hint(
 ) -> int: ...
 def ref_ll_dispatch(
     inputs: list, max_tokens: int, hidden: int, num_experts: int, num_topk: int,
-    use_fp8: bool, round_scale: bool, use_ue8m0: bool,
+    use_fp8: bool, round_scale: bool, use_ue8m0: bool, only_rank: int | None = None,
 ) -> list: ...  # fmt: skip
 def ref_ll_combine(
     inputs: list, max_tokens: int, hidden: int, num_experts: int, num_topk: int

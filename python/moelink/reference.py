@@ -398,6 +398,7 @@ def ll_dispatch(
     use_fp8: bool = True,
     round_scale: bool = False,
     use_ue8m0: bool = False,
+    rank: int | None = None,
 ) -> list:
     """``low_latency_dispatch`` of every rank at once (``ep_core::reference_ll``):
     ``xs[r]`` bf16 ``[T_r, H]``, ``topk_idxs[r]`` int64 ``[T_r, K]``. Returns one dict
@@ -406,7 +407,9 @@ def ll_dispatch(
     two dims column-major as on the GPU), ``recv_count`` int32 ``[E_local]``,
     ``src_info`` int32 ``[E_local, R*T]``, ``layout_range`` int64 ``[E_local, R]``.
     Blocks are in source-rank order, rows in token order. ``use_ue8m0`` needs
-    ``use_fp8`` (and ``round_scale``)."""
+    ``use_fp8`` (and ``round_scale``). With ``rank``, only that rank's dict is
+    computed (1 / R of the work and memory; a rank checking its own GPU results)
+    and the other entries are None."""
     xs = check_rank_list("xs", xs)
     r = len(xs)
     topk_idxs = check_rank_list("topk_idxs", topk_idxs, r)
@@ -418,6 +421,8 @@ def ll_dispatch(
     use_ue8m0 = check_bool("use_ue8m0", use_ue8m0)
     if use_ue8m0 and not use_fp8:
         raise ValueError("use_ue8m0=True needs use_fp8=True (bf16 dispatch has no scales)")
+    if rank is not None:
+        rank = check_int("rank", rank, minimum=0, maximum=r - 1)
     inputs, hidden, k = [], None, None
     for i, (x, idx) in enumerate(zip(xs, topk_idxs)):
         check_tensor(f"xs[{i}]", x, dtype=torch.bfloat16, dims=2)
@@ -432,11 +437,14 @@ def ll_dispatch(
             )
         inputs.append((_to_bytes(x.float()), _to_bytes(idx)))
     outs = _native.ref_ll_dispatch(
-        inputs, t, hidden, num_experts, k, use_fp8, round_scale, use_ue8m0
+        inputs, t, hidden, num_experts, k, use_fp8, round_scale, use_ue8m0, rank
     )
     rt = r * t
     res = []
     for o in outs:
+        if o is None:
+            res.append(None)
+            continue
         if use_fp8:
             recv_x = _from_bytes(o["recv_x"], torch.uint8, (el, rt, hidden)).view(
                 torch.float8_e4m3fn

@@ -221,7 +221,7 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
     x, idx, w = (a.to(dev) for a in inputs[r])
     if ref is None:
         ref = reference.ll_dispatch([i[0] for i in inputs], [i[1] for i in inputs], t, e,
-                                    use_fp8, round_scale, ue8m0)  # fmt: skip
+                                    use_fp8, round_scale, ue8m0, rank=r)  # fmt: skip
     poison(dev, ctx.ranks_per_gpu)
     el = e // ctx.size
     st_cnt = torch.zeros(el, dtype=torch.int32, device=dev) if stats else None
@@ -498,7 +498,8 @@ def scenario_cuda_graph(ctx: Ctx, buf) -> None:
             x.copy_(inp[r][0].to(dev))
             graph.replay()
             torch.cuda.synchronize(dev)
-            ref = reference.ll_dispatch([i[0] for i in inp], [i[1] for i in inp], t, e, False)
+            ref = reference.ll_dispatch([i[0] for i in inp], [i[1] for i in inp], t, e, False,
+                                        rank=r)  # fmt: skip
             check_dispatch(ctx, f"graph replay {it}", ((recv, None), count, handle), ref[r], r,
                            False, False)  # fmt: skip
             ys = gather_rows(ctx, recv, count)
@@ -551,7 +552,8 @@ def scenario_masked_rank(ctx: Ctx, buf) -> None:
 def _masked_round_trip(ctx, sbuf, label, inputs, ref_in, t, e, masked, group):
     r, dev = ctx.rank, ctx.device
     x, idx, w = (a.to(dev) for a in inputs[r])
-    ref = reference.ll_dispatch([i[0] for i in ref_in], [i[1] for i in ref_in], t, e, False)
+    ref = reference.ll_dispatch([i[0] for i in ref_in], [i[1] for i in ref_in], t, e, False,
+                                rank=r)  # fmt: skip
     recv, count, handle, _, _ = sbuf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
     torch.cuda.synchronize(dev)
     check_dispatch(ctx, label, ((recv, None), count, handle), ref[r], r, False, False)
@@ -609,7 +611,7 @@ def scenario_timeout_mask(ctx: Ctx, buf) -> None:
             if st.tolist() != [1 if q == masked else 0 for q in range(ctx.size)]:
                 ctx.fail(f"timeout: mask {st.tolist()} after {took:.1f} s")
             ref = reference.ll_dispatch([i[0] for i in ref_in], [i[1] for i in ref_in], 48, e,
-                                        False)  # fmt: skip
+                                        False, rank=r)  # fmt: skip
             check_dispatch(ctx, "timeout dispatch", ((recv, None), count, handle), ref[r], r,
                            False, False)  # fmt: skip
             # The combine skips the masked rank's experts.
