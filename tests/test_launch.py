@@ -405,7 +405,7 @@ def test_auto_starts_the_daemon_as_root(sandbox):
     code, out, err, _ = sandbox.run(sandbox.command(), MOELINK_LAUNCH_GPUS_OVERRIDE="1")
     assert code == 0, err
     _assert_started_and_stopped_once(sandbox)
-    # No thread percentage by default (grids already use SMs / ranks).
+    # No thread percentage by default (grids already use (SMs - ranks) / ranks).
     assert {r["env"]["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] for r in _reports(out).values()} == {None}
     assert "no MPS thread percentage" in err
 

@@ -188,7 +188,8 @@ using moelink::intranode::RecordLayout;
 // dispatch_notify: one block. (0) every expert id of topk_idx (if given) must
 // lie in [-1, E): the first one outside is recorded in `error` (naming token
 // and column) before the host epoch is written, so the host, which waits on
-// that epoch, raises it at the end of the call without another sync. (1) send_head[t][d] = slot of token t on rank d
+// that epoch, raises it at the end of the call without another sync.
+// (1) send_head[t][d] = slot of token t on rank d
 // (exclusive count over earlier tokens going to d) or -1; (2) into every rank
 // d's control half: row [rank] = {tokens to each rank, this rank's per-expert
 // counts for d's experts}; (3) signal + wait every peer (a barrier: a peer

@@ -39,14 +39,15 @@ processes' contexts (correct, but every wait between ranks costs milliseconds).
           (their ``CUDA_MPS_PIPE_DIRECTORY`` names an empty directory).
 ========  ====================================================================
 
-Under MPS no rank gets an SM limit by default: moelink sizes every grid to the
-GPU's SMs / the ranks on it, so all ranks' blocks are resident together.
+Under MPS no rank gets an SM limit by default: moelink sizes every grid to
+(the GPU's SMs - the ranks on it) / the ranks on it, so all ranks' blocks are
+resident together with an SM per rank to spare.
 ``--mps-percentage`` (default ``$MOELINK_MPS_PERCENTAGE``, else ``none``) sets
 ``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`` for every rank: ``auto`` is ``floor(100 /
 ranks on its GPU)``, a number 1 to 100 that percentage. Measured on one H200 with
 2 ranks at 50 %: grids of the limit (66 blocks of 1024 threads each) deadlock,
 because the clients' SM sets may overlap; so under a limit of L SMs moelink
-uses L / ranks per rank, which halves the grids again. A limit is for keeping
+uses (L - ranks) / ranks per rank, which halves the grids again. A limit is for keeping
 other work of a rank from taking the GPU, not for speed. Where every rank has
 its own GPU, nothing about MPS is changed.
 A daemon the launcher started is stopped (``quit``) when the run ends, whether the
@@ -506,7 +507,9 @@ def _percentages(sharing: GpuSharing) -> str:
     """How much of its GPU each rank may use, for the launcher's line."""
     values = sorted({sharing.thread_percentage(r) for r in range(sharing.num_ranks)} - {None})
     if not values:
-        return "each rank may use every SM (no MPS thread percentage); grids use SMs / ranks"
+        return (
+            "each rank may use every SM (no MPS thread percentage); grids use (SMs - ranks) / ranks"
+        )
     return "each rank may use " + " or ".join(f"{v}%" for v in values) + " of its GPU's SMs"
 
 
