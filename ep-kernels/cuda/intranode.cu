@@ -22,6 +22,7 @@
 
 #include <cstdint>
 
+#include <comm/copy_device.cuh>
 #include <comm/memory_channel_device.cuh>
 
 namespace moelink::intranode {
@@ -66,36 +67,9 @@ __device__ __forceinline__ char* peer_base(const Ctx& c, int p) {
   return p == c.rank ? c.local : c.channels[p].dst;
 }
 
-__device__ __forceinline__ int4 ld_nc(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-__device__ __forceinline__ void st_na(int4* p, const int4& v) {
-  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w)
-               : "memory");
-}
-
-// Warp copy of `bytes` (multiple of 16, 16-byte aligned pointers).
-__device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t bytes, int lane) {
-  const int4* s = reinterpret_cast<const int4*>(src);
-  int4* d = reinterpret_cast<int4*>(dst);
-  const int64_t n = bytes / 16;
-  constexpr int kUnroll = 4;
-  int64_t i = lane;
-  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = ld_nc(s + i + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) st_na(d + i + 32 * u, v[u]);
-  }
-  for (; i < n; i += 32) st_na(d + i, ld_nc(s + i));
-}
+using comm::ld_nc;
+using comm::st_na;
+using comm::warp_copy16;
 
 // The last block of a grid to get here (after all its threads' writes are
 // fenced) signals every peer; the counter is reset for the next kernel.

@@ -32,6 +32,7 @@
 
 #include <cstdint>
 
+#include <comm/copy_device.cuh>
 #include <comm/port_channel_device.cuh>
 
 namespace moelink::ll {
@@ -140,33 +141,15 @@ __device__ __forceinline__ void stamp(const LlCtx& c, int kernel, int slot) {
   }
 }
 
-__device__ __forceinline__ int4 ld_nc(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
-
-// Data written by peers during this kernel: read at L2, never from L1.
-__device__ __forceinline__ int4 ld_cg(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+using comm::ld_cg;
+using comm::ld_nc;
+using comm::st_na;
+using comm::warp_copy16;
 
 __device__ __forceinline__ int ld_cg_i32(const int* p) {
   int v;
   asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p));
   return v;
-}
-
-__device__ __forceinline__ void st_na(int4* p, const int4& v) {
-  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y),
-               "r"(v.z), "r"(v.w)
-               : "memory");
 }
 
 __device__ __forceinline__ uint64_t* flag_ptr(char* base, int parity, int src) {
@@ -342,23 +325,6 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t by
   int4* d = reinterpret_cast<int4*>(dst);
   const int64_t n = bytes / 16;
   for (int64_t i = lane; i < n; i += 32) st_na(d + i, s[i]);
-}
-
-__device__ __forceinline__ void warp_copy_global(char* dst, const char* src, int64_t bytes,
-                                                 int lane) {
-  const int4* s = reinterpret_cast<const int4*>(src);
-  int4* d = reinterpret_cast<int4*>(dst);
-  const int64_t n = bytes / 16;
-  constexpr int kUnroll = 4;
-  int64_t i = lane;
-  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = ld_nc(s + i + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) st_na(d + i + 32 * u, v[u]);
-  }
-  for (; i < n; i += 32) st_na(d + i, ld_nc(s + i));
 }
 
 // The last block of the receive half advances the call counter.
@@ -803,7 +769,7 @@ __device__ void combine_send(const LlCtx& c, const CombineArgs& a, uint64_t seq,
     const char* src = reinterpret_cast<const char*>(a.x) + (int64_t(j) * RT + row) * row_bytes;
     const bool first = item == gwarp;
     if (first) stamp(c, 1, 11);
-    warp_copy_global(dst, src, row_bytes, lane);
+    warp_copy16(dst, src, row_bytes, lane);
     __syncwarp();
     if (first) stamp(c, 1, 12);
     if (lane == 0) arrive(c, parity, s, total[s] + 1, a.inbox_bytes, total[s] * row_bytes, seq);

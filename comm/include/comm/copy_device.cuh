@@ -48,6 +48,50 @@ __device__ __forceinline__ void copy(void* dst, const void* src, size_t bytes, s
   copy_elems<char>(d, s, bytes, tid, nthreads);
 }
 
+// 16-byte load through the non-coherent path, not kept in L1: data that no one
+// writes while the kernel runs (inputs, a peer's finished records).
+__device__ __forceinline__ int4 ld_nc(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// 16-byte load at L2, never from L1: data peers write during this kernel.
+__device__ __forceinline__ int4 ld_cg(const int4* p) {
+  int4 v;
+  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+// 16-byte store that does not allocate in L1.
+__device__ __forceinline__ void st_na(int4* p, const int4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w)
+               : "memory");
+}
+
+// Warp copy of `bytes` (a multiple of 16, 16-byte aligned pointers) through
+// ld_nc / st_na, four vectors per lane in flight.
+__device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t bytes, int lane) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  int4* d = reinterpret_cast<int4*>(dst);
+  const int64_t n = bytes / 16;
+  constexpr int kUnroll = 4;
+  int64_t i = lane;
+  for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = ld_nc(s + i + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) st_na(d + i + 32 * u, v[u]);
+  }
+  for (; i < n; i += 32) st_na(d + i, ld_nc(s + i));
+}
+
 #endif  // __CUDACC__
 
 }  // namespace comm
