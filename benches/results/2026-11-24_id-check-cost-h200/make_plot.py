@@ -18,19 +18,29 @@ log = (here.parent / "2026-11-24_shared-gpu-main-timeslice-trap-h200/steps/extra
 section = log.split("##### main --ranks 2", 1)[1].split("#####", 1)[0]
 rows = {}
 for line in section.splitlines():
-    m = re.match(r"^(layout, host id check|layout|dispatch bf16 uncached|uncached\+host id chk)\s+"
-                 r"(-|\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", line)
+    m = re.match(
+        r"^(layout, host id check|layout|dispatch bf16 uncached|uncached\+host id chk)\s+"
+        r"(-|\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)",
+        line,
+    )
     if m:
         op, sms, med, lo, hi = m.groups()
         rows.setdefault(op, []).append(
-            {"num_sms": None if sms == "-" else int(sms), "median_us": float(med),
-             "min_us": float(lo), "max_us": float(hi)})
+            {
+                "num_sms": None if sms == "-" else int(sms),
+                "median_us": float(med),
+                "min_us": float(lo),
+                "max_us": float(hi),
+            }
+        )
 out = {
     "what": "per-call time, 2 ranks sharing one H200 under MPS, 4096 tokens/rank, hidden 7168, "
-            "top-8 of 256 experts, 20 iterations after 5 warm-up (CUDA events, L2 flushed)",
+    "top-8 of 256 experts, 20 iterations after 5 warm-up (CUDA events, L2 flushed)",
     "device_check": {"layout": rows["layout"], "dispatch_uncached": rows["dispatch bf16 uncached"]},
-    "host_check": {"layout": rows["layout, host id check"],
-                   "dispatch_uncached": rows["uncached+host id chk"]},
+    "host_check": {
+        "layout": rows["layout, host id check"],
+        "dispatch_uncached": rows["uncached+host id chk"],
+    },
 }
 (here / "id_check.json").write_text(json.dumps(out, indent=2) + "\n")
 sms = [r["num_sms"] for r in rows["dispatch bf16 uncached"]]
@@ -46,4 +56,7 @@ plt.title("Expert-id check cost, 2 ranks on one H200")
 plt.legend(fontsize=8)
 plt.tight_layout()
 plt.savefig(here / "id_check.png", dpi=120)
-print(json.dumps(out["device_check"]["dispatch_uncached"]), json.dumps(out["host_check"]["dispatch_uncached"]))
+print(
+    json.dumps(out["device_check"]["dispatch_uncached"]),
+    json.dumps(out["host_check"]["dispatch_uncached"]),
+)
