@@ -1,10 +1,9 @@
 //! comm's own kernels (`cuda/`): remote atomics for the transports and the
 //! layout probe of the device handles. One typed launcher each.
 
-use std::ffi::c_void;
-
 use crate::cuda::{Device, StreamHandle};
 use crate::error::Result;
+use crate::module::kernel_arg as arg;
 use crate::module::{LoadedModule, ModuleCache};
 
 static FATBIN: &[u8] = include_bytes!(env!("COMM_FATBIN"));
@@ -26,10 +25,6 @@ static MODULES: ModuleCache = ModuleCache::new("comm", FATBIN, NAMES);
 
 fn module(device: Device) -> Result<&'static LoadedModule> {
     MODULES.get(device)
-}
-
-fn arg<T>(v: &mut T) -> *mut c_void {
-    (v as *mut T).cast()
 }
 
 /// Atomically adds `value` to the u64 (`wide`) or u32 at `target` (device or

@@ -64,6 +64,12 @@ impl LoadedModule {
     }
 }
 
+/// One kernel parameter for `cuLaunchKernel`'s argument array: the address of
+/// `v`, which must outlive the launch call (every crate's launchers use this).
+pub fn kernel_arg<T>(v: &mut T) -> *mut std::ffi::c_void {
+    (v as *mut T).cast()
+}
+
 /// `MOELINK_TRAP_ON_TIMEOUT=1`: a device wait that runs out traps its kernel
 /// (the context is lost, as with DeepEP's timeout) after recording what it
 /// waited for, for users who prefer a crash to an error on the next call.

@@ -4,7 +4,6 @@
 //!
 //! All pointers are device addresses (`0` = absent where the kernel allows it).
 
-use std::ffi::c_void;
 use std::mem::{offset_of, size_of};
 
 use comm::error::{CommError, Result};
@@ -15,6 +14,7 @@ use crate::module::{DeviceKernels, KernelId};
 /// Largest rank count the kernels handle (one warp lane per rank).
 pub use crate::limits::MAX_RANKS;
 use crate::limits::{MAX_TOPK, ROW_BYTES_ALIGNMENT};
+use comm::module::kernel_arg as arg;
 /// Bytes of one half of the control region (two halves alternate per notify).
 pub const CTRL_HALF_BYTES: u64 = 32 * 1024;
 /// Bytes of the control region at the start of every NVL buffer.
@@ -107,10 +107,6 @@ impl RecordLayout {
 /// weights, padded to 16 bytes.
 pub fn combine_record_bytes(hidden: usize, num_topk: usize) -> i64 {
     round_up(2 * hidden as i64 + 4 * num_topk as i64, 16)
-}
-
-fn arg<T>(v: &mut T) -> *mut c_void {
-    (v as *mut T).cast()
 }
 
 fn check_ctx(c: &IntranodeCtx) -> Result<()> {

@@ -2,16 +2,11 @@
 //! checks what the kernel cannot, picks the launch geometry, and launches on the
 //! caller's stream.
 
-use std::ffi::c_void;
-
 use comm::error::{CommError, Result};
 use comm::StreamHandle;
 
 use crate::module::{DeviceKernels, KernelId};
-
-fn arg<T>(v: &mut T) -> *mut c_void {
-    (v as *mut T).cast()
-}
+use comm::module::kernel_arg as arg;
 
 /// `diagnostics_write_peers`: rank `rank` writes its pattern into slot `rank`
 /// of every peer buffer. `peer_table` is a device array of `nranks` pointers

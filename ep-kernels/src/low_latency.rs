@@ -3,7 +3,6 @@
 //!
 //! All pointers are device addresses (`0` = absent where the kernel allows it).
 
-use std::ffi::c_void;
 use std::mem::size_of;
 
 use comm::error::{CommError, Result};
@@ -18,6 +17,7 @@ pub use crate::limits::{
     LL_MAX_HIDDEN as MAX_HIDDEN, LL_MAX_TOKENS_PER_RANK as MAX_TOKENS,
     MAX_EXPERTS_PER_RANK as MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_TOPK,
 };
+use comm::module::kernel_arg as arg;
 /// Threads per block.
 pub const THREADS: u32 = 1024;
 /// Bytes of the flags region at the start of the buffer.
@@ -308,10 +308,6 @@ pub struct LlLayout {
     pub recv: [u64; 2],
     pub stage: [u64; 2],
     pub total: u64,
-}
-
-fn arg<T>(v: &mut T) -> *mut c_void {
-    (v as *mut T).cast()
 }
 
 /// Launches `ll_dispatch` (`phases` of it) on `num_blocks` blocks.
