@@ -20,3 +20,4 @@ pub mod reference_ll;
 mod test_support;
 
 pub use comm::{CommError as Error, Result};
+pub use ep_kernels::compiled_archs;

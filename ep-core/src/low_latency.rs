@@ -18,8 +18,10 @@ use comm::proxy::ProxyService;
 use comm::registered_memory::RegisteredMemory;
 use comm::transport::Transport;
 use comm::{Bootstrap, Communicator, CommunicatorOptions, Device, DeviceMemory, StreamHandle};
+/// Which halves of a low-latency call a launch runs (send, receive, both).
+pub use ep_kernels::low_latency::Phases;
 use ep_kernels::low_latency::{
-    self as k, CombineArgs, DispatchArgs, LlCtx, LlShape, Phases, FLAGS_BYTES, STATE_WORDS,
+    self as k, CombineArgs, DispatchArgs, LlCtx, LlShape, FLAGS_BYTES, STATE_WORDS,
 };
 use ep_kernels::DeviceKernels;
 

@@ -61,7 +61,7 @@ fn device_count() -> usize {
 /// CUDA targets the embedded kernels were compiled for, e.g. ["90a"].
 #[pyfunction]
 fn compiled_archs() -> Vec<&'static str> {
-    ep_kernels::compiled_archs()
+    ep_core::compiled_archs()
 }
 
 /// One rank's side of the peer-write diagnostic (see ep_core::diagnostics).
@@ -121,10 +121,9 @@ fn reduce_rows_bf16(
     cols: i64,
 ) -> PyResult<()> {
     let dev = Device::bind(device).map_err(to_py)?;
-    let k = ep_kernels::DeviceKernels::get(dev).map_err(to_py)?;
     // SAFETY: the Python wrapper checked dtype, shape, contiguity and device.
     unsafe {
-        ep_kernels::launch::reduce_rows_bf16(&k, StreamHandle(stream), input, out, rows, cols)
+        ep_core::diagnostics::reduce_rows_bf16(dev, StreamHandle(stream), input, out, rows, cols)
     }
     .map_err(to_py)
 }

@@ -5,10 +5,10 @@
 use std::time::Duration;
 
 use comm::StreamHandle;
+use ep_core::low_latency::Phases;
 use ep_core::low_latency::{
     size_hint, CombineCall, DispatchCall, LowLatencyBuffer as Inner, LowLatencyOptions,
 };
-use ep_kernels::low_latency::Phases;
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -140,7 +140,7 @@ impl LowLatencyBuffer {
     }
 
     /// Phase stamps of the latest launches (`MOELINK_LL_PROFILE=1` at creation):
-    /// u64 `[2][256][16]`, see `ep_kernels::low_latency::PROF_SLOTS`.
+    /// u64 `[2][256][16]`, see `ep_kernels::low_latency::PROF_SLOTS` (through ep-core).
     fn profile(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
         let inner = self.get()?;
         py.detach(|| inner.profile()).map_err(to_py)
