@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _native
+from ._buffer_common import EventOverlap, _check_ids, _CudaMemory
 from ._device_timeout import env_device_timeout_ns
 from ._group import check_group
 from .checks import (
@@ -38,43 +39,6 @@ __all__ = ["Buffer", "EventOverlap"]
 _ALIGN = 16  # kernels use 16-byte vector loads and stores on rows
 
 
-class EventOverlap:
-    """A CUDA event plus the tensors that must stay alive until it completes.
-
-    ``current_stream_wait()`` makes the current stream wait for the event; used as a
-    context manager (``with event:``) it does that on exit. ``event=None`` (what a
-    call with ``async_finish=False`` returns) waits for nothing.
-    """
-
-    def __init__(self, event: torch.cuda.Event | None = None, extra_tensors=None) -> None:
-        self.event = event
-        self.extra_tensors = extra_tensors
-
-    def current_stream_wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.current_stream_wait()
-
-
-class _CudaMemory:
-    """A device range exposed through ``__cuda_array_interface__`` (keeps ``owner`` alive)."""
-
-    def __init__(self, ptr: int, nbytes: int, owner) -> None:
-        self.owner = owner
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,),
-            "typestr": "|u1",
-            "data": (ptr, False),
-            "version": 3,
-            "strides": None,
-        }
-
-
 def _check_aligned(name: str, t) -> None:
     if t is not None and t.numel() > 0 and t.data_ptr() % _ALIGN != 0:
         raise ValueError(
@@ -92,23 +56,6 @@ def _two_unique_ids() -> tuple:
         if b[:-8] != a[:-8]:  # everything but the 8-byte nonce: magic, version, address
             return a, b
     raise RuntimeError("could not get two bootstrap ids on distinct ports")
-
-
-def _capturing() -> bool:
-    return torch.cuda.is_current_stream_capturing()
-
-
-def _check_ids() -> bool:
-    """Whether expert ids are also range-checked on the host before a launch: a
-    debug switch (``MOELINK_CHECK_IDS=1``; it costs a device sync per call).
-
-    The kernels check every id anyway (the layout, notify and low-latency
-    dispatch kernels record an id outside ``[-1, num_experts)``): the call raises
-    ``ValueError`` naming the rank, token and column at its end where it waits
-    for the GPU (a dispatch without ``num_worst_tokens``), otherwise at the end of
-    the next call, in ``check()`` or in ``destroy()``. Never done under CUDA-graph
-    capture."""
-    return os.environ.get("MOELINK_CHECK_IDS", "0") == "1" and not _capturing()
 
 
 class Buffer(LowLatencyMixin):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import _native
+from ._buffer_common import EventOverlap, _check_ids, _CudaMemory
 from .checks import (
     LIMITS,
     check_bool,
@@ -129,8 +130,6 @@ class LowLatencyMixin:
         return compute
 
     def _ll_finish(self, stream, async_finish: bool, tensors):
-        from .buffer import EventOverlap
-
         if not async_finish:
             return EventOverlap(None)
         for t in tensors:
@@ -141,8 +140,6 @@ class LowLatencyMixin:
         return EventOverlap(ev, tuple(t for t in tensors if t is not None))
 
     def _check_ids_now(self) -> bool:
-        from .buffer import _check_ids
-
         return _check_ids()
 
     # ----- dispatch ----------------------------------------------------------------
@@ -270,7 +267,6 @@ class LowLatencyMixin:
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
         """The bf16 ``[E_local, R*T, H]`` view of the buffer ``low_latency_combine(...,
         zero_copy=True)`` reads: write the expert outputs here, then combine."""
-        from .buffer import _CudaMemory
 
         ll = self._ll_native()
         _, _, t, hidden, num_experts, el = self._check_ll_handle(handle)
@@ -367,8 +363,6 @@ class LowLatencyMixin:
         ll.clean()
 
     def _mask_view(self) -> torch.Tensor:
-        from .buffer import _CudaMemory
-
         ll = self._ll_native()
         if not self.enable_shrink:
             raise RuntimeError("the rank mask needs a Buffer created with enable_shrink=True")
