@@ -179,8 +179,19 @@ impl Communicator {
             Some(d) => d.uuid()?,
             None => [0; 16],
         };
+        // The context's SM limit (MPS), lowered by MOELINK_SMS_PER_RANK: it is
+        // exchanged, so every rank's group share (allreduce's block count,
+        // which must agree) sees every rank's limit.
         let (device_sms, context_sms) = match device {
-            Some(d) => (d.sm_count()?.max(0) as u32, d.context_sm_count()?),
+            Some(d) => {
+                let limit = crate::device_share::sms_per_rank_from_env()?;
+                let ctx = d.context_sm_count()?;
+                let ctx = match (ctx, limit) {
+                    (Some(c), Some(l)) => Some(c.min(l)),
+                    (c, l) => c.or(l),
+                };
+                (d.sm_count()?.max(0) as u32, ctx)
+            }
             None => (0, None),
         };
         w.u64(host_id);
@@ -229,8 +240,7 @@ impl Communicator {
         }
         if let Some(d) = device {
             comm.device_peers = ranks_on_same_device(&placement, rank);
-            comm.share = DeviceShare::of_group(&placement, &sm_counts, rank)
-                .limited_by(crate::device_share::sms_per_rank_from_env()?);
+            comm.share = DeviceShare::of_group(&placement, &sm_counts, rank);
             if comm.share.is_shared() {
                 tracing::debug!(
                     "rank {rank}: {} ranks on device {} ({:?}); share {:?}",

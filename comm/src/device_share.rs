@@ -8,11 +8,12 @@
 //! rank's grids never exceed its *share*: the SMs its context may use (MPS sets
 //! that with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, read through
 //! `cuCtxGetExecAffinity`), and at most the device's SMs, less one per rank
-//! (for the proxy's copy kernels), divided by the ranks on the device. Under an MPS thread percentage the driver reports the limited
-//! count L as the device's too, so the share is (L - ranks) / ranks: the clients' SM sets
-//! may overlap (measured on one H200, 2 ranks at 50 %: grids of 66 one-block-
-//! per-SM blocks deadlock, grids of 33 pass, and 66 pass without a limit).
-//! `MOELINK_SMS_PER_RANK` lowers the share further. [`crate::Communicator`]
+//! (for the proxy's copy kernels), divided by the ranks on the device. Under an
+//! MPS thread percentage the driver reports the limited count L as the device's
+//! too, so the share is (L - ranks) / ranks: the clients' SM sets may overlap
+//! (measured on one H200, 2 ranks at 50 %: grids of 66 one-block-per-SM blocks
+//! deadlock, grids of 33 pass, and 66 pass without a limit).
+//! `MOELINK_SMS_PER_RANK` lowers the context limit further. [`crate::Communicator`]
 //! finds the co-located ranks by exchanging device UUIDs and host ids through
 //! the bootstrap.
 
@@ -30,7 +31,8 @@ pub struct DeviceShare {
     pub index_on_device: usize,
     /// The device's SMs.
     pub device_sms: u32,
-    /// The SMs this rank's context may use, where the driver limits it (MPS).
+    /// The SMs this rank's context may use, where the driver limits it (MPS)
+    /// or `MOELINK_SMS_PER_RANK` does (the smaller).
     pub context_sms: Option<u32>,
     /// Blocks of one SM-wide grid that fit beside every other rank's: the
     /// smaller of `context_sms` and `(device_sms - ranks_on_device) /
@@ -97,21 +99,6 @@ impl DeviceShare {
         s
     }
 
-    /// The share with `sms` and `group_sms` at most `limit` (None: unchanged).
-    /// `MOELINK_SMS_PER_RANK` sets it for every rank (the same on all ranks):
-    /// grids that leave SMs to other work, or smaller than a device partition
-    /// the driver does not report.
-    pub fn limited_by(self, limit: Option<u32>) -> Self {
-        match limit {
-            Some(l) => Self {
-                sms: self.sms.min(l),
-                group_sms: self.group_sms.min(l),
-                ..self
-            },
-            None => self,
-        }
-    }
-
     /// Whether other ranks of the group use this device too.
     pub fn is_shared(&self) -> bool {
         self.ranks_on_device > 1
@@ -132,7 +119,9 @@ impl DeviceShare {
                 self.ranks_on_device,
                 self.device_sms,
                 match self.context_sms {
-                    Some(c) => format!(" (this rank's context is limited to {c} by MPS)"),
+                    Some(c) => format!(
+                        " (this rank's context is limited to {c} by MPS or MOELINK_SMS_PER_RANK)"
+                    ),
                     None => String::new(),
                 },
                 self.sms,
@@ -160,7 +149,7 @@ impl DeviceShare {
                 self.ranks_on_device,
                 self.device_sms,
                 match self.context_sms {
-                    Some(c) => format!(" (MPS limits this context to {c})"),
+                    Some(c) => format!(" (MPS or MOELINK_SMS_PER_RANK limits this context to {c})"),
                     None => String::new(),
                 }
             );
@@ -169,7 +158,9 @@ impl DeviceShare {
     }
 }
 
-/// `MOELINK_SMS_PER_RANK`: at most this many SMs per rank's grids (>= 1).
+/// `MOELINK_SMS_PER_RANK`: at most this many SMs per rank's grids (>= 1):
+/// grids that leave SMs to other work, or smaller than a device partition the
+/// driver does not report. Taken as part of the context's SM limit.
 pub fn sms_per_rank_from_env() -> Result<Option<u32>> {
     match std::env::var("MOELINK_SMS_PER_RANK") {
         Err(_) => Ok(None),
@@ -261,10 +252,14 @@ mod tests {
         assert_eq!(DeviceShare::new(66, Some(66), 2, 0).sms, 32);
         // Without a limit (MPS at 100 %, or time-slicing): (SMs - ranks) / ranks.
         assert_eq!(DeviceShare::new(132, Some(132), 2, 1).sms, 65);
-        // A limit lowers both numbers.
-        let s = DeviceShare::new(132, None, 2, 0).limited_by(Some(20));
-        assert_eq!((s.sms, s.group_sms), (20, 20));
-        assert_eq!(DeviceShare::whole(132).limited_by(None).sms, 132);
+        // A limit of one rank (MPS or MOELINK_SMS_PER_RANK, as exchanged)
+        // lowers its share and every rank's group share.
+        let placement = [(1u64, [1u8; 16]), (1u64, [1u8; 16])];
+        let sms = [(132, Some(20)), (132, None)];
+        let s0 = DeviceShare::of_group(&placement, &sms, 0);
+        let s1 = DeviceShare::of_group(&placement, &sms, 1);
+        assert_eq!((s0.sms, s0.group_sms), (20, 20));
+        assert_eq!((s1.sms, s1.group_sms), (65, 20));
     }
 
     #[test]
