@@ -166,6 +166,12 @@ def test_mps_percentage_is_none_unless_asked():
     assert sharing.env(1)["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "40"
     sharing.plan = launch.MpsPlan("timeslice")
     assert "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE" not in sharing.env(1)
+    # gpu_sharing reads $MOELINK_MPS_PERCENTAGE where no percentage is given.
+    env = {"MOELINK_MPS_PERCENTAGE": "auto", "PATH": ""}
+    with launch.gpu_sharing(3, 1, "off", env=env, log=lambda msg: None) as s:
+        assert s.percentage == "auto"
+    with launch.gpu_sharing(3, 1, "off", percentage="20", env=env, log=lambda m: None) as s:
+        assert s.percentage == "20"
 
 
 def test_a_daemon_is_reachable_only_while_its_control_socket_answers(tmp_path, monkeypatch):

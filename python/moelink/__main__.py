@@ -161,9 +161,7 @@ def run_on_cpu(args, ranks: int, t0: float) -> int:
 
 
 def run_on_gpus(args, ranks: int, num_gpus: int, t0: float) -> int:
-    with launch.gpu_sharing(
-        ranks, num_gpus, args.mps, percentage=launch.mps_percentage(None), log=print
-    ) as sharing:
+    with launch.gpu_sharing(ranks, num_gpus, args.mps, log=print) as sharing:
         placement = (
             "one process per rank, several ranks per GPU"
             if sharing.shared
@@ -221,9 +219,7 @@ def peer_write(args, ranks: int, num_gpus: int) -> int:
 
     from moelink.diagnostics import run_on_local_gpus
 
-    with launch.gpu_sharing(
-        ranks, num_gpus, args.mps, percentage=launch.mps_percentage(None), log=print
-    ) as sharing:
+    with launch.gpu_sharing(ranks, num_gpus, args.mps, log=print) as sharing:
         reports = run_on_local_gpus(ranks, args.words, timeout_s=args.timeout, sharing=sharing)
     reports.sort(key=lambda r: r["rank"])
     failed = [r for r in reports if "error" in r]

@@ -44,12 +44,10 @@ def run_local_ranks(worker, num_ranks: int, payload, timeout_s: float, sharing=N
     did not report within ``timeout_s`` appears as ``{"rank": r, "error": ...}``.
     The processes are stopped before it returns, also when it is interrupted.
     """
-    from .launch import gpu_sharing, local_gpu_count, mps_mode, mps_percentage
+    from .launch import gpu_sharing, local_gpu_count, mps_mode
 
     if sharing is None:
-        with gpu_sharing(
-            num_ranks, local_gpu_count(), mps_mode(None), percentage=mps_percentage(None)
-        ) as own:
+        with gpu_sharing(num_ranks, local_gpu_count(), mps_mode(None)) as own:
             return run_local_ranks(worker, num_ranks, payload, timeout_s, own)
 
     import torch.multiprocessing as mp

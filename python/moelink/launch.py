@@ -519,7 +519,7 @@ def gpu_sharing(
     num_gpus: int,
     mode: str = "auto",
     *,
-    percentage: str = "none",
+    percentage: str | None = None,
     log=_log,
     env=None,
 ) -> Iterator[GpuSharing]:
@@ -528,9 +528,12 @@ def gpu_sharing(
     for the ``with`` block: starts a private daemon where the plan says so and
     stops it when the block ends, however it ends. Yields a :class:`GpuSharing`
     whose :meth:`GpuSharing.env` gives each rank's variables. Prints (``log``)
-    one line saying what it did where ranks share GPUs. LaunchError where
-    ``mode`` is ``on`` and no daemon can be had."""
+    one line saying what it did where ranks share GPUs. ``percentage``: as
+    :func:`mps_percentage` (None: ``$MOELINK_MPS_PERCENTAGE``, else none).
+    LaunchError where ``mode`` is ``on`` and no daemon can be had, or the
+    percentage is invalid."""
     env = os.environ if env is None else env
+    percentage = mps_percentage(percentage, env)
     binary = shutil.which(MPS_BINARY, path=env.get("PATH"))
     plan = decide_mps(
         mode,
