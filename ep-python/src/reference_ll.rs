@@ -67,10 +67,9 @@ pub fn ref_ll_dispatch<'py>(
             let one = py
                 .detach(|| r::low_latency_dispatch_rank(&ins, &args, k))
                 .map_err(to_py)?;
-            let mut one = Some(one);
-            (0..ins.len())
-                .map(|d| if d == k { one.take() } else { None })
-                .collect()
+            let mut v: Vec<_> = (0..ins.len()).map(|_| None).collect();
+            v[k] = Some(one); // k < len: checked by low_latency_dispatch_rank
+            v
         }
     };
     let mut dicts = Vec::with_capacity(ranks.len());
