@@ -216,6 +216,20 @@ impl OwnedStream {
         self.device
     }
 
+    /// Whether work issued to the stream has not completed yet (never waits).
+    pub fn is_busy(&self) -> Result<bool> {
+        self.device.make_current()?;
+        // SAFETY: the stream is live for the life of self.
+        match unsafe { sys::cuStreamQuery(self.stream) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(false),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(true),
+            e => Err(CommError::Cuda {
+                call: "cuStreamQuery",
+                source: cudarc::driver::DriverError(e),
+            }),
+        }
+    }
+
     /// Waits until the stream's work is done, polling at most `timeout`.
     pub fn synchronize_bounded(
         &self,

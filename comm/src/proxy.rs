@@ -11,7 +11,7 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::cuda::Device;
 use crate::device_handles::{FifoDeviceHandle, ProxyTrigger, TriggerOp};
@@ -33,6 +33,34 @@ struct ChannelState {
     remote_offset: u64,
     /// Signals sent so far (the value the next signal writes is this + 1).
     outbound: AtomicU64,
+    /// Triggers of this channel performed so far (a failed one included).
+    handled: AtomicU64,
+    /// When the latest of them was performed: ms since the UNIX epoch (0: none).
+    last_ms: AtomicU64,
+    /// The longest time its operations stayed in flight (issued until the
+    /// proxy saw them complete), in ms.
+    max_flight_ms: AtomicU64,
+}
+
+/// How far a channel's proxy got (see [`ProxyService::channel_state`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ChannelProgress {
+    /// Triggers performed so far (failed ones included).
+    pub handled: u64,
+    /// Whether operations it issued are still in flight (None: its transport
+    /// cannot tell).
+    pub busy: Option<bool>,
+    /// Milliseconds since it performed its latest trigger (None: none yet).
+    pub idle_ms: Option<u64>,
+    /// The longest time its operations stayed in flight (issued until the
+    /// proxy saw them complete), in ms; 0 where the transport cannot tell.
+    pub max_flight_ms: u64,
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 #[derive(Debug, Default)]
@@ -138,6 +166,9 @@ impl ProxyService {
             remote_semaphore,
             remote_offset,
             outbound: AtomicU64::new(0),
+            handled: AtomicU64::new(0),
+            last_ms: AtomicU64::new(0),
+            max_flight_ms: AtomicU64::new(0),
         }));
         Ok(v.len() as u32 - 1)
     }
@@ -190,6 +221,25 @@ impl ProxyService {
         self.shared.processed.load(Ordering::Acquire)
     }
 
+    /// How far channel `channel` got (None: no such channel): with the FIFO's
+    /// tail, what a hang report shows of the proxy.
+    pub fn channel_state(&self, channel: u32) -> Option<ChannelProgress> {
+        let ch = self
+            .shared
+            .channels
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(channel as usize)
+            .cloned()?;
+        let last = ch.last_ms.load(Ordering::Acquire);
+        Some(ChannelProgress {
+            handled: ch.handled.load(Ordering::Acquire),
+            busy: ch.connection.busy(),
+            idle_ms: (last != 0).then(|| now_ms().saturating_sub(last)),
+            max_flight_ms: ch.max_flight_ms.load(Ordering::Acquire),
+        })
+    }
+
     /// The first error the proxy hit, if any (it is kept: later calls report it too).
     pub fn check(&self) -> Result<()> {
         let e = self
@@ -213,10 +263,24 @@ impl Drop for ProxyService {
     }
 }
 
+/// Triggers handled between two polls of the channels in flight while the
+/// FIFO stays busy.
+const POLL_EVERY: u32 = 32;
+
 fn run(fifo: &Fifo, shared: &Shared, flush_timeout: Duration) {
+    // Channels with operations issued and not yet seen complete, with when the
+    // oldest of them was issued. The proxy queries them until they drain: an
+    // asynchronous copy the proxy issued is not guaranteed to start until the
+    // process drives its stream again (measured with ranks sharing a GPU under
+    // MPS: a receiver waited out its whole time bound for the last copy of a
+    // run, which landed as soon as the proxy queried its stream; see
+    // docs/one-gpu.md), and nothing else would after a rank's last call.
+    let mut in_flight: Vec<(Arc<ChannelState>, Instant)> = Vec::new();
     let mut idle = 0u32;
+    let mut since_poll = 0u32;
     while !shared.stop.load(Ordering::Acquire) {
         let Some(t) = fifo.poll() else {
+            poll_in_flight(&mut in_flight);
             idle += 1;
             if idle > 4096 {
                 std::thread::yield_now();
@@ -224,28 +288,83 @@ fn run(fifo: &Fifo, shared: &Shared, flush_timeout: Duration) {
             continue;
         };
         idle = 0;
-        if let Err(e) = handle(t, shared, flush_timeout) {
+        let (ch, result) = handle(t, shared, flush_timeout);
+        if let Err(e) = result {
             shared.record(e);
+        }
+        if let Some(ch) = ch {
+            if !in_flight.iter().any(|(c, _)| Arc::ptr_eq(c, &ch)) {
+                in_flight.push((ch, Instant::now()));
+            }
         }
         fifo.pop();
         shared.processed.fetch_add(1, Ordering::Release);
+        since_poll += 1;
+        if since_poll >= POLL_EVERY {
+            since_poll = 0;
+            poll_in_flight(&mut in_flight);
+        }
     }
 }
 
-fn handle(t: ProxyTrigger, shared: &Shared, flush_timeout: Duration) -> Result<()> {
-    let op = t
-        .decode()
-        .ok_or_else(|| CommError::invalid("trigger", format!("undecodable {t:?}")))?;
+/// Queries every channel in flight once (this drives its stream); forgets the
+/// ones that drained (or whose transport cannot tell), keeping how long the
+/// drained ones were in flight.
+fn poll_in_flight(in_flight: &mut Vec<(Arc<ChannelState>, Instant)>) {
+    in_flight.retain(|(ch, since)| match ch.connection.busy() {
+        Some(true) => true,
+        Some(false) => {
+            let ms = since.elapsed().as_millis() as u64;
+            ch.max_flight_ms.fetch_max(ms, Ordering::AcqRel);
+            false
+        }
+        None => false,
+    });
+}
+
+/// Performs one trigger; returns its channel (None: it named none) and the
+/// outcome.
+fn handle(
+    t: ProxyTrigger,
+    shared: &Shared,
+    flush_timeout: Duration,
+) -> (Option<Arc<ChannelState>>, Result<()>) {
+    let Some(op) = t.decode() else {
+        return (
+            None,
+            Err(CommError::invalid("trigger", format!("undecodable {t:?}"))),
+        );
+    };
     let channel_id = match op {
         TriggerOp::Data { channel, .. } | TriggerOp::AtomicAdd { channel, .. } => channel,
     };
-    let ch = shared
+    let Some(ch) = shared
         .channels
         .read()
         .unwrap_or_else(|p| p.into_inner())
         .get(channel_id as usize)
         .cloned()
-        .ok_or_else(|| CommError::invalid("trigger", format!("unknown channel {channel_id}")))?;
+    else {
+        return (
+            None,
+            Err(CommError::invalid(
+                "trigger",
+                format!("unknown channel {channel_id}"),
+            )),
+        );
+    };
+    let result = perform(op, &ch, shared, flush_timeout);
+    ch.last_ms.store(now_ms(), Ordering::Release);
+    ch.handled.fetch_add(1, Ordering::Release);
+    (Some(ch), result)
+}
+
+fn perform(
+    op: TriggerOp,
+    ch: &ChannelState,
+    shared: &Shared,
+    flush_timeout: Duration,
+) -> Result<()> {
     let memory = |id: u32| {
         shared
             .memories

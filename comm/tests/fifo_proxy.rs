@@ -1,6 +1,7 @@
 //! CPU tests of the trigger FIFO and the proxy, with host threads as the
 //! producers (the same algorithm GPU threads run; see fifo_device.cuh).
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
@@ -262,6 +263,10 @@ fn proxy_decodes_and_performs_every_trigger_kind() {
         ]
     );
     assert_eq!(proxy.processed(), 6);
+    let st = proxy.channel_state(ch).unwrap();
+    assert_eq!((st.handled, st.busy), (6, None));
+    assert!(st.idle_ms.is_some_and(|ms| ms < 60_000), "{st:?}");
+    assert_eq!(proxy.channel_state(ch + 1), None);
 }
 
 #[test]
@@ -297,5 +302,91 @@ fn proxy_reports_bad_triggers_and_keeps_popping() {
         10,
         "the valid signals were all performed"
     );
+    // Failed triggers of a known channel count as handled too (unknown memory,
+    // out of range), the one naming no channel does not.
+    assert_eq!(proxy.channel_state(ch).map(|s| s.handled), Some(12));
+    proxy.stop().unwrap();
+}
+
+/// A connection whose operations stay in flight until it has been asked
+/// `busy_polls` times whether they are (like a CUDA stream that only starts
+/// work the process drives).
+#[derive(Debug)]
+struct LazyStream {
+    busy_polls: u64,
+    polls: AtomicU64,
+}
+
+impl Connection for LazyStream {
+    fn transport(&self) -> Transport {
+        Transport::CudaIpc
+    }
+    fn remote_rank(&self) -> usize {
+        1
+    }
+    fn write(
+        &self,
+        _: &RegisteredMemory,
+        _: u64,
+        _: &RegisteredMemory,
+        _: u64,
+        _: u64,
+    ) -> Result<()> {
+        Ok(())
+    }
+    fn update_and_sync(&self, _: &RegisteredMemory, _: u64, _: u64) -> Result<()> {
+        Ok(())
+    }
+    fn atomic_add(&self, _: &RegisteredMemory, _: u64, _: i64, _: AtomicWidth) -> Result<()> {
+        Ok(())
+    }
+    fn flush(&self, _: Duration) -> Result<()> {
+        Ok(())
+    }
+    fn busy(&self) -> Option<bool> {
+        Some(self.polls.fetch_add(1, Ordering::SeqCst) < self.busy_polls)
+    }
+}
+
+#[test]
+fn proxy_drives_issued_operations_to_completion_without_new_triggers() {
+    let mut proxy = ProxyService::new(0, None, 8, 0).unwrap();
+    let conn = Arc::new(LazyStream {
+        busy_polls: 1000,
+        polls: AtomicU64::new(0),
+    });
+    let local = proxy.add_memory(mem(0, 64)).unwrap();
+    let remote = proxy.add_memory(mem(1, 64)).unwrap();
+    let ch = proxy.add_channel(conn.clone(), mem(1, 64), 0).unwrap();
+    proxy.start().unwrap();
+    let p = proxy.fifo().host_producer().unwrap();
+    let t = Duration::from_secs(5);
+    let last = p
+        .push(
+            ProxyTrigger::data(tt::DATA | tt::SIGNAL, ch, remote, 0, local, 0, 8),
+            t,
+        )
+        .unwrap();
+    p.sync(last, t).unwrap();
+    // No trigger follows: the proxy alone must keep querying until the
+    // operations report done, then stop querying.
+    let start = Instant::now();
+    while conn.polls.load(Ordering::SeqCst) <= 1000 {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the proxy stopped querying its in-flight channel after {} polls",
+            conn.polls.load(Ordering::SeqCst)
+        );
+        thread::yield_now();
+    }
+    thread::sleep(Duration::from_millis(50));
+    let settled = conn.polls.load(Ordering::SeqCst);
+    thread::sleep(Duration::from_millis(50));
+    assert_eq!(
+        conn.polls.load(Ordering::SeqCst),
+        settled,
+        "a drained channel is not queried again"
+    );
+    proxy.check().unwrap();
     proxy.stop().unwrap();
 }

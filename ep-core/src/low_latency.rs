@@ -76,7 +76,7 @@ pub struct CombineCall {
 pub struct LowLatencyBuffer {
     // Dropped first: the proxy thread stops before the memory it copies goes.
     proxy: Option<ProxyService>,
-    _ports: Vec<Option<PortChannel>>,
+    ports: Vec<Option<PortChannel>>,
     ports_table: Option<DeviceMemory>,
     _peer_mems: Vec<RegisteredMemory>,
     peers_table: DeviceMemory,
@@ -228,7 +228,7 @@ impl LowLatencyBuffer {
         comm.barrier()?;
         Ok(Self {
             proxy,
-            _ports: ports,
+            ports,
             ports_table,
             _peer_mems: peer_mems,
             peers_table,
@@ -287,6 +287,21 @@ impl LowLatencyBuffer {
 
     pub fn num_blocks(&self) -> u32 {
         self.num_blocks
+    }
+
+    /// How far the proxy got (None: peers are reached over NVLink): triggers
+    /// popped from its FIFO, and per peer (None for this rank) the triggers of
+    /// its channel performed and whether its copies are still in flight. With
+    /// the flags of the buffer this tells a lost trigger from a copy that never
+    /// ran when a receive times out.
+    pub fn proxy_progress(&self) -> Option<(u64, Vec<Option<comm::proxy::ChannelProgress>>)> {
+        let proxy = self.proxy.as_ref()?;
+        let per_peer = self
+            .ports
+            .iter()
+            .map(|p| p.as_ref().and_then(|c| proxy.channel_state(c.channel)))
+            .collect();
+        Some((proxy.fifo().tail(), per_peer))
     }
 
     /// Errors a device wait, the proxy or its FIFO reported, if any (an expert

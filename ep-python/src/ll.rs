@@ -146,6 +146,23 @@ impl LowLatencyBuffer {
         py.detach(|| inner.profile()).map_err(to_py)
     }
 
+    /// (triggers popped, [per peer: (triggers of its channel performed, copies
+    /// in flight or None, ms since its latest trigger or None, longest ms an
+    /// operation took to complete (MOELINK_PROXY_QUERY=1, else 0)) or None]) of
+    /// the proxy, or None where peers are reached over NVLink (diagnostics).
+    #[allow(clippy::type_complexity)]
+    fn proxy_progress(
+        &self,
+    ) -> PyResult<Option<(u64, Vec<Option<(u64, Option<bool>, Option<u64>, u64)>>)>> {
+        Ok(self.get()?.proxy_progress().map(|(tail, peers)| {
+            let peers = peers
+                .into_iter()
+                .map(|p| p.map(|c| (c.handled, c.busy, c.idle_ms, c.max_flight_ms)))
+                .collect();
+            (tail, peers)
+        }))
+    }
+
     /// Raises TimeoutError / RuntimeError if a device wait, the proxy or its
     /// FIFO reported a failure.
     fn check_device(&self) -> PyResult<()> {

@@ -142,7 +142,15 @@ class Buffer(LowLatencyMixin):
             )
             self._native.set_device_timeout_ns(device_timeout_ns)
         if low_latency_mode:
-            device_timeout = float(os.environ.get("MOELINK_LL_TIMEOUT_S", str(timeout)))
+            # Bound of every low-latency receive: MOELINK_LL_TIMEOUT_S, else the
+            # intranode one (30 s unless set), under the host bound so that the
+            # device's error (naming the peer and counter) is the one raised.
+            ll_timeout_ns = (
+                env_device_timeout_ns("MOELINK_LL_TIMEOUT_S")
+                if "MOELINK_LL_TIMEOUT_S" in os.environ
+                else device_timeout_ns
+            )
+            device_timeout = ll_timeout_ns / 1e9
             self._ll = _native.LowLatencyBuffer(
                 uid[0][1], self.rank, self.group_size, self.device.index, num_rdma_bytes,
                 timeout, device_timeout, self.allow_nvlink_for_low_latency_mode,

@@ -287,8 +287,8 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
         wsum = (w * (idx >= 0)).sum(1, keepdim=True).to(dev)
         d = calc_diff(comb_id.float(), x.float() * wsum)
         tol = 9e-4 if use_fp8 else 1e-5
-        if d >= tol:
-            ctx.fail(f"{label}: calc_diff {d:.3g} >= {tol}")
+        if not d < tol:  # NaN (a poisoned row) fails too
+            ctx.fail(f"{label}: calc_diff {d:.3g} not below {tol}")
 
 
 def gather_rows(ctx: Ctx, y: torch.Tensor, count: torch.Tensor) -> list:
@@ -368,9 +368,39 @@ def scenario_proxy(ctx: Ctx, buf) -> None:
         e = std_experts(ctx.size)
         inputs = make_inputs(ctx, "proxy-std", 128, 7168, e, 8, zero_rank=False)
         round_trip(ctx, pbuf, "proxy standard", inputs, 128, e)
+        torch.cuda.synchronize()
+        # Every rank reports its flags and proxy when any rank failed (a
+        # collective: every rank gets here unless one raised above).
+        error = None
+        try:
+            pbuf.check()
+        except Exception as exc:  # noqa: BLE001 - re-raised below
+            error = exc
+        failed = [None] * ctx.size
+        dist.all_gather_object(failed, bool(error or ctx.errors))
+        if any(failed):
+            report = proxy_state(ctx, pbuf)
+            if ctx.rank == 0:
+                print("proxy state after the failure:\n" + report, flush=True)
+        if error is not None:
+            raise error
     finally:
         torch.cuda.synchronize()
         pbuf.destroy()
+
+
+def proxy_state(ctx: Ctx, pbuf) -> str:
+    """Every rank's flags (incoming, [parity][source]; outgoing values the proxy
+    copies, [parity][destination]) and its proxy's progress, one line per rank
+    (collective over gloo): tells a lost trigger from a copy that never ran."""
+    r = ctx.size
+    flags = pbuf.get_local_buffer_tensor(torch.int64, use_rdma_buffer=True)
+    inc = flags[: 2 * 32].view(2, 32)[:, :r].cpu().tolist()
+    out = flags[256 : 256 + 2 * 32].view(2, 32)[:, :r].cpu().tolist()
+    mine = f"rank {ctx.rank}: in {inc} out {out} proxy {pbuf._ll.proxy_progress()}"
+    lines = [None] * ctx.size
+    dist.all_gather_object(lines, mine)
+    return "\n".join(lines)
 
 
 def expect_raise(ctx: Ctx, label: str, exc, fn) -> None:

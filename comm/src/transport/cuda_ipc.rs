@@ -118,6 +118,10 @@ impl Connection for CudaIpcConnection {
         }
     }
 
+    fn busy(&self) -> Option<bool> {
+        self.stream.is_busy().ok()
+    }
+
     fn flush(&self, timeout: Duration) -> Result<()> {
         self.stream.synchronize_bounded(
             timeout,

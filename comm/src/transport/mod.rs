@@ -77,6 +77,12 @@ pub trait Connection: Send + Sync + std::fmt::Debug {
     /// Waits, at most `timeout`, until every earlier operation has completed at
     /// the peer.
     fn flush(&self, timeout: Duration) -> Result<()>;
+
+    /// Whether operations issued so far are still in flight (None: the
+    /// transport cannot tell). Diagnostics only: never waits.
+    fn busy(&self) -> Option<bool> {
+        None
+    }
 }
 
 /// Validates an atomic target: in range and aligned to its width.
