@@ -1573,6 +1573,16 @@ fn connect_retry(
             return Err(last);
         };
         match TcpStream::connect_timeout(&addr, left) {
+            // Nothing listened yet at a port of the ephemeral range, and the
+            // kernel gave this socket that very port: a TCP simultaneous open
+            // with itself (seen with 8 ranks starting at once: a rank read its
+            // own registration back). Not the peer: retry.
+            Ok(stream) if is_self_connection(&stream) => {
+                last = io::Error::new(
+                    ErrorKind::ConnectionRefused,
+                    format!("connected to itself at {addr} (nothing listening there yet)"),
+                );
+            }
             Ok(stream) => {
                 stream.set_nodelay(true)?;
                 return Ok(stream);
@@ -1585,6 +1595,11 @@ fn connect_retry(
         std::thread::sleep(backoff.min(left));
         backoff = (backoff * 2).min(MAX_BACKOFF);
     }
+}
+
+/// Whether `stream` is connected to its own address (a TCP self-connection).
+fn is_self_connection(stream: &TcpStream) -> bool {
+    matches!((stream.local_addr(), stream.peer_addr()), (Ok(l), Ok(p)) if l == p)
 }
 
 // ---------------------------------------------------------------------------
@@ -1852,4 +1867,40 @@ fn random_nonce() -> u64 {
     h.write_u32(std::process::id());
     h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
     h.finish()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::TcpListener;
+    use std::os::fd::FromRawFd;
+
+    /// A socket bound to 127.0.0.1:P and connected to 127.0.0.1:P: what
+    /// `connect` can produce when nothing listens at an ephemeral port P.
+    fn self_connected() -> TcpStream {
+        // SAFETY: plain socket calls on a fresh descriptor with valid,
+        // correctly sized sockaddr_in structures; the fd is owned by the
+        // returned TcpStream.
+        unsafe {
+            let fd = libc::socket(libc::AF_INET, libc::SOCK_STREAM, 0);
+            assert!(fd >= 0);
+            let mut a: libc::sockaddr_in = std::mem::zeroed();
+            a.sin_family = libc::AF_INET as libc::sa_family_t;
+            a.sin_addr.s_addr = u32::from_ne_bytes([127, 0, 0, 1]);
+            let len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            assert_eq!(libc::bind(fd, (&raw const a).cast(), len), 0);
+            let mut got = len;
+            assert_eq!(libc::getsockname(fd, (&raw mut a).cast(), &mut got), 0);
+            assert_eq!(libc::connect(fd, (&raw const a).cast(), len), 0);
+            TcpStream::from_raw_fd(fd)
+        }
+    }
+
+    #[test]
+    fn a_self_connection_is_recognised_and_a_real_one_is_not() {
+        assert!(is_self_connection(&self_connected()));
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        assert!(!is_self_connection(&c));
+    }
 }
