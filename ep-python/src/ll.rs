@@ -276,7 +276,11 @@ impl LowLatencyBuffer {
     }
 
     /// Frees everything now (idempotent).
-    fn destroy(&mut self) {
-        self.inner = None;
+    /// Frees the buffer; the proxy thread is joined and the memory freed with
+    /// the GIL released (as the other buffers do).
+    fn destroy(&mut self, py: Python<'_>) {
+        if let Some(b) = self.inner.take() {
+            py.detach(move || drop(b));
+        }
     }
 }

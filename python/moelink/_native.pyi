@@ -100,8 +100,44 @@ class LowLatencyBuffer:
     ) -> tuple[int, list[tuple[int, bool | None, int | None, int] | None]] | None: ...
     def check_device(self) -> None: ...
     def check_device_timeout(self) -> None: ...
-    def dispatch(self, stream: int, *args) -> None: ...
-    def combine(self, stream: int, *args) -> None: ...
+    def dispatch(
+        self,
+        stream: int,
+        max_tokens: int,
+        hidden: int,
+        num_experts: int,
+        num_topk: int,
+        num_tokens: int,
+        x: int,
+        topk_idx: int,
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        recv_x: int,
+        recv_scales: int,
+        recv_count: int,
+        src_info: int,
+        layout_range: int,
+        stats_count: int,
+        stats_wait: int,
+        phases_: int,
+    ) -> None: ...
+    def combine(
+        self,
+        stream: int,
+        max_tokens: int,
+        hidden: int,
+        num_experts: int,
+        num_topk: int,
+        num_tokens: int,
+        x: int,
+        layout_range: int,
+        topk_idx: int,
+        topk_weights: int,
+        out: int,
+        stats_wait: int,
+        phases_: int,
+    ) -> None: ...
     def clean(self) -> None: ...
     def barrier(self) -> None: ...
     def destroy(self) -> None: ...
