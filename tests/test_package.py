@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import moelink
+import pytest
 from moelink import _native
 
 MASK = (1 << 64) - 1
@@ -35,3 +36,23 @@ def test_main_job_runs_without_gpu(capsys):
     if moelink.device_count() == 0:
         assert main([]) == 0
         assert "No CUDA device" in capsys.readouterr().out
+
+
+def test_device_share_rule_is_the_librarys():
+    # comm::DeviceShare: (SMs - ranks) / ranks where ranks share a GPU, capped by
+    # the context's limit; the whole GPU for a rank alone.
+    assert [_native.device_share_sms(132, None, n) for n in (1, 2, 4, 8)] == [132, 65, 32, 15]
+    assert _native.device_share_sms(132, 20, 2) == 20
+    assert _native.device_share_sms(132, 66, 4) == 32
+    assert _native.device_share_sms(4, None, 8) == 0
+
+
+def test_local_sm_counts():
+    if moelink.device_count() == 0:
+        with pytest.raises(moelink.CudaError, match="driver"):
+            _native.local_sm_counts(0)
+    else:
+        sms, ctx = _native.local_sm_counts(0)
+        assert sms > 0 and (ctx is None or 0 < ctx <= sms)
+    with pytest.raises((ValueError, moelink.CudaError)):
+        _native.local_sm_counts(-1)

@@ -183,15 +183,7 @@ impl Communicator {
         // exchanged, so every rank's group share (allreduce's block count,
         // which must agree) sees every rank's limit.
         let (device_sms, context_sms) = match device {
-            Some(d) => {
-                let limit = crate::device_share::sms_per_rank_from_env()?;
-                let ctx = d.context_sm_count()?;
-                let ctx = match (ctx, limit) {
-                    (Some(c), Some(l)) => Some(c.min(l)),
-                    (c, l) => c.or(l),
-                };
-                (d.sm_count()?.max(0) as u32, ctx)
-            }
+            Some(d) => crate::device_share::local_sm_counts(d)?,
             None => (0, None),
         };
         w.u64(host_id);

@@ -8,7 +8,8 @@
 //! rank's grids never exceed its *share*: the SMs its context may use (MPS sets
 //! that with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`, read through
 //! `cuCtxGetExecAffinity`), and at most the device's SMs, less one per rank
-//! (for the proxy's copy kernels), divided by the ranks on the device. Under an
+//! (for small kernels such as the proxy's remote atomics), divided by the
+//! ranks on the device. Under an
 //! MPS thread percentage the driver reports the limited count L as the device's
 //! too, so the share is (L - ranks) / ranks: the clients' SM sets may overlap
 //! (measured on one H200, 2 ranks at 50 %: grids of 66 one-block-per-SM blocks
@@ -57,11 +58,12 @@ impl DeviceShare {
         index_on_device: usize,
     ) -> Self {
         let ranks = ranks_on_device.max(1).min(u32::MAX as usize) as u32;
-        // Ranks that share the device leave one SM each free: a proxy's copies
-        // between two processes' memory on one device run as kernels of the
-        // rank's context, and must find an SM while every rank's grid waits.
-        // (Measured, 4 ranks on an H200: low-latency over the proxy timed out
-        // with 4 x 33 blocks on 132 SMs and passed with 4 x 32.)
+        // Ranks that share the device leave one SM each free for the small
+        // kernels a rank issues while every rank's grid waits: the proxy's
+        // remote atomics over CUDA IPC are one-thread kernels of the rank's
+        // context. (A forced-proxy low-latency timeout at 4 x 33 blocks once
+        // read as evidence for this; 4 x 32 and 4 x 24 hit it too: it is the
+        // defect in docs/one-gpu.md, not a lack of SMs.)
         let reserve = if ranks > 1 { ranks } else { 0 };
         let even = device_sms.saturating_sub(reserve) / ranks;
         let sms = match context_sms {
@@ -156,6 +158,19 @@ impl DeviceShare {
         }
         limit
     }
+}
+
+/// (the device's SMs, the SM limit of this process's context): the driver's
+/// (MPS) limit lowered by `MOELINK_SMS_PER_RANK`, None where neither limits
+/// it. What every rank exchanges at setup, and what tools outside a
+/// Communicator (the main job) start from.
+pub fn local_sm_counts(device: crate::cuda::Device) -> Result<(u32, Option<u32>)> {
+    let limit = sms_per_rank_from_env()?;
+    let ctx = match (device.context_sm_count()?, limit) {
+        (Some(c), Some(l)) => Some(c.min(l)),
+        (c, l) => c.or(l),
+    };
+    Ok((device.sm_count()?.max(0) as u32, ctx))
 }
 
 /// `MOELINK_SMS_PER_RANK`: at most this many SMs per rank's grids (>= 1):

@@ -58,6 +58,23 @@ fn device_count() -> usize {
     comm::device_count()
 }
 
+/// (SMs of GPU `device`, the SM limit of this process's context there or
+/// None): the driver's (MPS) limit lowered by MOELINK_SMS_PER_RANK, as every
+/// Buffer and AllReduce reads them.
+#[pyfunction]
+fn local_sm_counts(py: Python<'_>, device: i32) -> PyResult<(u32, Option<u32>)> {
+    py.detach(|| comm::device_share::local_sm_counts(comm::Device::get(device)?))
+        .map_err(to_py)
+}
+
+/// SMs one rank's grids may use with `ranks_on_device` ranks on a GPU of
+/// `device_sms` SMs whose context allows `context_sms` (None: no limit): the
+/// library's share rule (comm::DeviceShare).
+#[pyfunction]
+fn device_share_sms(device_sms: u32, context_sms: Option<u32>, ranks_on_device: usize) -> u32 {
+    comm::DeviceShare::new(device_sms, context_sms, ranks_on_device, 0).sms
+}
+
 /// CUDA targets the embedded kernels were compiled for, e.g. ["90a"].
 #[pyfunction]
 fn compiled_archs() -> Vec<&'static str> {
@@ -172,6 +189,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("TimeoutError", m.py().get_type::<TimeoutError>())?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
     m.add_function(wrap_pyfunction!(compiled_archs, m)?)?;
+    m.add_function(wrap_pyfunction!(local_sm_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(device_share_sms, m)?)?;
     m.add_function(wrap_pyfunction!(reduce_rows_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(pattern_word, m)?)?;
     m.add_function(wrap_pyfunction!(limits, m)?)?;

@@ -581,29 +581,31 @@ def _gpu_placement(group, device) -> dict:
     """How the ranks of ``group`` sit on GPUs (collective): ``num_gpus`` (distinct
     devices), ``ranks_per_gpu`` (the most on one), ``mps`` (whether the ranks run
     under MPS, as ``moelink.launch`` says), and ``share_sms``: the fewest SMs a
-    rank may use beside the others on its GPU, by the library's rule (comm's
-    DeviceShare): the SMs the driver reports (under an MPS thread percentage, the
-    limited count), less one per rank, split evenly among the GPU's ranks."""
+    rank may use beside the others on its GPU, by the library's own rule and SM
+    limits (``_native.device_share_sms`` of ``_native.local_sm_counts``: MPS
+    thread percentages and ``MOELINK_SMS_PER_RANK`` included)."""
     import torch
     import torch.distributed as dist
 
-    props = torch.cuda.get_device_properties(device)
+    from moelink import _native
+
+    world = dist.get_world_size(group)
+    uuid = str(torch.cuda.get_device_properties(device).uuid)
     mps = os.environ.get("MOELINK_LAUNCH_MPS") == "1"
-    mine = (str(props.uuid), int(props.multi_processor_count), mps)
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
+    placed: list = [None] * world
+    dist.all_gather_object(placed, (uuid, mps), group=group)
     per_gpu: dict = {}
-    for uuid, _, _ in everyone:
-        per_gpu[uuid] = per_gpu.get(uuid, 0) + 1
-    share = min(
-        sms if per_gpu[uuid] == 1 else (sms - per_gpu[uuid]) // per_gpu[uuid]
-        for uuid, sms, _ in everyone
-    )
+    for u, _ in placed:
+        per_gpu[u] = per_gpu.get(u, 0) + 1
+    device_sms, context_sms = _native.local_sm_counts(device.index)
+    mine = _native.device_share_sms(device_sms, context_sms, per_gpu[uuid])
+    shares: list = [None] * world
+    dist.all_gather_object(shares, mine, group=group)
     return {
         "num_gpus": len(per_gpu),
         "ranks_per_gpu": max(per_gpu.values()),
-        "mps": all(on_mps for _, _, on_mps in everyone),
-        "share_sms": share,
+        "mps": all(on_mps for _, on_mps in placed),
+        "share_sms": min(shares),
     }
 
 
