@@ -269,12 +269,12 @@ const POLL_EVERY: u32 = 32;
 
 fn run(fifo: &Fifo, shared: &Shared, flush_timeout: Duration) {
     // Channels with operations issued and not yet seen complete, with when the
-    // oldest of them was issued. The proxy queries them until they drain: an
-    // asynchronous copy the proxy issued is not guaranteed to start until the
-    // process drives its stream again (measured with ranks sharing a GPU under
-    // MPS: a receiver waited out its whole time bound for the last copy of a
-    // run, which landed as soon as the proxy queried its stream; see
-    // docs/one-gpu.md), and nothing else would after a rank's last call.
+    // oldest of them was issued. The proxy queries them until they drain: the
+    // longest flight per channel goes into hang reports, and the queries keep
+    // driving a stream after a rank's last call, when nothing else would (a
+    // guard: with ranks sharing a GPU under MPS, copies were measured to stay
+    // in flight while a peer's low-latency kernel spun, queried or not; see
+    // docs/one-gpu.md, known defects).
     let mut in_flight: Vec<(Arc<ChannelState>, Instant)> = Vec::new();
     let mut idle = 0u32;
     let mut since_poll = 0u32;
