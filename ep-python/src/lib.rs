@@ -4,38 +4,17 @@
 
 mod allreduce;
 mod buffer;
+mod diagnostics;
+mod error;
 mod ll;
 mod reference;
 mod reference_ll;
 
 use std::sync::Once;
 
-use comm::{CommError, Device, StreamHandle};
-use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
 
-pyo3::create_exception!(
-    _native,
-    CudaError,
-    PyRuntimeError,
-    "A CUDA driver call failed."
-);
-pyo3::create_exception!(
-    _native,
-    TimeoutError,
-    PyTimeoutError,
-    "A bounded wait ran out; the message names the rank and what it waited for."
-);
-
-pub(crate) fn to_py(e: CommError) -> PyErr {
-    match e {
-        CommError::InvalidArgument { .. } => PyValueError::new_err(e.to_string()),
-        CommError::Timeout { .. } => TimeoutError::new_err(e.to_string()),
-        CommError::Cuda { .. } | CommError::NoDriver { .. } => CudaError::new_err(e.to_string()),
-        CommError::Io { .. } => PyRuntimeError::new_err(e.to_string()),
-    }
-}
+pub(crate) use error::{to_py, CudaError, TimeoutError};
 
 fn init_logging() {
     static ONCE: Once = Once::new();
@@ -50,9 +29,6 @@ fn init_logging() {
 }
 
 /// Number of visible CUDA devices (0 without a driver).
-/// (src_rank, first_bad_word, bad_words, expected, got) of one bad slot.
-type MismatchTuple = (usize, u64, u64, u64, u64);
-
 #[pyfunction]
 fn device_count() -> usize {
     comm::device_count()
@@ -79,70 +55,6 @@ fn device_share_sms(device_sms: u32, context_sms: Option<u32>, ranks_on_device: 
 #[pyfunction]
 fn compiled_archs() -> Vec<&'static str> {
     ep_core::compiled_archs()
-}
-
-/// One rank's side of the peer-write diagnostic (see ep_core::diagnostics).
-#[pyclass(module = "moelink._native")]
-struct PeerWriteCheck {
-    inner: ep_core::diagnostics::PeerWriteCheck,
-}
-
-#[pymethods]
-impl PeerWriteCheck {
-    #[new]
-    fn new(py: Python<'_>, device: i32, rank: usize, nranks: usize, words: u64) -> PyResult<Self> {
-        let inner = py
-            .detach(|| {
-                let dev = Device::bind(device)?;
-                ep_core::diagnostics::PeerWriteCheck::new(dev, rank, nranks, words)
-            })
-            .map_err(to_py)?;
-        Ok(Self { inner })
-    }
-
-    /// This rank's buffer handle, to be sent to every peer.
-    fn export<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let b = self.inner.export().map_err(to_py)?;
-        Ok(PyBytes::new(py, &b))
-    }
-
-    /// Maps the peers' buffers; `handles[p]` is what rank p exported.
-    fn connect(&mut self, py: Python<'_>, handles: Vec<Vec<u8>>) -> PyResult<()> {
-        py.detach(|| self.inner.connect(&handles)).map_err(to_py)
-    }
-
-    /// Launches this rank's writes on the raw CUDA stream `stream`.
-    fn write(&self, stream: usize, seed: u64) -> PyResult<()> {
-        self.inner.write(StreamHandle(stream), seed).map_err(to_py)
-    }
-
-    /// Compares this rank's buffer with the expected patterns. Returns a list of
-    /// (src_rank, first_bad_word, bad_words, expected, got), empty when all is right.
-    fn verify(&self, py: Python<'_>, seed: u64) -> PyResult<Vec<MismatchTuple>> {
-        let m = py.detach(|| self.inner.verify(seed)).map_err(to_py)?;
-        Ok(m.into_iter()
-            .map(|m| (m.src, m.first_bad_word, m.bad_words, m.expected, m.got))
-            .collect())
-    }
-}
-
-/// `out[c] = bf16(sum_r input[r, c])` in float32 on `device`, launched on `stream`.
-/// Pointers are device addresses of contiguous bf16 tensors (checked by the caller).
-#[pyfunction]
-fn reduce_rows_bf16(
-    device: i32,
-    stream: usize,
-    input: u64,
-    out: u64,
-    rows: i64,
-    cols: i64,
-) -> PyResult<()> {
-    let dev = Device::bind(device).map_err(to_py)?;
-    // SAFETY: the Python wrapper checked dtype, shape, contiguity and device.
-    unsafe {
-        ep_core::diagnostics::reduce_rows_bf16(dev, StreamHandle(stream), input, out, rows, cols)
-    }
-    .map_err(to_py)
 }
 
 /// Every limit of the API as `(name, value, what)`: `ep_core::limits::TABLE`
@@ -175,12 +87,6 @@ fn limits() -> Vec<(&'static str, u64, &'static str)> {
         .collect()
 }
 
-/// Pattern word `i` written by `src` into `dst` (the CPU twin of the kernel's).
-#[pyfunction]
-fn pattern_word(seed: u64, src: u32, dst: u32, i: u64) -> u64 {
-    ep_core::diagnostics::pattern_word(seed, src, dst, i)
-}
-
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
@@ -191,10 +97,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(compiled_archs, m)?)?;
     m.add_function(wrap_pyfunction!(local_sm_counts, m)?)?;
     m.add_function(wrap_pyfunction!(device_share_sms, m)?)?;
-    m.add_function(wrap_pyfunction!(reduce_rows_bf16, m)?)?;
-    m.add_function(wrap_pyfunction!(pattern_word, m)?)?;
+    m.add_function(wrap_pyfunction!(diagnostics::reduce_rows_bf16, m)?)?;
+    m.add_function(wrap_pyfunction!(diagnostics::pattern_word, m)?)?;
     m.add_function(wrap_pyfunction!(limits, m)?)?;
-    m.add_class::<PeerWriteCheck>()?;
+    m.add_class::<diagnostics::PeerWriteCheck>()?;
     m.add_class::<allreduce::AllReduceComm>()?;
     reference::register(m)?;
     m.add_function(wrap_pyfunction!(buffer::bootstrap_unique_id, m)?)?;
