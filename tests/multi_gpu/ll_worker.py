@@ -316,18 +316,6 @@ def reference_combine(ctx: Ctx, y, count, handle, inputs, t: int, e: int) -> tor
     return got[0]
 
 
-def _gather(ctx: Ctx, obj):
-    objs = [None] * ctx.size
-    dist.all_gather_object(objs, _to_cpu(obj))
-    return objs
-
-
-def _to_cpu(obj):
-    if isinstance(obj, torch.Tensor):
-        return obj.cpu()
-    return type(obj)(_to_cpu(o) for o in obj)
-
-
 # ----- scenarios ------------------------------------------------------------------------
 
 
