@@ -219,6 +219,11 @@ impl OwnedStream {
     /// Whether work issued to the stream has not completed yet (never waits).
     pub fn is_busy(&self) -> Result<bool> {
         self.device.make_current()?;
+        self.query_busy()
+    }
+
+    /// `is_busy` with the device's context already current on this thread.
+    fn query_busy(&self) -> Result<bool> {
         // SAFETY: the stream is live for the life of self.
         match unsafe { sys::cuStreamQuery(self.stream) } {
             sys::CUresult::CUDA_SUCCESS => Ok(false),
@@ -240,16 +245,8 @@ impl OwnedStream {
         self.device.make_current()?;
         let start = std::time::Instant::now();
         loop {
-            // SAFETY: the stream is live for the life of self.
-            match unsafe { sys::cuStreamQuery(self.stream) } {
-                sys::CUresult::CUDA_SUCCESS => return Ok(()),
-                sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                e => {
-                    return Err(CommError::Cuda {
-                        call: "cuStreamQuery",
-                        source: cudarc::driver::DriverError(e),
-                    })
-                }
+            if !self.query_busy()? {
+                return Ok(());
             }
             if start.elapsed() > timeout {
                 return Err(CommError::Timeout {
