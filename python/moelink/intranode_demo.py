@@ -437,21 +437,15 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
         checks.equal("layout.num_tokens_per_expert", num_tokens_per_expert, ref_layout[1])
         checks.equal("layout.is_token_in_rank", is_token_in_rank, ref_layout[2])
         dist.barrier(group=group)
-        times = _time_gpu(
-            lambda: buffer.get_dispatch_layout(mine["topk_idx"], num_experts),
-            iters,
-            warmup,
-            scratch,
-        )
+
+        def layout_call():
+            return buffer.get_dispatch_layout(mine["topk_idx"], num_experts)
+
+        times = _time_gpu(layout_call, iters, warmup, scratch)
         rows.append(_row(LAYOUT, None, times, None))
         # The same call with the host-side id range check as well (the debug
         # switch; a device sync per call), which the device-side check replaced.
-        times = _time_with_host_id_check(
-            lambda: buffer.get_dispatch_layout(mine["topk_idx"], num_experts),
-            iters,
-            warmup,
-            scratch,
-        )
+        times = _time_with_host_id_check(layout_call, iters, warmup, scratch)
         rows.append(_row(LAYOUT_HOST_CHECK, None, times, None))
 
         layout_args = {
@@ -589,23 +583,21 @@ def _gpu_placement(group, device) -> dict:
 
     from moelink import _native
 
-    world = dist.get_world_size(group)
     uuid = str(torch.cuda.get_device_properties(device).uuid)
     mps = os.environ.get("MOELINK_LAUNCH_MPS") == "1"
-    placed: list = [None] * world
-    dist.all_gather_object(placed, (uuid, mps), group=group)
-    per_gpu: dict = {}
-    for u, _ in placed:
-        per_gpu[u] = per_gpu.get(u, 0) + 1
     device_sms, context_sms = _native.local_sm_counts(device.index)
-    mine = _native.device_share_sms(device_sms, context_sms, per_gpu[uuid])
-    shares: list = [None] * world
-    dist.all_gather_object(shares, mine, group=group)
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, (uuid, mps, device_sms, context_sms), group=group)
+    per_gpu: dict = {}
+    for u, *_ in everyone:
+        per_gpu[u] = per_gpu.get(u, 0) + 1
     return {
         "num_gpus": len(per_gpu),
         "ranks_per_gpu": max(per_gpu.values()),
-        "mps": all(on_mps for _, on_mps in placed),
-        "share_sms": min(shares),
+        "mps": all(on_mps for _, on_mps, _, _ in everyone),
+        "share_sms": min(
+            _native.device_share_sms(sms, ctx, per_gpu[u]) for u, _, sms, ctx in everyone
+        ),
     }
 
 
