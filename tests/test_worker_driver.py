@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch.distributed as dist
 
@@ -27,6 +31,26 @@ def test_watchdog_is_cancelled_on_exit():
         assert w.timer.is_alive()
     w.timer.join(5)
     assert not w.timer.is_alive()
+
+
+def test_watchdog_fires_with_every_threads_stack():
+    # A scenario stuck past its time ends the process with exit code 3, a FAIL
+    # line and where each thread was (here: in the sleep of stuck_here).
+    code = (
+        "import time\n"
+        "from tests.multi_gpu import worker_driver\n"
+        "def stuck_here():\n"
+        "    with worker_driver.Watchdog('stuck', 5, 0.2):\n"
+        "        time.sleep(30)\n"
+        "stuck_here()\n"
+    )
+    root = Path(__file__).resolve().parent.parent
+    p = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60
+    )
+    assert p.returncode == 3, p.stderr
+    assert "FAIL stuck [rank 5]: no progress for 0.2 s (hang?)" in p.stdout
+    assert "in stuck_here" in p.stdout, p.stdout
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ Outputs are poisoned first (freed allocator blocks are filled with 0x7F bytes).
 
 Scenarios run in ``SCENARIO_NAMES`` order (``MOELINK_LL_SCENARIOS`` selects some).
 Each prints ``PASS <name>`` or ``FAIL <name>: ...`` on rank 0 after the ranks agree;
-exit code 1 if anything failed. A watchdog ends a hung run with a FAIL line.
+exit code 1 if anything failed. A watchdog ends a scenario that runs past
+``MOELINK_LL_SCENARIO_TIMEOUT_S`` (300 s) with a FAIL line and every thread's stack.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ SCENARIO_NAMES = (
 )
 SCENARIOS_ENV = "MOELINK_LL_SCENARIOS"
 SEED_ENV = "MOELINK_TEST_SEED"
-SCENARIO_TIMEOUT_S = 300
+#: A scenario running longer fails with every thread's stack (env overrides).
+SCENARIO_TIMEOUT_S = float(os.environ.get("MOELINK_LL_SCENARIO_TIMEOUT_S", "300"))
 POISON_BYTE = 0x7F
 
 T_MAX = 128
@@ -212,6 +214,18 @@ def dequant(recv_x, scales, use_fp8: bool, ue8m0: bool) -> torch.Tensor:
 # ----- one round trip -------------------------------------------------------------------
 
 
+def aligned(fn):
+    """Calls ``fn`` (one low-latency call) once every rank is here (a gloo
+    barrier). The CPU references and checks between the calls take seconds and
+    differ per rank: without it, 4 ranks on one GPU entered the standard
+    combine 8-9 s apart (measured), and the first rank's receive spent that
+    drift of the other ranks' CPU work against its device time bound
+    (MOELINK_LL_TIMEOUT_S). The bound is for the GPU's work, which the barrier
+    leaves alone; scenarios that test a late rank do so on purpose."""
+    dist.barrier()
+    return fn()
+
+
 def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=True,
                round_scale=False, ue8m0=False, hook=False, zero_copy=False, out=False,
                stats=False, ref=None):  # fmt: skip
@@ -226,11 +240,11 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
     el = e // ctx.size
     st_cnt = torch.zeros(el, dtype=torch.int32, device=dev) if stats else None
     st_wait = torch.zeros(ctx.size, dtype=torch.int64, device=dev) if stats else None
-    recv, count, handle, ev, hk = buf.low_latency_dispatch(
+    recv, count, handle, ev, hk = aligned(lambda: buf.low_latency_dispatch(
         x, idx, t, e, cumulative_local_expert_recv_stats=st_cnt,
         dispatch_wait_recv_cost_stats=st_wait, use_fp8=use_fp8, round_scale=round_scale,
         use_ue8m0=ue8m0, return_recv_hook=hook,
-    )  # fmt: skip
+    ))  # fmt: skip
     if hook:
         torch.cuda._sleep(2_000_000)
         hk()
@@ -259,10 +273,10 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
     else:
         comb_x = yy
     st_cw = torch.zeros(ctx.size, dtype=torch.int64, device=dev) if stats else None
-    combined, ev, hk = buf.low_latency_combine(
+    combined, ev, hk = aligned(lambda: buf.low_latency_combine(
         comb_x, idx, w, handle, zero_copy=zero_copy, return_recv_hook=hook, out=out_t,
         combine_wait_recv_cost_stats=st_cw,
-    )  # fmt: skip
+    ))  # fmt: skip
     if hook:
         torch.cuda._sleep(2_000_000)
         hk()
@@ -282,7 +296,7 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
                  f"({len(bad)} elements): {got[at]} vs {want[at]}")  # fmt: skip
     # DeepEP's end-to-end check with the pure identity experts.
     # Every rank makes the same calls (a rank with no token too).
-    comb_id, _, _ = buf.low_latency_combine(y, idx, w, handle)
+    comb_id, _, _ = aligned(lambda: buf.low_latency_combine(y, idx, w, handle))
     if x.shape[0] > 0:
         wsum = (w * (idx >= 0)).sum(1, keepdim=True).to(dev)
         d = calc_diff(comb_id.float(), x.float() * wsum)
@@ -358,22 +372,29 @@ def scenario_out_and_stats(ctx: Ctx, buf) -> None:
 def scenario_proxy(ctx: Ctx, buf) -> None:
     pbuf = new_ll_buffer(ctx, allow_nvlink_for_low_latency_mode=False)
     try:
-        e = 8 * ctx.size
-        for i, (fp8, hook) in enumerate(((True, False), (False, True), (True, True))):
-            inputs = make_inputs(ctx, f"proxy{i}", 64, 2048, e, 5)
-            round_trip(ctx, pbuf, f"proxy fp8={fp8} hook={hook}", inputs, 64, e,
-                       use_fp8=fp8, hook=hook, zero_copy=(i == 2))  # fmt: skip
-        e = std_experts(ctx.size)
-        inputs = make_inputs(ctx, "proxy-std", 128, 7168, e, 8, zero_rank=False)
-        round_trip(ctx, pbuf, "proxy standard", inputs, 128, e)
-        torch.cuda.synchronize()
-        # Every rank reports its flags and proxy when any rank failed (a
-        # collective: every rank gets here unless one raised above).
+        # Any rank's exception is held until every rank has reported its proxy
+        # state below (a collective that a rank raising early would leave
+        # the others waiting in).
         error = None
         try:
+            e = 8 * ctx.size
+            for i, (fp8, hook) in enumerate(((True, False), (False, True), (True, True))):
+                inputs = make_inputs(ctx, f"proxy{i}", 64, 2048, e, 5)
+                round_trip(ctx, pbuf, f"proxy fp8={fp8} hook={hook}", inputs, 64, e,
+                           use_fp8=fp8, hook=hook, zero_copy=(i == 2))  # fmt: skip
+            e = std_experts(ctx.size)
+            inputs = make_inputs(ctx, "proxy-std", 128, 7168, e, 8, zero_rank=False)
+            round_trip(ctx, pbuf, "proxy standard", inputs, 128, e)
+            torch.cuda.synchronize()
             pbuf.check()
         except Exception as exc:  # noqa: BLE001 - re-raised below
             error = exc
+            # Said at once: the report below is a collective that ranks still
+            # inside the round trips do not reach.
+            print(f"proxy [rank {ctx.rank}] raised:", flush=True)
+            traceback.print_exc(file=sys.stdout)
+            sys.stdout.flush()
+        # Every rank reports its flags and proxy when any rank failed.
         failed = [None] * ctx.size
         dist.all_gather_object(failed, bool(error or ctx.errors))
         if any(failed):

@@ -10,7 +10,9 @@ this module by its bare name from their own folder.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 import threading
 import time
 import traceback
@@ -91,9 +93,12 @@ class Watchdog:
 
     def _fire(self) -> None:
         print(
-            f"FAIL {self.name} [rank {self.rank}]: no progress for {self.seconds} s (hang?)",
+            f"FAIL {self.name} [rank {self.rank}]: no progress for {self.seconds} s (hang?); "
+            "where every thread of this rank is:",
             flush=True,
         )
+        faulthandler.dump_traceback(file=sys.stdout, all_threads=True)
+        sys.stdout.flush()
         os._exit(3)
 
     def __enter__(self):
