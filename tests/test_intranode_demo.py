@@ -460,3 +460,48 @@ def test_cli_parser_property():
         assert args.mps in ("auto", "on", "off")
 
     check()
+
+
+def _one_rank_gloo(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    return dist
+
+
+def test_reference_turns_follow_host_memory(tmp_path, monkeypatch):
+    # 8 ranks x 4096 tokens, top-8 of hidden 7168: 8 * 4096 * 8 rows of 7168
+    # elements at 20 bytes each, 37.6 GB per rank computing the reference.
+    w = {"num_tokens": 4096, "hidden": 7168, "num_topk": 8}
+    peak = demo.REFERENCE_BYTES_PER_ELEMENT * 8 * 4096 * 8 * 7168
+    dist = _one_rank_gloo(tmp_path)
+    try:
+        for avail, want in ((128 << 30, 2), (10 << 30, 1), (int(8 * peak / 0.7) + 1, 8), (None, 8)):
+            monkeypatch.setattr(demo, "_mem_available_bytes", lambda a=avail: a)
+            assert demo._reference_builders(None, 8, w) == want, avail
+        # Fewer ranks than fit: all of them.
+        monkeypatch.setattr(demo, "_mem_available_bytes", lambda: 1 << 50)
+        assert demo._reference_builders(None, 2, w) == 2
+    finally:
+        dist.destroy_process_group()
+
+
+def test_own_reference_is_this_ranks_part_of_the_whole():
+    from moelink import reference
+
+    w = demo._workload(small_args(num_tokens=96))
+    inputs = demo._all_inputs(4, w)
+    ref = reference.dispatch(demo._reference_inputs(inputs, fp8=False), 16)
+    ys = [ref.ranks[d].recv_x for d in range(4)]
+    ws = [ref.ranks[d].recv_topk_weights for d in range(4)]
+    combined = reference.combine(ref, ys, topk_weights=ws)
+    for rank in range(4):
+        mine, own = demo._own_reference(rank, 4, w, torch.device("cpu"))
+        assert torch.equal(mine["x"], inputs[rank]["x"])
+        assert torch.equal(own["want"].recv_x, ref.ranks[rank].recv_x)
+        assert torch.equal(own["want"].recv_src_idx, ref.ranks[rank].recv_src_idx)
+        assert own["want_fp8"].recv_scales is not None
+        assert torch.equal(own["combined_x"], combined[rank][0])
+        assert torch.equal(own["combined_w"], combined[rank][1])
+        assert torch.equal(own["rank_prefix"], ref.rank_prefix_matrix.to(torch.int64))
+        assert own["recv_tokens"] == [int(ref.ranks[d].num_recv_tokens) for d in range(4)]

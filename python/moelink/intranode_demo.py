@@ -378,7 +378,6 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
     import torch.distributed as dist
 
     import moelink
-    from moelink import reference
 
     workload = _workload(args)
     iters, warmup = int(args.iters), int(args.warmup)
@@ -396,24 +395,26 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
         )
 
     # Inputs of every rank (the reference needs them all), this rank's on the GPU.
-    _log(rank, f"building inputs and the CPU reference for {num_ranks} ranks")
-    inputs = _all_inputs(num_ranks, workload)
-    mine = {k: v.to(device) for k, v in inputs[rank].items()}
-    # fp8 scales as a column-major view, as DeepEP's tests pass them.
-    mine["x_scales"] = mine["x_scales"].T.contiguous().T
-
-    ref = reference.dispatch(_reference_inputs(inputs, fp8=False), num_experts)
-    ref_fp8 = reference.dispatch(_reference_inputs(inputs, fp8=True), num_experts)
-    ys = [ref.ranks[d].recv_x for d in range(num_ranks)]
-    weights = [ref.ranks[d].recv_topk_weights for d in range(num_ranks)]
-    ref_combined_x, ref_combined_w = reference.combine(ref, ys, topk_weights=weights)[rank]
-    ref_layout = reference.layout(inputs[rank]["topk_idx"], num_experts, num_ranks)
-    want = ref.ranks[rank]
-    want_fp8 = ref_fp8.ranks[rank]
-    want_combined_x = ref_combined_x.to(torch.bfloat16).to(device)
-    recv_tokens = [int(ref.ranks[d].num_recv_tokens) for d in range(num_ranks)]
+    # Each rank computes the whole reference and keeps its own part; ranks take
+    # turns where the host cannot hold every rank's computation at once.
+    at_once = _reference_builders(group, num_ranks, workload)
+    turns = f" ({at_once} ranks at a time: host memory)" if at_once < num_ranks else ""
+    _log(rank, f"building inputs and the CPU reference for {num_ranks} ranks{turns}")
+    error = None
+    for turn in range(0, num_ranks, at_once):
+        if turn <= rank < turn + at_once:
+            try:
+                mine, own = _own_reference(rank, num_ranks, workload, device)
+            except Exception as e:  # noqa: BLE001 - raised after the turns, which every rank takes
+                error = e
+        dist.barrier(group=group)
+    if error is not None:
+        raise error
+    want, want_fp8 = own["want"], own["want_fp8"]
+    ref_combined_w, ref_layout = own["combined_w"], own["layout"]
+    want_combined_x = own["combined_x"].to(torch.bfloat16).to(device)
+    recv_tokens, rank_prefix = own["recv_tokens"], own["rank_prefix"]
     bf16_bytes = recv_tokens[rank] * hidden * 2
-    rank_prefix = ref.rank_prefix_matrix.to(torch.int64)
 
     checks = Checks()
     rows: list = []
@@ -476,7 +477,7 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
             checks.equal(
                 f"dispatch_bf16{tag}.handle.rank_prefix_matrix",
                 handle[0],
-                ref.rank_prefix_matrix.to(handle[0].dtype),
+                rank_prefix.to(handle[0].dtype),
             )
             checks.equal(
                 f"dispatch_bf16{tag}.handle.recv_src_idx",
@@ -569,6 +570,72 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
         "checks": checks.items,
         "rows": rows,
     }
+
+
+#: Peak host bytes of one full CPU reference per (received row x hidden
+#: element): dispatch bf16 + fp8, combine (measured: 5.4 GB at 8 ranks x 1024
+#: tokens, 43.7k rows of 7168; 17.4 bytes), with headroom.
+REFERENCE_BYTES_PER_ELEMENT = 20
+
+
+def _reference_builders(group, num_ranks: int, workload: dict) -> int:
+    """How many ranks may compute the full CPU reference at once: all, unless
+    their peaks together exceed 70 % of the smallest MemAvailable of the ranks'
+    hosts (8 ranks x 4096 tokens on one host were OOM-killed computing it at
+    once). Every rank gets the same answer (one collective)."""
+    import torch.distributed as dist
+
+    avail = _mem_available_bytes()
+    everyone: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(everyone, avail, group=group)
+    known = [a for a in everyone if a is not None]
+    if not known:
+        return num_ranks
+    rows = num_ranks * workload["num_tokens"] * min(num_ranks, workload["num_topk"])
+    peak = REFERENCE_BYTES_PER_ELEMENT * rows * workload["hidden"]
+    return max(1, min(num_ranks, int(0.7 * min(known)) // max(peak, 1)))
+
+
+def _mem_available_bytes() -> int | None:
+    """MemAvailable of /proc/meminfo in bytes (None: not Linux, or unreadable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _own_reference(rank: int, num_ranks: int, workload: dict, device) -> tuple:
+    """Every rank's inputs and the whole CPU reference, of which this rank's
+    part is kept (the rest is freed before returning): ``(mine, own)`` with
+    ``mine`` this rank's inputs on ``device``."""
+    import torch
+
+    from moelink import reference
+
+    num_experts = workload["num_experts"]
+    inputs = _all_inputs(num_ranks, workload)
+    mine = {k: v.to(device) for k, v in inputs[rank].items()}
+    # fp8 scales as a column-major view, as DeepEP's tests pass them.
+    mine["x_scales"] = mine["x_scales"].T.contiguous().T
+    ref = reference.dispatch(_reference_inputs(inputs, fp8=False), num_experts)
+    ref_fp8 = reference.dispatch(_reference_inputs(inputs, fp8=True), num_experts)
+    ys = [ref.ranks[d].recv_x for d in range(num_ranks)]
+    weights = [ref.ranks[d].recv_topk_weights for d in range(num_ranks)]
+    combined_x, combined_w = reference.combine(ref, ys, topk_weights=weights)[rank]
+    own = {
+        "want": ref.ranks[rank],
+        "want_fp8": ref_fp8.ranks[rank],
+        "combined_x": combined_x,
+        "combined_w": combined_w,
+        "layout": reference.layout(inputs[rank]["topk_idx"], num_experts, num_ranks),
+        "recv_tokens": [int(ref.ranks[d].num_recv_tokens) for d in range(num_ranks)],
+        "rank_prefix": ref.rank_prefix_matrix.to(torch.int64),
+    }
+    return mine, own
 
 
 def _gpu_placement(group, device) -> dict:
