@@ -62,8 +62,9 @@ impl DeviceShare {
         // kernels a rank issues while every rank's grid waits: the proxy's
         // remote atomics over CUDA IPC are one-thread kernels of the rank's
         // context. (A forced-proxy low-latency timeout at 4 x 33 blocks once
-        // read as evidence for this; 4 x 32 and 4 x 24 hit it too: it is the
-        // defect in docs/one-gpu.md, not a lack of SMs.)
+        // read as evidence for this; it was the ranks' drift against the time
+        // bound, and the 8-rank one in docs/one-gpu.md hits 8 x 8 blocks too:
+        // neither is a lack of SMs.)
         let reserve = if ranks > 1 { ranks } else { 0 };
         let even = device_sms.saturating_sub(reserve) / ranks;
         let sms = match context_sms {
