@@ -99,3 +99,52 @@ def test_run_scenario_fail(gloo, capsys):
     assert "FAIL broken [rank 0]: RuntimeError: boom" in out
     assert "FAIL broken: failed on ranks [0] (" in out
     assert "PASS" not in out
+
+
+def _in_step_rank(rank: int, store: str, raise_on: int, out) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+
+        def call():
+            if rank == raise_on:
+                raise ValueError(f"bad input on rank {rank}")
+            return rank * 10
+
+        try:
+            got = worker_driver.in_step(call)
+        except Exception as e:  # noqa: BLE001 - the outcome is the test's data
+            got = f"{type(e).__name__}: {e}"
+        # The next collective is the same on both ranks after a failure too.
+        seen = [None] * 2
+        dist.all_gather_object(seen, rank)
+        out.put((rank, got, seen))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("raise_on", [-1, 0, 1])
+def test_in_step_leaves_together(tmp_path, raise_on):
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store = str(tmp_path / "store")
+    procs = [ctx.Process(target=_in_step_rank, args=(r, store, raise_on, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict((r, (got, seen)) for r, got, seen in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    for r in range(2):
+        got, seen = results[r]
+        assert seen == [0, 1]
+        if raise_on < 0:
+            assert got == r * 10
+        elif r == raise_on:
+            assert got == f"ValueError: bad input on rank {r}"
+        else:
+            assert got == (
+                f"RuntimeError: another rank's call raised; rank {raise_on}: "
+                f"ValueError: bad input on rank {raise_on}"
+            )

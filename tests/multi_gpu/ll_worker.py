@@ -215,15 +215,17 @@ def dequant(recv_x, scales, use_fp8: bool, ue8m0: bool) -> torch.Tensor:
 
 
 def aligned(fn):
-    """Calls ``fn`` (one low-latency call) once every rank is here (a gloo
-    barrier). The CPU references and checks between the calls take seconds and
-    differ per rank: without it, 4 ranks on one GPU entered the standard
-    combine 8-9 s apart (measured), and the first rank's receive spent that
-    drift of the other ranks' CPU work against its device time bound
-    (MOELINK_LL_TIMEOUT_S). The bound is for the GPU's work, which the barrier
-    leaves alone; scenarios that test a late rank do so on purpose."""
-    dist.barrier()
-    return fn()
+    """Calls ``fn`` (one low-latency call) with every rank (a gloo barrier
+    first), and every rank raises if any rank's call raised
+    (``worker_driver.in_step``). The CPU references and checks between the
+    calls take seconds and differ per rank: without the barrier, 4 ranks on one
+    GPU entered the standard combine 8-9 s apart (measured), and the first
+    rank's receive spent that drift of the other ranks' CPU work against its
+    device time bound (MOELINK_LL_TIMEOUT_S). The bound is for the GPU's work,
+    which the barrier leaves alone; scenarios that test a late rank do so on
+    purpose. Leaving together keeps a failure's collectives (the proxy report)
+    in step."""
+    return worker_driver.in_step(fn)
 
 
 def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=True,

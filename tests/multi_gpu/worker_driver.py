@@ -69,6 +69,29 @@ def quiesced_free_memory(device: torch.device, gloo) -> int:
     return free
 
 
+def in_step(fn, group=None):
+    """Calls ``fn`` (one call every rank makes, such as a low-latency dispatch)
+    once every rank of ``group`` is here, and leaves it together: if ``fn``
+    raised on any rank, every rank raises (its own exception, or a RuntimeError
+    naming the ranks that raised). So the ranks' next collective is the same
+    one, also after a failure (a rank leaving alone would wait in another)."""
+    dist.barrier(group=group)
+    error, result = None, None
+    try:
+        result = fn()
+    except Exception as e:  # noqa: BLE001 - re-raised below, on every rank
+        error = e
+    said = [None] * dist.get_world_size(group)
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    dist.all_gather_object(said, mine, group=group)
+    if error is not None:
+        raise error
+    raised = [f"rank {r}: {m}" for r, m in enumerate(said) if m is not None]
+    if raised:
+        raise RuntimeError("another rank's call raised; " + "; ".join(raised))
+    return result
+
+
 def all_gather_tensor(t: torch.Tensor, group) -> list:
     """Every rank's ``t`` (same shape), through ``group`` whatever its backend
     (gloo moves CPU tensors only)."""
