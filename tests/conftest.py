@@ -1,4 +1,5 @@
-"""Shared test setup: GPU tests skip themselves, with a reason, where there is no GPU."""
+"""Shared test setup: GPU tests skip themselves, with a reason, where there is no GPU;
+``gloo_world``, a one-rank gloo group for the CPU tests of collective code."""
 
 from __future__ import annotations
 
@@ -30,3 +31,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=f"needs >= 2 CUDA GPUs, found {n}"))
         elif "gpu" in item.keywords and n < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU, found none"))
+
+
+@pytest.fixture
+def gloo_world(tmp_path):
+    """A one-rank gloo process group (the default group), destroyed after the test."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -462,28 +462,17 @@ def test_cli_parser_property():
     check()
 
 
-def _one_rank_gloo(tmp_path):
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    return dist
-
-
-def test_reference_turns_follow_host_memory(tmp_path, monkeypatch):
+def test_reference_turns_follow_host_memory(gloo_world, monkeypatch):
     # 8 ranks x 4096 tokens, top-8 of hidden 7168: 8 * 4096 * 8 rows of 7168
     # elements at 20 bytes each, 37.6 GB per rank computing the reference.
     w = {"num_tokens": 4096, "hidden": 7168, "num_topk": 8}
     peak = demo.REFERENCE_BYTES_PER_ELEMENT * 8 * 4096 * 8 * 7168
-    dist = _one_rank_gloo(tmp_path)
-    try:
-        for avail, want in ((128 << 30, 2), (10 << 30, 1), (int(8 * peak / 0.7) + 1, 8), (None, 8)):
-            monkeypatch.setattr(demo, "_mem_available_bytes", lambda a=avail: a)
-            assert demo._reference_builders(None, 8, w) == want, avail
-        # Fewer ranks than fit: all of them.
-        monkeypatch.setattr(demo, "_mem_available_bytes", lambda: 1 << 50)
-        assert demo._reference_builders(None, 2, w) == 2
-    finally:
-        dist.destroy_process_group()
+    for avail, want in ((128 << 30, 2), (10 << 30, 1), (int(8 * peak / 0.7) + 1, 8), (None, 8)):
+        monkeypatch.setattr(demo, "_mem_available_bytes", lambda a=avail: a)
+        assert demo._reference_builders(gloo_world, 8, w) == want, avail
+    # Fewer ranks than fit: all of them.
+    monkeypatch.setattr(demo, "_mem_available_bytes", lambda: 1 << 50)
+    assert demo._reference_builders(gloo_world, 2, w) == 2
 
 
 def test_own_reference_is_this_ranks_part_of_the_whole():

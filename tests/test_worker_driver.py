@@ -53,17 +53,6 @@ def test_watchdog_fires_with_every_threads_stack():
     assert "in stuck_here" in p.stdout, p.stdout
 
 
-@pytest.fixture
-def gloo(tmp_path):
-    dist.init_process_group(
-        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
-    )
-    try:
-        yield dist.group.WORLD
-    finally:
-        dist.destroy_process_group()
-
-
 def run(gloo, name, fn, calls):
     return worker_driver.run_scenario(
         name,
@@ -77,23 +66,23 @@ def run(gloo, name, fn, calls):
     )
 
 
-def test_run_scenario_pass(gloo, capsys):
+def test_run_scenario_pass(gloo_world, capsys):
     calls = []
-    assert run(gloo, "fine", lambda: calls.append("ran"), calls)
+    assert run(gloo_world, "fine", lambda: calls.append("ran"), calls)
     assert calls == ["ran", "sync"]
     out = capsys.readouterr().out
     assert "PASS fine (" in out
     assert "FAIL" not in out
 
 
-def test_run_scenario_fail(gloo, capsys):
+def test_run_scenario_fail(gloo_world, capsys):
     calls = []
 
     def broken():
         calls.append("ran")
         raise RuntimeError("boom")
 
-    assert not run(gloo, "broken", broken, calls)
+    assert not run(gloo_world, "broken", broken, calls)
     assert calls == ["ran", "replaced"]  # no sync after a raise; the resource is replaced
     out = capsys.readouterr().out
     assert "FAIL broken [rank 0]: RuntimeError: boom" in out
