@@ -214,24 +214,18 @@ def dequant(recv_x, scales, use_fp8: bool, ue8m0: bool) -> torch.Tensor:
 # ----- one round trip -------------------------------------------------------------------
 
 
-def aligned(fn):
-    """Calls ``fn`` (one low-latency call) with every rank (a gloo barrier
-    first), and every rank raises if any rank's call raised
-    (``worker_driver.in_step``). The CPU references and checks between the
-    calls take seconds and differ per rank: without the barrier, 4 ranks on one
-    GPU entered the standard combine 8-9 s apart (measured), and the first
-    rank's receive spent that drift of the other ranks' CPU work against its
-    device time bound (MOELINK_LL_TIMEOUT_S). The bound is for the GPU's work,
-    which the barrier leaves alone; scenarios that test a late rank do so on
-    purpose. Leaving together keeps a failure's collectives (the proxy report)
-    in step."""
-    return worker_driver.in_step(fn)
-
-
 def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=True,
                round_scale=False, ue8m0=False, hook=False, zero_copy=False, out=False,
                stats=False, ref=None):  # fmt: skip
-    """One dispatch + combine on this rank with every check; returns nothing."""
+    """One dispatch + combine on this rank with every check; returns nothing.
+
+    Every low-latency call goes through ``worker_driver.in_step``: a barrier
+    first, and every rank raises if any rank's call raised. The CPU references
+    and checks between the calls take seconds and differ per rank: without the
+    barrier, 4 ranks on one GPU entered the standard combine 8-9 s apart
+    (measured), and the first rank's receive spent that drift against its
+    device time bound (MOELINK_LL_TIMEOUT_S), which is for the GPU's work.
+    Scenarios that test a late rank do so on purpose."""
     r, dev = ctx.rank, ctx.device
     h = inputs[0][0].shape[1]
     x, idx, w = (a.to(dev) for a in inputs[r])
@@ -242,7 +236,7 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
     el = e // ctx.size
     st_cnt = torch.zeros(el, dtype=torch.int32, device=dev) if stats else None
     st_wait = torch.zeros(ctx.size, dtype=torch.int64, device=dev) if stats else None
-    recv, count, handle, ev, hk = aligned(lambda: buf.low_latency_dispatch(
+    recv, count, handle, ev, hk = worker_driver.in_step(lambda: buf.low_latency_dispatch(
         x, idx, t, e, cumulative_local_expert_recv_stats=st_cnt,
         dispatch_wait_recv_cost_stats=st_wait, use_fp8=use_fp8, round_scale=round_scale,
         use_ue8m0=ue8m0, return_recv_hook=hook,
@@ -275,7 +269,7 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
     else:
         comb_x = yy
     st_cw = torch.zeros(ctx.size, dtype=torch.int64, device=dev) if stats else None
-    combined, ev, hk = aligned(lambda: buf.low_latency_combine(
+    combined, ev, hk = worker_driver.in_step(lambda: buf.low_latency_combine(
         comb_x, idx, w, handle, zero_copy=zero_copy, return_recv_hook=hook, out=out_t,
         combine_wait_recv_cost_stats=st_cw,
     ))  # fmt: skip
@@ -298,7 +292,7 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
                  f"({len(bad)} elements): {got[at]} vs {want[at]}")  # fmt: skip
     # DeepEP's end-to-end check with the pure identity experts.
     # Every rank makes the same calls (a rank with no token too).
-    comb_id, _, _ = aligned(lambda: buf.low_latency_combine(y, idx, w, handle))
+    comb_id, _, _ = worker_driver.in_step(lambda: buf.low_latency_combine(y, idx, w, handle))
     if x.shape[0] > 0:
         wsum = (w * (idx >= 0)).sum(1, keepdim=True).to(dev)
         d = calc_diff(comb_id.float(), x.float() * wsum)
@@ -391,8 +385,9 @@ def scenario_proxy(ctx: Ctx, buf) -> None:
             pbuf.check()
         except Exception as exc:  # noqa: BLE001 - re-raised below
             error = exc
-            # Said at once: the report below is a collective that ranks still
-            # inside the round trips do not reach.
+            # Said at once: a rank that raised outside a call every rank makes
+            # (in a check) leaves the others in another collective, and the
+            # report below would then never print it.
             print(f"proxy [rank {ctx.rank}] raised:", flush=True)
             traceback.print_exc(file=sys.stdout)
             sys.stdout.flush()
