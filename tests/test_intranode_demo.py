@@ -462,17 +462,15 @@ def test_cli_parser_property():
     check()
 
 
-def test_reference_turns_follow_host_memory(gloo_world, monkeypatch):
+def test_reference_turns_follow_host_memory():
     # 8 ranks x 4096 tokens, top-8 of hidden 7168: 8 * 4096 * 8 rows of 7168
     # elements at 20 bytes each, 37.6 GB per rank computing the reference.
     w = {"num_tokens": 4096, "hidden": 7168, "num_topk": 8}
     peak = demo.REFERENCE_BYTES_PER_ELEMENT * 8 * 4096 * 8 * 7168
     for avail, want in ((128 << 30, 2), (10 << 30, 1), (int(8 * peak / 0.7) + 1, 8), (None, 8)):
-        monkeypatch.setattr(demo, "_mem_available_bytes", lambda a=avail: a)
-        assert demo._reference_builders(gloo_world, 8, w) == want, avail
+        assert demo._reference_builders(8, w, avail) == want, avail
     # Fewer ranks than fit: all of them.
-    monkeypatch.setattr(demo, "_mem_available_bytes", lambda: 1 << 50)
-    assert demo._reference_builders(gloo_world, 2, w) == 2
+    assert demo._reference_builders(2, w, 1 << 50) == 2
 
 
 def test_own_reference_is_this_ranks_part_of_the_whole():
@@ -494,3 +492,26 @@ def test_own_reference_is_this_ranks_part_of_the_whole():
         assert torch.equal(own["combined_w"], combined[rank][1])
         assert torch.equal(own["rank_prefix"], ref.rank_prefix_matrix.to(torch.int64))
         assert own["recv_tokens"] == [int(ref.ranks[d].num_recv_tokens) for d in range(4)]
+
+
+def test_gpu_placement_gathers_the_host_memory(gloo_world, monkeypatch):
+    from types import SimpleNamespace
+
+    from moelink import _native
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d: SimpleNamespace(uuid="GPU-0")
+    )
+    monkeypatch.setattr(_native, "local_sm_counts", lambda i: (132, None))
+    monkeypatch.setenv("MOELINK_LAUNCH_MPS", "1")
+    dev = torch.device("cuda", 0)
+    for avail in (64 << 30, None):
+        monkeypatch.setattr(demo, "_mem_available_bytes", lambda a=avail: a)
+        got = demo._gpu_placement(gloo_world, dev)
+        assert got == {
+            "num_gpus": 1,
+            "ranks_per_gpu": 1,
+            "mps": True,
+            "share_sms": _native.device_share_sms(132, None, 1),
+            "mem_available": avail,
+        }

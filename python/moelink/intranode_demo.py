@@ -397,7 +397,7 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
     # Inputs of every rank (the reference needs them all), this rank's on the GPU.
     # Each rank computes the whole reference and keeps its own part; ranks take
     # turns where the host cannot hold every rank's computation at once.
-    at_once = _reference_builders(group, num_ranks, workload)
+    at_once = _reference_builders(num_ranks, workload, gpus["mem_available"])
     turns = f" ({at_once} ranks at a time: host memory)" if at_once < num_ranks else ""
     _log(rank, f"building inputs and the CPU reference for {num_ranks} ranks{turns}")
     error = None
@@ -578,22 +578,16 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
 REFERENCE_BYTES_PER_ELEMENT = 20
 
 
-def _reference_builders(group, num_ranks: int, workload: dict) -> int:
+def _reference_builders(num_ranks: int, workload: dict, mem_available: int | None) -> int:
     """How many ranks may compute the full CPU reference at once: all, unless
-    their peaks together exceed 70 % of the smallest MemAvailable of the ranks'
-    hosts (8 ranks x 4096 tokens on one host were OOM-killed computing it at
-    once). Every rank gets the same answer (one collective)."""
-    import torch.distributed as dist
-
-    avail = _mem_available_bytes()
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, avail, group=group)
-    known = [a for a in everyone if a is not None]
-    if not known:
+    their peaks together exceed 70 % of ``mem_available`` (the smallest
+    MemAvailable of the ranks' hosts, None: unknown; 8 ranks x 4096 tokens on
+    one host were OOM-killed computing it at once)."""
+    if mem_available is None:
         return num_ranks
     rows = num_ranks * workload["num_tokens"] * min(num_ranks, workload["num_topk"])
     peak = REFERENCE_BYTES_PER_ELEMENT * rows * workload["hidden"]
-    return max(1, min(num_ranks, int(0.7 * min(known)) // max(peak, 1)))
+    return max(1, min(num_ranks, int(0.7 * mem_available) // max(peak, 1)))
 
 
 def _mem_available_bytes() -> int | None:
@@ -644,7 +638,8 @@ def _gpu_placement(group, device) -> dict:
     under MPS, as ``moelink.launch`` says), and ``share_sms``: the fewest SMs a
     rank may use beside the others on its GPU, by the library's own rule and SM
     limits (``_native.device_share_sms`` of ``_native.local_sm_counts``: MPS
-    thread percentages and ``MOELINK_SMS_PER_RANK`` included)."""
+    thread percentages and ``MOELINK_SMS_PER_RANK`` included); ``mem_available``:
+    the smallest MemAvailable of the ranks' hosts in bytes (None: none known)."""
     import torch
     import torch.distributed as dist
 
@@ -654,17 +649,20 @@ def _gpu_placement(group, device) -> dict:
     mps = os.environ.get("MOELINK_LAUNCH_MPS") == "1"
     device_sms, context_sms = _native.local_sm_counts(device.index)
     everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, (uuid, mps, device_sms, context_sms), group=group)
+    mine = (uuid, mps, device_sms, context_sms, _mem_available_bytes())
+    dist.all_gather_object(everyone, mine, group=group)
     per_gpu: dict = {}
     for u, *_ in everyone:
         per_gpu[u] = per_gpu.get(u, 0) + 1
+    known = [mem for *_, mem in everyone if mem is not None]
     return {
         "num_gpus": len(per_gpu),
         "ranks_per_gpu": max(per_gpu.values()),
-        "mps": all(on_mps for _, on_mps, _, _ in everyone),
+        "mps": all(on_mps for _, on_mps, *_ in everyone),
         "share_sms": min(
-            _native.device_share_sms(sms, ctx, per_gpu[u]) for u, _, sms, ctx in everyone
+            _native.device_share_sms(sms, ctx, per_gpu[u]) for u, _, sms, ctx, _ in everyone
         ),
+        "mem_available": min(known) if known else None,
     }
 
 
