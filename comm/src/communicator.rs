@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use crate::bootstrap::Bootstrap;
 use crate::channel::{MemoryChannel, PortChannel};
-use crate::cuda::Device;
+use crate::cuda::{Device, OwnedStream};
 use crate::device_error::DeviceErrorRecord;
 use crate::device_share::{ranks_on_same_device, DeviceShare};
 use crate::error::{CommError, Result};
@@ -99,6 +99,8 @@ pub struct Communicator {
     seq: AtomicU64,
     timeout: Duration,
     ipc_connections: Mutex<Vec<Option<Arc<dyn Connection>>>>,
+    /// The one stream of every CUDA IPC connection (made at the first).
+    ipc_stream: Mutex<Option<Arc<OwnedStream>>>,
     /// This rank's share of its device (ranks on the same GPU found through
     /// the setup exchange); the whole device when alone or without a device.
     share: DeviceShare,
@@ -148,6 +150,7 @@ impl Communicator {
             seq: AtomicU64::new(0),
             timeout: opts.timeout,
             ipc_connections: Mutex::new(vec![None; size]),
+            ipc_stream: Mutex::new(None),
             share: DeviceShare::whole(0),
             device_peers: vec![rank],
         };
@@ -421,8 +424,9 @@ impl Communicator {
         imported
     }
 
-    /// A connection to `peer` over `transport` (CUDA IPC connections are shared:
-    /// one proxy stream per peer).
+    /// A connection to `peer` over `transport` (CUDA IPC connections are kept,
+    /// one per peer, and all of them issue on one stream: see
+    /// [`CudaIpcConnection::new`]).
     pub fn connect(&self, peer: usize, transport: Transport) -> Result<Arc<dyn Connection>> {
         if peer >= self.size() {
             return Err(CommError::invalid(
@@ -442,8 +446,15 @@ impl Communicator {
                 if let Some(c) = &conns[peer] {
                     return Ok(c.clone());
                 }
+                let stream = {
+                    let mut shared = self.ipc_stream.lock().unwrap_or_else(|p| p.into_inner());
+                    match &*shared {
+                        Some(s) => s.clone(),
+                        None => shared.insert(Arc::new(OwnedStream::new(device)?)).clone(),
+                    }
+                };
                 let c: Arc<dyn Connection> =
-                    Arc::new(CudaIpcConnection::new(device, self.rank(), peer)?);
+                    Arc::new(CudaIpcConnection::new(self.rank(), peer, stream));
                 conns[peer] = Some(c.clone());
                 Ok(c)
             }

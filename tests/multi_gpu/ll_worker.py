@@ -40,6 +40,7 @@ SCENARIO_NAMES = (
     "standard_shape",
     "out_and_stats",
     "proxy",
+    "proxy_loose",
     "invalid_args",
     "cuda_graph",
     "masked_rank",
@@ -216,7 +217,7 @@ def dequant(recv_x, scales, use_fp8: bool, ue8m0: bool) -> torch.Tensor:
 
 def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=True,
                round_scale=False, ue8m0=False, hook=False, zero_copy=False, out=False,
-               stats=False, ref=None):  # fmt: skip
+               stats=False, ref=None, together=True):  # fmt: skip
     """One dispatch + combine on this rank with every check; returns nothing.
 
     Every low-latency call goes through ``worker_driver.in_step``: a barrier
@@ -225,7 +226,8 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
     barrier, 4 ranks on one GPU entered the standard combine 8-9 s apart
     (measured), and the first rank's receive spent that drift against its
     device time bound (MOELINK_LL_TIMEOUT_S), which is for the GPU's work.
-    Scenarios that test a late rank do so on purpose."""
+    Scenarios that test a late rank do so on purpose. ``together=False``: the
+    ranks leave each call on their own (``in_step``), as a framework would."""
     r, dev = ctx.rank, ctx.device
     h = inputs[0][0].shape[1]
     x, idx, w = (a.to(dev) for a in inputs[r])
@@ -240,7 +242,7 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
         x, idx, t, e, cumulative_local_expert_recv_stats=st_cnt,
         dispatch_wait_recv_cost_stats=st_wait, use_fp8=use_fp8, round_scale=round_scale,
         use_ue8m0=ue8m0, return_recv_hook=hook,
-    ))  # fmt: skip
+    ), together=together)  # fmt: skip
     if hook:
         torch.cuda._sleep(2_000_000)
         hk()
@@ -272,7 +274,7 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
     combined, ev, hk = worker_driver.in_step(lambda: buf.low_latency_combine(
         comb_x, idx, w, handle, zero_copy=zero_copy, return_recv_hook=hook, out=out_t,
         combine_wait_recv_cost_stats=st_cw,
-    ))  # fmt: skip
+    ), together=together)  # fmt: skip
     if hook:
         torch.cuda._sleep(2_000_000)
         hk()
@@ -292,7 +294,9 @@ def round_trip(ctx: Ctx, buf, label: str, inputs, t: int, e: int, *, use_fp8=Tru
                  f"({len(bad)} elements): {got[at]} vs {want[at]}")  # fmt: skip
     # DeepEP's end-to-end check with the pure identity experts.
     # Every rank makes the same calls (a rank with no token too).
-    comb_id, _, _ = worker_driver.in_step(lambda: buf.low_latency_combine(y, idx, w, handle))
+    comb_id, _, _ = worker_driver.in_step(
+        lambda: buf.low_latency_combine(y, idx, w, handle), together=together
+    )
     if x.shape[0] > 0:
         wsum = (w * (idx >= 0)).sum(1, keepdim=True).to(dev)
         d = calc_diff(comb_id.float(), x.float() * wsum)
@@ -400,6 +404,26 @@ def scenario_proxy(ctx: Ctx, buf) -> None:
                 print("proxy state after the failure:\n" + report, flush=True)
         if error is not None:
             raise error
+    finally:
+        torch.cuda.synchronize()
+        pbuf.destroy()
+
+
+def scenario_proxy_loose(ctx: Ctx, buf) -> None:
+    """The forced-proxy round trips with ranks that leave each call on their own.
+    With one proxy stream per peer (7 per rank at 8 ranks), this timed out in
+    every run at 8 ranks on one H200 while the lock-step ``proxy`` scenario
+    passed; one stream for all of a rank's CUDA IPC connections fixed it
+    (benches/results/2026-11-25_ll-8-proxy-streams)."""
+    pbuf = new_ll_buffer(ctx, allow_nvlink_for_low_latency_mode=False)
+    try:
+        e = 8 * ctx.size
+        for i, (fp8, hook) in enumerate(((True, False), (False, True), (True, True))):
+            inputs = make_inputs(ctx, f"loose{i}", 64, 2048, e, 5)
+            round_trip(ctx, pbuf, f"proxy loose fp8={fp8} hook={hook}", inputs, 64, e,
+                       use_fp8=fp8, hook=hook, zero_copy=(i == 2), together=False)  # fmt: skip
+        torch.cuda.synchronize()
+        pbuf.check()
     finally:
         torch.cuda.synchronize()
         pbuf.destroy()

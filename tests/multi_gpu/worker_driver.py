@@ -69,13 +69,25 @@ def quiesced_free_memory(device: torch.device, gloo) -> int:
     return free
 
 
-def in_step(fn, group=None):
+#: ``1``: every ``in_step`` behaves as ``together=False`` (an experiment switch:
+#: how the 8-rank forced-proxy timeouts were reproduced).
+LOOSE_STEPS_ENV = "MOELINK_TEST_LOOSE_STEPS"
+
+
+def in_step(fn, group=None, *, together: bool = True):
     """Calls ``fn`` (one call every rank makes, such as a low-latency dispatch)
     once every rank of ``group`` is here, and leaves it together: if ``fn``
     raised on any rank, every rank raises (its own exception, or a RuntimeError
     naming the ranks that raised). So the ranks' next collective is the same
-    one, also after a failure (a rank leaving alone would wait in another)."""
+    one, also after a failure (a rank leaving alone would wait in another).
+
+    ``together=False``: ranks enter together but leave on their own, as in a
+    framework that launches a call and moves on (each rank's next kernels may
+    start while a peer still launches this call). A rank that raises then
+    leaves the others in their next collective until the watchdog ends the run."""
     dist.barrier(group=group)
+    if not together or os.environ.get(LOOSE_STEPS_ENV) == "1":
+        return fn()
     error, result = None, None
     try:
         result = fn()

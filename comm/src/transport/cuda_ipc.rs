@@ -1,16 +1,18 @@
 //! CUDA IPC transport: the peer's memory is mapped into this process (legacy
-//! IPC handle or cuMem fd), and every operation is enqueued on a stream this
-//! connection owns (the proxy's): copies with `cuMemcpyAsync` (copy engines),
+//! IPC handle or cuMem fd), and every operation is enqueued on the one stream
+//! that all CUDA IPC connections of a Communicator share (the proxy's; see
+//! [`CudaIpcConnection::new`] for why one): copies with `cuMemcpyAsync` (copy engines),
 //! signals with `cuStreamWriteValue64` (the value is captured when enqueued, so
 //! a signal can never overtake the data issued before it), atomics with a
 //! one-thread kernel doing a real `atomicAdd` on the target over NVLink.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::sys;
 
 use super::{check_atomic_target, AtomicWidth, Connection, Transport};
-use crate::cuda::{Device, OwnedStream};
+use crate::cuda::OwnedStream;
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::registered_memory::RegisteredMemory;
 
@@ -18,16 +20,26 @@ use crate::registered_memory::RegisteredMemory;
 pub struct CudaIpcConnection {
     rank: usize,
     remote_rank: usize,
-    stream: OwnedStream,
+    stream: Arc<OwnedStream>,
 }
 
 impl CudaIpcConnection {
-    pub fn new(device: Device, rank: usize, remote_rank: usize) -> Result<Self> {
-        Ok(Self {
+    /// A connection whose operations go on `stream`, which the caller shares
+    /// between all its CUDA IPC connections (as MSCCL++ shares one IPC stream
+    /// per context). Measured on one H200 with 8 ranks under MPS: with one
+    /// stream per peer (7 per rank), the forced-proxy low-latency round trips
+    /// timed out in 6 of 6 runs where ranks leave each call on their own (some
+    /// peers' copies stayed in flight while the receiving kernels spun), and
+    /// passed in every run with one stream. The driver-side cause is not known:
+    /// it is not the compute work-queue limit (2 ranks pass with
+    /// `CUDA_DEVICE_MAX_CONNECTIONS=1`) nor lazy kernel loading
+    /// (benches/results/2026-11-25_ll-8-proxy-streams).
+    pub fn new(rank: usize, remote_rank: usize, stream: Arc<OwnedStream>) -> Self {
+        Self {
             rank,
             remote_rank,
-            stream: OwnedStream::new(device)?,
-        })
+            stream,
+        }
     }
 
     pub fn stream(&self) -> &OwnedStream {
@@ -127,7 +139,7 @@ impl Connection for CudaIpcConnection {
             timeout,
             self.rank as i64,
             &format!(
-                "CUDA IPC operations to rank {} to complete",
+                "CUDA IPC operations to rank {} (and to the peers sharing its stream) to complete",
                 self.remote_rank
             ),
         )
