@@ -355,6 +355,19 @@ impl LowLatencyBuffer {
         Ok(shape)
     }
 
+    /// Checks a call's shape against the kernels' limits and this buffer's
+    /// size, so that a caller can refuse it before allocating its outputs.
+    pub fn check_shape(
+        &self,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+        num_topk: usize,
+    ) -> Result<()> {
+        self.shape(max_tokens, hidden, num_experts, num_topk)
+            .map(|_| ())
+    }
+
     /// Device address of the zero-copy combine input for this shape.
     pub fn zero_copy_buffer(
         &self,

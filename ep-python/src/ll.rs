@@ -100,6 +100,20 @@ impl LowLatencyBuffer {
         Ok(self.get()?.mask_ptr())
     }
 
+    /// ValueError where a call of this shape does not fit the kernels or this
+    /// buffer (checked before the caller allocates the call's outputs).
+    fn check_shape(
+        &self,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+        num_topk: usize,
+    ) -> PyResult<()> {
+        self.get()?
+            .check_shape(max_tokens, hidden, num_experts, num_topk)
+            .map_err(to_py)
+    }
+
     /// (device address, bytes) of the zero-copy combine input for this shape.
     fn zero_copy_buffer(
         &self,

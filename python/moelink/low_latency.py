@@ -196,6 +196,9 @@ class LowLatencyMixin:
             raise ValueError("use_ue8m0=True needs use_fp8=True (bf16 dispatch has no scales)")
         if use_fp8 and use_ue8m0 and not round_scale:
             raise ValueError("use_ue8m0=True needs round_scale=True")
+        # The buffer must hold this shape: refused before the outputs are
+        # allocated (they can be larger than the GPU has free).
+        ll.check_shape(t, hidden, num_experts, k)
         stream = self._ll_stream(async_finish)
         rt = r * t
         with torch.cuda.stream(stream):
