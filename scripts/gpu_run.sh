@@ -10,6 +10,8 @@
 # tool brings back at most 8 files), next to machine.txt and summary.json.
 # GPU_RUN_PYTEST_ARGS narrows pytest (e.g. "-k peer");
 # GPU_RUN_EXTRA is a command run last (benchmarks), its output logged as extra.log.
+# GPU_RUN_TIMESLICE=1 adds comm, intranode, low-latency and allreduce at 2 ranks
+# without MPS (steps timeslice-*-2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-./gpu-logs}}
@@ -85,6 +87,16 @@ done
 # MOELINK_TRAP_ON_TIMEOUT=1 (2 ranks, no MPS: a trap under MPS takes down every
 # rank on the GPU): a device timeout traps the kernel.
 run "trap-2" 120 env MOELINK_MPS=off $LAUNCH -n 2 --timeout 100 tests/multi_gpu/trap_worker.py
+if [ -n "${GPU_RUN_TIMESLICE:-}" ]; then
+  # The multi-rank suites at 2 ranks without MPS (the contexts time-slice: slow
+  # waits, same results). A call of its own: they take minutes.
+  run "timeslice-rust-gpu_multi_rank-2" 200 env MOELINK_MPS=off $LAUNCH -n 2 --timeout 190 \
+    --no-python .gpu/bin/gpu_multi_rank --include-ignored --test-threads=1 --nocapture
+  for w in intranode ll allreduce; do
+    run "timeslice-$w-2" 300 env MOELINK_MPS=off $LAUNCH -n 2 --timeout 290 \
+      "tests/multi_gpu/${w}_worker.py"
+  done
+fi
 if [ -n "${GPU_RUN_MAIN_RANKS:-}" ]; then
   # The main job (python -m moelink) on that many ranks, shared GPUs included.
   run "main-${GPU_RUN_MAIN_RANKS}" 400 python3 -m moelink --ranks "$GPU_RUN_MAIN_RANKS" \
