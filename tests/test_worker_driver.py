@@ -90,7 +90,7 @@ def test_run_scenario_fail(gloo_world, capsys):
     assert "PASS" not in out
 
 
-def _in_step_rank(rank: int, store: str, raise_on: int, out) -> None:
+def _in_step_rank(rank: int, store: str, raise_on: int, out, together: bool = True) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
 
@@ -100,7 +100,7 @@ def _in_step_rank(rank: int, store: str, raise_on: int, out) -> None:
             return rank * 10
 
         try:
-            got = worker_driver.in_step(call)
+            got = worker_driver.in_step(call, together=together)
         except Exception as e:  # noqa: BLE001 - the outcome is the test's data
             got = f"{type(e).__name__}: {e}"
         # The next collective is the same on both ranks after a failure too.
@@ -137,3 +137,26 @@ def test_in_step_leaves_together(tmp_path, raise_on):
                 f"RuntimeError: another rank's call raised; rank {raise_on}: "
                 f"ValueError: bad input on rank {raise_on}"
             )
+
+
+@pytest.mark.parametrize("raise_on", [-1, 1])
+def test_in_step_apart_leaves_each_rank_on_its_own(tmp_path, raise_on):
+    """together=False: only the barrier before the call; a rank's raise stays its
+    own, and the other rank returns its result without waiting for it."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    store = str(tmp_path / "store")
+    procs = [
+        ctx.Process(target=_in_step_rank, args=(r, store, raise_on, out, False)) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    results = dict((r, (got, seen)) for r, got, seen in (out.get(timeout=120) for _ in procs))
+    for p in procs:
+        p.join(30)
+        assert p.exitcode == 0
+    assert results[0] == (0, [0, 1])
+    want_1 = "ValueError: bad input on rank 1" if raise_on == 1 else 10
+    assert results[1] == (want_1, [0, 1])

@@ -410,10 +410,11 @@ def scenario_proxy(ctx: Ctx, buf) -> None:
 
 
 def scenario_proxy_loose(ctx: Ctx, buf) -> None:
-    """The forced-proxy round trips with ranks that leave each call on their own.
-    With one proxy stream per peer (7 per rank at 8 ranks), this timed out in
-    every run at 8 ranks on one H200 while the lock-step ``proxy`` scenario
-    passed; one stream for all of a rank's CUDA IPC connections fixed it
+    """The forced-proxy round trips with ranks that leave each call on their own,
+    as a framework's do. Run so (``MOELINK_TEST_LOOSE_STEPS=1``), the ``proxy``
+    scenario's round trips timed out in every run at 8 ranks on one H200 with
+    one proxy stream per peer (7 a rank), while lock-step calls passed; one
+    stream for all of a rank's CUDA IPC connections fixed it
     (benches/results/2026-11-25_ll-8-proxy-streams)."""
     pbuf = new_ll_buffer(ctx, allow_nvlink_for_low_latency_mode=False)
     try:
