@@ -1,0 +1,231 @@
+"""Host overhead per call: the CPU time from a Python call to its return, as a
+ratio to a trivial torch launch (``x.add_(0)``) measured in the same run (issue
+16's table). Eager calls, one sample per call, the GPU drained between samples
+(outside the timed region) so that no call waits for the launch queue.
+
+    python -m moelink.launch -n 1 benches/host_overhead.py [--iters 300] [--out DIR]
+
+Calls: ``x.add_(0)`` (the reference); low-latency dispatch (fp8) and combine, each
+with its receive hook; ``get_dispatch_layout``; ``dispatch`` with a cached handle;
+the full ``dispatch`` (the CPU waits for the counts); ``combine``;
+``AllReduce.all_reduce`` of 16 KiB. Shapes: low-latency T=128, H=7168, top-8 of
+``--ll-experts``; normal ``--tokens`` x 7168, top-8 of ``--experts``. Writes
+``host_overhead.json`` (medians, p10/p90, ratios, commit, machine) and a bar plot
+of the ratios into ``--out`` on rank 0, and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import bench_common
+
+HIDDEN = 7168
+TOPK = 8
+LL_TOKENS = 128
+ALLREDUCE_BYTES = 16 << 10
+
+
+def summarize(samples_ns: list, reference_us: float | None) -> dict:
+    """Median, p10 and p90 in us of ``samples_ns``; the median's ratio to
+    ``reference_us`` where given."""
+    us = sorted(s / 1e3 for s in samples_ns)
+    q = statistics.quantiles(us, n=10, method="inclusive") if len(us) >= 2 else [us[0]] * 9
+    out = {"median_us": statistics.median(us), "p10_us": q[0], "p90_us": q[-1], "n": len(us)}
+    if reference_us:
+        out["ratio"] = out["median_us"] / reference_us
+    return out
+
+
+def time_call(fn, iters: int, warmup: int, sync, before=None, after=None) -> list:
+    """``iters`` CPU times (ns) of ``fn()``. Untimed around each: ``before()``,
+    then after the sample ``after()`` and ``sync()`` (a low-latency dispatch and
+    combine are timed as the pairs they are used in, one side at a time)."""
+    samples = []
+    for i in range(warmup + iters):
+        if before is not None:
+            before()
+            sync()
+        t0 = time.perf_counter_ns()
+        fn()
+        dt = time.perf_counter_ns() - t0
+        if after is not None:
+            after()
+        sync()
+        if i >= warmup:
+            samples.append(dt)
+    return samples
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--ll-experts", type=int, default=288)
+    p.add_argument("--out", default=None, help="folder for host_overhead.json and the plot")
+    args = p.parse_args(argv)
+
+    import moelink
+    import torch
+    import torch.distributed as dist
+
+    info = bench_common.init()
+    rank, size, dev = info.rank, info.world_size, info.device
+    group = dist.group.WORLD
+    sync = torch.cuda.synchronize
+    g = torch.Generator(device="cpu").manual_seed(1234 + rank)
+
+    def routing(n: int, e: int) -> torch.Tensor:
+        scores = torch.rand(n, e, generator=g)
+        return scores.topk(TOPK, dim=1).indices.to(torch.int64).to(dev)
+
+    calls: dict = {}
+    x_ref = torch.randn(1024, device=dev)
+    calls["x.add_(0)"] = lambda: x_ref.add_(0)
+
+    # Low latency (NVLink path where the ranks are mapped).
+    t, e_ll = LL_TOKENS, args.ll_experts
+    ll_bytes = moelink.Buffer.get_low_latency_rdma_size_hint(t, HIDDEN, size, e_ll)
+    ll_buf = moelink.Buffer(group, 0, ll_bytes, low_latency_mode=True, explicitly_destroy=True)
+    x_ll = torch.randn(t, HIDDEN, generator=g).to(torch.bfloat16).to(dev)
+    idx_ll = routing(t, e_ll)
+    w_ll = torch.rand(t, TOPK, generator=g).to(dev)
+    state: dict = {}
+
+    def ll_dispatch():
+        recv, _, handle, _, hk = ll_buf.low_latency_dispatch(
+            x_ll, idx_ll, t, e_ll, use_fp8=True, return_recv_hook=True
+        )
+        hk()
+        state["handle"] = handle
+        if "y" not in state:  # the expert outputs: any bf16 rows of the right shape
+            state["y"] = recv[0].float().to(torch.bfloat16)
+
+    def ll_combine():
+        _, _, hk = ll_buf.low_latency_combine(
+            state["y"], idx_ll, w_ll, state["handle"], return_recv_hook=True
+        )
+        hk()
+
+    ll_dispatch()
+    ll_combine()
+    sync()
+    # Each timed with its partner call run untimed, as the pair is used.
+    pairs = {
+        "low_latency_dispatch fp8 + hook": (ll_dispatch, None, ll_combine),
+        "low_latency_combine + hook": (ll_combine, ll_dispatch, None),
+    }
+    calls.update(pairs)
+
+    # Normal (intranode) path.
+    n, e = args.tokens, args.experts
+    nvl_bytes = moelink.Config(num_sms=24).get_nvl_buffer_size_hint(
+        HIDDEN * 2, size, max_tokens_per_rank=n
+    )
+    buf = moelink.Buffer(group, nvl_bytes, explicitly_destroy=True)
+    x = torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16).to(dev)
+    idx = routing(n, e)
+    w = torch.rand(n, TOPK, generator=g).to(dev)
+    layout = buf.get_dispatch_layout(idx, e)
+    per_rank, _, per_expert, in_rank, _ = layout
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+    )
+    sync()
+    calls["get_dispatch_layout"] = lambda: buf.get_dispatch_layout(idx, e)
+    calls["dispatch, cached"] = lambda: buf.dispatch(x, handle=handle)
+    calls["dispatch, full"] = lambda: buf.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=w,
+    )
+    calls["combine"] = lambda: buf.combine(recv_x, handle, topk_weights=recv_w)
+
+    ar = moelink.AllReduce(group)
+    t_ar = torch.randn(ALLREDUCE_BYTES // 4, device=dev)
+    calls["AllReduce.all_reduce 16 KiB"] = lambda: ar.all_reduce(t_ar)
+
+    # Every rank times the same calls in the same order (they are collective).
+    results: dict = {}
+    ref_us = None
+    for name, call in calls.items():
+        fn, before, after = call if isinstance(call, tuple) else (call, None, None)
+        dist.barrier(group=group)
+        samples = time_call(fn, args.iters, args.warmup, sync, before, after)
+        results[name] = summarize(samples, ref_us)
+        if ref_us is None:
+            ref_us = results[name]["median_us"]
+            results[name]["ratio"] = 1.0
+    sync()
+    ll_buf.destroy()
+    buf.destroy()
+    ar.destroy()
+    if rank == 0:
+        rows = [f"{'call':38s} {'median us':>10s} {'p10':>8s} {'p90':>8s} {'ratio':>7s}"]
+        for name, r in results.items():
+            rows.append(
+                f"{name:38s} {r['median_us']:10.1f} {r['p10_us']:8.1f} {r['p90_us']:8.1f} "
+                f"{r['ratio']:6.1f}x"
+            )
+        print("\n".join(rows), flush=True)
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+            doc = {
+                "what": "CPU time from the Python call to its return, eager, GPU drained "
+                "between samples (untimed); ratio = median / median of x.add_(0)",
+                "ranks": size,
+                "iters": args.iters,
+                "shapes": {
+                    "low_latency": [t, HIDDEN, e_ll, TOPK],
+                    "normal": [n, HIDDEN, e, TOPK],
+                    "allreduce_bytes": ALLREDUCE_BYTES,
+                },
+                "results": results,
+                "commit": bench_common.git_commit(),
+                "command": " ".join(sys.argv),
+            }
+            (out / "host_overhead.json").write_text(json.dumps(doc, indent=2))
+            plot(results, out / "host_overhead.png")
+    dist.barrier(group=group)
+    dist.destroy_process_group()
+    return 0
+
+
+def plot(results: dict, path: Path) -> None:
+    """Bar plot of the ratios (skipped, with a line, where matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("host_overhead: matplotlib missing, no plot", flush=True)
+        return
+    names = list(results)
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.barh(names, [results[k]["ratio"] for k in names])
+    ax.invert_yaxis()
+    ax.set_xlabel("CPU time per call / x.add_(0)")
+    ax.set_title("moelink host overhead (median)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The host-overhead benchmark's timing helpers (benches/host_overhead.py), on
+the CPU: what is timed, what runs untimed around it, and the statistics."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benches"))
+import host_overhead  # noqa: E402
+
+
+def test_only_the_call_is_timed_and_warmup_is_dropped():
+    log = []
+    clock = iter(range(0, 10_000, 10))
+
+    def fake_ns():
+        return next(clock)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(host_overhead.time, "perf_counter_ns", fake_ns)
+    try:
+        samples = host_overhead.time_call(
+            lambda: log.append("call"),
+            iters=3,
+            warmup=2,
+            sync=lambda: log.append("sync"),
+            before=lambda: log.append("before"),
+            after=lambda: log.append("after"),
+        )
+    finally:
+        mp.undo()
+    # 5 rounds, each: before, sync, (timed call), after, sync; 3 samples kept.
+    assert log == ["before", "sync", "call", "after", "sync"] * 5
+    assert samples == [10, 10, 10]
+
+
+def test_summary_is_in_microseconds_with_the_reference_ratio():
+    s = host_overhead.summarize([1000, 2000, 3000, 4000, 100_000], reference_us=2.0)
+    assert s["median_us"] == 3.0
+    assert s["ratio"] == 1.5
+    assert 1.0 <= s["p10_us"] <= s["median_us"] <= s["p90_us"] <= 100.0
+    assert s["n"] == 5
+    one = host_overhead.summarize([5000], None)
+    assert one["median_us"] == one["p10_us"] == one["p90_us"] == 5.0
+    assert "ratio" not in one
