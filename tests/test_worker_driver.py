@@ -111,20 +111,29 @@ def _in_step_rank(rank: int, store: str, raise_on: int, out, together: bool = Tr
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("raise_on", [-1, 0, 1])
-def test_in_step_leaves_together(tmp_path, raise_on):
+def _in_step_ranks(tmp_path, raise_on: int, together: bool) -> dict:
+    """Two gloo ranks in processes of their own, each making one ``in_step``
+    call (rank ``raise_on`` raises); {rank: (what the call gave, the next
+    all_gather)}."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     store = str(tmp_path / "store")
-    procs = [ctx.Process(target=_in_step_rank, args=(r, store, raise_on, out)) for r in range(2)]
+    args = [(r, store, raise_on, out, together) for r in range(2)]
+    procs = [ctx.Process(target=_in_step_rank, args=a) for a in args]
     for p in procs:
         p.start()
     results = dict((r, (got, seen)) for r, got, seen in (out.get(timeout=120) for _ in procs))
     for p in procs:
         p.join(30)
         assert p.exitcode == 0
+    return results
+
+
+@pytest.mark.parametrize("raise_on", [-1, 0, 1])
+def test_in_step_leaves_together(tmp_path, raise_on):
+    results = _in_step_ranks(tmp_path, raise_on, together=True)
     for r in range(2):
         got, seen = results[r]
         assert seen == [0, 1]
@@ -143,20 +152,7 @@ def test_in_step_leaves_together(tmp_path, raise_on):
 def test_in_step_apart_leaves_each_rank_on_its_own(tmp_path, raise_on):
     """together=False: only the barrier before the call; a rank's raise stays its
     own, and the other rank returns its result without waiting for it."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    store = str(tmp_path / "store")
-    procs = [
-        ctx.Process(target=_in_step_rank, args=(r, store, raise_on, out, False)) for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    results = dict((r, (got, seen)) for r, got, seen in (out.get(timeout=120) for _ in procs))
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
+    results = _in_step_ranks(tmp_path, raise_on, together=False)
     assert results[0] == (0, [0, 1])
     want_1 = "ValueError: bad input on rank 1" if raise_on == 1 else 10
     assert results[1] == (want_1, [0, 1])
