@@ -195,6 +195,13 @@ mod tests {
     use super::*;
     use crate::dtype::VARIANT_SUFFIXES;
 
+    /// Every name of the kernel table is a kernel of the fatbin.
+    #[test]
+    fn every_kernel_of_the_table_is_in_the_fatbin() {
+        let missing = comm::module::names_missing_from_fatbin(FATBIN, NAMES);
+        assert!(missing.is_empty(), "not in the fatbin: {missing:?}");
+    }
+
     /// MOELINK_TRAP_ON_TIMEOUT finds its switch in this fatbin.
     #[test]
     fn the_fatbin_has_the_trap_switch_under_its_c_name() {

@@ -7,24 +7,53 @@ use crate::module::kernel_arg as arg;
 use crate::module::{LoadedModule, ModuleCache};
 
 static FATBIN: &[u8] = include_bytes!(env!("COMM_FATBIN"));
-const NAMES: &[&str] = &[
-    "comm_atomic_add64",
-    "comm_atomic_add32",
-    "comm_layout_probe",
-    "comm_test_memchan_pingpong",
-    "comm_test_portchan_pingpong",
-    "comm_test_memchan_copy",
-    "comm_test_memchan_wait",
-    "comm_test_packets",
-    "comm_test_portchan_op",
-    "comm_test_portchan_atomics",
-    "comm_test_fifo_roundtrip",
-    "comm_test_fifo_push_only",
-];
-static MODULES: ModuleCache = ModuleCache::new("comm", FATBIN, NAMES);
+crate::kernel_table! {
+    /// Every kernel entry point of comm's fatbin (`extern "C"` names).
+    pub enum KernelId {
+        AtomicAdd64 => "comm_atomic_add64",
+        AtomicAdd32 => "comm_atomic_add32",
+        LayoutProbe => "comm_layout_probe",
+        TestMemchanPingpong => "comm_test_memchan_pingpong",
+        TestPortchanPingpong => "comm_test_portchan_pingpong",
+        TestMemchanCopy => "comm_test_memchan_copy",
+        TestMemchanWait => "comm_test_memchan_wait",
+        TestPackets => "comm_test_packets",
+        TestPortchanOp => "comm_test_portchan_op",
+        TestPortchanAtomics => "comm_test_portchan_atomics",
+        TestFifoRoundtrip => "comm_test_fifo_roundtrip",
+        TestFifoPushOnly => "comm_test_fifo_push_only",
+    }
+}
+static MODULES: ModuleCache = ModuleCache::new("comm", FATBIN, KernelId::NAMES);
 
 fn module(device: Device) -> Result<&'static LoadedModule> {
     MODULES.get(device)
+}
+
+/// Launches `id` on a 1-D grid of `blocks` x `threads` on `stream`.
+///
+/// # Safety
+/// As [`LoadedModule::launch`]: `params` match the kernel's signature and every
+/// pointer among them is valid for what it does.
+unsafe fn launch(
+    device: Device,
+    id: KernelId,
+    blocks: u32,
+    threads: u32,
+    stream: StreamHandle,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        module(device)?.launch(
+            id.index(),
+            (blocks, 1, 1),
+            (threads, 1, 1),
+            0,
+            stream,
+            params,
+        )
+    }
 }
 
 /// Atomically adds `value` to the u64 (`wide`) or u32 at `target` (device or
@@ -39,17 +68,16 @@ pub unsafe fn atomic_add(
     value: i64,
     wide: bool,
 ) -> Result<()> {
-    let m = module(device)?;
     let mut t = target;
     if wide {
         let mut v = value;
         // SAFETY: (u64*, i64) matches comm_atomic_add64; target validity is the caller's.
         unsafe {
-            m.launch(
-                0,
-                (1, 1, 1),
-                (1, 1, 1),
-                0,
+            launch(
+                device,
+                KernelId::AtomicAdd64,
+                1,
+                1,
                 stream,
                 &mut [arg(&mut t), arg(&mut v)],
             )
@@ -58,11 +86,11 @@ pub unsafe fn atomic_add(
         let mut v = value as i32;
         // SAFETY: (u32*, i32) matches comm_atomic_add32; target validity is the caller's.
         unsafe {
-            m.launch(
+            launch(
+                device,
+                KernelId::AtomicAdd32,
                 1,
-                (1, 1, 1),
-                (1, 1, 1),
-                0,
+                1,
                 stream,
                 &mut [arg(&mut t), arg(&mut v)],
             )
@@ -73,18 +101,17 @@ pub unsafe fn atomic_add(
 /// Runs `comm_layout_probe` and returns what the device compiler laid out
 /// (compare with [`crate::device_handles::layout_probe_expected`]).
 pub fn layout_probe(device: Device) -> Result<Vec<u64>> {
-    let m = module(device)?;
     let n = crate::device_handles::layout_probe_expected().len() + 1;
     let buf = crate::memory::DeviceMemory::alloc(device, n * 8)?;
     buf.fill(0xEE)?;
     let mut p = buf.ptr();
     // SAFETY: (u64*) matches the kernel; the buffer holds n words.
     unsafe {
-        m.launch(
-            2,
-            (1, 1, 1),
-            (1, 1, 1),
-            0,
+        launch(
+            device,
+            KernelId::LayoutProbe,
+            1,
+            1,
             StreamHandle(0),
             &mut [arg(&mut p)],
         )
@@ -100,7 +127,7 @@ pub fn layout_probe(device: Device) -> Result<Vec<u64>> {
 /// each device wait in nanoseconds of GPU time; these test launchers take it
 /// as given (no check; a very large value such as [`i64::MAX`] is no bound).
 pub mod testing {
-    use super::{arg, module};
+    use super::{arg, launch, KernelId};
     use crate::cuda::{Device, StreamHandle};
     use crate::device_handles::{MemoryChannelDeviceHandle, PortChannelDeviceHandle};
     use crate::error::Result;
@@ -140,7 +167,7 @@ pub mod testing {
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_memchan_pingpong.
-        unsafe { module(device)?.launch(3, (1, 1, 1), (32, 1, 1), 0, stream, p) }
+        unsafe { launch(device, KernelId::TestMemchanPingpong, 1, 32, stream, p) }
     }
 
     /// # Safety
@@ -163,7 +190,7 @@ pub mod testing {
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_portchan_pingpong.
-        unsafe { module(device)?.launch(4, (1, 1, 1), (32, 1, 1), 0, stream, p) }
+        unsafe { launch(device, KernelId::TestPortchanPingpong, 1, 32, stream, p) }
     }
 
     /// Grid-wide put (or get) of `bytes`, `iters` times, then optionally a
@@ -196,7 +223,16 @@ pub mod testing {
             arg(&mut s),
         ];
         // SAFETY: parameter list matches comm_test_memchan_copy.
-        unsafe { module(device)?.launch(5, (blocks, 1, 1), (threads, 1, 1), 0, stream, p) }
+        unsafe {
+            launch(
+                device,
+                KernelId::TestMemchanCopy,
+                blocks,
+                threads,
+                stream,
+                p,
+            )
+        }
     }
 
     /// # Safety
@@ -209,7 +245,7 @@ pub mod testing {
     ) -> Result<()> {
         let p = &mut [arg(&mut h), arg(&mut timeout_ns)];
         // SAFETY: parameter list matches comm_test_memchan_wait.
-        unsafe { module(device)?.launch(6, (1, 1, 1), (32, 1, 1), 0, stream, p) }
+        unsafe { launch(device, KernelId::TestMemchanWait, 1, 32, stream, p) }
     }
 
     /// Writes (`read == false`) or reads LL packets.
@@ -241,7 +277,7 @@ pub mod testing {
             arg(&mut timeout_ns),
         ];
         // SAFETY: parameter list matches comm_test_packets.
-        unsafe { module(device)?.launch(7, (4, 1, 1), (256, 1, 1), 0, stream, p) }
+        unsafe { launch(device, KernelId::TestPackets, 4, 256, stream, p) }
     }
 
     /// # Safety
@@ -269,7 +305,7 @@ pub mod testing {
             arg(&mut timeout_ns),
         ];
         // SAFETY: parameter list matches comm_test_portchan_op.
-        unsafe { module(device)?.launch(8, (1, 1, 1), (32, 1, 1), 0, stream, p) }
+        unsafe { launch(device, KernelId::TestPortchanOp, 1, 32, stream, p) }
     }
 
     /// # Safety
@@ -296,7 +332,16 @@ pub mod testing {
             arg(&mut v32),
         ];
         // SAFETY: parameter list matches comm_test_portchan_atomics.
-        unsafe { module(device)?.launch(9, (blocks, 1, 1), (threads, 1, 1), 0, stream, p) }
+        unsafe {
+            launch(
+                device,
+                KernelId::TestPortchanAtomics,
+                blocks,
+                threads,
+                stream,
+                p,
+            )
+        }
     }
 
     /// # Safety
@@ -316,7 +361,7 @@ pub mod testing {
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_fifo_roundtrip.
-        unsafe { module(device)?.launch(10, (1, 1, 1), (32, 1, 1), 0, stream, p) }
+        unsafe { launch(device, KernelId::TestFifoRoundtrip, 1, 32, stream, p) }
     }
 
     /// Pushes `iters` no-op triggers back to back, then waits for the last.
@@ -338,15 +383,43 @@ pub mod testing {
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_fifo_push_only.
-        unsafe { module(device)?.launch(11, (1, 1, 1), (32, 1, 1), 0, stream, p) }
+        unsafe { launch(device, KernelId::TestFifoPushOnly, 1, 32, stream, p) }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// MOELINK_TRAP_ON_TIMEOUT finds its switch in comm's own fatbin.
     #[test]
     fn the_fatbin_has_the_trap_switch_under_its_c_name() {
-        assert!(crate::module::has_trap_switch(super::FATBIN));
+        assert!(crate::module::has_trap_switch(FATBIN));
+    }
+
+    /// Every name of the kernel table is a kernel of comm's fatbin, and the
+    /// launchers' ids are the names' positions.
+    #[test]
+    fn every_kernel_of_the_table_is_in_the_fatbin() {
+        let missing = crate::module::names_missing_from_fatbin(FATBIN, KernelId::NAMES);
+        assert!(missing.is_empty(), "not in the fatbin: {missing:?}");
+        for (i, k) in KernelId::ALL.iter().enumerate() {
+            assert_eq!(k.index(), i);
+        }
+        assert_eq!(KernelId::AtomicAdd32.name(), "comm_atomic_add32");
+        assert_eq!(
+            KernelId::TestFifoPushOnly.name(),
+            "comm_test_fifo_push_only"
+        );
+    }
+
+    #[test]
+    fn a_name_the_fatbin_lacks_is_reported() {
+        let fake = b"\0comm_atomic_add64\0comm_atomic_add32x\0";
+        let missing = crate::module::names_missing_from_fatbin(
+            fake,
+            &["comm_atomic_add64", "comm_atomic_add32", "comm_atomic"],
+        );
+        assert_eq!(missing, ["comm_atomic_add32", "comm_atomic"]);
     }
 }

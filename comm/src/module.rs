@@ -70,6 +70,63 @@ pub fn kernel_arg<T>(v: &mut T) -> *mut std::ffi::c_void {
     (v as *mut T).cast()
 }
 
+/// Declares a crate's kernel table: a `#[repr(usize)]` enum whose variants are
+/// the indices, in declaration order, of the `extern "C"` names a
+/// [`ModuleCache`] resolves (`NAMES`), so that launchers name a kernel, never a
+/// literal index. Every crate with a fatbin declares its table this way (or
+/// computes its indices from one, as collectives' variant families do).
+///
+/// ```ignore
+/// comm::kernel_table! {
+///     /// Every kernel entry point of the fatbin.
+///     pub enum KernelId { AtomicAdd64 => "comm_atomic_add64", AtomicAdd32 => "comm_atomic_add32" }
+/// }
+/// static MODULES: ModuleCache = ModuleCache::new("comm", FATBIN, KernelId::NAMES);
+/// ```
+#[macro_export]
+macro_rules! kernel_table {
+    ($(#[$meta:meta])* $vis:vis enum $table:ident { $($variant:ident => $name:literal),* $(,)? }) => {
+        $(#[$meta])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        #[repr(usize)]
+        $vis enum $table { $($variant),* }
+
+        impl $table {
+            /// Every kernel, in index order.
+            pub const ALL: &'static [$table] = &[$($table::$variant),*];
+            /// The `extern "C"` names, in index order (what the module cache resolves).
+            pub const NAMES: &'static [&'static str] = &[$($name),*];
+
+            /// The kernel's `extern "C"` name.
+            pub fn name(self) -> &'static str {
+                Self::NAMES[self as usize]
+            }
+
+            /// Its index in [`Self::NAMES`] (and in the loaded module).
+            pub fn index(self) -> usize {
+                self as usize
+            }
+        }
+    };
+}
+
+/// The names of `names` that `fatbin` does not hold as a C symbol (a table
+/// entry with no kernel behind it fails at module load on a GPU; this finds it
+/// on any machine).
+pub fn names_missing_from_fatbin<'a>(fatbin: &[u8], names: &[&'a str]) -> Vec<&'a str> {
+    names
+        .iter()
+        .copied()
+        .filter(|name| {
+            let n = name.as_bytes();
+            // A C symbol in the ELF string table: NUL before and after it.
+            !fatbin
+                .windows(n.len() + 2)
+                .any(|w| w[0] == 0 && w[n.len() + 1] == 0 && &w[1..=n.len()] == n)
+        })
+        .collect()
+}
+
 /// `MOELINK_TRAP_ON_TIMEOUT=1`: a device wait that runs out traps its kernel
 /// (the context is lost, as with DeepEP's timeout) after recording what it
 /// waited for, for users who prefer a crash to an error on the next call.

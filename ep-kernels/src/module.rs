@@ -11,38 +11,24 @@ pub fn compiled_archs() -> Vec<&'static str> {
     env!("MOELINK_CUDA_ARCHS").split(',').collect()
 }
 
-macro_rules! kernels {
-    ($($variant:ident => $name:literal),* $(,)?) => {
-        /// Every kernel entry point of the fatbin (`extern "C"` names).
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        #[repr(usize)]
-        pub enum KernelId { $($variant),* }
-
-        impl KernelId {
-            pub const ALL: &'static [KernelId] = &[$(KernelId::$variant),*];
-            const NAMES: &'static [&'static str] = &[$($name),*];
-            pub fn name(self) -> &'static str {
-                Self::NAMES[self as usize]
-            }
-        }
-    };
-}
-
-kernels! {
-    DiagnosticsWritePeers => "diagnostics_write_peers",
-    ReduceRowsBf16 => "reduce_rows_bf16",
-    LayoutDispatch => "layout_dispatch",
-    DispatchNotify => "dispatch_notify",
-    DispatchBarrier => "dispatch_barrier",
-    DispatchSend => "dispatch_send",
-    DispatchWait => "dispatch_wait",
-    DispatchRecv => "dispatch_recv",
-    CombineBarrier => "combine_barrier",
-    CombineSend => "combine_send",
-    CombineWait => "combine_wait",
-    CombineRecv => "combine_recv",
-    LlDispatch => "ll_dispatch",
-    LlCombine => "ll_combine",
+comm::kernel_table! {
+    /// Every kernel entry point of the fatbin (`extern "C"` names).
+    pub enum KernelId {
+        DiagnosticsWritePeers => "diagnostics_write_peers",
+        ReduceRowsBf16 => "reduce_rows_bf16",
+        LayoutDispatch => "layout_dispatch",
+        DispatchNotify => "dispatch_notify",
+        DispatchBarrier => "dispatch_barrier",
+        DispatchSend => "dispatch_send",
+        DispatchWait => "dispatch_wait",
+        DispatchRecv => "dispatch_recv",
+        CombineBarrier => "combine_barrier",
+        CombineSend => "combine_send",
+        CombineWait => "combine_wait",
+        CombineRecv => "combine_recv",
+        LlDispatch => "ll_dispatch",
+        LlCombine => "ll_combine",
+    }
 }
 
 static MODULES: ModuleCache = ModuleCache::new("ep-kernels", FATBIN, KernelId::NAMES);
@@ -86,6 +72,16 @@ impl DeviceKernels {
 
 #[cfg(test)]
 mod trap_switch_tests {
+    /// Every name of the kernel table is a kernel of the fatbin.
+    #[test]
+    fn every_kernel_of_the_table_is_in_the_fatbin() {
+        let missing =
+            comm::module::names_missing_from_fatbin(super::FATBIN, super::KernelId::NAMES);
+        assert!(missing.is_empty(), "not in the fatbin: {missing:?}");
+        assert_eq!(super::KernelId::ALL.len(), super::KernelId::NAMES.len());
+        assert_eq!(super::KernelId::LlCombine.name(), "ll_combine");
+    }
+
     /// MOELINK_TRAP_ON_TIMEOUT finds its switch in this fatbin.
     #[test]
     fn the_fatbin_has_the_trap_switch_under_its_c_name() {
