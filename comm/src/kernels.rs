@@ -1,60 +1,22 @@
 //! comm's own kernels (`cuda/`): remote atomics for the transports and the
-//! layout probe of the device handles. One typed launcher each.
+//! layout probe of the device handles; the test kernels (`cuda_testing/`, a
+//! fatbin of their own) under [`testing`]. One typed launcher each.
 
 use crate::cuda::{Device, StreamHandle};
 use crate::error::Result;
 use crate::module::kernel_arg as arg;
-use crate::module::{LoadedModule, ModuleCache};
+use crate::module::ModuleCache;
 
 static FATBIN: &[u8] = include_bytes!(env!("COMM_FATBIN"));
 crate::kernel_table! {
-    /// Every kernel entry point of comm's fatbin (`extern "C"` names).
+    /// Every kernel entry point of comm's production fatbin (`extern "C"` names).
     pub enum KernelId {
         AtomicAdd64 => "comm_atomic_add64",
         AtomicAdd32 => "comm_atomic_add32",
         LayoutProbe => "comm_layout_probe",
-        TestMemchanPingpong => "comm_test_memchan_pingpong",
-        TestPortchanPingpong => "comm_test_portchan_pingpong",
-        TestMemchanCopy => "comm_test_memchan_copy",
-        TestMemchanWait => "comm_test_memchan_wait",
-        TestPackets => "comm_test_packets",
-        TestPortchanOp => "comm_test_portchan_op",
-        TestPortchanAtomics => "comm_test_portchan_atomics",
-        TestFifoRoundtrip => "comm_test_fifo_roundtrip",
-        TestFifoPushOnly => "comm_test_fifo_push_only",
     }
 }
 static MODULES: ModuleCache = ModuleCache::new("comm", FATBIN, KernelId::NAMES);
-
-fn module(device: Device) -> Result<&'static LoadedModule> {
-    MODULES.get(device)
-}
-
-/// Launches `id` on a 1-D grid of `blocks` x `threads` on `stream`.
-///
-/// # Safety
-/// As [`LoadedModule::launch`]: `params` match the kernel's signature and every
-/// pointer among them is valid for what it does.
-unsafe fn launch(
-    device: Device,
-    id: KernelId,
-    blocks: u32,
-    threads: u32,
-    stream: StreamHandle,
-    params: &mut [*mut std::ffi::c_void],
-) -> Result<()> {
-    // SAFETY: forwarded from the caller's contract.
-    unsafe {
-        module(device)?.launch(
-            id.index(),
-            (blocks, 1, 1),
-            (threads, 1, 1),
-            0,
-            stream,
-            params,
-        )
-    }
-}
 
 /// Atomically adds `value` to the u64 (`wide`) or u32 at `target` (device or
 /// peer-mapped address) on `stream`.
@@ -73,9 +35,9 @@ pub unsafe fn atomic_add(
         let mut v = value;
         // SAFETY: (u64*, i64) matches comm_atomic_add64; target validity is the caller's.
         unsafe {
-            launch(
+            MODULES.launch_1d(
                 device,
-                KernelId::AtomicAdd64,
+                KernelId::AtomicAdd64.index(),
                 1,
                 1,
                 stream,
@@ -86,9 +48,9 @@ pub unsafe fn atomic_add(
         let mut v = value as i32;
         // SAFETY: (u32*, i32) matches comm_atomic_add32; target validity is the caller's.
         unsafe {
-            launch(
+            MODULES.launch_1d(
                 device,
-                KernelId::AtomicAdd32,
+                KernelId::AtomicAdd32.index(),
                 1,
                 1,
                 stream,
@@ -107,9 +69,9 @@ pub fn layout_probe(device: Device) -> Result<Vec<u64>> {
     let mut p = buf.ptr();
     // SAFETY: (u64*) matches the kernel; the buffer holds n words.
     unsafe {
-        launch(
+        MODULES.launch_1d(
             device,
-            KernelId::LayoutProbe,
+            KernelId::LayoutProbe.index(),
             1,
             1,
             StreamHandle(0),
@@ -123,14 +85,36 @@ pub fn layout_probe(device: Device) -> Result<Vec<u64>> {
 }
 
 /// Launchers of the kernels behind comm's GPU tests and benchmarks
-/// (`cuda/test_kernels.cu`). Grid sizes are the caller's. `timeout_ns` bounds
-/// each device wait in nanoseconds of GPU time; these test launchers take it
-/// as given (no check; a very large value such as [`i64::MAX`] is no bound).
+/// (`cuda_testing/test_kernels.cu`, a fatbin of their own). Grid sizes are the
+/// caller's. `timeout_ns` bounds each device wait in nanoseconds of GPU time;
+/// these test launchers take it as given (no check; a very large value such as
+/// [`i64::MAX`] is no bound).
 pub mod testing {
-    use super::{arg, launch, KernelId};
+    use super::arg;
     use crate::cuda::{Device, StreamHandle};
     use crate::device_handles::{MemoryChannelDeviceHandle, PortChannelDeviceHandle};
     use crate::error::Result;
+    use crate::module::ModuleCache;
+
+    /// The test kernels' own fatbin (`cuda_testing/`): kept out of the module
+    /// that every process loads, and loaded on a device at the first launch here.
+    pub(super) static FATBIN: &[u8] = include_bytes!(env!("COMM_TEST_FATBIN"));
+
+    crate::kernel_table! {
+        /// Every kernel entry point of the test fatbin (`extern "C"` names).
+        pub enum TestKernelId {
+            MemchanPingpong => "comm_test_memchan_pingpong",
+            PortchanPingpong => "comm_test_portchan_pingpong",
+            MemchanCopy => "comm_test_memchan_copy",
+            MemchanWait => "comm_test_memchan_wait",
+            Packets => "comm_test_packets",
+            PortchanOp => "comm_test_portchan_op",
+            PortchanAtomics => "comm_test_portchan_atomics",
+            FifoRoundtrip => "comm_test_fifo_roundtrip",
+            FifoPushOnly => "comm_test_fifo_push_only",
+        }
+    }
+    static MODULES: ModuleCache = ModuleCache::new("comm-testing", FATBIN, TestKernelId::NAMES);
 
     /// Port channel operations of `comm_test_portchan_op`.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -167,7 +151,16 @@ pub mod testing {
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_memchan_pingpong.
-        unsafe { launch(device, KernelId::TestMemchanPingpong, 1, 32, stream, p) }
+        unsafe {
+            MODULES.launch_1d(
+                device,
+                TestKernelId::MemchanPingpong.index(),
+                1,
+                32,
+                stream,
+                p,
+            )
+        }
     }
 
     /// # Safety
@@ -190,7 +183,16 @@ pub mod testing {
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_portchan_pingpong.
-        unsafe { launch(device, KernelId::TestPortchanPingpong, 1, 32, stream, p) }
+        unsafe {
+            MODULES.launch_1d(
+                device,
+                TestKernelId::PortchanPingpong.index(),
+                1,
+                32,
+                stream,
+                p,
+            )
+        }
     }
 
     /// Grid-wide put (or get) of `bytes`, `iters` times, then optionally a
@@ -224,9 +226,9 @@ pub mod testing {
         ];
         // SAFETY: parameter list matches comm_test_memchan_copy.
         unsafe {
-            launch(
+            MODULES.launch_1d(
                 device,
-                KernelId::TestMemchanCopy,
+                TestKernelId::MemchanCopy.index(),
                 blocks,
                 threads,
                 stream,
@@ -245,7 +247,7 @@ pub mod testing {
     ) -> Result<()> {
         let p = &mut [arg(&mut h), arg(&mut timeout_ns)];
         // SAFETY: parameter list matches comm_test_memchan_wait.
-        unsafe { launch(device, KernelId::TestMemchanWait, 1, 32, stream, p) }
+        unsafe { MODULES.launch_1d(device, TestKernelId::MemchanWait.index(), 1, 32, stream, p) }
     }
 
     /// Writes (`read == false`) or reads LL packets.
@@ -277,7 +279,7 @@ pub mod testing {
             arg(&mut timeout_ns),
         ];
         // SAFETY: parameter list matches comm_test_packets.
-        unsafe { launch(device, KernelId::TestPackets, 4, 256, stream, p) }
+        unsafe { MODULES.launch_1d(device, TestKernelId::Packets.index(), 4, 256, stream, p) }
     }
 
     /// # Safety
@@ -305,7 +307,7 @@ pub mod testing {
             arg(&mut timeout_ns),
         ];
         // SAFETY: parameter list matches comm_test_portchan_op.
-        unsafe { launch(device, KernelId::TestPortchanOp, 1, 32, stream, p) }
+        unsafe { MODULES.launch_1d(device, TestKernelId::PortchanOp.index(), 1, 32, stream, p) }
     }
 
     /// # Safety
@@ -333,9 +335,9 @@ pub mod testing {
         ];
         // SAFETY: parameter list matches comm_test_portchan_atomics.
         unsafe {
-            launch(
+            MODULES.launch_1d(
                 device,
-                KernelId::TestPortchanAtomics,
+                TestKernelId::PortchanAtomics.index(),
                 blocks,
                 threads,
                 stream,
@@ -361,7 +363,16 @@ pub mod testing {
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_fifo_roundtrip.
-        unsafe { launch(device, KernelId::TestFifoRoundtrip, 1, 32, stream, p) }
+        unsafe {
+            MODULES.launch_1d(
+                device,
+                TestKernelId::FifoRoundtrip.index(),
+                1,
+                32,
+                stream,
+                p,
+            )
+        }
     }
 
     /// Pushes `iters` no-op triggers back to back, then waits for the last.
@@ -383,7 +394,7 @@ pub mod testing {
             arg(&mut out_ns),
         ];
         // SAFETY: parameter list matches comm_test_fifo_push_only.
-        unsafe { launch(device, KernelId::TestFifoPushOnly, 1, 32, stream, p) }
+        unsafe { MODULES.launch_1d(device, TestKernelId::FifoPushOnly.index(), 1, 32, stream, p) }
     }
 }
 
@@ -391,24 +402,39 @@ pub mod testing {
 mod tests {
     use super::*;
 
-    /// MOELINK_TRAP_ON_TIMEOUT finds its switch in comm's own fatbin.
+    use crate::module::{has_trap_switch, names_missing_from_fatbin};
+    use testing::TestKernelId;
+
+    /// MOELINK_TRAP_ON_TIMEOUT finds its switch in both of comm's fatbins.
     #[test]
-    fn the_fatbin_has_the_trap_switch_under_its_c_name() {
-        assert!(crate::module::has_trap_switch(FATBIN));
+    fn the_fatbins_have_the_trap_switch_under_its_c_name() {
+        assert!(has_trap_switch(FATBIN));
+        assert!(has_trap_switch(testing::FATBIN));
     }
 
-    /// Every name of the kernel table is a kernel of comm's fatbin, and the
-    /// launchers' ids are the names' positions.
+    /// Every name of each kernel table is a kernel of its fatbin, the
+    /// launchers' ids are the names' positions, and no test kernel is in the
+    /// production fatbin.
     #[test]
-    fn every_kernel_of_the_table_is_in_the_fatbin() {
-        let missing = crate::module::names_missing_from_fatbin(FATBIN, KernelId::NAMES);
+    fn every_kernel_is_in_its_fatbin_and_test_kernels_only_in_theirs() {
+        let missing = names_missing_from_fatbin(FATBIN, KernelId::NAMES);
         assert!(missing.is_empty(), "not in the fatbin: {missing:?}");
+        let missing = names_missing_from_fatbin(testing::FATBIN, TestKernelId::NAMES);
+        assert!(missing.is_empty(), "not in the test fatbin: {missing:?}");
+        assert_eq!(
+            names_missing_from_fatbin(FATBIN, TestKernelId::NAMES),
+            TestKernelId::NAMES,
+            "test kernels in the production fatbin"
+        );
         for (i, k) in KernelId::ALL.iter().enumerate() {
+            assert_eq!(k.index(), i);
+        }
+        for (i, k) in TestKernelId::ALL.iter().enumerate() {
             assert_eq!(k.index(), i);
         }
         assert_eq!(KernelId::AtomicAdd32.name(), "comm_atomic_add32");
         assert_eq!(
-            KernelId::TestFifoPushOnly.name(),
+            TestKernelId::FifoPushOnly.name(),
             "comm_test_fifo_push_only"
         );
     }

@@ -171,6 +171,25 @@ impl ModuleCache {
         }
     }
 
+    /// Launches function `index` on `device` (loading the module on first use)
+    /// on a 1-D grid of `blocks` x `threads`, no dynamic shared memory.
+    ///
+    /// # Safety
+    /// As [`LoadedModule::launch`].
+    pub unsafe fn launch_1d(
+        &'static self,
+        device: Device,
+        index: usize,
+        blocks: u32,
+        threads: u32,
+        stream: StreamHandle,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        let m = self.get(device)?;
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { m.launch(index, (blocks, 1, 1), (threads, 1, 1), 0, stream, params) }
+    }
+
     pub fn get(&'static self, device: Device) -> Result<&'static LoadedModule> {
         let slot = self
             .loaded
