@@ -29,8 +29,11 @@ use crate::vmm::VmmMemory;
 use crate::wire::{Reader, Writer};
 
 /// Bootstrap tags of the communicator's own exchanges (top bit clear, as the
-/// bootstrap requires; high enough to stay out of users' way).
-const TAG_BASE: u64 = 0x3C00_0000_0000_0000;
+/// bootstrap requires; high enough to stay out of users' way, and low enough
+/// for a [`ScopedBootstrap`](crate::bootstrap::ScopedBootstrap), whose tags
+/// end at 2^38 - 1: room for 2^37 exchanges).
+const TAG_BASE: u64 = 1 << 37;
+const _: () = assert!(TAG_BASE + (1 << 36) <= crate::bootstrap::ScopedBootstrap::MAX_TAG);
 
 #[derive(Clone, Debug)]
 pub struct CommunicatorOptions {

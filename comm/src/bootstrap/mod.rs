@@ -1,8 +1,10 @@
 //! Bootstrap: how ranks find each other and exchange small messages (memory
 //! handles, addresses, ids) before any GPU channel exists.
 
+mod scoped;
 mod tcp;
 
+pub use scoped::ScopedBootstrap;
 pub use tcp::{TcpBootstrap, UniqueId};
 
 use crate::error::Result;
