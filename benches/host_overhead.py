@@ -135,25 +135,22 @@ def main(argv=None) -> int:
     w = torch.rand(n, TOPK, generator=g).to(dev)
     layout = buf.get_dispatch_layout(idx, e)
     per_rank, _, per_expert, in_rank, _ = layout
-    recv_x, _, recv_w, _, handle, _ = buf.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=idx,
-        topk_weights=w,
-    )
+
+    def full_dispatch():
+        return buf.dispatch(
+            x,
+            num_tokens_per_rank=per_rank,
+            is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert,
+            topk_idx=idx,
+            topk_weights=w,
+        )
+
+    recv_x, _, recv_w, _, handle, _ = full_dispatch()
     sync()
     calls["get_dispatch_layout"] = lambda: buf.get_dispatch_layout(idx, e)
     calls["dispatch, cached"] = lambda: buf.dispatch(x, handle=handle)
-    calls["dispatch, full"] = lambda: buf.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=idx,
-        topk_weights=w,
-    )
+    calls["dispatch, full"] = full_dispatch
     calls["combine"] = lambda: buf.combine(recv_x, handle, topk_weights=recv_w)
 
     ar = moelink.AllReduce(group)
