@@ -313,6 +313,7 @@ def test_gpu_worker_declares_its_scenarios():
         "rsag_push",
         "cuda_graph",
         "back_to_back",
+        "reuse_race",
     ):
         assert want in names
     assert len(set(names)) == len(names)

@@ -9,10 +9,11 @@
 //               the result to every rank (region B).
 //   rsag        read-reduce-scatter + all-gather over mapped buffers: each rank
 //               reads its 1/R slice from every peer's buffer, reduces it and
-//               stores the result into every peer's buffer, between two
-//               per-block barriers. The buffers are the registered scratch
-//               (input copied in, results copied out: algorithm "rsag") or the
-//               users' registered tensors themselves ("rsag_zc", zero copy).
+//               stores the result into every peer's result region (or its
+//               registered output), between two per-block barriers. The buffers
+//               read are the scratch's data region (input copied in, results
+//               copied out: algorithm "rsag") or the users' registered tensors
+//               themselves ("rsag_zc", zero copy).
 //               With kFlagPush ("rsag_push") the reduce-scatter moves by stores
 //               instead: each rank stores slice p of its input into rank p's
 //               scratch (slot [rank]), and rank p reduces from local memory.
@@ -231,14 +232,18 @@ __device__ __forceinline__ void rsag(const CollArgs& a) {
   }
   block_barrier(a);
   if (a.flags & kFlagCopyOut) {
+    if (a.test_delay_us > 0) delay_block(a.test_delay_us);
     for (int k = 1; k < R; ++k) {
       const int s = rotate(rank, k, R);
       const uint64_t len = slice_len(n, S, s);
       if (lo < len) {
         const uint64_t off = uint64_t(s) * S + lo;
-        // rsag: the owners stored their results into our data region; rsag_push
-        // (unregistered output): each owner kept its result in its own.
-        const char* src = (a.flags & kFlagPush) ? a.peer_scratch[s] + a.data_offset : data;
+        // rsag / rsag_zc: the owners stored their results into our result
+        // region; rsag_push (unregistered output): each owner kept its result in
+        // its own. Never the data region: a peer's next call may store into it
+        // before its first barrier (push, copy-in) while we still copy out.
+        const char* src =
+            ((a.flags & kFlagPush) ? a.peer_scratch[s] : a.scratch) + a.result_offset;
         block_copy<true>(a.output + off, src + off, len - lo < C ? len - lo : C);
       }
     }

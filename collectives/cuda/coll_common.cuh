@@ -37,7 +37,7 @@ enum : int32_t {
   kFlagCopyIn = 2,   // rsag / ag_mesh: copy the input into this rank's scratch first
   kFlagCopyOut = 4,  // rsag: copy the other ranks' result slices from scratch to the output
   kFlagPush = 8,     // rsag_push: store the input slices into the owners' scratch (no copy-in);
-                     // with kFlagCopyOut the result slices are read from the owners' scratch
+                     // with kFlagCopyOut the result slices are read from the owners' result regions
 };
 // Reduction operators (template argument of the allreduce kernels).
 enum : int { kSum = 0, kMin = 1, kMax = 2 };
@@ -59,21 +59,24 @@ struct CollArgs {
   uint64_t ll_offset;                         // LL region: two halves of ll_half_bytes
   uint64_t ll_half_bytes;
   uint64_t data_offset;                       // data region (copy-in of rsag / ag_mesh)
+  uint64_t result_offset;                     // result region (rsag results, read by copy-out)
   int64_t timeout_ns;                         // bound of every wait, ns of GPU time (> 0)
   int32_t rank;
   int32_t num_ranks;
   int32_t flags;
-  int32_t pad_;
+  int32_t test_delay_us;                      // tests only: rsag blocks wait this long before
+                                              // copying out (0: never)
 };
-static_assert(sizeof(CollArgs) == 304, "mirrored in Rust");
+static_assert(sizeof(CollArgs) == 312, "mirrored in Rust");
 static_assert(offsetof(CollArgs, peer_scratch) == 24, "mirrored in Rust");
 static_assert(offsetof(CollArgs, peer_in) == 88, "mirrored in Rust");
 static_assert(offsetof(CollArgs, peer_out) == 152, "mirrored in Rust");
 static_assert(offsetof(CollArgs, channels) == 216, "mirrored in Rust");
 static_assert(offsetof(CollArgs, nbytes) == 248, "mirrored in Rust");
-static_assert(offsetof(CollArgs, timeout_ns) == 280, "mirrored in Rust");
-static_assert(offsetof(CollArgs, rank) == 288, "mirrored in Rust");
-static_assert(offsetof(CollArgs, flags) == 296, "mirrored in Rust");
+static_assert(offsetof(CollArgs, result_offset) == 280, "mirrored in Rust");
+static_assert(offsetof(CollArgs, timeout_ns) == 288, "mirrored in Rust");
+static_assert(offsetof(CollArgs, rank) == 296, "mirrored in Rust");
+static_assert(offsetof(CollArgs, flags) == 304, "mirrored in Rust");
 
 #if defined(__CUDACC__)
 
@@ -409,6 +412,17 @@ __device__ __forceinline__ uint64_t ll_read(const char* src, uint32_t flag, cons
 // writes (local and remote) are fenced, one thread per peer signals the peer's
 // semaphore of channel (b, peer) and waits for the peer's signal (bounded;
 // a timeout is reported by the semaphore and the kernel carries on to its end).
+// Tests only (CollArgs::test_delay_us): the block waits `us` microseconds of
+// GPU time, so that its peers run ahead into their next call.
+__device__ __forceinline__ void delay_block(int32_t us) {
+  if (threadIdx.x == 0) {
+    const uint64_t until = comm::now_ns() + uint64_t(us) * 1000;
+    while (comm::now_ns() < until) {
+    }
+  }
+  __syncthreads();
+}
+
 __device__ __forceinline__ void block_barrier(const CollArgs& a) {
   __threadfence_system();
   __syncthreads();

@@ -3,7 +3,7 @@
 //!
 //! Per rank it holds a comm [`Communicator`], one registered scratch buffer
 //! mapped by every peer ([`ScratchLayout`]: two halves of LL packet space,
-//! then a data region of `max_bytes`), a device table of memory channels
+//! then a data region and a result region of `max_bytes` each), a device table of memory channels
 //! (one per (block, peer), for the per-block barriers), a device word pair
 //! (LL call counter, last-block ticket), the zero-copy registrations and the
 //! tuned table. Calls launch one kernel on the caller's stream and return
@@ -73,6 +73,14 @@ pub struct ScratchLayout {
     /// `data_bytes` long (at least R x the 16-rounded slice of `max_bytes`).
     pub data_offset: u64,
     pub data_bytes: u64,
+    /// Result region, as long as the data region: the rsag family's results
+    /// where the output is not registered, which copy-out reads after the
+    /// call's last barrier. Apart from the data region, because a rank's next
+    /// call stores into data regions before its first barrier (rsag_push into
+    /// the peers', rsag / ag_mesh copy-in into its own), i.e. while a peer may
+    /// still copy out.
+    pub result_offset: u64,
+    pub result_bytes: u64,
     pub total: u64,
 }
 
@@ -89,12 +97,15 @@ impl ScratchLayout {
         let half = oneshot.max(twoshot).max(allgather).max(256).div_ceil(256) * 256;
         // rsag_push keeps R slots of the 16-rounded slice: up to 16 R bytes more.
         let data_bytes = (limits.max_bytes.max(256) + 16 * r).div_ceil(256) * 256;
+        let result_bytes = data_bytes;
         Self {
             ll_offset: 0,
             ll_half_bytes: half,
             data_offset: 2 * half,
             data_bytes,
-            total: 2 * half + data_bytes,
+            result_offset: 2 * half + data_bytes,
+            result_bytes,
+            total: 2 * half + data_bytes + result_bytes,
         }
     }
 }
@@ -145,7 +156,22 @@ pub struct AllReduceComm {
     registry: Registry,
     timeout: Duration,
     device_timeout_ns: i64,
+    test_hooks: TestHooks,
 }
+
+/// Test-only changes to the rsag family's kernels, to prove that a test of the
+/// buffer-reuse protocol can fail (see [`AllReduceComm::set_test_hooks`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TestHooks {
+    /// Every rsag block waits this long before its copy-out phase (0: never).
+    pub copy_out_delay_us: i32,
+    /// The rsag family keeps its results in the data region, as it did before
+    /// the result region existed (unsafe: for tests that show the race).
+    pub results_in_data_region: bool,
+}
+
+/// Largest `TestHooks::copy_out_delay_us`: one second.
+pub const MAX_TEST_DELAY_US: i32 = 1_000_000;
 
 impl std::fmt::Debug for AllReduceComm {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -286,6 +312,7 @@ impl AllReduceComm {
             registry: Registry::new(),
             timeout: config.timeout,
             device_timeout_ns: config.device_timeout_ns,
+            test_hooks: TestHooks::default(),
         })
     }
 
@@ -317,6 +344,24 @@ impl AllReduceComm {
 
     pub fn device_timeout_ns(&self) -> i64 {
         self.device_timeout_ns
+    }
+
+    /// Tests only: widens the window in which a peer runs ahead into its next
+    /// call, or (`results_in_data_region`) brings back the race that the
+    /// result region removes.
+    /// Every rank need not set the same hooks.
+    pub fn set_test_hooks(&mut self, hooks: TestHooks) -> Result<()> {
+        if !(0..=MAX_TEST_DELAY_US).contains(&hooks.copy_out_delay_us) {
+            return Err(CommError::invalid(
+                "copy_out_delay_us",
+                format!(
+                    "{}: must be in 0..={MAX_TEST_DELAY_US}",
+                    hooks.copy_out_delay_us
+                ),
+            ));
+        }
+        self.test_hooks = hooks;
+        Ok(())
     }
 
     /// Error of a device wait that ran out (rank, peer, what), if any. After
@@ -394,7 +439,9 @@ impl AllReduceComm {
             ll_offset: self.layout.ll_offset,
             ll_half_bytes: self.layout.ll_half_bytes,
             data_offset: self.layout.data_offset,
+            result_offset: self.result_offset(),
             timeout_ns: self.device_timeout_ns,
+            test_delay_us: self.test_hooks.copy_out_delay_us,
             rank: self.rank() as i32,
             num_ranks: self.num_ranks() as i32,
             ..CollArgs::default()
@@ -408,6 +455,19 @@ impl AllReduceComm {
     /// Rank p's data region, mapped here (ours: our own).
     fn peer_data(&self, p: usize) -> u64 {
         self.peer_scratch[p].ptr() + self.layout.data_offset
+    }
+
+    fn result_offset(&self) -> u64 {
+        if self.test_hooks.results_in_data_region {
+            self.layout.data_offset
+        } else {
+            self.layout.result_offset
+        }
+    }
+
+    /// Rank p's result region, mapped here (ours: our own).
+    fn peer_result(&self, p: usize) -> u64 {
+        self.peer_scratch[p].ptr() + self.result_offset()
     }
 
     fn aligned16(a: &CollArgs) -> bool {
@@ -471,7 +531,7 @@ impl AllReduceComm {
                     let (i, o) = if p == rank {
                         (c.input, c.output)
                     } else {
-                        (self.peer_data(p), self.peer_data(p))
+                        (self.peer_data(p), self.peer_result(p))
                     };
                     a.peer_in[p] = i;
                     a.peer_out[p] = o;
@@ -490,7 +550,7 @@ impl AllReduceComm {
                     a.peer_out[p] = match reg_out {
                         Some(ro) => ro.peer_ptr(p, c.output),
                         None if p == rank => c.output,
-                        None => self.peer_data(p),
+                        None => self.peer_result(p),
                     };
                 }
                 if reg_out.is_none() {
@@ -518,12 +578,12 @@ impl AllReduceComm {
                             a.peer_out[p] = ro.peer_ptr(p, c.output);
                         }
                     }
-                    // Our result goes to our output and to slot [rank] of our own
-                    // data region, from which the peers load it (COPY_OUT).
+                    // Our result goes to our output and to our result region,
+                    // from which the peers load it (COPY_OUT).
                     None => {
                         a.peer_out[rank] = c.output;
                         if r > 1 {
-                            a.peer_out[(rank + 1) % r] = own;
+                            a.peer_out[(rank + 1) % r] = self.peer_result(rank);
                         }
                         a.flags |= flags::COPY_OUT;
                     }
@@ -692,8 +752,11 @@ mod tests {
                 for n in [1, 15, max.saturating_sub(1).max(1), max] {
                     let slice = rsag_slice(n, r);
                     assert!(r * slice <= s.data_bytes, "r={r} max={max} n={n}");
+                    assert!(r * slice <= s.result_bytes, "r={r} max={max} n={n}");
                 }
-                assert_eq!(s.total, s.data_offset + s.data_bytes);
+                assert_eq!(s.result_offset, s.data_offset + s.data_bytes);
+                assert_eq!(s.result_offset % 256, 0);
+                assert_eq!(s.total, s.result_offset + s.result_bytes);
             }
         }
     }

@@ -26,7 +26,7 @@ pub mod flags {
     /// Copy the other ranks' result slices from the scratch to the output (rsag).
     pub const COPY_OUT: i32 = 4;
     /// rsag_push: store the input slices into the owners' scratch instead of
-    /// copying in; with COPY_OUT, read the results from the owners' scratch.
+    /// copying in; with COPY_OUT, read the results from the owners' result regions.
     pub const PUSH: i32 = 8;
 }
 
@@ -50,25 +50,31 @@ pub struct CollArgs {
     pub ll_offset: u64,
     pub ll_half_bytes: u64,
     pub data_offset: u64,
+    /// Result region: the rsag family's results where the output is not
+    /// registered (copy-out reads them after the second barrier).
+    pub result_offset: u64,
     /// Bound of every device wait, nanoseconds of GPU time (> 0).
     pub timeout_ns: i64,
     pub rank: i32,
     pub num_ranks: i32,
     pub flags: i32,
-    pub pad_: i32,
+    /// Tests only: every rsag block waits this many microseconds before its
+    /// copy-out phase (0: never), to widen the window in which peers run ahead.
+    pub test_delay_us: i32,
 }
 
 // Same numbers as the static_asserts in coll_common.cuh.
 const _: () = {
-    assert!(size_of::<CollArgs>() == 304);
+    assert!(size_of::<CollArgs>() == 312);
     assert!(offset_of!(CollArgs, peer_scratch) == 24);
     assert!(offset_of!(CollArgs, peer_in) == 88);
     assert!(offset_of!(CollArgs, peer_out) == 152);
     assert!(offset_of!(CollArgs, channels) == 216);
     assert!(offset_of!(CollArgs, nbytes) == 248);
-    assert!(offset_of!(CollArgs, timeout_ns) == 280);
-    assert!(offset_of!(CollArgs, rank) == 288);
-    assert!(offset_of!(CollArgs, flags) == 296);
+    assert!(offset_of!(CollArgs, result_offset) == 280);
+    assert!(offset_of!(CollArgs, timeout_ns) == 288);
+    assert!(offset_of!(CollArgs, rank) == 296);
+    assert!(offset_of!(CollArgs, flags) == 304);
 };
 
 /// What `coll_layout_probe` must write, in order.
@@ -89,10 +95,12 @@ pub fn layout_probe_expected() -> Vec<u64> {
         offset_of!(CollArgs, ll_offset),
         offset_of!(CollArgs, ll_half_bytes),
         offset_of!(CollArgs, data_offset),
+        offset_of!(CollArgs, result_offset),
         offset_of!(CollArgs, timeout_ns),
         offset_of!(CollArgs, rank),
         offset_of!(CollArgs, num_ranks),
         offset_of!(CollArgs, flags),
+        offset_of!(CollArgs, test_delay_us),
         size_of::<MemoryChannelDeviceHandle>(),
         MAX_RANKS,
         MAX_BLOCKS,
@@ -109,9 +117,9 @@ mod tests {
     #[test]
     fn probe_list_matches_the_header_constants() {
         let v = layout_probe_expected();
-        assert_eq!(v.len(), 22);
-        assert_eq!(v[0], 304);
-        assert_eq!(v[19], 80); // MemoryChannelDeviceHandle, as comm asserts
+        assert_eq!(v.len(), 24);
+        assert_eq!(v[0], 312);
+        assert_eq!(v[21], 80); // MemoryChannelDeviceHandle, as comm asserts
                                // The header's constants, read from its text.
         let h = include_str!("../cuda/coll_common.cuh");
         assert!(h.contains(&format!("constexpr int kMaxRanks = {MAX_RANKS};")));
@@ -119,5 +127,6 @@ mod tests {
         assert!(h.contains(&format!("kFlagAligned = {},", flags::ALIGNED)));
         assert!(h.contains(&format!("kFlagCopyIn = {},", flags::COPY_IN)));
         assert!(h.contains(&format!("kFlagCopyOut = {},", flags::COPY_OUT)));
+        assert!(h.contains(&format!("kFlagPush = {},", flags::PUSH)));
     }
 }

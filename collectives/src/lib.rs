@@ -24,7 +24,9 @@ pub mod registration;
 pub mod select;
 
 pub use algorithm::{Algorithm, Collective, Limits, Request};
-pub use allreduce::{AllGatherCall, AllReduceCall, AllReduceComm, AllReduceConfig, ScratchLayout};
+pub use allreduce::{
+    AllGatherCall, AllReduceCall, AllReduceComm, AllReduceConfig, ScratchLayout, TestHooks,
+};
 pub use dtype::{Accum, DType, ReduceOp};
 pub use module::{compiled_archs, CollKernels, Kernel, FATBIN};
 pub use select::{Choice, TableKey, TunedTable};

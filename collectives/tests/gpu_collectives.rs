@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use collectives::{
     args, Algorithm, AllGatherCall, AllReduceCall, AllReduceComm, AllReduceConfig, CollKernels,
-    DType, Kernel, ReduceOp,
+    DType, Kernel, ReduceOp, TestHooks,
 };
 use comm::{Device, DeviceMemory, StreamHandle, TcpBootstrap, UniqueId};
 use rand::{Rng, SeedableRng};
@@ -56,6 +56,27 @@ fn a_device_timeout_must_be_positive() {
     };
     let e = AllReduceComm::new(Arc::new(boot), dev, &cfg).unwrap_err();
     assert!(e.to_string().contains("timeout"), "{e}");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
+fn test_hooks_take_a_bounded_delay_only() {
+    let mut comm = single_rank_comm(device());
+    for bad in [-1, collectives::allreduce::MAX_TEST_DELAY_US + 1, i32::MAX] {
+        let e = comm
+            .set_test_hooks(TestHooks {
+                copy_out_delay_us: bad,
+                results_in_data_region: false,
+            })
+            .unwrap_err();
+        assert!(e.to_string().contains("copy_out_delay_us"), "{e}");
+    }
+    comm.set_test_hooks(TestHooks {
+        copy_out_delay_us: collectives::allreduce::MAX_TEST_DELAY_US,
+        results_in_data_region: true,
+    })
+    .unwrap();
+    comm.set_test_hooks(TestHooks::default()).unwrap();
 }
 
 #[test]

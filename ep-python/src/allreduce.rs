@@ -12,7 +12,7 @@ use collectives::args::{MAX_BLOCKS, MAX_BYTES, MAX_RANKS};
 use collectives::select::{parse_algorithm, resolve, Choice, TableKey, TunedTable};
 use collectives::{
     dtype, Accum, AllGatherCall, AllReduceCall, AllReduceComm as Inner, AllReduceConfig, DType,
-    ReduceOp,
+    ReduceOp, TestHooks,
 };
 use comm::{CommError, Device, StreamHandle, TcpBootstrap, UniqueId};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -303,6 +303,24 @@ impl AllReduceComm {
     /// ValueError otherwise).
     fn set_device_timeout_ns(&mut self, timeout_ns: i64) -> PyResult<()> {
         self.get()?.set_device_timeout_ns(timeout_ns).map_err(to_py)
+    }
+
+    /// Tests only: every rsag block of this rank waits `copy_out_delay_us`
+    /// before copying out; `results_in_data_region` brings back the race the
+    /// result region removes (unsafe; every rank must set the same). ValueError
+    /// for a delay outside 0..=1 s.
+    #[pyo3(signature = (copy_out_delay_us=0, results_in_data_region=false))]
+    fn _set_test_hooks(
+        &mut self,
+        copy_out_delay_us: i32,
+        results_in_data_region: bool,
+    ) -> PyResult<()> {
+        self.get()?
+            .set_test_hooks(TestHooks {
+                copy_out_delay_us,
+                results_in_data_region,
+            })
+            .map_err(to_py)
     }
 
     #[getter]

@@ -352,9 +352,10 @@ class AllReduce:
     rank, all on one host; at most 8 ranks).
 
     ``max_bytes``: the largest allreduce tensor / allgather output in bytes (each rank
-    allocates a scratch buffer of about ``max_bytes`` plus the LL packet space, which
-    every peer maps). ``oneshot_max_bytes`` / ``twoshot_max_bytes`` /
-    ``allgather_ll_max_bytes`` bound the LL algorithms (they size the LL space).
+    allocates a scratch buffer of about ``2 * max_bytes`` plus the LL packet space,
+    which every peer maps: a data region and a result region). ``oneshot_max_bytes``
+    / ``twoshot_max_bytes`` / ``allgather_ll_max_bytes`` bound the LL algorithms
+    (they size the LL space).
     ``tune_file``: tuned winners to load (default ``default_tune_file()``; ``False``:
     none); ``autotune=True`` runs ``tune()`` when there is no file and saves it.
     ``device_timeout_s``: bound of every device wait, in seconds of GPU time (default

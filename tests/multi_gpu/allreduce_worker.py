@@ -52,6 +52,7 @@ SCENARIO_NAMES = (
     "fp8_accuracy",
     "cuda_graph",
     "back_to_back",
+    "reuse_race",
     "invalid_args",
     "timeout",
     "tuner",
@@ -736,6 +737,98 @@ def scenario_cuda_graph(ctx: Ctx) -> None:
     chk.done()
 
 
+#: rsag blocks of rank 0 wait this long before copying out (reuse_race).
+REUSE_DELAY_US = 3000
+
+
+def scenario_reuse_race(ctx: Ctx) -> None:
+    """Scratch reuse across back-to-back calls while a rank lags: rank 0's rsag
+    blocks wait 3 ms before copying out, so its peers run into the next call
+    meanwhile and store into data regions before their first barrier (rsag_push
+    into the peers', rsag and ag_mesh copy-in into their own). Pairs, no sync
+    between: rsag_zc or rsag then rsag_push; rsag_push (unregistered output) then
+    ag_mesh and rsag. Both outputs of every pair are checked: the results, which
+    copy-out reads after the last barrier, live in the result region. Then the
+    control: with the results in the data region (every rank; the layout before
+    the result region), rsag_zc then rsag_push must come out wrong, else this
+    test could not see the race."""
+    chk = Checker()
+    comm = ctx.comm
+    native = comm._get()
+    R = ctx.world
+    if R < 2:
+        chk.done()
+        return
+    dt = torch.bfloat16
+    n1 = min(2 * MIB, ctx.max_bytes) // 2
+    n2 = min(3 * MIB + 2, ctx.max_bytes) // 2
+    reg = torch.empty(n1 * 2, dtype=torch.uint8, device=ctx.device)
+    comm.register(reg)
+    x_reg = reg.view(dt)
+    pairs = (
+        ("rsag_zc", "rsag_push"),
+        ("rsag", "rsag_push"),
+        ("rsag_push", "ag_mesh"),
+        ("rsag_push", "rsag"),
+    )
+
+    def run_pair(first: str, second: str, label: str, iters: int, record: Checker) -> None:
+        for it in range(iters):
+            ctx.case += 1
+            in1 = [make_input(ctx, ("reuse", label, 1, it), p, n1, dt) for p in range(R)]
+            x1 = x_reg if first == "rsag_zc" else torch.empty(n1, dtype=dt, device=ctx.device)
+            x1.copy_(in1[ctx.rank])
+            out1 = poison(torch.empty(n1, dtype=dt, device=ctx.device))
+            if second == "ag_mesh":
+                m = n2 // R
+                in2 = [make_input(ctx, ("reuse", label, 2, it), p, m, dt) for p in range(R)]
+                x2 = in2[ctx.rank].clone()
+                out2 = poison(torch.empty(m * R, dtype=dt, device=ctx.device))
+            else:
+                in2 = [make_input(ctx, ("reuse", label, 2, it), p, n2, dt) for p in range(R)]
+                x2 = in2[ctx.rank].clone()
+                out2 = poison(torch.empty(n2, dtype=dt, device=ctx.device))
+            torch.cuda.synchronize()
+            comm.all_reduce(x1, algorithm=first, out=out1)
+            if second == "ag_mesh":
+                comm.all_gather(out2, x2, algorithm="ag_mesh")
+            else:
+                comm.all_reduce(x2, algorithm=second, out=out2)
+            torch.cuda.synchronize()
+            comm.check()
+            check_allreduce(ctx, record, f"{label} {first} it {it}", out1, in1, "sum")
+            if second == "ag_mesh":
+                check_equal(ctx, record, f"{label} ag_mesh it {it}", out2, torch.cat(in2))
+            else:
+                check_allreduce(ctx, record, f"{label} {second} it {it}", out2, in2, "sum")
+
+    try:
+        native._set_test_hooks(copy_out_delay_us=REUSE_DELAY_US if ctx.rank == 0 else 0)
+        for first, second in pairs:
+            run_pair(first, second, f"{first}+{second}", 6, chk)
+        compare_digests(ctx, chk)
+        # The control: every rank keeps its results in the data region.
+        control = Checker()
+        native._set_test_hooks(
+            copy_out_delay_us=REUSE_DELAY_US if ctx.rank == 0 else 0,
+            results_in_data_region=True,
+        )
+        run_pair("rsag_zc", "rsag_push", "control", 6, control)
+        ctx.digests = []
+        caught = torch.tensor([len(control.errors)], dtype=torch.int64)
+        dist.all_reduce(caught, group=ctx.gloo)
+        chk.expect(
+            int(caught) > 0,
+            "control: results in the data region gave right results under a 3 ms lag, "
+            "so this scenario cannot see the race it guards against",
+        )
+    finally:
+        native._set_test_hooks()
+        torch.cuda.synchronize()
+        comm.deregister(reg)
+    chk.done()
+
+
 def b2b_block(ctx: Ctx, block: int, p: int, rows: int, n: int) -> torch.Tensor:
     """Rank p's inputs of block ``block``: [rows, n] int32, distinct per row."""
     i = torch.arange(rows, device=ctx.device, dtype=torch.int64).unsqueeze(1)
@@ -1102,6 +1195,7 @@ SCENARIOS = {
     "fp8_accuracy": scenario_fp8_accuracy,
     "cuda_graph": scenario_cuda_graph,
     "back_to_back": scenario_back_to_back,
+    "reuse_race": scenario_reuse_race,
     "invalid_args": scenario_invalid_args,
     "timeout": scenario_timeout,
     "tuner": scenario_tuner,
