@@ -11,13 +11,19 @@ the full ``dispatch`` (the CPU waits for the counts); ``combine``;
 ``AllReduce.all_reduce`` of 16 KiB. Shapes: low-latency T=128, H=7168, top-8 of
 ``--ll-experts``; normal ``--tokens`` x 7168, top-8 of ``--experts``. Writes
 ``host_overhead.json`` (medians, p10/p90, ratios, commit, machine) and a bar plot
-of the ratios into ``--out`` on rank 0, and prints the table.
+of the ratios into ``--out`` on rank 0, and prints the table. ``--profile N``:
+after timing, each call runs N more times under cProfile (same untimed partner
+calls and syncs, not profiled) and rank 0 writes the heaviest functions per call
+into ``profile.txt``.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -62,6 +68,25 @@ def time_call(fn, iters: int, warmup: int, sync, before=None, after=None) -> lis
     return samples
 
 
+def profile_call(fn, iters: int, sync, before=None, after=None, top: int = 25) -> str:
+    """The ``top`` functions by own time over ``iters`` profiled calls of ``fn``
+    (``before``/``after``/``sync`` run outside the profiler), as pstats text."""
+    prof = cProfile.Profile()
+    for _ in range(iters):
+        if before is not None:
+            before()
+            sync()
+        prof.enable()
+        fn()
+        prof.disable()
+        if after is not None:
+            after()
+        sync()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+    return text.getvalue()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=300)
@@ -70,6 +95,9 @@ def main(argv=None) -> int:
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--ll-experts", type=int, default=288)
     p.add_argument("--out", default=None, help="folder for host_overhead.json and the plot")
+    p.add_argument(
+        "--profile", type=int, default=0, help="profiled calls per entry after timing (0: none)"
+    )
     args = p.parse_args(argv)
 
     import moelink
@@ -168,6 +196,12 @@ def main(argv=None) -> int:
         if ref_us is None:
             ref_us = results[name]["median_us"]
             results[name]["ratio"] = 1.0
+    profiles: dict = {}
+    if args.profile > 0:
+        for name, call in calls.items():
+            fn, before, after = call if isinstance(call, tuple) else (call, None, None)
+            dist.barrier(group=group)
+            profiles[name] = profile_call(fn, args.profile, sync, before, after)
     sync()
     ll_buf.destroy()
     buf.destroy()
@@ -198,6 +232,10 @@ def main(argv=None) -> int:
                 "command": " ".join(sys.argv),
             }
             (out / "host_overhead.json").write_text(json.dumps(doc, indent=2))
+            if profiles:
+                (out / "profile.txt").write_text(
+                    "".join(f"==== {k} ({args.profile} calls)\n{v}\n" for k, v in profiles.items())
+                )
             plot(results, out / "host_overhead.png")
     dist.barrier(group=group)
     dist.destroy_process_group()

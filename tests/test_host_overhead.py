@@ -46,3 +46,20 @@ def test_summary_is_in_microseconds_with_the_reference_ratio():
     one = host_overhead.summarize([5000], None)
     assert one["median_us"] == one["p10_us"] == one["p90_us"] == 5.0
     assert "ratio" not in one
+
+
+def test_profile_sees_only_the_call():
+    """--profile: the partner calls and syncs run outside the profiler."""
+
+    def profiled_work():
+        return sum(range(100))
+
+    def partner_work():
+        return sorted(range(100))
+
+    text = host_overhead.profile_call(
+        profiled_work, 4, sync=lambda: None, before=partner_work, after=partner_work
+    )
+    (line,) = [ln for ln in text.splitlines() if "profiled_work" in ln]
+    assert line.split()[0] == "4"  # ncalls: every profiled call, no more
+    assert "partner_work" not in text
