@@ -26,6 +26,7 @@ pub mod device_share;
 pub mod error;
 pub mod fd_passing;
 pub mod fifo;
+pub mod group;
 pub mod host_memory;
 pub mod kernels;
 pub mod memory;
@@ -42,6 +43,7 @@ pub use communicator::{Communicator, CommunicatorOptions};
 pub use cuda::{device_count, init_driver, Device, OwnedStream, StreamHandle};
 pub use device_share::DeviceShare;
 pub use error::{CommError, Result};
+pub use group::Group;
 pub use memory::{DeviceMemory, IpcHandle, PeerMemory};
 
 /// Directory of the device-side headers (`#include <comm/...>`).

@@ -4,9 +4,6 @@
 //! dtypes, ops and algorithms as names. The static methods (`plan`,
 //! `variant`, `algorithm_names`) need no GPU: the CPU tests call them.
 
-use std::sync::Arc;
-use std::time::Duration;
-
 use collectives::algorithm::{Algorithm, Collective, Limits, Request};
 use collectives::args::{MAX_BLOCKS, MAX_BYTES, MAX_RANKS};
 use collectives::select::{parse_algorithm, resolve, Choice, TableKey, TunedTable};
@@ -14,10 +11,11 @@ use collectives::{
     dtype, Accum, AllGatherCall, AllReduceCall, AllReduceComm as Inner, AllReduceConfig, DType,
     ReduceOp, TestHooks,
 };
-use comm::{CommError, Device, StreamHandle, TcpBootstrap, UniqueId};
+use comm::{CommError, StreamHandle};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
+use crate::group::{timeout_arg, Group};
 use crate::to_py;
 
 /// (collective, graph, registered, log2 bytes, algorithm, blocks, threads).
@@ -80,15 +78,13 @@ impl AllReduceComm {
 
 #[pymethods]
 impl AllReduceComm {
-    /// *Collective.* Connects `size` ranks through the bootstrap id and builds
-    /// the scratch buffer and channels on CUDA device `device`.
+    /// *Collective.* The group's next object: builds the scratch buffer and
+    /// channels on CUDA device `device`.
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        unique_id: Vec<u8>,
-        rank: usize,
-        size: usize,
+        group: PyRef<'_, Group>,
         device: i32,
         max_bytes: usize,
         oneshot_max_bytes: usize,
@@ -97,12 +93,7 @@ impl AllReduceComm {
         timeout_s: f64,
         device_timeout_ns: i64,
     ) -> PyResult<Self> {
-        if !(timeout_s.is_finite() && timeout_s > 0.0) {
-            return Err(PyValueError::new_err(format!(
-                "timeout_s must be positive, got {timeout_s}"
-            )));
-        }
-        let timeout = Duration::from_secs_f64(timeout_s);
+        let timeout = timeout_arg("timeout_s", timeout_s)?;
         let config = AllReduceConfig {
             max_bytes,
             oneshot_max_bytes,
@@ -111,12 +102,11 @@ impl AllReduceComm {
             timeout,
             device_timeout_ns,
         };
+        let group: &Group = &group;
         let inner = py
             .detach(|| {
-                let id = UniqueId::from_bytes(&unique_id)?;
-                let dev = Device::bind(device)?;
-                let boot = TcpBootstrap::new(&id, rank, size, timeout)?;
-                Inner::new(Arc::new(boot), dev, &config)
+                let (dev, boot) = group.bind_and_scope(device, "allreduce")?;
+                Inner::new(boot, dev, &config)
             })
             .map_err(to_py)?;
         Ok(Self { inner: Some(inner) })

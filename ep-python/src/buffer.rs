@@ -2,41 +2,15 @@
 //! Pointers arrive as ints (`tensor.data_ptr()`, 0 = absent) after the Python
 //! layer checked every tensor; streams as raw `cudaStream_t` ints.
 
-use std::sync::Arc;
-use std::time::Duration;
-
-use comm::{Device, StreamHandle, TcpBootstrap, UniqueId};
+use comm::StreamHandle;
 use ep_core::intranode::{
     CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, IntranodeBuffer as Inner,
 };
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::PyBytes;
 
+use crate::group::{timeout_arg, Group};
 use crate::to_py;
-
-/// A fresh bootstrap id (rank 0 creates it, every rank passes it to the
-/// buffer). Its root listens on 127.0.0.1: ranks of one host only.
-#[pyfunction]
-pub fn bootstrap_unique_id(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
-    let id = UniqueId::new(None).map_err(to_py)?;
-    Ok(PyBytes::new(py, &id.to_bytes()))
-}
-
-/// Binds CUDA device `device` to this thread and connects `size` ranks through
-/// the bootstrap id: the start of every native buffer's constructor.
-pub(crate) fn bind_and_bootstrap(
-    unique_id: &[u8],
-    rank: usize,
-    size: usize,
-    device: i32,
-    timeout: Duration,
-) -> comm::Result<(Device, Arc<TcpBootstrap>)> {
-    let id = UniqueId::from_bytes(unique_id)?;
-    let dev = Device::bind(device)?;
-    let boot = TcpBootstrap::new(&id, rank, size, timeout)?;
-    Ok((dev, Arc::new(boot)))
-}
 
 #[pyclass(module = "moelink._native")]
 pub struct IntranodeBuffer {
@@ -69,22 +43,21 @@ fn shape(
 
 #[pymethods]
 impl IntranodeBuffer {
-    /// *Collective.* Connects `size` ranks through the bootstrap id and builds
-    /// the NVL buffer and channels on CUDA device `device`.
+    /// *Collective.* The group's next object: builds the NVL buffer and
+    /// channels on CUDA device `device`.
     #[new]
     fn new(
         py: Python<'_>,
-        unique_id: Vec<u8>,
-        rank: usize,
-        size: usize,
+        group: PyRef<'_, Group>,
         device: i32,
         num_nvl_bytes: usize,
         timeout_s: f64,
     ) -> PyResult<Self> {
-        let timeout = Duration::from_secs_f64(timeout_s);
+        let timeout = timeout_arg("timeout_s", timeout_s)?;
+        let group: &Group = &group;
         let inner = py
             .detach(|| {
-                let (dev, boot) = bind_and_bootstrap(&unique_id, rank, size, device, timeout)?;
+                let (dev, boot) = group.bind_and_scope(device, "intranode buffer")?;
                 Inner::new(boot, dev, num_nvl_bytes, timeout)
             })
             .map_err(to_py)?;

@@ -6,6 +6,7 @@ mod allreduce;
 mod buffer;
 mod diagnostics;
 mod error;
+mod group;
 mod ll;
 mod reference;
 mod reference_ll;
@@ -103,7 +104,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<diagnostics::PeerWriteCheck>()?;
     m.add_class::<allreduce::AllReduceComm>()?;
     reference::register(m)?;
-    m.add_function(wrap_pyfunction!(buffer::bootstrap_unique_id, m)?)?;
+    m.add_function(wrap_pyfunction!(group::bootstrap_unique_id, m)?)?;
+    m.add_class::<group::Group>()?;
     m.add_class::<buffer::IntranodeBuffer>()?;
     m.add_class::<ll::LowLatencyBuffer>()?;
     m.add_function(wrap_pyfunction!(ll::low_latency_size_hint, m)?)?;

@@ -2,8 +2,6 @@
 //! mode. Pointers arrive as ints (`tensor.data_ptr()`, 0 = absent) after the
 //! Python layer checked every tensor; streams as raw `cudaStream_t` ints.
 
-use std::time::Duration;
-
 use comm::StreamHandle;
 use ep_core::low_latency::Phases;
 use ep_core::low_latency::{
@@ -12,7 +10,7 @@ use ep_core::low_latency::{
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::buffer::bind_and_bootstrap;
+use crate::group::{timeout_arg, Group};
 use crate::to_py;
 
 #[pyclass(module = "moelink._native")]
@@ -53,15 +51,13 @@ pub fn low_latency_size_hint(
 
 #[pymethods]
 impl LowLatencyBuffer {
-    /// *Collective.* Connects `size` ranks through the bootstrap id and builds
-    /// the buffer (and the proxy's port channels when NVLink is not used).
+    /// *Collective.* The group's next object: builds the buffer (and the
+    /// proxy's port channels when NVLink is not used).
     #[new]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
-        unique_id: Vec<u8>,
-        rank: usize,
-        size: usize,
+        group: PyRef<'_, Group>,
         device: i32,
         num_bytes: usize,
         timeout_s: f64,
@@ -69,16 +65,17 @@ impl LowLatencyBuffer {
         allow_nvlink: bool,
         shrink: bool,
     ) -> PyResult<Self> {
-        let timeout = Duration::from_secs_f64(timeout_s);
+        let timeout = timeout_arg("timeout_s", timeout_s)?;
         let opts = LowLatencyOptions {
             allow_nvlink,
             shrink,
             timeout,
-            device_timeout: Duration::from_secs_f64(device_timeout_s),
+            device_timeout: timeout_arg("device_timeout_s", device_timeout_s)?,
         };
+        let group: &Group = &group;
         let inner = py
             .detach(|| {
-                let (dev, boot) = bind_and_bootstrap(&unique_id, rank, size, device, timeout)?;
+                let (dev, boot) = group.bind_and_scope(device, "low-latency buffer")?;
                 Inner::new(boot, dev, num_bytes, opts)
             })
             .map_err(to_py)?;

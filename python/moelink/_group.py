@@ -1,6 +1,8 @@
-"""Checks of the torch process group a Buffer or AllReduce is made on, before
-its first collective, so that a group moelink cannot use fails with a clear
-``ValueError`` instead of an error deep inside NCCL or a hang."""
+"""The torch process group a Buffer or AllReduce is made on: checked before its
+first collective, so that a group moelink cannot use fails with a clear
+``ValueError`` instead of an error deep inside NCCL or a hang; and its native
+``Group`` (one bootstrap, one unique-id broadcast), made once and shared by every
+Buffer half and AllReduce made on the group."""
 
 from __future__ import annotations
 
@@ -9,6 +11,12 @@ import socket
 
 import torch
 import torch.distributed as dist
+
+from . import _native
+
+#: torch process group -> its native Group (the group object is kept alive
+#: with it, so that its id is never reused by another group).
+_GROUPS: dict = {}
 
 
 def ranks_share_gpus() -> bool:
@@ -40,3 +48,23 @@ def check_group(group, what: str) -> None:
         raise ValueError(
             f"group: all ranks of a {what} group must be on one host, got {sorted(set(hosts))}"
         )
+
+
+def native_group(group, what: str):
+    """*Collective.* The native ``Group`` of torch process group ``group``: made
+    at the first Buffer or AllReduce on it (after ``check_group``; one bootstrap
+    id, broadcast from the group's first rank), then shared. Every rank must make
+    its objects on a group in the same order; the native side checks that and
+    names the ranks that differ. Bootstrap waits are bounded by
+    ``MOELINK_TIMEOUT_S`` (default 60 s)."""
+    found = _GROUPS.get(group)
+    if found is not None:
+        return found[1]
+    check_group(group, what)
+    rank = dist.get_rank(group)
+    uid = [_native.bootstrap_unique_id() if rank == 0 else None]
+    dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
+    timeout = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
+    native = _native.Group(uid[0], rank, dist.get_world_size(group), timeout)
+    _GROUPS[group] = (group, native)
+    return native

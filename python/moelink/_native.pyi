@@ -66,6 +66,19 @@ def reference_combine(
     hidden: int,
 ) -> list[tuple[bytes, bytes | None]]: ...
 def bootstrap_unique_id() -> bytes: ...
+
+class Group:
+    """The shared bootstrap of one torch process group: every native object
+    below is made on one, collectively and in the same order on every rank."""
+
+    def __init__(self, unique_id: bytes, rank: int, size: int, timeout_s: float) -> None: ...
+    @property
+    def rank(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    @property
+    def objects(self) -> int: ...
+
 def low_latency_size_hint(
     max_tokens: int, hidden: int, num_ranks: int, num_experts: int
 ) -> int: ...
@@ -82,8 +95,8 @@ class LowLatencyBuffer:
     addresses, streams raw cudaStream_t handles; phases 1 send, 2 receive, 3 both)."""
 
     def __init__(
-        self, unique_id: bytes, rank: int, size: int, device: int, num_bytes: int,
-        timeout_s: float, device_timeout_s: float, allow_nvlink: bool, shrink: bool,
+        self, group: Group, device: int, num_bytes: int, timeout_s: float,
+        device_timeout_s: float, allow_nvlink: bool, shrink: bool,
     ) -> None: ...  # fmt: skip
     @property
     def uses_proxy(self) -> bool: ...
@@ -153,9 +166,7 @@ class IntranodeBuffer:
 
     def __init__(
         self,
-        unique_id: bytes,
-        rank: int,
-        size: int,
+        group: Group,
         device: int,
         num_nvl_bytes: int,
         timeout_s: float,
@@ -255,9 +266,7 @@ class AllReduceComm:
 
     def __init__(
         self,
-        unique_id: bytes,
-        rank: int,
-        size: int,
+        group: Group,
         device: int,
         max_bytes: int,
         oneshot_max_bytes: int,

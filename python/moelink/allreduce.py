@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from . import _native
 from ._device_timeout import device_timeout_ns, env_device_timeout_ns
-from ._group import check_group
+from ._group import native_group
 from .checks import LIMITS, check_bool, check_int
 
 __all__ = [
@@ -360,8 +360,9 @@ class AllReduce:
     none); ``autotune=True`` runs ``tune()`` when there is no file and saves it.
     ``device_timeout_s``: bound of every device wait, in seconds of GPU time (default
     30; env ``MOELINK_AR_TIMEOUT_S``; positive, else ``ValueError``); ``timeout_s``:
-    bound of host waits (bootstrap, registration; env ``MOELINK_TIMEOUT_S``, default
-    60).
+    bound of host waits (registration, peer exchanges; env ``MOELINK_TIMEOUT_S``,
+    default 60). The bootstrap is the group's, shared with every Buffer on it and
+    bounded by ``MOELINK_TIMEOUT_S`` when the group's first object was made.
     """
 
     def __init__(
@@ -411,13 +412,8 @@ class AllReduce:
         #: (algorithm, blocks, threads) of the last call.
         self.last_choice = None
 
-        check_group(self.group, "AllReduce")
-        uid = [_native.bootstrap_unique_id() if self.rank == 0 else None]
-        dist.broadcast_object_list(uid, src=dist.get_global_rank(self.group, 0), group=self.group)
         self._native = _native.AllReduceComm(
-            uid[0],
-            self.rank,
-            self.world_size,
+            native_group(self.group, "AllReduce"),
             self.device.index,
             max_bytes,
             oneshot_max_bytes,

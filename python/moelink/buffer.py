@@ -18,7 +18,7 @@ import torch.distributed as dist
 from . import _native
 from ._buffer_common import EventOverlap, _check_ids, _CudaMemory
 from ._device_timeout import env_device_timeout_ns
-from ._group import check_group
+from ._group import native_group as _native_group
 from .checks import (
     LIMITS,
     check_bias,
@@ -44,18 +44,6 @@ def _check_aligned(name: str, t) -> None:
         raise ValueError(
             f"{name} must start on a {_ALIGN}-byte boundary (it is a view at an odd offset)"
         )
-
-
-def _two_unique_ids() -> tuple:
-    """Two bootstrap ids whose root ports differ: each id's listener is released
-    when it is serialised, so the OS could hand the same port out twice, and both
-    native buffers of one Buffer listen at the same time."""
-    a = _native.bootstrap_unique_id()
-    for _ in range(16):
-        b = _native.bootstrap_unique_id()
-        if b[:-8] != a[:-8]:  # everything but the 8-byte nonce: magic, version, address
-            return a, b
-    raise RuntimeError("could not get two bootstrap ids on distinct ports")
 
 
 class Buffer(LowLatencyMixin):
@@ -128,17 +116,14 @@ class Buffer(LowLatencyMixin):
         self.allow_nvlink_for_low_latency_mode = bool(allow_nvlink_for_low_latency_mode)
         self.device = torch.device("cuda", torch.cuda.current_device())
 
-        # Every rank must be on this host (intranode only; the bootstrap root
-        # listens on 127.0.0.1), and NCCL cannot serve ranks that share a GPU.
-        check_group(group, "Buffer")
-        # One bootstrap id per native buffer (intranode, low-latency).
-        uid = [_two_unique_ids() if self.rank == 0 else None]
-        dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
+        # The group's shared bootstrap (made and checked at its first object:
+        # every rank on this host, no NCCL group whose ranks share a GPU).
+        native_group = _native_group(group, "Buffer")
         self._comm_stream = torch.cuda.Stream(device=self.device)
         timeout = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
         if num_nvl_bytes > 0:
             self._native = _native.IntranodeBuffer(
-                uid[0][0], self.rank, self.group_size, self.device.index, num_nvl_bytes, timeout
+                native_group, self.device.index, num_nvl_bytes, timeout
             )
             self._native.set_device_timeout_ns(device_timeout_ns)
         if low_latency_mode:
@@ -152,9 +137,8 @@ class Buffer(LowLatencyMixin):
             )
             device_timeout = ll_timeout_ns / 1e9
             self._ll = _native.LowLatencyBuffer(
-                uid[0][1], self.rank, self.group_size, self.device.index, num_rdma_bytes,
-                timeout, device_timeout, self.allow_nvlink_for_low_latency_mode,
-                self.enable_shrink,
+                native_group, self.device.index, num_rdma_bytes, timeout, device_timeout,
+                self.allow_nvlink_for_low_latency_mode, self.enable_shrink,
             )  # fmt: skip
 
     # ----- static helpers -------------------------------------------------------

@@ -3,6 +3,8 @@
 
 mod scoped;
 mod tcp;
+#[cfg(test)]
+pub(crate) mod testing;
 
 pub use scoped::ScopedBootstrap;
 pub use tcp::{TcpBootstrap, UniqueId};

@@ -177,34 +177,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::bootstrap::{TcpBootstrap, UniqueId};
-
-    /// `size` ranks as threads, each with a real TCP bootstrap; `f(rank, boot)`.
-    fn on_ranks<T: Send + 'static>(
-        size: usize,
-        timeout: Duration,
-        f: impl Fn(usize, Arc<dyn Bootstrap>) -> T + Send + Sync + 'static,
-    ) -> Vec<T> {
-        let id = UniqueId::new(None).unwrap();
-        let bytes = id.to_bytes();
-        let f = Arc::new(f);
-        let mut root = Some(id);
-        let threads: Vec<_> = (0..size)
-            .map(|r| {
-                let id = match r {
-                    0 => root.take().unwrap(),
-                    _ => UniqueId::from_bytes(&bytes).unwrap(),
-                };
-                let f = f.clone();
-                std::thread::spawn(move || {
-                    let boot: Arc<dyn Bootstrap> =
-                        Arc::new(TcpBootstrap::new(&id, r, size, timeout).unwrap());
-                    f(r, boot)
-                })
-            })
-            .collect();
-        threads.into_iter().map(|t| t.join().unwrap()).collect()
-    }
+    use crate::bootstrap::testing::on_ranks;
 
     #[test]
     fn scopes_on_one_bootstrap_never_take_each_others_messages() {

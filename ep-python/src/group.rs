@@ -1,0 +1,93 @@
+//! `Group`: the shared core of one torch process group (comm::Group): one
+//! bootstrap under every Buffer half and AllReduce made on the group.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use comm::{Bootstrap, Device, TcpBootstrap, UniqueId};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::to_py;
+
+/// A fresh bootstrap id (rank 0 creates it, every rank passes it to
+/// `Group`). Its root listens on 127.0.0.1: ranks of one host only.
+#[pyfunction]
+pub fn bootstrap_unique_id(py: Python<'_>) -> PyResult<Bound<'_, PyBytes>> {
+    let id = UniqueId::new(None).map_err(to_py)?;
+    Ok(PyBytes::new(py, &id.to_bytes()))
+}
+
+#[pyclass(module = "moelink._native", frozen)]
+pub struct Group {
+    inner: Arc<comm::Group>,
+}
+
+impl Group {
+    /// Binds CUDA device `device` to this thread and takes the group's next
+    /// object scope (collective): the start of every native object's
+    /// constructor. `kind` names the object in a disagreement error.
+    pub(crate) fn bind_and_scope(
+        &self,
+        device: i32,
+        kind: &str,
+    ) -> comm::Result<(Device, Arc<dyn Bootstrap>)> {
+        let dev = Device::bind(device)?;
+        let scoped = self.inner.scope(kind)?;
+        Ok((dev, Arc::new(scoped)))
+    }
+}
+
+/// `timeout_s` as a Duration, ValueError unless finite and positive.
+pub(crate) fn timeout_arg(name: &str, timeout_s: f64) -> PyResult<Duration> {
+    if !(timeout_s.is_finite() && timeout_s > 0.0) {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be positive, got {timeout_s}"
+        )));
+    }
+    Ok(Duration::from_secs_f64(timeout_s))
+}
+
+#[pymethods]
+impl Group {
+    /// *Collective.* Connects `size` ranks through the bootstrap id (rank 0
+    /// made it with `bootstrap_unique_id`); every bootstrap wait of the group's
+    /// objects is bounded by `timeout_s`.
+    #[new]
+    fn new(
+        py: Python<'_>,
+        unique_id: Vec<u8>,
+        rank: usize,
+        size: usize,
+        timeout_s: f64,
+    ) -> PyResult<Self> {
+        let timeout = timeout_arg("timeout_s", timeout_s)?;
+        let inner = py
+            .detach(|| {
+                let id = UniqueId::from_bytes(&unique_id)?;
+                let boot = TcpBootstrap::new(&id, rank, size, timeout)?;
+                comm::Group::new(Arc::new(boot))
+            })
+            .map_err(to_py)?;
+        Ok(Self {
+            inner: Arc::new(inner),
+        })
+    }
+
+    #[getter]
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+
+    #[getter]
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    /// Objects (Buffer halves, AllReduce) made on this group so far.
+    #[getter]
+    fn objects(&self) -> u64 {
+        self.inner.objects()
+    }
+}
