@@ -22,6 +22,7 @@ use crate::memory::DeviceMemory;
 use crate::proxy::ProxyService;
 use crate::registered_memory::{host_id, IpcExport, Location, MemoryInfo, RegisteredMemory};
 use crate::semaphore::{Semaphore, SignalPage, SLOT_BYTES};
+use crate::topology::{ranks_per_node_from_env, Topology};
 use crate::transport::cuda_ipc::CudaIpcConnection;
 use crate::transport::ethernet::{EthernetConnection, EthernetReceiver};
 use crate::transport::{Connection, Transport};
@@ -109,6 +110,8 @@ pub struct Communicator {
     share: DeviceShare,
     /// Ranks of the group on this rank's device, this one included.
     device_peers: Vec<usize>,
+    /// Where every rank is and how this one reaches it.
+    topology: Topology,
 }
 
 impl std::fmt::Debug for Communicator {
@@ -156,6 +159,7 @@ impl Communicator {
             ipc_stream: Mutex::new(None),
             share: DeviceShare::whole(0),
             device_peers: vec![rank],
+            topology: Topology::single(rank, size),
         };
         let page_info = match device {
             Some(d) => {
@@ -236,6 +240,19 @@ impl Communicator {
                 )?);
             }
         }
+        let ranks_per_node = ranks_per_node_from_env()?;
+        comm.topology = Topology::new(
+            rank,
+            &placement,
+            |peer| match device {
+                // A failed query counts as no P2P: the peer then goes through
+                // the proxy, which is slower but works.
+                Some(d) => d.can_access_peer_uuid(&placement[peer].1).unwrap_or(false),
+                None => false,
+            },
+            ranks_per_node,
+            false,
+        )?;
         if let Some(d) = device {
             comm.device_peers = ranks_on_same_device(&placement, rank);
             comm.share = DeviceShare::of_group(&placement, &sm_counts, rank);
@@ -256,6 +273,12 @@ impl Communicator {
 
     pub fn rank(&self) -> usize {
         self.bootstrap.rank()
+    }
+
+    /// Every rank's node, local rank, device sharing, P2P reach and the way
+    /// this rank reaches it (`MOELINK_RANKS_PER_NODE`: emulated nodes).
+    pub fn topology(&self) -> &Topology {
+        &self.topology
     }
 
     pub fn size(&self) -> usize {

@@ -122,6 +122,29 @@ impl Device {
         Ok(u.bytes.map(|b| b as u8))
     }
 
+    /// Whether this device can access the memory of the device with UUID
+    /// `uuid` (P2P over NVLink or PCIe); false where no visible device has it.
+    pub fn can_access_peer_uuid(&self, uuid: &[u8; 16]) -> Result<bool> {
+        let me = result::device::get(self.ordinal).call("cuDeviceGet")?;
+        for i in 0..result::device::get_count().call("cuDeviceGetCount")? {
+            let d = result::device::get(i).call("cuDeviceGet")?;
+            let u = result::device::get_uuid(d).call("cuDeviceGetUuid")?;
+            if u.bytes.map(|b| b as u8) != *uuid {
+                continue;
+            }
+            if d == me {
+                return Ok(true);
+            }
+            let mut can = 0i32;
+            // SAFETY: both handles come from cuDeviceGet; `can` is an out-parameter.
+            unsafe { sys::cuDeviceCanAccessPeer(&mut can, me, d) }
+                .result()
+                .call("cuDeviceCanAccessPeer")?;
+            return Ok(can != 0);
+        }
+        Ok(false)
+    }
+
     /// SMs this process's context of the device may use where the driver
     /// limits them (an MPS client with `CUDA_MPS_ACTIVE_THREAD_PERCENTAGE`);
     /// `None` where the driver does not say.

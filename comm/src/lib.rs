@@ -34,6 +34,7 @@ pub mod module;
 pub mod proxy;
 pub mod registered_memory;
 pub mod semaphore;
+pub mod topology;
 pub mod transport;
 pub mod vmm;
 pub mod wire;
@@ -45,6 +46,7 @@ pub use device_share::DeviceShare;
 pub use error::{CommError, Result};
 pub use group::Group;
 pub use memory::{DeviceMemory, IpcHandle, PeerMemory};
+pub use topology::Topology;
 
 /// Directory of the device-side headers (`#include <comm/...>`).
 pub const INCLUDE_DIR: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/include");

@@ -34,6 +34,8 @@ struct Ctx {
     rank: usize,
     size: usize,
     device: Device,
+    /// The suite's group: `comm` is its first object.
+    group: comm::Group,
     comm: Communicator,
     stream: OwnedStream,
     /// Registered buffer every scenario uses (64 MiB).
@@ -586,6 +588,57 @@ fn timeout_is_reported(c: &Ctx) -> R {
 
 /// No CUDA context on any device but ours: nothing (proxy thread included)
 /// allocated or ran on another GPU.
+/// The communicator's topology on one host: one node, ranks round-robin on the
+/// GPUs (sharing where they outnumber them), every peer mapped where the GPUs
+/// reach each other. Then a second communicator of the group with
+/// MOELINK_RANKS_PER_NODE = size / 2: two emulated nodes, the other node's
+/// ranks through the proxy over CUDA IPC.
+fn topology(c: &Ctx) -> R {
+    use comm::topology::Reach;
+    let ndev = comm::device_count();
+    let t = c.comm.topology();
+    let want = |ok: bool, what: String| if ok { Ok(()) } else { Err(fail(what)) };
+    want(
+        t.num_nodes() == 1
+            && t.local_rank() == c.rank
+            && t.all_mapped() == t.peers().iter().all(|p| p.p2p),
+        format!("rank {}: one host, got {t:?}", c.rank),
+    )?;
+    for (r, p) in t.peers().iter().enumerate() {
+        let shares = r % ndev == c.rank % ndev;
+        want(
+            p.same_host && p.shares_device == shares && (!shares || p.p2p),
+            format!("rank {}: peer {r}: {p:?} (shares GPU: {shares})", c.rank),
+        )?;
+    }
+    let scoped = c.group.scope("emulated nodes")?;
+    // The topology is read when the communicator is made.
+    std::env::set_var("MOELINK_RANKS_PER_NODE", (c.size / 2).to_string());
+    let two = Communicator::new(Arc::new(scoped), Some(c.device), Default::default());
+    std::env::remove_var("MOELINK_RANKS_PER_NODE");
+    let two = two?;
+    let t2 = two.topology();
+    let half = c.size / 2;
+    want(
+        t2.num_nodes() == 2 && t2.node() == c.rank / half && t2.local_rank() == c.rank % half,
+        format!("rank {}: two emulated nodes, got {t2:?}", c.rank),
+    )?;
+    for (r, p) in t2.peers().iter().enumerate() {
+        let ok = match p.reach {
+            Reach::Local => r == c.rank,
+            Reach::Memory => r / half == c.rank / half && p.p2p,
+            Reach::Port(Transport::CudaIpc) => r / half != c.rank / half || !p.p2p,
+            Reach::Port(_) => false,
+        };
+        want(
+            ok,
+            format!("rank {}: peer {r} in emulated nodes: {p:?}", c.rank),
+        )?;
+    }
+    drop(two);
+    c.comm.barrier()
+}
+
 fn nothing_on_other_devices(c: &Ctx) -> R {
     for d in 0..comm::device_count() as i32 {
         if d == c.device.ordinal {
@@ -685,13 +738,16 @@ fn multi_rank_suite() {
         ethernet: Some("127.0.0.1:0".parse().unwrap()),
         ..Default::default()
     };
-    let comm = Communicator::new(boot, Some(device), opts).expect("communicator");
+    let group = comm::Group::new(boot).expect("group");
+    let scoped = Arc::new(group.scope("test communicator").expect("scope"));
+    let comm = Communicator::new(scoped, Some(device), opts).expect("communicator");
     let buf = comm.alloc_memory(64 << 20).expect("alloc");
     let stream = OwnedStream::new(device).expect("stream");
     let c = Ctx {
         rank,
         size,
         device,
+        group,
         comm,
         stream,
         buf,
@@ -716,6 +772,7 @@ fn multi_rank_suite() {
             port_atomics(c, &c.comm, &c.buf, Transport::Ethernet)
         }),
         ("timeout_is_reported", timeout_is_reported),
+        ("topology", topology),
         ("nothing_on_other_devices", nothing_on_other_devices),
         ("create_destroy_500x1GiB", create_destroy_500),
         // Last: opening legacy IPC handles may make the driver create contexts
