@@ -178,16 +178,8 @@ pub fn local_sm_counts(device: crate::cuda::Device) -> Result<(u32, Option<u32>)
 /// grids that leave SMs to other work, or smaller than a device partition the
 /// driver does not report. Taken as part of the context's SM limit.
 pub fn sms_per_rank_from_env() -> Result<Option<u32>> {
-    match std::env::var("MOELINK_SMS_PER_RANK") {
-        Err(_) => Ok(None),
-        Ok(v) => match v.trim().parse::<u32>() {
-            Ok(n) if n >= 1 => Ok(Some(n)),
-            _ => Err(CommError::invalid(
-                "MOELINK_SMS_PER_RANK",
-                format!("{v:?}: expected a whole number of SMs, at least 1"),
-            )),
-        },
-    }
+    Ok(crate::error::env_count("MOELINK_SMS_PER_RANK", "SMs")?
+        .map(|n| n.min(u32::MAX as u64) as u32))
 }
 
 /// Ranks whose (host id, device UUID) equals `all[me]`'s, in rank order.

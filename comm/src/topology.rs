@@ -215,16 +215,7 @@ impl Topology {
 /// `MOELINK_RANKS_PER_NODE`: split each host's ranks into emulated nodes of this
 /// many consecutive ranks (>= 1); unset: nodes are hosts.
 pub fn ranks_per_node_from_env() -> Result<Option<usize>> {
-    match std::env::var("MOELINK_RANKS_PER_NODE") {
-        Err(_) => Ok(None),
-        Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if n >= 1 => Ok(Some(n)),
-            _ => Err(CommError::invalid(
-                "MOELINK_RANKS_PER_NODE",
-                format!("{v:?}: expected a whole number of ranks, at least 1"),
-            )),
-        },
-    }
+    Ok(crate::error::env_count("MOELINK_RANKS_PER_NODE", "ranks")?.map(|n| n as usize))
 }
 
 #[cfg(test)]
