@@ -570,18 +570,20 @@ impl IntranodeBuffer {
             ep_kernels::launch::layout_dispatch(
                 &self.kernels,
                 stream,
-                topk_idx,
-                num_tokens as i32,
-                num_topk as i32,
-                num_experts as i32,
-                self.num_ranks() as i32,
-                num_tokens_per_rank,
-                num_tokens_per_expert,
-                is_token_in_rank,
-                partials,
-                self.scratch.ptr(),
-                self.comm.device_error().device_ptr(),
-                self.rank() as i32,
+                ep_kernels::launch::LayoutParams {
+                    topk_idx,
+                    num_tokens_per_rank,
+                    num_tokens_per_expert,
+                    is_token_in_rank,
+                    partials,
+                    ticket: self.scratch.ptr(),
+                    error: self.comm.device_error().device_ptr(),
+                    num_tokens: num_tokens as i32,
+                    num_topk: num_topk as i32,
+                    num_experts: num_experts as i32,
+                    num_ranks: self.num_ranks() as i32,
+                    rank: self.rank() as i32,
+                },
             )
         }
     }

@@ -55,18 +55,20 @@ fn run_layout(
         launch::layout_dispatch(
             kernels,
             StreamHandle(0),
-            d_ids.ptr(),
-            n as i32,
-            k as i32,
-            e as i32,
-            r as i32,
-            per_rank.ptr(),
-            per_expert.ptr(),
-            in_rank.ptr(),
-            partials.ptr(),
-            ticket.ptr(),
-            err.device_ptr(),
-            7,
+            launch::LayoutParams {
+                topk_idx: d_ids.ptr(),
+                num_tokens_per_rank: per_rank.ptr(),
+                num_tokens_per_expert: per_expert.ptr(),
+                is_token_in_rank: in_rank.ptr(),
+                partials: partials.ptr(),
+                ticket: ticket.ptr(),
+                error: err.device_ptr(),
+                num_tokens: n as i32,
+                num_topk: k as i32,
+                num_experts: e as i32,
+                num_ranks: r as i32,
+                rank: 7,
+            },
         )
     }
     .unwrap();

@@ -8,8 +8,20 @@
 // peers[p] is rank p's buffer as mapped here (peers[rank] is our own buffer).
 // Each buffer holds nranks slots of `words` 64-bit words; rank r writes slot r.
 // Grid: blockIdx.y selects the peer, blockIdx.x/threadIdx.x stride over words.
-extern "C" __global__ void diagnostics_write_peers(const uint64_t* const* peers, int nranks,
-                                                   int rank, uint64_t words, uint64_t seed) {
+// The kernel's argument block, mirrored in Rust (ep_kernels::launch::DiagnosticsParams).
+struct DiagnosticsParams {
+  const uint64_t* const* peers;
+  uint64_t words;
+  uint64_t seed;
+  int nranks;
+  int rank;
+};
+static_assert(sizeof(DiagnosticsParams) == 32, "mirrored in Rust");
+
+extern "C" __global__ void diagnostics_write_peers(const __grid_constant__ DiagnosticsParams a) {
+  const uint64_t* const* peers = a.peers;
+  const int nranks = a.nranks, rank = a.rank;
+  const uint64_t words = a.words, seed = a.seed;
   const int dst = blockIdx.y;
   if (dst >= nranks) return;
   uint64_t* slot = const_cast<uint64_t*>(peers[dst]) + uint64_t(rank) * words;

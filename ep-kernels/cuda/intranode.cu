@@ -20,6 +20,7 @@
 // order on every rank, on the one device-to-device semaphore per pair.
 #include <cuda_bf16.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include <comm/copy_device.cuh>
@@ -62,6 +63,90 @@ struct RecordLayout {
   int32_t num_topk;      // K (0: no top-k in the record)
 };
 static_assert(sizeof(RecordLayout) == 32, "mirrored in Rust");
+
+// One argument block per data kernel (passed as `__grid_constant__`), mirrored
+// in Rust (ep_kernels::intranode::*Params); sizes and offsets asserted on both
+// sides with the same numbers.
+struct NotifyParams {
+  Ctx c;
+  const bool* is_token_in_rank;          // [N, R]
+  const int* num_tokens_per_expert;      // [E]
+  int* rank_prefix_matrix;               // [R, R] out
+  int* send_head;                        // [N, R] out
+  int* host_counts;                      // host-mapped counts out
+  unsigned long long* host_epoch;        // host-mapped, written last
+  unsigned long long epoch_value;
+  const int64_t* topk_idx;               // [N, K] or null
+  comm::DeviceError* error;              // an expert id out of range
+  int num_tokens;
+  int experts_per_rank;
+  int expert_alignment;
+  int num_topk;
+};
+static_assert(sizeof(NotifyParams) == 168, "mirrored in Rust");
+static_assert(offsetof(NotifyParams, epoch_value) == 128, "mirrored in Rust");
+static_assert(offsetof(NotifyParams, num_tokens) == 152, "mirrored in Rust");
+
+struct DispatchSendParams {
+  Ctx c;
+  RecordLayout rec;
+  const char* x;                 // [N, hidden_bytes]
+  const float* scales;           // [N, num_scales] with element strides, or null
+  int64_t scale_stride0;
+  int64_t scale_stride1;
+  const int64_t* topk_idx;       // [N, K] or null
+  const float* topk_weights;     // [N, K] or null
+  const int* send_head;          // [N, R]
+  int num_tokens;
+  int experts_per_rank;
+};
+static_assert(sizeof(DispatchSendParams) == 176, "mirrored in Rust");
+static_assert(offsetof(DispatchSendParams, x) == 112, "mirrored in Rust");
+static_assert(offsetof(DispatchSendParams, num_tokens) == 168, "mirrored in Rust");
+
+struct DispatchRecvParams {
+  Ctx c;
+  RecordLayout rec;
+  const int* rank_prefix_matrix;  // [R, R]
+  int64_t num_rows;
+  char* recv_x;
+  float* recv_scales;             // or null
+  int64_t scale_stride0;
+  int64_t scale_stride1;
+  int64_t* recv_topk_idx;         // or null
+  float* recv_topk_weights;       // or null
+  int* recv_src_idx;              // or null
+};
+static_assert(sizeof(DispatchRecvParams) == 184, "mirrored in Rust");
+static_assert(offsetof(DispatchRecvParams, num_rows) == 120, "mirrored in Rust");
+static_assert(offsetof(DispatchRecvParams, recv_src_idx) == 176, "mirrored in Rust");
+
+struct CombineSendParams {
+  Ctx c;
+  const char* y;                   // [rows, hidden] bf16
+  int64_t row_bytes;
+  const float* topk_weights;       // [rows, K] or null
+  int64_t record_bytes;
+  const int* rank_prefix_matrix;   // [R, R]
+  int num_topk;
+};
+static_assert(sizeof(CombineSendParams) == 128, "mirrored in Rust");
+static_assert(offsetof(CombineSendParams, num_topk) == 120, "mirrored in Rust");
+
+struct CombineRecvParams {
+  Ctx c;
+  const int* send_head;            // [N, R]
+  int64_t record_bytes;
+  const __nv_bfloat16* bias0;      // [N, hidden] or null
+  const __nv_bfloat16* bias1;      // [N, hidden] or null
+  __nv_bfloat16* out;              // [N, hidden]
+  float* out_weights;              // [N, K] or null
+  int num_tokens;
+  int hidden;
+  int num_topk;
+};
+static_assert(sizeof(CombineRecvParams) == 144, "mirrored in Rust");
+static_assert(offsetof(CombineRecvParams, num_tokens) == 128, "mirrored in Rust");
 
 __device__ __forceinline__ char* peer_base(const Ctx& c, int p) {
   return p == c.rank ? c.local : c.channels[p].dst;
@@ -172,13 +257,19 @@ using moelink::intranode::RecordLayout;
 // per-expert counts (rounded up to `expert_alignment`) to device and
 // host-mapped memory, the host epoch last.
 extern "C" __global__ void __launch_bounds__(moelink::intranode::kNotifyThreads)
-    dispatch_notify(Ctx c, const bool* __restrict__ is_token_in_rank,
-                    const int* __restrict__ num_tokens_per_expert, int num_tokens,
-                    int experts_per_rank, int expert_alignment, int* __restrict__ rank_prefix_matrix,
-                    int* __restrict__ send_head, int* __restrict__ host_counts,
-                    unsigned long long* __restrict__ host_epoch, unsigned long long epoch_value,
-                    const int64_t* __restrict__ topk_idx, int num_topk,
-                    comm::DeviceError* error) {
+    dispatch_notify(const __grid_constant__ moelink::intranode::NotifyParams a) {
+  const Ctx& c = a.c;
+  const bool* __restrict__ is_token_in_rank = a.is_token_in_rank;
+  const int* __restrict__ num_tokens_per_expert = a.num_tokens_per_expert;
+  const int num_tokens = a.num_tokens, experts_per_rank = a.experts_per_rank;
+  const int expert_alignment = a.expert_alignment, num_topk = a.num_topk;
+  int* __restrict__ rank_prefix_matrix = a.rank_prefix_matrix;
+  int* __restrict__ send_head = a.send_head;
+  int* __restrict__ host_counts = a.host_counts;
+  unsigned long long* __restrict__ host_epoch = a.host_epoch;
+  const unsigned long long epoch_value = a.epoch_value;
+  const int64_t* __restrict__ topk_idx = a.topk_idx;
+  comm::DeviceError* error = a.error;
   using namespace moelink::intranode;
   __shared__ int warp_sums[32];
   __shared__ int sent[kMaxRanks];
@@ -269,10 +360,16 @@ extern "C" __global__ void combine_wait(Ctx c) { wait_all(c); }
 // send_head[t][d] of block [rank] of d's dispatch region. The last block
 // signals every peer.
 extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    dispatch_send(Ctx c, RecordLayout rec, const char* __restrict__ x,
-                  const float* __restrict__ scales, int64_t scale_stride0, int64_t scale_stride1,
-                  const int64_t* __restrict__ topk_idx, const float* __restrict__ topk_weights,
-                  const int* __restrict__ send_head, int num_tokens, int experts_per_rank) {
+    dispatch_send(const __grid_constant__ moelink::intranode::DispatchSendParams a) {
+  const Ctx& c = a.c;
+  const RecordLayout& rec = a.rec;
+  const char* __restrict__ x = a.x;
+  const float* __restrict__ scales = a.scales;
+  const int64_t scale_stride0 = a.scale_stride0, scale_stride1 = a.scale_stride1;
+  const int64_t* __restrict__ topk_idx = a.topk_idx;
+  const float* __restrict__ topk_weights = a.topk_weights;
+  const int* __restrict__ send_head = a.send_head;
+  const int num_tokens = a.num_tokens, experts_per_rank = a.experts_per_rank;
   using namespace moelink::intranode;
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -324,10 +421,17 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
 // row is poisoned, not copied: bytes 0xff (NaN in bf16 and e4m3), NaN scales
 // and weights, top-k id -1 and source index -1.
 extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    dispatch_recv(Ctx c, RecordLayout rec, const int* __restrict__ rank_prefix_matrix,
-                  int64_t num_rows, char* __restrict__ recv_x, float* __restrict__ recv_scales,
-                  int64_t scale_stride0, int64_t scale_stride1, int64_t* __restrict__ recv_topk_idx,
-                  float* __restrict__ recv_topk_weights, int* __restrict__ recv_src_idx) {
+    dispatch_recv(const __grid_constant__ moelink::intranode::DispatchRecvParams a) {
+  const Ctx& c = a.c;
+  const RecordLayout& rec = a.rec;
+  const int* __restrict__ rank_prefix_matrix = a.rank_prefix_matrix;
+  const int64_t num_rows = a.num_rows;
+  char* __restrict__ recv_x = a.recv_x;
+  float* __restrict__ recv_scales = a.recv_scales;
+  const int64_t scale_stride0 = a.scale_stride0, scale_stride1 = a.scale_stride1;
+  int64_t* __restrict__ recv_topk_idx = a.recv_topk_idx;
+  float* __restrict__ recv_topk_weights = a.recv_topk_weights;
+  int* __restrict__ recv_src_idx = a.recv_src_idx;
   using namespace moelink::intranode;
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -378,9 +482,13 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
 // combine region. Slots beyond the region (the source rank refused the call)
 // are skipped. The last block signals every peer.
 extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    combine_send(Ctx c, const char* __restrict__ y, int64_t row_bytes,
-                 const float* __restrict__ topk_weights, int num_topk, int64_t record_bytes,
-                 const int* __restrict__ rank_prefix_matrix) {
+    combine_send(const __grid_constant__ moelink::intranode::CombineSendParams a) {
+  const Ctx& c = a.c;
+  const char* __restrict__ y = a.y;
+  const int64_t row_bytes = a.row_bytes, record_bytes = a.record_bytes;
+  const float* __restrict__ topk_weights = a.topk_weights;
+  const int num_topk = a.num_topk;
+  const int* __restrict__ rank_prefix_matrix = a.rank_prefix_matrix;
   using namespace moelink::intranode;
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -412,10 +520,15 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
 // A token that one of the ranks whose wait timed out received is NaN (row and
 // weights), not a partial sum.
 extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    combine_recv(Ctx c, const int* __restrict__ send_head, int num_tokens, int hidden,
-                 int64_t record_bytes, const __nv_bfloat16* __restrict__ bias0,
-                 const __nv_bfloat16* __restrict__ bias1, __nv_bfloat16* __restrict__ out,
-                 float* __restrict__ out_weights, int num_topk) {
+    combine_recv(const __grid_constant__ moelink::intranode::CombineRecvParams a) {
+  const Ctx& c = a.c;
+  const int* __restrict__ send_head = a.send_head;
+  const int num_tokens = a.num_tokens, hidden = a.hidden, num_topk = a.num_topk;
+  const int64_t record_bytes = a.record_bytes;
+  const __nv_bfloat16* __restrict__ bias0 = a.bias0;
+  const __nv_bfloat16* __restrict__ bias1 = a.bias1;
+  __nv_bfloat16* __restrict__ out = a.out;
+  float* __restrict__ out_weights = a.out_weights;
   using namespace moelink::intranode;
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;

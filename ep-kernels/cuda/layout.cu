@@ -12,6 +12,7 @@
 // An id outside [-1, E) counts nowhere and is recorded in `error` (the
 // communicator's host-mapped record: token, column, value), which the host
 // raises as a ValueError at the call's next synchronous point.
+#include <cstddef>
 #include <cstdint>
 
 #include <comm/common_device.cuh>
@@ -27,14 +28,38 @@ __device__ __forceinline__ bool seen_before(const int64_t* ids, int k, int64_t e
   return false;
 }
 
+// The kernel's argument block, mirrored in Rust (ep_kernels::launch::LayoutParams).
+struct Params {
+  const int64_t* topk_idx;      // [N, K]
+  int* num_tokens_per_rank;     // [R] out
+  int* num_tokens_per_expert;   // [E] out
+  bool* is_token_in_rank;       // [N, R] out
+  int* partials;                // scratch: [blocks][E + R]
+  unsigned* ticket;             // 0 before and after
+  comm::DeviceError* error;     // an id out of range (or null)
+  int num_tokens;
+  int num_topk;
+  int num_experts;
+  int num_ranks;
+  int rank;
+};
+static_assert(sizeof(Params) == 80, "mirrored in Rust");
+static_assert(offsetof(Params, num_tokens) == 56, "mirrored in Rust");
+static_assert(offsetof(Params, rank) == 72, "mirrored in Rust");
+
 }  // namespace moelink::layout
 
 extern "C" __global__ void __launch_bounds__(moelink::layout::kThreads)
-    layout_dispatch(const int64_t* __restrict__ topk_idx, int num_tokens, int num_topk,
-                    int num_experts, int num_ranks, int* __restrict__ num_tokens_per_rank,
-                    int* __restrict__ num_tokens_per_expert, bool* __restrict__ is_token_in_rank,
-                    int* __restrict__ partials, unsigned* __restrict__ ticket,
-                    comm::DeviceError* error, int rank) {
+    layout_dispatch(const __grid_constant__ moelink::layout::Params a) {
+  const int64_t* __restrict__ topk_idx = a.topk_idx;
+  const int num_tokens = a.num_tokens, num_topk = a.num_topk;
+  const int num_experts = a.num_experts, num_ranks = a.num_ranks, rank = a.rank;
+  int* __restrict__ num_tokens_per_rank = a.num_tokens_per_rank;
+  int* __restrict__ num_tokens_per_expert = a.num_tokens_per_expert;
+  bool* __restrict__ is_token_in_rank = a.is_token_in_rank;
+  int* __restrict__ partials = a.partials;
+  unsigned* __restrict__ ticket = a.ticket;
+  comm::DeviceError* error = a.error;
   using namespace moelink::layout;
   extern __shared__ int counts[];  // [E] per expert, then [R] per rank
   __shared__ bool last;

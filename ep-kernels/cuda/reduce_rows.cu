@@ -7,9 +7,19 @@
 // out[c] = bf16( sum_r float(in[r * cols + c]) ). Each thread owns 8 columns
 // (one 16-byte vector) when cols is a multiple of 8 and both pointers are 16-byte
 // aligned, else single columns.
-extern "C" __global__ void reduce_rows_bf16(const __nv_bfloat16* __restrict__ in,
-                                            __nv_bfloat16* __restrict__ out, int64_t rows,
-                                            int64_t cols) {
+// The kernel's argument block, mirrored in Rust (ep_kernels::launch::ReduceRowsParams).
+struct ReduceRowsParams {
+  const __nv_bfloat16* in;
+  __nv_bfloat16* out;
+  int64_t rows;
+  int64_t cols;
+};
+static_assert(sizeof(ReduceRowsParams) == 32, "mirrored in Rust");
+
+extern "C" __global__ void reduce_rows_bf16(const __grid_constant__ ReduceRowsParams a) {
+  const __nv_bfloat16* __restrict__ in = a.in;
+  __nv_bfloat16* __restrict__ out = a.out;
+  const int64_t rows = a.rows, cols = a.cols;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t nthreads = int64_t(gridDim.x) * blockDim.x;
   const bool vec = cols % 8 == 0 && ((reinterpret_cast<uintptr_t>(in) | reinterpret_cast<uintptr_t>(out)) % 16) == 0;

@@ -14,7 +14,6 @@ use crate::module::{DeviceKernels, KernelId};
 /// Largest rank count the kernels handle (one warp lane per rank).
 pub use crate::limits::MAX_RANKS;
 use crate::limits::{MAX_TOPK, ROW_BYTES_ALIGNMENT};
-use comm::module::kernel_arg as arg;
 /// Bytes of one half of the control region (two halves alternate per notify).
 pub const CTRL_HALF_BYTES: u64 = 32 * 1024;
 /// Bytes of the control region at the start of every NVL buffer.
@@ -62,6 +61,162 @@ const _: () = {
     assert!(size_of::<IntranodeCtx>() == 80);
     assert!(offset_of!(IntranodeCtx, rank) == 72);
     assert!(size_of::<RecordLayout>() == 32);
+};
+
+/// `moelink::intranode::NotifyParams`: `dispatch_notify`'s argument block.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct NotifyParams {
+    c: IntranodeCtx,
+    is_token_in_rank: u64,
+    num_tokens_per_expert: u64,
+    rank_prefix_matrix: u64,
+    send_head: u64,
+    host_counts: u64,
+    host_epoch: u64,
+    epoch_value: u64,
+    topk_idx: u64,
+    error: u64,
+    num_tokens: i32,
+    experts_per_rank: i32,
+    expert_alignment: i32,
+    num_topk: i32,
+}
+
+/// `moelink::intranode::DispatchSendParams`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct DispatchSendParams {
+    c: IntranodeCtx,
+    rec: RecordLayout,
+    x: u64,
+    scales: u64,
+    scale_stride0: i64,
+    scale_stride1: i64,
+    topk_idx: u64,
+    topk_weights: u64,
+    send_head: u64,
+    num_tokens: i32,
+    experts_per_rank: i32,
+}
+
+/// `moelink::intranode::DispatchRecvParams`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct DispatchRecvParams {
+    c: IntranodeCtx,
+    rec: RecordLayout,
+    rank_prefix_matrix: u64,
+    num_rows: i64,
+    recv_x: u64,
+    recv_scales: u64,
+    scale_stride0: i64,
+    scale_stride1: i64,
+    recv_topk_idx: u64,
+    recv_topk_weights: u64,
+    recv_src_idx: u64,
+}
+
+/// `moelink::intranode::CombineSendParams`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct CombineSendParams {
+    c: IntranodeCtx,
+    y: u64,
+    row_bytes: i64,
+    topk_weights: u64,
+    record_bytes: i64,
+    rank_prefix_matrix: u64,
+    num_topk: i32,
+}
+
+/// `moelink::intranode::CombineRecvParams`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct CombineRecvParams {
+    c: IntranodeCtx,
+    send_head: u64,
+    record_bytes: i64,
+    bias0: u64,
+    bias1: u64,
+    out: u64,
+    out_weights: u64,
+    num_tokens: i32,
+    hidden: i32,
+    num_topk: i32,
+}
+
+// The same numbers as the static_asserts in intranode.cu (a CPU test reads them there).
+const PARAM_LAYOUT: [(&str, usize, usize); 14] = [
+    ("sizeof(NotifyParams)", size_of::<NotifyParams>(), 168),
+    (
+        "offsetof(NotifyParams, epoch_value)",
+        offset_of!(NotifyParams, epoch_value),
+        128,
+    ),
+    (
+        "offsetof(NotifyParams, num_tokens)",
+        offset_of!(NotifyParams, num_tokens),
+        152,
+    ),
+    (
+        "sizeof(DispatchSendParams)",
+        size_of::<DispatchSendParams>(),
+        176,
+    ),
+    (
+        "offsetof(DispatchSendParams, x)",
+        offset_of!(DispatchSendParams, x),
+        112,
+    ),
+    (
+        "offsetof(DispatchSendParams, num_tokens)",
+        offset_of!(DispatchSendParams, num_tokens),
+        168,
+    ),
+    (
+        "sizeof(DispatchRecvParams)",
+        size_of::<DispatchRecvParams>(),
+        184,
+    ),
+    (
+        "offsetof(DispatchRecvParams, num_rows)",
+        offset_of!(DispatchRecvParams, num_rows),
+        120,
+    ),
+    (
+        "offsetof(DispatchRecvParams, recv_src_idx)",
+        offset_of!(DispatchRecvParams, recv_src_idx),
+        176,
+    ),
+    (
+        "sizeof(CombineSendParams)",
+        size_of::<CombineSendParams>(),
+        128,
+    ),
+    (
+        "offsetof(CombineSendParams, num_topk)",
+        offset_of!(CombineSendParams, num_topk),
+        120,
+    ),
+    (
+        "sizeof(CombineRecvParams)",
+        size_of::<CombineRecvParams>(),
+        144,
+    ),
+    (
+        "offsetof(CombineRecvParams, num_tokens)",
+        offset_of!(CombineRecvParams, num_tokens),
+        128,
+    ),
+    ("sizeof(Ctx)", size_of::<IntranodeCtx>(), 80),
+];
+const _: () = {
+    let mut i = 0;
+    while i < PARAM_LAYOUT.len() {
+        assert!(PARAM_LAYOUT[i].1 == PARAM_LAYOUT[i].2);
+        i += 1;
+    }
 };
 
 const fn round_up(n: i64, m: i64) -> i64 {
@@ -191,47 +346,31 @@ pub unsafe fn dispatch_notify(
             "the device error record is required",
         ));
     }
-    let (mut c, mut itr, mut npe, mut n, mut epr, mut al) = (
-        ctx,
-        a.is_token_in_rank,
-        a.num_tokens_per_expert,
-        a.num_tokens,
-        a.experts_per_rank,
-        a.expert_alignment,
-    );
-    let (mut rpm, mut sh, mut hc, mut he, mut ev) = (
-        a.rank_prefix_matrix,
-        a.send_head,
-        a.host_counts,
-        a.host_epoch,
-        a.epoch_value,
-    );
-    let (mut ids, mut k_, mut err) = (a.topk_idx, a.num_topk, a.error);
-    let mut params = [
-        arg(&mut c),
-        arg(&mut itr),
-        arg(&mut npe),
-        arg(&mut n),
-        arg(&mut epr),
-        arg(&mut al),
-        arg(&mut rpm),
-        arg(&mut sh),
-        arg(&mut hc),
-        arg(&mut he),
-        arg(&mut ev),
-        arg(&mut ids),
-        arg(&mut k_),
-        arg(&mut err),
-    ];
-    // SAFETY: argument types match the kernel; pointers are the caller's contract.
+    let p = NotifyParams {
+        c: ctx,
+        is_token_in_rank: a.is_token_in_rank,
+        num_tokens_per_expert: a.num_tokens_per_expert,
+        rank_prefix_matrix: a.rank_prefix_matrix,
+        send_head: a.send_head,
+        host_counts: a.host_counts,
+        host_epoch: a.host_epoch,
+        epoch_value: a.epoch_value,
+        topk_idx: a.topk_idx,
+        error: a.error,
+        num_tokens: a.num_tokens,
+        experts_per_rank: a.experts_per_rank,
+        expert_alignment: a.expert_alignment,
+        num_topk: a.num_topk,
+    };
+    // SAFETY: NotifyParams mirrors the kernel's block; pointers are the caller's contract.
     unsafe {
-        k.launch(
+        k.launch_params(
             KernelId::DispatchNotify,
-            (1, 1, 1),
-            (NOTIFY_THREADS, 1, 1),
+            (1, 1),
+            NOTIFY_THREADS,
             0,
             stream,
-            &mut params,
+            p,
         )
     }
 }
@@ -252,10 +391,8 @@ pub unsafe fn barrier(
     } else {
         KernelId::DispatchBarrier
     };
-    let mut c = ctx;
-    let mut params = [arg(&mut c)];
-    // SAFETY: as above.
-    unsafe { k.launch(id, (1, 1, 1), (32, 1, 1), 0, stream, &mut params) }
+    // SAFETY: the kernel takes the Ctx by value; its channels are live.
+    unsafe { k.launch_params(id, (1, 1), 32, 0, stream, ctx) }
 }
 
 /// One wait per peer for its end-of-send signal (`dispatch_wait` / `combine_wait`).
@@ -274,10 +411,8 @@ pub unsafe fn wait_peers(
     } else {
         KernelId::DispatchWait
     };
-    let mut c = ctx;
-    let mut params = [arg(&mut c)];
-    // SAFETY: as above.
-    unsafe { k.launch(id, (1, 1, 1), (32, 1, 1), 0, stream, &mut params) }
+    // SAFETY: the kernel takes the Ctx by value; its channels are live.
+    unsafe { k.launch_params(id, (1, 1), 32, 0, stream, ctx) }
 }
 
 /// Inputs of [`dispatch_send`].
@@ -319,45 +454,21 @@ pub unsafe fn dispatch_send(
         ));
     }
     let grid = data_grid(a.num_sms, a.num_tokens as i64);
-    let (mut c, mut rec, mut x, mut sc, mut s0, mut s1) = (
-        ctx,
-        a.rec,
-        a.x,
-        a.scales,
-        a.scale_strides.0,
-        a.scale_strides.1,
-    );
-    let (mut ids, mut w, mut sh, mut n, mut epr) = (
-        a.topk_idx,
-        a.topk_weights,
-        a.send_head,
-        a.num_tokens,
-        a.experts_per_rank,
-    );
-    let mut params = [
-        arg(&mut c),
-        arg(&mut rec),
-        arg(&mut x),
-        arg(&mut sc),
-        arg(&mut s0),
-        arg(&mut s1),
-        arg(&mut ids),
-        arg(&mut w),
-        arg(&mut sh),
-        arg(&mut n),
-        arg(&mut epr),
-    ];
+    let p = DispatchSendParams {
+        c: ctx,
+        rec: a.rec,
+        x: a.x,
+        scales: a.scales,
+        scale_stride0: a.scale_strides.0,
+        scale_stride1: a.scale_strides.1,
+        topk_idx: a.topk_idx,
+        topk_weights: a.topk_weights,
+        send_head: a.send_head,
+        num_tokens: a.num_tokens,
+        experts_per_rank: a.experts_per_rank,
+    };
     // SAFETY: as above.
-    unsafe {
-        k.launch(
-            KernelId::DispatchSend,
-            (grid, 1, 1),
-            (THREADS, 1, 1),
-            0,
-            stream,
-            &mut params,
-        )
-    }
+    unsafe { k.launch_params(KernelId::DispatchSend, (grid, 1), THREADS, 0, stream, p) }
 }
 
 /// Outputs of [`dispatch_recv`] (0 = not wanted).
@@ -387,41 +498,21 @@ pub unsafe fn dispatch_recv(
 ) -> Result<()> {
     check_ctx(&ctx)?;
     let grid = data_grid(a.num_sms, a.num_rows);
-    let (mut c, mut rec, mut rpm, mut rows, mut x, mut sc, mut s0, mut s1) = (
-        ctx,
-        a.rec,
-        a.rank_prefix_matrix,
-        a.num_rows,
-        a.recv_x,
-        a.recv_scales,
-        a.scale_strides.0,
-        a.scale_strides.1,
-    );
-    let (mut ids, mut w, mut src) = (a.recv_topk_idx, a.recv_topk_weights, a.recv_src_idx);
-    let mut params = [
-        arg(&mut c),
-        arg(&mut rec),
-        arg(&mut rpm),
-        arg(&mut rows),
-        arg(&mut x),
-        arg(&mut sc),
-        arg(&mut s0),
-        arg(&mut s1),
-        arg(&mut ids),
-        arg(&mut w),
-        arg(&mut src),
-    ];
+    let p = DispatchRecvParams {
+        c: ctx,
+        rec: a.rec,
+        rank_prefix_matrix: a.rank_prefix_matrix,
+        num_rows: a.num_rows,
+        recv_x: a.recv_x,
+        recv_scales: a.recv_scales,
+        scale_stride0: a.scale_strides.0,
+        scale_stride1: a.scale_strides.1,
+        recv_topk_idx: a.recv_topk_idx,
+        recv_topk_weights: a.recv_topk_weights,
+        recv_src_idx: a.recv_src_idx,
+    };
     // SAFETY: as above.
-    unsafe {
-        k.launch(
-            KernelId::DispatchRecv,
-            (grid, 1, 1),
-            (THREADS, 1, 1),
-            0,
-            stream,
-            &mut params,
-        )
-    }
+    unsafe { k.launch_params(KernelId::DispatchRecv, (grid, 1), THREADS, 0, stream, p) }
 }
 
 /// Inputs of [`combine_send`].
@@ -450,35 +541,17 @@ pub unsafe fn combine_send(
     check_ctx(&ctx)?;
     let grid = data_grid(a.num_sms, a.num_rows);
     let rec = combine_record_bytes(a.hidden as usize, a.num_topk.max(0) as usize);
-    let (mut c, mut y, mut rb, mut w, mut kk, mut rbytes, mut rpm) = (
-        ctx,
-        a.y,
-        2 * a.hidden as i64,
-        a.topk_weights,
-        a.num_topk,
-        rec,
-        a.rank_prefix_matrix,
-    );
-    let mut params = [
-        arg(&mut c),
-        arg(&mut y),
-        arg(&mut rb),
-        arg(&mut w),
-        arg(&mut kk),
-        arg(&mut rbytes),
-        arg(&mut rpm),
-    ];
+    let p = CombineSendParams {
+        c: ctx,
+        y: a.y,
+        row_bytes: 2 * a.hidden as i64,
+        topk_weights: a.topk_weights,
+        record_bytes: rec,
+        rank_prefix_matrix: a.rank_prefix_matrix,
+        num_topk: a.num_topk,
+    };
     // SAFETY: as above.
-    unsafe {
-        k.launch(
-            KernelId::CombineSend,
-            (grid, 1, 1),
-            (THREADS, 1, 1),
-            0,
-            stream,
-            &mut params,
-        )
-    }
+    unsafe { k.launch_params(KernelId::CombineSend, (grid, 1), THREADS, 0, stream, p) }
 }
 
 /// Inputs / outputs of [`combine_recv`].
@@ -515,41 +588,20 @@ pub unsafe fn combine_recv(
     }
     let grid = data_grid(a.num_sms, a.num_tokens as i64);
     let rec = combine_record_bytes(a.hidden as usize, a.num_topk.max(0) as usize);
-    let (mut c, mut sh, mut n, mut h, mut rb, mut b0, mut b1, mut o, mut ow, mut kk) = (
-        ctx,
-        a.send_head,
-        a.num_tokens,
-        a.hidden,
-        rec,
-        a.bias.0,
-        a.bias.1,
-        a.out,
-        a.out_weights,
-        a.num_topk,
-    );
-    let mut params = [
-        arg(&mut c),
-        arg(&mut sh),
-        arg(&mut n),
-        arg(&mut h),
-        arg(&mut rb),
-        arg(&mut b0),
-        arg(&mut b1),
-        arg(&mut o),
-        arg(&mut ow),
-        arg(&mut kk),
-    ];
+    let p = CombineRecvParams {
+        c: ctx,
+        send_head: a.send_head,
+        record_bytes: rec,
+        bias0: a.bias.0,
+        bias1: a.bias.1,
+        out: a.out,
+        out_weights: a.out_weights,
+        num_tokens: a.num_tokens,
+        hidden: a.hidden,
+        num_topk: a.num_topk,
+    };
     // SAFETY: as above.
-    unsafe {
-        k.launch(
-            KernelId::CombineRecv,
-            (grid, 1, 1),
-            (THREADS, 1, 1),
-            0,
-            stream,
-            &mut params,
-        )
-    }
+    unsafe { k.launch_params(KernelId::CombineRecv, (grid, 1), THREADS, 0, stream, p) }
 }
 
 #[cfg(test)]
@@ -573,6 +625,15 @@ mod tests {
         assert!(RecordLayout::dispatch(128, 0, 33).is_err());
         assert_eq!(combine_record_bytes(7168, 8), 14368);
         assert_eq!(combine_record_bytes(64, 0), 128);
+    }
+
+    #[test]
+    fn param_blocks_match_the_kernels_static_asserts() {
+        let cu = include_str!("../cuda/intranode.cu");
+        for (what, _, n) in PARAM_LAYOUT {
+            let line = format!("static_assert({what} == {n}, \"mirrored in Rust\");");
+            assert!(cu.contains(&line), "intranode.cu lacks `{line}`");
+        }
     }
 
     #[test]

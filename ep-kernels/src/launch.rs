@@ -5,8 +5,94 @@
 use comm::error::{CommError, Result};
 use comm::StreamHandle;
 
+use std::mem::{offset_of, size_of};
+
 use crate::module::{DeviceKernels, KernelId};
-use comm::module::kernel_arg as arg;
+
+/// `DiagnosticsParams` of diagnostics.cu.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct DiagnosticsParams {
+    peers: u64,
+    words: u64,
+    seed: u64,
+    nranks: i32,
+    rank: i32,
+}
+
+/// `ReduceRowsParams` of reduce_rows.cu.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct ReduceRowsParams {
+    input: u64,
+    out: u64,
+    rows: i64,
+    cols: i64,
+}
+
+/// `layout_dispatch`'s argument block (`moelink::layout::Params` of
+/// layout.cu): device addresses and sizes, see [`layout_dispatch`].
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct LayoutParams {
+    /// `[num_tokens, num_topk]` int64 expert ids (-1 = none).
+    pub topk_idx: u64,
+    /// Out: `[num_ranks]` int32.
+    pub num_tokens_per_rank: u64,
+    /// Out: `[num_experts]` int32.
+    pub num_tokens_per_expert: u64,
+    /// Out: `[num_tokens, num_ranks]` bool.
+    pub is_token_in_rank: u64,
+    /// int32 scratch of [`layout_scratch_elems`] elements (any content).
+    pub partials: u64,
+    /// A device u32 that is 0 and is left 0.
+    pub ticket: u64,
+    /// Device error record for an id out of range (0: not recorded).
+    pub error: u64,
+    pub num_tokens: i32,
+    pub num_topk: i32,
+    pub num_experts: i32,
+    pub num_ranks: i32,
+    /// This rank (named in the error record).
+    pub rank: i32,
+}
+
+/// (file, the static_assert's expression, Rust's value, the asserted number):
+/// the same numbers as the kernels' static_asserts (a CPU test reads them).
+const PARAM_LAYOUT: [(&str, &str, usize, usize); 5] = [
+    (
+        "diagnostics",
+        "sizeof(DiagnosticsParams)",
+        size_of::<DiagnosticsParams>(),
+        32,
+    ),
+    (
+        "reduce_rows",
+        "sizeof(ReduceRowsParams)",
+        size_of::<ReduceRowsParams>(),
+        32,
+    ),
+    ("layout", "sizeof(Params)", size_of::<LayoutParams>(), 80),
+    (
+        "layout",
+        "offsetof(Params, num_tokens)",
+        offset_of!(LayoutParams, num_tokens),
+        56,
+    ),
+    (
+        "layout",
+        "offsetof(Params, rank)",
+        offset_of!(LayoutParams, rank),
+        72,
+    ),
+];
+const _: () = {
+    let mut i = 0;
+    while i < PARAM_LAYOUT.len() {
+        assert!(PARAM_LAYOUT[i].2 == PARAM_LAYOUT[i].3);
+        i += 1;
+    }
+};
 
 /// `diagnostics_write_peers`: rank `rank` writes its pattern into slot `rank`
 /// of every peer buffer. `peer_table` is a device array of `nranks` pointers
@@ -34,23 +120,22 @@ pub unsafe fn diagnostics_write_peers(
         return Ok(());
     }
     let blocks_per_peer = words.div_ceil(256 * 4).clamp(1, 32) as u32;
-    let (mut t, mut n, mut r, mut w, mut s) = (peer_table, nranks, rank, words, seed);
-    let mut params = [
-        arg(&mut t),
-        arg(&mut n),
-        arg(&mut r),
-        arg(&mut w),
-        arg(&mut s),
-    ];
-    // SAFETY: argument types match the kernel signature; pointer validity is the caller's contract.
+    let p = DiagnosticsParams {
+        peers: peer_table,
+        words,
+        seed,
+        nranks,
+        rank,
+    };
+    // SAFETY: DiagnosticsParams mirrors the kernel's block; pointer validity is the caller's contract.
     unsafe {
-        k.launch(
+        k.launch_params(
             KernelId::DiagnosticsWritePeers,
-            (blocks_per_peer, nranks as u32, 1),
-            (256, 1, 1),
+            (blocks_per_peer, nranks as u32),
+            256,
             0,
             stream,
-            &mut params,
+            p,
         )
     }
 }
@@ -77,19 +162,14 @@ pub unsafe fn reduce_rows_bf16(
     let threads = 256u32;
     let work = if cols % 8 == 0 { cols / 8 } else { cols };
     let blocks = (work as u64).div_ceil(threads as u64).clamp(1, 1024) as u32;
-    let (mut i, mut o, mut r, mut c) = (input, out, rows, cols);
-    let mut params = [arg(&mut i), arg(&mut o), arg(&mut r), arg(&mut c)];
-    // SAFETY: argument types match the kernel signature; pointer validity is the caller's contract.
-    unsafe {
-        k.launch(
-            KernelId::ReduceRowsBf16,
-            (blocks, 1, 1),
-            (threads, 1, 1),
-            0,
-            stream,
-            &mut params,
-        )
-    }
+    let p = ReduceRowsParams {
+        input,
+        out,
+        rows,
+        cols,
+    };
+    // SAFETY: ReduceRowsParams mirrors the kernel's block; pointer validity is the caller's contract.
+    unsafe { k.launch_params(KernelId::ReduceRowsBf16, (blocks, 1), threads, 0, stream, p) }
 }
 
 /// Threads (tokens) per block of `layout_dispatch`.
@@ -101,35 +181,26 @@ pub fn layout_scratch_elems(num_tokens: usize, num_experts: usize, num_ranks: us
 }
 
 /// `layout_dispatch`: per-rank and per-expert token counts and
-/// `is_token_in_rank` from `topk_idx` (`[num_tokens, num_topk]` int64, -1 =
-/// none), with the semantics of `ep_core::reference::layout`. Every output
-/// element is written. An id outside `[-1, num_experts)` counts nowhere and is
-/// recorded (rank `rank`, its token, column and value) in the device error
-/// record at `error` (0: not recorded).
-/// `partials` is int32 scratch of [`layout_scratch_elems`] elements (any
-/// content); `ticket` a device u32 that is 0 and is left 0.
+/// `is_token_in_rank` from `topk_idx`, with the semantics of
+/// `ep_core::reference::layout`. Every output element is written. An id
+/// outside `[-1, num_experts)` counts nowhere and is recorded (rank, token,
+/// column and value) in the device error record.
 ///
 /// # Safety
-/// `topk_idx` must hold `num_tokens * num_topk` int64 values, the outputs
-/// `[num_ranks]` int32, `[num_experts]` int32 and `[num_tokens, num_ranks]`
-/// bytes, the scratch as documented, all on this device.
-#[allow(clippy::too_many_arguments)]
+/// Every address of `p` valid on this device for the sizes documented in
+/// [`LayoutParams`].
 pub unsafe fn layout_dispatch(
     k: &DeviceKernels,
     stream: StreamHandle,
-    topk_idx: u64,
-    num_tokens: i32,
-    num_topk: i32,
-    num_experts: i32,
-    num_ranks: i32,
-    num_tokens_per_rank: u64,
-    num_tokens_per_expert: u64,
-    is_token_in_rank: u64,
-    partials: u64,
-    ticket: u64,
-    error: u64,
-    rank: i32,
+    p: LayoutParams,
 ) -> Result<()> {
+    let LayoutParams {
+        num_tokens,
+        num_topk,
+        num_experts,
+        num_ranks,
+        ..
+    } = p;
     if num_ranks <= 0 || num_ranks > 32 || num_experts <= 0 || num_experts % num_ranks != 0 {
         return Err(CommError::invalid(
             "num_experts",
@@ -156,40 +227,34 @@ pub unsafe fn layout_dispatch(
         ));
     }
     let blocks = (num_tokens as u32).div_ceil(LAYOUT_THREADS).max(1);
-    let (mut ids, mut n, mut kk, mut e, mut r) =
-        (topk_idx, num_tokens, num_topk, num_experts, num_ranks);
-    let (mut per_rank, mut per_expert, mut in_rank, mut part, mut tk, mut err, mut rk) = (
-        num_tokens_per_rank,
-        num_tokens_per_expert,
-        is_token_in_rank,
-        partials,
-        ticket,
-        error,
-        rank,
-    );
-    let mut params = [
-        arg(&mut ids),
-        arg(&mut n),
-        arg(&mut kk),
-        arg(&mut e),
-        arg(&mut r),
-        arg(&mut per_rank),
-        arg(&mut per_expert),
-        arg(&mut in_rank),
-        arg(&mut part),
-        arg(&mut tk),
-        arg(&mut err),
-        arg(&mut rk),
-    ];
-    // SAFETY: argument types match the kernel signature; pointer validity is the caller's contract.
+    // SAFETY: LayoutParams mirrors the kernel's block; pointer validity is the caller's contract.
     unsafe {
-        k.launch(
+        k.launch_params(
             KernelId::LayoutDispatch,
-            (blocks, 1, 1),
-            (LAYOUT_THREADS, 1, 1),
+            (blocks, 1),
+            LAYOUT_THREADS,
             smem as u32,
             stream,
-            &mut params,
+            p,
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn param_blocks_match_the_kernels_static_asserts() {
+        let files = [
+            ("diagnostics", include_str!("../cuda/diagnostics.cu")),
+            ("reduce_rows", include_str!("../cuda/reduce_rows.cu")),
+            ("layout", include_str!("../cuda/layout.cu")),
+        ];
+        for (file, what, _, n) in PARAM_LAYOUT {
+            let cu = files.iter().find(|(f, _)| *f == file).unwrap().1;
+            let line = format!("static_assert({what} == {n}, \"mirrored in Rust\");");
+            assert!(cu.contains(&line), "{file}.cu lacks `{line}`");
+        }
     }
 }

@@ -68,6 +68,29 @@ impl DeviceKernels {
         }
         .inspect_err(|_| tracing::error!("launch of {} failed", id.name()))
     }
+
+    /// Launches kernel `id`, whose one parameter is the argument block `P`
+    /// (`const __grid_constant__ P`), on a `grid` of `threads`-thread blocks
+    /// with `shared_mem` bytes of dynamic shared memory.
+    ///
+    /// # Safety
+    /// `P` must be the `#[repr(C)]` mirror of the kernel's parameter struct
+    /// and its pointers valid as the kernel uses them.
+    pub(crate) unsafe fn launch_params<P: Copy>(
+        &self,
+        id: KernelId,
+        grid: (u32, u32),
+        threads: u32,
+        shared_mem: u32,
+        stream: comm::StreamHandle,
+        p: P,
+    ) -> Result<()> {
+        let mut p = p;
+        let mut params = [comm::module::kernel_arg(&mut p)];
+        let grid = (grid.0, grid.1, 1);
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { self.launch(id, grid, (threads, 1, 1), shared_mem, stream, &mut params) }
+    }
 }
 
 #[cfg(test)]
