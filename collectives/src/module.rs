@@ -1,8 +1,6 @@
 //! The embedded fatbin of the collectives, its kernel table and the one
 //! launcher every kernel goes through (all take a single [`CollArgs`]).
 
-use std::ffi::c_void;
-
 use comm::module::{LoadedModule, ModuleCache};
 use comm::{Device, Result, StreamHandle};
 
@@ -146,19 +144,11 @@ impl CollKernels {
         stream: StreamHandle,
         args: &CollArgs,
     ) -> Result<()> {
-        let mut a = *args;
-        let mut params = [(&mut a as *mut CollArgs).cast::<c_void>()];
-        // SAFETY: every collective kernel takes exactly one CollArgs by value;
-        // pointer validity is the caller's contract.
+        // SAFETY: every collective kernel takes exactly one CollArgs
+        // (`const __grid_constant__`); pointer validity is the caller's contract.
         unsafe {
-            self.0.launch(
-                k.index(),
-                (blocks, 1, 1),
-                (threads, 1, 1),
-                0,
-                stream,
-                &mut params,
-            )
+            self.0
+                .launch_params(k.index(), (blocks, 1), threads, 0, stream, *args)
         }
         .inspect_err(|_| tracing::error!("launch of {} failed", k.name()))
     }
@@ -170,17 +160,15 @@ impl CollKernels {
         let dev = self.device();
         let out = comm::DeviceMemory::alloc(dev, n * 8)?;
         out.fill(0)?;
-        let mut ptr = out.ptr();
-        let mut params = [(&mut ptr as *mut u64).cast::<c_void>()];
         // SAFETY: coll_layout_probe(unsigned long long*) writes n words into `out`.
         unsafe {
-            self.0.launch(
+            self.0.launch_params(
                 Kernel::LayoutProbe.index(),
-                (1, 1, 1),
-                (1, 1, 1),
+                (1, 1),
+                1,
                 0,
                 StreamHandle(0),
-                &mut params,
+                out.ptr(),
             )
         }?;
         dev.synchronize()?;

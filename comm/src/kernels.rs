@@ -4,7 +4,6 @@
 
 use crate::cuda::{Device, StreamHandle};
 use crate::error::Result;
-use crate::module::kernel_arg as arg;
 use crate::module::ModuleCache;
 
 static FATBIN: &[u8] = include_bytes!(env!("COMM_FATBIN"));
@@ -30,34 +29,24 @@ pub unsafe fn atomic_add(
     value: i64,
     wide: bool,
 ) -> Result<()> {
-    let mut t = target;
-    if wide {
-        let mut v = value;
-        // SAFETY: (u64*, i64) matches comm_atomic_add64; target validity is the caller's.
-        unsafe {
-            MODULES.launch_1d(
-                device,
-                KernelId::AtomicAdd64.index(),
-                1,
-                1,
-                stream,
-                &mut [arg(&mut t), arg(&mut v)],
-            )
-        }
+    let (id, value) = if wide {
+        (KernelId::AtomicAdd64, value)
     } else {
-        let mut v = value as i32;
-        // SAFETY: (u32*, i32) matches comm_atomic_add32; target validity is the caller's.
-        unsafe {
-            MODULES.launch_1d(
-                device,
-                KernelId::AtomicAdd32.index(),
-                1,
-                1,
-                stream,
-                &mut [arg(&mut t), arg(&mut v)],
-            )
-        }
-    }
+        // The 32-bit kernel reads the low half (little-endian) as its int.
+        (KernelId::AtomicAdd32, value as i32 as i64)
+    };
+    let p = AtomicParams { target, value };
+    // SAFETY: AtomicParams mirrors the kernels' block; target validity is the caller's.
+    unsafe { MODULES.launch_params(device, id.index(), 1, 1, stream, p) }
+}
+
+/// The argument block of `comm_atomic_add64` / `comm_atomic_add32` (the latter
+/// reads `value`'s low 32 bits).
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct AtomicParams {
+    target: u64,
+    value: i64,
 }
 
 /// Runs `comm_layout_probe` and returns what the device compiler laid out
@@ -66,16 +55,15 @@ pub fn layout_probe(device: Device) -> Result<Vec<u64>> {
     let n = crate::device_handles::layout_probe_expected().len() + 1;
     let buf = crate::memory::DeviceMemory::alloc(device, n * 8)?;
     buf.fill(0xEE)?;
-    let mut p = buf.ptr();
-    // SAFETY: (u64*) matches the kernel; the buffer holds n words.
+    // SAFETY: the kernel's one argument is the u64* out; the buffer holds n words.
     unsafe {
-        MODULES.launch_1d(
+        MODULES.launch_params(
             device,
             KernelId::LayoutProbe.index(),
             1,
             1,
             StreamHandle(0),
-            &mut [arg(&mut p)],
+            buf.ptr(),
         )
     }?;
     device.synchronize()?;
@@ -90,7 +78,8 @@ pub fn layout_probe(device: Device) -> Result<Vec<u64>> {
 /// these test launchers take it as given (no check; a very large value such as
 /// [`i64::MAX`] is no bound).
 pub mod testing {
-    use super::arg;
+    use std::mem::{offset_of, size_of};
+
     use crate::cuda::{Device, StreamHandle};
     use crate::device_handles::{MemoryChannelDeviceHandle, PortChannelDeviceHandle};
     use crate::error::Result;
@@ -116,6 +105,109 @@ pub mod testing {
     }
     static MODULES: ModuleCache = ModuleCache::new("comm-testing", FATBIN, TestKernelId::NAMES);
 
+    // The test kernels' argument blocks (test_kernels.cu, same field order).
+    #[derive(Clone, Copy)]
+    #[repr(C)]
+    struct PingpongParams<H> {
+        h: H,
+        timeout_ns: i64,
+        out_ns: u64,
+        iters: i32,
+        initiator: i32,
+    }
+
+    #[derive(Clone, Copy)]
+    #[repr(C)]
+    struct MemchanCopyParams {
+        h: MemoryChannelDeviceHandle,
+        dst_off: u64,
+        src_off: u64,
+        bytes: u64,
+        get: i32,
+        iters: i32,
+        signal: i32,
+    }
+
+    #[derive(Clone, Copy)]
+    #[repr(C)]
+    struct MemchanWaitParams {
+        h: MemoryChannelDeviceHandle,
+        timeout_ns: i64,
+    }
+
+    #[derive(Clone, Copy)]
+    #[repr(C)]
+    struct PacketsParams {
+        h: MemoryChannelDeviceHandle,
+        dst_off: u64,
+        src_off: u64,
+        bytes: u64,
+        timeout_ns: i64,
+        flag: u32,
+        ll16: i32,
+        read: i32,
+    }
+
+    #[derive(Clone, Copy)]
+    #[repr(C)]
+    struct PortchanOpParams {
+        h: PortChannelDeviceHandle,
+        dst_off: u64,
+        src_off: u64,
+        size: u64,
+        timeout_ns: i64,
+        op: i32,
+        iters: i32,
+    }
+
+    #[derive(Clone, Copy)]
+    #[repr(C)]
+    struct PortchanAtomicsParams {
+        h: PortChannelDeviceHandle,
+        dst_off64: u64,
+        dst_off32: u64,
+        v64: i64,
+        per_thread: i32,
+        v32: i32,
+    }
+
+    #[derive(Clone, Copy)]
+    #[repr(C)]
+    struct FifoParams {
+        h: PortChannelDeviceHandle,
+        timeout_ns: i64,
+        out_ns: u64,
+        iters: i32,
+    }
+
+    // The same numbers as test_kernels.cu's static_asserts.
+    const MH: usize = size_of::<MemoryChannelDeviceHandle>();
+    const PH: usize = size_of::<PortChannelDeviceHandle>();
+    const _: () = {
+        assert!(offset_of!(PingpongParams<MemoryChannelDeviceHandle>, iters) == MH + 16);
+        assert!(offset_of!(PingpongParams<PortChannelDeviceHandle>, iters) == PH + 16);
+        assert!(offset_of!(MemchanCopyParams, signal) == MH + 32);
+        assert!(offset_of!(MemchanWaitParams, timeout_ns) == MH);
+        assert!(offset_of!(PacketsParams, read) == MH + 40);
+        assert!(offset_of!(PortchanOpParams, iters) == PH + 36);
+        assert!(offset_of!(PortchanAtomicsParams, v32) == PH + 28);
+        assert!(offset_of!(FifoParams, iters) == PH + 16);
+    };
+
+    /// # Safety
+    /// `P` mirrors kernel `id`'s argument block; its pointers are valid.
+    unsafe fn launch<P: Copy>(
+        device: Device,
+        stream: StreamHandle,
+        id: TestKernelId,
+        blocks: u32,
+        threads: u32,
+        p: P,
+    ) -> Result<()> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe { MODULES.launch_params(device, id.index(), blocks, threads, stream, p) }
+    }
+
     /// Port channel operations of `comm_test_portchan_op`.
     #[derive(Clone, Copy, Debug, PartialEq, Eq)]
     #[repr(i32)]
@@ -129,6 +221,30 @@ pub mod testing {
         PutThenFlush = 6,
     }
 
+    /// # Safety
+    /// `id` is the ping-pong kernel of handle type `H`; as [`memchan_pingpong`].
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn pingpong<H: Copy>(
+        device: Device,
+        stream: StreamHandle,
+        id: TestKernelId,
+        h: H,
+        iters: i32,
+        initiator: bool,
+        timeout_ns: i64,
+        out_ns: u64,
+    ) -> Result<()> {
+        let p = PingpongParams {
+            h,
+            timeout_ns,
+            out_ns,
+            iters,
+            initiator: initiator as i32,
+        };
+        // SAFETY: PingpongParams<H> mirrors the kernel's block.
+        unsafe { launch(device, stream, id, 1, 32, p) }
+    }
+
     /// Signal/wait ping-pong; `out_ns` (device u64) receives the elapsed time.
     ///
     /// # Safety
@@ -136,29 +252,23 @@ pub mod testing {
     pub unsafe fn memchan_pingpong(
         device: Device,
         stream: StreamHandle,
-        mut h: MemoryChannelDeviceHandle,
-        mut iters: i32,
+        h: MemoryChannelDeviceHandle,
+        iters: i32,
         initiator: bool,
-        mut timeout_ns: i64,
-        mut out_ns: u64,
+        timeout_ns: i64,
+        out_ns: u64,
     ) -> Result<()> {
-        let mut init = initiator as i32;
-        let p = &mut [
-            arg(&mut h),
-            arg(&mut iters),
-            arg(&mut init),
-            arg(&mut timeout_ns),
-            arg(&mut out_ns),
-        ];
-        // SAFETY: parameter list matches comm_test_memchan_pingpong.
+        // SAFETY: forwarded from the caller's contract.
         unsafe {
-            MODULES.launch_1d(
+            pingpong(
                 device,
-                TestKernelId::MemchanPingpong.index(),
-                1,
-                32,
                 stream,
-                p,
+                TestKernelId::MemchanPingpong,
+                h,
+                iters,
+                initiator,
+                timeout_ns,
+                out_ns,
             )
         }
     }
@@ -168,29 +278,23 @@ pub mod testing {
     pub unsafe fn portchan_pingpong(
         device: Device,
         stream: StreamHandle,
-        mut h: PortChannelDeviceHandle,
-        mut iters: i32,
+        h: PortChannelDeviceHandle,
+        iters: i32,
         initiator: bool,
-        mut timeout_ns: i64,
-        mut out_ns: u64,
+        timeout_ns: i64,
+        out_ns: u64,
     ) -> Result<()> {
-        let mut init = initiator as i32;
-        let p = &mut [
-            arg(&mut h),
-            arg(&mut iters),
-            arg(&mut init),
-            arg(&mut timeout_ns),
-            arg(&mut out_ns),
-        ];
-        // SAFETY: parameter list matches comm_test_portchan_pingpong.
+        // SAFETY: forwarded from the caller's contract.
         unsafe {
-            MODULES.launch_1d(
+            pingpong(
                 device,
-                TestKernelId::PortchanPingpong.index(),
-                1,
-                32,
                 stream,
-                p,
+                TestKernelId::PortchanPingpong,
+                h,
+                iters,
+                initiator,
+                timeout_ns,
+                out_ns,
             )
         }
     }
@@ -206,32 +310,31 @@ pub mod testing {
         stream: StreamHandle,
         blocks: u32,
         threads: u32,
-        mut h: MemoryChannelDeviceHandle,
-        mut dst_off: u64,
-        mut src_off: u64,
-        mut bytes: u64,
+        h: MemoryChannelDeviceHandle,
+        dst_off: u64,
+        src_off: u64,
+        bytes: u64,
         get: bool,
-        mut iters: i32,
+        iters: i32,
         signal: bool,
     ) -> Result<()> {
-        let (mut g, mut s) = (get as i32, signal as i32);
-        let p = &mut [
-            arg(&mut h),
-            arg(&mut dst_off),
-            arg(&mut src_off),
-            arg(&mut bytes),
-            arg(&mut g),
-            arg(&mut iters),
-            arg(&mut s),
-        ];
-        // SAFETY: parameter list matches comm_test_memchan_copy.
+        let p = MemchanCopyParams {
+            h,
+            dst_off,
+            src_off,
+            bytes,
+            get: get as i32,
+            iters,
+            signal: signal as i32,
+        };
+        // SAFETY: MemchanCopyParams mirrors the kernel's block.
         unsafe {
-            MODULES.launch_1d(
+            launch(
                 device,
-                TestKernelId::MemchanCopy.index(),
+                stream,
+                TestKernelId::MemchanCopy,
                 blocks,
                 threads,
-                stream,
                 p,
             )
         }
@@ -242,12 +345,12 @@ pub mod testing {
     pub unsafe fn memchan_wait(
         device: Device,
         stream: StreamHandle,
-        mut h: MemoryChannelDeviceHandle,
-        mut timeout_ns: i64,
+        h: MemoryChannelDeviceHandle,
+        timeout_ns: i64,
     ) -> Result<()> {
-        let p = &mut [arg(&mut h), arg(&mut timeout_ns)];
-        // SAFETY: parameter list matches comm_test_memchan_wait.
-        unsafe { MODULES.launch_1d(device, TestKernelId::MemchanWait.index(), 1, 32, stream, p) }
+        let p = MemchanWaitParams { h, timeout_ns };
+        // SAFETY: MemchanWaitParams mirrors the kernel's block.
+        unsafe { launch(device, stream, TestKernelId::MemchanWait, 1, 32, p) }
     }
 
     /// Writes (`read == false`) or reads LL packets.
@@ -258,28 +361,27 @@ pub mod testing {
     pub unsafe fn packets(
         device: Device,
         stream: StreamHandle,
-        mut h: MemoryChannelDeviceHandle,
+        h: MemoryChannelDeviceHandle,
         ll16: bool,
         read: bool,
-        mut dst_off: u64,
-        mut src_off: u64,
-        mut bytes: u64,
-        mut flag: u32,
-        mut timeout_ns: i64,
+        dst_off: u64,
+        src_off: u64,
+        bytes: u64,
+        flag: u32,
+        timeout_ns: i64,
     ) -> Result<()> {
-        let (mut l, mut r) = (ll16 as i32, read as i32);
-        let p = &mut [
-            arg(&mut h),
-            arg(&mut l),
-            arg(&mut r),
-            arg(&mut dst_off),
-            arg(&mut src_off),
-            arg(&mut bytes),
-            arg(&mut flag),
-            arg(&mut timeout_ns),
-        ];
-        // SAFETY: parameter list matches comm_test_packets.
-        unsafe { MODULES.launch_1d(device, TestKernelId::Packets.index(), 4, 256, stream, p) }
+        let p = PacketsParams {
+            h,
+            dst_off,
+            src_off,
+            bytes,
+            timeout_ns,
+            flag,
+            ll16: ll16 as i32,
+            read: read as i32,
+        };
+        // SAFETY: PacketsParams mirrors the kernel's block.
+        unsafe { launch(device, stream, TestKernelId::Packets, 4, 256, p) }
     }
 
     /// # Safety
@@ -288,26 +390,25 @@ pub mod testing {
     pub unsafe fn portchan_op(
         device: Device,
         stream: StreamHandle,
-        mut h: PortChannelDeviceHandle,
+        h: PortChannelDeviceHandle,
         op: PortOp,
-        mut dst_off: u64,
-        mut src_off: u64,
-        mut size: u64,
-        mut iters: i32,
-        mut timeout_ns: i64,
+        dst_off: u64,
+        src_off: u64,
+        size: u64,
+        iters: i32,
+        timeout_ns: i64,
     ) -> Result<()> {
-        let mut o = op as i32;
-        let p = &mut [
-            arg(&mut h),
-            arg(&mut o),
-            arg(&mut dst_off),
-            arg(&mut src_off),
-            arg(&mut size),
-            arg(&mut iters),
-            arg(&mut timeout_ns),
-        ];
-        // SAFETY: parameter list matches comm_test_portchan_op.
-        unsafe { MODULES.launch_1d(device, TestKernelId::PortchanOp.index(), 1, 32, stream, p) }
+        let p = PortchanOpParams {
+            h,
+            dst_off,
+            src_off,
+            size,
+            timeout_ns,
+            op: op as i32,
+            iters,
+        };
+        // SAFETY: PortchanOpParams mirrors the kernel's block.
+        unsafe { launch(device, stream, TestKernelId::PortchanOp, 1, 32, p) }
     }
 
     /// # Safety
@@ -318,29 +419,29 @@ pub mod testing {
         stream: StreamHandle,
         blocks: u32,
         threads: u32,
-        mut h: PortChannelDeviceHandle,
-        mut off64: u64,
-        mut off32: u64,
-        mut per_thread: i32,
-        mut v64: i64,
-        mut v32: i32,
+        h: PortChannelDeviceHandle,
+        off64: u64,
+        off32: u64,
+        per_thread: i32,
+        v64: i64,
+        v32: i32,
     ) -> Result<()> {
-        let p = &mut [
-            arg(&mut h),
-            arg(&mut off64),
-            arg(&mut off32),
-            arg(&mut per_thread),
-            arg(&mut v64),
-            arg(&mut v32),
-        ];
-        // SAFETY: parameter list matches comm_test_portchan_atomics.
+        let p = PortchanAtomicsParams {
+            h,
+            dst_off64: off64,
+            dst_off32: off32,
+            v64,
+            per_thread,
+            v32,
+        };
+        // SAFETY: PortchanAtomicsParams mirrors the kernel's block.
         unsafe {
-            MODULES.launch_1d(
+            launch(
                 device,
-                TestKernelId::PortchanAtomics.index(),
+                stream,
+                TestKernelId::PortchanAtomics,
                 blocks,
                 threads,
-                stream,
                 p,
             )
         }
@@ -351,28 +452,19 @@ pub mod testing {
     pub unsafe fn fifo_roundtrip(
         device: Device,
         stream: StreamHandle,
-        mut h: PortChannelDeviceHandle,
-        mut iters: i32,
-        mut timeout_ns: i64,
-        mut out_ns: u64,
+        h: PortChannelDeviceHandle,
+        iters: i32,
+        timeout_ns: i64,
+        out_ns: u64,
     ) -> Result<()> {
-        let p = &mut [
-            arg(&mut h),
-            arg(&mut iters),
-            arg(&mut timeout_ns),
-            arg(&mut out_ns),
-        ];
-        // SAFETY: parameter list matches comm_test_fifo_roundtrip.
-        unsafe {
-            MODULES.launch_1d(
-                device,
-                TestKernelId::FifoRoundtrip.index(),
-                1,
-                32,
-                stream,
-                p,
-            )
-        }
+        let p = FifoParams {
+            h,
+            timeout_ns,
+            out_ns,
+            iters,
+        };
+        // SAFETY: FifoParams mirrors the kernel's block.
+        unsafe { launch(device, stream, TestKernelId::FifoRoundtrip, 1, 32, p) }
     }
 
     /// Pushes `iters` no-op triggers back to back, then waits for the last.
@@ -382,19 +474,19 @@ pub mod testing {
     pub unsafe fn fifo_push_only(
         device: Device,
         stream: StreamHandle,
-        mut h: PortChannelDeviceHandle,
-        mut iters: i32,
-        mut timeout_ns: i64,
-        mut out_ns: u64,
+        h: PortChannelDeviceHandle,
+        iters: i32,
+        timeout_ns: i64,
+        out_ns: u64,
     ) -> Result<()> {
-        let p = &mut [
-            arg(&mut h),
-            arg(&mut iters),
-            arg(&mut timeout_ns),
-            arg(&mut out_ns),
-        ];
-        // SAFETY: parameter list matches comm_test_fifo_push_only.
-        unsafe { MODULES.launch_1d(device, TestKernelId::FifoPushOnly.index(), 1, 32, stream, p) }
+        let p = FifoParams {
+            h,
+            timeout_ns,
+            out_ns,
+            iters,
+        };
+        // SAFETY: FifoParams mirrors the kernel's block.
+        unsafe { launch(device, stream, TestKernelId::FifoPushOnly, 1, 32, p) }
     }
 }
 

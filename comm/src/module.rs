@@ -62,6 +62,38 @@ impl LoadedModule {
         }
         .call("cuLaunchKernel")
     }
+
+    /// Launches function `index`, whose one parameter is `p` (an argument
+    /// block passed `const __grid_constant__`, or a single scalar), on a
+    /// `grid` of `threads`-thread blocks: the launch convention of every
+    /// kernel of every crate.
+    ///
+    /// # Safety
+    /// `P` must be the `#[repr(C)]` mirror of the kernel's parameter and every
+    /// device pointer in it valid for the accesses the kernel makes.
+    pub unsafe fn launch_params<P: Copy>(
+        &self,
+        index: usize,
+        grid: (u32, u32),
+        threads: u32,
+        shared_mem: u32,
+        stream: StreamHandle,
+        p: P,
+    ) -> Result<()> {
+        let mut p = p;
+        let mut params = [kernel_arg(&mut p)];
+        // SAFETY: forwarded from the caller's contract.
+        unsafe {
+            self.launch(
+                index,
+                (grid.0, grid.1, 1),
+                (threads, 1, 1),
+                shared_mem,
+                stream,
+                &mut params,
+            )
+        }
+    }
 }
 
 /// One kernel parameter for `cuLaunchKernel`'s argument array: the address of
@@ -172,22 +204,23 @@ impl ModuleCache {
     }
 
     /// Launches function `index` on `device` (loading the module on first use)
-    /// on a 1-D grid of `blocks` x `threads`, no dynamic shared memory.
+    /// on a 1-D grid of `blocks` x `threads`, no dynamic shared memory, with
+    /// its one parameter `p` ([`LoadedModule::launch_params`]).
     ///
     /// # Safety
-    /// As [`LoadedModule::launch`].
-    pub unsafe fn launch_1d(
+    /// As [`LoadedModule::launch_params`].
+    pub unsafe fn launch_params<P: Copy>(
         &'static self,
         device: Device,
         index: usize,
         blocks: u32,
         threads: u32,
         stream: StreamHandle,
-        params: &mut [*mut c_void],
+        p: P,
     ) -> Result<()> {
         let m = self.get(device)?;
         // SAFETY: forwarded from the caller's contract.
-        unsafe { m.launch(index, (blocks, 1, 1), (threads, 1, 1), 0, stream, params) }
+        unsafe { m.launch_params(index, (blocks, 1), threads, 0, stream, p) }
     }
 
     pub fn get(&'static self, device: Device) -> Result<&'static LoadedModule> {

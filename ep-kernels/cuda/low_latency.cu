@@ -125,6 +125,18 @@ struct CombineArgs {
 };
 static_assert(sizeof(CombineArgs) == 80, "mirrored in Rust");
 
+// The kernels' argument blocks (const __grid_constant__), mirrored in Rust.
+struct LlDispatchParams {
+  LlCtx c;
+  DispatchArgs a;
+};
+static_assert(sizeof(LlDispatchParams) == 248, "mirrored in Rust");
+struct LlCombineParams {
+  LlCtx c;
+  CombineArgs a;
+};
+static_assert(sizeof(LlCombineParams) == 200, "mirrored in Rust");
+
 // Optional phase stamps (MOELINK_LL_PROFILE=1, read by Buffer._ll_native().profile()):
 // prof[kernel][block][slot], kernel 0 dispatch / 1 combine, written by thread 0
 // of each block (or lane 0 of warp 0 for the per-warp slots): slots 0 and
@@ -690,7 +702,9 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
-    ll_dispatch(const LlCtx c, const DispatchArgs a) {
+    ll_dispatch(const __grid_constant__ LlDispatchParams p) {
+  const LlCtx& c = p.c;
+  const DispatchArgs& a = p.a;
   extern __shared__ __align__(16) char smem[];
   stamp(c, 0, 0);
   stamp(c, 0, 1);
@@ -841,7 +855,9 @@ __device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq,
 }
 
 extern "C" __global__ void __launch_bounds__(kThreads, 1)
-    ll_combine(const LlCtx c, const CombineArgs a) {
+    ll_combine(const __grid_constant__ LlCombineParams p) {
+  const LlCtx& c = p.c;
+  const CombineArgs& a = p.a;
   extern __shared__ __align__(16) char smem[];
   stamp(c, 1, 0);
   stamp(c, 1, 1);

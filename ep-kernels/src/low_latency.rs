@@ -17,7 +17,6 @@ pub use crate::limits::{
     LL_MAX_HIDDEN as MAX_HIDDEN, LL_MAX_TOKENS_PER_RANK as MAX_TOKENS,
     MAX_EXPERTS_PER_RANK as MAX_LOCAL_EXPERTS, MAX_RANKS, MAX_TOPK,
 };
-use comm::module::kernel_arg as arg;
 /// Threads per block.
 pub const THREADS: u32 = 1024;
 /// Bytes of the flags region at the start of the buffer.
@@ -108,10 +107,28 @@ pub struct CombineArgs {
     pub phases: i32,
 }
 
+/// `ll_dispatch`'s argument block (`LlDispatchParams` of low_latency.cu).
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct LlDispatchParams {
+    c: LlCtx,
+    a: DispatchArgs,
+}
+
+/// `ll_combine`'s argument block (`LlCombineParams` of low_latency.cu).
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct LlCombineParams {
+    c: LlCtx,
+    a: CombineArgs,
+}
+
 const _: () = {
     assert!(size_of::<LlCtx>() == 120);
     assert!(size_of::<DispatchArgs>() == 128);
     assert!(size_of::<CombineArgs>() == 80);
+    assert!(size_of::<LlDispatchParams>() == 248);
+    assert!(size_of::<LlCombineParams>() == 200);
 };
 
 /// Which halves a launch runs.
@@ -327,17 +344,16 @@ pub unsafe fn dispatch(
     if smem > MAX_SMEM {
         shape.check_smem()?;
     }
-    let (mut c, mut args) = (ctx, a);
-    let mut params = [arg(&mut c), arg(&mut args)];
-    // SAFETY: argument types match the kernel signature; pointers are the caller's contract.
+    let p = LlDispatchParams { c: ctx, a };
+    // SAFETY: LlDispatchParams mirrors the kernel's block; pointers are the caller's contract.
     unsafe {
-        k.launch(
+        k.launch_params(
             KernelId::LlDispatch,
-            (num_blocks.max(1), 1, 1),
-            (THREADS, 1, 1),
+            (num_blocks.max(1), 1),
+            THREADS,
             smem as u32,
             stream,
-            &mut params,
+            p,
         )
     }
 }
@@ -356,17 +372,16 @@ pub unsafe fn combine(
 ) -> Result<()> {
     shape.check()?;
     shape.check_smem()?;
-    let (mut c, mut args) = (ctx, a);
-    let mut params = [arg(&mut c), arg(&mut args)];
+    let p = LlCombineParams { c: ctx, a };
     // SAFETY: as above.
     unsafe {
-        k.launch(
+        k.launch_params(
             KernelId::LlCombine,
-            (num_blocks.max(1), 1, 1),
-            (THREADS, 1, 1),
+            (num_blocks.max(1), 1),
+            THREADS,
             shape.combine_smem() as u32,
             stream,
-            &mut params,
+            p,
         )
     }
 }

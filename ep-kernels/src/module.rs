@@ -50,32 +50,11 @@ impl DeviceKernels {
         self.0.function(id as usize)
     }
 
-    /// # Safety
-    /// As [`LoadedModule::launch`].
-    pub(crate) unsafe fn launch(
-        &self,
-        id: KernelId,
-        grid: (u32, u32, u32),
-        block: (u32, u32, u32),
-        shared_mem: u32,
-        stream: comm::StreamHandle,
-        params: &mut [*mut std::ffi::c_void],
-    ) -> Result<()> {
-        // SAFETY: forwarded from the caller's contract.
-        unsafe {
-            self.0
-                .launch(id as usize, grid, block, shared_mem, stream, params)
-        }
-        .inspect_err(|_| tracing::error!("launch of {} failed", id.name()))
-    }
-
-    /// Launches kernel `id`, whose one parameter is the argument block `P`
-    /// (`const __grid_constant__ P`), on a `grid` of `threads`-thread blocks
-    /// with `shared_mem` bytes of dynamic shared memory.
+    /// Launches kernel `id` with its argument block `p`
+    /// ([`comm::module::LoadedModule::launch_params`]).
     ///
     /// # Safety
-    /// `P` must be the `#[repr(C)]` mirror of the kernel's parameter struct
-    /// and its pointers valid as the kernel uses them.
+    /// As [`comm::module::LoadedModule::launch_params`].
     pub(crate) unsafe fn launch_params<P: Copy>(
         &self,
         id: KernelId,
@@ -85,11 +64,12 @@ impl DeviceKernels {
         stream: comm::StreamHandle,
         p: P,
     ) -> Result<()> {
-        let mut p = p;
-        let mut params = [comm::module::kernel_arg(&mut p)];
-        let grid = (grid.0, grid.1, 1);
         // SAFETY: forwarded from the caller's contract.
-        unsafe { self.launch(id, grid, (threads, 1, 1), shared_mem, stream, &mut params) }
+        unsafe {
+            self.0
+                .launch_params(id as usize, grid, threads, shared_mem, stream, p)
+        }
+        .inspect_err(|_| tracing::error!("launch of {} failed", id.name()))
     }
 }
 
