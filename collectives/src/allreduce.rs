@@ -18,8 +18,8 @@ use comm::device_handles::MemoryChannelDeviceHandle;
 use comm::error::check_device_timeout_ns;
 use comm::registered_memory::RegisteredMemory;
 use comm::{
-    Bootstrap, CommError, Communicator, CommunicatorOptions, Device, DeviceMemory, Result,
-    StreamHandle,
+    device_table, Bootstrap, CommError, Communicator, CommunicatorOptions, Device, DeviceMemory,
+    Result, StreamHandle, SymmetricRegion,
 };
 
 use crate::algorithm::{Algorithm, Collective, Limits, Request};
@@ -239,11 +239,11 @@ impl AllReduceComm {
             max_blocks: sms.min(MAX_BLOCKS as u32),
         };
         let layout = ScratchLayout::new(&limits);
-        let scratch = comm.alloc_memory(layout.total as usize)?;
         // The LL region starts zeroed (flags start at 1); the data region need not.
-        // SAFETY: the LL region lies inside the allocation, mapped here.
-        unsafe { device.memset_sync(scratch.ptr(), layout.data_offset as usize, 0) }?;
-        let peer_scratch = comm.exchange_memory(&scratch)?;
+        let region =
+            SymmetricRegion::new(&comm, layout.total as usize, layout.data_offset as usize)?;
+        let scratch = region.local().clone();
+        let peer_scratch = region.peers().to_vec();
         for (p, m) in peer_scratch.iter().enumerate() {
             if !m.is_mapped() {
                 return Err(CommError::invalid(
@@ -255,40 +255,23 @@ impl AllReduceComm {
             }
         }
         let rank = comm.rank();
-        let mut handles: Vec<MemoryChannelDeviceHandle> = Vec::with_capacity(MAX_BLOCKS * size);
+        // One memory channel per (block, peer) over the scratch: block b of
+        // every kernel signals and waits on row b (entry (b, rank) zeroed).
+        let mut handles: Vec<Option<MemoryChannelDeviceHandle>> =
+            Vec::with_capacity(MAX_BLOCKS * size);
         let mut channels = Vec::with_capacity(MAX_BLOCKS);
         for _ in 0..MAX_BLOCKS {
-            let row: Vec<Option<MemoryChannel>> = comm
-                .semaphores()?
-                .into_iter()
-                .enumerate()
-                .map(|(p, s)| {
-                    s.map(|semaphore| MemoryChannel {
-                        semaphore,
-                        dst: peer_scratch[p].clone(),
-                        src: scratch.clone(),
-                        packets: scratch.clone(),
-                    })
-                })
-                .collect();
-            for (p, ch) in row.iter().enumerate() {
-                match ch {
-                    Some(c) => handles.push(c.device_handle(comm.device_error())?),
-                    None => {
-                        debug_assert_eq!(p, rank);
-                        // Entry (b, rank) is never used; zeroes keep the table dense.
-                        // SAFETY: the handle is plain data; all-zero is a valid value.
-                        handles.push(unsafe { std::mem::zeroed() });
-                    }
-                }
+            let row = region.memory_channels(&comm, None)?;
+            for ch in &row {
+                handles.push(
+                    ch.as_ref()
+                        .map(|c| c.device_handle(comm.device_error()))
+                        .transpose()?,
+                );
             }
             channels.push(row);
         }
-        let channel_table = DeviceMemory::alloc(
-            device,
-            handles.len() * std::mem::size_of::<MemoryChannelDeviceHandle>(),
-        )?;
-        channel_table.copy_from_host(0, &handles)?;
+        let channel_table = device_table(device, &handles)?;
         let state = DeviceMemory::alloc(device, 16)?;
         state.fill(0)?;
         // Everybody has mapped everybody before anyone launches.

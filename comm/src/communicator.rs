@@ -558,6 +558,24 @@ impl Communicator {
         packets: Option<&RegisteredMemory>,
     ) -> Result<Vec<Option<MemoryChannel>>> {
         let peers = self.exchange_memory(local)?;
+        self.memory_channels_to(local, &peers, packets)
+    }
+
+    /// *Collective.* Memory channels to every peer whose memory `peers[p]` was
+    /// already exchanged (as [`Self::exchange_memory`] returns it): fresh
+    /// semaphores, `peers[p]` as destination.
+    pub fn memory_channels_to(
+        &self,
+        local: &RegisteredMemory,
+        peers: &[RegisteredMemory],
+        packets: Option<&RegisteredMemory>,
+    ) -> Result<Vec<Option<MemoryChannel>>> {
+        if peers.len() != self.size() {
+            return Err(CommError::invalid(
+                "peers",
+                format!("{} memories for {} ranks", peers.len(), self.size()),
+            ));
+        }
         let sems = self.semaphores()?;
         Ok(sems
             .into_iter()

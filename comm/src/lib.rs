@@ -34,6 +34,7 @@ pub mod module;
 pub mod proxy;
 pub mod registered_memory;
 pub mod semaphore;
+pub mod symmetric;
 pub mod topology;
 pub mod transport;
 pub mod vmm;
@@ -46,6 +47,7 @@ pub use device_share::DeviceShare;
 pub use error::{CommError, Result};
 pub use group::Group;
 pub use memory::{DeviceMemory, IpcHandle, PeerMemory};
+pub use symmetric::{device_table, SymmetricRegion};
 pub use topology::Topology;
 
 /// Directory of the device-side headers (`#include <comm/...>`).

@@ -639,6 +639,62 @@ fn topology(c: &Ctx) -> R {
     c.comm.barrier()
 }
 
+/// SymmetricRegion: its prefix reads zero although the allocator hands out
+/// dirty memory, every rank's copy is mapped here and holds what its owner
+/// wrote, and the channel table has one handle per rank (ours zeroed).
+fn symmetric_region(c: &Ctx) -> R {
+    use comm::device_handles::MemoryChannelDeviceHandle;
+    use comm::SymmetricRegion;
+    let (bytes, zeroed, n) = (1usize << 20, 4096usize, 256usize);
+    {
+        // Dirty memory for the allocator to recycle.
+        let m = c.comm.alloc_memory(bytes)?;
+        DeviceMemoryView(&m).write(c.device, 0, &vec![0xAB; bytes])?;
+    }
+    let region = SymmetricRegion::new(&c.comm, bytes, zeroed)?;
+    let prefix = DeviceMemoryView(region.local()).read(c.device, 0, zeroed)?;
+    check_eq("zeroed prefix", &prefix, &vec![0; zeroed])?;
+    let seed = 0x5EED_0000 + c.rank as u64;
+    DeviceMemoryView(region.local()).write(c.device, zeroed as u64, &bytes_of(seed, n))?;
+    c.comm.barrier()?;
+    if region.bases().iter().any(|b| b.is_none()) || !region.all_mapped() {
+        return Err(fail(format!(
+            "rank {}: unmapped copies on one host: {region:?}",
+            c.rank
+        )));
+    }
+    for (p, m) in region.peers().iter().enumerate() {
+        let got = DeviceMemoryView(m).read(c.device, zeroed as u64, n)?;
+        check_eq(
+            &format!("rank {p}'s copy"),
+            &got,
+            &bytes_of(0x5EED_0000 + p as u64, n),
+        )?;
+    }
+    let (channels, table) = region.memory_channel_table(&c.comm)?;
+    let h = std::mem::size_of::<MemoryChannelDeviceHandle>();
+    if table.len() != c.size * h || channels.len() != c.size || channels[c.rank].is_some() {
+        return Err(fail(format!(
+            "rank {}: table of {} bytes for {} ranks",
+            c.rank,
+            table.len(),
+            c.size
+        )));
+    }
+    let mut raw = vec![0u8; table.len()];
+    table.copy_to_host(0, &mut raw)?;
+    for (p, e) in raw.chunks(h).enumerate() {
+        let zero = e.iter().all(|&b| b == 0);
+        if zero != (p == c.rank) {
+            return Err(fail(format!(
+                "rank {}: table entry {p} zero: {zero}",
+                c.rank
+            )));
+        }
+    }
+    c.comm.barrier()
+}
+
 fn nothing_on_other_devices(c: &Ctx) -> R {
     for d in 0..comm::device_count() as i32 {
         if d == c.device.ordinal {
@@ -773,6 +829,7 @@ fn multi_rank_suite() {
         }),
         ("timeout_is_reported", timeout_is_reported),
         ("topology", topology),
+        ("symmetric_region", symmetric_region),
         ("nothing_on_other_devices", nothing_on_other_devices),
         ("create_destroy_500x1GiB", create_destroy_500),
         // Last: opening legacy IPC handles may make the driver create contexts

@@ -21,11 +21,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm::channel::MemoryChannel;
-use comm::device_handles::MemoryChannelDeviceHandle;
 use comm::error::{CommError, Result};
 use comm::host_memory::HostMemory;
-use comm::registered_memory::RegisteredMemory;
-use comm::{Bootstrap, Communicator, CommunicatorOptions, Device, DeviceMemory, StreamHandle};
+use comm::{
+    Bootstrap, Communicator, CommunicatorOptions, Device, DeviceMemory, StreamHandle,
+    SymmetricRegion,
+};
 use ep_kernels::intranode::{
     self as k, CombineRecvArgs, CombineSendArgs, IntranodeCtx, NotifyArgs, RecordLayout, RecvArgs,
     SendArgs, CTRL_BYTES,
@@ -109,7 +110,7 @@ pub struct IntranodeBuffer {
     comm: Communicator,
     device: Device,
     kernels: DeviceKernels,
-    nvl: RegisteredMemory,
+    nvl: SymmetricRegion,
     _channels: Vec<Option<MemoryChannel>>,
     channel_table: DeviceMemory,
     /// `[0..4)`: ticket (u32, 0 between kernels; layout and the send kernels),
@@ -171,28 +172,9 @@ impl IntranodeBuffer {
         comm.device_share()
             .require("intranode dispatch/combine", 1)?;
         let kernels = DeviceKernels::get(device)?;
-        let nvl = comm.alloc_memory(num_nvl_bytes)?;
         // The control region starts zeroed; the data regions need not.
-        // SAFETY: the control region lies inside the allocation, mapped here.
-        unsafe { device.memset_sync(nvl.ptr(), CTRL_BYTES as usize, 0) }?;
-        let channels = comm.memory_channels(&nvl, None)?;
-        let rank = comm.rank();
-        let mut handles: Vec<MemoryChannelDeviceHandle> = Vec::with_capacity(size);
-        for (p, ch) in channels.iter().enumerate() {
-            match ch {
-                Some(c) => handles.push(c.device_handle(comm.device_error())?),
-                None => {
-                    debug_assert_eq!(p, rank);
-                    // Our own entry is never used by the kernels; a zeroed copy of
-                    // any handle keeps the table dense.
-                    // SAFETY: the handle is plain data; all-zero is a valid value.
-                    handles.push(unsafe { std::mem::zeroed() });
-                }
-            }
-        }
-        let table_bytes = size * std::mem::size_of::<MemoryChannelDeviceHandle>();
-        let channel_table = DeviceMemory::alloc(device, table_bytes)?;
-        channel_table.copy_from_host(0, &handles)?;
+        let nvl = SymmetricRegion::new(&comm, num_nvl_bytes, CTRL_BYTES as usize)?;
+        let (channels, channel_table) = nvl.memory_channel_table(&comm)?;
         let scratch = DeviceMemory::alloc(device, 16)?;
         scratch.fill(0)?;
         let host = HostMemory::pinned(device, HOST_BYTES)?;

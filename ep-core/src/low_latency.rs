@@ -15,9 +15,11 @@ use comm::channel::PortChannel;
 use comm::device_handles::PortChannelDeviceHandle;
 use comm::error::{CommError, Result};
 use comm::proxy::ProxyService;
-use comm::registered_memory::RegisteredMemory;
 use comm::transport::Transport;
-use comm::{Bootstrap, Communicator, CommunicatorOptions, Device, DeviceMemory, StreamHandle};
+use comm::{
+    device_table, Bootstrap, Communicator, CommunicatorOptions, Device, DeviceMemory, StreamHandle,
+    SymmetricRegion,
+};
 /// Which halves of a low-latency call a launch runs (send, receive, both).
 pub use ep_kernels::low_latency::Phases;
 use ep_kernels::low_latency::{
@@ -78,9 +80,9 @@ pub struct LowLatencyBuffer {
     proxy: Option<ProxyService>,
     ports: Vec<Option<PortChannel>>,
     ports_table: Option<DeviceMemory>,
-    _peer_mems: Vec<RegisteredMemory>,
     peers_table: DeviceMemory,
-    mem: RegisteredMemory,
+    /// This rank's buffer and every peer's (imported, mapped where reachable).
+    mem: SymmetricRegion,
     state: DeviceMemory,
     mask: DeviceMemory,
     /// Phase stamps of every launch (`MOELINK_LL_PROFILE=1`), else `None`.
@@ -163,49 +165,26 @@ impl LowLatencyBuffer {
         comm.device_share()
             .require("low-latency dispatch/combine", 1)?;
         let kernels = DeviceKernels::get(device)?;
-        let mem = comm.alloc_memory(num_bytes)?;
         // Flags start at zero; data regions need not.
-        // SAFETY: the flags lie inside the allocation, mapped here.
-        unsafe { device.memset_sync(mem.ptr(), FLAGS_BYTES as usize, 0) }?;
-        let peer_mems = comm.exchange_memory(&mem)?;
+        let region = SymmetricRegion::new(&comm, num_bytes, FLAGS_BYTES as usize)?;
         let rank = comm.rank();
-        let all_mapped = peer_mems.iter().all(|m| m.is_mapped());
-        let use_proxy = !opts.allow_nvlink || !all_mapped;
-        if use_proxy && mem.len() > u64::from(u32::MAX) {
+        let use_proxy = !opts.allow_nvlink || !region.all_mapped();
+        if use_proxy && region.len() > u64::from(u32::MAX) {
             return Err(CommError::invalid(
                 "num_rdma_bytes",
                 "the proxy transport addresses at most 4 GiB per buffer",
             ));
         }
-        let bases: Vec<u64> = peer_mems
-            .iter()
-            .enumerate()
-            .map(|(p, m)| {
-                if m.is_mapped() || p == rank {
-                    m.ptr()
-                } else {
-                    0
-                }
-            })
-            .collect();
-        let peers_table = DeviceMemory::alloc(device, 8 * size)?;
-        peers_table.copy_from_host(0, &bases)?;
+        // Every rank's buffer as mapped here (0: not mapped, reached by the proxy).
+        let peers_table = device_table(device, &region.bases())?;
         let (proxy, ports, ports_table) = if use_proxy {
             let mut proxy = ProxyService::new(rank, Some(device), FIFO_SLOTS, rank as u64)?;
-            let ports = comm.port_channels(&proxy, &mem, Transport::CudaIpc)?;
-            let handles: Vec<PortChannelDeviceHandle> = ports
+            let ports = comm.port_channels(&proxy, region.local(), Transport::CudaIpc)?;
+            let handles: Vec<Option<PortChannelDeviceHandle>> = ports
                 .iter()
-                .map(|p| match p {
-                    Some(c) => c.device_handle(comm.device_error()),
-                    // SAFETY: plain data; our own entry is never used.
-                    None => unsafe { std::mem::zeroed() },
-                })
+                .map(|p| p.as_ref().map(|c| c.device_handle(comm.device_error())))
                 .collect();
-            let table = DeviceMemory::alloc(
-                device,
-                size * std::mem::size_of::<PortChannelDeviceHandle>(),
-            )?;
-            table.copy_from_host(0, &handles)?;
+            let table = device_table(device, &handles)?;
             proxy.start()?;
             (Some(proxy), ports, Some(table))
         } else {
@@ -230,9 +209,8 @@ impl LowLatencyBuffer {
             proxy,
             ports,
             ports_table,
-            _peer_mems: peer_mems,
             peers_table,
-            mem,
+            mem: region,
             state,
             mask,
             prof,
