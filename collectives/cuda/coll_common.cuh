@@ -360,21 +360,13 @@ __device__ __forceinline__ LlCall ll_begin(const CollArgs& a) {
 
 __device__ __forceinline__ void ll_end(const CollArgs& a) {
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const unsigned int t = atomicAdd(a.ticket, 1u);
-    if (t == gridDim.x - 1) {
-      *a.ticket = 0;
-      *a.counter += 1ull;
-    }
-  }
+  if (threadIdx.x == 0 && comm::last_block_ticket(a.ticket)) *a.counter += 1ull;
 }
 
 // One 16-byte store: 8 data bytes and the flag twice, so a reader that sees
 // both flags sees the data.
 __device__ __forceinline__ void ll_write(char* dst, uint64_t v, uint32_t flag) {
-  asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(dst),
-               "r"(uint32_t(v)), "r"(flag), "r"(uint32_t(v >> 32)), "r"(flag)
-               : "memory");
+  reinterpret_cast<comm::LL16Packet*>(dst)->write64(v, flag);
 }
 
 // Waits for the packet at `src` (written by rank `peer`) to carry `flag` and
@@ -386,12 +378,11 @@ __device__ __forceinline__ void ll_write(char* dst, uint64_t v, uint32_t flag) {
 __device__ __forceinline__ uint64_t ll_read(const char* src, uint32_t flag, const CollArgs& a,
                                             int peer, uint64_t index, comm::WaitClock& clock,
                                             bool& ok) {
-  uint32_t x, f0, y, f1;
+  const comm::LL16Packet* packet = reinterpret_cast<const comm::LL16Packet*>(src);
+  uint32_t f0, f1;
+  uint64_t v;
   for (;;) {
-    asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(x), "=r"(f0), "=r"(y), "=r"(f1)
-                 : "l"(src)
-                 : "memory");
+    v = packet->load(f0, f1);
     if (f0 == flag && f1 == flag) break;
     if (!ok) return 0;
     if (clock.expired()) {
@@ -401,7 +392,7 @@ __device__ __forceinline__ uint64_t ll_read(const char* src, uint32_t flag, cons
       return 0;
     }
   }
-  return uint64_t(x) | (uint64_t(y) << 32);
+  return v;
 }
 
 // ---------------------------------------------------------------------------

@@ -161,14 +161,10 @@ using comm::warp_copy16;
 __device__ __forceinline__ void last_block_signals(const Ctx& c) {
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0) {
-    const uint32_t t = atomicAdd(c.ticket, 1u);
-    if (t == gridDim.x - 1) {
-      *c.ticket = 0;
-      __threadfence_system();
-      for (int p = 0; p < c.num_ranks; ++p)
-        if (p != c.rank) c.channels[p].signal();
-    }
+  if (threadIdx.x == 0 && comm::last_block_ticket(c.ticket)) {
+    __threadfence_system();
+    for (int p = 0; p < c.num_ranks; ++p)
+      if (p != c.rank) c.channels[p].signal();
   }
 }
 

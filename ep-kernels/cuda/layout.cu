@@ -93,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(moelink::layout::kThreads)
   for (int i = threadIdx.x; i < slots; i += blockDim.x) mine[i] = counts[i];
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(ticket, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) last = comm::last_block_ticket(ticket);
   __syncthreads();
   if (!last) return;
   __threadfence();
@@ -105,5 +105,4 @@ extern "C" __global__ void __launch_bounds__(moelink::layout::kThreads)
     else
       num_tokens_per_rank[i - num_experts] = sum;
   }
-  if (threadIdx.x == 0) *ticket = 0;
 }

@@ -344,9 +344,7 @@ __device__ __forceinline__ void finish_call(const LlCtx& c) {
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    const uint32_t t = atomicAdd(c.state + kStateTicket, 1u);
-    if (t == gridDim.x - 1) {
-      c.state[kStateTicket] = 0;
+    if (comm::last_block_ticket(c.state + kStateTicket)) {
       uint64_t* seq = reinterpret_cast<uint64_t*>(c.state);
       *seq = *seq + 1;
       __threadfence();

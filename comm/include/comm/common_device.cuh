@@ -98,6 +98,16 @@ __device__ __forceinline__ void report_error(DeviceError* err, uint32_t code, ui
   if (code == kErrorTimeout && *reinterpret_cast<volatile int*>(&comm_trap_on_timeout)) __trap();
 }
 
+// The last-block ticket: thread 0 of every block calls it once, after the
+// block's writes are fenced. True in the last block of the grid to get here,
+// which also resets the ticket to 0 for the next kernel (no block of this grid
+// touches it after the last one has).
+__device__ __forceinline__ bool last_block_ticket(unsigned int* ticket) {
+  if (atomicAdd(ticket, 1u) != gridDim.x - 1) return false;
+  *ticket = 0;
+  return true;
+}
+
 // Nanoseconds of the GPU's global timer (%globaltimer: wall-clock time, so it
 // advances while this context is switched out).
 __device__ __forceinline__ uint64_t now_ns() {

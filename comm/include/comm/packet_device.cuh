@@ -41,14 +41,26 @@ struct alignas(16) LL16Packet {
                  "r"(d.y), "r"(f)
                  : "memory");
   }
-  __device__ __forceinline__ bool try_read(void* dst, uint32_t f) const {
-    uint32_t a, b, c, d;
+  // The 8 data bytes and flag `f` in one 16-byte store.
+  __device__ __forceinline__ void write64(uint64_t v, uint32_t f) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(this), "r"(uint32_t(v)),
+                 "r"(f), "r"(uint32_t(v >> 32)), "r"(f)
+                 : "memory");
+  }
+  // One 16-byte load of the packet as it is now: data, and both flags.
+  __device__ __forceinline__ uint64_t load(uint32_t& flag0, uint32_t& flag1) const {
+    uint32_t a, c;
     asm volatile("ld.volatile.global.v4.u32 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(a), "=r"(b), "=r"(c), "=r"(d)
+                 : "=r"(a), "=r"(flag0), "=r"(c), "=r"(flag1)
                  : "l"(this)
                  : "memory");
-    if (b != f || d != f) return false;
-    *reinterpret_cast<uint2*>(dst) = make_uint2(a, c);
+    return uint64_t(a) | (uint64_t(c) << 32);
+  }
+  __device__ __forceinline__ bool try_read(void* dst, uint32_t f) const {
+    uint32_t f0, f1;
+    const uint64_t v = load(f0, f1);
+    if (f0 != f || f1 != f) return false;
+    *reinterpret_cast<uint2*>(dst) = make_uint2(uint32_t(v), uint32_t(v >> 32));
     return true;
   }
 #endif
