@@ -1,36 +1,13 @@
 """What ``buffer.py`` (the Buffer) and ``low_latency.py`` (its low-latency half)
-both use: the event a call returns, a device range as a tensor, and whether ids
-are also checked on the host. A module of its own so the two do not import each
-other."""
+both use besides stream handling (``_streams.py``): a device range as a tensor,
+and whether ids are also checked on the host. A module of its own so the two do
+not import each other."""
 
 from __future__ import annotations
 
 import os
 
 import torch
-
-
-class EventOverlap:
-    """A CUDA event plus the tensors that must stay alive until it completes.
-
-    ``current_stream_wait()`` makes the current stream wait for the event; used as a
-    context manager (``with event:``) it does that on exit. ``event=None`` (what a
-    call with ``async_finish=False`` returns) waits for nothing.
-    """
-
-    def __init__(self, event: torch.cuda.Event | None = None, extra_tensors=None) -> None:
-        self.event = event
-        self.extra_tensors = extra_tensors
-
-    def current_stream_wait(self) -> None:
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        self.current_stream_wait()
 
 
 class _CudaMemory:

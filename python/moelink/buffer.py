@@ -16,9 +16,10 @@ import torch
 import torch.distributed as dist
 
 from . import _native
-from ._buffer_common import EventOverlap, _check_ids, _CudaMemory
+from ._buffer_common import _check_ids, _CudaMemory
 from ._device_timeout import env_device_timeout_ns
 from ._group import native_group as _native_group
+from ._streams import EventOverlap, check_previous_event, enter_comm, finish_async
 from .checks import (
     LIMITS,
     check_bias,
@@ -273,18 +274,12 @@ class Buffer(LowLatencyMixin):
             raise ValueError(
                 "allocate_on_comm_stream=True needs previous_event and async_finish=True"
             )
-        if previous_event is not None and not isinstance(previous_event, EventOverlap):
-            raise TypeError(
-                f"previous_event must be an EventOverlap, got {type(previous_event).__name__}"
-            )
+        check_previous_event(previous_event)
         compute = torch.cuda.current_stream(self.device)
         return compute
 
     def _enter_comm(self, compute, previous_event):
-        if previous_event is not None and previous_event.event is not None:
-            self._comm_stream.wait_event(previous_event.event)
-        else:
-            self._comm_stream.wait_stream(compute)
+        enter_comm(self._comm_stream, compute, previous_event)
 
     def _alloc_ctx(self, allocate_on_comm_stream):
         if allocate_on_comm_stream:
@@ -297,12 +292,7 @@ class Buffer(LowLatencyMixin):
                 if t is not None:
                     t.record_stream(compute)
         if async_finish:
-            for t in (*inputs, *outputs):
-                if t is not None:
-                    t.record_stream(self._comm_stream)
-            ev = torch.cuda.Event()
-            ev.record(self._comm_stream)
-            event = EventOverlap(ev, tuple(t for t in (*inputs, *outputs) if t is not None))
+            event = finish_async(self._comm_stream, (*inputs, *outputs))
         else:
             compute.wait_stream(self._comm_stream)
             event = EventOverlap(None)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from . import _native
-from ._buffer_common import EventOverlap, _check_ids, _CudaMemory
+from ._buffer_common import _check_ids, _CudaMemory
+from ._streams import EventOverlap, enter_comm, finish_async
 from .checks import (
     LIMITS,
     check_bool,
@@ -125,19 +126,14 @@ class LowLatencyMixin:
     def _ll_stream(self, async_finish: bool):
         compute = torch.cuda.current_stream(self.device)
         if async_finish:
-            self._comm_stream.wait_stream(compute)
+            enter_comm(self._comm_stream, compute)
             return self._comm_stream
         return compute
 
     def _ll_finish(self, stream, async_finish: bool, tensors):
         if not async_finish:
             return EventOverlap(None)
-        for t in tensors:
-            if t is not None and t.numel() > 0:
-                t.record_stream(stream)
-        ev = torch.cuda.Event()
-        ev.record(stream)
-        return EventOverlap(ev, tuple(t for t in tensors if t is not None))
+        return finish_async(stream, tensors)
 
     def _check_ids_now(self) -> bool:
         return _check_ids()

@@ -1,0 +1,61 @@
+"""Stream handling that the Buffer's normal, cached and low-latency paths share:
+the event a call returns, moving work onto the communication stream, and the
+bookkeeping of an asynchronous finish."""
+
+from __future__ import annotations
+
+import torch
+
+
+class EventOverlap:
+    """A CUDA event plus the tensors that must stay alive until it completes.
+
+    ``current_stream_wait()`` makes the current stream wait for the event; used as a
+    context manager (``with event:``) it does that on exit. ``event=None`` (what a
+    call with ``async_finish=False`` returns) waits for nothing.
+    """
+
+    def __init__(self, event: torch.cuda.Event | None = None, extra_tensors=None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.current_stream_wait()
+
+
+def check_previous_event(previous_event) -> None:
+    """``TypeError`` unless ``previous_event`` is None or an ``EventOverlap``."""
+    if previous_event is not None and not isinstance(previous_event, EventOverlap):
+        raise TypeError(
+            f"previous_event must be an EventOverlap, got {type(previous_event).__name__}"
+        )
+
+
+def enter_comm(comm_stream, compute, previous_event=None) -> None:
+    """The communication stream waits for ``previous_event`` where it holds an
+    event, else for everything queued on ``compute`` so far."""
+    if previous_event is not None and previous_event.event is not None:
+        comm_stream.wait_event(previous_event.event)
+    else:
+        comm_stream.wait_stream(compute)
+
+
+def finish_async(stream, tensors) -> EventOverlap:
+    """The end of an ``async_finish=True`` call whose kernels run on ``stream``:
+    every tensor (None skipped) is marked as used there, so the caching allocator
+    does not hand its memory out before they finish, and the returned event,
+    recorded on ``stream``, keeps them alive."""
+    kept = tuple(t for t in tensors if t is not None)
+    for t in kept:
+        if t.numel() > 0:
+            t.record_stream(stream)
+    ev = torch.cuda.Event()
+    ev.record(stream)
+    return EventOverlap(ev, kept)

@@ -1,0 +1,77 @@
+"""moelink._streams on the CPU, with stand-in streams and tensors: what waits
+for what, which tensors are recorded on the communication stream, and the
+argument check of previous_event."""
+
+from __future__ import annotations
+
+import pytest
+from moelink import _streams
+
+
+class FakeStream:
+    def __init__(self, name):
+        self.name = name
+        self.log = []
+
+    def wait_event(self, ev):
+        self.log.append(("wait_event", ev))
+
+    def wait_stream(self, other):
+        self.log.append(("wait_stream", other.name))
+
+
+class FakeTensor:
+    def __init__(self, n):
+        self.n = n
+        self.recorded = []
+
+    def numel(self):
+        return self.n
+
+    def record_stream(self, s):
+        self.recorded.append(s.name)
+
+
+class FakeEvent:
+    def __init__(self):
+        self.recorded_on = None
+
+    def record(self, s):
+        self.recorded_on = s.name
+
+
+def test_enter_comm_waits_for_the_event_else_for_the_compute_stream():
+    comm, compute = FakeStream("comm"), FakeStream("compute")
+    _streams.enter_comm(comm, compute)
+    ev = _streams.EventOverlap("ev")
+    _streams.enter_comm(comm, compute, ev)
+    _streams.enter_comm(comm, compute, _streams.EventOverlap(None))
+    assert comm.log == [
+        ("wait_stream", "compute"),
+        ("wait_event", "ev"),
+        ("wait_stream", "compute"),
+    ]
+
+
+def test_finish_async_records_every_nonempty_tensor_and_keeps_them(monkeypatch):
+    monkeypatch.setattr(_streams.torch.cuda, "Event", FakeEvent)
+    comm = FakeStream("comm")
+    a, empty, b = FakeTensor(4), FakeTensor(0), FakeTensor(1)
+    out = _streams.finish_async(comm, (a, None, empty, b))
+    assert isinstance(out, _streams.EventOverlap)
+    assert out.event.recorded_on == "comm"
+    assert out.extra_tensors == (a, empty, b)
+    assert (a.recorded, empty.recorded, b.recorded) == (["comm"], [], ["comm"])
+
+
+def test_previous_event_must_be_an_event_overlap():
+    _streams.check_previous_event(None)
+    _streams.check_previous_event(_streams.EventOverlap(None))
+    with pytest.raises(TypeError, match="previous_event must be an EventOverlap, got str"):
+        _streams.check_previous_event("event")
+
+
+def test_the_package_exports_the_same_event_overlap():
+    import moelink
+
+    assert moelink.EventOverlap is _streams.EventOverlap
