@@ -231,3 +231,35 @@ def test_default_configs(get):
 def test_default_configs_reject_bad_rank_count(get, ranks):
     with pytest.raises(ValueError, match=rf"num_ranks must be positive, got {ranks}"):
         get(ranks)
+
+
+def test_buffer_default_sms_follow_set_num_sms_and_the_rank_count(monkeypatch):
+    """A call without ``config`` uses the default config's SMs, computed once per
+    (rank count, set_num_sms state) and not at every call, and still following
+    ``Buffer.set_num_sms``."""
+    from moelink import buffer as buffer_mod
+    from moelink.buffer import Buffer
+
+    monkeypatch.setattr(buffer_mod, "_DEFAULT_SMS", {})
+    monkeypatch.setattr(Buffer, "num_sms", Buffer.num_sms)
+    monkeypatch.setattr(Buffer, "_num_sms_set", Buffer._num_sms_set)
+    made = []
+    real = moelink.config.get_dispatch_config
+
+    def counting(num_ranks, *, num_sms=None):
+        made.append(num_ranks)
+        return real(num_ranks, num_sms=num_sms)
+
+    monkeypatch.setattr(buffer_mod, "get_dispatch_config", counting)
+    b = object.__new__(Buffer)  # no GPU: only what _num_sms reads
+    b.group_size = 4
+    want = real(4).num_sms
+    assert [b._num_sms(None, Buffer.get_dispatch_config) for _ in range(3)] == [want] * 3
+    assert made == [4]
+    Buffer.set_num_sms(20)
+    assert b._num_sms(None, Buffer.get_dispatch_config) == 20
+    b.group_size = 8
+    assert b._num_sms(None, Buffer.get_combine_config) == 20
+    assert b._num_sms(moelink.Config(num_sms=6), Buffer.get_dispatch_config) == 6
+    with pytest.raises(TypeError, match="config must be a moelink.Config"):
+        b._num_sms("fast", Buffer.get_dispatch_config)

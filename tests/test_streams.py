@@ -75,3 +75,19 @@ def test_the_package_exports_the_same_event_overlap():
     import moelink
 
     assert moelink.EventOverlap is _streams.EventOverlap
+
+
+def test_current_raw_stream_uses_the_one_call_lookup_else_the_public_api(monkeypatch):
+    calls = []
+    monkeypatch.setattr(_streams, "_RAW_STREAM", lambda i: calls.append(("raw", i)) or 1234)
+    assert _streams.current_raw_stream(3) == 1234
+
+    class S:
+        cuda_stream = 5678
+
+    monkeypatch.setattr(_streams, "_RAW_STREAM", None)
+    monkeypatch.setattr(
+        _streams.torch.cuda, "current_stream", lambda i: calls.append(("api", i)) or S()
+    )
+    assert _streams.current_raw_stream(2) == 5678
+    assert calls == [("raw", 3), ("api", 2)]

@@ -4,7 +4,22 @@ bookkeeping of an asynchronous finish."""
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+
+#: torch's one-call lookup of a device's current raw stream (what its own
+#: compiled kernels use); the public API builds a Stream object first.
+_RAW_STREAM = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+#: A reusable no-op context (allocation on the current stream).
+NO_STREAM_SWITCH = contextlib.nullcontext()
+
+
+def current_raw_stream(device_index: int) -> int:
+    """The ``cudaStream_t`` of device ``device_index``'s current stream."""
+    if _RAW_STREAM is not None:
+        return _RAW_STREAM(device_index)
+    return torch.cuda.current_stream(device_index).cuda_stream
 
 
 class EventOverlap:

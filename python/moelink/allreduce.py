@@ -46,6 +46,7 @@ import torch.distributed as dist
 from . import _native
 from ._device_timeout import device_timeout_ns, env_device_timeout_ns
 from ._group import native_group
+from ._streams import current_raw_stream
 from .checks import LIMITS, check_bool, check_int
 
 __all__ = [
@@ -520,7 +521,7 @@ class AllReduce:
         )
         algorithm = _check_algorithm(algorithm, "allreduce")
         blocks, threads = check_geometry(num_blocks, num_threads)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = current_raw_stream(self.device.index)
         self.last_choice = native.all_reduce(
             stream,
             tensor.data_ptr(),
@@ -551,7 +552,7 @@ class AllReduce:
         nbytes = check_all_gather_args(out, inp, self.world_size, self.device, self.max_bytes)
         algorithm = _check_algorithm(algorithm, "allgather")
         blocks, threads = check_geometry(num_blocks, num_threads)
-        stream = torch.cuda.current_stream(self.device).cuda_stream
+        stream = current_raw_stream(self.device.index)
         self.last_choice = native.all_gather(
             stream,
             inp.data_ptr(),

@@ -37,6 +37,9 @@ from .low_latency import LowLatencyMixin
 
 __all__ = ["Buffer", "EventOverlap"]
 
+#: (class, default config's kind, ranks, num_sms, set_num_sms called) -> SMs.
+_DEFAULT_SMS: dict = {}
+
 _ALIGN = 16  # kernels use 16-byte vector loads and stores on rows
 
 
@@ -309,9 +312,18 @@ class Buffer(LowLatencyMixin):
                     f"{name} must be on this Buffer's device {self.device}, got {t.device}"
                 )
 
-    def _num_sms(self, config, default: Config) -> int:
+    def _num_sms(self, config, default) -> int:
+        """SMs of a call: ``config``'s, else the default config's, whose only
+        input is the rank count and ``set_num_sms`` (``default``: the class's
+        ``get_dispatch_config`` or ``get_combine_config``), so it is made once
+        per such state instead of at every call."""
         if config is None:
-            return default.num_sms
+            cls = type(self)
+            key = (cls, default.__name__, self.group_size, cls.num_sms, cls._num_sms_set)
+            sms = _DEFAULT_SMS.get(key)
+            if sms is None:
+                sms = _DEFAULT_SMS[key] = default(self.group_size).num_sms
+            return sms
         if not isinstance(config, Config):
             raise TypeError(f"config must be a moelink.Config, got {type(config).__name__}")
         return config.num_sms
@@ -424,7 +436,7 @@ class Buffer(LowLatencyMixin):
         hidden_bytes = hidden * data.element_size()
         num_scales = 0 if scales is None else scales.shape[1]
         s_strides = (0, 0) if scales is None else tuple(scales.stride())
-        num_sms = self._num_sms(config, self.get_dispatch_config(R))
+        num_sms = self._num_sms(config, type(self).get_dispatch_config)
         expert_alignment = check_int(
             "expert_alignment", expert_alignment, minimum=1, maximum=LIMITS["max_expert_alignment"]
         )
@@ -629,7 +641,6 @@ class Buffer(LowLatencyMixin):
         was dispatched to (plus ``bias``), as bf16: ``(combined_x, combined_topk_weights,
         event)`` as ``deep_ep.Buffer.combine``."""
         native = self._buffer()
-        R = self.group_size
         rpm, recv_src_idx, send_head = self._check_handle(handle)
         rows = recv_src_idx.shape[0]
         check_tensor("x", x, dtype=torch.bfloat16, dims=2, contiguous=True)
@@ -651,7 +662,7 @@ class Buffer(LowLatencyMixin):
         self._check_device(x=x, topk_weights=topk_weights, bias0=b0, bias1=b1)
         for name, t in (("x", x), ("bias[0]", b0), ("bias[1]", b1)):
             _check_aligned(name, t)
-        num_sms = self._num_sms(config, self.get_combine_config(R))
+        num_sms = self._num_sms(config, type(self).get_combine_config)
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
             out = torch.empty((n, hidden), dtype=torch.bfloat16, device=self.device)

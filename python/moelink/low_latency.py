@@ -12,7 +12,7 @@ import torch
 
 from . import _native
 from ._buffer_common import _check_ids, _CudaMemory
-from ._streams import EventOverlap, enter_comm, finish_async
+from ._streams import NO_STREAM_SWITCH, EventOverlap, current_raw_stream, enter_comm, finish_async
 from .checks import (
     LIMITS,
     check_bool,
@@ -70,7 +70,7 @@ class _Hook:
             raise RuntimeError("this low-latency receive hook was already called")
         ll = self._owner._ll_native()
         ll.check_device_timeout()
-        self._launch(torch.cuda.current_stream(self._owner.device).cuda_stream)
+        self._launch(current_raw_stream(self._owner.device.index))
         self.called = True
         if self._owner._ll_pending is self:
             self._owner._ll_pending = None
@@ -124,11 +124,14 @@ class LowLatencyMixin:
         return t, el
 
     def _ll_stream(self, async_finish: bool):
-        compute = torch.cuda.current_stream(self.device)
+        """(stream, raw handle, allocation context) of a call: the communication
+        stream after it waited for the compute stream where ``async_finish``, else
+        the compute stream's raw handle (no Stream object: one C call)."""
         if async_finish:
-            enter_comm(self._comm_stream, compute)
-            return self._comm_stream
-        return compute
+            enter_comm(self._comm_stream, torch.cuda.current_stream(self.device))
+            s = self._comm_stream
+            return s, s.cuda_stream, torch.cuda.stream(s)
+        return None, current_raw_stream(self.device.index), NO_STREAM_SWITCH
 
     def _ll_finish(self, stream, async_finish: bool, tensors):
         if not async_finish:
@@ -195,9 +198,9 @@ class LowLatencyMixin:
         # The buffer must hold this shape: refused before the outputs are
         # allocated (they can be larger than the GPU has free).
         ll.check_shape(t, hidden, num_experts, k)
-        stream = self._ll_stream(async_finish)
+        stream, raw, alloc = self._ll_stream(async_finish)
         rt = r * t
-        with torch.cuda.stream(stream):
+        with alloc:
             dev = self.device
             recv_x = torch.empty(
                 (el, rt, hidden),
@@ -228,7 +231,7 @@ class LowLatencyMixin:
         def launch(s, phases):
             ll.dispatch(s, *args, phases)
 
-        launch(stream.cuda_stream, _SEND if return_recv_hook else _BOTH)
+        launch(raw, _SEND if return_recv_hook else _BOTH)
         keep = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range,
                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)  # fmt: skip
         hook = None
@@ -322,9 +325,9 @@ class LowLatencyMixin:
                 "out", out, dtype=torch.bfloat16, shape=(n, hidden), device=self.device,
                 contiguous=True,
             )  # fmt: skip
-        stream = self._ll_stream(async_finish)
+        stream, raw, alloc = self._ll_stream(async_finish)
         if out is None:
-            with torch.cuda.stream(stream):
+            with alloc:
                 out = torch.empty((n, hidden), dtype=torch.bfloat16, device=self.device)
         args = (
             t, hidden, num_experts, k, n, _ptr(x), _ptr(layout_range), _ptr(topk_idx),
@@ -334,7 +337,7 @@ class LowLatencyMixin:
         def launch(s, phases):
             ll.combine(s, *args, phases)
 
-        launch(stream.cuda_stream, _SEND if return_recv_hook else _BOTH)
+        launch(raw, _SEND if return_recv_hook else _BOTH)
         keep = (x, topk_idx, topk_weights, src_info, layout_range, out,
                 combine_wait_recv_cost_stats)  # fmt: skip
         hook = None
