@@ -501,10 +501,7 @@ impl Communicator {
                     self.timeout,
                 )?))
             }
-            Transport::IbVerbs => Err(CommError::invalid(
-                "transport",
-                "IB verbs is not built into this moelink (no `ibverbs` feature yet)",
-            )),
+            Transport::IbVerbs => Err(crate::transport::ib::connect_unavailable()),
         }
     }
 

@@ -26,6 +26,14 @@ pub enum CommError {
         what: String,
         waited_ms: u64,
     },
+    /// No RDMA (IB verbs) device can be used here: libibverbs is missing, or
+    /// it finds no device, or none that `MOELINK_IB_HCA` allows.
+    #[error("no RDMA device available: {reason}")]
+    NoRdma { reason: String },
+    /// An RDMA operation towards `peer` failed (a completion with an error
+    /// status, a verbs call that failed).
+    #[error("RDMA to rank {peer} failed: {what}")]
+    Rdma { peer: usize, what: String },
     #[error("I/O error during {context}: {source}")]
     Io {
         context: String,

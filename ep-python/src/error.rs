@@ -1,7 +1,7 @@
 //! The one mapping from moelink's errors to Python exceptions: a bad argument
 //! is a ValueError, a bounded wait that ran out `moelink.TimeoutError` (a
 //! TimeoutError), a CUDA failure `moelink.CudaError` (a RuntimeError), an I/O
-//! failure a RuntimeError.
+//! or RDMA failure a RuntimeError.
 
 use comm::CommError;
 use pyo3::exceptions::{PyRuntimeError, PyTimeoutError, PyValueError};
@@ -25,6 +25,8 @@ pub(crate) fn to_py(e: CommError) -> PyErr {
         CommError::InvalidArgument { .. } => PyValueError::new_err(e.to_string()),
         CommError::Timeout { .. } => TimeoutError::new_err(e.to_string()),
         CommError::Cuda { .. } | CommError::NoDriver { .. } => CudaError::new_err(e.to_string()),
-        CommError::Io { .. } => PyRuntimeError::new_err(e.to_string()),
+        CommError::Io { .. } | CommError::NoRdma { .. } | CommError::Rdma { .. } => {
+            PyRuntimeError::new_err(e.to_string())
+        }
     }
 }

@@ -5,10 +5,11 @@
 //! |---|---|---|---|
 //! | CUDA IPC | [`cuda_ipc`] | GPUs of one host | copies, value writes and atomic kernels on a proxy-owned stream, into the peer's memory mapped here |
 //! | Ethernet | [`ethernet`] | any two processes | TCP to the peer's receiver thread, which applies writes / signals / atomics to its memory (host or GPU) |
-//! | IB verbs | (feature `ibverbs`, not yet built) | across hosts | RDMA write, fetch-and-add, write-with-immediate |
+//! | IB verbs | [`ib`] (in progress: configuration, run-time loading, discovery; no queue pairs yet) | across hosts | RDMA write, fetch-and-add, write-with-immediate |
 
 pub mod cuda_ipc;
 pub mod ethernet;
+pub mod ib;
 
 use std::time::Duration;
 
@@ -20,8 +21,8 @@ use crate::registered_memory::RegisteredMemory;
 pub enum Transport {
     CudaIpc,
     Ethernet,
-    /// Reserved for the IB verbs transport (a later issue); no connection of
-    /// this kind can be built yet.
+    /// The IB verbs transport ([`ib`]); no connection of this kind can be
+    /// built yet (the error says why: no RDMA device, or no queue pairs yet).
     IbVerbs,
 }
 
