@@ -4,7 +4,9 @@
 //! when the signal's completion arrives, and an add's operand record (written
 //! just before its immediate) is complete when the immediate is read.
 //!
-//! The 32-bit immediate: bits 30..32 the kind, bits 0..30 an index.
+//! The 32-bit immediate (host order here; verbs carries `imm_data` in network
+//! byte order, which the queue-pair code converts): bits 30..32 the kind,
+//! bits 0..30 an index.
 //! - kind 0, signal: add 1 to the receiver's semaphore slot `index` (its
 //!   signal page, `remote_offset / SLOT_BYTES`);
 //! - kind 1, add: apply the operand record in slot `index` of the

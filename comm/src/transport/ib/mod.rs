@@ -1,7 +1,8 @@
 //! The IB verbs transport (issue 18), in progress: what exists is everything
 //! short of a NIC, CPU-tested: the environment ([`config`]), libibverbs loaded
 //! at run time with device discovery ([`verbs`]), the completion errors
-//! ([`wc`]) and the write-with-immediate encoding of the `host-no-atomic`
+//! ([`wc`]), queue-pair endpoints and transition attributes ([`qp`]) and the
+//! write-with-immediate encoding of the `host-no-atomic`
 //! signalling mode ([`imm`]). Queue pairs, memory registration and the
 //! connection itself come next; until then `Communicator::connect` with
 //! `Transport::IbVerbs` fails with `NoRdma` or says that they are missing.
@@ -9,6 +10,7 @@
 
 pub mod config;
 pub mod imm;
+pub mod qp;
 pub mod verbs;
 pub mod wc;
 
