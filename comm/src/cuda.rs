@@ -122,6 +122,45 @@ impl Device {
         Ok(u.bytes.map(|b| b as u8))
     }
 
+    /// A dma-buf file descriptor of device memory `[ptr, ptr + len)` (what an
+    /// RDMA NIC registers with `ibv_reg_dmabuf_mr`, issue 18). `ptr` and `len`
+    /// must be multiples of the host page size; `InvalidArgument("device")`
+    /// where the driver or device has no dma-buf support.
+    pub fn dmabuf_fd(&self, ptr: u64, len: usize) -> Result<std::os::fd::OwnedFd> {
+        use std::os::fd::FromRawFd;
+        // SAFETY: sysconf has no preconditions.
+        let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as u64;
+        if len == 0 || ptr % page != 0 || len as u64 % page != 0 {
+            return Err(CommError::invalid(
+                "range",
+                format!("[{ptr:#x}, +{len}) is not a non-empty range of whole {page}-byte pages"),
+            ));
+        }
+        if self.attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED)? == 0 {
+            return Err(CommError::invalid(
+                "device",
+                format!("GPU {} (or its driver) cannot export dma-buf", self.ordinal),
+            ));
+        }
+        self.make_current()?;
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: `fd` is the out-parameter the call writes an int into; the
+        // range was checked above and belongs to the caller.
+        unsafe {
+            sys::cuMemGetHandleForAddressRange(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                ptr,
+                len,
+                sys::CUmemRangeHandleType::CU_MEM_RANGE_HANDLE_TYPE_DMA_BUF_FD,
+                0,
+            )
+        }
+        .result()
+        .call("cuMemGetHandleForAddressRange")?;
+        // SAFETY: the driver returned a new descriptor that we now own.
+        Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
+    }
+
     /// Whether this device can access the memory of the device with UUID
     /// `uuid` (P2P over NVLink or PCIe); false where no visible device has it.
     pub fn can_access_peer_uuid(&self, uuid: &[u8; 16]) -> Result<bool> {

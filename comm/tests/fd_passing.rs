@@ -451,3 +451,30 @@ fn malformed_replies_close_every_fd() {
     }
     assert_eq!(fd_count(), before, "fds leaked");
 }
+
+/// A dma-buf descriptor of cuMem memory (what an RDMA NIC registers): the
+/// kernel knows it as a file of the range's size; a range that is not whole
+/// pages is refused before the driver is asked.
+#[test]
+#[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
+fn gpu_memory_exports_as_dmabuf() {
+    use comm::vmm::VmmMemory;
+    use comm::Device;
+    let dev = Device::bind(0).unwrap();
+    let len = 2 << 20;
+    let mem = VmmMemory::alloc(dev, len).unwrap();
+    let e = dev.dmabuf_fd(mem.ptr() + 1, 4096).unwrap_err();
+    assert!(e.to_string().contains("whole"), "{e}");
+    match dev.dmabuf_fd(mem.ptr(), len) {
+        Ok(fd) => {
+            // SAFETY: a plain fstat on a descriptor we own.
+            let mut st: libc::stat = unsafe { std::mem::zeroed() };
+            assert_eq!(unsafe { libc::fstat(fd.as_raw_fd(), &mut st) }, 0);
+            assert_eq!(st.st_size as usize, len, "dma-buf size");
+        }
+        Err(e) if e.to_string().contains("cannot export dma-buf") => {
+            println!("SKIPPED: {e}");
+        }
+        Err(e) => panic!("dma-buf export failed: {e}"),
+    }
+}
