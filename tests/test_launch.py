@@ -231,8 +231,9 @@ ENV_KEYS = (
 )
 
 # A rank: prints its environment as JSON, spawns a child that would outlive it,
-# writes its pids, then acts on $RANK_ACT_<rank>: "exit:N", "sleep", "stubborn"
-# (sleeps and ignores SIGTERM); default: exit 0.
+# writes its pids, then acts on $RANK_ACT_<rank>: "exit:N" (once every rank
+# wrote its pids), "sleep", "stubborn" (sleeps and ignores SIGTERM); default:
+# exit 0.
 RANK_SCRIPT = f"""
 import json, os, signal, subprocess, sys, time
 keys = {ENV_KEYS!r}
@@ -246,6 +247,13 @@ if out:
         f.write(f"{{os.getpid()}} {{child.pid}}")
 act = os.environ.get("RANK_ACT_" + rank, "")
 if act.startswith("exit:"):
+    # Leave only once every rank has written its pids (bounded): else, on a
+    # loaded machine, the launcher stops ranks that have not started their
+    # child yet, and the test cannot count what it cleaned up.
+    deadline = time.time() + 10
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    while out and len(os.listdir(out)) < world and time.time() < deadline:
+        time.sleep(0.01)
     sys.exit(int(act[5:]))
 if act == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

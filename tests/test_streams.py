@@ -91,3 +91,26 @@ def test_current_raw_stream_uses_the_one_call_lookup_else_the_public_api(monkeyp
     )
     assert _streams.current_raw_stream(2) == 5678
     assert calls == [("raw", 3), ("api", 2)]
+
+
+def test_low_latency_calls_take_the_raw_stream_unless_async(monkeypatch):
+    """Without async_finish a low-latency call neither builds a Stream object nor
+    switches streams; with it, the communication stream waits for the compute
+    stream and the outputs are allocated there."""
+    from types import SimpleNamespace
+
+    from moelink import low_latency
+
+    monkeypatch.setattr(low_latency, "current_raw_stream", lambda i: 1000 + i)
+    owner = SimpleNamespace(device=SimpleNamespace(index=3), _comm_stream=FakeStream("comm"))
+    stream, raw, alloc = low_latency.LowLatencyMixin._ll_stream(owner, False)
+    assert (stream, raw, alloc) == (None, 1003, _streams.NO_STREAM_SWITCH)
+    assert owner._comm_stream.log == []
+
+    owner._comm_stream.cuda_stream = 77
+    compute = FakeStream("compute")
+    monkeypatch.setattr(low_latency.torch.cuda, "current_stream", lambda device=None: compute)
+    monkeypatch.setattr(low_latency.torch.cuda, "stream", lambda s: ("switch to", s.name))
+    stream, raw, alloc = low_latency.LowLatencyMixin._ll_stream(owner, True)
+    assert (stream, raw, alloc) == (owner._comm_stream, 77, ("switch to", "comm"))
+    assert owner._comm_stream.log == [("wait_stream", "compute")]
