@@ -114,3 +114,18 @@ def test_low_latency_calls_take_the_raw_stream_unless_async(monkeypatch):
     stream, raw, alloc = low_latency.LowLatencyMixin._ll_stream(owner, True)
     assert (stream, raw, alloc) == (owner._comm_stream, 77, ("switch to", "comm"))
     assert owner._comm_stream.log == [("wait_stream", "compute")]
+
+
+def test_event_handle_records_where_it_is_made_and_waits_later(monkeypatch):
+    """deep_ep.EventHandle: recorded at construction (on the given or current
+    stream); current_stream_wait() makes the stream current then wait for it."""
+    monkeypatch.setattr(_streams.torch.cuda, "Event", FakeEvent)
+    current = [FakeStream("compute")]
+    monkeypatch.setattr(_streams.torch.cuda, "current_stream", lambda: current[0])
+    h = _streams.EventHandle()
+    assert h.event.recorded_on == "compute"
+    side = FakeStream("side")
+    assert _streams.EventHandle(side).event.recorded_on == "side"
+    current[0] = FakeStream("later")
+    h.current_stream_wait()
+    assert current[0].log == [("wait_event", h.event)]

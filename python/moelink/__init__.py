@@ -9,6 +9,7 @@ import torch
 
 from . import _native
 from ._native import CudaError, TimeoutError, __version__
+from ._streams import EventHandle
 from .allreduce import AllReduce as AllReduce
 from .buffer import Buffer, EventOverlap
 from .checks import DtypeError
@@ -23,6 +24,7 @@ __all__ = [
     "Config",
     "CudaError",
     "DtypeError",
+    "EventHandle",
     "EventOverlap",
     "TimeoutError",
     "__version__",

@@ -45,6 +45,19 @@ class EventOverlap:
         self.current_stream_wait()
 
 
+class EventHandle:
+    """An event recorded when it is made, on ``stream`` or the current stream
+    (``deep_ep.EventHandle``); ``current_stream_wait()`` makes the then current
+    stream wait for it."""
+
+    def __init__(self, stream=None) -> None:
+        self.event = torch.cuda.Event()
+        self.event.record(stream if stream is not None else torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        torch.cuda.current_stream().wait_event(self.event)
+
+
 def check_previous_event(previous_event) -> None:
     """``TypeError`` unless ``previous_event`` is None or an ``EventOverlap``."""
     if previous_event is not None and not isinstance(previous_event, EventOverlap):
