@@ -14,12 +14,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use comm::channel::MemoryChannel;
-use comm::device_handles::MemoryChannelDeviceHandle;
 use comm::error::check_device_timeout_ns;
 use comm::registered_memory::RegisteredMemory;
 use comm::{
-    device_table, Bootstrap, CommError, Communicator, CommunicatorOptions, Device, DeviceMemory,
-    Result, StreamHandle, SymmetricRegion,
+    Bootstrap, CommError, Communicator, CommunicatorOptions, Device, DeviceMemory, Result,
+    StreamHandle, SymmetricRegion,
 };
 
 use crate::algorithm::{Algorithm, Collective, Limits, Request};
@@ -257,21 +256,7 @@ impl AllReduceComm {
         let rank = comm.rank();
         // One memory channel per (block, peer) over the scratch: block b of
         // every kernel signals and waits on row b (entry (b, rank) zeroed).
-        let mut handles: Vec<Option<MemoryChannelDeviceHandle>> =
-            Vec::with_capacity(MAX_BLOCKS * size);
-        let mut channels = Vec::with_capacity(MAX_BLOCKS);
-        for _ in 0..MAX_BLOCKS {
-            let row = region.memory_channels(&comm, None)?;
-            for ch in &row {
-                handles.push(
-                    ch.as_ref()
-                        .map(|c| c.device_handle(comm.device_error()))
-                        .transpose()?,
-                );
-            }
-            channels.push(row);
-        }
-        let channel_table = device_table(device, &handles)?;
+        let (channels, channel_table) = region.memory_channel_table(&comm, MAX_BLOCKS)?;
         let state = DeviceMemory::alloc(device, 16)?;
         state.fill(0)?;
         // Everybody has mapped everybody before anyone launches.

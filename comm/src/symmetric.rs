@@ -132,24 +132,31 @@ impl SymmetricRegion {
         comm.memory_channels_to(&self.local, &self.peers, packets)
     }
 
-    /// [`memory_channels`](Self::memory_channels) as a device table, one handle
-    /// per rank (this rank's entry zeroed), beside the channels it refers to.
+    /// *Collective.* `rows` sets of [`memory_channels`](Self::memory_channels)
+    /// (one per block of a kernel whose blocks each talk to every peer, or
+    /// one) as a device table `[rows][ranks]` of handles (this rank's entries
+    /// zeroed), beside the channels it refers to.
     pub fn memory_channel_table(
         &self,
         comm: &Communicator,
-    ) -> Result<(Vec<Option<MemoryChannel>>, DeviceMemory)> {
+        rows: usize,
+    ) -> Result<(Vec<Vec<Option<MemoryChannel>>>, DeviceMemory)> {
         let device = comm
             .device()
             .ok_or_else(|| CommError::invalid("device", "a channel table needs a device"))?;
-        let channels = self.memory_channels(comm, None)?;
-        let handles = channels
-            .iter()
-            .map(|c| {
-                c.as_ref()
-                    .map(|c| c.device_handle(comm.device_error()))
-                    .transpose()
-            })
-            .collect::<Result<Vec<_>>>()?;
+        let mut handles = Vec::with_capacity(rows * self.peers.len());
+        let mut channels = Vec::with_capacity(rows);
+        for _ in 0..rows {
+            let row = self.memory_channels(comm, None)?;
+            for c in &row {
+                handles.push(
+                    c.as_ref()
+                        .map(|c| c.device_handle(comm.device_error()))
+                        .transpose()?,
+                );
+            }
+            channels.push(row);
+        }
         let table = device_table(device, &handles)?;
         Ok((channels, table))
     }

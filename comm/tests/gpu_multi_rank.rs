@@ -671,7 +671,8 @@ fn symmetric_region(c: &Ctx) -> R {
             &bytes_of(0x5EED_0000 + p as u64, n),
         )?;
     }
-    let (channels, table) = region.memory_channel_table(&c.comm)?;
+    let (channels, table) = region.memory_channel_table(&c.comm, 1)?;
+    let channels = &channels[0];
     let h = std::mem::size_of::<MemoryChannelDeviceHandle>();
     if table.len() != c.size * h || channels.len() != c.size || channels[c.rank].is_some() {
         return Err(fail(format!(

@@ -111,7 +111,7 @@ pub struct IntranodeBuffer {
     device: Device,
     kernels: DeviceKernels,
     nvl: SymmetricRegion,
-    _channels: Vec<Option<MemoryChannel>>,
+    _channels: Vec<Vec<Option<MemoryChannel>>>,
     channel_table: DeviceMemory,
     /// `[0..4)`: ticket (u32, 0 between kernels; layout and the send kernels),
     /// `[4..8)`: peers whose device wait timed out (u32 bit mask, sticky: the
@@ -174,7 +174,7 @@ impl IntranodeBuffer {
         let kernels = DeviceKernels::get(device)?;
         // The control region starts zeroed; the data regions need not.
         let nvl = SymmetricRegion::new(&comm, num_nvl_bytes, CTRL_BYTES as usize)?;
-        let (channels, channel_table) = nvl.memory_channel_table(&comm)?;
+        let (channels, channel_table) = nvl.memory_channel_table(&comm, 1)?;
         let scratch = DeviceMemory::alloc(device, 16)?;
         scratch.fill(0)?;
         let host = HostMemory::pinned(device, HOST_BYTES)?;
