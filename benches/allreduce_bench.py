@@ -40,12 +40,10 @@ redraws the PNG next to an existing JSON (no GPU needed).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
 import sys
-import traceback
 from pathlib import Path
 
 import bench_common
@@ -493,8 +491,7 @@ def check_args(args) -> str | None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    code = bench_common.replot_or_require_out(args, plot)
+    args, code = bench_common.parse_or_replot(build_parser(), argv, plot)
     if code is not None:
         return code
     err = check_args(args)
@@ -508,27 +505,14 @@ def main(argv=None) -> int:
     info = bench_common.init()
     rank, world = info.rank, info.world_size
     nccl = bench_common.uses_nccl(info)
-    try:
-        result = run_rank(rank, world, dist.group.WORLD, args, nccl)
-    except Exception:
-        # Fail fast: torchrun then stops the other ranks, which would wait for
-        # this one in their next collective.
-        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        os._exit(1)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, result)
+    gathered = bench_common.gather_or_exit(
+        rank, world, lambda: run_rank(rank, world, dist.group.WORLD, args, nccl)
+    )
     results = aggregate(gathered, world)
     if rank == 0:
-        git = bench_common.git_commit()
-        machine = bench_common.machine_info(info)
         summary = summarize(results, world, judged=not info.ranks_share_gpus)
         data = {
-            "benchmark": "allreduce",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": machine,
-            "git_commit": git["commit"],
-            "git_dirty": git["dirty"],
-            "command": bench_common.run_command(world, argv),
+            **bench_common.record_header("allreduce", info, world, argv),
             "baseline": bench_common.baseline_record(info, NCCL_LABEL) if args.baseline else None,
             "env": {k: os.environ.get(k) for k in NO_MULTICAST_ENV},
             "config": {
@@ -550,9 +534,7 @@ def main(argv=None) -> int:
                 "bus_bandwidth_from_bytes": BW_TARGET_FROM,
                 "nccl_reference_us_eager_graph": {str(k): v for k, v in NCCL_REFERENCE_US.items()},
             },
-            "correct": results["correct"],
-            "checks_failed": [c for c in results["checks"] if not c["ok"]],
-            "checks_run": len(results["checks"]),
+            **bench_common.checks_record(results),
             "results": {"rows": results["rows"]},
             "summary": summary,
             "per_rank": gathered,
@@ -560,7 +542,7 @@ def main(argv=None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "allreduce.json").write_text(json.dumps(data, indent=1) + "\n")
         plot(data, args.out / "allreduce.png")
-        print(format_table(summary, machine["shared_gpu_note"]))
+        print(format_table(summary, data["machine"]["shared_gpu_note"]))
         if not results["correct"]:
             print(f"CHECKS FAILED: {data['checks_failed'][:10]}")
         print(f"wrote {args.out / 'allreduce.json'} and {args.out / 'allreduce.png'}")

@@ -6,11 +6,13 @@ them) or torchrun, and import this module by its bare name."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import socket
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -183,6 +185,55 @@ def replay_times_us(torch, graph, reps: int, ops: int, stream=None) -> list:
         times.append((a, b))
     torch.cuda.synchronize()
     return [a.elapsed_time(b) * 1e3 / ops for a, b in times]
+
+
+def record_header(benchmark: str, info, world: int, argv) -> dict:
+    """The fields a result JSON starts with: the benchmark, when (UTC, seconds),
+    the machine (:func:`machine_info` with ``info``), the commit (:func:`git_commit`)
+    and the command line (:func:`run_command`)."""
+    git = git_commit()
+    return {
+        "benchmark": benchmark,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(info),
+        "git_commit": git["commit"],
+        "git_dirty": git["dirty"],
+        "command": run_command(world, argv),
+    }
+
+
+def checks_record(results: dict) -> dict:
+    """The verdict fields of a result JSON, from aggregated ``results`` (with
+    ``correct`` and the ``checks`` of every rank)."""
+    return {
+        "correct": results["correct"],
+        "checks_failed": [c for c in results["checks"] if not c["ok"]],
+        "checks_run": len(results["checks"]),
+    }
+
+
+def gather_or_exit(rank: int, world: int, measure) -> list:
+    """Every rank's ``measure()`` (this rank's checks and timings), in rank order.
+    A rank whose ``measure`` raises prints why and exits at once (fail fast:
+    torchrun then stops the other ranks, which would wait for this one in their
+    next collective)."""
+    import torch.distributed as dist
+
+    try:
+        result = measure()
+    except Exception:
+        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        os._exit(1)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, result)
+    return gathered
+
+
+def parse_or_replot(parser, argv, plot) -> tuple:
+    """``(args, code)``: ``argv`` parsed by ``parser``, and the exit code where the
+    run ends before measuring (:func:`replot_or_require_out`; None: measure)."""
+    args = parser.parse_args(argv)
+    return args, replot_or_require_out(args, plot)
 
 
 def replot_or_require_out(args, plot) -> int | None:

@@ -73,6 +73,15 @@ const BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(150);
 /// Bound of every device-side wait, ns of GPU time (below `WAIT`, so a hang is
 /// reported by the device, naming rank and peer).
 const DEVICE_TIMEOUT_NS: i64 = comm::error::DEFAULT_DEVICE_TIMEOUT_NS;
+/// A FIFO test kernel of `kernels::testing` (`fifo_roundtrip`, `fifo_push_only`).
+type FifoKernel = unsafe fn(
+    Device,
+    comm::StreamHandle,
+    PortChannelDeviceHandle,
+    i32,
+    i64,
+    u64,
+) -> comm::Result<()>;
 const FIFO_SLOTS: usize = 1024;
 const THREADS: u32 = 1024;
 /// Bytes per block of the memory-channel put before another block is added.
@@ -883,6 +892,24 @@ impl Bench {
         Ok(ns)
     }
 
+    /// One timed launch of `kernel` (a FIFO test kernel of `kernels::testing`)
+    /// on rank 0's port channel, `iters` operations: microseconds per operation.
+    fn fifo_kernel_us(&self, what: &str, kernel: FifoKernel, iters: i32) -> Result<f64> {
+        let port = self.port()?;
+        // SAFETY: the handle is valid for this device; out_ns is a device u64.
+        let ns = self.timed_launch(what, || unsafe {
+            kernel(
+                self.device,
+                self.stream.handle(),
+                port,
+                iters,
+                DEVICE_TIMEOUT_NS,
+                self.out_ns.ptr(),
+            )
+        })?;
+        Ok(ns as f64 / iters as f64 / 1e3)
+    }
+
     /// *Collective.* FIFO push -> proxy pop round trip on rank 0's port
     /// channel, microseconds per operation.
     fn fifo_roundtrip(&self, cfg: &Config) -> Result<Option<Stats>> {
@@ -895,20 +922,9 @@ impl Bench {
                     cfg.fifo_iters
                 };
                 let what = format!("FIFO round trip {rep}/{}", cfg.reps);
-                let port = self.port()?;
-                // SAFETY: the handle is valid for this device; out_ns is a device u64.
-                let ns = self.timed_launch(&what, || unsafe {
-                    testing::fifo_roundtrip(
-                        self.device,
-                        self.stream.handle(),
-                        port,
-                        iters,
-                        DEVICE_TIMEOUT_NS,
-                        self.out_ns.ptr(),
-                    )
-                })?;
+                let us = self.fifo_kernel_us(&what, testing::fifo_roundtrip, iters)?;
                 if rep > 0 {
-                    samples.push(ns as f64 / iters as f64 / 1e3);
+                    samples.push(us);
                 }
                 Ok(())
             })
@@ -934,21 +950,11 @@ impl Bench {
             (|| -> Result<()> {
                 let iters = cfg.fifo_iters;
                 let mut push = Vec::new();
-                let port = self.port()?;
                 for rep in 0..=cfg.reps {
-                    // SAFETY: the handle is valid for this device; out_ns is a device u64.
-                    let ns = self.timed_launch("FIFO push-only", || unsafe {
-                        testing::fifo_push_only(
-                            self.device,
-                            self.stream.handle(),
-                            port,
-                            iters,
-                            DEVICE_TIMEOUT_NS,
-                            self.out_ns.ptr(),
-                        )
-                    })?;
+                    let us =
+                        self.fifo_kernel_us("FIFO push-only", testing::fifo_push_only, iters)?;
                     if rep > 0 {
-                        push.push(ns as f64 / iters as f64 / 1e3);
+                        push.push(us);
                     }
                 }
                 out.push((

@@ -14,7 +14,11 @@ the full ``dispatch`` (the CPU waits for the counts); ``combine``;
 of the ratios into ``--out`` on rank 0, and prints the table. ``--profile N``:
 after timing, each call runs N more times under cProfile (same untimed partner
 calls and syncs, not profiled) and rank 0 writes the heaviest functions per call
-into ``profile.txt``.
+into ``profile.txt``. ``--breakdown``: each call timed again with every native method
+call and every ``torch.empty``/``torch.zeros`` timed inside it (the wrappers add
+~0.2 us per wrapped call), medians of the native, allocation and remaining
+(Python: checks, streams, glue) parts and the count of each per call, into
+``host_overhead.json`` under ``breakdown``.
 """
 
 from __future__ import annotations
@@ -87,6 +91,72 @@ def profile_call(fn, iters: int, sync, before=None, after=None, top: int = 25) -
     return text.getvalue()
 
 
+class Attribution:
+    """Time spent inside native methods and tensor allocations during one sample."""
+
+    CATEGORIES = ("native", "alloc")
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.ns = dict.fromkeys(self.CATEGORIES, 0)
+        self.count = dict.fromkeys(self.CATEGORIES, 0)
+
+    def timed(self, category: str, fn):
+        def wrapper(*a, **k):
+            t0 = time.perf_counter_ns()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.ns[category] += time.perf_counter_ns() - t0
+                self.count[category] += 1
+
+        return wrapper
+
+
+class NativeProxy:
+    """Stands in for a ``moelink._native`` object: its methods are timed as native."""
+
+    def __init__(self, obj, attribution: Attribution) -> None:
+        object.__setattr__(self, "_obj", obj)
+        object.__setattr__(self, "_attr", attribution)
+
+    def __getattr__(self, name):
+        v = getattr(self._obj, name)
+        return self._attr.timed("native", v) if callable(v) else v
+
+
+def breakdown_call(fn, iters: int, warmup: int, sync, attribution, before=None, after=None):
+    """Medians (us) of the total, native, allocation and remaining time of ``fn()``
+    and the median count of native calls and allocations per call."""
+    rows = []
+    for i in range(warmup + iters):
+        if before is not None:
+            before()
+            sync()
+        attribution.reset()
+        t0 = time.perf_counter_ns()
+        fn()
+        total = time.perf_counter_ns() - t0
+        native, alloc = attribution.ns["native"], attribution.ns["alloc"]
+        counts = dict(attribution.count)
+        if after is not None:
+            after()
+        sync()
+        if i >= warmup:
+            rows.append((total, native, alloc, total - native - alloc, counts))
+    med = lambda k: statistics.median(r[k] for r in rows) / 1e3  # noqa: E731
+    return {
+        "total_us": med(0),
+        "native_us": med(1),
+        "alloc_us": med(2),
+        "python_us": med(3),
+        "native_calls": statistics.median(r[4]["native"] for r in rows),
+        "allocs": statistics.median(r[4]["alloc"] for r in rows),
+    }
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=300)
@@ -97,6 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for host_overhead.json and the plot")
     p.add_argument(
         "--profile", type=int, default=0, help="profiled calls per entry after timing (0: none)"
+    )
+    p.add_argument(
+        "--breakdown", action="store_true", help="split each call into native/alloc/Python"
     )
     args = p.parse_args(argv)
 
@@ -202,6 +275,28 @@ def main(argv=None) -> int:
             fn, before, after = call if isinstance(call, tuple) else (call, None, None)
             dist.barrier(group=group)
             profiles[name] = profile_call(fn, args.profile, sync, before, after)
+    breakdown: dict = {}
+    if args.breakdown:
+        attribution = Attribution()
+        natives = [(ll_buf, "_ll"), (buf, "_native"), (ar, "_native")]
+        saved_natives = [getattr(o, a) for o, a in natives]
+        saved_torch = {k: getattr(torch, k) for k in ("empty", "zeros")}
+        try:
+            for (o, a), v in zip(natives, saved_natives):
+                setattr(o, a, NativeProxy(v, attribution))
+            for k, f in saved_torch.items():
+                setattr(torch, k, attribution.timed("alloc", f))
+            for name, call in calls.items():
+                fn, before, after = call if isinstance(call, tuple) else (call, None, None)
+                dist.barrier(group=group)
+                breakdown[name] = breakdown_call(
+                    fn, args.iters, args.warmup, sync, attribution, before, after
+                )
+        finally:
+            for (o, a), v in zip(natives, saved_natives):
+                setattr(o, a, v)
+            for k, f in saved_torch.items():
+                setattr(torch, k, f)
     sync()
     ll_buf.destroy()
     buf.destroy()
@@ -213,6 +308,17 @@ def main(argv=None) -> int:
                 f"{name:38s} {r['median_us']:10.1f} {r['p10_us']:8.1f} {r['p90_us']:8.1f} "
                 f"{r['ratio']:6.1f}x"
             )
+        if breakdown:
+            rows.append(
+                f"{'breakdown (us)':38s} {'total':>8s} {'native':>8s} {'alloc':>8s} "
+                f"{'python':>8s} {'#nat':>5s} {'#alloc':>6s}"
+            )
+            for name, b in breakdown.items():
+                rows.append(
+                    f"{name:38s} {b['total_us']:8.1f} {b['native_us']:8.1f} "
+                    f"{b['alloc_us']:8.1f} {b['python_us']:8.1f} {b['native_calls']:5.0f} "
+                    f"{b['allocs']:6.0f}"
+                )
         print("\n".join(rows), flush=True)
         if args.out:
             out = Path(args.out)
@@ -228,6 +334,7 @@ def main(argv=None) -> int:
                     "allreduce_bytes": ALLREDUCE_BYTES,
                 },
                 "results": results,
+                "breakdown": breakdown,
                 "commit": bench_common.git_commit(),
                 "command": " ".join(sys.argv),
             }

@@ -26,11 +26,9 @@ redraws the PNG next to an existing JSON (no GPU needed).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import sys
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -100,24 +98,22 @@ def plot(data: dict, path: Path) -> None:
             linestyles="dashed",
             label=f"target >= {target.best_gbps:g} (<= {demo.TARGET_MAX_SMS} SMs)",
         )
-        ax.plot(
-            [demo.COMPARE_SMS],
-            [target.at_compare_sms_gbps],
-            marker="*",
-            markersize=12,
-            color="black",
-            linestyle="none",
-            label=f"target >= {target.at_compare_sms_gbps:g} at {demo.COMPARE_SMS} SMs",
-        )
-        ax.plot(
-            [demo.COMPARE_SMS],
-            [target.deepep_gbps],
-            marker="x",
-            markersize=9,
-            color="tab:red",
-            linestyle="none",
-            label=f"DeepEP V1, {demo.COMPARE_SMS} SMs: {target.deepep_gbps:g}",
-        )
+        # The points at COMPARE_SMS: the target there, and DeepEP V1's figure.
+        at, deepep = target.at_compare_sms_gbps, target.deepep_gbps
+        sms = f"{demo.COMPARE_SMS} SMs"
+        for y, marker, size, c, label in (
+            (at, "*", 12, "black", f"target >= {at:g} at {sms}"),
+            (deepep, "x", 9, "tab:red", f"DeepEP V1, {sms}: {deepep:g}"),
+        ):
+            ax.plot(
+                [demo.COMPARE_SMS],
+                [y],
+                marker=marker,
+                markersize=size,
+                color=c,
+                linestyle="none",
+                label=label,
+            )
         if baseline:
             ax.axhline(
                 baseline["GBps"],
@@ -194,8 +190,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
-    code = bench_common.replot_or_require_out(args, plot)
+    args, code = bench_common.parse_or_replot(build_parser(), argv, plot)
     if code is not None:
         return code
     demo.normalize_args(args)
@@ -205,30 +200,21 @@ def main(argv=None) -> int:
 
     info = bench_common.init()
     rank, world = info.rank, info.world_size
-    try:
+
+    def measure() -> dict:
         result = demo.run_rank(rank, world, dist.group.WORLD, args)
         if not bench_common.uses_nccl(info):
             result["rows"].append(copy_row(torch, dist, result, args))
-    except Exception:
-        # Fail fast: torchrun then stops the other ranks, which would wait for
-        # this one in their next collective.
-        print(f"rank {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
-        os._exit(1)
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, result)
+        return result
+
+    gathered = bench_common.gather_or_exit(rank, world, measure)
     results = demo.aggregate(gathered)
     rows = results["rows"]
     baseline = next((r for r in rows if r["op"] in (demo.BASELINE, COPY)), None)
     baseline_record = bench_common.baseline_record(info, NCCL_LABEL)
     if rank == 0:
-        git = bench_common.git_commit()
         data = {
-            "benchmark": "intranode dispatch/combine",
-            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "machine": bench_common.machine_info(info),
-            "git_commit": git["commit"],
-            "git_dirty": git["dirty"],
-            "command": bench_common.run_command(world, argv),
+            **bench_common.record_header("intranode dispatch/combine", info, world, argv),
             "env": {k: os.environ.get(k) for k in demo.NO_MULTICAST_ENV},
             "config": {
                 **results["workload"],
@@ -247,9 +233,7 @@ def main(argv=None) -> int:
                 }
                 for op, t in demo.TARGETS.items()
             },
-            "correct": results["correct"],
-            "checks_failed": [c for c in results["checks"] if not c["ok"]],
-            "checks_run": len(results["checks"]),
+            **bench_common.checks_record(results),
             "results": {"rows": rows, "recv_tokens": results["recv_tokens"]},
             "baseline": baseline and {**baseline_record, **baseline},
             "per_rank": gathered,

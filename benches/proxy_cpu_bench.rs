@@ -10,63 +10,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm::device_handles::{trigger_type as tt, ProxyTrigger};
+use comm::proxy::testing::{fake_host_memory, TestConnection};
 use comm::proxy::ProxyService;
-use comm::registered_memory::{Location, MemoryInfo, RegisteredMemory};
-use comm::transport::{AtomicWidth, Connection, Transport};
-
-#[derive(Debug)]
-struct Null;
-
-impl Connection for Null {
-    fn transport(&self) -> Transport {
-        Transport::Ethernet
-    }
-    fn remote_rank(&self) -> usize {
-        1
-    }
-    fn write(
-        &self,
-        _: &RegisteredMemory,
-        _: u64,
-        _: &RegisteredMemory,
-        _: u64,
-        _: u64,
-    ) -> comm::Result<()> {
-        Ok(())
-    }
-    fn update_and_sync(&self, _: &RegisteredMemory, _: u64, _: u64) -> comm::Result<()> {
-        Ok(())
-    }
-    fn atomic_add(&self, _: &RegisteredMemory, _: u64, _: i64, _: AtomicWidth) -> comm::Result<()> {
-        Ok(())
-    }
-    fn flush(&self, _: Duration) -> comm::Result<()> {
-        Ok(())
-    }
-}
-
-fn mem(rank: u32) -> RegisteredMemory {
-    RegisteredMemory::local(
-        MemoryInfo {
-            rank,
-            len: 1 << 20,
-            location: Location::Host,
-            host_id: 0,
-            owner_ptr: 0x1000,
-            ipc: None,
-            ethernet: None,
-        },
-        None,
-    )
-}
 
 fn main() -> comm::Result<()> {
     let n = 1_000_000u64;
     let mut samples = Vec::new();
     for _ in 0..7 {
         let mut proxy = ProxyService::new(0, None, 1024, 0)?;
-        let m = proxy.add_memory(mem(0))?;
-        let ch = proxy.add_channel(Arc::new(Null), mem(1), 0)?;
+        let m = proxy.add_memory(fake_host_memory(0, 1 << 20))?;
+        let null = Arc::new(TestConnection::default());
+        let ch = proxy.add_channel(null, fake_host_memory(1, 1 << 20), 0)?;
         proxy.start()?;
         let p = proxy.fifo().host_producer()?;
         let t0 = Instant::now();

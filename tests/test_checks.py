@@ -173,16 +173,6 @@ def test_check_experts_ranks():
     assert check_experts_ranks(256, 8) == 32
     assert check_experts_ranks(3, 1) == 3
     assert check_experts_ranks(4, 4) == 1
-    with pytest.raises(ValueError, match="num_experts must be a multiple of num_ranks, got "):
-        check_experts_ranks(10, 4)
-    with pytest.raises(ValueError, match="num_experts=2 and num_ranks=4"):
-        check_experts_ranks(2, 4)
-    with pytest.raises(ValueError, match="num_experts must be positive, got 0"):
-        check_experts_ranks(0, 4)
-    with pytest.raises(ValueError, match="num_ranks must be positive, got -1"):
-        check_experts_ranks(8, -1)
-    with pytest.raises(TypeError, match="num_ranks must be an int"):
-        check_experts_ranks(8, 2.0)
 
 
 def test_check_hidden_bytes():
@@ -190,16 +180,41 @@ def test_check_hidden_bytes():
     assert check_hidden_bytes(128, 1) == 128
     assert check_hidden_bytes(64, 2) == 128
     assert check_hidden_bytes(32, 4) == 128
-    with pytest.raises(ValueError, match=r"multiple of 128 bytes up to 1048576, got hidden=100 \*"):
-        check_hidden_bytes(100, 2)
-    with pytest.raises(ValueError, match=r"up to 1048576, got hidden=524352 \* element_size=2"):
-        check_hidden_bytes((1 << 19) + 64, 2)
-    with pytest.raises(ValueError, match="= 64"):
-        check_hidden_bytes(64, 1)
-    with pytest.raises(ValueError, match="hidden must be positive, got 0"):
-        check_hidden_bytes(0, 2)
-    with pytest.raises(ValueError, match="element_size must be positive, got 0"):
-        check_hidden_bytes(128, 0)
+
+
+@pytest.mark.parametrize(
+    "check, args, exc, match",
+    [
+        (
+            check_experts_ranks,
+            (10, 4),
+            ValueError,
+            "num_experts must be a multiple of num_ranks, got ",
+        ),
+        (check_experts_ranks, (2, 4), ValueError, "num_experts=2 and num_ranks=4"),
+        (check_experts_ranks, (0, 4), ValueError, "num_experts must be positive, got 0"),
+        (check_experts_ranks, (8, -1), ValueError, "num_ranks must be positive, got -1"),
+        (check_experts_ranks, (8, 2.0), TypeError, "num_ranks must be an int"),
+        (
+            check_hidden_bytes,
+            (100, 2),
+            ValueError,
+            r"multiple of 128 bytes up to 1048576, got hidden=100 \*",
+        ),
+        (
+            check_hidden_bytes,
+            ((1 << 19) + 64, 2),
+            ValueError,
+            r"up to 1048576, got hidden=524352 \* element_size=2",
+        ),
+        (check_hidden_bytes, (64, 1), ValueError, "= 64"),
+        (check_hidden_bytes, (0, 2), ValueError, "hidden must be positive, got 0"),
+        (check_hidden_bytes, (128, 0), ValueError, "element_size must be positive, got 0"),
+    ],
+)
+def test_check_experts_ranks_and_hidden_bytes_reject(check, args, exc, match):
+    with pytest.raises(exc, match=match):
+        check(*args)
 
 
 # --- check_dispatch_x ------------------------------------------------------------------

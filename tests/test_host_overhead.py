@@ -63,3 +63,36 @@ def test_profile_sees_only_the_call():
     (line,) = [ln for ln in text.splitlines() if "profiled_work" in ln]
     assert line.split()[0] == "4"  # ncalls: every profiled call, no more
     assert "partner_work" not in text
+
+
+def test_breakdown_splits_native_alloc_and_the_rest():
+    clock = iter(range(0, 100_000, 1))
+    mp = pytest.MonkeyPatch()
+    mp.setattr(host_overhead.time, "perf_counter_ns", lambda: next(clock) * 1000)
+    try:
+        attr = host_overhead.Attribution()
+
+        class Native:
+            def launch(self):
+                return "launched"
+
+            size = 3
+
+        native = host_overhead.NativeProxy(Native(), attr)
+        alloc = attr.timed("alloc", lambda: None)
+
+        def call():
+            assert native.launch() == "launched"
+            assert native.size == 3  # attributes pass through untimed
+            alloc()
+            alloc()
+
+        row = host_overhead.breakdown_call(call, iters=2, warmup=1, sync=lambda: None,
+                                           attribution=attr)  # fmt: skip
+    finally:
+        mp.undo()
+    # Each wrapped call reads the clock twice (1 us apart); the whole call spans
+    # its own two reads around the three wrapped calls: 7 us in all.
+    assert row["native_calls"] == 1 and row["allocs"] == 2
+    assert row["native_us"] == 1.0 and row["alloc_us"] == 2.0
+    assert row["total_us"] == 7.0 and row["python_us"] == 4.0

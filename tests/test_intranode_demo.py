@@ -144,22 +144,7 @@ def test_format_report_of_gpu_shaped_results():
             row(demo.COMBINE_BF16, sms, us, nbytes),
         ]
     rows.append(row(demo.BASELINE, None, 700.0, nbytes))
-    ranks = []
-    for r in range(2):
-        ranks.append(
-            {
-                "mode": "gpu",
-                "rank": r,
-                "num_ranks": 2,
-                "device": "NVIDIA H200",
-                "workload": {**SMALL, "seed": 0},
-                "timing": {"clock": "CUDA events", "iters": 3, "warmup": 1, "l2_flush_bytes": 1},
-                "recv_tokens": [100, 120],
-                "correct": True,
-                "checks": [{"name": "x", "ok": True, "detail": ""}],
-                "rows": rows,
-            }
-        )
+    ranks = [_gpu_result(r, num_ranks=2, rows=rows) for r in range(2)]
     agg = demo.aggregate(ranks)
     assert agg["correct"] and agg["ranks_aggregated"] == 2
     text = demo.format_report(agg)
@@ -212,20 +197,24 @@ def test_shared_gpu_note_says_what_is_measured():
     assert "mix one GPU's memory with NVLink" in demo.shared_gpu_note(8, 2, True)
 
 
-def _gpu_result(rank: int, **extra) -> dict:
-    row = demo._row(demo.DISPATCH_BF16, 24, [500.0, 510.0, 490.0], 211e6)  # 422 GB/s
-    layout = demo._row(demo.LAYOUT, None, [15.0, 15.0, 15.0], None)
+def _gpu_result(rank: int, num_ranks: int = 4, rows: list | None = None, **extra) -> dict:
+    """Rank ``rank``'s result of a GPU run of ``num_ranks`` ranks (synthetic
+    numbers); ``rows`` default to a layout and a dispatch bf16 at 24 SMs."""
+    if rows is None:
+        row = demo._row(demo.DISPATCH_BF16, 24, [500.0, 510.0, 490.0], 211e6)  # 422 GB/s
+        layout = demo._row(demo.LAYOUT, None, [15.0, 15.0, 15.0], None)
+        rows = [layout, row]
     return {
         "mode": "gpu",
         "rank": rank,
-        "num_ranks": 4,
+        "num_ranks": num_ranks,
         "device": "NVIDIA H200",
         "workload": {**SMALL, "seed": 0},
         "timing": {"clock": "CUDA events", "iters": 3, "warmup": 1, "l2_flush_bytes": 1},
-        "recv_tokens": [100, 120, 110, 90],
+        "recv_tokens": [100, 120, 110, 90][:num_ranks],
         "correct": True,
         "checks": [{"name": "x", "ok": True, "detail": ""}],
-        "rows": [layout, row],
+        "rows": rows,
         **extra,
     }
 

@@ -90,6 +90,84 @@ def test_run_scenario_fail(gloo_world, capsys):
     assert "PASS" not in out
 
 
+def test_scenario_table():
+    def scenario_a():
+        pass
+
+    def scenario_b():
+        pass
+
+    namespace = {"scenario_b": scenario_b, "scenario_a": scenario_a, "other": None}
+    assert worker_driver.scenario_table(namespace, ("a", "b")) == {"a": scenario_a, "b": scenario_b}
+    with pytest.raises(KeyError, match="scenario_c"):
+        worker_driver.scenario_table(namespace, ("a", "c"))
+
+
+def test_shared_seed(gloo_world, monkeypatch, capsys):
+    monkeypatch.setenv("MOELINK_TEST_DRIVER_SEED", "1234")
+    assert worker_driver.shared_seed("MOELINK_TEST_DRIVER_SEED", 0, gloo_world) == 1234
+    assert "seed 1234 (MOELINK_TEST_DRIVER_SEED=1234 replays this run)" in capsys.readouterr().out
+    monkeypatch.setenv("MOELINK_TEST_DRIVER_SEED", "0")  # 0: draw one
+    assert 0 < worker_driver.shared_seed("MOELINK_TEST_DRIVER_SEED", 1, gloo_world) < 1 << 48
+    assert capsys.readouterr().out == ""  # only rank 0 prints
+
+
+def _group(gloo):
+    return worker_driver.WorkerGroup(0, 1, 0, None, gloo, gloo, 1)
+
+
+def test_run_scenarios(gloo_world, capsys):
+    calls = []
+
+    def run(name):
+        calls.append(name)
+        if name == "bad":
+            raise RuntimeError("boom")
+
+    status = worker_driver.run_scenarios(
+        _group(gloo_world),
+        ["good", "bad", "later"],
+        run,
+        timeout_s=60,
+        on_failure=lambda: calls.append("replaced"),
+        sync=lambda: calls.append("sync"),
+    )
+    assert status == 1
+    assert calls == ["good", "sync", "bad", "replaced", "later", "sync"]
+    out = capsys.readouterr().out
+    assert "PASS good (" in out and "FAIL bad [rank 0]: RuntimeError: boom" in out
+    assert "PASS later (" in out
+
+
+def test_destroy_after_failure_prints_what_destroy_raises(monkeypatch, capsys):
+    monkeypatch.setattr(worker_driver.torch.cuda, "synchronize", lambda: None)
+
+    class Broken:
+        def destroy(self):
+            raise RuntimeError("gone")
+
+    worker_driver.destroy_after_failure(Broken(), "Buffer", 3)
+    assert "[rank 3] destroying the Buffer after a failure: RuntimeError('gone')" in (
+        capsys.readouterr().out
+    )
+
+
+@pytest.mark.parametrize("body_raises", [False, True])
+def test_run_worker(gloo_world, monkeypatch, capsys, body_raises):
+    destroyed = []
+    monkeypatch.setattr(worker_driver.dist, "destroy_process_group", lambda: destroyed.append(1))
+
+    def body():
+        if body_raises:
+            raise ValueError("no such scenario")
+        return 1
+
+    assert worker_driver.run_worker(_group(gloo_world), body) == 1
+    assert destroyed == [1]
+    out = capsys.readouterr().out
+    assert ("FAIL setup [rank 0]: ValueError: no such scenario" in out) == body_raises
+
+
 def _in_step_rank(rank: int, store: str, raise_on: int, out, together: bool = True) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:

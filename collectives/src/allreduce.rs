@@ -1,7 +1,9 @@
 //! [`AllReduceComm`]: a communicator for allreduce / allgather among the
 //! ranks of one host, and the launch of every algorithm.
 //!
-//! Per rank it holds a comm [`Communicator`], one registered scratch buffer
+//! Per rank it holds its group's shared comm
+//! [`Communicator`](comm::Communicator) (through a [`Member`]: with its own
+//! scope, device error record and device-wait bound), one registered scratch buffer
 //! mapped by every peer ([`ScratchLayout`]: two halves of LL packet space,
 //! then a data region and a result region of `max_bytes` each), a device table of memory channels
 //! (one per (block, peer), for the per-block barriers), a device word pair
@@ -10,15 +12,14 @@
 //! without waiting; every rank must make the same calls in the same order
 //! (same sizes, dtypes, algorithm choices), like NCCL.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use comm::channel::MemoryChannel;
 use comm::error::check_device_timeout_ns;
 use comm::registered_memory::RegisteredMemory;
 use comm::{
-    Bootstrap, CommError, Communicator, CommunicatorOptions, Device, DeviceMemory, Result,
-    StreamHandle, SymmetricRegion,
+    CommError, CommunicatorOptions, Device, DeviceMemory, Group, Member, Result, StreamHandle,
+    SymmetricRegion,
 };
 
 use crate::algorithm::{Algorithm, Collective, Limits, Request};
@@ -43,7 +44,8 @@ pub struct AllReduceConfig {
     pub twoshot_max_bytes: usize,
     /// Largest per-rank ag_ll input (capped at max_bytes).
     pub allgather_ll_max_bytes: usize,
-    /// Bound of every host-side wait (bootstrap, registration).
+    /// Bound of every host-side wait (registration; the group's
+    /// Communicator's waits when this is the group's first object).
     pub timeout: Duration,
     /// Bound of every device-side wait, nanoseconds of GPU time (positive).
     pub device_timeout_ns: i64,
@@ -140,7 +142,9 @@ pub struct AllGatherCall {
 }
 
 pub struct AllReduceComm {
-    comm: Communicator,
+    /// The group's Communicator, this object's scope (registrations and
+    /// barriers), device error record and device-wait bound.
+    member: Member,
     device: Device,
     kernels: CollKernels,
     scratch: RegisteredMemory,
@@ -154,7 +158,6 @@ pub struct AllReduceComm {
     table: TunedTable,
     registry: Registry,
     timeout: Duration,
-    device_timeout_ns: i64,
     test_hooks: TestHooks,
 }
 
@@ -194,15 +197,12 @@ fn overlaps(a: u64, a_len: u64, b: u64, b_len: u64) -> bool {
 }
 
 impl AllReduceComm {
-    /// *Collective.* Builds the communicator over `bootstrap` on `device`:
-    /// scratch buffer, its mappings on every peer, a memory channel per
-    /// (block, peer). Every rank must be on this host.
-    pub fn new(
-        bootstrap: Arc<dyn Bootstrap>,
-        device: Device,
-        config: &AllReduceConfig,
-    ) -> Result<Self> {
-        let size = bootstrap.size();
+    /// *Collective.* The group's next object, on `device`: scratch buffer,
+    /// its mappings on every peer, a memory channel per (block, peer), on the
+    /// group's Communicator (made now if this is the group's first object).
+    /// Every rank must be on this host.
+    pub fn new(group: &Group, device: Device, config: &AllReduceConfig) -> Result<Self> {
+        let size = group.size();
         if size == 0 || size > MAX_RANKS {
             return Err(CommError::invalid(
                 "group",
@@ -218,10 +218,11 @@ impl AllReduceComm {
         check_device_timeout_ns(config.device_timeout_ns)?;
         let opts = CommunicatorOptions {
             timeout: config.timeout,
-            semaphore_slots: (MAX_BLOCKS * MAX_RANKS + 64) as u32,
             ..CommunicatorOptions::default()
         };
-        let comm = Communicator::new(bootstrap, Some(device), opts)?;
+        let mut member = group.join("allreduce", Some(device), &opts)?;
+        member.set_device_timeout_ns(config.device_timeout_ns)?;
+        let comm = member.comm().clone();
         comm.device_share().require("allreduce", 1)?;
         let kernels = CollKernels::get(device)?;
         // Every block of every rank must be resident together, and the block
@@ -256,17 +257,18 @@ impl AllReduceComm {
         let rank = comm.rank();
         // One memory channel per (block, peer) over the scratch: block b of
         // every kernel signals and waits on row b (entry (b, rank) zeroed).
-        let (channels, channel_table) = region.memory_channel_table(&comm, MAX_BLOCKS)?;
+        let (channels, channel_table) =
+            region.memory_channel_table(&comm, MAX_BLOCKS, member.device_error())?;
         let state = DeviceMemory::alloc(device, 16)?;
         state.fill(0)?;
         // Everybody has mapped everybody before anyone launches.
-        comm.barrier()?;
+        member.ready()?;
         tracing::debug!(
             "allreduce communicator: rank {rank} of {size}, scratch {} bytes ({layout:?})",
             layout.total
         );
         Ok(Self {
-            comm,
+            member,
             device,
             kernels,
             scratch,
@@ -279,17 +281,16 @@ impl AllReduceComm {
             table: TunedTable::new(),
             registry: Registry::new(),
             timeout: config.timeout,
-            device_timeout_ns: config.device_timeout_ns,
             test_hooks: TestHooks::default(),
         })
     }
 
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.member.rank()
     }
 
     pub fn num_ranks(&self) -> usize {
-        self.comm.size()
+        self.member.size()
     }
 
     pub fn device(&self) -> Device {
@@ -304,14 +305,14 @@ impl AllReduceComm {
         &self.layout
     }
 
-    /// Bound of every device wait, nanoseconds of GPU time (positive).
+    /// Bound of every device wait of this communicator, nanoseconds of GPU
+    /// time (positive; other objects of the group keep theirs).
     pub fn set_device_timeout_ns(&mut self, timeout_ns: i64) -> Result<()> {
-        self.device_timeout_ns = check_device_timeout_ns(timeout_ns)?;
-        Ok(())
+        self.member.set_device_timeout_ns(timeout_ns)
     }
 
     pub fn device_timeout_ns(&self) -> i64 {
-        self.device_timeout_ns
+        self.member.device_timeout_ns()
     }
 
     /// Tests only: widens the window in which a peer runs ahead into its next
@@ -332,15 +333,17 @@ impl AllReduceComm {
         Ok(())
     }
 
-    /// Error of a device wait that ran out (rank, peer, what), if any. After
-    /// one, the communicator's state is inconsistent across ranks: destroy it.
+    /// Error of a device wait of this communicator that ran out (rank, peer,
+    /// what), if any. After one, its state is inconsistent across ranks:
+    /// destroy it.
     pub fn check_device(&self) -> Result<()> {
-        self.comm.check_device()
+        self.member.check_device()
     }
 
-    /// *Collective* host barrier.
+    /// *Collective* host barrier, in this object's own scope of the group's
+    /// bootstrap.
     pub fn barrier(&self) -> Result<()> {
-        self.comm.barrier()
+        self.member.barrier()
     }
 
     pub fn table(&self) -> &TunedTable {
@@ -356,15 +359,17 @@ impl AllReduceComm {
         self.table.insert(key, choice);
     }
 
-    /// *Collective.* Registers `[ptr, ptr + len)` for zero-copy algorithms.
+    /// *Collective.* Registers `[ptr, ptr + len)` for zero-copy algorithms
+    /// (its exchanges in this object's own scope).
     pub fn register(&mut self, ptr: u64, len: u64) -> Result<u64> {
-        self.registry.register(&self.comm, self.timeout, ptr, len)
+        self.registry
+            .register(self.member.bootstrap(), self.device, self.timeout, ptr, len)
     }
 
     /// *Collective.* Drops registration `id` after a barrier (so no peer
     /// still reads it).
     pub fn deregister(&mut self, id: u64) -> Result<()> {
-        self.comm.barrier()?;
+        self.member.barrier()?;
         self.registry.deregister(id)
     }
 
@@ -400,7 +405,7 @@ impl AllReduceComm {
             output,
             scratch: self.scratch.ptr(),
             channels: self.channel_table.ptr(),
-            error: self.comm.device_error().device_ptr(),
+            error: self.member.device_error().device_ptr(),
             counter: self.state.ptr(),
             ticket: self.state.ptr() + 8,
             nbytes,
@@ -408,7 +413,7 @@ impl AllReduceComm {
             ll_half_bytes: self.layout.ll_half_bytes,
             data_offset: self.layout.data_offset,
             result_offset: self.result_offset(),
-            timeout_ns: self.device_timeout_ns,
+            timeout_ns: self.member.device_timeout_ns(),
             test_delay_us: self.test_hooks.copy_out_delay_us,
             rank: self.rank() as i32,
             num_ranks: self.num_ranks() as i32,
@@ -486,7 +491,7 @@ impl AllReduceComm {
         if n == 0 {
             return Ok(choice);
         }
-        self.comm.check_device()?;
+        self.member.check_device()?;
         let mut a = self.base_args(c.input, c.output, n);
         match choice.algorithm {
             Algorithm::OneShotLl | Algorithm::TwoShotLl => {
@@ -625,7 +630,7 @@ impl AllReduceComm {
         if n == 0 {
             return Ok(choice);
         }
-        self.comm.check_device()?;
+        self.member.check_device()?;
         let mut a = self.base_args(c.input, c.output, n);
         let kernel = match choice.algorithm {
             Algorithm::AgLl => {

@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use comm::registered_memory::{host_id, IpcExport, Location, MemoryInfo, RegisteredMemory};
 use comm::wire::{Reader, Writer};
-use comm::{CommError, Communicator, Device, IpcHandle, Result};
+use comm::{Bootstrap, CommError, Device, IpcHandle, Result};
 use cudarc::driver::sys;
 
 /// One registered range and where every rank's copy of it is mapped here.
@@ -148,19 +148,20 @@ impl Registry {
         self.regs.is_empty()
     }
 
-    /// *Collective.* Registers `[ptr, ptr + len)` of every rank; returns its id
-    /// (the same on every rank). Fails on every rank if it fails on any.
+    /// *Collective.* Registers `[ptr, ptr + len)` of every rank on `device`;
+    /// returns its id (the same on every rank). Fails on every rank if it
+    /// fails on any. Its exchanges go through `bootstrap` (the owning
+    /// object's own scope: registrations happen at run time, beside other
+    /// objects' collectives).
     pub fn register(
         &mut self,
-        comm: &Communicator,
+        bootstrap: &dyn Bootstrap,
+        device: Device,
         timeout: Duration,
         ptr: u64,
         len: u64,
     ) -> Result<u64> {
-        let rank = comm.rank();
-        let device = comm
-            .device()
-            .ok_or_else(|| CommError::invalid("device", "registration needs a GPU"))?;
+        let rank = bootstrap.rank();
         let local = if len == 0 {
             Err(CommError::invalid("tensor", "cannot register 0 bytes"))
         } else {
@@ -175,7 +176,7 @@ impl Registry {
                 w.u8(0).bytes(e.to_string().as_bytes());
             }
         }
-        let all = comm.bootstrap().all_gather(&w.finish())?;
+        let all = bootstrap.all_gather(&w.finish())?;
         let mut infos = Vec::with_capacity(all.len());
         let mut errors = Vec::new();
         for (r, b) in all.iter().enumerate() {
@@ -216,7 +217,7 @@ impl Registry {
             &mut peer_ptrs,
             &mut keys,
         );
-        let ok = comm.bootstrap().all_gather(&[imported.is_ok() as u8])?;
+        let ok = bootstrap.all_gather(&[imported.is_ok() as u8])?;
         let failed: Vec<usize> = (0..ok.len()).filter(|&r| ok[r] != [1]).collect();
         if let Err(e) = imported {
             self.release(&keys);

@@ -31,7 +31,8 @@ fn single_rank_comm(dev: Device) -> AllReduceComm {
         device_timeout_ns: 5_000_000_000,
         ..AllReduceConfig::default()
     };
-    AllReduceComm::new(Arc::new(boot), dev, &cfg).unwrap()
+    let group = comm::Group::new(Arc::new(boot)).unwrap();
+    AllReduceComm::new(&group, dev, &cfg).unwrap()
 }
 
 #[test]
@@ -54,7 +55,8 @@ fn a_device_timeout_must_be_positive() {
         device_timeout_ns: 0,
         ..AllReduceConfig::default()
     };
-    let e = AllReduceComm::new(Arc::new(boot), dev, &cfg).unwrap_err();
+    let group = comm::Group::new(Arc::new(boot)).unwrap();
+    let e = AllReduceComm::new(&group, dev, &cfg).unwrap_err();
     assert!(e.to_string().contains("timeout"), "{e}");
 }
 

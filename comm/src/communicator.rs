@@ -4,7 +4,12 @@
 //!
 //! Every method marked *collective* must be called by all ranks in the same
 //! order: the communicator numbers its exchanges so their bootstrap messages
-//! never mix.
+//! never mix. A Communicator may be shared (a [`Group`](crate::Group) makes
+//! one for all its objects): its collectives are then made only while an
+//! object is being made, one object at a time (see [`crate::group`]), and
+//! each object keeps its own device error record and device-wait bound
+//! ([`Member`](crate::group::Member)); [`Communicator::device_error`] is the
+//! record of code that uses a Communicator on its own (tests, benchmarks).
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -18,10 +23,11 @@ use crate::device_error::DeviceErrorRecord;
 use crate::device_share::{ranks_on_same_device, DeviceShare};
 use crate::error::{CommError, Result};
 use crate::fd_passing::FdServer;
+use crate::host_memory::HostMemory;
 use crate::memory::DeviceMemory;
 use crate::proxy::ProxyService;
 use crate::registered_memory::{host_id, IpcExport, Location, MemoryInfo, RegisteredMemory};
-use crate::semaphore::{Semaphore, SignalPage, SLOT_BYTES};
+use crate::semaphore::{Semaphore, SignalPage, SlotCursor, SLOT_BYTES};
 use crate::topology::{ranks_per_node_from_env, Topology};
 use crate::transport::cuda_ipc::CudaIpcConnection;
 use crate::transport::ethernet::{EthernetConnection, EthernetReceiver};
@@ -41,7 +47,10 @@ pub struct CommunicatorOptions {
     /// Start an Ethernet receiver bound here (port 0: any), so peers can reach
     /// this rank's registered memory over TCP.
     pub ethernet: Option<SocketAddr>,
-    /// Semaphores this rank can create (its signal page's slots).
+    /// Semaphore slots of one signal page (32 bytes each; raised to the
+    /// number of ranks; where ranks ask for different counts, every rank uses
+    /// the smallest). Pages are added as semaphores are made, so this bounds
+    /// nothing: it is the step by which this rank's signal memory grows.
     pub semaphore_slots: u32,
     /// Bound of every host-side wait the communicator makes.
     pub timeout: Duration,
@@ -51,7 +60,8 @@ impl Default for CommunicatorOptions {
     fn default() -> Self {
         Self {
             ethernet: None,
-            semaphore_slots: 4096,
+            // One page: 2 MiB, the usual cuMem allocation granularity.
+            semaphore_slots: 65536,
             timeout: Duration::from_secs(60),
         }
     }
@@ -74,9 +84,10 @@ impl Drop for Registration {
     }
 }
 
-/// As [`Registration`], for a legacy-IPC registration (no fd offer).
+/// As [`Registration`], for memory without an fd offer (a legacy-IPC
+/// registration, a host signal page).
 struct LegacyRegistration {
-    _memory: Arc<DeviceMemory>,
+    _memory: Arc<dyn std::any::Any + Send + Sync>,
     ethernet: Option<(Arc<EthernetReceiver>, u64)>,
 }
 
@@ -96,9 +107,11 @@ pub struct Communicator {
     ethernet: Option<Arc<EthernetReceiver>>,
     /// Every rank's Ethernet receiver address (if it runs one).
     peer_ethernet: Vec<Option<String>>,
-    signal_page: Option<SignalPage>,
-    /// Every rank's signal page as seen from here (ours included).
-    signal_pages: Vec<Option<RegisteredMemory>>,
+    /// This rank's signal pages, every rank's pages as seen from here, and
+    /// where the next semaphores go.
+    signals: Mutex<Signals>,
+    /// The record of code that uses this Communicator on its own (objects
+    /// made on a Group keep their own).
     error: DeviceErrorRecord,
     seq: AtomicU64,
     timeout: Duration,
@@ -114,6 +127,15 @@ pub struct Communicator {
     topology: Topology,
 }
 
+/// A Communicator's semaphore counters (see [`crate::semaphore`]).
+struct Signals {
+    /// Ours, oldest first.
+    pages: Vec<SignalPage>,
+    /// `peers[k][r]`: rank r's page k as seen from here (ours: our own).
+    peers: Vec<Vec<RegisteredMemory>>,
+    cursor: SlotCursor,
+}
+
 impl std::fmt::Debug for Communicator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Communicator")
@@ -126,7 +148,8 @@ impl std::fmt::Debug for Communicator {
 
 impl Communicator {
     /// *Collective.* Sets up this rank: fd server, optional Ethernet receiver,
-    /// signal page (when a device is given), and exchanges how to reach them.
+    /// first signal page (GPU memory, or heap memory without a device), and
+    /// exchanges how to reach them.
     pub fn new(
         bootstrap: Arc<dyn Bootstrap>,
         device: Option<Device>,
@@ -143,6 +166,12 @@ impl Communicator {
             None => None,
         };
         let host_id = host_id();
+        // At least one slot per peer, so that one call's semaphores fit a page.
+        let slots = opts.semaphore_slots.max(size as u32);
+        let page = match device {
+            Some(d) => SignalPage::new(d, slots)?,
+            None => SignalPage::host(slots),
+        };
         let mut comm = Self {
             bootstrap,
             device,
@@ -150,8 +179,11 @@ impl Communicator {
             fd_server,
             ethernet,
             peer_ethernet: vec![None; size],
-            signal_page: None,
-            signal_pages: vec![None; size],
+            signals: Mutex::new(Signals {
+                pages: Vec::new(),
+                peers: Vec::new(),
+                cursor: SlotCursor::new(page.slots()),
+            }),
             error: DeviceErrorRecord::new(device)?,
             seq: AtomicU64::new(0),
             timeout: opts.timeout,
@@ -161,15 +193,7 @@ impl Communicator {
             device_peers: vec![rank],
             topology: Topology::single(rank, size),
         };
-        let page_info = match device {
-            Some(d) => {
-                let page = SignalPage::new(d, opts.semaphore_slots)?;
-                let reg = comm.register(page.memory().clone())?;
-                comm.signal_page = Some(page);
-                Some(reg)
-            }
-            None => None,
-        };
+        let page_reg = comm.register_page(&page)?;
         let mut w = Writer::default();
         w.bytes(
             comm.ethernet
@@ -178,12 +202,8 @@ impl Communicator {
                 .unwrap_or_default()
                 .as_bytes(),
         );
-        w.bytes(
-            &page_info
-                .as_ref()
-                .map(|m| m.info().to_bytes())
-                .unwrap_or_default(),
-        );
+        w.bytes(&page_reg.info().to_bytes());
+        w.u64(page.slots() as u64);
         // Which GPU each rank uses: (host, device UUID); zeros without a device.
         let uuid = match device {
             Some(d) => d.uuid()?,
@@ -203,13 +223,17 @@ impl Communicator {
         let all = comm.bootstrap.all_gather(&w.finish())?;
         let mut placement = Vec::with_capacity(size);
         let mut sm_counts = Vec::with_capacity(size);
+        let mut peer_pages = Vec::with_capacity(size);
+        let mut per_page = page.slots();
         for (r, b) in all.iter().enumerate() {
             let mut rd = Reader::new(b, "communicator setup");
             let eth = rd.bytes()?;
             if !eth.is_empty() {
                 comm.peer_ethernet[r] = Some(String::from_utf8_lossy(eth).into_owned());
             }
-            let page = rd.bytes()?;
+            let peer_page = rd.bytes()?;
+            let peer_slots = rd.u64()?;
+            per_page = per_page.min(peer_slots.min(u32::MAX as u64) as u32);
             let peer_host = rd.u64()?;
             let mut peer_uuid = [0u8; 16];
             let u = rd.bytes()?;
@@ -228,17 +252,23 @@ impl Communicator {
             placement.push((peer_host, peer_uuid));
             sm_counts.push((sms, (ctx_sms > 0).then_some(ctx_sms)));
             rd.end()?;
-            if r == rank {
-                comm.signal_pages[r] = page_info.clone();
-            } else if !page.is_empty() {
-                let info = MemoryInfo::from_bytes(page)?;
-                comm.signal_pages[r] = Some(RegisteredMemory::import_with_timeout(
-                    info,
+            peer_pages.push(if r == rank {
+                page_reg.clone()
+            } else {
+                RegisteredMemory::import_with_timeout(
+                    MemoryInfo::from_bytes(peer_page)?,
                     device,
                     host_id,
                     comm.timeout,
-                )?);
-            }
+                )?
+            });
+        }
+        {
+            let signals = comm.signals.get_mut().unwrap_or_else(|p| p.into_inner());
+            signals.pages.push(page);
+            signals.peers.push(peer_pages);
+            // Every rank's pages hold at least the smallest rank's count.
+            signals.cursor = SlotCursor::new(per_page);
         }
         let ranks_per_node = ranks_per_node_from_env()?;
         comm.topology = Topology::new(
@@ -304,21 +334,57 @@ impl Communicator {
         &self.bootstrap
     }
 
-    /// The record every semaphore/channel handle of this communicator reports into.
+    /// The record of code that uses this Communicator on its own: pass it to
+    /// the channels' `device_handle` and check it. Objects made on a
+    /// [`Group`](crate::Group) share the group's Communicator and never use
+    /// this record: each passes its own
+    /// ([`Member::device_error`](crate::group::Member::device_error)).
     pub fn device_error(&self) -> &DeviceErrorRecord {
         &self.error
     }
 
-    /// Ok unless a kernel using this communicator's handles reported a failure
-    /// (a rejected argument is reported once, a timeout every time).
+    /// Ok unless a kernel using handles built with
+    /// [`device_error`](Self::device_error) reported a failure (a rejected
+    /// argument is reported once, a timeout every time).
     pub fn check_device(&self) -> Result<()> {
         self.error.check()
     }
 
-    /// Ok unless a device wait timed out (the ranks are out of step); leaves a
-    /// rejected argument for [`check_device`](Self::check_device).
+    /// Ok unless a device wait of handles built with
+    /// [`device_error`](Self::device_error) timed out (the ranks are out of
+    /// step); leaves a rejected argument for [`check_device`](Self::check_device).
     pub fn check_device_timeout(&self) -> Result<()> {
         self.error.check_timeout()
+    }
+
+    /// Whether this rank runs an Ethernet receiver
+    /// ([`CommunicatorOptions::ethernet`]).
+    pub fn has_ethernet(&self) -> bool {
+        self.ethernet.is_some()
+    }
+
+    /// The bound of this Communicator's host-side waits.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// Signal pages this rank has so far (one at creation; one more each
+    /// time a call's semaphores did not fit).
+    pub fn signal_pages(&self) -> usize {
+        self.signals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .pages
+            .len()
+    }
+
+    /// Semaphore slots of every signal page (the same on every rank).
+    pub fn semaphores_per_page(&self) -> u32 {
+        self.signals
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .cursor
+            .per_page()
     }
 
     fn next_tag(&self) -> u64 {
@@ -355,6 +421,58 @@ impl Communicator {
             ethernet,
         };
         Ok(RegisteredMemory::local(info, Some(Arc::new(keep))))
+    }
+
+    /// Registers a signal page: a GPU page like any cuMem allocation, a host
+    /// page for Ethernet only.
+    fn register_page(&self, page: &SignalPage) -> Result<RegisteredMemory> {
+        if let Some(m) = page.device_memory() {
+            return self.register(m.clone());
+        }
+        let mem: Arc<HostMemory> = page
+            .host_memory()
+            .cloned()
+            .ok_or_else(|| CommError::invalid("signal page", "neither GPU nor host memory"))?;
+        let (ptr, len) = (page.ptr(), mem.len() as u64);
+        let ethernet = self.ethernet.as_ref().map(|rx| {
+            rx.register(ptr, len, Location::Host);
+            (rx.clone(), ptr)
+        });
+        let info = MemoryInfo {
+            rank: self.rank() as u32,
+            len,
+            location: Location::Host,
+            host_id: self.host_id,
+            owner_ptr: ptr,
+            ipc: None,
+            ethernet: self.ethernet.as_ref().map(|e| e.address()),
+        };
+        let keep = LegacyRegistration {
+            _memory: mem,
+            ethernet,
+        };
+        Ok(RegisteredMemory::local(info, Some(Arc::new(keep))))
+    }
+
+    /// *Collective* (every rank at the same call, see [`SlotCursor`]): a new
+    /// signal page on every rank, exchanged and imported like the first.
+    fn add_signal_page(&self, signals: &mut Signals) -> Result<()> {
+        let slots = signals.cursor.per_page();
+        let page = match self.device {
+            Some(d) => SignalPage::new(d, slots)?,
+            None => SignalPage::host(slots),
+        };
+        let reg = self.register_page(&page)?;
+        let all = self.exchange_memory(&reg)?;
+        signals.pages.push(page);
+        signals.peers.push(all);
+        signals.cursor.add_page();
+        tracing::debug!(
+            "rank {}: signal page {} added ({slots} semaphores each)",
+            self.rank(),
+            signals.pages.len() - 1
+        );
+        Ok(())
     }
 
     /// Allocates `len` bytes of GPU memory (rounded up to the allocation
@@ -506,41 +624,67 @@ impl Communicator {
     }
 
     /// *Collective.* One semaphore with every peer (None at our own index).
+    /// Takes one slot per peer from the newest signal page; where they do not
+    /// all fit, every rank first adds a page (collectively: every rank takes
+    /// the same number of slots per call, so all decide alike).
     pub fn semaphores(&self) -> Result<Vec<Option<Semaphore>>> {
-        let page = self
-            .signal_page
-            .as_ref()
-            .ok_or_else(|| CommError::invalid("device", "semaphores need a GPU communicator"))?;
-        let tag = self.next_tag();
+        let mut signals = self.signals.lock().unwrap_or_else(|p| p.into_inner());
         let (rank, size) = (self.rank(), self.size());
-        let mut slots = vec![0u32; size];
+        if signals.cursor.needs_page(size.saturating_sub(1) as u32)? {
+            self.add_signal_page(&mut signals)?;
+        }
+        let tag = self.next_tag();
+        let mut slots = vec![(0u32, 0u32); size];
         for (peer, slot) in slots.iter_mut().enumerate() {
             if peer != rank {
-                *slot = page.allocate()?;
-                self.bootstrap.send(peer, tag, &slot.to_le_bytes())?;
+                *slot = signals.cursor.take()?;
+                let mut msg = slot.0.to_le_bytes().to_vec();
+                msg.extend_from_slice(&slot.1.to_le_bytes());
+                self.bootstrap.send(peer, tag, &msg)?;
             }
         }
         let mut out = vec![None; size];
         for peer in (0..size).filter(|&p| p != rank) {
             let b = self.bootstrap.recv(peer, tag)?;
-            let remote_slot = u32::from_le_bytes(
-                b.as_slice()
-                    .try_into()
-                    .map_err(|_| CommError::invalid("semaphore exchange", "bad slot message"))?,
-            );
-            let remote_page = self.signal_pages[peer].clone().ok_or_else(|| {
-                CommError::invalid(
-                    "semaphore",
-                    format!("rank {peer} has no signal page (no GPU)"),
-                )
-            })?;
+            let (remote_page, remote_slot) = match b.as_slice() {
+                [a0, a1, a2, a3, b0, b1, b2, b3] => (
+                    u32::from_le_bytes([*a0, *a1, *a2, *a3]),
+                    u32::from_le_bytes([*b0, *b1, *b2, *b3]),
+                ),
+                _ => {
+                    return Err(CommError::invalid(
+                        "semaphore exchange",
+                        format!("rank {peer} sent a slot message of {} bytes", b.len()),
+                    ))
+                }
+            };
+            let pages = signals.peers.len();
+            let per_page = signals.cursor.per_page();
+            let remote = signals
+                .peers
+                .get(remote_page as usize)
+                .filter(|_| remote_slot < per_page)
+                .map(|p| p[peer].clone())
+                .ok_or_else(|| {
+                    CommError::invalid(
+                        "semaphore exchange",
+                        format!(
+                            "rank {rank}: rank {peer} gave slot {remote_slot} of its signal page \
+                             {remote_page}, but rank {rank} knows {pages} pages of {per_page} \
+                             slots (the ranks did not make their semaphores collectively)"
+                        ),
+                    )
+                })?;
+            let (page, slot) = slots[peer];
             out[peer] = Some(Semaphore {
                 rank,
                 peer,
-                local_inbound: page.slot_ptr(slots[peer]),
-                remote_page,
+                local_inbound: signals.pages[page as usize].slot_ptr(slot),
+                remote_page: remote,
                 remote_offset: remote_slot as u64 * SLOT_BYTES,
-                id: ((rank as u64) << 48) | ((peer as u64) << 32) | slots[peer] as u64,
+                id: ((rank as u64) << 48)
+                    | ((peer as u64) << 32)
+                    | (signals.cursor.global(page, slot) & 0xffff_ffff),
             });
         }
         Ok(out)

@@ -4,7 +4,7 @@
 
 use std::sync::OnceLock;
 
-use cudarc::driver::{result, sys};
+use cudarc::driver::{result, sys, DriverError};
 
 use crate::error::{CommError, CudaResultExt, Result};
 
@@ -21,6 +21,14 @@ pub fn init_driver() -> Result<()> {
     })
     .clone()
     .map_err(|reason| CommError::NoDriver { reason })
+}
+
+/// Logs a failed driver call `call` of a destructor (which has no caller to
+/// return the error to).
+pub(crate) fn warn_if_failed(call: &str, result: std::result::Result<(), DriverError>) {
+    if let Err(e) = result {
+        tracing::warn!("{call} failed: {e}");
+    }
 }
 
 /// Number of visible CUDA devices; 0 when there is no driver or no device.
@@ -329,6 +337,62 @@ impl Drop for OwnedStream {
             unsafe {
                 let _ = result::stream::synchronize(self.stream);
                 let _ = result::stream::destroy(self.stream);
+            }
+        }
+    }
+}
+
+/// Orders one caller stream after another without a host wait: one reusable
+/// event (no timing), recorded on the stream to wait for and waited on by the
+/// other. What `torch.cuda.Stream.wait_stream` does, from raw handles and
+/// without creating an event per call (also inside CUDA-graph capture, where
+/// the pair becomes a graph edge).
+#[derive(Debug)]
+pub struct StreamOrder {
+    device: Device,
+    event: sys::CUevent,
+}
+
+// SAFETY: event handles are context-global and usable from any thread; the
+// record/wait pair of one `after` call is issued under `&self` by one thread,
+// and callers order their own calls (one Buffer's calls come from one thread).
+unsafe impl Send for StreamOrder {}
+// SAFETY: as above.
+unsafe impl Sync for StreamOrder {}
+
+impl StreamOrder {
+    pub fn new(device: Device) -> Result<Self> {
+        device.make_current()?;
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .call("cuEventCreate")?;
+        Ok(Self { device, event })
+    }
+
+    /// Work issued to `waiter` from now on starts after everything issued to
+    /// `signaler` so far.
+    pub fn after(&self, waiter: StreamHandle, signaler: StreamHandle) -> Result<()> {
+        self.device.make_current()?;
+        // SAFETY: the event lives as long as self; the streams are the
+        // caller's live streams of this device (raw handles, 0 = legacy).
+        unsafe {
+            result::event::record(self.event, signaler.raw()).call("cuEventRecord")?;
+            result::stream::wait_event(
+                waiter.raw(),
+                self.event,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+            .call("cuStreamWaitEvent")
+        }
+    }
+}
+
+impl Drop for StreamOrder {
+    fn drop(&mut self) {
+        if self.device.make_current().is_ok() {
+            // SAFETY: created in new(), destroyed once; a pending wait keeps
+            // the event's recorded state (the driver defers the release).
+            unsafe {
+                let _ = result::event::destroy(self.event);
             }
         }
     }

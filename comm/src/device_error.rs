@@ -42,10 +42,10 @@ impl DeviceErrorRecord {
         Some(e)
     }
 
-    /// Ok while nothing was reported; else the error, described.
-    /// The recorded failure as an error. A rejected argument (not a timeout)
-    /// is reported once: the record is cleared, so the caller can go on with
-    /// good arguments; a timeout stays, since the ranks are out of step.
+    /// Ok while nothing was reported; else the recorded failure as an error.
+    /// A rejected argument (not a timeout) is reported once: the record is
+    /// cleared, so the caller can go on with good arguments; a timeout stays,
+    /// since the ranks are out of step.
     pub fn check(&self) -> Result<()> {
         match self.read() {
             None => Ok(()),
@@ -58,7 +58,6 @@ impl DeviceErrorRecord {
         }
     }
 
-    /// Clears the record (only while no kernel that may write it is running).
     /// Like [`check`](Self::check), for a timeout only (kept); a rejected
     /// argument stays recorded for the next full check.
     pub fn check_timeout(&self) -> Result<()> {
@@ -68,6 +67,16 @@ impl DeviceErrorRecord {
         }
     }
 
+    /// Tests: fills the record as a kernel would.
+    #[cfg(test)]
+    pub(crate) fn record_for_test(&self, e: DeviceError) {
+        // SAFETY: the record's memory holds exactly one DeviceError; tests
+        // write it while no kernel runs.
+        unsafe { std::ptr::write_volatile(self.mem.as_ptr() as *mut DeviceError, e) };
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Clears the record (only while no kernel that may write it is running).
     pub fn reset(&self) {
         // SAFETY: the record is ours; no writer runs concurrently by contract.
         unsafe { std::ptr::write_bytes(self.mem.as_ptr(), 0, self.mem.len()) };
@@ -126,8 +135,7 @@ mod tests {
 
     fn record_with(e: DeviceError) -> DeviceErrorRecord {
         let r = DeviceErrorRecord::new(None).unwrap();
-        // SAFETY: the record's memory holds exactly one DeviceError.
-        unsafe { std::ptr::write_volatile(r.mem.as_ptr() as *mut DeviceError, e) };
+        r.record_for_test(e);
         r
     }
 

@@ -4,11 +4,13 @@
 //! the FIFO and proxy logic) the same type wraps ordinary zeroed heap memory.
 
 use std::alloc::Layout;
+use std::sync::atomic::{AtomicU32, AtomicU64};
 
 use cudarc::driver::sys;
 
-use crate::cuda::Device;
+use crate::cuda::{warn_if_failed, Device};
 use crate::error::{CommError, CudaResultExt, Result};
+use crate::memory::prepare_alloc;
 
 #[derive(Debug)]
 enum Backing {
@@ -33,10 +35,7 @@ unsafe impl Sync for HostMemory {}
 impl HostMemory {
     /// Page-locked memory mapped into `device`'s address space.
     pub fn pinned(device: Device, len: usize) -> Result<Self> {
-        if len == 0 {
-            return Err(CommError::invalid("len", "cannot allocate 0 bytes"));
-        }
-        device.make_current()?;
+        prepare_alloc(device, len)?;
         let mut p: *mut std::ffi::c_void = std::ptr::null_mut();
         let flags = sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE;
         // SAFETY: p receives a new allocation of len bytes.
@@ -96,25 +95,33 @@ impl HostMemory {
     }
 
     /// An atomic view of the u64 at byte `offset` (8-byte aligned, in range).
-    pub fn atomic_u64(&self, offset: usize) -> &std::sync::atomic::AtomicU64 {
-        assert!(
-            offset % 8 == 0 && offset + 8 <= self.len,
-            "u64 at {offset} of {}",
-            self.len
-        );
-        // SAFETY: in range, aligned (base is page- or 64-aligned), lives as long as &self.
-        unsafe { &*(self.ptr.add(offset) as *const std::sync::atomic::AtomicU64) }
+    pub fn atomic_u64(&self, offset: usize) -> &AtomicU64 {
+        // SAFETY: AtomicU64 is an integer type whose alignment is its size.
+        unsafe { self.atomic_at(offset, "u64") }
     }
 
     /// An atomic view of the u32 at byte `offset` (4-byte aligned, in range).
-    pub fn atomic_u32(&self, offset: usize) -> &std::sync::atomic::AtomicU32 {
+    pub fn atomic_u32(&self, offset: usize) -> &AtomicU32 {
+        // SAFETY: AtomicU32 is an integer type whose alignment is its size.
+        unsafe { self.atomic_at(offset, "u32") }
+    }
+
+    /// The `A` at byte `offset`, which must be aligned to `A`'s size and in
+    /// range (panics naming `what` otherwise).
+    ///
+    /// # Safety
+    /// `A` must be an atomic integer type: valid for any bit pattern, with
+    /// alignment equal to its size.
+    unsafe fn atomic_at<A>(&self, offset: usize, what: &str) -> &A {
+        let size = std::mem::size_of::<A>();
         assert!(
-            offset % 4 == 0 && offset + 4 <= self.len,
-            "u32 at {offset} of {}",
+            offset % size == 0 && offset + size <= self.len,
+            "{what} at {offset} of {}",
             self.len
         );
-        // SAFETY: in range, aligned, lives as long as &self.
-        unsafe { &*(self.ptr.add(offset) as *const std::sync::atomic::AtomicU32) }
+        // SAFETY: in range, aligned (base is page- or 64-aligned, offset a
+        // multiple of the size), lives as long as &self.
+        unsafe { &*(self.ptr.add(offset) as *const A) }
     }
 }
 
@@ -123,9 +130,10 @@ impl Drop for HostMemory {
         match self.backing {
             // SAFETY: ptr came from cuMemHostAlloc and is freed once.
             Backing::Pinned => unsafe {
-                if let Err(e) = sys::cuMemFreeHost(self.ptr.cast()).result() {
-                    tracing::warn!("cuMemFreeHost failed: {e}");
-                }
+                warn_if_failed(
+                    "cuMemFreeHost",
+                    sys::cuMemFreeHost(self.ptr.cast()).result(),
+                );
             },
             // SAFETY: ptr came from alloc_zeroed with this layout.
             Backing::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr, layout) },

@@ -5,6 +5,7 @@
 //! | driver | [`cuda`] | loads libcuda at run time, binds threads to a device's primary context, streams |
 //! | kernels | [`module`], [`kernels`] | embedded fatbins loaded once per device; comm's own kernels |
 //! | bootstrap | [`bootstrap`] | rank discovery and small messages over TCP ([`Bootstrap`], [`TcpBootstrap`]) |
+//! | group | [`group`] | [`Group`]: one bootstrap and one [`Communicator`] shared by every object of a process group; [`Member`]: what each object keeps for itself |
 //! | memory | [`memory`], [`vmm`], [`host_memory`], [`fd_passing`] | device allocations (legacy IPC, cuMem POSIX fd), host-mapped memory, fd passing over unix sockets |
 //! | registration | [`registered_memory`], [`wire`] | buffers + how to reach them, serializable |
 //! | transports | [`transport`] | [`transport::Connection`]s: CUDA IPC, Ethernet |
@@ -45,7 +46,7 @@ pub use communicator::{Communicator, CommunicatorOptions};
 pub use cuda::{device_count, init_driver, Device, OwnedStream, StreamHandle};
 pub use device_share::DeviceShare;
 pub use error::{CommError, Result};
-pub use group::Group;
+pub use group::{Group, Member};
 pub use memory::{DeviceMemory, IpcHandle, PeerMemory};
 pub use symmetric::{device_table, SymmetricRegion};
 pub use topology::Topology;

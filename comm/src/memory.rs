@@ -6,10 +6,57 @@
 
 use cudarc::driver::{result, sys};
 
-use crate::cuda::Device;
+use crate::cuda::{warn_if_failed, Device};
 use crate::error::{CommError, CudaResultExt, Result};
+use crate::wire::u64_at;
 
-/// Device memory allocated with `cuMemAlloc` on one device.
+/// What every allocator of device memory does before its first driver call:
+/// refuses an empty allocation and binds `device`'s context.
+pub(crate) fn prepare_alloc(device: Device, len: usize) -> Result<()> {
+    if len == 0 {
+        return Err(CommError::invalid("len", "cannot allocate 0 bytes"));
+    }
+    device.make_current()
+}
+
+/// The accessors of a type that holds a range of device addresses in fields
+/// `ptr: u64` and `len: usize` (and, with `device`, the `device: Device` it
+/// belongs to).
+macro_rules! device_range_accessors {
+    ($ty:ty) => {
+        impl $ty {
+            /// The device address of the first byte.
+            pub fn ptr(&self) -> u64 {
+                self.ptr
+            }
+
+            /// The length in bytes.
+            pub fn len(&self) -> usize {
+                self.len
+            }
+
+            /// Whether the range is empty (never, for a live allocation or mapping).
+            pub fn is_empty(&self) -> bool {
+                self.len == 0
+            }
+        }
+    };
+    ($ty:ty, device) => {
+        $crate::memory::device_range_accessors!($ty);
+
+        impl $ty {
+            /// The device this memory belongs to.
+            pub fn device(&self) -> $crate::cuda::Device {
+                self.device
+            }
+        }
+    };
+}
+pub(crate) use device_range_accessors;
+
+/// Device memory allocated with `cuMemAlloc` on one device. `Send + Sync`:
+/// the allocation belongs to a context, not a thread, and all uses bind it
+/// first.
 #[derive(Debug)]
 pub struct DeviceMemory {
     device: Device,
@@ -17,36 +64,15 @@ pub struct DeviceMemory {
     len: usize,
 }
 
-// SAFETY: the allocation belongs to a context, not a thread; all uses bind it first.
-unsafe impl Send for DeviceMemory {}
-// SAFETY: shared access only reads the pointer and length.
-unsafe impl Sync for DeviceMemory {}
+device_range_accessors!(DeviceMemory, device);
 
 impl DeviceMemory {
+    /// Allocates `len` bytes (at least one) on `device`.
     pub fn alloc(device: Device, len: usize) -> Result<Self> {
-        if len == 0 {
-            return Err(CommError::invalid("len", "cannot allocate 0 bytes"));
-        }
-        device.make_current()?;
+        prepare_alloc(device, len)?;
         // SAFETY: the device's context is current; len > 0.
         let ptr = unsafe { result::malloc_sync(len) }.call("cuMemAlloc")?;
         Ok(Self { device, ptr, len })
-    }
-
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn device(&self) -> Device {
-        self.device
     }
 
     /// Fills every byte with `value`; complete on return. (cuMemsetD8 and a
@@ -145,12 +171,13 @@ impl IpcHandle {
         }
         let mut bytes = [0u8; 64];
         bytes.copy_from_slice(&b[..64]);
-        let len = u64::from_le_bytes(b[64..].try_into().expect("8 bytes"));
+        let len = u64_at(b, 64);
         Ok(Self { bytes, len })
     }
 }
 
 /// A peer's allocation mapped into this process (through CUDA IPC).
+/// `Send + Sync` as [`DeviceMemory`] is.
 #[derive(Debug)]
 pub struct PeerMemory {
     device: Device,
@@ -158,10 +185,7 @@ pub struct PeerMemory {
     len: usize,
 }
 
-// SAFETY: as for DeviceMemory.
-unsafe impl Send for PeerMemory {}
-// SAFETY: as for DeviceMemory.
-unsafe impl Sync for PeerMemory {}
+device_range_accessors!(PeerMemory);
 
 impl PeerMemory {
     /// Maps `handle` (exported by another process) into `device`'s context.
@@ -188,27 +212,14 @@ impl PeerMemory {
             len: handle.len as usize,
         })
     }
-
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
 }
 
 impl Drop for PeerMemory {
     fn drop(&mut self) {
         if self.device.make_current().is_ok() {
             // SAFETY: ptr came from cuIpcOpenMemHandle and is closed exactly once.
-            if let Err(e) = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result() {
-                tracing::warn!("cuIpcCloseMemHandle failed: {e}");
-            }
+            let closed = unsafe { sys::cuIpcCloseMemHandle(self.ptr) }.result();
+            warn_if_failed("cuIpcCloseMemHandle", closed);
         }
     }
 }
@@ -216,6 +227,15 @@ impl Drop for PeerMemory {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn memory_types_are_send_and_sync() {
+        fn send_sync<T: Send + Sync>() {}
+        send_sync::<DeviceMemory>();
+        send_sync::<PeerMemory>();
+        send_sync::<crate::vmm::VmmMemory>();
+        send_sync::<crate::vmm::VmmMapping>();
+    }
 
     #[test]
     fn ipc_handle_round_trip() {

@@ -126,19 +126,8 @@ impl ProxyService {
 
     /// Registers memory triggers can name; returns its id.
     pub fn add_memory(&self, m: RegisteredMemory) -> Result<u32> {
-        let mut v = self
-            .shared
-            .memories
-            .write()
-            .unwrap_or_else(|p| p.into_inner());
-        if v.len() >= MAX_MEMORIES {
-            return Err(CommError::invalid(
-                "memory",
-                "a proxy holds at most 256 memories",
-            ));
-        }
-        v.push(Arc::new(m));
-        Ok(v.len() as u32 - 1)
+        let memories = &self.shared.memories;
+        add_entry(memories, MAX_MEMORIES, "memory", "memories", || m)
     }
 
     /// Registers a port channel: triggers naming its id go to `connection`, and
@@ -150,27 +139,18 @@ impl ProxyService {
         remote_semaphore: RegisteredMemory,
         remote_offset: u64,
     ) -> Result<u32> {
-        let mut v = self
-            .shared
-            .channels
-            .write()
-            .unwrap_or_else(|p| p.into_inner());
-        if v.len() >= MAX_CHANNELS {
-            return Err(CommError::invalid(
-                "channel",
-                "a proxy holds at most 4096 channels",
-            ));
-        }
-        v.push(Arc::new(ChannelState {
-            connection,
-            remote_semaphore,
-            remote_offset,
-            outbound: AtomicU64::new(0),
-            handled: AtomicU64::new(0),
-            last_ms: AtomicU64::new(0),
-            max_flight_ms: AtomicU64::new(0),
-        }));
-        Ok(v.len() as u32 - 1)
+        let channels = &self.shared.channels;
+        add_entry(channels, MAX_CHANNELS, "channel", "channels", || {
+            ChannelState {
+                connection,
+                remote_semaphore,
+                remote_offset,
+                outbound: AtomicU64::new(0),
+                handled: AtomicU64::new(0),
+                last_ms: AtomicU64::new(0),
+                max_flight_ms: AtomicU64::new(0),
+            }
+        })
     }
 
     /// Starts the proxy thread.
@@ -224,13 +204,7 @@ impl ProxyService {
     /// How far channel `channel` got (None: no such channel): with the FIFO's
     /// tail, what a hang report shows of the proxy.
     pub fn channel_state(&self, channel: u32) -> Option<ChannelProgress> {
-        let ch = self
-            .shared
-            .channels
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(channel as usize)
-            .cloned()?;
+        let ch = entry(&self.shared.channels, channel)?;
         let last = ch.last_ms.load(Ordering::Acquire);
         Some(ChannelProgress {
             handled: ch.handled.load(Ordering::Acquire),
@@ -255,6 +229,33 @@ impl ProxyService {
             )),
         }
     }
+}
+
+/// Appends `make()` to a proxy's table (memories or channels) unless it holds
+/// `max` entries already; returns its id, the index triggers name it by.
+/// `name` / `plural`: what the table holds, for the error.
+fn add_entry<T>(
+    table: &RwLock<Vec<Arc<T>>>,
+    max: usize,
+    name: &'static str,
+    plural: &str,
+    make: impl FnOnce() -> T,
+) -> Result<u32> {
+    let mut v = table.write().unwrap_or_else(|p| p.into_inner());
+    if v.len() >= max {
+        return Err(CommError::invalid(
+            name,
+            format!("a proxy holds at most {max} {plural}"),
+        ));
+    }
+    v.push(Arc::new(make()));
+    Ok(v.len() as u32 - 1)
+}
+
+/// Entry `id` of a proxy's table (memories or channels), if there is one.
+fn entry<T>(table: &RwLock<Vec<Arc<T>>>, id: u32) -> Option<Arc<T>> {
+    let v = table.read().unwrap_or_else(|p| p.into_inner());
+    v.get(id as usize).cloned()
 }
 
 impl Drop for ProxyService {
@@ -338,13 +339,7 @@ fn handle(
     let channel_id = match op {
         TriggerOp::Data { channel, .. } | TriggerOp::AtomicAdd { channel, .. } => channel,
     };
-    let Some(ch) = shared
-        .channels
-        .read()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(channel_id as usize)
-        .cloned()
-    else {
+    let Some(ch) = entry(&shared.channels, channel_id) else {
         return (
             None,
             Err(CommError::invalid(
@@ -366,12 +361,7 @@ fn perform(
     flush_timeout: Duration,
 ) -> Result<()> {
     let memory = |id: u32| {
-        shared
-            .memories
-            .read()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(id as usize)
-            .cloned()
+        entry(&shared.memories, id)
             .ok_or_else(|| CommError::invalid("trigger", format!("unknown memory id {id}")))
     };
     match op {
@@ -417,4 +407,138 @@ fn perform(
         }
     }
     Ok(())
+}
+
+/// Stand-ins for running a proxy without a GPU or a transport (comm's CPU
+/// tests and the proxy CPU benchmark): a connection that performs nothing, and
+/// memory descriptions with nothing behind them.
+pub mod testing {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Mutex, PoisonError};
+    use std::time::Duration;
+
+    use crate::error::Result;
+    use crate::registered_memory::{Location, MemoryInfo, RegisteredMemory};
+    use crate::transport::{AtomicWidth, Connection, Transport};
+
+    /// A connection to rank 1 that performs nothing. By default it accepts
+    /// every operation and does no work at all, so that what a proxy costs is
+    /// the proxy's own work; [`recording`](Self::recording) checks and notes
+    /// what it was asked, [`in_flight_for`](Self::in_flight_for) makes its
+    /// operations look in flight for a while.
+    #[derive(Debug, Default)]
+    pub struct TestConnection {
+        /// Whether operations are range-checked and noted in `ops`.
+        recording: bool,
+        ops: Mutex<Vec<String>>,
+        /// Answers of `busy` that say "in flight" (None: `busy` cannot tell).
+        in_flight_polls: Option<u64>,
+        polls: AtomicU64,
+    }
+
+    impl TestConnection {
+        /// One that checks each write's ranges against the registrations and
+        /// notes each operation as text (see [`ops`](Self::ops)).
+        pub fn recording() -> Self {
+            Self {
+                recording: true,
+                ..Self::default()
+            }
+        }
+
+        /// One whose operations look in flight until [`Connection::busy`] was
+        /// asked `polls` times (like a CUDA stream that only starts the work
+        /// the process drives). A default one's `busy` cannot tell.
+        pub fn in_flight_for(polls: u64) -> Self {
+            Self {
+                in_flight_polls: Some(polls),
+                ..Self::default()
+            }
+        }
+
+        /// The operations a [`recording`](Self::recording) connection was
+        /// asked for, in order: `write r1 +DST <- r0 +SRC xSIZE`,
+        /// `signal r1 +OFFSET = VALUE`, `atomic r1 +OFFSET VALUE U64`, `flush`.
+        pub fn ops(&self) -> Vec<String> {
+            self.ops
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone()
+        }
+
+        /// How often `busy` was asked so far (counted by
+        /// [`in_flight_for`](Self::in_flight_for) connections only).
+        pub fn polls(&self) -> u64 {
+            self.polls.load(Ordering::SeqCst)
+        }
+
+        fn note(&self, op: impl FnOnce() -> String) {
+            if self.recording {
+                let mut ops = self.ops.lock().unwrap_or_else(PoisonError::into_inner);
+                ops.push(op());
+            }
+        }
+    }
+
+    impl Connection for TestConnection {
+        fn transport(&self) -> Transport {
+            Transport::Ethernet
+        }
+
+        fn remote_rank(&self) -> usize {
+            1
+        }
+
+        fn write(
+            &self,
+            dst: &RegisteredMemory,
+            d: u64,
+            src: &RegisteredMemory,
+            s: u64,
+            n: u64,
+        ) -> Result<()> {
+            if self.recording {
+                dst.check_range(d, n, "dst")?;
+                src.check_range(s, n, "src")?;
+            }
+            self.note(|| format!("write r{} +{d} <- r{} +{s} x{n}", dst.rank(), src.rank()));
+            Ok(())
+        }
+
+        fn update_and_sync(&self, dst: &RegisteredMemory, d: u64, v: u64) -> Result<()> {
+            self.note(|| format!("signal r{} +{d} = {v}", dst.rank()));
+            Ok(())
+        }
+
+        fn atomic_add(&self, dst: &RegisteredMemory, d: u64, v: i64, w: AtomicWidth) -> Result<()> {
+            self.note(|| format!("atomic r{} +{d} {v} {w:?}", dst.rank()));
+            Ok(())
+        }
+
+        fn flush(&self, _: Duration) -> Result<()> {
+            self.note(|| "flush".into());
+            Ok(())
+        }
+
+        fn busy(&self) -> Option<bool> {
+            let in_flight = self.in_flight_polls?;
+            Some(self.polls.fetch_add(1, Ordering::SeqCst) < in_flight)
+        }
+    }
+
+    /// Rank `rank`'s host memory of `len` bytes as a proxy sees it: a
+    /// description at a made-up address (0x1000) with nothing behind it, for
+    /// connections that never touch memory.
+    pub fn fake_host_memory(rank: u32, len: u64) -> RegisteredMemory {
+        let info = MemoryInfo {
+            rank,
+            len,
+            location: Location::Host,
+            host_id: 0,
+            owner_ptr: 0x1000,
+            ipc: None,
+            ethernet: None,
+        };
+        RegisteredMemory::local(info, None)
+    }
 }

@@ -2,11 +2,13 @@
 //! Communicator, each rank's copy imported (and mapped where reachable) by
 //! every other; and [`device_table`], the dense per-peer device arrays of
 //! channel handles that kernels index by rank. The setup that the intranode
-//! buffer, the low-latency buffer and the allreduce communicator share.
+//! buffer, the low-latency buffer and the allreduce communicator share (each
+//! on its group's one Communicator, with its own device error record).
 
 use crate::channel::MemoryChannel;
 use crate::communicator::Communicator;
 use crate::cuda::Device;
+use crate::device_error::DeviceErrorRecord;
 use crate::device_handles::{MemoryChannelDeviceHandle, PortChannelDeviceHandle};
 use crate::error::{CommError, Result};
 use crate::memory::DeviceMemory;
@@ -135,11 +137,14 @@ impl SymmetricRegion {
     /// *Collective.* `rows` sets of [`memory_channels`](Self::memory_channels)
     /// (one per block of a kernel whose blocks each talk to every peer, or
     /// one) as a device table `[rows][ranks]` of handles (this rank's entries
-    /// zeroed), beside the channels it refers to.
+    /// zeroed), beside the channels it refers to. The handles report into
+    /// `error`: the record of the object that owns the table (on a shared
+    /// Communicator, each object its own).
     pub fn memory_channel_table(
         &self,
         comm: &Communicator,
         rows: usize,
+        error: &DeviceErrorRecord,
     ) -> Result<(Vec<Vec<Option<MemoryChannel>>>, DeviceMemory)> {
         let device = comm
             .device()
@@ -149,11 +154,7 @@ impl SymmetricRegion {
         for _ in 0..rows {
             let row = self.memory_channels(comm, None)?;
             for c in &row {
-                handles.push(
-                    c.as_ref()
-                        .map(|c| c.device_handle(comm.device_error()))
-                        .transpose()?,
-                );
+                handles.push(c.as_ref().map(|c| c.device_handle(error)).transpose()?);
             }
             channels.push(row);
         }

@@ -9,8 +9,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use cudarc::driver::sys;
 
-use crate::cuda::Device;
+use crate::cuda::{warn_if_failed, Device};
 use crate::error::{CommError, CudaResultExt, Result};
+use crate::memory::{device_range_accessors, prepare_alloc};
 
 fn prop(device: Device) -> sys::CUmemAllocationProp {
     // SAFETY: all-zero is a valid bit pattern for this plain C struct.
@@ -83,16 +84,14 @@ fn map(device: Device, handle: sys::CUmemGenericAllocationHandle, len: usize) ->
 fn unmap(ptr: u64, len: usize) {
     // SAFETY: ptr..ptr+len was mapped by `map` and is released exactly once.
     unsafe {
-        if let Err(e) = sys::cuMemUnmap(ptr, len).result() {
-            tracing::warn!("cuMemUnmap failed: {e}");
-        }
-        if let Err(e) = sys::cuMemAddressFree(ptr, len).result() {
-            tracing::warn!("cuMemAddressFree failed: {e}");
-        }
+        warn_if_failed("cuMemUnmap", sys::cuMemUnmap(ptr, len).result());
+        warn_if_failed("cuMemAddressFree", sys::cuMemAddressFree(ptr, len).result());
     }
 }
 
-/// GPU memory of this process, shareable with peers as a file descriptor.
+/// GPU memory of this process, shareable with peers as a file descriptor. Its
+/// length is a multiple of the granularity. `Send + Sync`: handles and
+/// addresses are process-wide, and all uses bind the device first.
 #[derive(Debug)]
 pub struct VmmMemory {
     device: Device,
@@ -101,18 +100,12 @@ pub struct VmmMemory {
     len: usize,
 }
 
-// SAFETY: handles and addresses are process-wide; all uses bind the device first.
-unsafe impl Send for VmmMemory {}
-// SAFETY: shared access only reads the fields.
-unsafe impl Sync for VmmMemory {}
+device_range_accessors!(VmmMemory, device);
 
 impl VmmMemory {
     /// Allocates at least `len` bytes (rounded up to the granularity) on `device`.
     pub fn alloc(device: Device, len: usize) -> Result<Self> {
-        if len == 0 {
-            return Err(CommError::invalid("len", "cannot allocate 0 bytes"));
-        }
-        device.make_current()?;
+        prepare_alloc(device, len)?;
         let g = granularity(device)?;
         let len = len.div_ceil(g) * g;
         let p = prop(device);
@@ -134,23 +127,6 @@ impl VmmMemory {
                 Err(e)
             }
         }
-    }
-
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    /// The mapped length (a multiple of the granularity).
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn device(&self) -> Device {
-        self.device
     }
 
     /// A new file descriptor for the allocation, for a peer to import. Dropping
@@ -178,14 +154,15 @@ impl Drop for VmmMemory {
         if self.device.make_current().is_ok() {
             unmap(self.ptr, self.len);
             // SAFETY: handle was created by cuMemCreate and is released once.
-            if let Err(e) = unsafe { sys::cuMemRelease(self.handle) }.result() {
-                tracing::warn!("cuMemRelease failed: {e}");
-            }
+            warn_if_failed(
+                "cuMemRelease",
+                unsafe { sys::cuMemRelease(self.handle) }.result(),
+            );
         }
     }
 }
 
-/// A peer's [`VmmMemory`] mapped into this process.
+/// A peer's [`VmmMemory`] mapped into this process (`Send + Sync` as that is).
 #[derive(Debug)]
 pub struct VmmMapping {
     device: Device,
@@ -193,10 +170,7 @@ pub struct VmmMapping {
     len: usize,
 }
 
-// SAFETY: as for VmmMemory.
-unsafe impl Send for VmmMapping {}
-// SAFETY: as for VmmMemory.
-unsafe impl Sync for VmmMapping {}
+device_range_accessors!(VmmMapping);
 
 impl VmmMapping {
     /// Imports the allocation behind `fd` (`len` bytes, as exported) and maps it
@@ -225,18 +199,6 @@ impl VmmMapping {
             ptr: mapped?,
             len,
         })
-    }
-
-    pub fn ptr(&self) -> u64 {
-        self.ptr
-    }
-
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 }
 

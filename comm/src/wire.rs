@@ -4,6 +4,18 @@
 
 use crate::error::{CommError, Result};
 
+/// The little-endian u32 at `b[at..at + 4]` (panics where `b` is shorter: for
+/// records whose length was checked).
+pub fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4 bytes"))
+}
+
+/// The little-endian u64 at `b[at..at + 8]` (panics where `b` is shorter: for
+/// records whose length was checked).
+pub fn u64_at(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8 bytes"))
+}
+
 #[derive(Default, Debug)]
 pub struct Writer(pub Vec<u8>);
 
@@ -60,14 +72,10 @@ impl<'a> Reader<'a> {
         Ok(self.take(1)?[0])
     }
     pub fn u32(&mut self) -> Result<u32> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
+        Ok(u32_at(self.take(4)?, 0))
     }
     pub fn u64(&mut self) -> Result<u64> {
-        Ok(u64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
+        Ok(u64_at(self.take(8)?, 0))
     }
     pub fn i32(&mut self) -> Result<i32> {
         Ok(i32::from_le_bytes(

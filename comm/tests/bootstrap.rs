@@ -19,6 +19,9 @@ use std::time::{Duration, Instant};
 use comm::bootstrap::{Bootstrap, TcpBootstrap, UniqueId};
 use comm::CommError;
 
+mod common;
+use common::pattern;
+
 const CHILD_ENV: &str = "MOELINK_BOOTSTRAP_CHILD";
 const RANK_ENV: &str = "MOELINK_BS_TEST_RANK";
 const SIZE_ENV: &str = "MOELINK_BS_TEST_SIZE";
@@ -441,33 +444,21 @@ fn child_ring(b: &TcpBootstrap) -> Check {
     Ok(())
 }
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    let mut x = 0x9e37_79b9_u32 ^ u32::from(seed);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 17;
-            x ^= x << 5;
-            x as u8
-        })
-        .collect()
-}
-
 fn child_large(b: &TcpBootstrap) -> Check {
     const LEN: usize = 8 << 20;
     let e = |e: CommError| e.to_string();
     let peer = 1 - b.rank();
     let t = Instant::now();
     // Both directions at once; then rank 1 echoes rank 0's buffer.
-    b.send(peer, 1, &pattern(LEN, b.rank() as u8)).map_err(e)?;
+    b.send(peer, 1, &pattern(b.rank() as u64, LEN)).map_err(e)?;
     let got = b.recv(peer, 1).map_err(e)?;
     ensure!(got.len() == LEN, "got {} bytes", got.len());
-    ensure!(got == pattern(LEN, peer as u8), "8 MiB payload corrupted");
+    ensure!(got == pattern(peer as u64, LEN), "8 MiB payload corrupted");
     if b.rank() == 1 {
         b.send(0, 2, &got).map_err(e)?;
     } else {
         let echo = b.recv(1, 2).map_err(e)?;
-        ensure!(echo == pattern(LEN, 0), "8 MiB echo corrupted");
+        ensure!(echo == pattern(0, LEN), "8 MiB echo corrupted");
     }
     b.barrier().map_err(e)?;
     println!("8 MiB exchange and echo took {:?}", t.elapsed());
@@ -674,28 +665,28 @@ fn child_peer_death(b: TcpBootstrap) -> Check<i32> {
 // ---------------------------------------------------------------------------
 // Multi-process tests
 
+/// Runs `scenario` as a job of each of `sizes` processes (every rank started)
+/// and expects every rank to pass.
+fn expect_jobs_ok(scenario: &str, sizes: &[usize]) {
+    for &size in sizes {
+        let ranks: Vec<usize> = (0..size).collect();
+        expect_all_ok(&run_job(scenario, size, &ranks, GENEROUS_MS));
+    }
+}
+
 #[test]
 fn all_gather_2_4_8_processes() {
-    for size in [2, 4, 8] {
-        let ranks: Vec<usize> = (0..size).collect();
-        expect_all_ok(&run_job("all_gather", size, &ranks, GENEROUS_MS));
-    }
+    expect_jobs_ok("all_gather", &[2, 4, 8]);
 }
 
 #[test]
 fn barrier_repeated_4_and_8_processes() {
-    for size in [4, 8] {
-        let ranks: Vec<usize> = (0..size).collect();
-        expect_all_ok(&run_job("barrier", size, &ranks, GENEROUS_MS));
-    }
+    expect_jobs_ok("barrier", &[4, 8]);
 }
 
 #[test]
 fn send_recv_ring_out_of_order_tags_2_4_8_processes() {
-    for size in [2, 4, 8] {
-        let ranks: Vec<usize> = (0..size).collect();
-        expect_all_ok(&run_job("ring", size, &ranks, GENEROUS_MS));
-    }
+    expect_jobs_ok("ring", &[2, 4, 8]);
 }
 
 #[test]

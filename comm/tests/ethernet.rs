@@ -3,8 +3,6 @@
 //! its stdout), and within one process for shutdown. CPU tests run anywhere; the
 //! GPU test is ignored by default (scripts/gpu_run.sh runs it).
 
-use std::collections::hash_map::RandomState;
-use std::hash::{BuildHasher, Hasher};
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -15,6 +13,9 @@ use comm::registered_memory::{Location, MemoryInfo, RegisteredMemory};
 use comm::transport::ethernet::{EthernetConnection, EthernetReceiver};
 use comm::transport::{AtomicWidth, Connection, Transport};
 use comm::{CommError, Device, DeviceMemory};
+
+mod common;
+use common::{fnv1a, pattern, random_seed};
 
 /// Selects the child's role ("host" or "gpu"); unset in the parent.
 const ROLE: &str = "MOELINK_ETH_CHILD";
@@ -40,31 +41,6 @@ const C32A_INIT: u32 = u32::MAX - 100; // 32-bit adds wrap without touching C32B
 const C32B_INIT: u32 = 1_000_000;
 const B_LEN: usize = 64 << 10;
 
-fn random_seed() -> u64 {
-    RandomState::new().build_hasher().finish() | 1
-}
-
-/// Deterministic bytes from a seed (splitmix64).
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed;
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = x;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        out.extend_from_slice(&(z ^ (z >> 31)).to_le_bytes());
-    }
-    out.truncate(len);
-    out
-}
-
-fn fnv1a(data: &[u8]) -> u64 {
-    data.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
-}
-
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
@@ -76,17 +52,29 @@ fn unhex(s: &str) -> Vec<u8> {
         .collect()
 }
 
+/// Rank `rank`'s `len` bytes at `owner_ptr` in `location`, which a receiver
+/// at `ethernet` (if any) serves; no CUDA IPC.
+fn memory_info(
+    rank: u32,
+    owner_ptr: u64,
+    len: usize,
+    location: Location,
+    ethernet: Option<String>,
+) -> MemoryInfo {
+    MemoryInfo {
+        rank,
+        len: len as u64,
+        location,
+        host_id: 0,
+        owner_ptr,
+        ipc: None,
+        ethernet,
+    }
+}
+
 /// This process's host buffer as a registered write source.
 fn host_source(data: Vec<u8>) -> RegisteredMemory {
-    let info = MemoryInfo {
-        rank: 0,
-        len: data.len() as u64,
-        location: Location::Host,
-        host_id: 0,
-        owner_ptr: data.as_ptr() as u64,
-        ipc: None,
-        ethernet: None,
-    };
+    let info = memory_info(0, data.as_ptr() as u64, data.len(), Location::Host, None);
     RegisteredMemory::local(info, Some(Arc::new(data)))
 }
 
@@ -189,15 +177,8 @@ fn child_process() {
     let rx = EthernetReceiver::start("127.0.0.1:0".parse().unwrap(), device, 1).unwrap();
     rx.register(mem.ptr(), A_LEN as u64, mem.location());
     rx.register(b_ptr, B_LEN as u64, Location::Host);
-    let info = |ptr: u64, len: usize, location| MemoryInfo {
-        rank: 1,
-        len: len as u64,
-        location,
-        host_id: 0,
-        owner_ptr: ptr,
-        ipc: None,
-        ethernet: Some(rx.address()),
-    };
+    let info =
+        |ptr: u64, len: usize, location| memory_info(1, ptr, len, location, Some(rx.address()));
     let mut out = std::io::stdout();
     let a_info = info(mem.ptr(), A_LEN, mem.location()).to_bytes();
     writeln!(out, "@INFO {}", hex(&a_info)).unwrap();
@@ -427,6 +408,48 @@ fn expect_rejected(result: comm::Result<()>, needle: &str) -> String {
     }
 }
 
+/// `threads` threads, each with its own connection (from `device`), add to the
+/// child's counters `iters` times each and flush: C64 alternately +1_000_003
+/// and -999_999, C32A +7, C32B -3.
+fn add_from_threads(peer: &Peer, device: Option<Device>, threads: u64, iters: u64) {
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            let conn = peer.connect(device);
+            let a = &peer.a;
+            s.spawn(move || {
+                for i in 0..iters {
+                    let v = if i % 2 == 0 { 1_000_003 } else { -999_999 };
+                    conn.atomic_add(a, C64, v, AtomicWidth::U64).unwrap();
+                    conn.atomic_add(a, C32A, 7, AtomicWidth::U32).unwrap();
+                    conn.atomic_add(a, C32B, -3, AtomicWidth::U32).unwrap();
+                }
+                conn.flush(T).unwrap();
+            });
+        }
+    });
+}
+
+/// Checks the child's counters after `adds` rounds of [`add_from_threads`]
+/// (threads x iterations), and that the canaries around them are intact.
+fn check_counters(peer: &mut Peer, adds: u64) {
+    assert_eq!(peer.u64_at(C64), C64_INIT + adds / 2 * 4);
+    assert_eq!(peer.u32_at(C32A), C32A_INIT.wrapping_add((adds * 7) as u32));
+    assert_eq!(peer.u32_at(C32B), C32B_INIT - (adds * 3) as u32);
+    for c in CANARIES {
+        assert_eq!(peer.u64_at(c), CANARY, "canary at {c:#x}");
+    }
+}
+
+/// Runs `test` against a host-memory child with a connection to it, then
+/// closes the connection and checks that the child exits cleanly.
+fn with_host_peer(test: impl FnOnce(&mut Peer, &EthernetConnection)) {
+    let mut peer = Peer::spawn("host");
+    let conn = peer.connect(None);
+    test(&mut peer, &conn);
+    drop(conn);
+    peer.finish();
+}
+
 /// Odd sizes at odd offsets: (dst offset, src offset, size).
 const CASES: [(u64, u64, u64); 4] = [
     (1, 0, 1),
@@ -467,59 +490,53 @@ fn write_cases_and_verify(
 
 #[test]
 fn writes_at_odd_sizes_and_offsets() {
-    let mut peer = Peer::spawn("host");
-    let conn = peer.connect(None);
-    assert_eq!(conn.transport(), Transport::Ethernet);
-    assert_eq!(conn.remote_rank(), 1);
-    let seed = random_seed();
-    let data = pattern(seed, 9 * MIB + 64);
-    let src = host_source(data.clone());
-    write_cases_and_verify(&mut peer, &conn, &src, &data);
-    drop(conn);
-    peer.finish();
+    with_host_peer(|peer, conn| {
+        assert_eq!(conn.transport(), Transport::Ethernet);
+        assert_eq!(conn.remote_rank(), 1);
+        let seed = random_seed();
+        let data = pattern(seed, 9 * MIB + 64);
+        let src = host_source(data.clone());
+        write_cases_and_verify(peer, conn, &src, &data);
+    });
 }
 
 #[test]
 fn flush_makes_all_earlier_writes_visible() {
-    let mut peer = Peer::spawn("host");
-    let conn = peer.connect(None);
-    const N: usize = 200;
-    const LEN: usize = 1000;
-    for round in 0..3u64 {
-        let data = pattern(random_seed() ^ round, N * LEN);
-        let src = host_source(data.clone());
-        for i in 0..N as u64 {
-            let off = i * LEN as u64;
-            conn.write(&peer.a, off, &src, off, LEN as u64).unwrap();
+    with_host_peer(|peer, conn| {
+        const N: usize = 200;
+        const LEN: usize = 1000;
+        for round in 0..3u64 {
+            let data = pattern(random_seed() ^ round, N * LEN);
+            let src = host_source(data.clone());
+            for i in 0..N as u64 {
+                let off = i * LEN as u64;
+                conn.write(&peer.a, off, &src, off, LEN as u64).unwrap();
+            }
+            conn.flush(T).unwrap();
+            assert_eq!(peer.hash(0, N * LEN), fnv1a(&data), "round {round}");
         }
-        conn.flush(T).unwrap();
-        assert_eq!(peer.hash(0, N * LEN), fnv1a(&data), "round {round}");
-    }
-    drop(conn);
-    peer.finish();
+    });
 }
 
 #[test]
 fn signals_arrive_in_order_after_their_data() {
-    let mut peer = Peer::spawn("host");
-    let conn = peer.connect(None);
-    let seed = random_seed();
-    let slots: Vec<u8> = (1..=NSLOTS).flat_map(|v| pattern(seed ^ v, SLOT)).collect();
-    let src = host_source(slots);
-    peer.send(&format!("WATCH {seed}"));
-    peer.expect("@READY");
-    for v in 1..=NSLOTS {
-        let off = (v - 1) * SLOT as u64;
-        conn.write(&peer.a, SLOTS + off, &src, off, SLOT as u64)
-            .unwrap();
-        conn.update_and_sync(&peer.a, SIG, v).unwrap();
-    }
-    conn.flush(T).unwrap();
-    let verdict = peer.expect("@WATCH");
-    assert!(verdict.starts_with("@WATCH ok"), "{verdict}");
-    assert_eq!(peer.u64_at(SIG), NSLOTS);
-    drop(conn);
-    peer.finish();
+    with_host_peer(|peer, conn| {
+        let seed = random_seed();
+        let slots: Vec<u8> = (1..=NSLOTS).flat_map(|v| pattern(seed ^ v, SLOT)).collect();
+        let src = host_source(slots);
+        peer.send(&format!("WATCH {seed}"));
+        peer.expect("@READY");
+        for v in 1..=NSLOTS {
+            let off = (v - 1) * SLOT as u64;
+            conn.write(&peer.a, SLOTS + off, &src, off, SLOT as u64)
+                .unwrap();
+            conn.update_and_sync(&peer.a, SIG, v).unwrap();
+        }
+        conn.flush(T).unwrap();
+        let verdict = peer.expect("@WATCH");
+        assert!(verdict.starts_with("@WATCH ok"), "{verdict}");
+        assert_eq!(peer.u64_at(SIG), NSLOTS);
+    });
 }
 
 #[test]
@@ -527,106 +544,80 @@ fn concurrent_atomic_adds_are_exact() {
     const THREADS: u64 = 4;
     const ITERS: u64 = 1500;
     let mut peer = Peer::spawn("host");
-    std::thread::scope(|s| {
-        for _ in 0..THREADS {
-            let conn = peer.connect(None);
-            let a = &peer.a;
-            s.spawn(move || {
-                for i in 0..ITERS {
-                    let v = if i % 2 == 0 { 1_000_003 } else { -999_999 };
-                    conn.atomic_add(a, C64, v, AtomicWidth::U64).unwrap();
-                    conn.atomic_add(a, C32A, 7, AtomicWidth::U32).unwrap();
-                    conn.atomic_add(a, C32B, -3, AtomicWidth::U32).unwrap();
-                }
-                conn.flush(T).unwrap();
-            });
-        }
-    });
-    assert_eq!(peer.u64_at(C64), C64_INIT + THREADS * ITERS / 2 * 4);
-    assert_eq!(
-        peer.u32_at(C32A),
-        C32A_INIT.wrapping_add((THREADS * ITERS * 7) as u32)
-    );
-    assert_eq!(peer.u32_at(C32B), C32B_INIT - (THREADS * ITERS * 3) as u32);
-    for c in CANARIES {
-        assert_eq!(peer.u64_at(c), CANARY, "canary at {c:#x}");
-    }
+    add_from_threads(&peer, None, THREADS, ITERS);
+    check_counters(&mut peer, THREADS * ITERS);
     peer.finish();
 }
 
 #[test]
 fn invalid_operations_are_rejected_before_sending() {
-    let mut peer = Peer::spawn("host");
-    let conn = peer.connect(None);
-    let src = host_source(vec![0xAB; 64]);
-    // A 64-bit add on a word that is only 4-byte aligned (it would straddle C32B).
-    let r = conn.atomic_add(&peer.a, C32B, 1, AtomicWidth::U64);
-    expect_rejected(r, "not aligned to 8 bytes");
-    expect_rejected(conn.write(&peer.a, A_LEN as u64 - 2, &src, 0, 4), "exceed");
-    expect_rejected(conn.write(&peer.a, 0, &src, 60, 8), "exceed");
-    expect_rejected(
-        conn.update_and_sync(&peer.a, C32B, 1),
-        "not aligned to 8 bytes",
-    );
-    expect_rejected(
-        conn.atomic_add(&peer.a, A_LEN as u64, 1, AtomicWidth::U32),
-        "exceed",
-    );
-    // Memory of a rank this connection does not reach.
-    let other = RegisteredMemory::import(
-        MemoryInfo {
-            rank: 5,
-            ..peer.a.info().clone()
-        },
-        None,
-        0,
-    )
-    .unwrap();
-    expect_rejected(conn.write(&other, 0, &src, 0, 8), "not reachable");
-    conn.flush(T).unwrap(); // nothing was sent, so nothing to report
-    assert_eq!(peer.u32_at(C32B), C32B_INIT);
-    assert_eq!(peer.u64_at(CANARIES[2]), CANARY);
-    assert_eq!(peer.hash(A_LEN as u64 - 8, 8), fnv1a(&[0; 8]));
-    drop(conn);
-    peer.finish();
+    with_host_peer(|peer, conn| {
+        let src = host_source(vec![0xAB; 64]);
+        // A 64-bit add on a word that is only 4-byte aligned (it would straddle C32B).
+        let r = conn.atomic_add(&peer.a, C32B, 1, AtomicWidth::U64);
+        expect_rejected(r, "not aligned to 8 bytes");
+        expect_rejected(conn.write(&peer.a, A_LEN as u64 - 2, &src, 0, 4), "exceed");
+        expect_rejected(conn.write(&peer.a, 0, &src, 60, 8), "exceed");
+        expect_rejected(
+            conn.update_and_sync(&peer.a, C32B, 1),
+            "not aligned to 8 bytes",
+        );
+        expect_rejected(
+            conn.atomic_add(&peer.a, A_LEN as u64, 1, AtomicWidth::U32),
+            "exceed",
+        );
+        // Memory of a rank this connection does not reach.
+        let other = RegisteredMemory::import(
+            MemoryInfo {
+                rank: 5,
+                ..peer.a.info().clone()
+            },
+            None,
+            0,
+        )
+        .unwrap();
+        expect_rejected(conn.write(&other, 0, &src, 0, 8), "not reachable");
+        conn.flush(T).unwrap(); // nothing was sent, so nothing to report
+        assert_eq!(peer.u32_at(C32B), C32B_INIT);
+        assert_eq!(peer.u64_at(CANARIES[2]), CANARY);
+        assert_eq!(peer.hash(A_LEN as u64 - 8, 8), fnv1a(&[0; 8]));
+    });
 }
 
 #[test]
 fn receiver_rejects_unregistered_targets_and_flush_reports_them() {
-    let mut peer = Peer::spawn("host");
-    let conn = peer.connect(None);
-    let src = host_source(vec![0xCD; 4096]);
+    with_host_peer(|peer, conn| {
+        let src = host_source(vec![0xCD; 4096]);
 
-    // Nothing is registered at a low address.
-    conn.write(&fake(&peer.a, 4096, 4096), 0, &src, 0, 64)
-        .unwrap();
-    let reason = expect_rejected(conn.flush(T), "not inside a region registered");
-    assert!(reason.contains("rank 1"), "{reason}");
-    conn.flush(T).unwrap(); // reported once
+        // Nothing is registered at a low address.
+        conn.write(&fake(&peer.a, 4096, 4096), 0, &src, 0, 64)
+            .unwrap();
+        let reason = expect_rejected(conn.flush(T), "not inside a region registered");
+        assert!(reason.contains("rank 1"), "{reason}");
+        conn.flush(T).unwrap(); // reported once
 
-    // Straddling the end of region A: nothing of it lands.
-    let longer = fake(&peer.a, peer.a.info().owner_ptr, A_LEN as u64 + 4096);
-    conn.write(&longer, A_LEN as u64 - 8, &src, 0, 16).unwrap();
-    expect_rejected(conn.flush(T), "not inside");
-    assert_eq!(peer.hash(A_LEN as u64 - 8, 8), fnv1a(&[0; 8]));
+        // Straddling the end of region A: nothing of it lands.
+        let longer = fake(&peer.a, peer.a.info().owner_ptr, A_LEN as u64 + 4096);
+        conn.write(&longer, A_LEN as u64 - 8, &src, 0, 16).unwrap();
+        expect_rejected(conn.flush(T), "not inside");
+        assert_eq!(peer.hash(A_LEN as u64 - 8, 8), fnv1a(&[0; 8]));
 
-    // Region B works until the owner unregisters it.
-    conn.write(&peer.b, 0, &src, 0, 8).unwrap();
-    conn.flush(T).unwrap();
-    peer.send("UNREG_B");
-    peer.expect("@OK");
-    conn.write(&peer.b, 8, &src, 0, 8).unwrap();
-    conn.update_and_sync(&peer.b, 16, 1).unwrap();
-    conn.atomic_add(&peer.b, 24, 1, AtomicWidth::U64).unwrap();
-    let reason = expect_rejected(conn.flush(T), "and 2 more failed operations");
-    assert!(reason.contains("write of 8 bytes"), "{reason}");
+        // Region B works until the owner unregisters it.
+        conn.write(&peer.b, 0, &src, 0, 8).unwrap();
+        conn.flush(T).unwrap();
+        peer.send("UNREG_B");
+        peer.expect("@OK");
+        conn.write(&peer.b, 8, &src, 0, 8).unwrap();
+        conn.update_and_sync(&peer.b, 16, 1).unwrap();
+        conn.atomic_add(&peer.b, 24, 1, AtomicWidth::U64).unwrap();
+        let reason = expect_rejected(conn.flush(T), "and 2 more failed operations");
+        assert!(reason.contains("write of 8 bytes"), "{reason}");
 
-    // The connection still works afterwards.
-    conn.write(&peer.a, 0, &src, 0, 4096).unwrap();
-    conn.flush(T).unwrap();
-    assert_eq!(peer.hash(0, 4096), fnv1a(&[0xCD; 4096]));
-    drop(conn);
-    peer.finish();
+        // The connection still works afterwards.
+        conn.write(&peer.a, 0, &src, 0, 4096).unwrap();
+        conn.flush(T).unwrap();
+        assert_eq!(peer.hash(0, 4096), fnv1a(&[0xCD; 4096]));
+    });
 }
 
 /// A TCP port bound on 127.0.0.1 but not listening (and without SO_REUSEADDR,
@@ -676,33 +667,31 @@ fn connect_to_nobody_times_out() {
 
 #[test]
 fn flush_to_a_stopped_receiver_times_out() {
-    let mut peer = Peer::spawn("host");
-    let conn = peer.connect(None);
-    let src = host_source(vec![0x5A; 256]);
-    conn.write(&peer.a, 0, &src, 0, 128).unwrap();
-    conn.flush(T).unwrap();
+    with_host_peer(|peer, conn| {
+        let src = host_source(vec![0x5A; 256]);
+        conn.write(&peer.a, 0, &src, 0, 128).unwrap();
+        conn.flush(T).unwrap();
 
-    peer.stop();
-    conn.write(&peer.a, 128, &src, 0, 128).unwrap();
-    let start = Instant::now();
-    match conn.flush(Duration::from_millis(300)) {
-        Err(e @ CommError::Timeout { .. }) => {
-            let msg = e.to_string();
-            assert!(msg.contains("rank 1") && msg.contains("flush"), "{msg}");
+        peer.stop();
+        conn.write(&peer.a, 128, &src, 0, 128).unwrap();
+        let start = Instant::now();
+        match conn.flush(Duration::from_millis(300)) {
+            Err(e @ CommError::Timeout { .. }) => {
+                let msg = e.to_string();
+                assert!(msg.contains("rank 1") && msg.contains("flush"), "{msg}");
+            }
+            other => panic!("expected a timeout, got {other:?}"),
         }
-        other => panic!("expected a timeout, got {other:?}"),
-    }
-    assert!(
-        start.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        start.elapsed()
-    );
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "{:?}",
+            start.elapsed()
+        );
 
-    peer.signal(libc::SIGCONT);
-    conn.flush(T).unwrap();
-    assert_eq!(peer.hash(0, 256), fnv1a(&[0x5A; 256]));
-    drop(conn);
-    peer.finish();
+        peer.signal(libc::SIGCONT);
+        conn.flush(T).unwrap();
+        assert_eq!(peer.hash(0, 256), fnv1a(&[0x5A; 256]));
+    });
 }
 
 #[test]
@@ -711,15 +700,7 @@ fn in_process_receiver_shuts_down_promptly() {
     let ptr = target.as_mut_ptr() as u64;
     let rx = EthernetReceiver::start("127.0.0.1:0".parse().unwrap(), None, 1).unwrap();
     rx.register(ptr, 4096, Location::Host);
-    let info = MemoryInfo {
-        rank: 1,
-        len: 4096,
-        location: Location::Host,
-        host_id: 0,
-        owner_ptr: ptr,
-        ipc: None,
-        ethernet: Some(rx.address()),
-    };
+    let info = memory_info(1, ptr, 4096, Location::Host, Some(rx.address()));
     let dst = RegisteredMemory::import(info, None, 0).unwrap();
     let conn = EthernetConnection::connect(0, 1, &rx.address(), None, T).unwrap();
     let src = host_source(pattern(3, 4096));
@@ -774,15 +755,7 @@ fn gpu_write_signal_and_atomics_between_processes() {
     let data = pattern(random_seed(), 9 * MIB + 64);
     let mem = DeviceMemory::alloc(dev, data.len()).unwrap();
     mem.copy_from_host(0, &data).unwrap();
-    let info = MemoryInfo {
-        rank: 0,
-        len: data.len() as u64,
-        location: Location::Device(0),
-        host_id: 0,
-        owner_ptr: mem.ptr(),
-        ipc: None,
-        ethernet: None,
-    };
+    let info = memory_info(0, mem.ptr(), data.len(), Location::Device(0), None);
     let src = RegisteredMemory::local(info, Some(Arc::new(mem)));
     let conn = peer.connect(Some(dev));
     write_cases_and_verify(&mut peer, &conn, &src, &data);
@@ -790,32 +763,10 @@ fn gpu_write_signal_and_atomics_between_processes() {
     conn.update_and_sync(&peer.a, SIG, 0x1234_5678_9abc)
         .unwrap();
     const ITERS: u64 = 200;
-    std::thread::scope(|s| {
-        for _ in 0..2 {
-            let conn = peer.connect(Some(dev));
-            let a = &peer.a;
-            s.spawn(move || {
-                for i in 0..ITERS {
-                    let v = if i % 2 == 0 { 1_000_003 } else { -999_999 };
-                    conn.atomic_add(a, C64, v, AtomicWidth::U64).unwrap();
-                    conn.atomic_add(a, C32A, 7, AtomicWidth::U32).unwrap();
-                    conn.atomic_add(a, C32B, -3, AtomicWidth::U32).unwrap();
-                }
-                conn.flush(T).unwrap();
-            });
-        }
-    });
+    add_from_threads(&peer, Some(dev), 2, ITERS);
     conn.flush(T).unwrap();
     assert_eq!(peer.u64_at(SIG), 0x1234_5678_9abc);
-    assert_eq!(peer.u64_at(C64), C64_INIT + 2 * ITERS / 2 * 4);
-    assert_eq!(
-        peer.u32_at(C32A),
-        C32A_INIT.wrapping_add((2 * ITERS * 7) as u32)
-    );
-    assert_eq!(peer.u32_at(C32B), C32B_INIT - (2 * ITERS * 3) as u32);
-    for c in CANARIES {
-        assert_eq!(peer.u64_at(c), CANARY, "canary at {c:#x}");
-    }
+    check_counters(&mut peer, 2 * ITERS);
     drop(conn);
     peer.finish();
 }

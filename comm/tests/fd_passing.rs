@@ -2,9 +2,7 @@
 //! processes (the test binary re-executes itself), leaks, timeouts, bad replies.
 //! CPU only.
 
-use std::collections::hash_map::RandomState;
 use std::fs::File;
-use std::hash::{BuildHasher, Hasher};
 use std::io::{Read, Write};
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
@@ -16,6 +14,9 @@ use std::time::{Duration, Instant};
 
 use comm::fd_passing::{fetch_fd, FdAddress, FdServer};
 use comm::CommError;
+
+mod common;
+use common::{fnv1a, pattern, random_seed};
 
 const T: Duration = Duration::from_secs(5);
 const CHILD_ROLE: &str = "MOELINK_FDPASS_CHILD";
@@ -31,21 +32,7 @@ fn fd_count() -> usize {
 }
 
 fn random_bytes(len: usize) -> Vec<u8> {
-    let mut x = RandomState::new().build_hasher().finish() | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
-
-fn fnv1a(data: &[u8]) -> u64 {
-    data.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
-        (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
-    })
+    pattern(random_seed(), len)
 }
 
 fn memfd_with(content: &[u8]) -> OwnedFd {

@@ -1,21 +1,24 @@
 //! CPU tests of the trigger FIFO and the proxy, with host threads as the
 //! producers (the same algorithm GPU threads run; see fifo_device.cuh).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 
 use comm::device_handles::{trigger_type as tt, ProxyTrigger};
 use comm::fifo::Fifo;
+use comm::proxy::testing::{fake_host_memory, TestConnection};
 use comm::proxy::ProxyService;
-use comm::registered_memory::{Location, MemoryInfo, RegisteredMemory};
-use comm::transport::{AtomicWidth, Connection, Transport};
-use comm::{CommError, Result};
+use comm::CommError;
 
 fn data(payload: u64) -> ProxyTrigger {
     // size carries the payload: any value round-trips through the ring
     ProxyTrigger::data(tt::DATA, 1, 2, 3, 4, 5, payload & 0xFFFF_FFFF)
+}
+
+/// Asserts that the consumer finds no trigger at the ring's tail (`why` it should not).
+fn assert_nothing_to_pop(fifo: &Fifo, why: &str) {
+    assert!(fifo.poll().is_none(), "{why}");
 }
 
 /// Pops everything, in order, from a single consumer thread until `n` triggers.
@@ -55,10 +58,7 @@ fn single_producer_order_survives_wraparound() {
         }
     });
     assert_eq!(fifo.tail(), n as u64);
-    assert!(
-        fifo.poll().is_none(),
-        "ring must be empty after the last pop"
-    );
+    assert_nothing_to_pop(&fifo, "ring must be empty after the last pop");
 }
 
 #[test]
@@ -116,10 +116,7 @@ fn full_ring_applies_back_pressure_then_recovers() {
     let pos = p.push(data(6), Duration::from_secs(1)).unwrap();
     assert_eq!(pos, 5);
     thread::sleep(Duration::from_millis(20));
-    assert!(
-        fifo.poll().is_none(),
-        "position 4 was claimed but never written"
-    );
+    assert_nothing_to_pop(&fifo, "position 4 was claimed but never written");
 }
 
 #[test]
@@ -140,79 +137,30 @@ fn sync_waits_until_popped() {
     });
 }
 
-/// A connection that records what the proxy asked of it.
-#[derive(Debug, Default)]
-struct Recorder {
-    ops: Mutex<Vec<String>>,
-}
-
-impl Connection for Recorder {
-    fn transport(&self) -> Transport {
-        Transport::Ethernet
-    }
-    fn remote_rank(&self) -> usize {
-        1
-    }
-    fn write(
-        &self,
-        dst: &RegisteredMemory,
-        d: u64,
-        src: &RegisteredMemory,
-        s: u64,
-        n: u64,
-    ) -> Result<()> {
-        dst.check_range(d, n, "dst")?;
-        src.check_range(s, n, "src")?;
-        self.ops.lock().unwrap().push(format!(
-            "write r{} +{d} <- r{} +{s} x{n}",
-            dst.rank(),
-            src.rank()
-        ));
-        Ok(())
-    }
-    fn update_and_sync(&self, dst: &RegisteredMemory, d: u64, v: u64) -> Result<()> {
-        self.ops
-            .lock()
-            .unwrap()
-            .push(format!("signal r{} +{d} = {v}", dst.rank()));
-        Ok(())
-    }
-    fn atomic_add(&self, dst: &RegisteredMemory, d: u64, v: i64, w: AtomicWidth) -> Result<()> {
-        self.ops
-            .lock()
-            .unwrap()
-            .push(format!("atomic r{} +{d} {v} {w:?}", dst.rank()));
-        Ok(())
-    }
-    fn flush(&self, _: Duration) -> Result<()> {
-        self.ops.lock().unwrap().push("flush".into());
-        Ok(())
-    }
-}
-
-fn mem(rank: u32, len: u64) -> RegisteredMemory {
-    RegisteredMemory::local(
-        MemoryInfo {
-            rank,
-            len,
-            location: Location::Host,
-            host_id: 0,
-            owner_ptr: 0x1000,
-            ipc: None,
-            ethernet: None,
-        },
-        None,
-    )
+/// A started proxy of rank `rank` with a FIFO of `slots`, two memories of
+/// `len` bytes (ids `local`, this rank's, and `remote`, rank 1's) and one
+/// channel over `conn` whose signals go to offset `signal_offset` of rank 1's
+/// `len` bytes: `(proxy, local, remote, channel)`.
+fn started_proxy(
+    rank: u32,
+    slots: usize,
+    len: u64,
+    conn: Arc<TestConnection>,
+    signal_offset: u64,
+) -> (ProxyService, u32, u32, u32) {
+    let mut proxy = ProxyService::new(rank as usize, None, slots, 0).unwrap();
+    let local = proxy.add_memory(fake_host_memory(rank, len)).unwrap();
+    let remote = proxy.add_memory(fake_host_memory(1, len)).unwrap();
+    let semaphores = fake_host_memory(1, len);
+    let ch = proxy.add_channel(conn, semaphores, signal_offset).unwrap();
+    proxy.start().unwrap();
+    (proxy, local, remote, ch)
 }
 
 #[test]
 fn proxy_decodes_and_performs_every_trigger_kind() {
-    let mut proxy = ProxyService::new(0, None, 8, 0).unwrap();
-    let rec = Arc::new(Recorder::default());
-    let local = proxy.add_memory(mem(0, 1 << 20)).unwrap();
-    let remote = proxy.add_memory(mem(1, 1 << 20)).unwrap();
-    let ch = proxy.add_channel(rec.clone(), mem(1, 4096), 64).unwrap();
-    proxy.start().unwrap();
+    let rec = Arc::new(TestConnection::recording());
+    let (proxy, local, remote, ch) = started_proxy(0, 8, 1 << 20, rec.clone(), 64);
     let p = proxy.fifo().host_producer().unwrap();
     let t = Duration::from_secs(5);
     let push = |tr| p.push(tr, t).unwrap();
@@ -249,7 +197,7 @@ fn proxy_decodes_and_performs_every_trigger_kind() {
     p.sync(last, t).unwrap();
     proxy.check().unwrap();
     assert_eq!(
-        *rec.ops.lock().unwrap(),
+        rec.ops(),
         [
             "write r1 +100 <- r0 +200 x300",
             "write r1 +0 <- r0 +8 x16",
@@ -271,11 +219,8 @@ fn proxy_decodes_and_performs_every_trigger_kind() {
 
 #[test]
 fn proxy_reports_bad_triggers_and_keeps_popping() {
-    let mut proxy = ProxyService::new(2, None, 4, 0).unwrap();
-    let rec = Arc::new(Recorder::default());
-    let local = proxy.add_memory(mem(2, 64)).unwrap();
-    let ch = proxy.add_channel(rec.clone(), mem(1, 64), 0).unwrap();
-    proxy.start().unwrap();
+    let rec = Arc::new(TestConnection::recording());
+    let (mut proxy, local, _, ch) = started_proxy(2, 4, 64, rec.clone(), 0);
     let p = proxy.fifo().host_producer().unwrap();
     let t = Duration::from_secs(5);
     p.push(ProxyTrigger::data(tt::DATA, 77, local, 0, local, 0, 8), t)
@@ -297,68 +242,19 @@ fn proxy_reports_bad_triggers_and_keeps_popping() {
         err.contains("rank 2") && err.contains("unknown channel 77"),
         "{err}"
     );
-    assert_eq!(
-        rec.ops.lock().unwrap().len(),
-        10,
-        "the valid signals were all performed"
-    );
+    assert_eq!(rec.ops().len(), 10, "the valid signals were all performed");
     // Failed triggers of a known channel count as handled too (unknown memory,
     // out of range), the one naming no channel does not.
     assert_eq!(proxy.channel_state(ch).map(|s| s.handled), Some(12));
     proxy.stop().unwrap();
 }
 
-/// A connection whose operations stay in flight until it has been asked
-/// `busy_polls` times whether they are (like a CUDA stream that only starts
-/// work the process drives).
-#[derive(Debug)]
-struct LazyStream {
-    busy_polls: u64,
-    polls: AtomicU64,
-}
-
-impl Connection for LazyStream {
-    fn transport(&self) -> Transport {
-        Transport::CudaIpc
-    }
-    fn remote_rank(&self) -> usize {
-        1
-    }
-    fn write(
-        &self,
-        _: &RegisteredMemory,
-        _: u64,
-        _: &RegisteredMemory,
-        _: u64,
-        _: u64,
-    ) -> Result<()> {
-        Ok(())
-    }
-    fn update_and_sync(&self, _: &RegisteredMemory, _: u64, _: u64) -> Result<()> {
-        Ok(())
-    }
-    fn atomic_add(&self, _: &RegisteredMemory, _: u64, _: i64, _: AtomicWidth) -> Result<()> {
-        Ok(())
-    }
-    fn flush(&self, _: Duration) -> Result<()> {
-        Ok(())
-    }
-    fn busy(&self) -> Option<bool> {
-        Some(self.polls.fetch_add(1, Ordering::SeqCst) < self.busy_polls)
-    }
-}
-
 #[test]
 fn proxy_drives_issued_operations_to_completion_without_new_triggers() {
-    let mut proxy = ProxyService::new(0, None, 8, 0).unwrap();
-    let conn = Arc::new(LazyStream {
-        busy_polls: 1000,
-        polls: AtomicU64::new(0),
-    });
-    let local = proxy.add_memory(mem(0, 64)).unwrap();
-    let remote = proxy.add_memory(mem(1, 64)).unwrap();
-    let ch = proxy.add_channel(conn.clone(), mem(1, 64), 0).unwrap();
-    proxy.start().unwrap();
+    // Its operations stay in flight until it has been asked 1000 times whether
+    // they are (like a CUDA stream that only starts work the process drives).
+    let conn = Arc::new(TestConnection::in_flight_for(1000));
+    let (mut proxy, local, remote, ch) = started_proxy(0, 8, 64, conn.clone(), 0);
     let p = proxy.fifo().host_producer().unwrap();
     let t = Duration::from_secs(5);
     let last = p
@@ -371,19 +267,19 @@ fn proxy_drives_issued_operations_to_completion_without_new_triggers() {
     // No trigger follows: the proxy alone must keep querying until the
     // operations report done, then stop querying.
     let start = Instant::now();
-    while conn.polls.load(Ordering::SeqCst) <= 1000 {
+    while conn.polls() <= 1000 {
         assert!(
             start.elapsed() < Duration::from_secs(10),
             "the proxy stopped querying its in-flight channel after {} polls",
-            conn.polls.load(Ordering::SeqCst)
+            conn.polls()
         );
         thread::yield_now();
     }
     thread::sleep(Duration::from_millis(50));
-    let settled = conn.polls.load(Ordering::SeqCst);
+    let settled = conn.polls();
     thread::sleep(Duration::from_millis(50));
     assert_eq!(
-        conn.polls.load(Ordering::SeqCst),
+        conn.polls(),
         settled,
         "a drained channel is not queried again"
     );

@@ -29,14 +29,18 @@ type R<T = ()> = Result<T, CommError>;
 /// reported by the device, naming rank and peer).
 const TIMEOUT_NS: i64 = 20_000_000_000;
 const WAIT: Duration = Duration::from_secs(60);
+/// Slots per signal page of the suite's Communicator: small, so that the
+/// scenarios' semaphores span many pages (pages are added as they fill).
+const SEMAPHORE_SLOTS: u32 = 8;
 
 struct Ctx {
     rank: usize,
     size: usize,
     device: Device,
-    /// The suite's group: `comm` is its first object.
+    /// The suite's group: `comm` is its shared Communicator, made before any
+    /// object (with Ethernet, and small signal pages: see `SEMAPHORE_SLOTS`).
     group: comm::Group,
-    comm: Communicator,
+    comm: Arc<Communicator>,
     stream: OwnedStream,
     /// Registered buffer every scenario uses (64 MiB).
     buf: RegisteredMemory,
@@ -671,7 +675,7 @@ fn symmetric_region(c: &Ctx) -> R {
             &bytes_of(0x5EED_0000 + p as u64, n),
         )?;
     }
-    let (channels, table) = region.memory_channel_table(&c.comm, 1)?;
+    let (channels, table) = region.memory_channel_table(&c.comm, 1, c.comm.device_error())?;
     let channels = &channels[0];
     let h = std::mem::size_of::<MemoryChannelDeviceHandle>();
     if table.len() != c.size * h || channels.len() != c.size || channels[c.rank].is_some() {
@@ -691,6 +695,129 @@ fn symmetric_region(c: &Ctx) -> R {
                 "rank {}: table entry {p} zero: {zero}",
                 c.rank
             )));
+        }
+    }
+    c.comm.barrier()
+}
+
+/// One object made on the suite's group: its region, channel table and the
+/// channels behind it.
+struct RegionObject {
+    member: comm::Member,
+    region: comm::SymmetricRegion,
+    channels: Vec<Vec<Option<MemoryChannel>>>,
+    _table: DeviceMemory,
+}
+
+fn region_object(c: &Ctx, kind: &str, rows: usize) -> R<RegionObject> {
+    use comm::SymmetricRegion;
+    // Asks for no Ethernet and the default page size: the group's
+    // Communicator (made with both by the suite) serves it as it is.
+    let mut member = c
+        .group
+        .join(kind, Some(c.device), &CommunicatorOptions::default())?;
+    let region = SymmetricRegion::new(member.comm(), 1 << 20, 0)?;
+    let (channels, table) =
+        region.memory_channel_table(member.comm(), rows, member.device_error())?;
+    member.ready()?;
+    Ok(RegionObject {
+        member,
+        region,
+        channels,
+        _table: table,
+    })
+}
+
+/// Two objects on one group share the group's one Communicator (the suite's),
+/// the second one's semaphores spill onto new signal pages, memory channels
+/// of both (first and last rows) carry a put, and a device wait that times
+/// out on one object's channel is reported by that object only.
+fn shared_communicator(c: &Ctx) -> R {
+    let pages_before = c.comm.signal_pages();
+    let per_page = c.comm.semaphores_per_page() as usize;
+    let a = region_object(c, "shared region a", 1)?;
+    // More rows than a page holds: at least one page is added meanwhile.
+    let rows = per_page + 1;
+    let b = region_object(c, "shared region b", rows)?;
+    let pages_after = c.comm.signal_pages();
+    if !Arc::ptr_eq(a.member.comm(), &c.comm) || !Arc::ptr_eq(b.member.comm(), &c.comm) {
+        return Err(fail(format!(
+            "rank {}: an object on the group got a Communicator of its own",
+            c.rank
+        )));
+    }
+    if pages_after <= pages_before {
+        return Err(fail(format!(
+            "rank {}: {rows} rows of semaphores ({per_page} per page) added no signal page \
+             ({pages_before} before, {pages_after} after)",
+            c.rank
+        )));
+    }
+    let n = 40_000usize;
+    const DST: u64 = 512 << 10;
+    let cases = [(&a, 0usize, 1u64), (&b, 0, 2), (&b, rows - 1, 3)];
+    for (obj, row, tag) in cases {
+        let h = obj.channels[row][c.partner()]
+            .as_ref()
+            .ok_or_else(|| fail("no channel to the partner"))?
+            .device_handle(obj.member.device_error())?;
+        let seed = |r: usize| (tag << 40) | (r as u64) << 8 | 0x5A;
+        let view = DeviceMemoryView(obj.region.local());
+        view.write(c.device, 0, &bytes_of(seed(c.rank), n))?;
+        view.write(c.device, DST, &vec![0xA5; n + 16])?;
+        obj.member.barrier()?;
+        // SAFETY: [0, n) and [DST, DST + n) lie inside both ranks' 1 MiB regions.
+        unsafe {
+            testing::memchan_copy(
+                c.device,
+                c.stream.handle(),
+                1,
+                512,
+                h,
+                DST,
+                0,
+                n as u64,
+                false,
+                1,
+                true,
+            )?;
+            testing::memchan_wait(c.device, c.stream.handle(), h, TIMEOUT_NS)?;
+        }
+        c.stream
+            .synchronize_bounded(WAIT, c.rank as i64, "put on a shared communicator")?;
+        obj.member.check_device()?;
+        let mut want = bytes_of(seed(c.partner()), n);
+        want.extend([0xA5u8; 16]);
+        check_eq(
+            &format!(
+                "{} row {row}: put from rank {}",
+                obj.member.kind(),
+                c.partner()
+            ),
+            &view.read(c.device, DST, n + 16)?,
+            &want,
+        )?;
+        obj.member.barrier()?;
+    }
+    // Nobody signals a's channel now: its wait times out into a's record only.
+    let h = a.channels[0][c.partner()]
+        .as_ref()
+        .ok_or_else(|| fail("no channel to the partner"))?
+        .device_handle(a.member.device_error())?;
+    // SAFETY: handle of a live channel of a.
+    unsafe { testing::memchan_wait(c.device, c.stream.handle(), h, 50_000_000) }?;
+    c.stream
+        .synchronize_bounded(WAIT, c.rank as i64, "timed-out wait")?;
+    let got_a = a.member.check_device_timeout();
+    let (got_b, got_comm) = (b.member.check_device(), c.comm.check_device());
+    a.member.device_error().reset();
+    match (got_a, got_b, got_comm) {
+        (Err(CommError::Timeout { rank, .. }), Ok(()), Ok(())) if rank == c.rank as i64 => {}
+        other => {
+            return Err(fail(format!(
+                "rank {}: expected a timeout in object a's record only, got {other:?}",
+                c.rank
+            )))
         }
     }
     c.comm.barrier()
@@ -793,11 +920,15 @@ fn multi_rank_suite() {
     let device = Device::bind(ordinal as i32).expect("bind device");
     let opts = CommunicatorOptions {
         ethernet: Some("127.0.0.1:0".parse().unwrap()),
+        semaphore_slots: SEMAPHORE_SLOTS,
         ..Default::default()
     };
     let group = comm::Group::new(boot).expect("group");
-    let scoped = Arc::new(group.scope("test communicator").expect("scope"));
-    let comm = Communicator::new(scoped, Some(device), opts).expect("communicator");
+    // The group's Communicator, made before any object: every object the
+    // scenarios make on the group shares it.
+    let comm = group
+        .communicator(Some(device), &opts)
+        .expect("communicator");
     let buf = comm.alloc_memory(64 << 20).expect("alloc");
     let stream = OwnedStream::new(device).expect("stream");
     let c = Ctx {
@@ -831,6 +962,7 @@ fn multi_rank_suite() {
         ("timeout_is_reported", timeout_is_reported),
         ("topology", topology),
         ("symmetric_region", symmetric_region),
+        ("shared_communicator", shared_communicator),
         ("nothing_on_other_devices", nothing_on_other_devices),
         ("create_destroy_500x1GiB", create_destroy_500),
         // Last: opening legacy IPC handles may make the driver create contexts

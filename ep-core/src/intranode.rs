@@ -17,15 +17,13 @@
 //! host: every rank makes the same sequence of calls.
 
 use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm::channel::MemoryChannel;
 use comm::error::{CommError, Result};
 use comm::host_memory::HostMemory;
 use comm::{
-    Bootstrap, Communicator, CommunicatorOptions, Device, DeviceMemory, StreamHandle,
-    SymmetricRegion,
+    CommunicatorOptions, Device, DeviceMemory, Group, Member, StreamHandle, SymmetricRegion,
 };
 use ep_kernels::intranode::{
     self as k, CombineRecvArgs, CombineSendArgs, IntranodeCtx, NotifyArgs, RecordLayout, RecvArgs,
@@ -107,7 +105,9 @@ pub struct CombineArgs {
 }
 
 pub struct IntranodeBuffer {
-    comm: Communicator,
+    /// The group's Communicator, this buffer's scope, device error record and
+    /// device-wait bound.
+    member: Member,
     device: Device,
     kernels: DeviceKernels,
     nvl: SymmetricRegion,
@@ -121,7 +121,6 @@ pub struct IntranodeBuffer {
     host_epoch: u64,
     combine_dirty: bool,
     timeout: Duration,
-    device_timeout_ns: i64,
 }
 
 impl std::fmt::Debug for IntranodeBuffer {
@@ -135,15 +134,18 @@ impl std::fmt::Debug for IntranodeBuffer {
 }
 
 impl IntranodeBuffer {
-    /// *Collective.* Allocates `num_nvl_bytes` of NVL buffer on `device`, maps
-    /// every peer's, and builds memory channels to every peer.
+    /// *Collective.* The group's next object: allocates `num_nvl_bytes` of NVL
+    /// buffer on `device`, maps every peer's, and builds memory channels to
+    /// every peer, on the group's Communicator (made now if this is the
+    /// group's first object, with `timeout` bounding its host waits).
+    /// `timeout` also bounds [`wait_counts`](Self::wait_counts).
     pub fn new(
-        bootstrap: Arc<dyn Bootstrap>,
+        group: &Group,
         device: Device,
         num_nvl_bytes: usize,
         timeout: Duration,
     ) -> Result<Self> {
-        let size = bootstrap.size();
+        let size = group.size();
         if size > k::MAX_RANKS {
             return Err(CommError::invalid(
                 "group",
@@ -165,23 +167,24 @@ impl IntranodeBuffer {
         }
         let opts = CommunicatorOptions {
             timeout,
-            semaphore_slots: 256,
             ..CommunicatorOptions::default()
         };
-        let comm = Communicator::new(bootstrap, Some(device), opts)?;
+        let mut member = group.join("intranode buffer", Some(device), &opts)?;
+        let comm = member.comm().clone();
         comm.device_share()
             .require("intranode dispatch/combine", 1)?;
         let kernels = DeviceKernels::get(device)?;
         // The control region starts zeroed; the data regions need not.
         let nvl = SymmetricRegion::new(&comm, num_nvl_bytes, CTRL_BYTES as usize)?;
-        let (channels, channel_table) = nvl.memory_channel_table(&comm, 1)?;
+        let (channels, channel_table) =
+            nvl.memory_channel_table(&comm, 1, member.device_error())?;
         let scratch = DeviceMemory::alloc(device, 16)?;
         scratch.fill(0)?;
         let host = HostMemory::pinned(device, HOST_BYTES)?;
         // Everybody has mapped everybody's buffer before anyone launches.
-        comm.barrier()?;
+        member.ready()?;
         Ok(Self {
-            comm,
+            member,
             device,
             kernels,
             nvl,
@@ -192,16 +195,15 @@ impl IntranodeBuffer {
             host_epoch: 0,
             combine_dirty: false,
             timeout,
-            device_timeout_ns: DEFAULT_DEVICE_TIMEOUT_NS,
         })
     }
 
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.member.rank()
     }
 
     pub fn num_ranks(&self) -> usize {
-        self.comm.size()
+        self.member.size()
     }
 
     pub fn device(&self) -> Device {
@@ -213,37 +215,38 @@ impl IntranodeBuffer {
         (self.nvl.ptr(), self.nvl.len() as usize)
     }
 
-    /// Bound of every device-side wait, nanoseconds of GPU time (positive).
+    /// Bound of every device-side wait of this buffer, nanoseconds of GPU
+    /// time (positive; other objects of the group keep theirs).
     pub fn set_device_timeout_ns(&mut self, timeout_ns: i64) -> Result<()> {
-        self.device_timeout_ns = comm::error::check_device_timeout_ns(timeout_ns)?;
-        Ok(())
+        self.member.set_device_timeout_ns(timeout_ns)
     }
 
     pub fn device_timeout_ns(&self) -> i64 {
-        self.device_timeout_ns
+        self.member.device_timeout_ns()
     }
 
     /// This rank's share of its GPU (ranks that share it, SMs per rank).
     pub fn device_share(&self) -> comm::DeviceShare {
-        self.comm.device_share()
+        self.member.comm().device_share()
     }
 
     /// `num_sms` of a data kernel, capped to this rank's share of its GPU (so
     /// that ranks sharing a GPU never wait on peers whose blocks cannot start).
     fn sms(&self, num_sms: u32) -> u32 {
-        self.comm.device_share().cap("intranode num_sms", num_sms)
+        self.device_share().cap("intranode num_sms", num_sms)
     }
 
-    /// Error a kernel recorded (a device wait that ran out: rank, peer, what;
-    /// or an expert id out of range: rank, token, column), if any.
+    /// Error one of this buffer's kernels recorded (a device wait that ran
+    /// out: rank, peer, what; or an expert id out of range: rank, token,
+    /// column), if any.
     pub fn check_device(&self) -> Result<()> {
-        self.comm.check_device()
+        self.member.check_device()
     }
 
-    /// Error of a device wait that ran out, if any (an expert id out of range
-    /// stays for [`check_device`](Self::check_device)).
+    /// Error of a device wait of this buffer that ran out, if any (an expert
+    /// id out of range stays for [`check_device`](Self::check_device)).
     pub fn check_device_timeout(&self) -> Result<()> {
-        self.comm.check_device_timeout()
+        self.member.check_device_timeout()
     }
 
     /// Bytes of each data region (dispatch, combine): half of what follows
@@ -275,7 +278,7 @@ impl IntranodeBuffer {
             combine_offset: CTRL_BYTES + region,
             dispatch_slots: dispatch_slots as i64,
             combine_slots: combine_slots as i64,
-            timeout_ns: self.device_timeout_ns,
+            timeout_ns: self.member.device_timeout_ns(),
             rank: self.rank() as i32,
             num_ranks: self.num_ranks() as i32,
         }
@@ -346,7 +349,7 @@ impl IntranodeBuffer {
             epoch_value: epoch,
             topk_idx: if shape.num_topk > 0 { inp.topk_idx } else { 0 },
             num_topk: shape.num_topk as i32,
-            error: self.comm.device_error().device_ptr(),
+            error: self.member.device_error().device_ptr(),
         };
         // SAFETY: the caller (the Python layer) checked every tensor.
         unsafe { k::dispatch_notify(&self.kernels, stream, ctx, notify) }?;
@@ -422,7 +425,7 @@ impl IntranodeBuffer {
         while flag.load(Ordering::Acquire) < epoch {
             spins += 1;
             if spins % 1024 == 0 {
-                self.comm.check_device_timeout()?;
+                self.member.check_device_timeout()?;
                 if start.elapsed() > self.timeout {
                     return Err(CommError::Timeout {
                         rank: self.rank() as i64,
@@ -559,7 +562,7 @@ impl IntranodeBuffer {
                     is_token_in_rank,
                     partials,
                     ticket: self.scratch.ptr(),
-                    error: self.comm.device_error().device_ptr(),
+                    error: self.member.device_error().device_ptr(),
                     num_tokens: num_tokens as i32,
                     num_topk: num_topk as i32,
                     num_experts: num_experts as i32,
@@ -575,8 +578,9 @@ impl IntranodeBuffer {
         ep_kernels::launch::layout_scratch_elems(num_tokens, num_experts, self.num_ranks())
     }
 
-    /// *Collective.* A host barrier over the bootstrap.
+    /// *Collective.* A host barrier of this buffer's ranks, in its own scope of
+    /// the group's bootstrap (so it never meets another object's collectives).
     pub fn barrier(&self) -> Result<()> {
-        self.comm.barrier()
+        self.member.barrier()
     }
 }

@@ -5,8 +5,8 @@
 //! |---|---|
 //! | [`diagnostics`] | peer-write check: every GPU stores a pattern into every peer over NVLink |
 //! | [`limits`] | every limit of the EP API in one place, and the checks that apply them |
-//! | [`intranode`] | the intranode `Buffer`: NVL buffer, memory channels to every peer, dispatch/combine launch sequences |
-//! | [`low_latency`] | the low-latency `Buffer` part: buffer mapped by every peer, optional proxy port channels, dispatch/combine launches |
+//! | [`intranode`] | the intranode `Buffer` (an object of a `comm::Group`, on the group's Communicator): NVL buffer, memory channels to every peer, dispatch/combine launch sequences |
+//! | [`low_latency`] | the low-latency `Buffer` part (an object of a `comm::Group`, on the group's Communicator): buffer mapped by every peer, optional proxy port channels, dispatch/combine launches |
 //! | [`reference`](mod@reference) | CPU reference semantics (the test oracle) of layout, dispatch and combine, any number of ranks |
 //! | [`reference_ll`] | CPU reference semantics (the test oracle) of low-latency dispatch (with its fp8 cast) and combine, any number of ranks |
 

@@ -8,7 +8,6 @@
 //! capacity for a call is checked here, before any launch. Every launch is
 //! asynchronous on the caller's stream.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use comm::channel::PortChannel;
@@ -17,7 +16,7 @@ use comm::error::{CommError, Result};
 use comm::proxy::ProxyService;
 use comm::transport::Transport;
 use comm::{
-    device_table, Bootstrap, Communicator, CommunicatorOptions, Device, DeviceMemory, StreamHandle,
+    device_table, CommunicatorOptions, Device, DeviceMemory, Group, Member, StreamHandle,
     SymmetricRegion,
 };
 /// Which halves of a low-latency call a launch runs (send, receive, both).
@@ -38,7 +37,8 @@ pub struct LowLatencyOptions {
     pub allow_nvlink: bool,
     /// A peer silent for `device_timeout` is masked instead of reported.
     pub shrink: bool,
-    /// Bound of host-side waits (bootstrap, proxy flushes).
+    /// Bound of host-side waits (proxy flushes; the group's Communicator's
+    /// waits when this buffer is the group's first object).
     pub timeout: Duration,
     /// Bound of every device-side receive wait.
     pub device_timeout: Duration,
@@ -87,7 +87,9 @@ pub struct LowLatencyBuffer {
     mask: DeviceMemory,
     /// Phase stamps of every launch (`MOELINK_LL_PROFILE=1`), else `None`.
     prof: Option<DeviceMemory>,
-    comm: Communicator,
+    /// The group's Communicator (whose CUDA IPC connections the proxy uses),
+    /// this buffer's scope, device error record and device-wait bound.
+    member: Member,
     device: Device,
     kernels: DeviceKernels,
     opts: LowLatencyOptions,
@@ -128,16 +130,19 @@ pub fn size_hint(
 }
 
 impl LowLatencyBuffer {
-    /// *Collective.* Allocates `num_bytes` on `device`, maps every peer's
-    /// buffer, and (when the proxy transport is needed) builds port channels
-    /// and starts the proxy.
+    /// *Collective.* The group's next object: allocates `num_bytes` on
+    /// `device`, maps every peer's buffer, and (when the proxy transport is
+    /// needed) builds port channels and starts the proxy, on the group's
+    /// Communicator (made now if this is the group's first object). The
+    /// proxy's connections are CUDA IPC ones: the Communicator needs no
+    /// Ethernet receiver.
     pub fn new(
-        bootstrap: Arc<dyn Bootstrap>,
+        group: &Group,
         device: Device,
         num_bytes: usize,
         opts: LowLatencyOptions,
     ) -> Result<Self> {
-        let size = bootstrap.size();
+        let size = group.size();
         if size > k::MAX_RANKS {
             return Err(CommError::invalid(
                 "group",
@@ -156,12 +161,15 @@ impl LowLatencyBuffer {
                 ),
             ));
         }
+        let device_timeout_ns = i64::try_from(opts.device_timeout.as_nanos()).unwrap_or(i64::MAX);
+        comm::error::check_device_timeout_ns(device_timeout_ns)?;
         let copts = CommunicatorOptions {
             timeout: opts.timeout,
-            semaphore_slots: 256,
             ..CommunicatorOptions::default()
         };
-        let comm = Communicator::new(bootstrap, Some(device), copts)?;
+        let mut member = group.join("low-latency buffer", Some(device), &copts)?;
+        member.set_device_timeout_ns(device_timeout_ns)?;
+        let comm = member.comm().clone();
         comm.device_share()
             .require("low-latency dispatch/combine", 1)?;
         let kernels = DeviceKernels::get(device)?;
@@ -182,7 +190,7 @@ impl LowLatencyBuffer {
             let ports = comm.port_channels(&proxy, region.local(), Transport::CudaIpc)?;
             let handles: Vec<Option<PortChannelDeviceHandle>> = ports
                 .iter()
-                .map(|p| p.as_ref().map(|c| c.device_handle(comm.device_error())))
+                .map(|p| p.as_ref().map(|c| c.device_handle(member.device_error())))
                 .collect();
             let table = device_table(device, &handles)?;
             proxy.start()?;
@@ -204,7 +212,7 @@ impl LowLatencyBuffer {
         } else {
             None
         };
-        comm.barrier()?;
+        member.ready()?;
         Ok(Self {
             proxy,
             ports,
@@ -214,7 +222,7 @@ impl LowLatencyBuffer {
             state,
             mask,
             prof,
-            comm,
+            member,
             device,
             kernels,
             opts,
@@ -223,11 +231,11 @@ impl LowLatencyBuffer {
     }
 
     pub fn rank(&self) -> usize {
-        self.comm.rank()
+        self.member.rank()
     }
 
     pub fn num_ranks(&self) -> usize {
-        self.comm.size()
+        self.member.size()
     }
 
     pub fn device(&self) -> Device {
@@ -252,15 +260,12 @@ impl LowLatencyBuffer {
     /// Blocks of every launch (default: one per SM of this rank's share of its
     /// GPU; more is capped to that share, so ranks sharing a GPU stay resident).
     pub fn set_num_blocks(&mut self, n: u32) {
-        self.num_blocks = self
-            .comm
-            .device_share()
-            .cap("low-latency num_blocks", n.max(1));
+        self.num_blocks = self.device_share().cap("low-latency num_blocks", n.max(1));
     }
 
     /// This rank's share of its GPU (ranks that share it, SMs per rank).
     pub fn device_share(&self) -> comm::DeviceShare {
-        self.comm.device_share()
+        self.member.comm().device_share()
     }
 
     pub fn num_blocks(&self) -> u32 {
@@ -282,18 +287,18 @@ impl LowLatencyBuffer {
         Some((proxy.fifo().tail(), per_peer))
     }
 
-    /// Errors a device wait, the proxy or its FIFO reported, if any (an expert
-    /// id out of range is reported once).
+    /// Errors a device wait of this buffer, its proxy or its FIFO reported, if
+    /// any (an expert id out of range is reported once).
     pub fn check_device(&self) -> Result<()> {
         self.check_device_timeout()?;
-        self.comm.check_device()
+        self.member.check_device()
     }
 
-    /// Errors that leave the ranks out of step (a device wait that timed out,
-    /// the proxy or its FIFO), if any; an expert id out of range stays for
-    /// [`check_device`](Self::check_device).
+    /// Errors that leave the ranks out of step (a device wait of this buffer
+    /// that timed out, its proxy or its FIFO), if any; an expert id out of
+    /// range stays for [`check_device`](Self::check_device).
     pub fn check_device_timeout(&self) -> Result<()> {
-        self.comm.check_device_timeout()?;
+        self.member.check_device_timeout()?;
         if let Some(p) = &self.proxy {
             p.fifo().error().check()?;
             p.check()?;
@@ -369,11 +374,11 @@ impl LowLatencyBuffer {
             local: self.mem.ptr(),
             state: self.state.ptr(),
             mask: self.mask.ptr(),
-            error: self.comm.device_error().device_ptr(),
+            error: self.member.device_error().device_ptr(),
             zc_offset: l.zero_copy,
             recv_offset: l.recv,
             stage_offset: l.stage,
-            timeout_ns: self.opts.device_timeout.as_nanos().min(u64::MAX as u128) as u64,
+            timeout_ns: self.member.device_timeout_ns() as u64,
             rank: self.rank() as i32,
             num_ranks: self.num_ranks() as i32,
             use_proxy: i32::from(self.uses_proxy()),
@@ -518,7 +523,7 @@ impl LowLatencyBuffer {
     /// The rank mask is kept.
     pub fn clean(&self) -> Result<()> {
         self.device.synchronize()?;
-        self.comm.barrier()?;
+        self.member.barrier()?;
         // SAFETY: both ranges are ours and idle.
         unsafe {
             self.device
@@ -526,8 +531,8 @@ impl LowLatencyBuffer {
             self.device
                 .memset_sync(self.state.ptr(), 4 * STATE_WORDS, 0)?;
         }
-        self.comm.device_error().reset();
-        self.comm.barrier()
+        self.member.device_error().reset();
+        self.member.barrier()
     }
 
     /// Clears the rank mask (synchronously).
@@ -535,9 +540,10 @@ impl LowLatencyBuffer {
         self.mask.fill(0)
     }
 
-    /// *Collective.* A host barrier over the bootstrap.
+    /// *Collective.* A host barrier of this buffer's ranks, in its own scope of
+    /// the group's bootstrap (so it never meets another object's collectives).
     pub fn barrier(&self) -> Result<()> {
-        self.comm.barrier()
+        self.member.barrier()
     }
 }
 

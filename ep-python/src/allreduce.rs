@@ -105,8 +105,8 @@ impl AllReduceComm {
         let group: &Group = &group;
         let inner = py
             .detach(|| {
-                let (dev, boot) = group.bind_and_scope(device, "allreduce")?;
-                Inner::new(boot, dev, &config)
+                let (dev, group) = group.bind(device)?;
+                Inner::new(group, dev, &config)
             })
             .map_err(to_py)?;
         Ok(Self { inner: Some(inner) })

@@ -57,8 +57,8 @@ impl IntranodeBuffer {
         let group: &Group = &group;
         let inner = py
             .detach(|| {
-                let (dev, boot) = group.bind_and_scope(device, "intranode buffer")?;
-                Inner::new(boot, dev, num_nvl_bytes, timeout)
+                let (dev, group) = group.bind(device)?;
+                Inner::new(group, dev, num_nvl_bytes, timeout)
             })
             .map_err(to_py)?;
         Ok(Self { inner: Some(inner) })

@@ -1,10 +1,11 @@
 //! `Group`: the shared core of one torch process group (comm::Group): one
-//! bootstrap under every Buffer half and AllReduce made on the group.
+//! bootstrap and one Communicator (made by the group's first object) under
+//! every Buffer half and AllReduce made on the group.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use comm::{Bootstrap, Device, TcpBootstrap, UniqueId};
+use comm::{Device, TcpBootstrap, UniqueId};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
@@ -25,17 +26,12 @@ pub struct Group {
 }
 
 impl Group {
-    /// Binds CUDA device `device` to this thread and takes the group's next
-    /// object scope (collective): the start of every native object's
-    /// constructor. `kind` names the object in a disagreement error.
-    pub(crate) fn bind_and_scope(
-        &self,
-        device: i32,
-        kind: &str,
-    ) -> comm::Result<(Device, Arc<dyn Bootstrap>)> {
+    /// Binds CUDA device `device` to this thread and returns the group every
+    /// native object's constructor makes its object on (collectively: the
+    /// object takes the group's next number, and its shared Communicator).
+    pub(crate) fn bind(&self, device: i32) -> comm::Result<(Device, &comm::Group)> {
         let dev = Device::bind(device)?;
-        let scoped = self.inner.scope(kind)?;
-        Ok((dev, Arc::new(scoped)))
+        Ok((dev, &self.inner))
     }
 }
 
@@ -53,7 +49,8 @@ pub(crate) fn timeout_arg(name: &str, timeout_s: f64) -> PyResult<Duration> {
 impl Group {
     /// *Collective.* Connects `size` ranks through the bootstrap id (rank 0
     /// made it with `bootstrap_unique_id`); every bootstrap wait of the group's
-    /// objects is bounded by `timeout_s`.
+    /// objects, and a constructor's wait for another thread's object on the
+    /// group, is bounded by `timeout_s`.
     #[new]
     fn new(
         py: Python<'_>,
@@ -67,7 +64,7 @@ impl Group {
             .detach(|| {
                 let id = UniqueId::from_bytes(&unique_id)?;
                 let boot = TcpBootstrap::new(&id, rank, size, timeout)?;
-                comm::Group::new(Arc::new(boot))
+                comm::Group::with_timeout(Arc::new(boot), timeout)
             })
             .map_err(to_py)?;
         Ok(Self {

@@ -10,6 +10,7 @@ mod group;
 mod ll;
 mod reference;
 mod reference_ll;
+mod streams;
 
 use std::sync::Once;
 
@@ -108,6 +109,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<group::Group>()?;
     m.add_class::<buffer::IntranodeBuffer>()?;
     m.add_class::<ll::LowLatencyBuffer>()?;
+    m.add_class::<streams::StreamOrder>()?;
     m.add_function(wrap_pyfunction!(ll::low_latency_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(reference_ll::ref_ll_dispatch, m)?)?;
     m.add_function(wrap_pyfunction!(reference_ll::ref_ll_combine, m)?)?;

@@ -75,8 +75,8 @@ impl LowLatencyBuffer {
         let group: &Group = &group;
         let inner = py
             .detach(|| {
-                let (dev, boot) = group.bind_and_scope(device, "low-latency buffer")?;
-                Inner::new(boot, dev, num_bytes, opts)
+                let (dev, group) = group.bind(device)?;
+                Inner::new(group, dev, num_bytes, opts)
             })
             .map_err(to_py)?;
         Ok(Self { inner: Some(inner) })

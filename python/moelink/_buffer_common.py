@@ -28,9 +28,24 @@ def _capturing() -> bool:
     return torch.cuda.is_current_stream_capturing()
 
 
+#: ``MOELINK_CHECK_IDS=1`` as read when moelink was imported (``set_check_ids``
+#: changes it at run time): a module flag, since reading the environment on every
+#: call costs about a microsecond.
+_CHECK_IDS = os.environ.get("MOELINK_CHECK_IDS", "0") == "1"
+
+
+def set_check_ids(enabled: bool) -> bool:
+    """Turns the host-side expert-id check on or off (see ``_check_ids``); returns
+    the previous setting."""
+    global _CHECK_IDS
+    previous, _CHECK_IDS = _CHECK_IDS, bool(enabled)
+    return previous
+
+
 def _check_ids() -> bool:
     """Whether expert ids are also range-checked on the host before a launch: a
-    debug switch (``MOELINK_CHECK_IDS=1``; it costs a device sync per call).
+    debug switch (``MOELINK_CHECK_IDS=1`` in the environment when moelink is
+    imported, or ``set_check_ids(True)``; it costs a device sync per call).
 
     The kernels check every id anyway (the layout, notify and low-latency
     dispatch kernels record an id outside ``[-1, num_experts)``): the call raises
@@ -38,4 +53,33 @@ def _check_ids() -> bool:
     for the GPU (a dispatch without ``num_worst_tokens``), otherwise at the end of
     the next call, in ``check()`` or in ``destroy()``. Never done under CUDA-graph
     capture."""
-    return os.environ.get("MOELINK_CHECK_IDS", "0") == "1" and not _capturing()
+    return _CHECK_IDS and not _capturing()
+
+
+class PlanCache:
+    """Per-Buffer memo of calls whose arguments passed every check: the key is
+    built from what the checks read (each tensor's ``tensor_sig``, the scalar
+    arguments and their types), the value is what the checks computed. A call
+    whose key is cached skips its checks; any other call (a new shape, a wrong
+    argument, an unhashable one, a tensor subclass) takes the checked path, which
+    raises or adds its key. Bounded: cleared when it holds ``limit`` keys."""
+
+    __slots__ = ("plans", "limit")
+
+    def __init__(self, limit: int = 64) -> None:
+        self.plans: dict = {}
+        self.limit = limit
+
+    def get(self, key):
+        try:
+            return self.plans.get(key)
+        except TypeError:  # an unhashable argument, or a non-tensor (tensor_sig)
+            return None
+
+    def put(self, key, plan) -> None:
+        try:
+            if len(self.plans) >= self.limit:
+                self.plans.clear()
+            self.plans[key] = plan
+        except TypeError:
+            pass

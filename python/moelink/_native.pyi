@@ -90,6 +90,10 @@ def ref_ll_combine(
     inputs: list, max_tokens: int, hidden: int, num_experts: int, num_topk: int
 ) -> list: ...
 
+class StreamOrder:
+    def __init__(self, device: int) -> None: ...
+    def after(self, waiter: int, signaler: int) -> None: ...
+
 class LowLatencyBuffer:
     """Rust half of moelink.Buffer's low-latency mode (pointers are device
     addresses, streams raw cudaStream_t handles; phases 1 send, 2 receive, 3 both)."""

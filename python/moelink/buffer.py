@@ -16,11 +16,18 @@ import torch
 import torch.distributed as dist
 
 from . import _native
-from ._buffer_common import _check_ids, _CudaMemory
+from ._buffer_common import PlanCache, _check_ids, _CudaMemory
 from ._device_timeout import env_device_timeout_ns
 from ._group import native_group as _native_group
-from ._streams import EventOverlap, check_previous_event, enter_comm, finish_async
+from ._streams import (
+    NO_STREAM_SWITCH,
+    EventOverlap,
+    check_previous_event,
+    current_raw_stream,
+    finish_async,
+)
 from .checks import (
+    _NO_SIG,
     LIMITS,
     check_bias,
     check_dispatch_x,
@@ -32,6 +39,7 @@ from .checks import (
     check_topk_weights,
 )
 from .checks import tensor_ptr as _ptr
+from .checks import tensor_sig as _sig
 from .config import Config, get_combine_config, get_dispatch_config
 from .low_latency import LowLatencyMixin
 
@@ -48,6 +56,39 @@ def _check_aligned(name: str, t) -> None:
         raise ValueError(
             f"{name} must start on a {_ALIGN}-byte boundary (it is a view at an odd offset)"
         )
+
+
+def _x_sig(x):
+    """``tensor_sig`` of dispatch's ``x``: a tensor, or a (data, scales) pair (with
+    the scales' strides, which the kernels take)."""
+    if type(x) is tuple and len(x) == 2:
+        s = x[1]
+        return (_sig(x[0]), _sig(s), s.stride() if type(s) is torch.Tensor else _NO_SIG)
+    return _sig(x)
+
+
+def _handle_sig(handle):
+    """``tensor_sig`` of the parts of an intranode handle that the checks read."""
+    if type(handle) is not tuple or len(handle) != 6:
+        return _NO_SIG
+    return (_sig(handle[0]), _sig(handle[3]), _sig(handle[4]), _sig(handle[5]))
+
+
+def _bias_sig(bias):
+    if bias is None or type(bias) is torch.Tensor:
+        return _sig(bias)
+    if type(bias) is tuple and len(bias) == 2:
+        return (_sig(bias[0]), _sig(bias[1]))
+    return _NO_SIG
+
+
+def _bias_pair(bias):
+    """combine's ``bias`` (already checked) as a pair."""
+    if bias is None:
+        return None, None
+    if type(bias) is torch.Tensor:
+        return bias, None
+    return bias
 
 
 class Buffer(LowLatencyMixin):
@@ -85,6 +126,8 @@ class Buffer(LowLatencyMixin):
         comm=None,
     ) -> None:
         self._native = None
+        # Calls whose arguments passed every check (their checks are skipped).
+        self._plans = PlanCache()
         self.explicitly_destroy = bool(explicitly_destroy)
         num_nvl_bytes = check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
         num_rdma_bytes = check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
@@ -124,6 +167,9 @@ class Buffer(LowLatencyMixin):
         # every rank on this host, no NCCL group whose ranks share a GPU).
         native_group = _native_group(group, "Buffer")
         self._comm_stream = torch.cuda.Stream(device=self.device)
+        self._comm_raw = self._comm_stream.cuda_stream
+        # Orders the communication stream after the caller's and back (one event).
+        self._order = _native.StreamOrder(self.device.index)
         timeout = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
         if num_nvl_bytes > 0:
             self._native = _native.IntranodeBuffer(
@@ -273,31 +319,41 @@ class Buffer(LowLatencyMixin):
     # ----- streams ---------------------------------------------------------------
 
     def _prologue(self, previous_event, async_finish, allocate_on_comm_stream):
+        """The caller's (compute) stream as a raw handle, after the stream arguments
+        are checked."""
         if allocate_on_comm_stream and (previous_event is None or not async_finish):
             raise ValueError(
                 "allocate_on_comm_stream=True needs previous_event and async_finish=True"
             )
-        check_previous_event(previous_event)
-        compute = torch.cuda.current_stream(self.device)
-        return compute
+        if previous_event is not None:
+            check_previous_event(previous_event)
+        return current_raw_stream(self.device.index)
 
     def _enter_comm(self, compute, previous_event):
-        enter_comm(self._comm_stream, compute, previous_event)
+        """The communication stream waits for ``previous_event`` where it holds an
+        event, else for everything queued on the compute stream so far."""
+        if previous_event is not None and previous_event.event is not None:
+            self._comm_stream.wait_event(previous_event.event)
+        else:
+            self._order.after(self._comm_raw, compute)
 
     def _alloc_ctx(self, allocate_on_comm_stream):
         if allocate_on_comm_stream:
             return torch.cuda.stream(self._comm_stream)
-        return contextlib.nullcontext()
+        return NO_STREAM_SWITCH
 
     def _epilogue(self, compute, async_finish, allocate_on_comm_stream, inputs, outputs):
         if allocate_on_comm_stream:
+            # Made on the communication stream, used next on the compute one
+            # (still the current stream: only the allocations switched).
+            compute_stream = torch.cuda.current_stream(self.device)
             for t in outputs:
                 if t is not None:
-                    t.record_stream(compute)
+                    t.record_stream(compute_stream)
         if async_finish:
             event = finish_async(self._comm_stream, (*inputs, *outputs))
         else:
-            compute.wait_stream(self._comm_stream)
+            self._order.after(compute, self._comm_raw)
             event = EventOverlap(None)
         # What a kernel recorded (an expert id out of range, in this call or an
         # earlier one): raised after the launches and the stream bookkeeping, so
@@ -345,22 +401,29 @@ class Buffer(LowLatencyMixin):
         """
         native = self._buffer()
         R = self.group_size
-        check_experts_ranks(num_experts, R)
-        check_topk_idx(topk_idx, num_experts, check_values=_check_ids())
-        check_tensor("topk_idx", topk_idx, contiguous=True)
-        self._check_device(topk_idx=topk_idx)
+        key = ("layout", _sig(topk_idx), num_experts, type(num_experts))
+        plan = self._plans.get(key)
+        if plan is None:
+            check_experts_ranks(num_experts, R)
+            check_topk_idx(topk_idx, num_experts, check_values=_check_ids())
+            check_tensor("topk_idx", topk_idx, contiguous=True)
+            self._check_device(topk_idx=topk_idx)
+            n, k = topk_idx.shape
+            num_experts = int(num_experts)
+            plan = (n, k, num_experts, native.layout_scratch_elems(n, num_experts))
+            self._plans.put(key, plan)
+        elif _check_ids():
+            check_topk_idx(topk_idx, num_experts, check_values=True)
+        n, k, num_experts, scratch_elems = plan
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
-        n, k = topk_idx.shape
         with self._alloc_ctx(allocate_on_comm_stream):
             per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
             per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
             in_rank = torch.empty((n, R), dtype=torch.bool, device=self.device)
-            scratch = torch.empty(
-                native.layout_scratch_elems(n, num_experts), dtype=torch.int32, device=self.device
-            )
+            scratch = torch.empty(scratch_elems, dtype=torch.int32, device=self.device)
         self._enter_comm(compute, previous_event)
         native.layout(
-            self._comm_stream.cuda_stream,
+            self._comm_raw,
             _ptr(topk_idx),
             n,
             k,
@@ -405,6 +468,71 @@ class Buffer(LowLatencyMixin):
         self._check_device(rank_prefix_matrix=rpm, recv_src_idx=recv_src_idx, send_head=send_head)
         return rpm, recv_src_idx, send_head
 
+    def _dispatch_plan(
+        self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+    ):  # fmt: skip
+        """Every check of a dispatch; returns ``(N, hidden bytes, scale columns, scale
+        strides, expert_alignment, num_worst_tokens, E, K, rows of a cached dispatch)``."""
+        R = self.group_size
+        data, scales = check_dispatch_x(x)
+        self._check_device(x=data, scales=scales)
+        n, hidden = data.shape
+        hidden_bytes = hidden * data.element_size()
+        num_scales = 0 if scales is None else scales.shape[1]
+        s_strides = (0, 0) if scales is None else tuple(scales.stride())
+        expert_alignment = check_int(
+            "expert_alignment", expert_alignment, minimum=1, maximum=LIMITS["max_expert_alignment"]
+        )
+        num_worst_tokens = check_int(
+            "num_worst_tokens", num_worst_tokens, minimum=0, maximum=LIMITS["max_recv_tokens"]
+        )
+        if num_tokens_per_rdma_rank is not None:
+            raise ValueError("num_tokens_per_rdma_rank must be None within one node")
+        head = (n, hidden_bytes, num_scales, s_strides, expert_alignment, num_worst_tokens)
+        if handle is not None:
+            if topk_idx is not None or topk_weights is not None:
+                raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
+            _, recv_src_idx, _ = self._check_handle(handle, n)
+            return (*head, 0, 0, recv_src_idx.shape[0])
+        if is_token_in_rank is None or num_tokens_per_expert is None or num_tokens_per_rank is None:
+            raise ValueError(
+                "dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
+                "num_tokens_per_expert (from get_dispatch_layout)"
+            )
+        check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,))
+        check_tensor(
+            "is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(n, R), contiguous=True
+        )
+        check_tensor(
+            "num_tokens_per_expert",
+            num_tokens_per_expert,
+            dtype=torch.int32,
+            dims=1,
+            contiguous=True,
+        )
+        num_experts = num_tokens_per_expert.shape[0]
+        check_experts_ranks(num_experts, R)
+        num_topk = 0
+        if topk_idx is not None:
+            sync_ok = num_worst_tokens == 0 and _check_ids()
+            check_topk_idx(topk_idx, num_experts, check_values=sync_ok)
+            check_tensor("topk_idx", topk_idx, shape=(n, None), contiguous=True)
+            num_topk = topk_idx.shape[1]
+            if topk_weights is not None:
+                check_topk_weights(topk_weights, topk_idx)
+                check_tensor("topk_weights", topk_weights, contiguous=True)
+        elif topk_weights is not None:
+            raise ValueError("topk_weights needs topk_idx")
+        self._check_device(
+            num_tokens_per_rank=num_tokens_per_rank,
+            is_token_in_rank=is_token_in_rank,
+            num_tokens_per_expert=num_tokens_per_expert,
+            topk_idx=topk_idx,
+            topk_weights=topk_weights,
+        )
+        return (*head, num_experts, num_topk, 0)
+
     def dispatch(
         self,
         x,
@@ -429,31 +557,32 @@ class Buffer(LowLatencyMixin):
         """
         native = self._buffer()
         R = self.group_size
-        data, scales = check_dispatch_x(x)
-        self._check_device(x=data, scales=scales)
-        _check_aligned("x", data)
-        n, hidden = data.shape
-        hidden_bytes = hidden * data.element_size()
-        num_scales = 0 if scales is None else scales.shape[1]
-        s_strides = (0, 0) if scales is None else tuple(scales.stride())
         num_sms = self._num_sms(config, type(self).get_dispatch_config)
-        expert_alignment = check_int(
-            "expert_alignment", expert_alignment, minimum=1, maximum=LIMITS["max_expert_alignment"]
-        )
-        num_worst_tokens = check_int(
-            "num_worst_tokens", num_worst_tokens, minimum=0, maximum=LIMITS["max_recv_tokens"]
-        )
-        if num_tokens_per_rdma_rank is not None:
-            raise ValueError("num_tokens_per_rdma_rank must be None within one node")
+        key = (
+            "dispatch", _x_sig(x), None if handle is None else _handle_sig(handle),
+            _sig(num_tokens_per_rank), num_tokens_per_rdma_rank is None, _sig(is_token_in_rank),
+            _sig(num_tokens_per_expert), _sig(topk_idx), _sig(topk_weights), expert_alignment,
+            num_worst_tokens, type(expert_alignment), type(num_worst_tokens),
+        )  # fmt: skip
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._dispatch_plan(
+                x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+            )  # fmt: skip
+            self._plans.put(key, plan)
+        elif topk_idx is not None and plan[5] == 0 and _check_ids():
+            check_topk_idx(topk_idx, plan[6], check_values=True)
+        (n, hidden_bytes, num_scales, s_strides, expert_alignment, num_worst_tokens, num_experts,
+         num_topk, rows) = plan  # fmt: skip
+        data, scales = x if type(x) is tuple else (x, None)
+        _check_aligned("x", data)
 
         if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
-            rpm, recv_src_idx, send_head = self._check_handle(handle, n)
+            rpm, send_head = handle[0], handle[5]
             compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
-            rows = recv_src_idx.shape[0]
             self._enter_comm(compute, previous_event)
-            stream = self._comm_stream.cuda_stream
+            stream = self._comm_raw
             native.dispatch_send(
                 stream,
                 True,
@@ -503,48 +632,12 @@ class Buffer(LowLatencyMixin):
             out_x = recv_x if scales is None else (recv_x, recv_scales)
             return out_x, None, None, None, None, event
 
-        if is_token_in_rank is None or num_tokens_per_expert is None or num_tokens_per_rank is None:
-            raise ValueError(
-                "dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
-                "num_tokens_per_expert (from get_dispatch_layout)"
-            )
-        check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,))
-        check_tensor(
-            "is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(n, R), contiguous=True
-        )
-        check_tensor(
-            "num_tokens_per_expert",
-            num_tokens_per_expert,
-            dtype=torch.int32,
-            dims=1,
-            contiguous=True,
-        )
-        num_experts = num_tokens_per_expert.shape[0]
-        check_experts_ranks(num_experts, R)
-        num_topk = 0
-        if topk_idx is not None:
-            sync_ok = num_worst_tokens == 0 and _check_ids()
-            check_topk_idx(topk_idx, num_experts, check_values=sync_ok)
-            check_tensor("topk_idx", topk_idx, shape=(n, None), contiguous=True)
-            num_topk = topk_idx.shape[1]
-            if topk_weights is not None:
-                check_topk_weights(topk_weights, topk_idx)
-                check_tensor("topk_weights", topk_weights, contiguous=True)
-        elif topk_weights is not None:
-            raise ValueError("topk_weights needs topk_idx")
-        self._check_device(
-            num_tokens_per_rank=num_tokens_per_rank,
-            is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert,
-            topk_idx=topk_idx,
-            topk_weights=topk_weights,
-        )
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
             rpm = torch.empty((R, R), dtype=torch.int32, device=self.device)
             send_head = torch.empty((n, R), dtype=torch.int32, device=self.device)
         self._enter_comm(compute, previous_event)
-        stream = self._comm_stream.cuda_stream
+        stream = self._comm_raw
         epoch = native.dispatch_send(
             stream,
             False,
@@ -626,21 +719,8 @@ class Buffer(LowLatencyMixin):
 
     # ----- combine ---------------------------------------------------------------
 
-    def combine(
-        self,
-        x: torch.Tensor,
-        handle,
-        topk_weights=None,
-        bias=None,
-        config: Config | None = None,
-        previous_event: EventOverlap | None = None,
-        async_finish: bool = False,
-        allocate_on_comm_stream: bool = False,
-    ):
-        """Returns every token's float32 sum of the copies sent back by the ranks it
-        was dispatched to (plus ``bias``), as bf16: ``(combined_x, combined_topk_weights,
-        event)`` as ``deep_ep.Buffer.combine``."""
-        native = self._buffer()
+    def _combine_plan(self, x, handle, topk_weights, bias):
+        """Every check of a combine; returns ``(rows, H, N, K)``."""
         rpm, recv_src_idx, send_head = self._check_handle(handle)
         rows = recv_src_idx.shape[0]
         check_tensor("x", x, dtype=torch.bfloat16, dims=2, contiguous=True)
@@ -660,6 +740,31 @@ class Buffer(LowLatencyMixin):
             num_topk = topk_weights.shape[1]
         b0, b1 = check_bias(bias, n, hidden)
         self._check_device(x=x, topk_weights=topk_weights, bias0=b0, bias1=b1)
+        return rows, hidden, n, num_topk
+
+    def combine(
+        self,
+        x: torch.Tensor,
+        handle,
+        topk_weights=None,
+        bias=None,
+        config: Config | None = None,
+        previous_event: EventOverlap | None = None,
+        async_finish: bool = False,
+        allocate_on_comm_stream: bool = False,
+    ):
+        """Returns every token's float32 sum of the copies sent back by the ranks it
+        was dispatched to (plus ``bias``), as bf16: ``(combined_x, combined_topk_weights,
+        event)`` as ``deep_ep.Buffer.combine``."""
+        native = self._buffer()
+        key = ("combine", _handle_sig(handle), _sig(x), _sig(topk_weights), _bias_sig(bias))
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._combine_plan(x, handle, topk_weights, bias)
+            self._plans.put(key, plan)
+        rows, hidden, n, num_topk = plan
+        rpm, send_head = handle[0], handle[5]
+        b0, b1 = _bias_pair(bias)
         for name, t in (("x", x), ("bias[0]", b0), ("bias[1]", b1)):
             _check_aligned(name, t)
         num_sms = self._num_sms(config, type(self).get_combine_config)
@@ -671,7 +776,7 @@ class Buffer(LowLatencyMixin):
                 out_w = torch.empty((n, num_topk), dtype=torch.float32, device=self.device)
         self._enter_comm(compute, previous_event)
         native.combine(
-            self._comm_stream.cuda_stream,
+            self._comm_raw,
             _ptr(x),
             rows,
             hidden,

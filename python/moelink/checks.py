@@ -38,6 +38,7 @@ __all__ = [
     "check_tensor",
     "check_topk_idx",
     "check_topk_weights",
+    "tensor_sig",
 ]
 
 
@@ -61,6 +62,22 @@ def tensor_ptr(t) -> int:
     """Device address of ``t``; 0 for None or an empty tensor (what the native
     calls take for an absent tensor)."""
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
+
+
+#: ``tensor_sig`` of anything that is not exactly a ``torch.Tensor``: unhashable,
+#: so a key holding it misses every ``PlanCache`` and the call takes the checked path.
+_NO_SIG: list = []
+
+
+def tensor_sig(t):
+    """What the checks read of a tensor argument, hashable: (dtype, shape, device,
+    contiguous); ``None`` for None; an unhashable marker for anything else
+    (non-tensors and tensor subclasses are always checked in full)."""
+    if t is None:
+        return None
+    if type(t) is not torch.Tensor:
+        return _NO_SIG
+    return (t.dtype, t.shape, t.device, t.is_contiguous())
 
 
 def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:

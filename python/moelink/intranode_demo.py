@@ -685,11 +685,13 @@ def _sms_within_share(sms: list, gpus: dict) -> tuple:
 def _time_with_host_id_check(fn, iters: int, warmup: int, scratch) -> list:
     """:func:`_time_gpu` of ``fn`` with ``MOELINK_CHECK_IDS=1``: the host-side
     expert-id check (a device sync per call) on top of the device-side one."""
-    os.environ["MOELINK_CHECK_IDS"] = "1"
+    from ._buffer_common import set_check_ids
+
+    previous = set_check_ids(True)
     try:
         return _time_gpu(fn, iters, warmup, scratch)
     finally:
-        os.environ.pop("MOELINK_CHECK_IDS", None)
+        set_check_ids(previous)
 
 
 def _timed_ops(buffer, x, x_fp8, recv_x, handle, config, layout_args, bf16_bytes) -> list:

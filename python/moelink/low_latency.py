@@ -14,6 +14,7 @@ from . import _native
 from ._buffer_common import _check_ids, _CudaMemory
 from ._streams import NO_STREAM_SWITCH, EventOverlap, current_raw_stream, enter_comm, finish_async
 from .checks import (
+    _NO_SIG,
     LIMITS,
     check_bool,
     check_experts_ranks,
@@ -23,6 +24,7 @@ from .checks import (
     check_topk_idx,
 )
 from .checks import tensor_ptr as _ptr
+from .checks import tensor_sig as _sig
 
 __all__ = ["LowLatencyMixin", "get_low_latency_rdma_size_hint"]
 
@@ -143,6 +145,43 @@ class LowLatencyMixin:
 
     # ----- dispatch ----------------------------------------------------------------
 
+    def _ll_dispatch_plan(
+        self, ll, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats_count,
+        stats_wait, use_fp8, round_scale, use_ue8m0,
+    ):  # fmt: skip
+        """Every check of a low-latency dispatch; returns what the call needs of them,
+        ``(T, E_local, N, H, K, E, use_fp8, round_scale, use_ue8m0)``, normalized."""
+        r = self.group_size
+        check_tensor("x", x, dtype=torch.bfloat16, dims=2, device=self.device, contiguous=True)
+        n, hidden = x.shape
+        t, el = self._ll_shape(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        if n > t:
+            raise ValueError(f"x has {n} tokens, more than num_max_dispatch_tokens_per_rank={t}")
+        check_topk_idx(topk_idx, num_experts, check_values=self._check_ids_now())
+        check_tensor("topk_idx", topk_idx, shape=(n, None), device=self.device, contiguous=True)
+        k = topk_idx.shape[1]
+        if stats_count is not None:
+            check_tensor(
+                "cumulative_local_expert_recv_stats", stats_count, dtype=torch.int32,
+                shape=(el,), device=self.device, contiguous=True,
+            )  # fmt: skip
+        if stats_wait is not None:
+            check_tensor(
+                "dispatch_wait_recv_cost_stats", stats_wait, dtype=torch.int64, shape=(r,),
+                device=self.device, contiguous=True,
+            )  # fmt: skip
+        use_fp8 = check_bool("use_fp8", use_fp8)
+        round_scale = check_bool("round_scale", round_scale)
+        use_ue8m0 = check_bool("use_ue8m0", use_ue8m0)
+        if use_ue8m0 and not use_fp8:
+            raise ValueError("use_ue8m0=True needs use_fp8=True (bf16 dispatch has no scales)")
+        if use_fp8 and use_ue8m0 and not round_scale:
+            raise ValueError("use_ue8m0=True needs round_scale=True")
+        # The buffer must hold this shape: refused before the outputs are
+        # allocated (they can be larger than the GPU has free).
+        ll.check_shape(t, hidden, num_experts, k)
+        return t, el, n, hidden, k, int(num_experts), use_fp8, round_scale, use_ue8m0
+
     def low_latency_dispatch(
         self,
         x: torch.Tensor,
@@ -161,43 +200,24 @@ class LowLatencyMixin:
         on the fly when ``use_fp8``. Returns ``(recv_x or (recv_x, scales), recv_count,
         handle, event, hook)``; see ``design/API.md`` ("Low latency")."""
         ll = self._ll_begin(async_finish, return_recv_hook)
+        key = (
+            "dispatch", _sig(x), _sig(topk_idx), _sig(cumulative_local_expert_recv_stats),
+            _sig(dispatch_wait_recv_cost_stats), num_max_dispatch_tokens_per_rank, num_experts,
+            use_fp8, round_scale, use_ue8m0, type(num_max_dispatch_tokens_per_rank),
+            type(num_experts), type(use_fp8), type(round_scale), type(use_ue8m0),
+        )  # fmt: skip
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._ll_dispatch_plan(
+                ll, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                round_scale, use_ue8m0,
+            )  # fmt: skip
+            self._plans.put(key, plan)
+        elif self._check_ids_now():
+            check_topk_idx(topk_idx, num_experts, check_values=True)
+        t, el, n, hidden, k, num_experts, use_fp8, round_scale, use_ue8m0 = plan
         r = self.group_size
-        check_tensor("x", x, dtype=torch.bfloat16, dims=2, device=self.device, contiguous=True)
-        n, hidden = x.shape
-        t, el = self._ll_shape(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if n > t:
-            raise ValueError(f"x has {n} tokens, more than num_max_dispatch_tokens_per_rank={t}")
-        check_topk_idx(topk_idx, num_experts, check_values=self._check_ids_now())
-        check_tensor("topk_idx", topk_idx, shape=(n, None), device=self.device, contiguous=True)
-        k = topk_idx.shape[1]
-        if cumulative_local_expert_recv_stats is not None:
-            check_tensor(
-                "cumulative_local_expert_recv_stats",
-                cumulative_local_expert_recv_stats,
-                dtype=torch.int32,
-                shape=(el,),
-                device=self.device,
-                contiguous=True,
-            )
-        if dispatch_wait_recv_cost_stats is not None:
-            check_tensor(
-                "dispatch_wait_recv_cost_stats",
-                dispatch_wait_recv_cost_stats,
-                dtype=torch.int64,
-                shape=(r,),
-                device=self.device,
-                contiguous=True,
-            )
-        use_fp8 = check_bool("use_fp8", use_fp8)
-        round_scale = check_bool("round_scale", round_scale)
-        use_ue8m0 = check_bool("use_ue8m0", use_ue8m0)
-        if use_ue8m0 and not use_fp8:
-            raise ValueError("use_ue8m0=True needs use_fp8=True (bf16 dispatch has no scales)")
-        if use_fp8 and use_ue8m0 and not round_scale:
-            raise ValueError("use_ue8m0=True needs round_scale=True")
-        # The buffer must hold this shape: refused before the outputs are
-        # allocated (they can be larger than the GPU has free).
-        ll.check_shape(t, hidden, num_experts, k)
         stream, raw, alloc = self._ll_stream(async_finish)
         rt = r * t
         with alloc:
@@ -247,6 +267,42 @@ class LowLatencyMixin:
 
     # ----- combine -----------------------------------------------------------------
 
+    def _ll_combine_plan(
+        self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, stats_wait
+    ):
+        """Every check of a low-latency combine; returns ``(T, H, N, K, E)``."""
+        if use_logfmt:
+            raise ValueError("use_logfmt=True is not supported by moelink (bf16 combine only)")
+        _, _, t, hidden, num_experts, el = self._check_ll_handle(handle)
+        r = self.group_size
+        if not zero_copy:
+            check_tensor(
+                "x", x, dtype=torch.bfloat16, shape=(el, r * t, hidden), device=self.device,
+                contiguous=True,
+            )  # fmt: skip
+        check_topk_idx(topk_idx, num_experts, check_values=self._check_ids_now())
+        check_tensor("topk_idx", topk_idx, device=self.device, contiguous=True)
+        n, k = topk_idx.shape
+        if n > t:
+            raise ValueError(
+                f"topk_idx has {n} tokens, more than num_max_dispatch_tokens_per_rank={t}"
+            )
+        check_tensor(
+            "topk_weights", topk_weights, dtype=torch.float32, shape=(n, k), device=self.device,
+            contiguous=True,
+        )  # fmt: skip
+        if stats_wait is not None:
+            check_tensor(
+                "combine_wait_recv_cost_stats", stats_wait, dtype=torch.int64, shape=(r,),
+                device=self.device, contiguous=True,
+            )  # fmt: skip
+        if out is not None:
+            check_tensor(
+                "out", out, dtype=torch.bfloat16, shape=(n, hidden), device=self.device,
+                contiguous=True,
+            )  # fmt: skip
+        return t, hidden, n, k, num_experts
+
     def _check_ll_handle(self, handle):
         if not isinstance(handle, tuple) or len(handle) != 5:
             raise TypeError(
@@ -293,38 +349,25 @@ class LowLatencyMixin:
         ``out[t] = sum_k topk_weights[t, k] * y[expert_k, t]`` (float32, skipping -1).
         Returns ``(combined_x, event, hook)``."""
         ll = self._ll_begin(async_finish, return_recv_hook)
-        if use_logfmt:
-            raise ValueError("use_logfmt=True is not supported by moelink (bf16 combine only)")
-        src_info, layout_range, t, hidden, num_experts, el = self._check_ll_handle(handle)
-        r = self.group_size
+        h = handle if type(handle) is tuple and len(handle) == 5 else (_NO_SIG,) * 5
+        key = (
+            "combine", None if zero_copy else _sig(x), _sig(topk_idx), _sig(topk_weights),
+            _sig(h[0]), _sig(h[1]), h[2], h[3], h[4], type(h[2]), type(h[3]), type(h[4]),
+            use_logfmt, zero_copy, _sig(out), _sig(combine_wait_recv_cost_stats),
+        )  # fmt: skip
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._ll_combine_plan(
+                x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
+                combine_wait_recv_cost_stats,
+            )  # fmt: skip
+            self._plans.put(key, plan)
+        elif self._check_ids_now():
+            check_topk_idx(topk_idx, plan[4], check_values=True)
+        src_info, layout_range = h[0], h[1]
+        t, hidden, n, k, num_experts = plan
         if zero_copy:
             x = self.get_next_low_latency_combine_buffer(handle)
-        else:
-            check_tensor(
-                "x", x, dtype=torch.bfloat16, shape=(el, r * t, hidden), device=self.device,
-                contiguous=True,
-            )  # fmt: skip
-        check_topk_idx(topk_idx, num_experts, check_values=self._check_ids_now())
-        check_tensor("topk_idx", topk_idx, device=self.device, contiguous=True)
-        n, k = topk_idx.shape
-        if n > t:
-            raise ValueError(
-                f"topk_idx has {n} tokens, more than num_max_dispatch_tokens_per_rank={t}"
-            )
-        check_tensor(
-            "topk_weights", topk_weights, dtype=torch.float32, shape=(n, k), device=self.device,
-            contiguous=True,
-        )  # fmt: skip
-        if combine_wait_recv_cost_stats is not None:
-            check_tensor(
-                "combine_wait_recv_cost_stats", combine_wait_recv_cost_stats, dtype=torch.int64,
-                shape=(r,), device=self.device, contiguous=True,
-            )  # fmt: skip
-        if out is not None:
-            check_tensor(
-                "out", out, dtype=torch.bfloat16, shape=(n, hidden), device=self.device,
-                contiguous=True,
-            )  # fmt: skip
         stream, raw, alloc = self._ll_stream(async_finish)
         if out is None:
             with alloc:

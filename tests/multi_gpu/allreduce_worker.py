@@ -29,7 +29,6 @@ import random
 import sys
 import tempfile
 import time
-import traceback
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -161,6 +160,11 @@ def make_input(ctx: Ctx, tag, p: int, n: int, dtype) -> torch.Tensor:
     return (u * 2 - 1).to(dtype)
 
 
+def every_input(ctx: Ctx, tag, n: int, dtype) -> list[torch.Tensor]:
+    """Every rank's input of case ``tag`` (``make_input``), in rank order."""
+    return [make_input(ctx, tag, p, n, dtype) for p in range(ctx.world)]
+
+
 def poison(t: torch.Tensor) -> torch.Tensor:
     if t.dtype == torch.int32:
         return t.fill_(INT_SENTINEL)
@@ -245,6 +249,19 @@ def check_equal(ctx: Ctx, chk: Checker, name: str, got: torch.Tensor, want: torc
         chk.expect(True, "")
 
 
+def sum_and_check(
+    ctx: Ctx, chk: Checker, comm, name: str, x, inputs: list, choice=None, **call
+) -> None:
+    """``comm.all_reduce(x, **call)`` of this rank's input in ``x``, checked against
+    the sum of ``inputs`` (``check_allreduce``); ``choice``: the (algorithm, blocks,
+    threads) the call must have run."""
+    comm.all_reduce(x, **call)
+    torch.cuda.synchronize()
+    if choice is not None:
+        chk.expect(comm.last_choice == choice, f"{name}: ran {comm.last_choice}")
+    check_allreduce(ctx, chk, name, x, inputs, "sum")
+
+
 def compare_digests(ctx: Ctx, chk: Checker) -> None:
     """Every rank's allreduce outputs must be identical; allgather outputs too."""
     mine = ctx.digests
@@ -321,7 +338,7 @@ def run_algorithm_scenario(ctx: Ctx, algorithm: str) -> None:
                         mode = ctx.case % (3 if zc else 4 if push else 2)
                         shift = 1 if (ctx.case % 5 == 0 and (n + 1) * es <= cap) else 0
                         tag = (algorithm, dtype, op, accum, n, shift)
-                        inputs = [make_input(ctx, tag, p, n, dtype) for p in range(ctx.world)]
+                        inputs = every_input(ctx, tag, n, dtype)
                         name = (
                             f"{algorithm} {dtype} {op} acc={accum} n={n} shift={shift} mode={mode}"
                         )
@@ -375,15 +392,12 @@ def run_algorithm_scenario(ctx: Ctx, algorithm: str) -> None:
         for blocks, threads in ((1, 32), (3, 96), (max_blocks, 1024), (2, 1024)):
             ctx.case += 1
             tag = (algorithm, "geometry", blocks, threads)
-            inputs = [make_input(ctx, tag, p, n, dtype) for p in range(ctx.world)]
+            inputs = every_input(ctx, tag, n, dtype)
             x = reg_in.view(dtype)[:n] if zc else torch.empty(n, dtype=dtype, device=ctx.device)
             x.copy_(inputs[ctx.rank])
-            comm.all_reduce(x, algorithm=algorithm, num_blocks=blocks, num_threads=threads)
-            torch.cuda.synchronize()
-            chk.expect(
-                comm.last_choice == (algorithm, blocks, threads), f"geometry {comm.last_choice}"
-            )
-            check_allreduce(ctx, chk, f"{algorithm} geometry {blocks}x{threads}", x, inputs, "sum")
+            name = f"{algorithm} geometry {blocks}x{threads}"
+            geometry = dict(algorithm=algorithm, num_blocks=blocks, num_threads=threads)
+            sum_and_check(ctx, chk, comm, name, x, inputs, (algorithm, blocks, threads), **geometry)
         compare_digests(ctx, chk)
     finally:
         if zc or push:
@@ -423,7 +437,7 @@ def run_allgather(ctx: Ctx, chk: Checker, algorithm, n: int, dtype, mode: str, r
     (zero copy through ``reg``, a registered uint8 buffer)."""
     ctx.case += 1
     tag = ("allgather", algorithm, n, dtype, mode)
-    inputs = [make_input(ctx, tag, p, n, dtype) for p in range(ctx.world)]
+    inputs = every_input(ctx, tag, n, dtype)
     want = torch.cat(inputs)
     total = n * ctx.world
     if mode == "reg_inplace":
@@ -511,9 +525,7 @@ def scenario_selector(ctx: Ctx) -> None:
     n = 100_003
     mine = make_input(ctx, ("gathered",), ctx.rank, n, torch.bfloat16)
     gathered = torch.cat(worker_driver.all_gather_tensor(mine, ctx.group))
-    regenerated = torch.cat(
-        [make_input(ctx, ("gathered",), p, n, torch.bfloat16) for p in range(ctx.world)]
-    )
+    regenerated = torch.cat(every_input(ctx, ("gathered",), n, torch.bfloat16))
     chk.expect(
         torch.equal(gathered, regenerated), "regenerated inputs differ from the gathered ones"
     )
@@ -536,10 +548,7 @@ def scenario_selector(ctx: Ctx) -> None:
                     continue
                 n = nbytes // 2
                 ctx.case += 1
-                inputs = [
-                    make_input(ctx, ("sel", nbytes, registered), p, n, torch.bfloat16)
-                    for p in range(ctx.world)
-                ]
+                inputs = every_input(ctx, ("sel", nbytes, registered), n, torch.bfloat16)
                 if registered:
                     x = reg.view(torch.bfloat16)[:n]
                 else:
@@ -567,10 +576,7 @@ def scenario_selector(ctx: Ctx) -> None:
                 )
                 poison(out)
                 inp = out[ctx.rank * n : (ctx.rank + 1) * n]
-                inputs = [
-                    make_input(ctx, ("selag", nbytes, registered), p, n, torch.float32)
-                    for p in range(ctx.world)
-                ]
+                inputs = every_input(ctx, ("selag", nbytes, registered), n, torch.float32)
                 inp.copy_(inputs[ctx.rank])
                 comm.all_gather(out, inp)
                 torch.cuda.synchronize()
@@ -604,7 +610,7 @@ def scenario_fp8_accuracy(ctx: Ctx) -> None:
             if n > algorithm_capacity(ctx, algorithm):
                 continue
             tag = ("fp8acc", dtype, algorithm)
-            inputs = [make_input(ctx, tag, p, n, dtype) for p in range(ctx.world)]
+            inputs = every_input(ctx, tag, n, dtype)
             xs = torch.stack([x.cpu().double() for x in inputs])
             ref, abs_sum = xs.sum(0), xs.abs().sum(0)
             errs = {}
@@ -709,9 +715,7 @@ def scenario_cuda_graph(ctx: Ctx) -> None:
             inputs = {}
             for name, _kind, _, n, x, out in cases:
                 dtype = x.dtype
-                inputs[name] = [
-                    make_input(ctx, ("graph", name, replay), p, n, dtype) for p in range(R)
-                ]
+                inputs[name] = every_input(ctx, ("graph", name, replay), n, dtype)
                 x.copy_(inputs[name][ctx.rank])
                 if out is not None:
                     poison(out)
@@ -775,17 +779,17 @@ def scenario_reuse_race(ctx: Ctx) -> None:
     def run_pair(first: str, second: str, label: str, iters: int, record: Checker) -> None:
         for it in range(iters):
             ctx.case += 1
-            in1 = [make_input(ctx, ("reuse", label, 1, it), p, n1, dt) for p in range(R)]
+            in1 = every_input(ctx, ("reuse", label, 1, it), n1, dt)
             x1 = x_reg if first == "rsag_zc" else torch.empty(n1, dtype=dt, device=ctx.device)
             x1.copy_(in1[ctx.rank])
             out1 = poison(torch.empty(n1, dtype=dt, device=ctx.device))
             if second == "ag_mesh":
                 m = n2 // R
-                in2 = [make_input(ctx, ("reuse", label, 2, it), p, m, dt) for p in range(R)]
+                in2 = every_input(ctx, ("reuse", label, 2, it), m, dt)
                 x2 = in2[ctx.rank].clone()
                 out2 = poison(torch.empty(m * R, dtype=dt, device=ctx.device))
             else:
-                in2 = [make_input(ctx, ("reuse", label, 2, it), p, n2, dt) for p in range(R)]
+                in2 = every_input(ctx, ("reuse", label, 2, it), n2, dt)
                 x2 = in2[ctx.rank].clone()
                 out2 = poison(torch.empty(n2, dtype=dt, device=ctx.device))
             torch.cuda.synchronize()
@@ -1035,15 +1039,11 @@ def scenario_invalid_args(ctx: Ctx) -> None:
         torch.cuda.synchronize()
         # The communicator still works, for every LL algorithm and rsag.
         for algorithm in ("oneshot_ll", "twoshot_ll", "rsag", None):
-            inputs = [
-                make_input(ctx, ("after-invalid", algorithm), p, 1000, torch.float32)
-                for p in range(ctx.world)
-            ]
+            inputs = every_input(ctx, ("after-invalid", algorithm), 1000, torch.float32)
             x = inputs[ctx.rank].clone()
-            small.all_reduce(x, algorithm=algorithm)
-            torch.cuda.synchronize()
+            name = f"after invalid calls: {algorithm}"
+            sum_and_check(ctx, chk, small, name, x, inputs, algorithm=algorithm)
             small.check()
-            check_allreduce(ctx, chk, f"after invalid calls: {algorithm}", x, inputs, "sum")
         compare_digests(ctx, chk)
     finally:
         small.destroy()
@@ -1147,16 +1147,9 @@ def scenario_tuner(ctx: Ctx) -> None:
                 comm.select(nbytes, capturing=False) == (alg, blocks, threads), f"select({nbytes})"
             )
             n = nbytes // 2
-            inputs = [
-                make_input(ctx, ("tuned", log2), p, n, torch.bfloat16) for p in range(ctx.world)
-            ]
+            inputs = every_input(ctx, ("tuned", log2), n, torch.bfloat16)
             x = inputs[ctx.rank].clone()
-            comm.all_reduce(x)
-            torch.cuda.synchronize()
-            chk.expect(
-                comm.last_choice == (alg, blocks, threads), f"{nbytes}: ran {comm.last_choice}"
-            )
-            check_allreduce(ctx, chk, f"tuned {nbytes} B", x, inputs, "sum")
+            sum_and_check(ctx, chk, comm, f"tuned {nbytes} B", x, inputs, (alg, blocks, threads))
         compare_digests(ctx, chk)
     finally:
         comm.destroy()
@@ -1183,25 +1176,7 @@ def scenario_create_destroy(ctx: Ctx) -> None:
     chk.done()
 
 
-SCENARIOS = {
-    "oneshot_ll": scenario_oneshot_ll,
-    "twoshot_ll": scenario_twoshot_ll,
-    "rsag": scenario_rsag,
-    "rsag_zc": scenario_rsag_zc,
-    "rsag_push": scenario_rsag_push,
-    "allgather_ll": scenario_allgather_ll,
-    "allgather_mesh": scenario_allgather_mesh,
-    "selector": scenario_selector,
-    "fp8_accuracy": scenario_fp8_accuracy,
-    "cuda_graph": scenario_cuda_graph,
-    "back_to_back": scenario_back_to_back,
-    "reuse_race": scenario_reuse_race,
-    "invalid_args": scenario_invalid_args,
-    "timeout": scenario_timeout,
-    "tuner": scenario_tuner,
-    "create_destroy": scenario_create_destroy,
-}
-assert tuple(SCENARIOS) == SCENARIO_NAMES
+SCENARIOS = worker_driver.scenario_table(globals(), SCENARIO_NAMES)
 
 
 # ----------------------------------------------------------------------------
@@ -1209,66 +1184,43 @@ assert tuple(SCENARIOS) == SCENARIO_NAMES
 # ----------------------------------------------------------------------------
 
 
-def selected_scenarios() -> list[str]:
-    return worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
-
-
-def run_scenario(ctx: Ctx, name: str) -> bool:
-    ctx.digests = []
-    return worker_driver.run_scenario(
-        name,
-        lambda: SCENARIOS[name](ctx),
-        rank=ctx.rank,
-        world=ctx.world,
-        gloo=ctx.gloo,
+def run_all(wg: worker_driver.WorkerGroup) -> int:
+    """Runs the selected scenarios on this rank, each agreeing on its verdict
+    with the other ranks; the shared communicator is replaced after a scenario
+    that failed anywhere. Returns the exit status."""
+    names = worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
+    seed = worker_driver.shared_seed(SEED_ENV, wg.rank, wg.gloo)
+    max_bytes = int(float(os.environ.get(MAX_MIB_ENV, "256")) * MIB)
+    full = os.environ.get(FULL_ENV, "0") == "1"
+    random.seed(seed)
+    if wg.rank == 0:
+        print(
+            f"scenarios {','.join(names)} on {wg.world} ranks; "
+            f"max {max_bytes / MIB:g} MiB; full={full}",
+            flush=True,
+        )
+    ctx = Ctx(wg.rank, wg.world, wg.device, wg.group, wg.gloo, seed, max_bytes, full)
+    ctx.comm = ctx.new_comm()
+    status = worker_driver.run_scenarios(
+        wg,
+        names,
+        lambda name: run_one(ctx, name),
         timeout_s=SCENARIO_TIMEOUT_S,
-        sync=torch.cuda.synchronize,
         on_failure=lambda: replace_comm(ctx),
     )
-
-
-def replace_comm(ctx: Ctx) -> None:
-    try:
-        torch.cuda.synchronize()
-        ctx.comm.destroy()
-    except Exception as e:  # noqa: BLE001
-        print(f"[rank {ctx.rank}] destroying the communicator after a failure: {e!r}", flush=True)
-    ctx.comm = ctx.new_comm()
-
-
-def main() -> int:
-    wg = worker_driver.init_worker(CONTROL_TIMEOUT_S)
-    rank, world, device, gloo = wg.rank, wg.world, wg.device, wg.gloo
-    status = 0
-    try:
-        names = selected_scenarios()
-        seed = [int(os.environ.get(SEED_ENV, "0")) or int.from_bytes(os.urandom(6), "little")]
-        dist.broadcast_object_list(seed, src=0, group=gloo)
-        max_bytes = int(float(os.environ.get(MAX_MIB_ENV, "256")) * MIB)
-        full = os.environ.get(FULL_ENV, "0") == "1"
-        random.seed(seed[0])
-        if rank == 0:
-            print(f"seed {seed[0]} ({SEED_ENV}={seed[0]} replays this run)", flush=True)
-            print(
-                f"scenarios {','.join(names)} on {world} ranks; "
-                f"max {max_bytes / MIB:g} MiB; full={full}",
-                flush=True,
-            )
-        ctx = Ctx(rank, world, device, wg.group, gloo, seed[0], max_bytes, full)
-        ctx.comm = ctx.new_comm()
-        for name in names:
-            if not run_scenario(ctx, name):
-                status = 1
-        ctx.comm.destroy()
-        dist.barrier(group=gloo)
-    except Exception as e:  # noqa: BLE001
-        print(f"FAIL setup [rank {rank}]: {type(e).__name__}: {e}", flush=True)
-        traceback.print_exc()
-        status = 1
-    finally:
-        dist.destroy_process_group()
+    ctx.comm.destroy()
     return status
 
 
+def run_one(ctx: Ctx, name: str) -> None:
+    ctx.digests = []
+    SCENARIOS[name](ctx)
+
+
+def replace_comm(ctx: Ctx) -> None:
+    worker_driver.destroy_after_failure(ctx.comm, "communicator", ctx.rank)
+    ctx.comm = ctx.new_comm()
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_driver.worker_main(CONTROL_TIMEOUT_S, run_all))

@@ -25,7 +25,6 @@ import functools
 import itertools
 import os
 import sys
-import traceback
 import zlib
 from dataclasses import dataclass
 
@@ -321,6 +320,13 @@ class Case:
                 x, scales = random_bf16(g, n, self.hidden), None
             out.append(dict(x=x, scales=scales, topk_idx=idx, topk_weights=weights))
         return out
+
+
+def tokens_on_gpu(ctx: Ctx, inputs: list[dict]) -> tuple:
+    """This rank's ``x``, ``topk_idx`` and ``topk_weights`` of ``inputs`` (every
+    rank's, as ``Case.inputs`` makes them), copied to its GPU."""
+    mine = inputs[ctx.rank]
+    return tuple(mine[k].to(ctx.device) for k in ("x", "topk_idx", "topk_weights"))
 
 
 def new_token_data(ctx: Ctx, tag: str, counts: list[int], hidden: int, fp8: bool) -> list:
@@ -902,11 +908,8 @@ def scenario_invalid_args(ctx: Ctx) -> None:
     E, H = case.num_experts, case.hidden
     inputs = case.inputs(ctx, "invalid")
     ref = reference.dispatch(inputs, E)
-    mine = inputs[ctx.rank]
     dev = ctx.device
-    x = mine["x"].to(dev)
-    idx = mine["topk_idx"].to(dev)
-    w = mine["topk_weights"].to(dev)
+    x, idx, w = tokens_on_gpu(ctx, inputs)
     layout = gpu_layout(ctx, idx, E)
     got = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
     check_dispatch(chk, "valid dispatch", got, ref, ctx.rank)
@@ -1082,11 +1085,7 @@ def scenario_cuda_graph(ctx: Ctx) -> None:
     case = Case(2048, 8 * R, 4, token_counts(ctx, "graph"))
     E, H = case.num_experts, case.hidden
     inputs = case.inputs(ctx, "graph")
-    mine = inputs[ctx.rank]
-    dev = ctx.device
-    x_s = mine["x"].to(dev)
-    idx_s = mine["topk_idx"].to(dev)
-    w_s = mine["topk_weights"].to(dev)
+    x_s, idx_s, w_s = tokens_on_gpu(ctx, inputs)
     layout = gpu_layout(ctx, idx_s, E)
     torch.cuda.synchronize()
 
@@ -1334,22 +1333,7 @@ def scenario_timeout_poison(ctx: Ctx) -> None:
     chk.done()
 
 
-SCENARIOS = {
-    "layout": scenario_layout,
-    "dispatch_bf16": scenario_dispatch_bf16,
-    "dispatch_fp8": scenario_dispatch_fp8,
-    "dispatch_no_topk": scenario_dispatch_no_topk,
-    "dispatch_cached": scenario_dispatch_cached,
-    "worst_tokens": scenario_worst_tokens,
-    "combine": scenario_combine,
-    "stream_flags": scenario_stream_flags,
-    "invalid_args": scenario_invalid_args,
-    "cuda_graph": scenario_cuda_graph,
-    "iterations": scenario_iterations,
-    "timeout_poison": scenario_timeout_poison,
-    "create_destroy": scenario_create_destroy,
-}
-assert tuple(SCENARIOS) == SCENARIO_NAMES
+SCENARIOS = worker_driver.scenario_table(globals(), SCENARIO_NAMES)
 
 
 # ----------------------------------------------------------------------------
@@ -1357,65 +1341,36 @@ assert tuple(SCENARIOS) == SCENARIO_NAMES
 # ----------------------------------------------------------------------------
 
 
-def selected_scenarios() -> list[str]:
-    return worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
-
-
-def run_scenario(ctx: Ctx, name: str) -> bool:
-    """Runs one scenario on this rank, agrees on the verdict with the others, and
-    replaces the shared Buffer if any rank failed. Returns True if all passed."""
-    return worker_driver.run_scenario(
-        name,
-        lambda: SCENARIOS[name](ctx),
-        rank=ctx.rank,
-        world=ctx.num_ranks,
-        gloo=ctx.gloo,
+def run_all(wg: worker_driver.WorkerGroup) -> int:
+    """Runs the selected scenarios on this rank, each agreeing on its verdict
+    with the other ranks; the shared Buffer is replaced after a scenario that
+    failed anywhere. Returns the exit status."""
+    names = worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
+    seed = worker_driver.shared_seed(SEED_ENV, wg.rank, wg.gloo)
+    if wg.rank == 0:
+        print(
+            f"scenarios {','.join(names)} on {wg.world} ranks, "
+            f"{wg.ranks_per_gpu} per GPU ({dist.get_backend(wg.group)})",
+            flush=True,
+        )
+    ctx = Ctx(wg.rank, wg.world, wg.device, wg.group, wg.gloo, seed)
+    ctx.side_stream = torch.cuda.Stream()
+    ctx.buffer = new_buffer(ctx)
+    status = worker_driver.run_scenarios(
+        wg,
+        names,
+        lambda name: SCENARIOS[name](ctx),
         timeout_s=SCENARIO_TIMEOUT_S,
-        sync=torch.cuda.synchronize,
         on_failure=lambda: replace_buffer(ctx),
     )
-
-
-def replace_buffer(ctx: Ctx) -> None:
-    try:
-        torch.cuda.synchronize()
-        ctx.buffer.destroy()
-    except Exception as e:
-        print(f"[rank {ctx.rank}] destroying the Buffer after a failure: {e!r}", flush=True)
-    ctx.buffer = new_buffer(ctx)
-
-
-def main() -> int:
-    wg = worker_driver.init_worker(CONTROL_TIMEOUT_S)
-    rank, num_ranks, device, gloo = wg.rank, wg.world, wg.device, wg.gloo
-    status = 0
-    try:
-        names = selected_scenarios()
-        seed = [int(os.environ.get(SEED_ENV, "0")) or int.from_bytes(os.urandom(6), "little")]
-        dist.broadcast_object_list(seed, src=0, group=gloo)
-        if rank == 0:
-            print(f"seed {seed[0]} ({SEED_ENV}={seed[0]} replays this run)", flush=True)
-            print(
-                f"scenarios {','.join(names)} on {num_ranks} ranks, "
-                f"{wg.ranks_per_gpu} per GPU ({dist.get_backend(wg.group)})",
-                flush=True,
-            )
-        ctx = Ctx(rank, num_ranks, device, wg.group, gloo, seed[0])
-        ctx.side_stream = torch.cuda.Stream()
-        ctx.buffer = new_buffer(ctx)
-        for name in names:
-            if not run_scenario(ctx, name):
-                status = 1
-        ctx.buffer.destroy()
-        dist.barrier(group=gloo)
-    except Exception as e:
-        print(f"FAIL setup [rank {rank}]: {type(e).__name__}: {e}", flush=True)
-        traceback.print_exc()
-        status = 1
-    finally:
-        dist.destroy_process_group()
+    ctx.buffer.destroy()
     return status
 
 
+def replace_buffer(ctx: Ctx) -> None:
+    worker_driver.destroy_after_failure(ctx.buffer, "Buffer", ctx.rank)
+    ctx.buffer = new_buffer(ctx)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(worker_driver.worker_main(CONTROL_TIMEOUT_S, run_all))

@@ -22,6 +22,7 @@ exit code 1 if anything failed. A watchdog ends a scenario that runs past
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
@@ -104,6 +105,26 @@ def new_ll_buffer(ctx: Ctx, t=T_MAX, h=H_MAX, e=None, **kw) -> moelink.Buffer:
         dist.group.WORLD, 0, ll_bytes(ctx.size, t, h, e), low_latency_mode=True,
         explicitly_destroy=True, **kw,
     )  # fmt: skip
+
+
+@contextlib.contextmanager
+def own_buffer(ctx: Ctx, *, ll_timeout_s: int | None = None, **kw):
+    """A Buffer of a scenario's own (``new_ll_buffer(ctx, **kw)``), destroyed once
+    the GPU is done when the block ends, however it ends. ``ll_timeout_s``: its
+    receive waits give up after that many seconds (``MOELINK_LL_TIMEOUT_S`` while
+    it is made)."""
+    if ll_timeout_s is not None:
+        os.environ["MOELINK_LL_TIMEOUT_S"] = str(ll_timeout_s)
+    try:
+        buf = new_ll_buffer(ctx, **kw)
+    finally:
+        if ll_timeout_s is not None:
+            del os.environ["MOELINK_LL_TIMEOUT_S"]
+    try:
+        yield buf
+    finally:
+        torch.cuda.synchronize()
+        buf.destroy()
 
 
 # ----- inputs --------------------------------------------------------------------------
@@ -370,8 +391,7 @@ def scenario_out_and_stats(ctx: Ctx, buf) -> None:
 
 
 def scenario_proxy(ctx: Ctx, buf) -> None:
-    pbuf = new_ll_buffer(ctx, allow_nvlink_for_low_latency_mode=False)
-    try:
+    with own_buffer(ctx, allow_nvlink_for_low_latency_mode=False) as pbuf:
         # Any rank's exception is held until every rank has reported its proxy
         # state below (a collective that a rank raising early would leave
         # the others waiting in).
@@ -404,9 +424,6 @@ def scenario_proxy(ctx: Ctx, buf) -> None:
                 print("proxy state after the failure:\n" + report, flush=True)
         if error is not None:
             raise error
-    finally:
-        torch.cuda.synchronize()
-        pbuf.destroy()
 
 
 def scenario_proxy_loose(ctx: Ctx, buf) -> None:
@@ -416,8 +433,7 @@ def scenario_proxy_loose(ctx: Ctx, buf) -> None:
     one proxy stream per peer (7 a rank), while lock-step calls passed; one
     stream for all of a rank's CUDA IPC connections fixed it
     (benches/results/2026-11-25_ll-8-proxy-streams)."""
-    pbuf = new_ll_buffer(ctx, allow_nvlink_for_low_latency_mode=False)
-    try:
+    with own_buffer(ctx, allow_nvlink_for_low_latency_mode=False) as pbuf:
         e = 8 * ctx.size
         for i, (fp8, hook) in enumerate(((True, False), (False, True), (True, True))):
             inputs = make_inputs(ctx, f"loose{i}", 64, 2048, e, 5)
@@ -425,9 +441,6 @@ def scenario_proxy_loose(ctx: Ctx, buf) -> None:
                        use_fp8=fp8, hook=hook, zero_copy=(i == 2), together=False)  # fmt: skip
         torch.cuda.synchronize()
         pbuf.check()
-    finally:
-        torch.cuda.synchronize()
-        pbuf.destroy()
 
 
 def proxy_state(ctx: Ctx, pbuf) -> str:
@@ -586,36 +599,57 @@ def scenario_masked_rank(ctx: Ctx, buf) -> None:
     """The last rank is masked on every rank and makes no call; the others complete
     and match the reference without it. Then everything is unmasked and reset."""
     masked = ctx.size - 1
-    sbuf = new_ll_buffer(ctx, enable_shrink=True)
-    try:
+    with own_buffer(ctx, enable_shrink=True) as sbuf:
         e = 8 * ctx.size
         el = e // ctx.size
         inputs = make_inputs(ctx, "masked", 48, 2048, e, 4, zero_rank=False)
         # Reference: the masked rank sends nothing, nobody sends to it.
-        ref_in = []
-        for q, (x, idx, w) in enumerate(inputs):
-            if q == masked:
-                ref_in.append((x[:0], idx[:0], w[:0]))
-            else:
-                idx = idx.clone()
-                idx[idx // el == masked] = -1
-                ref_in.append((x, idx, w))
+        ref_in = without_rank(inputs, masked, experts_per_rank=el)
         group = dist.new_group([q for q in range(ctx.size) if q != masked])
         if ctx.rank != masked:
             sbuf.low_latency_update_mask_buffer(masked, True)
-            st = torch.zeros(ctx.size, dtype=torch.int32, device=ctx.device)
-            sbuf.low_latency_query_mask_buffer(st)
-            if st.tolist() != [1 if q == masked else 0 for q in range(ctx.size)]:
-                ctx.fail(f"mask query {st.tolist()}")
+            mask = queried_mask(ctx, sbuf)
+            if mask != only_rank_masked(ctx, masked):
+                ctx.fail(f"mask query {mask}")
             _masked_round_trip(ctx, sbuf, "masked", inputs, ref_in, 48, e, masked, group)
-        dist.barrier()
-        sbuf.low_latency_clean_mask_buffer()
-        sbuf.clean_low_latency_buffer(48, 2048, e)
-        inputs = make_inputs(ctx, "unmasked", 48, 2048, e, 4)
-        round_trip(ctx, sbuf, "after unmask", inputs, 48, e)
-    finally:
-        torch.cuda.synchronize()
-        sbuf.destroy()
+        unmask_and_round_trip(ctx, sbuf, e, "unmasked", "after unmask")
+
+
+def without_rank(inputs, masked: int, experts_per_rank: int | None = None) -> list:
+    """The reference's inputs of a call that rank ``masked`` makes no part of: it
+    sends nothing; with ``experts_per_rank``, the others' tokens routed to its
+    experts are dropped too."""
+    ref_in = []
+    for q, (x, idx, w) in enumerate(inputs):
+        if q == masked:
+            ref_in.append((x[:0], idx[:0], w[:0]))
+        else:
+            idx = idx.clone()
+            if experts_per_rank is not None:
+                idx[idx // experts_per_rank == masked] = -1
+            ref_in.append((x, idx, w))
+    return ref_in
+
+
+def queried_mask(ctx: Ctx, sbuf) -> list:
+    """What ``low_latency_query_mask_buffer`` says of every rank (1: masked)."""
+    st = torch.zeros(ctx.size, dtype=torch.int32, device=ctx.device)
+    sbuf.low_latency_query_mask_buffer(st)
+    return st.tolist()
+
+
+def only_rank_masked(ctx: Ctx, masked: int) -> list:
+    return [1 if q == masked else 0 for q in range(ctx.size)]
+
+
+def unmask_and_round_trip(ctx: Ctx, sbuf, e: int, tag: str, label: str) -> None:
+    """Every rank: the mask and the buffer cleaned, then one round trip of every
+    rank (inputs ``tag``) must match the reference again."""
+    dist.barrier()
+    sbuf.low_latency_clean_mask_buffer()
+    sbuf.clean_low_latency_buffer(48, 2048, e)
+    inputs = make_inputs(ctx, tag, 48, 2048, e, 4)
+    round_trip(ctx, sbuf, label, inputs, 48, e)
 
 
 def _masked_round_trip(ctx, sbuf, label, inputs, ref_in, t, e, masked, group):
@@ -654,20 +688,10 @@ def scenario_timeout_mask(ctx: Ctx, buf) -> None:
     """With enable_shrink and a 2 s receive timeout, the last rank skips a call: the
     others' receive times out, masks it, completes, and reports it in the mask."""
     masked = ctx.size - 1
-    os.environ["MOELINK_LL_TIMEOUT_S"] = "2"
-    try:
-        sbuf = new_ll_buffer(ctx, enable_shrink=True)
-    finally:
-        del os.environ["MOELINK_LL_TIMEOUT_S"]
-    try:
+    with own_buffer(ctx, ll_timeout_s=2, enable_shrink=True) as sbuf:
         e = 8 * ctx.size
         inputs = make_inputs(ctx, "timeout", 48, 2048, e, 4, zero_rank=False)
-        ref_in = []
-        for q, (x, idx, w) in enumerate(inputs):
-            if q == masked:
-                ref_in.append((x[:0], idx[:0], w[:0]))
-            else:
-                ref_in.append((x, idx.clone(), w))
+        ref_in = without_rank(inputs, masked)
         if ctx.rank != masked:
             r, dev = ctx.rank, ctx.device
             x, idx, w = (a.to(dev) for a in inputs[r])
@@ -675,10 +699,9 @@ def scenario_timeout_mask(ctx: Ctx, buf) -> None:
             recv, count, handle, _, _ = sbuf.low_latency_dispatch(x, idx, 48, e, use_fp8=False)
             torch.cuda.synchronize(dev)
             took = time.time() - t0
-            st = torch.zeros(ctx.size, dtype=torch.int32, device=dev)
-            sbuf.low_latency_query_mask_buffer(st)
-            if st.tolist() != [1 if q == masked else 0 for q in range(ctx.size)]:
-                ctx.fail(f"timeout: mask {st.tolist()} after {took:.1f} s")
+            mask = queried_mask(ctx, sbuf)
+            if mask != only_rank_masked(ctx, masked):
+                ctx.fail(f"timeout: mask {mask} after {took:.1f} s")
             ref = reference.ll_dispatch([i[0] for i in ref_in], [i[1] for i in ref_in], 48, e,
                                         False, rank=r)  # fmt: skip
             check_dispatch(ctx, "timeout dispatch", ((recv, None), count, handle), ref[r], r,
@@ -688,14 +711,7 @@ def scenario_timeout_mask(ctx: Ctx, buf) -> None:
             torch.cuda.synchronize(dev)
             if not torch.isfinite(comb.float()).all():
                 ctx.fail("timeout: combine output not finite")
-        dist.barrier()
-        sbuf.low_latency_clean_mask_buffer()
-        sbuf.clean_low_latency_buffer(48, 2048, e)
-        inputs = make_inputs(ctx, "after-timeout", 48, 2048, e, 4)
-        round_trip(ctx, sbuf, "after timeout", inputs, 48, e)
-    finally:
-        torch.cuda.synchronize()
-        sbuf.destroy()
+        unmask_and_round_trip(ctx, sbuf, e, "after-timeout", "after timeout")
 
 
 def scenario_timeout_poison(ctx: Ctx, buf) -> None:
@@ -708,27 +724,22 @@ def scenario_timeout_poison(ctx: Ctx, buf) -> None:
     r, dev = ctx.rank, ctx.device
     e = 8 * ctx.size
     el = e // ctx.size
-    os.environ["MOELINK_LL_TIMEOUT_S"] = "2"
-    try:
-        tbuf = new_ll_buffer(ctx)
-    finally:
-        del os.environ["MOELINK_LL_TIMEOUT_S"]
+    with own_buffer(ctx, ll_timeout_s=2) as tbuf:
 
-    def expect_timeout(label: str) -> None:
-        try:
-            tbuf.check()
-        except moelink.TimeoutError as ex:
-            if f"from rank {late}" not in str(ex):
-                ctx.fail(f"{label}: the TimeoutError does not name rank {late}: {ex}")
-            return
-        ctx.fail(f"{label}: check() raised no TimeoutError")
+        def expect_timeout(label: str) -> None:
+            try:
+                tbuf.check()
+            except moelink.TimeoutError as ex:
+                if f"from rank {late}" not in str(ex):
+                    ctx.fail(f"{label}: the TimeoutError does not name rank {late}: {ex}")
+                return
+            ctx.fail(f"{label}: check() raised no TimeoutError")
 
-    def recover() -> None:
-        torch.cuda.synchronize(dev)
-        dist.barrier()
-        tbuf.clean_low_latency_buffer(48, 2048, e)
+        def recover() -> None:
+            torch.cuda.synchronize(dev)
+            dist.barrier()
+            tbuf.clean_low_latency_buffer(48, 2048, e)
 
-    try:
         x, idx, w = (a.to(dev) for a in make_inputs(ctx, "poison", 48, 2048, e, 4,
                                                     zero_rank=False)[r])  # fmt: skip
         # 1. The late rank skips a dispatch.
@@ -758,9 +769,6 @@ def scenario_timeout_poison(ctx: Ctx, buf) -> None:
         recover()
         inputs = make_inputs(ctx, "after-poison", 48, 2048, e, 4)
         round_trip(ctx, tbuf, "after the timeouts", inputs, 48, e)
-    finally:
-        torch.cuda.synchronize()
-        tbuf.destroy()
 
 
 def scenario_create_destroy(ctx: Ctx, buf) -> None:

@@ -14,14 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.multi_gpu.torchrun_suite import rank_counts, run_suite
+from tests.multi_gpu.torchrun_suite import suite_test
 
 pytestmark = pytest.mark.multi_gpu
 WORKER = Path(__file__).with_name("allreduce_worker.py")
-SCENARIOS_ENV = "MOELINK_AR_SCENARIOS"
-TIMEOUT_S = 1800
-
-
-@pytest.mark.parametrize("nproc", rank_counts())
-def test_allreduce(nproc):
-    run_suite(nproc, WORKER, SCENARIOS_ENV, TIMEOUT_S)
+test_allreduce = suite_test(WORKER, "MOELINK_AR_SCENARIOS", timeout=1800)

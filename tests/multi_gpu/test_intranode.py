@@ -12,14 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.multi_gpu.torchrun_suite import rank_counts, run_suite
+from tests.multi_gpu.torchrun_suite import suite_test
 
 pytestmark = pytest.mark.multi_gpu
 WORKER = Path(__file__).with_name("intranode_worker.py")
-SCENARIOS_ENV = "MOELINK_INTRANODE_SCENARIOS"
-TIMEOUT_S = 600
-
-
-@pytest.mark.parametrize("nproc", rank_counts())
-def test_intranode(nproc):
-    run_suite(nproc, WORKER, SCENARIOS_ENV, TIMEOUT_S)
+test_intranode = suite_test(WORKER, "MOELINK_INTRANODE_SCENARIOS", timeout=600)

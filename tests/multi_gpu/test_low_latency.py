@@ -10,12 +10,10 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import cuda_device_count
-from tests.multi_gpu.torchrun_suite import rank_counts, run_launcher, run_suite, scenario_names
+from tests.multi_gpu.torchrun_suite import run_launcher, scenario_names, suite_test
 
 pytestmark = pytest.mark.multi_gpu
 WORKER = Path(__file__).with_name("ll_worker.py")
-SCENARIOS_ENV = "MOELINK_LL_SCENARIOS"
-TIMEOUT_S = 900
 
 
 def test_scenario_names_match_functions():
@@ -24,9 +22,7 @@ def test_scenario_names_match_functions():
         assert f"def scenario_{name}(" in src, name
 
 
-@pytest.mark.parametrize("nproc", rank_counts())
-def test_low_latency(nproc):
-    run_suite(nproc, WORKER, SCENARIOS_ENV, TIMEOUT_S)
+test_low_latency = suite_test(WORKER, "MOELINK_LL_SCENARIOS", timeout=900)
 
 
 def test_trap_on_timeout():

@@ -34,15 +34,15 @@ def scenario_names(worker: Path) -> tuple:
 
 
 def selected_scenarios(worker: Path, env: str) -> list:
-    known = scenario_names(worker)
-    raw = os.environ.get(env, "").strip()
-    if not raw:
-        return list(known)
-    names = [s.strip() for s in raw.split(",") if s.strip()]
-    unknown = [s for s in names if s not in known]
-    if unknown:
-        pytest.fail(f"{env}: unknown scenarios {unknown}; known: {list(known)}")
-    return names
+    """The worker's scenarios that ``$env`` selects, as the worker selects them
+    (all by default); an unknown name fails the test."""
+    # Imported here: the driver needs torch, which only a GPU run has to have.
+    from tests.multi_gpu import worker_driver
+
+    try:
+        return worker_driver.selected_scenarios(env, scenario_names(worker))
+    except ValueError as e:
+        pytest.fail(str(e))
 
 
 RANKS_ENV = "MOELINK_TEST_RANKS"
@@ -86,6 +86,17 @@ def run_launcher(nproc: int, script: Path, timeout: int, env: dict | None = None
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
         return None, out + f"\n[test] killed after {timeout} s"
+
+
+def suite_test(worker: Path, env: str, timeout: int):
+    """A pytest test that runs ``worker`` with ``run_suite`` on each of
+    ``rank_counts()`` rank counts (``env`` selects its scenarios)."""
+
+    @pytest.mark.parametrize("nproc", rank_counts())
+    def test(nproc):
+        run_suite(nproc, worker, env, timeout)
+
+    return test
 
 
 def run_suite(nproc: int, worker: Path, env: str, timeout: int) -> None:

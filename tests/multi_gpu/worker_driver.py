@@ -1,8 +1,9 @@
 """Scenario driver shared by the torchrun workers (intranode, allreduce,
 low-latency): the process-group setup (ranks may share GPUs), the hang watchdog,
-the scenario selection from an environment variable, quiesced free-memory
-readings, and one scenario run whose verdict every rank agrees on before rank 0
-prints ``PASS <name>`` / ``FAIL <name>: ...``.
+the scenario selection from an environment variable, the run's shared seed,
+quiesced free-memory readings, one scenario run whose verdict every rank agrees
+on before rank 0 prints ``PASS <name>`` / ``FAIL <name>: ...``, and the frame of
+a worker's ``main`` around its scenario runs.
 
 The workers run as scripts (``python tests/multi_gpu/<worker>.py``), so they import
 this module by its bare name from their own folder.
@@ -11,6 +12,7 @@ this module by its bare name from their own folder.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import os
 import sys
 import threading
@@ -158,6 +160,22 @@ def selected_scenarios(env: str, known: tuple) -> list[str]:
     return names
 
 
+def scenario_table(namespace: dict, names: tuple) -> dict:
+    """``{name: scenario_<name>}`` for every one of ``names``, in order, from a
+    worker's ``globals()`` (a KeyError names a scenario without its function)."""
+    return {name: namespace[f"scenario_{name}"] for name in names}
+
+
+def shared_seed(env: str, rank: int, gloo) -> int:
+    """The run's data seed, the same on every rank: ``$env`` where it is set and
+    not 0, else one rank 0 draws; rank 0 prints how to replay the run."""
+    seed = [int(os.environ.get(env, "0")) or int.from_bytes(os.urandom(6), "little")]
+    dist.broadcast_object_list(seed, src=0, group=gloo)
+    if rank == 0:
+        print(f"seed {seed[0]} ({env}={seed[0]} replays this run)", flush=True)
+    return seed[0]
+
+
 def run_scenario(
     name: str, fn, *, rank: int, world: int, gloo, timeout_s: float, sync, on_failure
 ) -> bool:
@@ -187,6 +205,64 @@ def run_scenario(
         if failed:
             on_failure()
     return not failed
+
+
+def run_scenarios(wg: WorkerGroup, names, run, *, timeout_s: float, on_failure, sync=None) -> int:
+    """Runs each of ``names`` as one scenario (``run_scenario``): ``run(name)``,
+    then ``sync()`` (default: ``torch.cuda.synchronize``); ``on_failure()`` after
+    one that failed on any rank. Returns the exit status: 1 if any failed."""
+    status = 0
+    for name in names:
+        passed = run_scenario(
+            name,
+            functools.partial(run, name),
+            rank=wg.rank,
+            world=wg.world,
+            gloo=wg.gloo,
+            timeout_s=timeout_s,
+            sync=sync or torch.cuda.synchronize,
+            on_failure=on_failure,
+        )
+        if not passed:
+            status = 1
+    return status
+
+
+def destroy_after_failure(obj, what: str, rank: int) -> None:
+    """Destroys ``obj`` (the ``what``, a communicator or Buffer that a failed
+    scenario may have left broken) once the GPU is done; what that raises is
+    printed, not raised."""
+    try:
+        torch.cuda.synchronize()
+        obj.destroy()
+    except Exception as e:  # noqa: BLE001 - the object is being replaced anyway
+        print(f"[rank {rank}] destroying the {what} after a failure: {e!r}", flush=True)
+
+
+def run_worker(wg: WorkerGroup, body) -> int:
+    """A worker's ``main`` once its group is up: ``body()`` (the setup and the
+    scenario runs; returns the exit status), then a barrier of every rank. A
+    raise anywhere is this rank's ``FAIL setup`` line and exit status 1; the
+    process group is destroyed in any case. Returns the exit status."""
+    status = 0
+    try:
+        status = body()
+        dist.barrier(group=wg.gloo)
+    except Exception as e:  # noqa: BLE001 - any failure becomes a FAIL line
+        print(f"FAIL setup [rank {wg.rank}]: {type(e).__name__}: {e}", flush=True)
+        traceback.print_exc()
+        status = 1
+    finally:
+        dist.destroy_process_group()
+    return status
+
+
+def worker_main(control_timeout_s: float, run_all) -> int:
+    """The whole ``main`` of a worker: its group (``init_worker``), then
+    ``run_all(group)`` (the setup and the scenario runs; returns the exit status)
+    inside ``run_worker``. Returns the exit status."""
+    wg = init_worker(control_timeout_s)
+    return run_worker(wg, lambda: run_all(wg))
 
 
 def bad_ids_failure(launch, check, device, token: int, column: int) -> str | None:

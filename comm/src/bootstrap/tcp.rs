@@ -68,6 +68,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use super::Bootstrap;
 use crate::error::{CommError, Result};
+use crate::wire::{u32_at, u64_at};
 
 /// First bytes of a serialized [`UniqueId`].
 const ID_MAGIC: [u8; 4] = *b"MLID";
@@ -286,7 +287,7 @@ impl UniqueId {
         }
         let addr = decode_addr(&bytes[5..5 + ADDR_LEN])
             .ok_or_else(|| CommError::invalid("id", "the UniqueId holds no valid root address"))?;
-        let nonce = u64::from_le_bytes(bytes[24..32].try_into().expect("8 bytes"));
+        let nonce = u64_at(bytes, 24);
         UniqueId::from_parts(addr, nonce)
             .map_err(|_| CommError::invalid("id", "the UniqueId's root address has port 0"))
     }
@@ -1049,10 +1050,10 @@ impl HelloSpec {
             return Err((false, format!("a hello of {} bytes", header.len)));
         }
         let p = &buf[HEADER_LEN..];
-        let version = u32::from_le_bytes(p[0..4].try_into().expect("4 bytes"));
-        let nonce = u64::from_le_bytes(p[4..12].try_into().expect("8 bytes"));
-        let rank = u64::from_le_bytes(p[12..20].try_into().expect("8 bytes"));
-        let size = u64::from_le_bytes(p[20..28].try_into().expect("8 bytes"));
+        let version = u32_at(p, 0);
+        let nonce = u64_at(p, 4);
+        let rank = u64_at(p, 12);
+        let size = u64_at(p, 20);
         let addr = decode_addr(&p[28..28 + ADDR_LEN]);
         let me = self.me;
         if version != PROTOCOL_VERSION {
@@ -1621,14 +1622,14 @@ fn encode_header(kind: u32, tag: u64, len: u64) -> [u8; HEADER_LEN] {
 }
 
 fn decode_header(h: &[u8; HEADER_LEN]) -> std::result::Result<Header, String> {
-    let magic = u32::from_le_bytes(h[0..4].try_into().expect("4 bytes"));
+    let magic = u32_at(h, 0);
     if magic != FRAME_MAGIC {
         return Err(format!("bad frame magic {magic:#010x}"));
     }
     Ok(Header {
-        kind: u32::from_le_bytes(h[4..8].try_into().expect("4 bytes")),
-        tag: u64::from_le_bytes(h[8..16].try_into().expect("8 bytes")),
-        len: u64::from_le_bytes(h[16..24].try_into().expect("8 bytes")),
+        kind: u32_at(h, 4),
+        tag: u64_at(h, 8),
+        len: u64_at(h, 16),
     })
 }
 

@@ -39,6 +39,7 @@ use super::{check_atomic_target, AtomicWidth, Connection, Transport};
 use crate::cuda::{Device, OwnedStream};
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::registered_memory::{Location, RegisteredMemory};
+use crate::wire::{u32_at, u64_at};
 
 /// Largest payload of one WRITE frame: larger writes are sent as several frames,
 /// so neither side ever holds more than this much of a write in memory.
@@ -106,8 +107,7 @@ impl Header {
     }
 
     fn decode(b: &[u8; HEADER]) -> std::result::Result<Self, String> {
-        let word = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        let magic = u32::from_le_bytes(b[0..4].try_into().expect("4 bytes"));
+        let magic = u32_at(b, 0);
         if magic != MAGIC {
             return Err(format!(
                 "bad frame magic {magic:#010x} (not a moelink Ethernet peer)"
@@ -116,9 +116,9 @@ impl Header {
         Ok(Self {
             op: b[4],
             flag: b[5],
-            seq: word(8),
-            ptr: word(16),
-            arg: word(24),
+            seq: u64_at(b, 8),
+            ptr: u64_at(b, 16),
+            arg: u64_at(b, 24),
         })
     }
 }

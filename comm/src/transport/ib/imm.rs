@@ -13,8 +13,10 @@
 //!   connection's operand ring ([`AddOperand`]);
 //! - kinds 2 and 3 are invalid (a corrupted or foreign immediate).
 
+use super::fixed_record;
 use crate::error::{CommError, Result};
 use crate::transport::AtomicWidth;
+use crate::wire::{u32_at, u64_at};
 
 const KIND_SHIFT: u32 = 30;
 /// Largest index an immediate carries.
@@ -83,21 +85,14 @@ impl AddOperand {
     /// Checks the record as the receiver must: a known width, an offset
     /// aligned to it (a 64-bit add never lands on a 32-bit counter's half).
     pub fn from_bytes(b: &[u8], peer: usize) -> Result<Self> {
+        let b: &[u8; OPERAND_BYTES] = fixed_record(b, peer, "an add operand")?;
         let bad = |what: String| CommError::Rdma { peer, what };
-        if b.len() != OPERAND_BYTES {
-            return Err(bad(format!(
-                "an add operand of {} bytes, expected {OPERAND_BYTES}",
-                b.len()
-            )));
-        }
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        let u64_at = |i: usize| u64::from_le_bytes(b[i..i + 8].try_into().expect("8 bytes"));
-        let width = match u32_at(4) {
+        let width = match u32_at(b, 4) {
             4 => AtomicWidth::U32,
             8 => AtomicWidth::U64,
             w => return Err(bad(format!("an add operand of width {w} bytes (4 or 8)"))),
         };
-        let offset = u64_at(8);
+        let offset = u64_at(b, 8);
         if offset % width.bytes() != 0 {
             return Err(bad(format!(
                 "a {}-byte add at offset {offset}, not aligned to its width",
@@ -105,10 +100,10 @@ impl AddOperand {
             )));
         }
         Ok(Self {
-            memory_id: u32_at(0),
+            memory_id: u32_at(b, 0),
             width,
             offset,
-            value: u64_at(16) as i64,
+            value: u64_at(b, 16) as i64,
         })
     }
 }

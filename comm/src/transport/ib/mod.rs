@@ -16,6 +16,15 @@ pub mod wc;
 
 use crate::error::{CommError, Result};
 
+/// `b`, a record rank `peer` sent, if it is `N` bytes long; else an `Rdma`
+/// error naming `what` it should have been ("a queue pair endpoint").
+fn fixed_record<'a, const N: usize>(b: &'a [u8], peer: usize, what: &str) -> Result<&'a [u8; N]> {
+    b.try_into().map_err(|_| CommError::Rdma {
+        peer,
+        what: format!("{what} of {} bytes, expected {N}", b.len()),
+    })
+}
+
 /// Why an IB verbs connection cannot be made here: `NoRdma` (no library, no
 /// device, none allowed) or, where devices exist, that queue pairs are not
 /// built yet. Bad `MOELINK_IB_*` values fail first, naming the variable.

@@ -6,8 +6,10 @@
 //! with the queue pairs themselves.
 
 use crate::error::{CommError, Result};
+use crate::wire::u32_at;
 
 use super::config::IbConfig;
+use super::fixed_record;
 
 /// `enum ibv_qp_state`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -90,13 +92,8 @@ impl QpEndpoint {
 
     /// `peer`: the rank it came from (named in errors).
     pub fn from_bytes(b: &[u8], peer: usize) -> Result<Self> {
+        let b: &[u8; ENDPOINT_BYTES] = fixed_record(b, peer, "a queue pair endpoint")?;
         let bad = |what: String| CommError::Rdma { peer, what };
-        if b.len() != ENDPOINT_BYTES {
-            return Err(bad(format!(
-                "a queue pair endpoint of {} bytes, expected {ENDPOINT_BYTES}",
-                b.len()
-            )));
-        }
         let link_layer = match b[3] {
             1 => LinkLayer::InfiniBand,
             2 => LinkLayer::Ethernet,
@@ -108,8 +105,7 @@ impl QpEndpoint {
                 "a queue pair endpoint with MTU code {active_mtu}"
             )));
         }
-        let u32_at = |i: usize| u32::from_le_bytes(b[i..i + 4].try_into().expect("4 bytes"));
-        let psn = u32_at(8);
+        let psn = u32_at(b, 8);
         if psn > PSN_MASK {
             return Err(bad(format!(
                 "a packet sequence number {psn:#x} above 24 bits"
@@ -119,7 +115,7 @@ impl QpEndpoint {
         gid.copy_from_slice(&b[16..32]);
         Ok(Self {
             lid: u16::from_le_bytes([b[0], b[1]]),
-            qp_num: u32_at(4),
+            qp_num: u32_at(b, 4),
             psn,
             gid,
             active_mtu,
