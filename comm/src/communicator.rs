@@ -271,18 +271,31 @@ impl Communicator {
             signals.cursor = SlotCursor::new(per_page);
         }
         let ranks_per_node = ranks_per_node_from_env()?;
-        comm.topology = Topology::new(
+        let cross_node = crate::transport::CrossNode::from_env()?;
+        let topology = |ib| {
+            Topology::new(
+                rank,
+                &placement,
+                |peer| match device {
+                    // A failed query counts as no P2P: the peer then goes
+                    // through the proxy, which is slower but works.
+                    Some(d) => d.can_access_peer_uuid(&placement[peer].1).unwrap_or(false),
+                    None => false,
+                },
+                ranks_per_node,
+                ib,
+            )
+        };
+        comm.topology = topology(false)?;
+        // Peers on other nodes: IB verbs where a device is usable (or
+        // MOELINK_TRANSPORT=ib demands it), else Ethernet.
+        if cross_node.uses_ib(
             rank,
-            &placement,
-            |peer| match device {
-                // A failed query counts as no P2P: the peer then goes through
-                // the proxy, which is slower but works.
-                Some(d) => d.can_access_peer_uuid(&placement[peer].1).unwrap_or(false),
-                None => false,
-            },
-            ranks_per_node,
-            false,
-        )?;
+            comm.topology.num_nodes() > 1,
+            crate::transport::usable_rdma_devices,
+        )? {
+            comm.topology = topology(true)?;
+        }
         if let Some(d) = device {
             comm.device_peers = ranks_on_same_device(&placement, rank);
             comm.share = DeviceShare::of_group(&placement, &sm_counts, rank);

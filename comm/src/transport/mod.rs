@@ -104,3 +104,133 @@ pub(crate) fn check_atomic_target(
     }
     Ok(())
 }
+
+/// What `MOELINK_TRANSPORT` asks for peers on other nodes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CrossNode {
+    /// IB verbs where a usable RDMA device exists, else Ethernet (one log line).
+    Auto,
+    /// IB verbs; no usable device is an error.
+    Ib,
+    /// Ethernet (TCP), even where an RDMA device exists.
+    Ethernet,
+}
+
+/// The environment variable that forces the cross-node transport.
+pub const TRANSPORT_ENV: &str = "MOELINK_TRANSPORT";
+
+impl CrossNode {
+    /// `MOELINK_TRANSPORT`: `auto` (or unset / empty), `ib`, `ethernet`
+    /// (case-insensitive); anything else is refused naming the variable.
+    pub fn from_env() -> Result<Self> {
+        Self::parse(&std::env::var(TRANSPORT_ENV).unwrap_or_default())
+    }
+
+    pub fn parse(text: &str) -> Result<Self> {
+        match text.trim().to_ascii_lowercase().as_str() {
+            "" | "auto" => Ok(Self::Auto),
+            "ib" => Ok(Self::Ib),
+            "ethernet" => Ok(Self::Ethernet),
+            other => Err(crate::error::CommError::invalid(
+                TRANSPORT_ENV,
+                format!("{other:?}: expected auto, ib or ethernet"),
+            )),
+        }
+    }
+
+    /// Whether peers on other nodes go through IB verbs. `cross_node`: some
+    /// peer is on another node (else nothing is probed and the answer is no);
+    /// `probe` lists the usable RDMA devices (`NoRdma` where there are none).
+    /// `Auto` without a device falls back to Ethernet with one logged line;
+    /// `Ib` without one fails with the probe's error, naming the variable.
+    pub fn uses_ib(
+        self,
+        rank: usize,
+        cross_node: bool,
+        probe: impl FnOnce() -> Result<Vec<String>>,
+    ) -> Result<bool> {
+        if !cross_node || self == Self::Ethernet {
+            return Ok(false);
+        }
+        match (self, probe()) {
+            (_, Ok(devices)) if !devices.is_empty() => Ok(true),
+            (Self::Ib, Ok(_)) => Err(crate::error::CommError::NoRdma {
+                reason: format!("{TRANSPORT_ENV}=ib, but no RDMA device is usable"),
+            }),
+            (Self::Ib, Err(e)) => Err(crate::error::CommError::NoRdma {
+                reason: format!("{TRANSPORT_ENV}=ib: {e}"),
+            }),
+            (_, Ok(_)) => {
+                tracing::info!(
+                    "rank {rank}: no usable RDMA device; peers on other nodes use Ethernet"
+                );
+                Ok(false)
+            }
+            (_, Err(e)) => {
+                tracing::info!("rank {rank}: {e}; peers on other nodes use Ethernet");
+                Ok(false)
+            }
+        }
+    }
+}
+
+/// The usable RDMA devices under the `MOELINK_IB_*` settings (`NoRdma` where
+/// libibverbs or a device is missing).
+pub fn usable_rdma_devices() -> Result<Vec<String>> {
+    let config = ib::config::IbConfig::from_env()?;
+    let verbs = ib::verbs::Verbs::load()?;
+    ib::verbs::usable_devices(&verbs, &config.hca)
+}
+
+#[cfg(test)]
+mod cross_node_tests {
+    use super::*;
+    use crate::error::CommError;
+
+    fn no_device() -> Result<Vec<String>> {
+        Err(CommError::NoRdma {
+            reason: "libibverbs finds no RDMA device on this machine".into(),
+        })
+    }
+
+    #[test]
+    fn the_variable_is_parsed_and_checked() {
+        assert_eq!(CrossNode::parse("").unwrap(), CrossNode::Auto);
+        assert_eq!(CrossNode::parse(" Auto ").unwrap(), CrossNode::Auto);
+        assert_eq!(CrossNode::parse("IB").unwrap(), CrossNode::Ib);
+        assert_eq!(CrossNode::parse("ethernet").unwrap(), CrossNode::Ethernet);
+        let e = CrossNode::parse("rdma").unwrap_err().to_string();
+        assert!(
+            e.contains("MOELINK_TRANSPORT") && e.contains("\"rdma\""),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn auto_uses_ib_only_with_a_device_and_only_across_nodes() {
+        let dev = || Ok(vec!["mlx5_0".to_string()]);
+        assert!(CrossNode::Auto.uses_ib(0, true, dev).unwrap());
+        assert!(!CrossNode::Auto.uses_ib(0, true, no_device).unwrap());
+        assert!(!CrossNode::Auto.uses_ib(0, true, || Ok(vec![])).unwrap());
+        // One node: nothing is probed.
+        let probe = || -> Result<Vec<String>> { panic!("probed") };
+        assert!(!CrossNode::Auto.uses_ib(0, false, probe).unwrap());
+        assert!(!CrossNode::Ib.uses_ib(0, false, probe).unwrap());
+        assert!(!CrossNode::Ethernet.uses_ib(0, true, probe).unwrap());
+    }
+
+    #[test]
+    fn forcing_ib_without_a_device_fails_naming_the_variable() {
+        assert!(CrossNode::Ib
+            .uses_ib(0, true, || Ok(vec!["mlx5_1".into()]))
+            .unwrap());
+        for e in [
+            CrossNode::Ib.uses_ib(0, true, no_device).unwrap_err(),
+            CrossNode::Ib.uses_ib(0, true, || Ok(vec![])).unwrap_err(),
+        ] {
+            let text = e.to_string();
+            assert!(matches!(e, CommError::NoRdma { .. }), "{e:?}");
+            assert!(text.contains("MOELINK_TRANSPORT=ib"), "{text}");
+        }
+    }
+}

@@ -11,6 +11,9 @@
 //! | `MOELINK_IB_SL` | service level, 0..=15 | 0 |
 //! | `MOELINK_IB_TC` | traffic class (RoCE v2), 0..=255 | 0 |
 //! | `MOELINK_IB_QPS_PER_RANK` | queue pairs per peer, 1..=16 | 1 |
+//!
+//! Whether peers on other nodes use this transport at all is
+//! `MOELINK_TRANSPORT` (`auto`, `ib`, `ethernet`; [`crate::transport::CrossNode`]).
 
 use crate::error::{CommError, Result};
 
