@@ -1,4 +1,5 @@
-//! Build-script helpers shared by the crates that compile CUDA (comm, ep-kernels).
+//! Build-script helpers shared by the crates that compile CUDA (comm, ep-kernels,
+//! collectives).
 //!
 //! nvcc is found through, in order: `MOELINK_NVCC` / `NVCC` (a path to nvcc),
 //! `CUDA_HOME` / `CUDA_PATH` (`$X/bin/nvcc`), `nvcc` on `PATH`, the project-local
@@ -93,6 +94,19 @@ pub fn compile_fatbin(name: &str, env_prefix: &str, cuda_dir: &Path, include_dir
         );
     }
     println!("cargo:rustc-env={env_prefix}_FATBIN={}", fatbin.display());
+}
+
+/// The whole build script of a crate whose kernels use comm's device headers
+/// (ep-kernels, collectives): [`compile_fatbin`] of the crate's `cuda/` tree,
+/// with comm's include directory (`DEP_MOELINK_COMM_INCLUDE`, which comm's
+/// build script publishes) on the include path.
+pub fn compile_fatbin_with_comm_headers(name: &str, env_prefix: &str) {
+    let manifest = PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").unwrap());
+    let comm_include = PathBuf::from(
+        std::env::var("DEP_MOELINK_COMM_INCLUDE").expect("comm publishes its include dir"),
+    );
+    println!("cargo:rerun-if-changed=build.rs");
+    compile_fatbin(name, env_prefix, &manifest.join("cuda"), &[comm_include]);
 }
 
 /// The CUDA targets to build for: `MOELINK_CUDA_ARCHS` or `90a`.

@@ -268,56 +268,39 @@ mod tests {
     #[test]
     fn applicability() {
         let l = limits(4);
-        let ar = |n, reg| req(Collective::AllReduce, n, reg);
-        assert!(Algorithm::OneShotLl
-            .applicable(&ar(512 << 10, false), &l)
-            .is_ok());
-        assert!(Algorithm::OneShotLl
-            .applicable(&ar((512 << 10) + 2, false), &l)
-            .is_err());
-        assert!(Algorithm::TwoShotLl
-            .applicable(&ar(8 << 20, false), &l)
-            .is_ok());
-        assert!(Algorithm::TwoShotLl
-            .applicable(&ar((8 << 20) + 1, false), &l)
-            .is_err());
-        assert!(Algorithm::RsAg.applicable(&ar(64 << 20, false), &l).is_ok());
-        assert!(Algorithm::RsAg
-            .applicable(&ar((64 << 20) + 4, false), &l)
-            .is_err());
-        assert!(Algorithm::RsAgPush
-            .applicable(&ar(64 << 20, false), &l)
-            .is_ok());
-        assert!(Algorithm::RsAgPush
-            .applicable(&ar((64 << 20) + 4, true), &l)
-            .is_err());
-        let e = Algorithm::RsAgZeroCopy
-            .applicable(&ar(1 << 20, false), &l)
+        use Algorithm::*;
+        use Collective::{AllGather as Ag, AllReduce as Ar};
+        // (algorithm, collective, bytes, registered, applicable)
+        let cases = [
+            (OneShotLl, Ar, 512 << 10, false, true),
+            (OneShotLl, Ar, (512 << 10) + 2, false, false),
+            (TwoShotLl, Ar, 8 << 20, false, true),
+            (TwoShotLl, Ar, (8 << 20) + 1, false, false),
+            (RsAg, Ar, 64 << 20, false, true),
+            (RsAg, Ar, (64 << 20) + 4, false, false),
+            (RsAgPush, Ar, 64 << 20, false, true),
+            (RsAgPush, Ar, (64 << 20) + 4, true, false),
+            (RsAgZeroCopy, Ar, 1 << 20, true, true),
+            (AgLl, Ag, 512 << 10, false, true),
+            (AgLl, Ag, (512 << 10) + 1, false, false),
+            (AgMesh, Ag, 64 << 20, false, true),
+            (AgMesh, Ag, (64 << 20) + 1, false, false),
+            (AgMesh, Ag, (64 << 20) + 1, true, true),
+        ];
+        for (a, c, n, registered, ok) in cases {
+            let got = a.applicable(&req(c, n, registered), &l);
+            assert_eq!(
+                got.is_ok(),
+                ok,
+                "{a:?} {n} bytes, registered {registered}: {got:?}"
+            );
+        }
+        let e = RsAgZeroCopy
+            .applicable(&req(Ar, 1 << 20, false), &l)
             .unwrap_err();
         assert!(e.contains("register"), "{e}");
-        assert!(Algorithm::RsAgZeroCopy
-            .applicable(&ar(1 << 20, true), &l)
-            .is_ok());
-        let e = Algorithm::AgLl
-            .applicable(&ar(1024, false), &l)
-            .unwrap_err();
+        let e = AgLl.applicable(&req(Ar, 1024, false), &l).unwrap_err();
         assert!(e.contains("allgather algorithm"), "{e}");
-        let ag = |n, reg| req(Collective::AllGather, n, reg);
-        assert!(Algorithm::AgLl
-            .applicable(&ag(512 << 10, false), &l)
-            .is_ok());
-        assert!(Algorithm::AgLl
-            .applicable(&ag((512 << 10) + 1, false), &l)
-            .is_err());
-        assert!(Algorithm::AgMesh
-            .applicable(&ag(64 << 20, false), &l)
-            .is_ok());
-        assert!(Algorithm::AgMesh
-            .applicable(&ag((64 << 20) + 1, false), &l)
-            .is_err());
-        assert!(Algorithm::AgMesh
-            .applicable(&ag((64 << 20) + 1, true), &l)
-            .is_ok());
     }
 
     #[test]

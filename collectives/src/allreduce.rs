@@ -141,6 +141,29 @@ pub struct AllGatherCall {
     pub capturing: bool,
 }
 
+/// What selecting and starting a call takes of it, whichever its collective.
+trait Call {
+    /// (pinned algorithm, blocks, threads, capturing).
+    fn pinned(&self) -> (Option<Algorithm>, u32, u32, bool);
+    /// (input, output).
+    fn tensors(&self) -> (u64, u64);
+}
+
+/// `Call` of the call structs (the same fields in each).
+macro_rules! impl_call {
+    ($($t:ty),*) => {$(
+        impl Call for $t {
+            fn pinned(&self) -> (Option<Algorithm>, u32, u32, bool) {
+                (self.algorithm, self.num_blocks, self.num_threads, self.capturing)
+            }
+            fn tensors(&self) -> (u64, u64) {
+                (self.input, self.output)
+            }
+        }
+    )*};
+}
+impl_call!(AllReduceCall, AllGatherCall);
+
 pub struct AllReduceComm {
     /// The group's Communicator, this object's scope (registrations and
     /// barriers), device error record and device-wait bound.
@@ -399,6 +422,51 @@ impl AllReduceComm {
         )
     }
 
+    /// The choice for call `c` of `collective` moving `n` bytes (`registered`:
+    /// its memory is registered) and, unless the call is empty (nothing to
+    /// launch: `None`), the arguments every algorithm starts from, once this
+    /// object's kernels recorded no error.
+    fn start(
+        &self,
+        collective: Collective,
+        n: u64,
+        registered: bool,
+        c: &impl Call,
+    ) -> Result<(Choice, Option<CollArgs>)> {
+        let (algorithm, num_blocks, num_threads, capturing) = c.pinned();
+        let req = Request {
+            collective,
+            nbytes: n,
+            registered,
+            capturing,
+        };
+        let choice = self.select(&req, algorithm, num_blocks, num_threads)?;
+        if n == 0 {
+            return Ok((choice, None));
+        }
+        self.member.check_device()?;
+        let (input, output) = c.tensors();
+        Ok((choice, Some(self.base_args(input, output, n))))
+    }
+
+    /// `count * size` bytes of tensor `arg`: `InvalidArgument` naming it where
+    /// that overflows or exceeds `max_bytes`.
+    fn checked_bytes(&self, arg: &'static str, count: u64, size: u64) -> Result<u64> {
+        let n = count
+            .checked_mul(size)
+            .ok_or_else(|| CommError::invalid(arg, "size overflows"))?;
+        if n > self.limits.max_bytes {
+            return Err(CommError::invalid(
+                arg,
+                format!(
+                    "{n} bytes exceed max_bytes = {} of this communicator",
+                    self.limits.max_bytes
+                ),
+            ));
+        }
+        Ok(n)
+    }
+
     fn base_args(&self, input: u64, output: u64, nbytes: u64) -> CollArgs {
         let mut a = CollArgs {
             input,
@@ -455,19 +523,7 @@ impl AllReduceComm {
     /// Launches an allreduce on `stream`; returns the choice it launched
     /// (nothing is launched for an empty tensor).
     pub fn all_reduce(&mut self, stream: StreamHandle, c: &AllReduceCall) -> Result<Choice> {
-        let n = c
-            .count
-            .checked_mul(c.dtype.size() as u64)
-            .ok_or_else(|| CommError::invalid("tensor", "size overflows"))?;
-        if n > self.limits.max_bytes {
-            return Err(CommError::invalid(
-                "tensor",
-                format!(
-                    "{n} bytes exceed max_bytes = {} of this communicator",
-                    self.limits.max_bytes
-                ),
-            ));
-        }
+        let n = self.checked_bytes("tensor", c.count, c.dtype.size() as u64)?;
         let v = variant(c.dtype, c.op, c.accum)?;
         if n > 0 && (c.input == 0 || c.output == 0) {
             return Err(CommError::invalid("tensor", "null device pointer"));
@@ -481,18 +537,10 @@ impl AllReduceComm {
         let rank = self.rank();
         let r = self.num_ranks();
         let reg_in = self.registry.find(c.input, n);
-        let req = Request {
-            collective: Collective::AllReduce,
-            nbytes: n,
-            registered: reg_in.is_some(),
-            capturing: c.capturing,
-        };
-        let choice = self.select(&req, c.algorithm, c.num_blocks, c.num_threads)?;
-        if n == 0 {
+        let (choice, a) = self.start(Collective::AllReduce, n, reg_in.is_some(), c)?;
+        let Some(mut a) = a else {
             return Ok(choice);
-        }
-        self.member.check_device()?;
-        let mut a = self.base_args(c.input, c.output, n);
+        };
         match choice.algorithm {
             Algorithm::OneShotLl | Algorithm::TwoShotLl => {
                 if (c.input | c.output) % 8 == 0 {
@@ -590,18 +638,7 @@ impl AllReduceComm {
         let r = self.num_ranks();
         let rank = self.rank();
         let n = c.nbytes;
-        let total = n
-            .checked_mul(r as u64)
-            .ok_or_else(|| CommError::invalid("out", "size overflows"))?;
-        if total > self.limits.max_bytes {
-            return Err(CommError::invalid(
-                "out",
-                format!(
-                    "{total} bytes exceed max_bytes = {} of this communicator",
-                    self.limits.max_bytes
-                ),
-            ));
-        }
+        let total = self.checked_bytes("out", n, r as u64)?;
         if n > 0 && (c.input == 0 || c.output == 0) {
             return Err(CommError::invalid("tensor", "null device pointer"));
         }
@@ -620,18 +657,10 @@ impl AllReduceComm {
         } else {
             (self.registry.find(c.input, n).is_some(), false)
         };
-        let req = Request {
-            collective: Collective::AllGather,
-            nbytes: n,
-            registered,
-            capturing: c.capturing,
-        };
-        let choice = self.select(&req, c.algorithm, c.num_blocks, c.num_threads)?;
-        if n == 0 {
+        let (choice, a) = self.start(Collective::AllGather, n, registered, c)?;
+        let Some(mut a) = a else {
             return Ok(choice);
-        }
-        self.member.check_device()?;
-        let mut a = self.base_args(c.input, c.output, n);
+        };
         let kernel = match choice.algorithm {
             Algorithm::AgLl => {
                 if (c.input | c.output | n) % 8 == 0 {

@@ -157,24 +157,8 @@ impl CollKernels {
     /// (compare with [`crate::args::layout_probe_expected`]).
     pub fn layout_probe(&self) -> Result<Vec<u64>> {
         let n = crate::args::layout_probe_expected().len();
-        let dev = self.device();
-        let out = comm::DeviceMemory::alloc(dev, n * 8)?;
-        out.fill(0)?;
-        // SAFETY: coll_layout_probe(unsigned long long*) writes n words into `out`.
-        unsafe {
-            self.0.launch_params(
-                Kernel::LayoutProbe.index(),
-                (1, 1),
-                1,
-                0,
-                StreamHandle(0),
-                out.ptr(),
-            )
-        }?;
-        dev.synchronize()?;
-        let mut host = vec![0u64; n];
-        out.copy_to_host(0, &mut host)?;
-        Ok(host)
+        // SAFETY: coll_layout_probe(unsigned long long*) writes n words.
+        unsafe { self.0.run_probe(Kernel::LayoutProbe.index(), n, 0) }
     }
 }
 

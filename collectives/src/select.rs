@@ -269,6 +269,14 @@ mod tests {
         }
     }
 
+    fn choice(algorithm: Algorithm, num_blocks: u32, num_threads: u32) -> Choice {
+        Choice {
+            algorithm,
+            num_blocks,
+            num_threads,
+        }
+    }
+
     fn ar(n: u64) -> Request {
         Request {
             collective: Collective::AllReduce,
@@ -344,11 +352,7 @@ mod tests {
             registered,
             log2_bytes,
         };
-        let rsag = Choice {
-            algorithm: Algorithm::RsAg,
-            num_blocks: 4,
-            num_threads: 256,
-        };
+        let rsag = choice(Algorithm::RsAg, 4, 256);
         t.insert(key(false, false, 10), rsag);
         assert_eq!(select(&ar(1024), &l, &t), rsag);
         assert_eq!(select(&ar(513), &l, &t), rsag); // same bucket
@@ -363,21 +367,13 @@ mod tests {
         assert_eq!(select(&reg, &l, &t), rsag);
         // An entry that does not apply here (size over a limit, or too many
         // blocks for this GPU) is ignored.
-        let os = Choice {
-            algorithm: Algorithm::OneShotLl,
-            num_blocks: 8,
-            num_threads: 512,
-        };
+        let os = choice(Algorithm::OneShotLl, 8, 512);
         t.insert(key(false, false, 22), os);
         assert_eq!(select(&ar(4 << 20), &l, &t).algorithm, Algorithm::RsAgPush);
         let mut few = limits(4);
         few.max_blocks = 2;
         assert_eq!(select(&ar(1024), &few, &t).algorithm, Algorithm::OneShotLl);
-        let zc = Choice {
-            algorithm: Algorithm::RsAgZeroCopy,
-            num_blocks: 8,
-            num_threads: 512,
-        };
+        let zc = choice(Algorithm::RsAgZeroCopy, 8, 512);
         t.insert(key(false, false, 24), zc);
         assert_eq!(select(&ar(16 << 20), &l, &t).algorithm, Algorithm::RsAgPush);
         assert_eq!(t.entries().len(), 3);
@@ -388,14 +384,7 @@ mod tests {
         let l = limits(4);
         let t = TunedTable::new();
         let c = resolve(&ar(64 << 10), &l, &t, Some(Algorithm::OneShotLl), 3, 96).unwrap();
-        assert_eq!(
-            c,
-            Choice {
-                algorithm: Algorithm::OneShotLl,
-                num_blocks: 3,
-                num_threads: 96
-            }
-        );
+        assert_eq!(c, choice(Algorithm::OneShotLl, 3, 96));
         let e = resolve(&ar(1 << 20), &l, &t, Some(Algorithm::RsAgZeroCopy), 0, 0);
         assert!(e.unwrap_err().to_string().contains("register"));
         let e = resolve(&ar(1 << 20), &l, &t, Some(Algorithm::OneShotLl), 0, 0);

@@ -53,23 +53,13 @@ struct AtomicParams {
 /// (compare with [`crate::device_handles::layout_probe_expected`]).
 pub fn layout_probe(device: Device) -> Result<Vec<u64>> {
     let n = crate::device_handles::layout_probe_expected().len() + 1;
-    let buf = crate::memory::DeviceMemory::alloc(device, n * 8)?;
-    buf.fill(0xEE)?;
-    // SAFETY: the kernel's one argument is the u64* out; the buffer holds n words.
+    // SAFETY: comm_layout_probe's one argument is the u64* out; it writes at
+    // most n words.
     unsafe {
-        MODULES.launch_params(
-            device,
-            KernelId::LayoutProbe.index(),
-            1,
-            1,
-            StreamHandle(0),
-            buf.ptr(),
-        )
-    }?;
-    device.synchronize()?;
-    let mut out = vec![0u64; n];
-    buf.copy_to_host(0, &mut out)?;
-    Ok(out)
+        MODULES
+            .get(device)?
+            .run_probe(KernelId::LayoutProbe.index(), n, 0xEE)
+    }
 }
 
 /// Launchers of the kernels behind comm's GPU tests and benchmarks

@@ -94,6 +94,23 @@ impl LoadedModule {
             )
         }
     }
+
+    /// Runs layout probe `index` (one thread whose one parameter is a `u64*`
+    /// it writes at most `n` words through) on `n` words of device memory
+    /// filled with `fill` bytes, and returns the words (synchronously).
+    ///
+    /// # Safety
+    /// Function `index` must be such a probe.
+    pub unsafe fn run_probe(&self, index: usize, n: usize, fill: u8) -> Result<Vec<u64>> {
+        let buf = crate::memory::DeviceMemory::alloc(self.device, n * 8)?;
+        buf.fill(fill)?;
+        // SAFETY: the caller's contract; the buffer holds n words.
+        unsafe { self.launch_params(index, (1, 1), 1, 0, StreamHandle(0), buf.ptr()) }?;
+        self.device.synchronize()?;
+        let mut out = vec![0u64; n];
+        buf.copy_to_host(0, &mut out)?;
+        Ok(out)
+    }
 }
 
 /// One kernel parameter for `cuLaunchKernel`'s argument array: the address of

@@ -176,22 +176,7 @@ pub fn check_slots(buf: &[u64], dst: usize, nranks: usize, words: u64, seed: u64
 
 /// `out[c] = bf16(sum_r input[r, c])` in float32 on `device`, launched on
 /// `stream` (a test helper of the Python package: `moelink._testing`).
-///
-/// # Safety
-/// `input` (`[rows, cols]`) and `out` (`[cols]`) must be device addresses of
-/// contiguous bf16 arrays on `device`.
-pub unsafe fn reduce_rows_bf16(
-    device: Device,
-    stream: StreamHandle,
-    input: u64,
-    out: u64,
-    rows: i64,
-    cols: i64,
-) -> Result<()> {
-    let k = DeviceKernels::get(device)?;
-    // SAFETY: the caller's contract above.
-    unsafe { launch::reduce_rows_bf16(&k, stream, input, out, rows, cols) }
-}
+pub use ep_kernels::launch::reduce_rows_bf16;
 
 #[cfg(test)]
 mod tests {

@@ -22,27 +22,22 @@ use std::time::{Duration, Instant};
 use comm::channel::MemoryChannel;
 use comm::error::{CommError, Result};
 use comm::host_memory::HostMemory;
-use comm::{
-    CommunicatorOptions, Device, DeviceMemory, Group, Member, StreamHandle, SymmetricRegion,
+use comm::{Device, DeviceMemory, Group, StreamHandle, SymmetricRegion};
+use ep_kernels::intranode::CtxKernel::{
+    CombineBarrier, CombineWait, DispatchBarrier, DispatchWait,
 };
 use ep_kernels::intranode::{
     self as k, CombineRecvArgs, CombineSendArgs, IntranodeCtx, NotifyArgs, RecordLayout, RecvArgs,
     SendArgs, CTRL_BYTES,
 };
-use ep_kernels::DeviceKernels;
+
+use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PartKind};
 
 /// Largest number of experts per rank (`E / R`) the host-mapped counts hold
 /// (one of the [`limits`](crate::limits)).
 pub use crate::limits::MAX_EXPERTS_PER_RANK;
 const HOST_COUNTS_OFFSET: usize = 64;
 const HOST_BYTES: usize = HOST_COUNTS_OFFSET + 4 * (1 + MAX_EXPERTS_PER_RANK);
-
-/// How long the CPU waits for the notify kernel's counts by default.
-pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// Bound of every device wait by default: 30 s of GPU time (below
-/// [`DEFAULT_TIMEOUT`], so a hang is reported by the device, naming rank and peer).
-pub const DEFAULT_DEVICE_TIMEOUT_NS: i64 = comm::error::DEFAULT_DEVICE_TIMEOUT_NS;
 
 /// What a dispatch moves per token (the same on every rank).
 #[derive(Clone, Copy, Debug)]
@@ -74,15 +69,24 @@ pub struct DispatchInputs {
 }
 
 /// Device addresses of a dispatch's outputs (0 = not wanted).
+pub use ep_kernels::intranode::DispatchOutputs;
+
+/// A layout call's device addresses and sizes (`get_dispatch_layout`).
 #[derive(Clone, Copy, Debug, Default)]
-pub struct DispatchOutputs {
-    pub num_rows: i64,
-    pub recv_x: u64,
-    pub recv_scales: u64,
-    pub scale_strides: (i64, i64),
-    pub recv_topk_idx: u64,
-    pub recv_topk_weights: u64,
-    pub recv_src_idx: u64,
+pub struct LayoutCall {
+    /// `[num_tokens, num_topk]` int64 expert ids (-1 = none).
+    pub topk_idx: u64,
+    pub num_tokens: usize,
+    pub num_topk: usize,
+    pub num_experts: usize,
+    /// Out: `[R]` int32.
+    pub num_tokens_per_rank: u64,
+    /// Out: `[num_experts]` int32.
+    pub num_tokens_per_expert: u64,
+    /// Out: `[num_tokens, R]` bool.
+    pub is_token_in_rank: u64,
+    /// int32 scratch of [`IntranodeBuffer::layout_scratch_elems`] elements.
+    pub partials: u64,
 }
 
 /// A combine's arguments.
@@ -104,12 +108,11 @@ pub struct CombineArgs {
     pub out_weights: u64,
 }
 
+/// The intranode part of an [`EpBuffer`](crate::EpBuffer).
 pub struct IntranodeBuffer {
-    /// The group's Communicator, this buffer's scope, device error record and
-    /// device-wait bound.
-    member: Member,
-    device: Device,
-    kernels: DeviceKernels,
+    /// The group's Communicator, this part's scope, device error record and
+    /// device-wait bound; the device and its kernels.
+    part: PartBase,
     nvl: SymmetricRegion,
     _channels: Vec<Vec<Option<MemoryChannel>>>,
     channel_table: DeviceMemory,
@@ -123,70 +126,25 @@ pub struct IntranodeBuffer {
     timeout: Duration,
 }
 
-impl std::fmt::Debug for IntranodeBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IntranodeBuffer")
-            .field("rank", &self.rank())
-            .field("num_ranks", &self.num_ranks())
-            .field("num_nvl_bytes", &self.nvl.len())
-            .finish()
-    }
-}
-
 impl IntranodeBuffer {
-    /// *Collective.* The group's next object: allocates `num_nvl_bytes` of NVL
-    /// buffer on `device`, maps every peer's, and builds memory channels to
-    /// every peer, on the group's Communicator (made now if this is the
-    /// group's first object, with `timeout` bounding its host waits).
-    /// `timeout` also bounds [`wait_counts`](Self::wait_counts).
-    pub fn new(
-        group: &Group,
-        device: Device,
-        num_nvl_bytes: usize,
-        timeout: Duration,
-    ) -> Result<Self> {
-        let size = group.size();
-        if size > k::MAX_RANKS {
-            return Err(CommError::invalid(
-                "group",
-                format!(
-                    "{size} ranks; intranode kernels handle at most {}",
-                    k::MAX_RANKS
-                ),
-            ));
-        }
-        if num_nvl_bytes < CTRL_BYTES as usize + 4096 || num_nvl_bytes % 128 != 0 {
-            return Err(CommError::invalid(
-                "num_nvl_bytes",
-                format!(
-                    "{num_nvl_bytes} bytes: need a multiple of 128 of at least {} (see \
-                     Config.get_nvl_buffer_size_hint)",
-                    CTRL_BYTES + 4096
-                ),
-            ));
-        }
-        let opts = CommunicatorOptions {
-            timeout,
-            ..CommunicatorOptions::default()
-        };
-        let mut member = group.join("intranode buffer", Some(device), &opts)?;
-        let comm = member.comm().clone();
-        comm.device_share()
-            .require("intranode dispatch/combine", 1)?;
-        let kernels = DeviceKernels::get(device)?;
-        // The control region starts zeroed; the data regions need not.
-        let nvl = SymmetricRegion::new(&comm, num_nvl_bytes, CTRL_BYTES as usize)?;
+    /// *Collective.* The group's next object: allocates `opts.num_nvl_bytes`
+    /// of NVL buffer on `device`, maps every peer's, and builds memory
+    /// channels to every peer, on the group's Communicator (made now if this
+    /// is the group's first object, with `opts.timeout` bounding its host
+    /// waits). `opts.timeout` also bounds [`wait_counts`](Self::wait_counts);
+    /// every device wait is bounded by `opts.device_timeout_ns`.
+    pub(crate) fn new(group: &Group, device: Device, opts: &EpBufferOptions) -> Result<Self> {
+        let (mut part, nvl) = PartBase::join(group, device, opts, PartKind::Intranode)?;
+        let comm = part.comm().clone();
         let (channels, channel_table) =
-            nvl.memory_channel_table(&comm, 1, member.device_error())?;
+            nvl.memory_channel_table(&comm, 1, part.member().device_error())?;
         let scratch = DeviceMemory::alloc(device, 16)?;
         scratch.fill(0)?;
         let host = HostMemory::pinned(device, HOST_BYTES)?;
         // Everybody has mapped everybody's buffer before anyone launches.
-        member.ready()?;
+        part.ready()?;
         Ok(Self {
-            member,
-            device,
-            kernels,
+            part,
             nvl,
             _channels: channels,
             channel_table,
@@ -194,59 +152,14 @@ impl IntranodeBuffer {
             host,
             host_epoch: 0,
             combine_dirty: false,
-            timeout,
+            timeout: opts.timeout,
         })
-    }
-
-    pub fn rank(&self) -> usize {
-        self.member.rank()
-    }
-
-    pub fn num_ranks(&self) -> usize {
-        self.member.size()
-    }
-
-    pub fn device(&self) -> Device {
-        self.device
-    }
-
-    /// Device address and length of this rank's NVL buffer.
-    pub fn local_buffer(&self) -> (u64, usize) {
-        (self.nvl.ptr(), self.nvl.len() as usize)
-    }
-
-    /// Bound of every device-side wait of this buffer, nanoseconds of GPU
-    /// time (positive; other objects of the group keep theirs).
-    pub fn set_device_timeout_ns(&mut self, timeout_ns: i64) -> Result<()> {
-        self.member.set_device_timeout_ns(timeout_ns)
-    }
-
-    pub fn device_timeout_ns(&self) -> i64 {
-        self.member.device_timeout_ns()
-    }
-
-    /// This rank's share of its GPU (ranks that share it, SMs per rank).
-    pub fn device_share(&self) -> comm::DeviceShare {
-        self.member.comm().device_share()
     }
 
     /// `num_sms` of a data kernel, capped to this rank's share of its GPU (so
     /// that ranks sharing a GPU never wait on peers whose blocks cannot start).
     fn sms(&self, num_sms: u32) -> u32 {
-        self.device_share().cap("intranode num_sms", num_sms)
-    }
-
-    /// Error one of this buffer's kernels recorded (a device wait that ran
-    /// out: rank, peer, what; or an expert id out of range: rank, token,
-    /// column), if any.
-    pub fn check_device(&self) -> Result<()> {
-        self.member.check_device()
-    }
-
-    /// Error of a device wait of this buffer that ran out, if any (an expert
-    /// id out of range stays for [`check_device`](Self::check_device)).
-    pub fn check_device_timeout(&self) -> Result<()> {
-        self.member.check_device_timeout()
+        self.part.device_share().cap("intranode num_sms", num_sms)
     }
 
     /// Bytes of each data region (dispatch, combine): half of what follows
@@ -258,13 +171,13 @@ impl IntranodeBuffer {
     /// Slots per source rank of a dispatch with records of `rec` bytes.
     pub fn dispatch_capacity(&self, shape: &DispatchShape) -> Result<usize> {
         let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
-        Ok((self.region_bytes() / (self.num_ranks() as u64 * rec.bytes as u64)) as usize)
+        Ok((self.region_bytes() / (self.part.num_ranks() as u64 * rec.bytes as u64)) as usize)
     }
 
     /// Slots per destination rank of a combine of `hidden` bf16 + `num_topk` weights.
     pub fn combine_capacity(&self, hidden: usize, num_topk: usize) -> usize {
         let rec = k::combine_record_bytes(hidden, num_topk) as u64;
-        (self.region_bytes() / (self.num_ranks() as u64 * rec)) as usize
+        (self.region_bytes() / (self.part.num_ranks() as u64 * rec)) as usize
     }
 
     fn ctx(&self, dispatch_slots: usize, combine_slots: usize) -> IntranodeCtx {
@@ -278,14 +191,14 @@ impl IntranodeBuffer {
             combine_offset: CTRL_BYTES + region,
             dispatch_slots: dispatch_slots as i64,
             combine_slots: combine_slots as i64,
-            timeout_ns: self.member.device_timeout_ns(),
-            rank: self.rank() as i32,
-            num_ranks: self.num_ranks() as i32,
+            timeout_ns: self.part.device_timeout_ns(),
+            rank: self.part.rank() as i32,
+            num_ranks: self.part.num_ranks() as i32,
         }
     }
 
     fn experts_per_rank(&self, num_experts: usize) -> Result<usize> {
-        let r = self.num_ranks();
+        let r = self.part.num_ranks();
         if num_experts == 0 || num_experts % r != 0 {
             return Err(CommError::invalid(
                 "num_experts",
@@ -311,7 +224,7 @@ impl IntranodeBuffer {
                     "{} tokens on rank {}, but the buffer of {} bytes holds {cap} tokens per rank \
                      for rows of {} bytes; size it with Config.get_nvl_buffer_size_hint",
                     shape.num_tokens,
-                    self.rank(),
+                    self.part.rank(),
                     self.nvl.len(),
                     shape.hidden_bytes
                 ),
@@ -349,10 +262,10 @@ impl IntranodeBuffer {
             epoch_value: epoch,
             topk_idx: if shape.num_topk > 0 { inp.topk_idx } else { 0 },
             num_topk: shape.num_topk as i32,
-            error: self.member.device_error().device_ptr(),
+            error: self.part.error_ptr(),
         };
         // SAFETY: the caller (the Python layer) checked every tensor.
-        unsafe { k::dispatch_notify(&self.kernels, stream, ctx, notify) }?;
+        unsafe { k::dispatch_notify(self.part.kernels(), stream, ctx, notify) }?;
         self.host_epoch = epoch;
         self.combine_dirty = false;
         self.launch_send(stream, ctx, rec, shape, inp, epr, num_sms)?;
@@ -372,7 +285,7 @@ impl IntranodeBuffer {
         let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, 0)?;
         let ctx = self.ctx(cap, 0);
         // SAFETY: channels are live.
-        unsafe { k::barrier(&self.kernels, stream, ctx, false) }?;
+        unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchBarrier) }?;
         self.combine_dirty = false;
         let shape = DispatchShape {
             num_topk: 0,
@@ -411,7 +324,7 @@ impl IntranodeBuffer {
             num_sms,
         };
         // SAFETY: as above.
-        unsafe { k::dispatch_send(&self.kernels, stream, ctx, send) }
+        unsafe { k::dispatch_send(self.part.kernels(), stream, ctx, send) }
     }
 
     /// Waits (bounded, CPU) for the counts of the notify of `epoch`: returns
@@ -425,10 +338,10 @@ impl IntranodeBuffer {
         while flag.load(Ordering::Acquire) < epoch {
             spins += 1;
             if spins % 1024 == 0 {
-                self.member.check_device_timeout()?;
+                self.part.member().check_device_timeout()?;
                 if start.elapsed() > self.timeout {
                     return Err(CommError::Timeout {
-                        rank: self.rank() as i64,
+                        rank: self.part.rank() as i64,
                         what: format!(
                             "the dispatch counts of its peers (notify kernel of call {epoch} \
                              not finished: a peer did not reach this dispatch, or its GPU is \
@@ -466,21 +379,15 @@ impl IntranodeBuffer {
         let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
         let ctx = self.ctx(cap, 0);
         // SAFETY: as above.
-        unsafe { k::wait_peers(&self.kernels, stream, ctx, false) }?;
+        unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchWait) }?;
         let recv = RecvArgs {
             rec,
             rank_prefix_matrix,
-            num_rows: out.num_rows,
-            recv_x: out.recv_x,
-            recv_scales: out.recv_scales,
-            scale_strides: out.scale_strides,
-            recv_topk_idx: out.recv_topk_idx,
-            recv_topk_weights: out.recv_topk_weights,
-            recv_src_idx: out.recv_src_idx,
+            out: *out,
             num_sms,
         };
         // SAFETY: as above.
-        unsafe { k::dispatch_recv(&self.kernels, stream, ctx, recv) }?;
+        unsafe { k::dispatch_recv(self.part.kernels(), stream, ctx, recv) }?;
         Ok(())
     }
 
@@ -495,7 +402,7 @@ impl IntranodeBuffer {
                     "{} tokens on rank {}, but the buffer of {} bytes holds {cap} combined \
                      tokens per rank for hidden {}",
                     a.num_tokens,
-                    self.rank(),
+                    self.part.rank(),
                     self.nvl.len(),
                     a.hidden
                 ),
@@ -504,7 +411,7 @@ impl IntranodeBuffer {
         let ctx = self.ctx(0, cap);
         if self.combine_dirty {
             // SAFETY: channels are live.
-            unsafe { k::barrier(&self.kernels, stream, ctx, true) }?;
+            unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, CombineBarrier) }?;
         }
         let send = CombineSendArgs {
             y: a.y,
@@ -516,9 +423,9 @@ impl IntranodeBuffer {
             num_sms,
         };
         // SAFETY: the caller checked every tensor.
-        unsafe { k::combine_send(&self.kernels, stream, ctx, send) }?;
+        unsafe { k::combine_send(self.part.kernels(), stream, ctx, send) }?;
         // SAFETY: as above.
-        unsafe { k::wait_peers(&self.kernels, stream, ctx, true) }?;
+        unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, CombineWait) }?;
         let recv = CombineRecvArgs {
             send_head: a.send_head,
             num_tokens: a.num_tokens as i32,
@@ -530,44 +437,32 @@ impl IntranodeBuffer {
             num_sms,
         };
         // SAFETY: as above.
-        unsafe { k::combine_recv(&self.kernels, stream, ctx, recv) }?;
+        unsafe { k::combine_recv(self.part.kernels(), stream, ctx, recv) }?;
         self.combine_dirty = true;
         Ok(())
     }
 
     /// Launches the layout kernel (`get_dispatch_layout`).
-    #[allow(clippy::too_many_arguments)]
-    pub fn layout(
-        &self,
-        stream: StreamHandle,
-        topk_idx: u64,
-        num_tokens: usize,
-        num_topk: usize,
-        num_experts: usize,
-        num_tokens_per_rank: u64,
-        num_tokens_per_expert: u64,
-        is_token_in_rank: u64,
-        partials: u64,
-    ) -> Result<()> {
-        self.experts_per_rank(num_experts)?;
+    pub fn layout(&self, stream: StreamHandle, c: &LayoutCall) -> Result<()> {
+        self.experts_per_rank(c.num_experts)?;
         // SAFETY: the caller checked every tensor.
         unsafe {
             ep_kernels::launch::layout_dispatch(
-                &self.kernels,
+                self.part.kernels(),
                 stream,
                 ep_kernels::launch::LayoutParams {
-                    topk_idx,
-                    num_tokens_per_rank,
-                    num_tokens_per_expert,
-                    is_token_in_rank,
-                    partials,
+                    topk_idx: c.topk_idx,
+                    num_tokens_per_rank: c.num_tokens_per_rank,
+                    num_tokens_per_expert: c.num_tokens_per_expert,
+                    is_token_in_rank: c.is_token_in_rank,
+                    partials: c.partials,
                     ticket: self.scratch.ptr(),
-                    error: self.member.device_error().device_ptr(),
-                    num_tokens: num_tokens as i32,
-                    num_topk: num_topk as i32,
-                    num_experts: num_experts as i32,
-                    num_ranks: self.num_ranks() as i32,
-                    rank: self.rank() as i32,
+                    error: self.part.error_ptr(),
+                    num_tokens: c.num_tokens as i32,
+                    num_topk: c.num_topk as i32,
+                    num_experts: c.num_experts as i32,
+                    num_ranks: self.part.num_ranks() as i32,
+                    rank: self.part.rank() as i32,
                 },
             )
         }
@@ -575,12 +470,17 @@ impl IntranodeBuffer {
 
     /// int32 scratch elements [`layout`](Self::layout) needs (`partials`).
     pub fn layout_scratch_elems(&self, num_tokens: usize, num_experts: usize) -> usize {
-        ep_kernels::launch::layout_scratch_elems(num_tokens, num_experts, self.num_ranks())
+        ep_kernels::launch::layout_scratch_elems(num_tokens, num_experts, self.part.num_ranks())
+    }
+}
+
+impl BufferPart for IntranodeBuffer {
+    fn base(&self) -> &PartBase {
+        &self.part
     }
 
-    /// *Collective.* A host barrier of this buffer's ranks, in its own scope of
-    /// the group's bootstrap (so it never meets another object's collectives).
-    pub fn barrier(&self) -> Result<()> {
-        self.member.barrier()
+    /// Device address and length of this rank's NVL buffer.
+    fn local_buffer(&self) -> (u64, usize) {
+        (self.nvl.ptr(), self.nvl.len() as usize)
     }
 }

@@ -4,13 +4,15 @@
 //! | module | what it does |
 //! |---|---|
 //! | [`diagnostics`] | peer-write check: every GPU stores a pattern into every peer over NVLink |
+//! | [`ep_buffer`] | [`EpBuffer`], the Rust half of one `moelink.Buffer`: its intranode and low-latency parts (either may be absent), each an object of one `comm::Group`, and what they share (joining the group, device-error checks, barrier, destroy order) |
 //! | [`limits`] | every limit of the EP API in one place, and the checks that apply them |
-//! | [`intranode`] | the intranode `Buffer` (an object of a `comm::Group`, on the group's Communicator): NVL buffer, memory channels to every peer, dispatch/combine launch sequences |
-//! | [`low_latency`] | the low-latency `Buffer` part (an object of a `comm::Group`, on the group's Communicator): buffer mapped by every peer, optional proxy port channels, dispatch/combine launches |
+//! | [`intranode`] | the intranode part of an [`EpBuffer`]: NVL buffer layout, memory channels to every peer, dispatch/combine launch sequences |
+//! | [`low_latency`] | the low-latency part of an [`EpBuffer`]: buffer mapped by every peer and its layout, optional proxy port channels, dispatch/combine launches |
 //! | [`reference`](mod@reference) | CPU reference semantics (the test oracle) of layout, dispatch and combine, any number of ranks |
 //! | [`reference_ll`] | CPU reference semantics (the test oracle) of low-latency dispatch (with its fp8 cast) and combine, any number of ranks |
 
 pub mod diagnostics;
+pub mod ep_buffer;
 pub mod intranode;
 pub mod limits;
 pub mod low_latency;
@@ -20,4 +22,5 @@ pub mod reference_ll;
 mod test_support;
 
 pub use comm::{CommError as Error, Result};
+pub use ep_buffer::{BufferPart, EpBuffer, EpBufferOptions, PartBase, PartKind};
 pub use ep_kernels::compiled_archs;

@@ -8,23 +8,20 @@
 //! capacity for a call is checked here, before any launch. Every launch is
 //! asynchronous on the caller's stream.
 
-use std::time::Duration;
-
 use comm::channel::PortChannel;
 use comm::device_handles::PortChannelDeviceHandle;
 use comm::error::{CommError, Result};
 use comm::proxy::ProxyService;
 use comm::transport::Transport;
-use comm::{
-    device_table, CommunicatorOptions, Device, DeviceMemory, Group, Member, StreamHandle,
-    SymmetricRegion,
-};
+use comm::{device_table, Device, DeviceMemory, Group, StreamHandle, SymmetricRegion};
+pub use ep_kernels::low_latency::DispatchOutputs;
 /// Which halves of a low-latency call a launch runs (send, receive, both).
 pub use ep_kernels::low_latency::Phases;
 use ep_kernels::low_latency::{
-    self as k, CombineArgs, DispatchArgs, LlCtx, LlShape, FLAGS_BYTES, STATE_WORDS,
+    self as k, CombineArgs, DispatchArgs, Launch, LlCtx, LlShape, FLAGS_BYTES, STATE_WORDS,
 };
-use ep_kernels::DeviceKernels;
+
+use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PartKind};
 
 /// Trigger slots of the proxy's FIFO (two per peer and call are used).
 const FIFO_SLOTS: usize = 1024;
@@ -35,36 +32,40 @@ pub struct LowLatencyOptions {
     /// Peers mapped over NVLink get direct stores; `false` forces the proxy
     /// (port channels) for every peer, as across nodes without GPU-initiated RDMA.
     pub allow_nvlink: bool,
-    /// A peer silent for `device_timeout` is masked instead of reported.
+    /// A peer silent for `device_timeout_ns` is masked instead of reported.
     pub shrink: bool,
-    /// Bound of host-side waits (proxy flushes; the group's Communicator's
-    /// waits when this buffer is the group's first object).
-    pub timeout: Duration,
-    /// Bound of every device-side receive wait.
-    pub device_timeout: Duration,
+    /// Bound of every device-side receive wait, nanoseconds of GPU time
+    /// (positive).
+    pub device_timeout_ns: i64,
+}
+
+/// The shape of a low-latency call (what its handle carries):
+/// `num_max_dispatch_tokens_per_rank`, hidden, experts and top-k.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct CallShape {
+    pub max_tokens: usize,
+    pub hidden: usize,
+    pub num_experts: usize,
+    pub num_topk: usize,
 }
 
 /// A low-latency dispatch's device addresses (0 = absent where allowed).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct DispatchCall {
+    pub shape: CallShape,
     pub x: u64,
     pub topk_idx: u64,
     pub num_tokens: usize,
     pub use_fp8: bool,
     pub round_scale: bool,
     pub use_ue8m0: bool,
-    pub recv_x: u64,
-    pub recv_scales: u64,
-    pub recv_count: u64,
-    pub src_info: u64,
-    pub layout_range: u64,
-    pub stats_count: u64,
-    pub stats_wait: u64,
+    pub out: DispatchOutputs,
 }
 
 /// A low-latency combine's device addresses.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct CombineCall {
+    pub shape: CallShape,
     /// bf16 `[E_local, R*T, H]` (may be the zero-copy region).
     pub x: u64,
     pub layout_range: u64,
@@ -75,6 +76,7 @@ pub struct CombineCall {
     pub stats_wait: u64,
 }
 
+/// The low-latency part of an [`EpBuffer`](crate::EpBuffer).
 pub struct LowLatencyBuffer {
     // Dropped first: the proxy thread stops before the memory it copies goes.
     proxy: Option<ProxyService>,
@@ -88,23 +90,11 @@ pub struct LowLatencyBuffer {
     /// Phase stamps of every launch (`MOELINK_LL_PROFILE=1`), else `None`.
     prof: Option<DeviceMemory>,
     /// The group's Communicator (whose CUDA IPC connections the proxy uses),
-    /// this buffer's scope, device error record and device-wait bound.
-    member: Member,
-    device: Device,
-    kernels: DeviceKernels,
-    opts: LowLatencyOptions,
+    /// this part's scope, device error record and device-wait bound; the
+    /// device and its kernels.
+    part: PartBase,
+    shrink: bool,
     num_blocks: u32,
-}
-
-impl std::fmt::Debug for LowLatencyBuffer {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LowLatencyBuffer")
-            .field("rank", &self.rank())
-            .field("num_ranks", &self.num_ranks())
-            .field("bytes", &self.mem.len())
-            .field("proxy", &self.uses_proxy())
-            .finish()
-    }
 }
 
 /// Bytes a buffer needs for calls up to this shape (any top-k), including the
@@ -130,53 +120,18 @@ pub fn size_hint(
 }
 
 impl LowLatencyBuffer {
-    /// *Collective.* The group's next object: allocates `num_bytes` on
+    /// *Collective.* The group's next object: allocates `opts.num_ll_bytes` on
     /// `device`, maps every peer's buffer, and (when the proxy transport is
     /// needed) builds port channels and starts the proxy, on the group's
-    /// Communicator (made now if this is the group's first object). The
-    /// proxy's connections are CUDA IPC ones: the Communicator needs no
-    /// Ethernet receiver.
-    pub fn new(
-        group: &Group,
-        device: Device,
-        num_bytes: usize,
-        opts: LowLatencyOptions,
-    ) -> Result<Self> {
-        let size = group.size();
-        if size > k::MAX_RANKS {
-            return Err(CommError::invalid(
-                "group",
-                format!(
-                    "{size} ranks; low-latency kernels handle at most {}",
-                    k::MAX_RANKS
-                ),
-            ));
-        }
-        if num_bytes < FLAGS_BYTES as usize || num_bytes % 128 != 0 {
-            return Err(CommError::invalid(
-                "num_rdma_bytes",
-                format!(
-                    "{num_bytes} bytes: need a multiple of 128 of at least {FLAGS_BYTES} (see \
-                     Buffer.get_low_latency_rdma_size_hint)"
-                ),
-            ));
-        }
-        let device_timeout_ns = i64::try_from(opts.device_timeout.as_nanos()).unwrap_or(i64::MAX);
-        comm::error::check_device_timeout_ns(device_timeout_ns)?;
-        let copts = CommunicatorOptions {
-            timeout: opts.timeout,
-            ..CommunicatorOptions::default()
-        };
-        let mut member = group.join("low-latency buffer", Some(device), &copts)?;
-        member.set_device_timeout_ns(device_timeout_ns)?;
-        let comm = member.comm().clone();
-        comm.device_share()
-            .require("low-latency dispatch/combine", 1)?;
-        let kernels = DeviceKernels::get(device)?;
-        // Flags start at zero; data regions need not.
-        let region = SymmetricRegion::new(&comm, num_bytes, FLAGS_BYTES as usize)?;
+    /// Communicator (made now, with `opts.timeout` bounding its host waits, if
+    /// this is the group's first object). The proxy's connections are CUDA
+    /// IPC ones: the Communicator needs no Ethernet receiver.
+    pub(crate) fn new(group: &Group, device: Device, opts: &EpBufferOptions) -> Result<Self> {
+        let ll = &opts.low_latency;
+        let (mut part, region) = PartBase::join(group, device, opts, PartKind::LowLatency)?;
+        let comm = part.comm().clone();
         let rank = comm.rank();
-        let use_proxy = !opts.allow_nvlink || !region.all_mapped();
+        let use_proxy = !ll.allow_nvlink || !region.all_mapped();
         if use_proxy && region.len() > u64::from(u32::MAX) {
             return Err(CommError::invalid(
                 "num_rdma_bytes",
@@ -190,7 +145,10 @@ impl LowLatencyBuffer {
             let ports = comm.port_channels(&proxy, region.local(), Transport::CudaIpc)?;
             let handles: Vec<Option<PortChannelDeviceHandle>> = ports
                 .iter()
-                .map(|p| p.as_ref().map(|c| c.device_handle(member.device_error())))
+                .map(|p| {
+                    p.as_ref()
+                        .map(|c| c.device_handle(part.member().device_error()))
+                })
                 .collect();
             let table = device_table(device, &handles)?;
             proxy.start()?;
@@ -212,7 +170,7 @@ impl LowLatencyBuffer {
         } else {
             None
         };
-        member.ready()?;
+        part.ready()?;
         Ok(Self {
             proxy,
             ports,
@@ -222,34 +180,15 @@ impl LowLatencyBuffer {
             state,
             mask,
             prof,
-            member,
-            device,
-            kernels,
-            opts,
+            part,
+            shrink: ll.shrink,
             num_blocks,
         })
-    }
-
-    pub fn rank(&self) -> usize {
-        self.member.rank()
-    }
-
-    pub fn num_ranks(&self) -> usize {
-        self.member.size()
-    }
-
-    pub fn device(&self) -> Device {
-        self.device
     }
 
     /// Whether peers are reached through the CPU proxy (port channels).
     pub fn uses_proxy(&self) -> bool {
         self.proxy.is_some()
-    }
-
-    /// Device address and length of this rank's buffer.
-    pub fn local_buffer(&self) -> (u64, usize) {
-        (self.mem.ptr(), self.mem.len() as usize)
     }
 
     /// Device address of the int32 `[R]` rank mask.
@@ -260,12 +199,10 @@ impl LowLatencyBuffer {
     /// Blocks of every launch (default: one per SM of this rank's share of its
     /// GPU; more is capped to that share, so ranks sharing a GPU stay resident).
     pub fn set_num_blocks(&mut self, n: u32) {
-        self.num_blocks = self.device_share().cap("low-latency num_blocks", n.max(1));
-    }
-
-    /// This rank's share of its GPU (ranks that share it, SMs per rank).
-    pub fn device_share(&self) -> comm::DeviceShare {
-        self.member.comm().device_share()
+        self.num_blocks = self
+            .part
+            .device_share()
+            .cap("low-latency num_blocks", n.max(1));
     }
 
     pub fn num_blocks(&self) -> u32 {
@@ -287,34 +224,15 @@ impl LowLatencyBuffer {
         Some((proxy.fifo().tail(), per_peer))
     }
 
-    /// Errors a device wait of this buffer, its proxy or its FIFO reported, if
-    /// any (an expert id out of range is reported once).
-    pub fn check_device(&self) -> Result<()> {
-        self.check_device_timeout()?;
-        self.member.check_device()
-    }
-
-    /// Errors that leave the ranks out of step (a device wait of this buffer
-    /// that timed out, its proxy or its FIFO), if any; an expert id out of
-    /// range stays for [`check_device`](Self::check_device).
-    pub fn check_device_timeout(&self) -> Result<()> {
-        self.member.check_device_timeout()?;
-        if let Some(p) = &self.proxy {
-            p.fifo().error().check()?;
-            p.check()?;
-        }
-        Ok(())
-    }
-
-    fn shape(
-        &self,
-        max_tokens: usize,
-        hidden: usize,
-        num_experts: usize,
-        num_topk: usize,
-    ) -> Result<LlShape> {
+    fn shape(&self, s: &CallShape) -> Result<LlShape> {
+        let CallShape {
+            max_tokens,
+            hidden,
+            num_experts,
+            num_topk,
+        } = *s;
         let shape = LlShape {
-            num_ranks: self.num_ranks(),
+            num_ranks: self.part.num_ranks(),
             max_tokens,
             hidden,
             num_experts,
@@ -330,7 +248,7 @@ impl LowLatencyBuffer {
                     "rank {}: the low-latency buffer has {} bytes, this call needs {need} \
                      (T={max_tokens}, hidden={hidden}, experts={num_experts}, top-k={num_topk}); \
                      size it with Buffer.get_low_latency_rdma_size_hint",
-                    self.rank(),
+                    self.part.rank(),
                     self.mem.len()
                 ),
             ));
@@ -340,15 +258,8 @@ impl LowLatencyBuffer {
 
     /// Checks a call's shape against the kernels' limits and this buffer's
     /// size, so that a caller can refuse it before allocating its outputs.
-    pub fn check_shape(
-        &self,
-        max_tokens: usize,
-        hidden: usize,
-        num_experts: usize,
-        num_topk: usize,
-    ) -> Result<()> {
-        self.shape(max_tokens, hidden, num_experts, num_topk)
-            .map(|_| ())
+    pub fn check_shape(&self, s: &CallShape) -> Result<()> {
+        self.shape(s).map(|_| ())
     }
 
     /// Device address of the zero-copy combine input for this shape.
@@ -358,7 +269,12 @@ impl LowLatencyBuffer {
         hidden: usize,
         num_experts: usize,
     ) -> Result<(u64, usize)> {
-        let shape = self.shape(max_tokens, hidden, num_experts, 1)?;
+        let shape = self.shape(&CallShape {
+            max_tokens,
+            hidden,
+            num_experts,
+            num_topk: 1,
+        })?;
         let l = shape.layout(self.uses_proxy());
         Ok((
             self.mem.ptr() + l.zero_copy,
@@ -374,15 +290,15 @@ impl LowLatencyBuffer {
             local: self.mem.ptr(),
             state: self.state.ptr(),
             mask: self.mask.ptr(),
-            error: self.member.device_error().device_ptr(),
+            error: self.part.error_ptr(),
             zc_offset: l.zero_copy,
             recv_offset: l.recv,
             stage_offset: l.stage,
-            timeout_ns: self.member.device_timeout_ns() as u64,
-            rank: self.rank() as i32,
-            num_ranks: self.num_ranks() as i32,
+            timeout_ns: self.part.device_timeout_ns() as u64,
+            rank: self.part.rank() as i32,
+            num_ranks: self.part.num_ranks() as i32,
             use_proxy: i32::from(self.uses_proxy()),
-            shrink: i32::from(self.opts.shrink),
+            shrink: i32::from(self.shrink),
             prof: self.prof.as_ref().map_or(0, |m| m.ptr()),
         }
     }
@@ -397,34 +313,49 @@ impl LowLatencyBuffer {
                 "create the Buffer with MOELINK_LL_PROFILE=1 to record phase stamps",
             )
         })?;
-        self.device.synchronize()?;
+        self.part.device().synchronize()?;
         let mut v = vec![0u64; 2 * k::PROF_BLOCKS * k::PROF_SLOTS];
         m.copy_to_host(0, &mut v)?;
         Ok(v)
     }
 
-    /// Launches `phases` of a low-latency dispatch on `stream`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn dispatch(
+    /// The launch of a call of shape `s` with `num_tokens` tokens (`arg`
+    /// names them in the error where they are more than `s.max_tokens`).
+    fn launch(
         &self,
         stream: StreamHandle,
-        max_tokens: usize,
-        hidden: usize,
-        num_experts: usize,
-        num_topk: usize,
-        call: &DispatchCall,
-        phases: Phases,
-    ) -> Result<()> {
-        let shape = self.shape(max_tokens, hidden, num_experts, num_topk)?;
-        if call.num_tokens > max_tokens {
+        s: &CallShape,
+        num_tokens: usize,
+        arg: &'static str,
+    ) -> Result<Launch<'_>> {
+        let shape = self.shape(s)?;
+        if num_tokens > s.max_tokens {
             return Err(CommError::invalid(
-                "x",
+                arg,
                 format!(
-                    "{} tokens > num_max_dispatch_tokens_per_rank {max_tokens}",
-                    call.num_tokens
+                    "{num_tokens} tokens > num_max_dispatch_tokens_per_rank {}",
+                    s.max_tokens
                 ),
             ));
         }
+        Ok(Launch {
+            kernels: self.part.kernels(),
+            stream,
+            ctx: self.ctx(&shape),
+            shape,
+            num_blocks: self.num_blocks,
+        })
+    }
+
+    /// Launches `phases` of a low-latency dispatch on `stream`.
+    pub fn dispatch(
+        &self,
+        stream: StreamHandle,
+        call: &DispatchCall,
+        phases: Phases,
+    ) -> Result<()> {
+        let s = &call.shape;
+        let l = self.launch(stream, s, call.num_tokens, "x")?;
         if call.use_ue8m0 && !call.round_scale {
             return Err(CommError::invalid(
                 "use_ue8m0",
@@ -434,20 +365,14 @@ impl LowLatencyBuffer {
         let a = DispatchArgs {
             x: call.x,
             topk: call.topk_idx,
-            recv_x: call.recv_x,
-            recv_scales: call.recv_scales,
-            recv_count: call.recv_count,
-            src_info: call.src_info,
-            layout_range: call.layout_range,
-            stats_count: call.stats_count,
-            stats_wait: call.stats_wait,
-            msg_bytes: shape.msg_bytes(call.use_fp8, call.use_ue8m0) as i64,
-            inbox_bytes: shape.dispatch_inbox_bytes(call.use_fp8, call.use_ue8m0) as i64,
+            out: call.out,
+            msg_bytes: l.shape.msg_bytes(call.use_fp8, call.use_ue8m0) as i64,
+            inbox_bytes: l.shape.dispatch_inbox_bytes(call.use_fp8, call.use_ue8m0) as i64,
             num_tokens: call.num_tokens as i32,
-            max_tokens: max_tokens as i32,
-            hidden: hidden as i32,
-            num_topk: num_topk as i32,
-            num_experts: num_experts as i32,
+            max_tokens: s.max_tokens as i32,
+            hidden: s.hidden as i32,
+            num_topk: s.num_topk as i32,
+            num_experts: s.num_experts as i32,
             use_fp8: i32::from(call.use_fp8),
             round_scale: i32::from(call.use_fp8 && call.round_scale),
             use_ue8m0: i32::from(call.use_fp8 && call.use_ue8m0),
@@ -455,40 +380,13 @@ impl LowLatencyBuffer {
             pad_: 0,
         };
         // SAFETY: the Python layer checked every tensor against this shape.
-        unsafe {
-            k::dispatch(
-                &self.kernels,
-                stream,
-                self.ctx(&shape),
-                a,
-                &shape,
-                self.num_blocks,
-            )
-        }
+        unsafe { k::dispatch(&l, a) }
     }
 
     /// Launches `phases` of a low-latency combine on `stream`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn combine(
-        &self,
-        stream: StreamHandle,
-        max_tokens: usize,
-        hidden: usize,
-        num_experts: usize,
-        num_topk: usize,
-        call: &CombineCall,
-        phases: Phases,
-    ) -> Result<()> {
-        let shape = self.shape(max_tokens, hidden, num_experts, num_topk)?;
-        if call.num_tokens > max_tokens {
-            return Err(CommError::invalid(
-                "topk_idx",
-                format!(
-                    "{} tokens > num_max_dispatch_tokens_per_rank {max_tokens}",
-                    call.num_tokens
-                ),
-            ));
-        }
+    pub fn combine(&self, stream: StreamHandle, call: &CombineCall, phases: Phases) -> Result<()> {
+        let s = &call.shape;
+        let l = self.launch(stream, s, call.num_tokens, "topk_idx")?;
         let a = CombineArgs {
             x: call.x,
             layout_range: call.layout_range,
@@ -496,25 +394,16 @@ impl LowLatencyBuffer {
             weights: call.topk_weights,
             out: call.out,
             stats_wait: call.stats_wait,
-            inbox_bytes: shape.combine_inbox_bytes() as i64,
+            inbox_bytes: l.shape.combine_inbox_bytes() as i64,
             num_tokens: call.num_tokens as i32,
-            max_tokens: max_tokens as i32,
-            hidden: hidden as i32,
-            num_topk: num_topk as i32,
-            num_experts: num_experts as i32,
+            max_tokens: s.max_tokens as i32,
+            hidden: s.hidden as i32,
+            num_topk: s.num_topk as i32,
+            num_experts: s.num_experts as i32,
             phases: phases as i32,
         };
         // SAFETY: as above.
-        unsafe {
-            k::combine(
-                &self.kernels,
-                stream,
-                self.ctx(&shape),
-                a,
-                &shape,
-                self.num_blocks,
-            )
-        }
+        unsafe { k::combine(&l, a) }
     }
 
     /// *Collective.* Resets the flags and call counters of every rank (the
@@ -522,28 +411,41 @@ impl LowLatencyBuffer {
     /// forgets a recorded device error (a timeout): the ranks are in step again.
     /// The rank mask is kept.
     pub fn clean(&self) -> Result<()> {
-        self.device.synchronize()?;
-        self.member.barrier()?;
+        self.part.device().synchronize()?;
+        self.barrier()?;
+        let device = self.part.device();
         // SAFETY: both ranges are ours and idle.
         unsafe {
-            self.device
-                .memset_sync(self.mem.ptr(), FLAGS_BYTES as usize, 0)?;
-            self.device
-                .memset_sync(self.state.ptr(), 4 * STATE_WORDS, 0)?;
+            device.memset_sync(self.mem.ptr(), FLAGS_BYTES as usize, 0)?;
+            device.memset_sync(self.state.ptr(), 4 * STATE_WORDS, 0)?;
         }
-        self.member.device_error().reset();
-        self.member.barrier()
+        self.part.member().device_error().reset();
+        self.barrier()
     }
 
     /// Clears the rank mask (synchronously).
     pub fn clean_mask(&self) -> Result<()> {
         self.mask.fill(0)
     }
+}
 
-    /// *Collective.* A host barrier of this buffer's ranks, in its own scope of
-    /// the group's bootstrap (so it never meets another object's collectives).
-    pub fn barrier(&self) -> Result<()> {
-        self.member.barrier()
+impl BufferPart for LowLatencyBuffer {
+    fn base(&self) -> &PartBase {
+        &self.part
+    }
+
+    /// Device address and length of this rank's buffer.
+    fn local_buffer(&self) -> (u64, usize) {
+        (self.mem.ptr(), self.mem.len() as usize)
+    }
+
+    /// Errors the proxy or its FIFO reported, if any.
+    fn check_transport(&self) -> Result<()> {
+        if let Some(p) = &self.proxy {
+            p.fifo().error().check()?;
+            p.check()?;
+        }
+        Ok(())
     }
 }
 

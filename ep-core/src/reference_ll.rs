@@ -242,21 +242,11 @@ impl LowLatencyArgs {
         }
     }
 
-    /// bf16 dispatch (`use_fp8=False`).
-    pub fn bf16(
-        num_max_dispatch_tokens_per_rank: usize,
-        hidden: usize,
-        num_experts: usize,
-        num_topk: usize,
-    ) -> Self {
+    /// These arguments for a bf16 dispatch (`use_fp8=False`).
+    pub fn bf16(self) -> Self {
         LowLatencyArgs {
             use_fp8: false,
-            ..LowLatencyArgs::new(
-                num_max_dispatch_tokens_per_rank,
-                hidden,
-                num_experts,
-                num_topk,
-            )
+            ..self
         }
     }
 
@@ -1226,16 +1216,19 @@ pub struct Fp8Tokens {
 ///
 /// Errors (`InvalidArgument`): `x.len()` not a multiple of 128 (`x`).
 pub fn quantize_fp8(x: &[f32], round_scale: bool) -> Result<Fp8Tokens> {
-    if x.len() % FP8_GROUP_SIZE != 0 {
+    check_whole_groups(x.len(), "values")?;
+    Ok(quantize_groups(x, round_scale))
+}
+
+/// `InvalidArgument` (`x`) unless `len` `unit`s make whole fp8 groups.
+fn check_whole_groups(len: usize, unit: &str) -> Result<()> {
+    if len % FP8_GROUP_SIZE != 0 {
         return Err(CommError::invalid(
             "x",
-            format!(
-                "{} values is not a whole number of {FP8_GROUP_SIZE}-channel groups",
-                x.len()
-            ),
+            format!("{len} {unit} is not a whole number of {FP8_GROUP_SIZE}-channel groups"),
         ));
     }
-    Ok(quantize_groups(x, round_scale))
+    Ok(())
 }
 
 fn quantize_groups(x: &[f32], round_scale: bool) -> Fp8Tokens {
@@ -1258,15 +1251,7 @@ fn quantize_groups(x: &[f32], round_scale: bool) -> Fp8Tokens {
 /// Errors (`InvalidArgument`): `x.len()` not a multiple of 128 (`x`);
 /// `scales.len() != x.len() / 128` (`scales`).
 pub fn dequantize_fp8_rows(x: &[u8], scales: &[f32]) -> Result<Vec<f32>> {
-    if x.len() % FP8_GROUP_SIZE != 0 {
-        return Err(CommError::invalid(
-            "x",
-            format!(
-                "{} bytes is not a whole number of {FP8_GROUP_SIZE}-channel groups",
-                x.len()
-            ),
-        ));
-    }
+    check_whole_groups(x.len(), "bytes")?;
     if scales.len() != x.len() / FP8_GROUP_SIZE {
         return Err(CommError::invalid(
             "scales",
@@ -2017,7 +2002,7 @@ mod tests {
     fn hand_dispatch_bf16() {
         let h = 128;
         let x = hand_x(h, |r, t| hand_token(r, t, h));
-        let d = hand_dispatch(&LowLatencyArgs::bf16(HAND_T, h, 4, 2), &x).unwrap();
+        let d = hand_dispatch(&LowLatencyArgs::new(HAND_T, h, 4, 2).bf16(), &x).unwrap();
         check_hand_routing(&d);
         for (dest, o) in d.ranks.iter().enumerate() {
             let RecvX::Bf16(recv) = &o.recv_x else {
@@ -2273,7 +2258,7 @@ mod tests {
     fn hand_combine() {
         let h = 128;
         let x = hand_x(h, |r, t| hand_token(r, t, h));
-        let args = LowLatencyArgs::bf16(HAND_T, h, 4, 2);
+        let args = LowLatencyArgs::new(HAND_T, h, 4, 2).bf16();
         let d = hand_dispatch(&args, &x).unwrap();
         // Expert e multiplies its input by e + 1; padding rows are NaN.
         let ys: Vec<Vec<f32>> = d
@@ -2296,14 +2281,7 @@ mod tests {
                 y
             })
             .collect();
-        let inputs: Vec<LlCombineInput> = (0..2)
-            .map(|r| LlCombineInput {
-                x: &ys[r],
-                topk_idx: HAND_TOPK[r],
-                topk_weights: HAND_WEIGHTS[r],
-                handle: d.ranks[r].handle(),
-            })
-            .collect();
+        let inputs = combine_inputs(&d.ranks, &ys, &HAND_TOPK, &HAND_WEIGHTS);
         let out = low_latency_combine(&inputs, &args).unwrap();
         // sum_k w_k (e_k + 1), -1 columns (and their weights) skipped:
         //   r0 t0: 0.5 * 1 + 0.25 * 4 = 1.5     r0 t1: 2 * 3 = 6
@@ -2329,7 +2307,7 @@ mod tests {
         // One rank, two experts, K = 3, one token; values chosen so that both
         // the column order and the fused rounding show.
         let h = 128;
-        let args = LowLatencyArgs::bf16(1, h, 2, 3);
+        let args = LowLatencyArgs::new(1, h, 2, 3).bf16();
         let x = vec![1.0f32; h];
         let topk = [0i64, 1, -1];
         let d = low_latency_dispatch(
@@ -2383,7 +2361,7 @@ mod tests {
             x: &x[r],
             topk_idx: topk[r],
         });
-        let args = LowLatencyArgs::bf16(4, h, 4, 3);
+        let args = LowLatencyArgs::new(4, h, 4, 3).bf16();
         let d = low_latency_dispatch(&inputs, &args).unwrap();
         let o = &d.ranks[0];
         // Expert 1: r0 t0, t0, t1, t1 | r1 t0, t0. Expert 0: r1 t0.
@@ -2416,14 +2394,7 @@ mod tests {
             })
             .collect();
         let w: [&[f32]; 2] = [&[1.0, 2.0, 4.0, 8.0, 16.0, 32.0], &[1.0, 2.0, 4.0]];
-        let cinputs: Vec<LlCombineInput> = (0..2)
-            .map(|r| LlCombineInput {
-                x: &ys[r],
-                topk_idx: topk[r],
-                topk_weights: w[r],
-                handle: d.ranks[r].handle(),
-            })
-            .collect();
+        let cinputs = combine_inputs(&d.ranks, &ys, &topk, &w);
         let out = low_latency_combine(&cinputs, &args).unwrap();
         // Rank 0's rows of expert 1 are at 8..12 (values 9..=12); expert 2 is
         // rank 1's row 0 (value 1).
@@ -2439,7 +2410,7 @@ mod tests {
         }
         // T = 3 cannot hold rank 0's four messages to expert 1.
         assert_invalid(
-            low_latency_dispatch(&inputs, &LowLatencyArgs::bf16(3, h, 4, 3)),
+            low_latency_dispatch(&inputs, &LowLatencyArgs::new(3, h, 4, 3).bf16()),
             "topk_idx",
         );
     }
@@ -2455,7 +2426,7 @@ mod tests {
                 num_ranks
             ];
             for args in [
-                LowLatencyArgs::bf16(3, 128, 2 * num_ranks, 4),
+                LowLatencyArgs::new(3, 128, 2 * num_ranks, 4).bf16(),
                 LowLatencyArgs {
                     round_scale: true,
                     use_ue8m0: true,
@@ -2771,15 +2742,26 @@ mod tests {
                 y
             })
             .collect();
-        let inputs: Vec<LlCombineInput> = (0..case.num_ranks())
+        let inputs = combine_inputs(ranks, &ys, &case.topk, &case.weights);
+        low_latency_combine(&inputs, &case.args).unwrap()
+    }
+
+    /// Every rank's combine input: rank `r` returns `ys[r]` along its handle
+    /// of `ranks[r]`, for its tokens routed by `topk[r]` with `weights[r]`.
+    fn combine_inputs<'a>(
+        ranks: &'a [LlRankOutput],
+        ys: &'a [Vec<f32>],
+        topk: &'a [impl AsRef<[i64]>],
+        weights: &'a [impl AsRef<[f32]>],
+    ) -> Vec<LlCombineInput<'a>> {
+        (0..ranks.len())
             .map(|r| LlCombineInput {
                 x: &ys[r],
-                topk_idx: &case.topk[r],
-                topk_weights: &case.weights[r],
+                topk_idx: topk[r].as_ref(),
+                topk_weights: weights[r].as_ref(),
                 handle: ranks[r].handle(),
             })
-            .collect();
-        low_latency_combine(&inputs, &case.args).unwrap()
+            .collect()
     }
 
     // ---- random jobs ----------------------------------------------------------------
@@ -2827,7 +2809,7 @@ mod tests {
         let num_experts = num_ranks * experts_per_rank;
         let max_tokens = rng.random_range(2..=128);
         let hidden = 128 * rng.random_range(1..=2);
-        let args = LowLatencyArgs::bf16(max_tokens, hidden, num_experts, k);
+        let args = LowLatencyArgs::new(max_tokens, hidden, num_experts, k).bf16();
         let mut case = Case {
             args,
             topk: vec![],
@@ -3043,18 +3025,26 @@ mod tests {
             let duplicates = k > 1 && rng.random_bool(0.3);
             let exact = rng.random_bool(0.5);
             let mut case = random_case(rng, num_ranks, k, duplicates, exact);
-            let d = low_latency_dispatch(&case.inputs(), &case.args).unwrap();
-            check_dispatch(&case, &d);
-            check_round_trip(&case, &d);
-            for (round_scale, use_ue8m0) in [(false, false), (true, false), (true, true)] {
-                case.args.use_fp8 = true;
-                case.args.round_scale = round_scale;
-                case.args.use_ue8m0 = use_ue8m0;
-                let d = low_latency_dispatch(&case.inputs(), &case.args).unwrap();
-                check_dispatch(&case, &d);
-                check_round_trip(&case, &d);
-            }
+            check_dispatches(&case);
+            check_fp8_dispatches(&mut case, &[(false, false), (true, false), (true, true)]);
         });
+    }
+
+    /// Dispatch of `case` as it is, checked, and its round trip.
+    fn check_dispatches(case: &Case) {
+        let d = low_latency_dispatch(&case.inputs(), &case.args).unwrap();
+        check_dispatch(case, &d);
+        check_round_trip(case, &d);
+    }
+
+    /// [`check_dispatches`] of `case` in fp8 with each `(round_scale, use_ue8m0)`.
+    fn check_fp8_dispatches(case: &mut Case, variants: &[(bool, bool)]) {
+        for &(round_scale, use_ue8m0) in variants {
+            case.args.use_fp8 = true;
+            case.args.round_scale = round_scale;
+            case.args.use_ue8m0 = use_ue8m0;
+            check_dispatches(case);
+        }
     }
 
     #[test]
@@ -3084,14 +3074,7 @@ mod tests {
                             .collect()
                     })
                     .collect();
-                for (round_scale, use_ue8m0) in [(false, false), (true, true)] {
-                    case.args.use_fp8 = true;
-                    case.args.round_scale = round_scale;
-                    case.args.use_ue8m0 = use_ue8m0;
-                    let d = low_latency_dispatch(&case.inputs(), &case.args).unwrap();
-                    check_dispatch(&case, &d);
-                    check_round_trip(&case, &d);
-                }
+                check_fp8_dispatches(&mut case, &[(false, false), (true, true)]);
             }
         });
     }
@@ -3251,7 +3234,7 @@ mod tests {
             let b = LlRankInput { x: &y, ..good };
             assert_invalid(low_latency_dispatch(&[good, b], &args), "x");
             // bf16 dispatch moves them.
-            let bf = LowLatencyArgs::bf16(2, 128, 4, 2);
+            let bf = LowLatencyArgs::new(2, 128, 4, 2).bf16();
             let d = low_latency_dispatch(&[good, b], &bf).unwrap();
             let RecvX::Bf16(recv) = &d.ranks[0].recv_x else {
                 unreachable!()
@@ -3268,7 +3251,7 @@ mod tests {
     fn combine_rejects_bad_arguments() {
         let h = 128;
         let x = hand_x(h, |r, t| hand_token(r, t, h));
-        let args = LowLatencyArgs::bf16(HAND_T, h, 4, 2);
+        let args = LowLatencyArgs::new(HAND_T, h, 4, 2).bf16();
         let d = hand_dispatch(&args, &x).unwrap();
         let RecvX::Bf16(y0) = &d.ranks[0].recv_x else {
             unreachable!()
@@ -3277,12 +3260,9 @@ mod tests {
             unreachable!()
         };
         let ys = [y0.clone(), y1.clone()];
-        let good = [0, 1].map(|r| LlCombineInput {
-            x: &ys[r],
-            topk_idx: HAND_TOPK[r],
-            topk_weights: HAND_WEIGHTS[r],
-            handle: d.ranks[r].handle(),
-        });
+        let good: [LlCombineInput; 2] = combine_inputs(&d.ranks, &ys, &HAND_TOPK, &HAND_WEIGHTS)
+            .try_into()
+            .unwrap();
         low_latency_combine(&good, &args).unwrap();
 
         assert_invalid(low_latency_combine(&[], &args), "inputs");

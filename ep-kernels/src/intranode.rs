@@ -147,77 +147,24 @@ struct CombineRecvParams {
 }
 
 // The same numbers as the static_asserts in intranode.cu (a CPU test reads them there).
-const PARAM_LAYOUT: [(&str, usize, usize); 14] = [
-    ("sizeof(NotifyParams)", size_of::<NotifyParams>(), 168),
-    (
-        "offsetof(NotifyParams, epoch_value)",
-        offset_of!(NotifyParams, epoch_value),
-        128,
-    ),
-    (
-        "offsetof(NotifyParams, num_tokens)",
-        offset_of!(NotifyParams, num_tokens),
-        152,
-    ),
-    (
-        "sizeof(DispatchSendParams)",
-        size_of::<DispatchSendParams>(),
-        176,
-    ),
-    (
-        "offsetof(DispatchSendParams, x)",
-        offset_of!(DispatchSendParams, x),
-        112,
-    ),
-    (
-        "offsetof(DispatchSendParams, num_tokens)",
-        offset_of!(DispatchSendParams, num_tokens),
-        168,
-    ),
-    (
-        "sizeof(DispatchRecvParams)",
-        size_of::<DispatchRecvParams>(),
-        184,
-    ),
-    (
-        "offsetof(DispatchRecvParams, num_rows)",
-        offset_of!(DispatchRecvParams, num_rows),
-        120,
-    ),
-    (
-        "offsetof(DispatchRecvParams, recv_src_idx)",
-        offset_of!(DispatchRecvParams, recv_src_idx),
-        176,
-    ),
-    (
-        "sizeof(CombineSendParams)",
-        size_of::<CombineSendParams>(),
-        128,
-    ),
-    (
-        "offsetof(CombineSendParams, num_topk)",
-        offset_of!(CombineSendParams, num_topk),
-        120,
-    ),
-    (
-        "sizeof(CombineRecvParams)",
-        size_of::<CombineRecvParams>(),
-        144,
-    ),
-    (
-        "offsetof(CombineRecvParams, num_tokens)",
-        offset_of!(CombineRecvParams, num_tokens),
-        128,
-    ),
-    ("sizeof(Ctx)", size_of::<IntranodeCtx>(), 80),
-];
-const _: () = {
-    let mut i = 0;
-    while i < PARAM_LAYOUT.len() {
-        assert!(PARAM_LAYOUT[i].1 == PARAM_LAYOUT[i].2);
-        i += 1;
-    }
-};
+param_layout!(
+    PARAM_LAYOUT = [
+        sizeof!(NotifyParams == 168),
+        offsetof!(NotifyParams, epoch_value == 128),
+        offsetof!(NotifyParams, num_tokens == 152),
+        sizeof!(DispatchSendParams == 176),
+        offsetof!(DispatchSendParams, x == 112),
+        offsetof!(DispatchSendParams, num_tokens == 168),
+        sizeof!(DispatchRecvParams == 184),
+        offsetof!(DispatchRecvParams, num_rows == 120),
+        offsetof!(DispatchRecvParams, recv_src_idx == 176),
+        sizeof!(CombineSendParams == 128),
+        offsetof!(CombineSendParams, num_topk == 120),
+        sizeof!(CombineRecvParams == 144),
+        offsetof!(CombineRecvParams, num_tokens == 128),
+        sizeof!(IntranodeCtx as Ctx == 80),
+    ]
+);
 
 const fn round_up(n: i64, m: i64) -> i64 {
     (n + m - 1) / m * m
@@ -375,41 +322,35 @@ pub unsafe fn dispatch_notify(
     }
 }
 
-/// One signal and one wait per peer pair (`dispatch_barrier` or `combine_barrier`).
-///
-/// # Safety
-/// The context's channels must be live.
-pub unsafe fn barrier(
-    k: &DeviceKernels,
-    stream: StreamHandle,
-    ctx: IntranodeCtx,
-    for_combine: bool,
-) -> Result<()> {
-    check_ctx(&ctx)?;
-    let id = if for_combine {
-        KernelId::CombineBarrier
-    } else {
-        KernelId::DispatchBarrier
-    };
-    // SAFETY: the kernel takes the Ctx by value; its channels are live.
-    unsafe { k.launch_params(id, (1, 1), 32, 0, stream, ctx) }
+/// The kernels that take only the [`IntranodeCtx`] (one warp).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CtxKernel {
+    /// One signal and one wait per peer pair (`dispatch_barrier`).
+    DispatchBarrier,
+    /// As `DispatchBarrier`, before a combine (`combine_barrier`).
+    CombineBarrier,
+    /// One wait per peer for its end-of-send signal (`dispatch_wait`).
+    DispatchWait,
+    /// As `DispatchWait`, for the combine's send (`combine_wait`).
+    CombineWait,
 }
 
-/// One wait per peer for its end-of-send signal (`dispatch_wait` / `combine_wait`).
+/// Launches `kernel` with the context alone.
 ///
 /// # Safety
 /// The context's channels must be live.
-pub unsafe fn wait_peers(
+pub unsafe fn ctx_kernel(
     k: &DeviceKernels,
     stream: StreamHandle,
     ctx: IntranodeCtx,
-    for_combine: bool,
+    kernel: CtxKernel,
 ) -> Result<()> {
     check_ctx(&ctx)?;
-    let id = if for_combine {
-        KernelId::CombineWait
-    } else {
-        KernelId::DispatchWait
+    let id = match kernel {
+        CtxKernel::DispatchBarrier => KernelId::DispatchBarrier,
+        CtxKernel::CombineBarrier => KernelId::CombineBarrier,
+        CtxKernel::DispatchWait => KernelId::DispatchWait,
+        CtxKernel::CombineWait => KernelId::CombineWait,
     };
     // SAFETY: the kernel takes the Ctx by value; its channels are live.
     unsafe { k.launch_params(id, (1, 1), 32, 0, stream, ctx) }
@@ -471,12 +412,9 @@ pub unsafe fn dispatch_send(
     unsafe { k.launch_params(KernelId::DispatchSend, (grid, 1), THREADS, 0, stream, p) }
 }
 
-/// Outputs of [`dispatch_recv`] (0 = not wanted).
-#[derive(Clone, Copy, Debug)]
-pub struct RecvArgs {
-    pub rec: RecordLayout,
-    /// `[R, R]` int32 (device).
-    pub rank_prefix_matrix: u64,
+/// Device addresses of a dispatch's outputs (0 = not wanted).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct DispatchOutputs {
     /// Rows of the outputs (`num_recv` or `num_worst_tokens`).
     pub num_rows: i64,
     pub recv_x: u64,
@@ -485,6 +423,15 @@ pub struct RecvArgs {
     pub recv_topk_idx: u64,
     pub recv_topk_weights: u64,
     pub recv_src_idx: u64,
+}
+
+/// Arguments of [`dispatch_recv`].
+#[derive(Clone, Copy, Debug)]
+pub struct RecvArgs {
+    pub rec: RecordLayout,
+    /// `[R, R]` int32 (device).
+    pub rank_prefix_matrix: u64,
+    pub out: DispatchOutputs,
     pub num_sms: u32,
 }
 
@@ -497,19 +444,20 @@ pub unsafe fn dispatch_recv(
     a: RecvArgs,
 ) -> Result<()> {
     check_ctx(&ctx)?;
-    let grid = data_grid(a.num_sms, a.num_rows);
+    let o = a.out;
+    let grid = data_grid(a.num_sms, o.num_rows);
     let p = DispatchRecvParams {
         c: ctx,
         rec: a.rec,
         rank_prefix_matrix: a.rank_prefix_matrix,
-        num_rows: a.num_rows,
-        recv_x: a.recv_x,
-        recv_scales: a.recv_scales,
-        scale_stride0: a.scale_strides.0,
-        scale_stride1: a.scale_strides.1,
-        recv_topk_idx: a.recv_topk_idx,
-        recv_topk_weights: a.recv_topk_weights,
-        recv_src_idx: a.recv_src_idx,
+        num_rows: o.num_rows,
+        recv_x: o.recv_x,
+        recv_scales: o.recv_scales,
+        scale_stride0: o.scale_strides.0,
+        scale_stride1: o.scale_strides.1,
+        recv_topk_idx: o.recv_topk_idx,
+        recv_topk_weights: o.recv_topk_weights,
+        recv_src_idx: o.recv_src_idx,
     };
     // SAFETY: as above.
     unsafe { k.launch_params(KernelId::DispatchRecv, (grid, 1), THREADS, 0, stream, p) }
@@ -630,10 +578,7 @@ mod tests {
     #[test]
     fn param_blocks_match_the_kernels_static_asserts() {
         let cu = include_str!("../cuda/intranode.cu");
-        for (what, _, n) in PARAM_LAYOUT {
-            let line = format!("static_assert({what} == {n}, \"mirrored in Rust\");");
-            assert!(cu.contains(&line), "intranode.cu lacks `{line}`");
-        }
+        crate::check_static_asserts("intranode.cu", cu, PARAM_LAYOUT);
     }
 
     #[test]

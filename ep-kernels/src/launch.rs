@@ -3,9 +3,7 @@
 //! caller's stream.
 
 use comm::error::{CommError, Result};
-use comm::StreamHandle;
-
-use std::mem::{offset_of, size_of};
+use comm::{Device, StreamHandle};
 
 use crate::module::{DeviceKernels, KernelId};
 
@@ -57,42 +55,16 @@ pub struct LayoutParams {
     pub rank: i32,
 }
 
-/// (file, the static_assert's expression, Rust's value, the asserted number):
-/// the same numbers as the kernels' static_asserts (a CPU test reads them).
-const PARAM_LAYOUT: [(&str, &str, usize, usize); 5] = [
-    (
-        "diagnostics",
-        "sizeof(DiagnosticsParams)",
-        size_of::<DiagnosticsParams>(),
-        32,
-    ),
-    (
-        "reduce_rows",
-        "sizeof(ReduceRowsParams)",
-        size_of::<ReduceRowsParams>(),
-        32,
-    ),
-    ("layout", "sizeof(Params)", size_of::<LayoutParams>(), 80),
-    (
-        "layout",
-        "offsetof(Params, num_tokens)",
-        offset_of!(LayoutParams, num_tokens),
-        56,
-    ),
-    (
-        "layout",
-        "offsetof(Params, rank)",
-        offset_of!(LayoutParams, rank),
-        72,
-    ),
-];
-const _: () = {
-    let mut i = 0;
-    while i < PARAM_LAYOUT.len() {
-        assert!(PARAM_LAYOUT[i].2 == PARAM_LAYOUT[i].3);
-        i += 1;
-    }
-};
+// The same numbers as the kernels' static_asserts (a CPU test reads them).
+param_layout!(DIAGNOSTICS_LAYOUT = [sizeof!(DiagnosticsParams == 32)]);
+param_layout!(REDUCE_ROWS_LAYOUT = [sizeof!(ReduceRowsParams == 32)]);
+param_layout!(
+    LAYOUT_LAYOUT = [
+        sizeof!(LayoutParams as Params == 80),
+        offsetof!(LayoutParams as Params, num_tokens == 56),
+        offsetof!(LayoutParams as Params, rank == 72),
+    ]
+);
 
 /// `diagnostics_write_peers`: rank `rank` writes its pattern into slot `rank`
 /// of every peer buffer. `peer_table` is a device array of `nranks` pointers
@@ -141,12 +113,13 @@ pub unsafe fn diagnostics_write_peers(
 }
 
 /// `reduce_rows_bf16`: `out[c] = bf16(sum_r float(input[r, c]))` for a
-/// row-major `[rows, cols]` bf16 matrix at `input`; `out` holds `cols` values.
+/// row-major `[rows, cols]` bf16 matrix at `input` on `device`; `out` holds
+/// `cols` values (a test helper of the Python package: `moelink._testing`).
 ///
 /// # Safety
-/// `input` must hold `rows * cols` and `out` `cols` bf16 values on this device.
+/// `input` must hold `rows * cols` and `out` `cols` bf16 values on `device`.
 pub unsafe fn reduce_rows_bf16(
-    k: &DeviceKernels,
+    device: Device,
     stream: StreamHandle,
     input: u64,
     out: u64,
@@ -159,6 +132,7 @@ pub unsafe fn reduce_rows_bf16(
     if cols == 0 {
         return Ok(());
     }
+    let k = DeviceKernels::get(device)?;
     let threads = 256u32;
     let work = if cols % 8 == 0 { cols / 8 } else { cols };
     let blocks = (work as u64).div_ceil(threads as u64).clamp(1, 1024) as u32;
@@ -247,14 +221,24 @@ mod tests {
     #[test]
     fn param_blocks_match_the_kernels_static_asserts() {
         let files = [
-            ("diagnostics", include_str!("../cuda/diagnostics.cu")),
-            ("reduce_rows", include_str!("../cuda/reduce_rows.cu")),
-            ("layout", include_str!("../cuda/layout.cu")),
+            (
+                "diagnostics.cu",
+                include_str!("../cuda/diagnostics.cu"),
+                DIAGNOSTICS_LAYOUT,
+            ),
+            (
+                "reduce_rows.cu",
+                include_str!("../cuda/reduce_rows.cu"),
+                REDUCE_ROWS_LAYOUT,
+            ),
+            (
+                "layout.cu",
+                include_str!("../cuda/layout.cu"),
+                LAYOUT_LAYOUT,
+            ),
         ];
-        for (file, what, _, n) in PARAM_LAYOUT {
-            let cu = files.iter().find(|(f, _)| *f == file).unwrap().1;
-            let line = format!("static_assert({what} == {n}, \"mirrored in Rust\");");
-            assert!(cu.contains(&line), "{file}.cu lacks `{line}`");
+        for (file, cu, table) in files {
+            crate::check_static_asserts(file, cu, table);
         }
     }
 }

@@ -3,7 +3,7 @@
 //!
 //! All pointers are device addresses (`0` = absent where the kernel allows it).
 
-use std::mem::size_of;
+use std::mem::{offset_of, size_of};
 
 use comm::error::{CommError, Result};
 use comm::StreamHandle;
@@ -61,12 +61,11 @@ pub struct LlCtx {
     pub prof: u64,
 }
 
-/// `moelink::ll::DispatchArgs`.
+/// Where a low-latency dispatch writes (fields `recv_x` to `stats_wait` of
+/// `moelink::ll::DispatchArgs`; 0 = absent where allowed).
 #[derive(Clone, Copy, Debug, Default)]
 #[repr(C)]
-pub struct DispatchArgs {
-    pub x: u64,
-    pub topk: u64,
+pub struct DispatchOutputs {
     pub recv_x: u64,
     pub recv_scales: u64,
     pub recv_count: u64,
@@ -74,6 +73,16 @@ pub struct DispatchArgs {
     pub layout_range: u64,
     pub stats_count: u64,
     pub stats_wait: u64,
+}
+
+/// `moelink::ll::DispatchArgs` (its outputs as one [`DispatchOutputs`]: the
+/// same layout).
+#[derive(Clone, Copy, Debug, Default)]
+#[repr(C)]
+pub struct DispatchArgs {
+    pub x: u64,
+    pub topk: u64,
+    pub out: DispatchOutputs,
     pub msg_bytes: i64,
     pub inbox_bytes: i64,
     pub num_tokens: i32,
@@ -126,6 +135,8 @@ struct LlCombineParams {
 const _: () = {
     assert!(size_of::<LlCtx>() == 120);
     assert!(size_of::<DispatchArgs>() == 128);
+    assert!(offset_of!(DispatchArgs, out) == 16);
+    assert!(offset_of!(DispatchArgs, msg_bytes) == 72);
     assert!(size_of::<CombineArgs>() == 80);
     assert!(size_of::<LlDispatchParams>() == 248);
     assert!(size_of::<LlCombineParams>() == 200);
@@ -327,63 +338,59 @@ pub struct LlLayout {
     pub total: u64,
 }
 
-/// Launches `ll_dispatch` (`phases` of it) on `num_blocks` blocks.
-///
-/// # Safety
-/// Every pointer of `ctx` and `a` must be valid for the shapes in `a`.
-pub unsafe fn dispatch(
-    k: &DeviceKernels,
-    stream: StreamHandle,
-    ctx: LlCtx,
-    a: DispatchArgs,
-    shape: &LlShape,
-    num_blocks: u32,
-) -> Result<()> {
-    shape.check()?;
-    let smem = shape.dispatch_smem(a.use_fp8 != 0, a.use_ue8m0 != 0);
-    if smem > MAX_SMEM {
-        shape.check_smem()?;
-    }
-    let p = LlDispatchParams { c: ctx, a };
-    // SAFETY: LlDispatchParams mirrors the kernel's block; pointers are the caller's contract.
-    unsafe {
-        k.launch_params(
-            KernelId::LlDispatch,
-            (num_blocks.max(1), 1),
-            THREADS,
-            smem as u32,
-            stream,
-            p,
-        )
+/// One launch of a low-latency kernel: the device's kernels and the stream,
+/// the buffer's context, the call's shape and the grid (`num_blocks` blocks).
+#[derive(Clone, Copy)]
+pub struct Launch<'a> {
+    pub kernels: &'a DeviceKernels,
+    pub stream: StreamHandle,
+    pub ctx: LlCtx,
+    pub shape: LlShape,
+    pub num_blocks: u32,
+}
+
+impl Launch<'_> {
+    /// # Safety
+    /// `params` is kernel `id`'s argument block, every pointer of it valid.
+    unsafe fn run<P: Copy>(&self, id: KernelId, params: P, smem: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.kernels.launch_params(
+                id,
+                (self.num_blocks.max(1), 1),
+                THREADS,
+                smem as u32,
+                self.stream,
+                params,
+            )
+        }
     }
 }
 
-/// Launches `ll_combine` (`phases` of it) on `num_blocks` blocks.
+/// Launches `ll_dispatch` (`phases` of it).
 ///
 /// # Safety
-/// Every pointer of `ctx` and `a` must be valid for the shapes in `a`.
-pub unsafe fn combine(
-    k: &DeviceKernels,
-    stream: StreamHandle,
-    ctx: LlCtx,
-    a: CombineArgs,
-    shape: &LlShape,
-    num_blocks: u32,
-) -> Result<()> {
-    shape.check()?;
-    shape.check_smem()?;
-    let p = LlCombineParams { c: ctx, a };
-    // SAFETY: as above.
-    unsafe {
-        k.launch_params(
-            KernelId::LlCombine,
-            (num_blocks.max(1), 1),
-            THREADS,
-            shape.combine_smem() as u32,
-            stream,
-            p,
-        )
+/// Every pointer of `l.ctx` and `a` must be valid for the shapes in `a`.
+pub unsafe fn dispatch(l: &Launch<'_>, a: DispatchArgs) -> Result<()> {
+    l.shape.check()?;
+    let smem = l.shape.dispatch_smem(a.use_fp8 != 0, a.use_ue8m0 != 0);
+    if smem > MAX_SMEM {
+        l.shape.check_smem()?;
     }
+    // SAFETY: LlDispatchParams mirrors the kernel's block; pointers are the caller's contract.
+    unsafe { l.run(KernelId::LlDispatch, LlDispatchParams { c: l.ctx, a }, smem) }
+}
+
+/// Launches `ll_combine` (`phases` of it).
+///
+/// # Safety
+/// Every pointer of `l.ctx` and `a` must be valid for the shapes in `a`.
+pub unsafe fn combine(l: &Launch<'_>, a: CombineArgs) -> Result<()> {
+    l.shape.check()?;
+    l.shape.check_smem()?;
+    let p = LlCombineParams { c: l.ctx, a };
+    // SAFETY: as above.
+    unsafe { l.run(KernelId::LlCombine, p, l.shape.combine_smem()) }
 }
 
 #[cfg(test)]

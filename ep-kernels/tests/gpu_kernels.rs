@@ -23,7 +23,6 @@ fn module_loads_and_every_kernel_resolves() {
 
 fn reduce_case(rows: usize, cols: usize, offset_elems: usize, seed: u64) {
     let dev = device();
-    let k = &DeviceKernels::get(dev).unwrap();
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let input: Vec<bf16> = (0..rows * cols)
         .map(|_| bf16::from_f32(rng.random_range(-4.0f32..4.0)))
@@ -44,7 +43,7 @@ fn reduce_case(rows: usize, cols: usize, offset_elems: usize, seed: u64) {
                                // SAFETY: both ranges lie inside the allocations above.
     unsafe {
         launch::reduce_rows_bf16(
-            k,
+            dev,
             StreamHandle(0),
             d_in.ptr() + (offset_elems * 2) as u64,
             d_out.ptr(),

@@ -16,7 +16,7 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
 use crate::group::{timeout_arg, Group};
-use crate::to_py;
+use crate::{drop_detached, to_py};
 
 /// (collective, graph, registered, log2 bytes, algorithm, blocks, threads).
 type TunedTuple = (String, bool, bool, u32, String, u32, u32);
@@ -102,13 +102,7 @@ impl AllReduceComm {
             timeout,
             device_timeout_ns,
         };
-        let group: &Group = &group;
-        let inner = py
-            .detach(|| {
-                let (dev, group) = group.bind(device)?;
-                Inner::new(group, dev, &config)
-            })
-            .map_err(to_py)?;
+        let inner = group.make(py, device, |group, dev| Inner::new(group, dev, &config))?;
         Ok(Self { inner: Some(inner) })
     }
 
@@ -333,9 +327,7 @@ impl AllReduceComm {
     /// Frees everything (idempotent). The caller synchronised the streams
     /// that used the communicator.
     fn destroy(&mut self, py: Python<'_>) {
-        if let Some(c) = self.inner.take() {
-            py.detach(move || drop(c));
-        }
+        drop_detached(py, self.inner.take());
     }
 
     /// Every algorithm: (name, collective).

@@ -26,12 +26,18 @@ pub struct Group {
 }
 
 impl Group {
-    /// Binds CUDA device `device` to this thread and returns the group every
-    /// native object's constructor makes its object on (collectively: the
-    /// object takes the group's next number, and its shared Communicator).
-    pub(crate) fn bind(&self, device: i32) -> comm::Result<(Device, &comm::Group)> {
-        let dev = Device::bind(device)?;
-        Ok((dev, &self.inner))
+    /// *Collective.* What every native object's constructor does: with the
+    /// GIL released, binds CUDA device `device` to this thread and calls
+    /// `make` with the group the object is made on (it takes the group's next
+    /// number, and its shared Communicator) and the device.
+    pub(crate) fn make<T: Send>(
+        &self,
+        py: Python<'_>,
+        device: i32,
+        make: impl FnOnce(&comm::Group, Device) -> comm::Result<T> + Send,
+    ) -> PyResult<T> {
+        py.detach(|| make(&self.inner, Device::bind(device)?))
+            .map_err(to_py)
     }
 }
 

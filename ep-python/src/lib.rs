@@ -3,11 +3,10 @@
 //! around every call that waits on the GPU.
 
 mod allreduce;
-mod buffer;
 mod diagnostics;
+mod ep_buffer;
 mod error;
 mod group;
-mod ll;
 mod reference;
 mod reference_ll;
 mod streams;
@@ -17,6 +16,12 @@ use std::sync::Once;
 use pyo3::prelude::*;
 
 pub(crate) use error::{to_py, CudaError, TimeoutError};
+
+/// Drops `value` (a native object's Rust half: frees device memory, joins
+/// threads) with the GIL released.
+pub(crate) fn drop_detached<T: Send>(py: Python<'_>, value: T) {
+    py.detach(move || drop(value));
+}
 
 fn init_logging() {
     static ONCE: Once = Once::new();
@@ -107,10 +112,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     reference::register(m)?;
     m.add_function(wrap_pyfunction!(group::bootstrap_unique_id, m)?)?;
     m.add_class::<group::Group>()?;
-    m.add_class::<buffer::IntranodeBuffer>()?;
-    m.add_class::<ll::LowLatencyBuffer>()?;
+    m.add_class::<ep_buffer::EpBuffer>()?;
     m.add_class::<streams::StreamOrder>()?;
-    m.add_function(wrap_pyfunction!(ll::low_latency_size_hint, m)?)?;
+    m.add_function(wrap_pyfunction!(ep_buffer::low_latency_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(reference_ll::ref_ll_dispatch, m)?)?;
     m.add_function(wrap_pyfunction!(reference_ll::ref_ll_combine, m)?)?;
     Ok(())

@@ -121,7 +121,7 @@ pub fn ref_ll_combine<'py>(
     num_experts: usize,
     num_topk: usize,
 ) -> PyResult<Vec<(Bytes<'py>, Bytes<'py>)>> {
-    let args = LowLatencyArgs::bf16(max_tokens, hidden, num_experts, num_topk);
+    let args = LowLatencyArgs::new(max_tokens, hidden, num_experts, num_topk).bf16();
     let mut dec = Vec::with_capacity(inputs.len());
     for (y, t, w, s, l) in &inputs {
         dec.push((

@@ -94,21 +94,63 @@ class StreamOrder:
     def __init__(self, device: int) -> None: ...
     def after(self, waiter: int, signaler: int) -> None: ...
 
-class LowLatencyBuffer:
-    """Rust half of moelink.Buffer's low-latency mode (pointers are device
-    addresses, streams raw cudaStream_t handles; phases 1 send, 2 receive, 3 both)."""
+class EpBuffer:
+    """Rust half of moelink.Buffer: its intranode part and its low-latency part
+    (either absent where 0 bytes are asked for). Methods of one part have its
+    name; what both parts have takes ``part``: "intranode" or "low_latency".
+    Pointers are device addresses (0 = absent), streams raw cudaStream_t
+    handles; low-latency phases 1 send, 2 receive, 3 both."""
 
     def __init__(
-        self, group: Group, device: int, num_bytes: int, timeout_s: float,
-        device_timeout_s: float, allow_nvlink: bool, shrink: bool,
+        self, group: Group, device: int, num_nvl_bytes: int, num_ll_bytes: int,
+        timeout_s: float, device_timeout_ns: int, ll_device_timeout_ns: int,
+        allow_nvlink: bool, shrink: bool,
     ) -> None: ...  # fmt: skip
+    # Both parts.
+    @property
+    def rank(self) -> int: ...
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def destroyed(self) -> bool: ...
+    def has_part(self, part: str) -> bool: ...
+    def local_buffer(self, part: str) -> tuple[int, int]: ...
+    def device_share(self) -> tuple[int, int, int | None, int, int]: ...
+    def check_device(self, part: str | None = None) -> None: ...
+    def check_device_timeout(self, part: str) -> None: ...
+    def barrier(self, part: str | None = None) -> None: ...
+    def destroy(self, collective: bool = False) -> None: ...
+    # Intranode.
+    def layout_scratch_elems(self, num_tokens: int, num_experts: int) -> int: ...
+    def layout(
+        self, stream: int, topk_idx: int, num_tokens: int, num_topk: int, num_experts: int,
+        num_tokens_per_rank: int, num_tokens_per_expert: int, is_token_in_rank: int,
+        partials: int,
+    ) -> None: ...  # fmt: skip
+    def dispatch_send(
+        self, stream: int, cached: bool, num_tokens: int, hidden_bytes: int, num_scales: int,
+        num_topk: int, num_experts: int, x: int, scales: int, scale_strides: tuple[int, int],
+        topk_idx: int, topk_weights: int, is_token_in_rank: int, num_tokens_per_expert: int,
+        rank_prefix_matrix: int, send_head: int, expert_alignment: int, num_sms: int,
+    ) -> int: ...  # fmt: skip
+    def wait_counts(self, epoch: int, num_experts: int) -> tuple[int, list[int]]: ...
+    def dispatch_recv(
+        self, stream: int, num_tokens: int, hidden_bytes: int, num_scales: int, num_topk: int,
+        num_experts: int, rank_prefix_matrix: int, num_rows: int, recv_x: int,
+        recv_scales: int, scale_strides: tuple[int, int], recv_topk_idx: int,
+        recv_topk_weights: int, recv_src_idx: int, num_sms: int,
+    ) -> None: ...  # fmt: skip
+    def combine(
+        self, stream: int, y: int, num_recv_rows: int, hidden: int, topk_weights: int,
+        num_topk: int, rank_prefix_matrix: int, send_head: int, num_tokens: int, bias0: int,
+        bias1: int, out: int, out_weights: int, num_sms: int,
+    ) -> None: ...  # fmt: skip
+    # Low-latency.
     @property
     def uses_proxy(self) -> bool: ...
     @property
     def num_blocks(self) -> int: ...
-    def device_share(self) -> tuple[int, int, int | None, int, int]: ...
     def set_num_blocks(self, n: int) -> None: ...
-    def local_buffer(self) -> tuple[int, int]: ...
     def mask_ptr(self) -> int: ...
     def check_shape(
         self, max_tokens: int, hidden: int, num_experts: int, num_topk: int
@@ -120,145 +162,18 @@ class LowLatencyBuffer:
     def proxy_progress(
         self,
     ) -> tuple[int, list[tuple[int, bool | None, int | None, int] | None]] | None: ...
-    def check_device(self) -> None: ...
-    def check_device_timeout(self) -> None: ...
-    def dispatch(
-        self,
-        stream: int,
-        max_tokens: int,
-        hidden: int,
-        num_experts: int,
-        num_topk: int,
-        num_tokens: int,
-        x: int,
-        topk_idx: int,
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        recv_x: int,
-        recv_scales: int,
-        recv_count: int,
-        src_info: int,
-        layout_range: int,
-        stats_count: int,
-        stats_wait: int,
-        phases_: int,
-    ) -> None: ...
-    def combine(
-        self,
-        stream: int,
-        max_tokens: int,
-        hidden: int,
-        num_experts: int,
-        num_topk: int,
-        num_tokens: int,
-        x: int,
-        layout_range: int,
-        topk_idx: int,
-        topk_weights: int,
-        out: int,
-        stats_wait: int,
-        phases_: int,
-    ) -> None: ...
+    def ll_dispatch(
+        self, stream: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int,
+        num_tokens: int, x: int, topk_idx: int, use_fp8: bool, round_scale: bool,
+        use_ue8m0: bool, recv_x: int, recv_scales: int, recv_count: int, src_info: int,
+        layout_range: int, stats_count: int, stats_wait: int, phases_: int,
+    ) -> None: ...  # fmt: skip
+    def ll_combine(
+        self, stream: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int,
+        num_tokens: int, x: int, layout_range: int, topk_idx: int, topk_weights: int,
+        out: int, stats_wait: int, phases_: int,
+    ) -> None: ...  # fmt: skip
     def clean(self) -> None: ...
-    def barrier(self) -> None: ...
-    def destroy(self) -> None: ...
-
-class IntranodeBuffer:
-    """Rust half of moelink.Buffer; pointers are device addresses (0 = absent),
-    streams raw cudaStream_t handles."""
-
-    def __init__(
-        self,
-        group: Group,
-        device: int,
-        num_nvl_bytes: int,
-        timeout_s: float,
-    ) -> None: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def num_ranks(self) -> int: ...
-    @property
-    def destroyed(self) -> bool: ...
-    def local_buffer(self) -> tuple[int, int]: ...
-    @property
-    def device_timeout_ns(self) -> int: ...
-    def set_device_timeout_ns(self, timeout_ns: int) -> None: ...
-    def check_device(self) -> None: ...
-    def check_device_timeout(self) -> None: ...
-    def layout_scratch_elems(self, num_tokens: int, num_experts: int) -> int: ...
-    def layout(
-        self,
-        stream: int,
-        topk_idx: int,
-        num_tokens: int,
-        num_topk: int,
-        num_experts: int,
-        num_tokens_per_rank: int,
-        num_tokens_per_expert: int,
-        is_token_in_rank: int,
-        partials: int,
-    ) -> None: ...
-    def dispatch_send(
-        self,
-        stream: int,
-        cached: bool,
-        num_tokens: int,
-        hidden_bytes: int,
-        num_scales: int,
-        num_topk: int,
-        num_experts: int,
-        x: int,
-        scales: int,
-        scale_strides: tuple[int, int],
-        topk_idx: int,
-        topk_weights: int,
-        is_token_in_rank: int,
-        num_tokens_per_expert: int,
-        rank_prefix_matrix: int,
-        send_head: int,
-        expert_alignment: int,
-        num_sms: int,
-    ) -> int: ...
-    def wait_counts(self, epoch: int, num_experts: int) -> tuple[int, list[int]]: ...
-    def dispatch_recv(
-        self,
-        stream: int,
-        num_tokens: int,
-        hidden_bytes: int,
-        num_scales: int,
-        num_topk: int,
-        num_experts: int,
-        rank_prefix_matrix: int,
-        num_rows: int,
-        recv_x: int,
-        recv_scales: int,
-        scale_strides: tuple[int, int],
-        recv_topk_idx: int,
-        recv_topk_weights: int,
-        recv_src_idx: int,
-        num_sms: int,
-    ) -> None: ...
-    def combine(
-        self,
-        stream: int,
-        y: int,
-        num_recv_rows: int,
-        hidden: int,
-        topk_weights: int,
-        num_topk: int,
-        rank_prefix_matrix: int,
-        send_head: int,
-        num_tokens: int,
-        bias0: int,
-        bias1: int,
-        out: int,
-        out_weights: int,
-        num_sms: int,
-    ) -> None: ...
-    def barrier(self) -> None: ...
-    def destroy(self) -> None: ...
 
 # Allreduce / allgather communicator (crate `collectives`); wrapped by moelink.AllReduce.
 # Tuned entries: (collective, graph, registered, log2 bytes, algorithm, blocks, threads).

@@ -171,25 +171,25 @@ class Buffer(LowLatencyMixin):
         # Orders the communication stream after the caller's and back (one event).
         self._order = _native.StreamOrder(self.device.index)
         timeout = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
-        if num_nvl_bytes > 0:
-            self._native = _native.IntranodeBuffer(
-                native_group, self.device.index, num_nvl_bytes, timeout
-            )
-            self._native.set_device_timeout_ns(device_timeout_ns)
-        if low_latency_mode:
-            # Bound of every low-latency receive: MOELINK_LL_TIMEOUT_S, else the
-            # intranode one (30 s unless set), under the host bound so that the
-            # device's error (naming the peer and counter) is the one raised.
-            ll_timeout_ns = (
-                env_device_timeout_ns("MOELINK_LL_TIMEOUT_S")
-                if "MOELINK_LL_TIMEOUT_S" in os.environ
-                else device_timeout_ns
-            )
-            device_timeout = ll_timeout_ns / 1e9
-            self._ll = _native.LowLatencyBuffer(
-                native_group, self.device.index, num_rdma_bytes, timeout, device_timeout,
-                self.allow_nvlink_for_low_latency_mode, self.enable_shrink,
+        # Bound of every low-latency receive: MOELINK_LL_TIMEOUT_S, else the
+        # intranode one (30 s unless set), under the host bound so that the
+        # device's error (naming the peer and counter) is the one raised.
+        ll_timeout_ns = (
+            env_device_timeout_ns("MOELINK_LL_TIMEOUT_S")
+            if low_latency_mode and "MOELINK_LL_TIMEOUT_S" in os.environ
+            else device_timeout_ns
+        )
+        if num_nvl_bytes > 0 or low_latency_mode:
+            # One native object, both parts (intranode: num_nvl_bytes > 0;
+            # low-latency: num_rdma_bytes, > 0 exactly in low_latency_mode).
+            ep = _native.EpBuffer(
+                native_group, self.device.index, num_nvl_bytes, num_rdma_bytes, timeout,
+                device_timeout_ns, ll_timeout_ns, self.allow_nvlink_for_low_latency_mode,
+                self.enable_shrink,
             )  # fmt: skip
+            self._native = ep if num_nvl_bytes > 0 else None
+            if low_latency_mode:
+                self._ll = ep
 
     # ----- static helpers -------------------------------------------------------
 
@@ -234,7 +234,7 @@ class Buffer(LowLatencyMixin):
                 "this Buffer has no NVLink buffer (destroyed, or created with num_nvl_bytes=0)"
             )
         # A timed-out wait leaves the ranks out of step: raise before launching.
-        self._native.check_device_timeout()
+        self._native.check_device_timeout("intranode")
         return self._native
 
     def check(self) -> None:
@@ -242,9 +242,9 @@ class Buffer(LowLatencyMixin):
         outside ``[-1, num_experts)`` (``ValueError`` naming the rank, token and
         column; reported once) or a device wait that timed out
         (``moelink.TimeoutError`` naming the rank and what it waited for)."""
-        for native in (self._native, self._ll):
-            if native is not None:
-                native.check_device()
+        ep = self._native if self._native is not None else self._ll
+        if ep is not None:
+            ep.check_device()  # every part, intranode first
 
     def get_local_buffer_tensor(
         self, dtype: torch.dtype, size=None, offset: int = 0, use_rdma_buffer: bool = False
@@ -260,10 +260,10 @@ class Buffer(LowLatencyMixin):
                     "use_rdma_buffer=True needs a Buffer created with low_latency_mode=True "
                     "and num_rdma_bytes > 0"
                 )
-            ptr, allocated = self._ll_native().local_buffer()
+            ptr, allocated = self._ll_native().local_buffer("low_latency")
             nbytes = min(allocated, self.num_rdma_bytes)
         else:
-            ptr, allocated = self._buffer().local_buffer()
+            ptr, allocated = self._buffer().local_buffer("intranode")
             nbytes = min(allocated, self.num_nvl_bytes)  # the allocation is rounded up
         offset = check_int("offset", offset, minimum=0, maximum=nbytes)
         elem = torch.empty((), dtype=dtype).element_size()
@@ -284,35 +284,30 @@ class Buffer(LowLatencyMixin):
         """Frees the buffer (collective: every rank calls it). Needs ``explicitly_destroy=True``."""
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs a Buffer created with explicitly_destroy=True")
-        if self._native is not None or self._ll is not None:
-            torch.cuda.synchronize(self.device)
-        # A device error (a timeout of an earlier call) is raised after the
-        # barrier and the free, so that the other ranks' destroy() is not left
+        ep = self._native if self._native is not None else self._ll
+        if ep is None:
+            return
+        torch.cuda.synchronize(self.device)
+        # Per part, intranode first: its device error, a barrier, the free. A
+        # device error (a timeout of an earlier call) is raised after the
+        # barriers and the frees, so that the other ranks' destroy() is not left
         # waiting and nothing stays allocated.
-        error = None
-        for name in ("_native", "_ll"):
-            native = getattr(self, name)
-            if native is not None:
-                try:
-                    native.check_device()
-                except Exception as e:  # noqa: BLE001 - re-raised below
-                    error = error or e
-                native.barrier()
-                native.destroy()
-                setattr(self, name, None)
-        if error is not None:
-            raise error
+        try:
+            ep.destroy(collective=True)
+        finally:
+            self._native = ep if ep.has_part("intranode") else None
+            self._ll = ep if ep.has_part("low_latency") else None
 
     def __del__(self) -> None:
-        natives = [getattr(self, n, None) for n in ("_native", "_ll")]
-        if all(n is None for n in natives):
+        ep = getattr(self, "_native", None)
+        if ep is None:
+            ep = getattr(self, "_ll", None)
+        if ep is None:
             return
         with contextlib.suppress(Exception):
             torch.cuda.synchronize(self.device)
-        for native in natives:
-            if native is not None:
-                with contextlib.suppress(Exception):
-                    native.destroy()
+        with contextlib.suppress(Exception):
+            ep.destroy()
         self._native = None
         self._ll = None
 
@@ -358,7 +353,7 @@ class Buffer(LowLatencyMixin):
         # What a kernel recorded (an expert id out of range, in this call or an
         # earlier one): raised after the launches and the stream bookkeeping, so
         # the ranks stay in step and no tensor is freed under a running kernel.
-        self._native.check_device()
+        self._native.check_device("intranode")
         return event
 
     def _check_device(self, **tensors) -> None:

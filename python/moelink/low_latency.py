@@ -71,7 +71,7 @@ class _Hook:
         if self.called:
             raise RuntimeError("this low-latency receive hook was already called")
         ll = self._owner._ll_native()
-        ll.check_device_timeout()
+        ll.check_device_timeout("low_latency")
         self._launch(current_raw_stream(self._owner.device.index))
         self.called = True
         if self._owner._ll_pending is self:
@@ -80,7 +80,7 @@ class _Hook:
         # What a kernel recorded (an expert id out of range, in this call or an
         # earlier one): raised once the receive half is launched, so the ranks
         # stay in step.
-        ll.check_device()
+        ll.check_device("low_latency")
 
 
 class LowLatencyMixin:
@@ -116,7 +116,7 @@ class LowLatencyMixin:
                 "before the next low-latency call"
             )
         # A timed-out wait leaves the ranks out of step: raise before launching.
-        ll.check_device_timeout()
+        ll.check_device_timeout("low_latency")
         return ll
 
     def _ll_shape(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
@@ -249,7 +249,7 @@ class LowLatencyMixin:
         )  # fmt: skip
 
         def launch(s, phases):
-            ll.dispatch(s, *args, phases)
+            ll.ll_dispatch(s, *args, phases)
 
         launch(raw, _SEND if return_recv_hook else _BOTH)
         keep = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range,
@@ -260,7 +260,7 @@ class LowLatencyMixin:
             self._ll_pending = hook
         event = self._ll_finish(stream, async_finish, keep)
         if hook is None:
-            ll.check_device()  # after the launch (see _Hook.__call__)
+            ll.check_device("low_latency")  # after the launch (see _Hook.__call__)
         handle = (src_info, layout_range, t, hidden, num_experts)
         out = (recv_x, scales) if use_fp8 else recv_x
         return out, recv_count, handle, event, hook
@@ -378,7 +378,7 @@ class LowLatencyMixin:
         )  # fmt: skip
 
         def launch(s, phases):
-            ll.combine(s, *args, phases)
+            ll.ll_combine(s, *args, phases)
 
         launch(raw, _SEND if return_recv_hook else _BOTH)
         keep = (x, topk_idx, topk_weights, src_info, layout_range, out,
@@ -389,7 +389,7 @@ class LowLatencyMixin:
             self._ll_pending = hook
         event = self._ll_finish(stream, async_finish, keep)
         if hook is None:
-            ll.check_device()  # after the launch (see _Hook.__call__)
+            ll.check_device("low_latency")  # after the launch (see _Hook.__call__)
         return out, event, hook
 
     # ----- maintenance -------------------------------------------------------------

@@ -1,0 +1,592 @@
+//! `_native.EpBuffer`: the Rust half of `moelink.Buffer` (`ep_core::EpBuffer`):
+//! its intranode part and its low-latency part, either absent where the
+//! Buffer has none. A method of one part only has that part's name
+//! (`dispatch_send`, `wait_counts`, ... intranode; `ll_dispatch`, `clean`, ...
+//! low-latency); what both parts have (`local_buffer`, `check_device`,
+//! `check_device_timeout`, `barrier`) takes the part: "intranode" or
+//! "low_latency". Pointers arrive as ints (`tensor.data_ptr()`, 0 = absent)
+//! after the Python layer checked every tensor; streams as raw `cudaStream_t`
+//! ints.
+
+use comm::StreamHandle;
+use ep_core::intranode::{
+    CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, IntranodeBuffer, LayoutCall,
+};
+use ep_core::low_latency::{
+    size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs,
+    LowLatencyBuffer, LowLatencyOptions, Phases,
+};
+use ep_core::{BufferPart, EpBuffer as Inner, EpBufferOptions, PartKind};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+
+use crate::group::{timeout_arg, Group};
+use crate::{drop_detached, to_py};
+
+#[pyclass(module = "moelink._native")]
+pub struct EpBuffer {
+    inner: Inner,
+}
+
+/// The part named `name` in Python.
+fn part_kind(name: &str) -> PyResult<PartKind> {
+    match name {
+        "intranode" => Ok(PartKind::Intranode),
+        "low_latency" => Ok(PartKind::LowLatency),
+        _ => Err(PyValueError::new_err(format!(
+            "part must be 'intranode' or 'low_latency', got {name:?}"
+        ))),
+    }
+}
+
+/// The error of a call on part `kind` where it is absent.
+fn absent(destroyed: bool, kind: PartKind) -> PyErr {
+    if destroyed {
+        PyRuntimeError::new_err("the Buffer was destroyed")
+    } else {
+        PyRuntimeError::new_err(format!("the Buffer has no {} part", kind.name()))
+    }
+}
+
+impl EpBuffer {
+    fn part(&self, name: &str) -> PyResult<&dyn BufferPart> {
+        let kind = part_kind(name)?;
+        self.inner
+            .part(kind)
+            .ok_or_else(|| absent(self.inner.is_empty(), kind))
+    }
+
+    /// The parts `part` names (every part present where None); the Buffer
+    /// must not be destroyed.
+    fn parts(&self, part: Option<&str>) -> PyResult<Vec<&dyn BufferPart>> {
+        match part {
+            Some(name) => Ok(vec![self.part(name)?]),
+            None if self.inner.is_empty() => Err(absent(true, PartKind::Intranode)),
+            None => Ok(self.inner.parts().collect()),
+        }
+    }
+
+    fn intranode(&mut self) -> PyResult<&mut IntranodeBuffer> {
+        let destroyed = self.inner.is_empty();
+        self.inner
+            .intranode_mut()
+            .ok_or_else(|| absent(destroyed, PartKind::Intranode))
+    }
+
+    fn ll(&self) -> PyResult<&LowLatencyBuffer> {
+        self.inner
+            .low_latency()
+            .ok_or_else(|| absent(self.inner.is_empty(), PartKind::LowLatency))
+    }
+}
+
+fn phases(p: u8) -> PyResult<Phases> {
+    match p {
+        1 => Ok(Phases::Send),
+        2 => Ok(Phases::Recv),
+        3 => Ok(Phases::Both),
+        _ => Err(PyValueError::new_err(format!(
+            "phases {p}: must be 1, 2 or 3"
+        ))),
+    }
+}
+
+fn shape(
+    num_tokens: usize,
+    hidden_bytes: usize,
+    num_scales: usize,
+    num_topk: usize,
+    num_experts: usize,
+) -> DispatchShape {
+    DispatchShape {
+        num_tokens,
+        hidden_bytes,
+        num_scales,
+        num_topk,
+        num_experts,
+    }
+}
+
+fn call_shape(max_tokens: usize, hidden: usize, num_experts: usize, num_topk: usize) -> CallShape {
+    CallShape {
+        max_tokens,
+        hidden,
+        num_experts,
+        num_topk,
+    }
+}
+
+/// Bytes of low-latency buffer a rank needs (DeepEP's
+/// `get_low_latency_rdma_size_hint`).
+#[pyfunction]
+pub fn low_latency_size_hint(
+    max_tokens: usize,
+    hidden: usize,
+    num_ranks: usize,
+    num_experts: usize,
+) -> PyResult<usize> {
+    size_hint(max_tokens, hidden, num_ranks, num_experts).map_err(to_py)
+}
+
+#[pymethods]
+impl EpBuffer {
+    /// *Collective.* The group's next objects: the intranode part (an NVL
+    /// buffer of `num_nvl_bytes` and its channels; none where 0), then the
+    /// low-latency part (a buffer of `num_ll_bytes`, and the proxy's port
+    /// channels when NVLink is not used; none where 0), on CUDA device
+    /// `device`. Device waits are bounded by `device_timeout_ns` (intranode)
+    /// and `ll_device_timeout_ns` (low-latency), host waits by `timeout_s`.
+    #[new]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        group: PyRef<'_, Group>,
+        device: i32,
+        num_nvl_bytes: usize,
+        num_ll_bytes: usize,
+        timeout_s: f64,
+        device_timeout_ns: i64,
+        ll_device_timeout_ns: i64,
+        allow_nvlink: bool,
+        shrink: bool,
+    ) -> PyResult<Self> {
+        let opts = EpBufferOptions {
+            num_nvl_bytes,
+            num_ll_bytes,
+            timeout: timeout_arg("timeout_s", timeout_s)?,
+            device_timeout_ns,
+            low_latency: LowLatencyOptions {
+                allow_nvlink,
+                shrink,
+                device_timeout_ns: ll_device_timeout_ns,
+            },
+        };
+        let inner = group.make(py, device, |group, dev| Inner::new(group, dev, &opts))?;
+        Ok(Self { inner })
+    }
+
+    // ----- both parts ---------------------------------------------------------
+
+    #[getter]
+    fn rank(&self) -> PyResult<usize> {
+        Ok(self.parts(None)?[0].base().rank())
+    }
+
+    #[getter]
+    fn num_ranks(&self) -> PyResult<usize> {
+        Ok(self.parts(None)?[0].base().num_ranks())
+    }
+
+    /// Whether part `part` ("intranode", "low_latency") is there (made, and
+    /// not destroyed).
+    fn has_part(&self, part: &str) -> PyResult<bool> {
+        Ok(self.inner.part(part_kind(part)?).is_some())
+    }
+
+    /// (device address, bytes) of this rank's buffer of part `part`.
+    fn local_buffer(&self, part: &str) -> PyResult<(u64, usize)> {
+        Ok(self.part(part)?.local_buffer())
+    }
+
+    /// This rank's share of its GPU: (ranks on the GPU, the GPU's SMs, the SM
+    /// limit of this rank's context (MPS) or None, SMs per grid, the smallest
+    /// SMs per grid of any rank).
+    fn device_share(&self) -> PyResult<(usize, u32, Option<u32>, u32, u32)> {
+        let s = self.parts(None)?[0].base().device_share();
+        Ok((
+            s.ranks_on_device,
+            s.device_sms,
+            s.context_sms,
+            s.sms,
+            s.group_sms,
+        ))
+    }
+
+    /// Raises what a kernel of part `part` (every part, intranode first,
+    /// where None) recorded: moelink.TimeoutError for a device wait that ran
+    /// out, ValueError for an expert id out of range (once); for the
+    /// low-latency part also what its proxy or FIFO reported.
+    #[pyo3(signature = (part=None))]
+    fn check_device(&self, part: Option<&str>) -> PyResult<()> {
+        self.parts(part)?
+            .into_iter()
+            .try_for_each(|p| p.check_device())
+            .map_err(to_py)
+    }
+
+    /// Raises moelink.TimeoutError (or the proxy's error) if a device wait of
+    /// part `part` ran out (an expert id out of range is left for
+    /// check_device).
+    fn check_device_timeout(&self, part: &str) -> PyResult<()> {
+        self.part(part)?.check_device_timeout().map_err(to_py)
+    }
+
+    /// *Collective* host barrier of part `part` (of every part, intranode
+    /// first, where None).
+    #[pyo3(signature = (part=None))]
+    fn barrier(&self, py: Python<'_>, part: Option<&str>) -> PyResult<()> {
+        let parts = self.parts(part)?;
+        py.detach(|| parts.into_iter().try_for_each(|p| p.barrier()))
+            .map_err(to_py)
+    }
+
+    /// Frees both parts (idempotent), intranode first. With `collective`
+    /// (every rank calls it): per part, reads its device error, meets the
+    /// other ranks in a barrier, and frees it; raises the first device error
+    /// after both are freed. The caller synchronised the streams that used
+    /// the buffer. The GIL is released.
+    #[pyo3(signature = (collective=false))]
+    fn destroy(&mut self, py: Python<'_>, collective: bool) -> PyResult<()> {
+        if collective {
+            let inner = &mut self.inner;
+            return py.detach(|| inner.destroy()).map_err(to_py);
+        }
+        drop_detached(py, std::mem::take(&mut self.inner));
+        Ok(())
+    }
+
+    #[getter]
+    fn destroyed(&self) -> bool {
+        self.inner.is_empty()
+    }
+
+    // ----- intranode ----------------------------------------------------------
+
+    #[allow(clippy::too_many_arguments)]
+    fn layout(
+        &mut self,
+        stream: usize,
+        topk_idx: u64,
+        num_tokens: usize,
+        num_topk: usize,
+        num_experts: usize,
+        num_tokens_per_rank: u64,
+        num_tokens_per_expert: u64,
+        is_token_in_rank: u64,
+        partials: u64,
+    ) -> PyResult<()> {
+        let call = LayoutCall {
+            topk_idx,
+            num_tokens,
+            num_topk,
+            num_experts,
+            num_tokens_per_rank,
+            num_tokens_per_expert,
+            is_token_in_rank,
+            partials,
+        };
+        self.intranode()?
+            .layout(StreamHandle(stream), &call)
+            .map_err(to_py)
+    }
+
+    /// int32 elements of the scratch `layout` needs.
+    fn layout_scratch_elems(&mut self, num_tokens: usize, num_experts: usize) -> PyResult<usize> {
+        Ok(self
+            .intranode()?
+            .layout_scratch_elems(num_tokens, num_experts))
+    }
+
+    /// Notify + send half of a dispatch (cached when `cached`). Returns the
+    /// epoch to wait for (0 for cached).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, cached, num_tokens, hidden_bytes, num_scales, num_topk,
+        num_experts, x, scales, scale_strides, topk_idx, topk_weights, is_token_in_rank,
+        num_tokens_per_expert, rank_prefix_matrix, send_head, expert_alignment, num_sms))]
+    fn dispatch_send(
+        &mut self,
+        stream: usize,
+        cached: bool,
+        num_tokens: usize,
+        hidden_bytes: usize,
+        num_scales: usize,
+        num_topk: usize,
+        num_experts: usize,
+        x: u64,
+        scales: u64,
+        scale_strides: (i64, i64),
+        topk_idx: u64,
+        topk_weights: u64,
+        is_token_in_rank: u64,
+        num_tokens_per_expert: u64,
+        rank_prefix_matrix: u64,
+        send_head: u64,
+        expert_alignment: usize,
+        num_sms: u32,
+    ) -> PyResult<u64> {
+        let s = shape(num_tokens, hidden_bytes, num_scales, num_topk, num_experts);
+        let inp = DispatchInputs {
+            x,
+            scales,
+            scale_strides,
+            topk_idx,
+            topk_weights,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            rank_prefix_matrix,
+            send_head,
+        };
+        let b = self.intranode()?;
+        let st = StreamHandle(stream);
+        if cached {
+            b.cached_dispatch_send(st, &s, &inp, num_sms)
+                .map_err(to_py)?;
+            Ok(0)
+        } else {
+            b.dispatch_send(st, &s, &inp, expert_alignment, num_sms)
+                .map_err(to_py)
+        }
+    }
+
+    /// Bounded CPU wait for the counts of dispatch `epoch`: (received tokens,
+    /// per-local-expert counts). Releases the GIL.
+    fn wait_counts(
+        &mut self,
+        py: Python<'_>,
+        epoch: u64,
+        num_experts: usize,
+    ) -> PyResult<(usize, Vec<i32>)> {
+        let b = self.intranode()?;
+        py.detach(|| b.wait_counts(epoch, num_experts))
+            .map_err(to_py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, num_tokens, hidden_bytes, num_scales, num_topk, num_experts,
+        rank_prefix_matrix, num_rows, recv_x, recv_scales, scale_strides, recv_topk_idx,
+        recv_topk_weights, recv_src_idx, num_sms))]
+    fn dispatch_recv(
+        &mut self,
+        stream: usize,
+        num_tokens: usize,
+        hidden_bytes: usize,
+        num_scales: usize,
+        num_topk: usize,
+        num_experts: usize,
+        rank_prefix_matrix: u64,
+        num_rows: i64,
+        recv_x: u64,
+        recv_scales: u64,
+        scale_strides: (i64, i64),
+        recv_topk_idx: u64,
+        recv_topk_weights: u64,
+        recv_src_idx: u64,
+        num_sms: u32,
+    ) -> PyResult<()> {
+        let s = shape(num_tokens, hidden_bytes, num_scales, num_topk, num_experts);
+        let out = DispatchOutputs {
+            num_rows,
+            recv_x,
+            recv_scales,
+            scale_strides,
+            recv_topk_idx,
+            recv_topk_weights,
+            recv_src_idx,
+        };
+        self.intranode()?
+            .dispatch_recv(StreamHandle(stream), &s, rank_prefix_matrix, &out, num_sms)
+            .map_err(to_py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, y, num_recv_rows, hidden, topk_weights, num_topk,
+        rank_prefix_matrix, send_head, num_tokens, bias0, bias1, out, out_weights, num_sms))]
+    fn combine(
+        &mut self,
+        stream: usize,
+        y: u64,
+        num_recv_rows: i64,
+        hidden: usize,
+        topk_weights: u64,
+        num_topk: usize,
+        rank_prefix_matrix: u64,
+        send_head: u64,
+        num_tokens: usize,
+        bias0: u64,
+        bias1: u64,
+        out: u64,
+        out_weights: u64,
+        num_sms: u32,
+    ) -> PyResult<()> {
+        let a = CombineArgs {
+            y,
+            num_recv_rows,
+            hidden,
+            topk_weights,
+            num_topk,
+            rank_prefix_matrix,
+            send_head,
+            num_tokens,
+            bias: (bias0, bias1),
+            out,
+            out_weights,
+        };
+        self.intranode()?
+            .combine(StreamHandle(stream), &a, num_sms)
+            .map_err(to_py)
+    }
+
+    // ----- low-latency --------------------------------------------------------
+
+    #[getter]
+    fn uses_proxy(&self) -> PyResult<bool> {
+        Ok(self.ll()?.uses_proxy())
+    }
+
+    /// Device address of the int32 `[R]` rank mask.
+    fn mask_ptr(&self) -> PyResult<u64> {
+        Ok(self.ll()?.mask_ptr())
+    }
+
+    /// ValueError where a call of this shape does not fit the kernels or this
+    /// buffer (checked before the caller allocates the call's outputs).
+    fn check_shape(
+        &self,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+        num_topk: usize,
+    ) -> PyResult<()> {
+        let s = call_shape(max_tokens, hidden, num_experts, num_topk);
+        self.ll()?.check_shape(&s).map_err(to_py)
+    }
+
+    /// (device address, bytes) of the zero-copy combine input for this shape.
+    fn zero_copy_buffer(
+        &self,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+    ) -> PyResult<(u64, usize)> {
+        self.ll()?
+            .zero_copy_buffer(max_tokens, hidden, num_experts)
+            .map_err(to_py)
+    }
+
+    #[getter]
+    fn num_blocks(&self) -> PyResult<u32> {
+        Ok(self.ll()?.num_blocks())
+    }
+
+    fn set_num_blocks(&mut self, n: u32) -> PyResult<()> {
+        let destroyed = self.inner.is_empty();
+        self.inner
+            .low_latency_mut()
+            .ok_or_else(|| absent(destroyed, PartKind::LowLatency))?
+            .set_num_blocks(n);
+        Ok(())
+    }
+
+    /// Phase stamps of the latest launches (`MOELINK_LL_PROFILE=1` at creation):
+    /// u64 `[2][256][16]`, see `ep_kernels::low_latency::PROF_SLOTS` (through ep-core).
+    fn profile(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        let ll = self.ll()?;
+        py.detach(|| ll.profile()).map_err(to_py)
+    }
+
+    /// (triggers popped, [per peer: (triggers of its channel performed, copies
+    /// in flight or None, ms since its latest trigger or None, longest ms an
+    /// operation took to complete (MOELINK_PROXY_QUERY=1, else 0)) or None]) of
+    /// the proxy, or None where peers are reached over NVLink (diagnostics).
+    #[allow(clippy::type_complexity)]
+    fn proxy_progress(
+        &self,
+    ) -> PyResult<Option<(u64, Vec<Option<(u64, Option<bool>, Option<u64>, u64)>>)>> {
+        Ok(self.ll()?.proxy_progress().map(|(tail, peers)| {
+            let peers = peers
+                .into_iter()
+                .map(|p| p.map(|c| (c.handled, c.busy, c.idle_ms, c.max_flight_ms)))
+                .collect();
+            (tail, peers)
+        }))
+    }
+
+    /// Launches `phases_` (1 send, 2 receive, 3 both) of a low-latency
+    /// dispatch on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    fn ll_dispatch(
+        &self,
+        stream: usize,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+        num_topk: usize,
+        num_tokens: usize,
+        x: u64,
+        topk_idx: u64,
+        use_fp8: bool,
+        round_scale: bool,
+        use_ue8m0: bool,
+        recv_x: u64,
+        recv_scales: u64,
+        recv_count: u64,
+        src_info: u64,
+        layout_range: u64,
+        stats_count: u64,
+        stats_wait: u64,
+        phases_: u8,
+    ) -> PyResult<()> {
+        let out = LlDispatchOutputs {
+            recv_x,
+            recv_scales,
+            recv_count,
+            src_info,
+            layout_range,
+            stats_count,
+            stats_wait,
+        };
+        let call = DispatchCall {
+            shape: call_shape(max_tokens, hidden, num_experts, num_topk),
+            x,
+            topk_idx,
+            num_tokens,
+            use_fp8,
+            round_scale,
+            use_ue8m0,
+            out,
+        };
+        self.ll()?
+            .dispatch(StreamHandle(stream), &call, phases(phases_)?)
+            .map_err(to_py)
+    }
+
+    /// Launches `phases_` of a low-latency combine on `stream`.
+    #[allow(clippy::too_many_arguments)]
+    fn ll_combine(
+        &self,
+        stream: usize,
+        max_tokens: usize,
+        hidden: usize,
+        num_experts: usize,
+        num_topk: usize,
+        num_tokens: usize,
+        x: u64,
+        layout_range: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        out: u64,
+        stats_wait: u64,
+        phases_: u8,
+    ) -> PyResult<()> {
+        let call = CombineCall {
+            shape: call_shape(max_tokens, hidden, num_experts, num_topk),
+            x,
+            layout_range,
+            topk_idx,
+            topk_weights,
+            num_tokens,
+            out,
+            stats_wait,
+        };
+        self.ll()?
+            .combine(StreamHandle(stream), &call, phases(phases_)?)
+            .map_err(to_py)
+    }
+
+    /// *Collective.* Resets the low-latency flags and call counters
+    /// (device-synchronous).
+    fn clean(&self, py: Python<'_>) -> PyResult<()> {
+        let ll = self.ll()?;
+        py.detach(|| ll.clean()).map_err(to_py)
+    }
+}
