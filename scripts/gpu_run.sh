@@ -83,6 +83,7 @@ for n in $RANKS; do
   run "intranode-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
   run "low_latency-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/ll_worker.py
   run "allreduce-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/allreduce_worker.py
+  run "ops-$n" 500 $LAUNCH -n "$n" --timeout 480 tests/multi_gpu/ops_worker.py
 done
 # MOELINK_TRAP_ON_TIMEOUT=1 (2 ranks, no MPS: a trap under MPS takes down every
 # rank on the GPU): a device timeout traps the kernel.

@@ -3,11 +3,12 @@
 Dispatch (tokens to the GPUs holding their experts) and combine (expert outputs
 back) over NVLink, behind a DeepEP-compatible ``Buffer``, plus fast allreduce.
 The core is Rust and CUDA (``moelink._native``); this package is the torch API.
+Importing it registers the torch ops ``torch.ops.moelink.*`` (``moelink.ops``).
 """
 
 import torch
 
-from . import _native
+from . import _native, ops
 from ._native import CudaError, TimeoutError, __version__
 from ._streams import EventHandle
 from .allreduce import AllReduce as AllReduce
@@ -30,6 +31,7 @@ __all__ = [
     "__version__",
     "compiled_archs",
     "device_count",
+    "ops",
     "peer_write_check",
     "topk_idx_t",
 ]

@@ -12,6 +12,8 @@ no ``torch.distributed`` collective inside a call, CUDA-graph capturable.
     comm.all_gather(out, inp)                        # out = cat of every rank's inp
     comm.algorithms()                                # names
     comm.tune()                                      # time every candidate, keep the winners
+    comm = moelink.AllReduce.from_process_group(pg)  # one per (group, settings), shared
+    torch.ops.moelink.all_reduce(t, comm.handle)     # as a torch op (docs/torch-integration.md)
 
 Algorithms: allreduce ``oneshot_ll`` (smallest), ``twoshot_ll`` (small/medium),
 ``rsag`` (large: copy into the registered scratch, read-reduce-scatter + all-gather
@@ -38,12 +40,13 @@ import math
 import os
 import re
 import warnings
+import weakref
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from . import _native
+from . import _native, _registry
 from ._device_timeout import device_timeout_ns, env_device_timeout_ns
 from ._group import native_group
 from ._streams import current_raw_stream
@@ -348,6 +351,11 @@ def _entries_from_json(data: dict, gpu: str, world_size: int) -> list:
     return out
 
 
+#: (class, group, keywords) -> the communicator ``from_process_group`` made for
+#: them (weak: an entry goes with its communicator).
+_FROM_GROUP: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
 class AllReduce:
     """Allreduce / allgather communicator among the ranks of ``group`` (one GPU per
     rank, all on one host; at most 8 ranks).
@@ -364,6 +372,8 @@ class AllReduce:
     bound of host waits (registration, peer exchanges; env ``MOELINK_TIMEOUT_S``,
     default 60). The bootstrap is the group's, shared with every Buffer on it and
     bounded by ``MOELINK_TIMEOUT_S`` when the group's first object was made.
+    ``handle``: this communicator's int handle in the registry of moelink's torch
+    ops (``torch.ops.moelink.all_reduce(t, comm.handle)``; dropped by ``destroy()``).
     """
 
     def __init__(
@@ -423,6 +433,8 @@ class AllReduce:
             float(timeout_s),
             timeout_ns,
         )
+        #: This communicator's handle in the op registry (``torch.ops.moelink.*``).
+        self.handle = _registry.register(self)
         self.tune_file = None
         if tune_file is not False:
             path = (
@@ -434,6 +446,40 @@ class AllReduce:
             loaded = self.load_tuning(path)
             if not loaded and autotune:
                 self.tune(path=path)
+
+    @classmethod
+    def from_process_group(cls, pg, **kw) -> AllReduce:
+        """*Collective.* The communicator of torch process group ``pg`` with these
+        settings (``**kw``: the constructor's keywords): the live one an earlier
+        ``from_process_group`` call made with the same group and keywords, else a
+        new ``cls(pg, **kw)``.
+
+        Unlike the constructor, ``pg`` is required and must be a
+        ``torch.distributed.ProcessGroup`` (``TypeError`` otherwise; the
+        constructor takes ``None`` as the default group), and the communicator is
+        shared: every layer or module that asks for the communicator of, say, its
+        tensor-parallel group gets the same one (one scratch buffer, one tuned
+        table). A destroyed communicator is not handed out again. Its ``handle``
+        is what ``torch.ops.moelink.*`` take. Every rank of ``pg`` must make the
+        same calls (the first one creates, which is collective). Keywords whose
+        values cannot be hashed make a new communicator each call."""
+        process_group = getattr(dist, "ProcessGroup", None)
+        if process_group is None or not isinstance(pg, process_group):
+            raise TypeError(
+                "from_process_group needs a torch.distributed.ProcessGroup, got "
+                f"{type(pg).__name__}"
+            )
+        try:
+            key = (cls, pg, tuple(sorted(kw.items())))
+            hash(key)
+        except TypeError:
+            return cls(pg, **kw)
+        comm = _FROM_GROUP.get(key)
+        if comm is not None and getattr(comm, "_native", None) is not None:
+            return comm
+        comm = cls(pg, **kw)
+        _FROM_GROUP[key] = comm
+        return comm
 
     # ----- introspection ---------------------------------------------------------
 
@@ -827,6 +873,7 @@ class AllReduce:
         (registrations included). Idempotent."""
         if self._native is None:
             return
+        _registry.unregister(self)
         native, self._native = self._native, None
         try:
             torch.cuda.current_stream(self.device).synchronize()

@@ -244,8 +244,25 @@ _COMBINE_CONFIGS = {
 _GENERIC_CHUNKS = (6, 256, 6, 256)
 
 
+def _check_config_ranks(num_ranks) -> int:
+    """``num_ranks`` of a config lookup: 1 to ``max_ranks``. Beyond that a
+    ``ValueError`` that names the count and says why (frameworks such as vLLM
+    ask for counts up to 160; never a ``KeyError``)."""
+    num_ranks = check_int("num_ranks", num_ranks, minimum=1)
+    limit = LIMITS["max_ranks"]
+    if num_ranks > limit:
+        raise ValueError(
+            f"num_ranks must be <= {limit}, got {num_ranks}: moelink has no dispatch/combine "
+            f"config for {num_ranks} ranks because its normal kernels run among the GPUs of "
+            f"one host, at most {limit} ranks (moelink.checks.LIMITS['max_ranks']); "
+            f"{num_ranks} ranks would need an internode (multi-node) path, which moelink "
+            "does not have yet"
+        )
+    return num_ranks
+
+
 def _config_for(table: dict, num_ranks: int, num_sms: int | None) -> Config:
-    num_ranks = _check_num_ranks(num_ranks)
+    num_ranks = _check_config_ranks(num_ranks)
     if num_sms is None:
         num_sms = _TUNED_NUM_SMS.get(num_ranks, _DEFAULT_NUM_SMS)
     return Config(num_sms, *table.get(num_ranks, _GENERIC_CHUNKS))
@@ -254,10 +271,12 @@ def _config_for(table: dict, num_ranks: int, num_sms: int | None) -> Config:
 def get_dispatch_config(num_ranks: int, *, num_sms: int | None = None) -> Config:
     """Default ``Config`` for dispatch among ``num_ranks`` ranks.
 
-    Rank counts 2, 4 and 8 have their own entries, any other count (>= 1) gets a
-    generic default. ``num_sms`` is the tuned value (48, from the 4-rank sweep on
-    4 x H200; see the comment above ``_TUNED_NUM_SMS``) unless given, as
-    ``Buffer.set_num_sms`` does. Raises ``ValueError`` for ``num_ranks`` outside 1 to 32.
+    Rank counts 2, 4 and 8 have their own entries, any other count from 1 to
+    ``max_ranks`` (32) a generic default. ``num_sms`` is the tuned value (48, from
+    the 4-rank sweep on 4 x H200; see the comment above ``_TUNED_NUM_SMS``) unless
+    given, as ``Buffer.set_num_sms`` does. Above 32 ranks (vLLM asks up to 160):
+    ``ValueError`` naming the count and why (no internode path); below 1 too;
+    ``TypeError`` for a non-integer.
     """
     return _config_for(_DISPATCH_CONFIGS, num_ranks, num_sms)
 
@@ -265,9 +284,11 @@ def get_dispatch_config(num_ranks: int, *, num_sms: int | None = None) -> Config
 def get_combine_config(num_ranks: int, *, num_sms: int | None = None) -> Config:
     """Default ``Config`` for combine among ``num_ranks`` ranks.
 
-    Rank counts 2, 4 and 8 have their own entries, any other count (>= 1) gets a
-    generic default. ``num_sms`` is the tuned value (48, from the 4-rank sweep on
-    4 x H200; see the comment above ``_TUNED_NUM_SMS``) unless given, as
-    ``Buffer.set_num_sms`` does. Raises ``ValueError`` for ``num_ranks`` outside 1 to 32.
+    Rank counts 2, 4 and 8 have their own entries, any other count from 1 to
+    ``max_ranks`` (32) a generic default. ``num_sms`` is the tuned value (48, from
+    the 4-rank sweep on 4 x H200; see the comment above ``_TUNED_NUM_SMS``) unless
+    given, as ``Buffer.set_num_sms`` does. Above 32 ranks (vLLM asks up to 160):
+    ``ValueError`` naming the count and why (no internode path); below 1 too;
+    ``TypeError`` for a non-integer.
     """
     return _config_for(_COMBINE_CONFIGS, num_ranks, num_sms)
