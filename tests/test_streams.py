@@ -40,16 +40,31 @@ class FakeEvent:
         self.recorded_on = s.name
 
 
+class FakeOrder:
+    """Stands in for ``_native.StreamOrder``: records (waiter, signaler)."""
+
+    def __init__(self, log):
+        self.log = log
+
+    def after(self, waiter, signaler):
+        self.log.append(("after", waiter, signaler))
+
+
 def test_enter_comm_waits_for_the_event_else_for_the_compute_stream():
-    comm, compute = FakeStream("comm"), FakeStream("compute")
-    _streams.enter_comm(comm, compute)
+    from moelink.buffer import Buffer
+
+    comm = FakeStream("comm")
+    b = Buffer.__new__(Buffer)
+    b._comm_stream, b._comm_raw, b._order = comm, 22, FakeOrder(comm.log)
+    compute = 11  # the caller's raw stream
+    b._enter_comm(compute, None)
     ev = _streams.EventOverlap("ev")
-    _streams.enter_comm(comm, compute, ev)
-    _streams.enter_comm(comm, compute, _streams.EventOverlap(None))
+    b._enter_comm(compute, ev)
+    b._enter_comm(compute, _streams.EventOverlap(None))
     assert comm.log == [
-        ("wait_stream", "compute"),
+        ("after", 22, 11),
         ("wait_event", "ev"),
-        ("wait_stream", "compute"),
+        ("after", 22, 11),
     ]
 
 
@@ -100,20 +115,26 @@ def test_low_latency_calls_take_the_raw_stream_unless_async(monkeypatch):
     from types import SimpleNamespace
 
     from moelink import low_latency
+    from moelink.buffer import Buffer
 
     monkeypatch.setattr(low_latency, "current_raw_stream", lambda i: 1000 + i)
-    owner = SimpleNamespace(device=SimpleNamespace(index=3), _comm_stream=FakeStream("comm"))
-    stream, raw, alloc = low_latency.LowLatencyMixin._ll_stream(owner, False)
+    owner = Buffer.__new__(Buffer)
+    owner.device = SimpleNamespace(index=3)
+    owner._comm_stream = FakeStream("comm")
+    owner._comm_raw = 77
+    owner._order = FakeOrder(owner._comm_stream.log)
+    stream, raw, alloc = owner._ll_stream(False)
     assert (stream, raw, alloc) == (None, 1003, _streams.NO_STREAM_SWITCH)
     assert owner._comm_stream.log == []
 
-    owner._comm_stream.cuda_stream = 77
-    compute = FakeStream("compute")
-    monkeypatch.setattr(low_latency.torch.cuda, "current_stream", lambda device=None: compute)
+    # No Stream object for the compute stream: its raw handle is ordered.
+    monkeypatch.setattr(
+        low_latency.torch.cuda, "current_stream", lambda device=None: pytest.fail("Stream")
+    )
     monkeypatch.setattr(low_latency.torch.cuda, "stream", lambda s: ("switch to", s.name))
-    stream, raw, alloc = low_latency.LowLatencyMixin._ll_stream(owner, True)
+    stream, raw, alloc = owner._ll_stream(True)
     assert (stream, raw, alloc) == (owner._comm_stream, 77, ("switch to", "comm"))
-    assert owner._comm_stream.log == [("wait_stream", "compute")]
+    assert owner._comm_stream.log == [("after", 77, 1003)]
 
 
 def test_event_handle_records_where_it_is_made_and_waits_later(monkeypatch):

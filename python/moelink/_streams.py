@@ -1,6 +1,7 @@
 """Stream handling that the Buffer's normal, cached and low-latency paths share:
-the event a call returns, moving work onto the communication stream, and the
-bookkeeping of an asynchronous finish."""
+the event a call returns, the caller's raw stream, and the bookkeeping of an
+asynchronous finish. (Moving work onto the communication stream is
+``Buffer._enter_comm``, through ``_native.StreamOrder``.)"""
 
 from __future__ import annotations
 
@@ -64,15 +65,6 @@ def check_previous_event(previous_event) -> None:
         raise TypeError(
             f"previous_event must be an EventOverlap, got {type(previous_event).__name__}"
         )
-
-
-def enter_comm(comm_stream, compute, previous_event=None) -> None:
-    """The communication stream waits for ``previous_event`` where it holds an
-    event, else for everything queued on ``compute`` so far."""
-    if previous_event is not None and previous_event.event is not None:
-        comm_stream.wait_event(previous_event.event)
-    else:
-        comm_stream.wait_stream(compute)
 
 
 def finish_async(stream, tensors) -> EventOverlap:

@@ -12,7 +12,7 @@ import torch
 
 from . import _native
 from ._buffer_common import _check_ids, _CudaMemory
-from ._streams import NO_STREAM_SWITCH, EventOverlap, current_raw_stream, enter_comm, finish_async
+from ._streams import NO_STREAM_SWITCH, EventOverlap, current_raw_stream, finish_async
 from .checks import (
     _NO_SIG,
     LIMITS,
@@ -130,9 +130,9 @@ class LowLatencyMixin:
         stream after it waited for the compute stream where ``async_finish``, else
         the compute stream's raw handle (no Stream object: one C call)."""
         if async_finish:
-            enter_comm(self._comm_stream, torch.cuda.current_stream(self.device))
+            self._enter_comm(current_raw_stream(self.device.index), None)
             s = self._comm_stream
-            return s, s.cuda_stream, torch.cuda.stream(s)
+            return s, self._comm_raw, torch.cuda.stream(s)
         return None, current_raw_stream(self.device.index), NO_STREAM_SWITCH
 
     def _ll_finish(self, stream, async_finish: bool, tensors):

@@ -29,13 +29,7 @@ fn fixed_record<'a, const N: usize>(b: &'a [u8], peer: usize, what: &str) -> Res
 /// device, none allowed) or, where devices exist, that queue pairs are not
 /// built yet. Bad `MOELINK_IB_*` values fail first, naming the variable.
 pub fn connect_unavailable() -> CommError {
-    let config = match config::IbConfig::from_env() {
-        Ok(c) => c,
-        Err(e) => return e,
-    };
-    let devices: Result<Vec<String>> =
-        verbs::Verbs::load().and_then(|v| verbs::usable_devices(&v, &config.hca));
-    match devices {
+    match crate::transport::usable_rdma_devices() {
         Err(e) => e,
         Ok(devs) => CommError::invalid(
             "transport",
