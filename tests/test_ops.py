@@ -12,7 +12,9 @@ of the same ops are in tests/multi_gpu/ops_worker.py.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -294,7 +296,7 @@ def test_the_handle_picks_the_object(comm, ll):
         assert torch.equal(OPS.all_reduce(x, h3), ar_expected(x, 3, "sum"))
         assert torch.equal(OPS.all_reduce(x, h5), ar_expected(x, 5, "sum"))
         assert len(c3.calls) == 1 and len(c5.calls) == 1
-        assert OPS.all_gather(x, h5).shape == (20,)
+        assert OPS.all_gather(x, h5, 5).shape == (20,)
     finally:
         mops.unregister(c5)
     # A low-latency Buffer under the handle of an allreduce op: a TypeError that says so.
@@ -302,7 +304,7 @@ def test_the_handle_picks_the_object(comm, ll):
         OPS.all_reduce(torch.ones(2), ll[1])
     with pytest.raises(TypeError, match="no low_latency_dispatch"):
         x, idx, _ = ll_inputs()
-        OPS.ll_dispatch(x, idx, h3, 8, 8, None)
+        OPS.ll_dispatch(x, idx, h3, 3, 8, 8, None)
 
 
 # ----- fake implementations ----------------------------------------------------------------
@@ -340,10 +342,62 @@ def test_fake_all_gather(comm):
     with FakeTensorMode():
         for shape, want in (((), (3,)), ((5,), (15,)), ((2, 7), (6, 7)), ((0, 4), (0, 4))):
             for dtype in (torch.bfloat16, torch.int64, torch.uint8):
-                y = OPS.all_gather(torch.empty(shape, dtype=dtype), h)
+                y = OPS.all_gather(torch.empty(shape, dtype=dtype), h, 3)
                 assert (tuple(y.shape), y.dtype, y.is_contiguous()) == (want, dtype, True)
         with pytest.raises(ValueError, match="names no registered"):
-            OPS.all_gather(torch.empty(3), 10**9)
+            OPS.all_gather(torch.empty(3), 10**9, 3)
+
+
+def test_group_size_must_match_the_registered_object(comm, ll):
+    """The ops whose output shape depends on the rank count take it as an argument,
+    and refuse one that is not the registered object's, traced or run."""
+    _, hc = comm  # world 3
+    _, hl = ll  # group size 2
+    x, idx, _ = ll_inputs()
+    for mode in (contextlib.nullcontext(), FakeTensorMode()):
+        with mode:
+            a = torch.empty(4) if isinstance(mode, FakeTensorMode) else torch.ones(4)
+            with pytest.raises(ValueError, match="group_size is 4, but the StandInAllReduce"):
+                OPS.all_gather(a, hc, 4)
+    with pytest.raises(ValueError, match="group_size is 3, but the StandInLowLatency"):
+        OPS.ll_dispatch(x, idx, hl, 3, 8, 8, None)
+    with FakeTensorMode():
+        fx, fidx = torch.empty(x.shape, dtype=x.dtype), torch.empty(idx.shape, dtype=idx.dtype)
+        with pytest.raises(ValueError, match="group_size is 1, but"):
+            OPS.ll_dispatch(fx, fidx, hl, 1, 8, 8, None)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_CACHED_COMPILE = """
+import sys, torch, moelink.ops as mops
+from tests.test_ops import StandInAllReduce
+world = int(sys.argv[1])
+comm = StandInAllReduce(world=world)  # the registry holds it weakly
+h = mops.register(comm)
+f = torch.compile(lambda x: torch.ops.moelink.all_gather(x * 2, h, world) + 1,
+                  fullgraph=True, backend="inductor")
+x = torch.arange(6, dtype=torch.float32)
+got = f(x)
+want = torch.cat([x * 2 + p for p in range(world)]) + 1
+assert torch.equal(got, want), (world, h, got.shape)
+print("ok", world, h)
+"""
+
+
+def test_inductor_cache_is_not_shared_across_group_sizes(tmp_path):
+    """Two processes with the same handle number and different group sizes, one
+    inductor cache directory: the second must not reuse the first's graph (its
+    output shape would be the first one's group size)."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "PYTHONPATH": path}
+    for world in (2, 4):
+        p = subprocess.run(
+            [sys.executable, "-c", _CACHED_COMPILE, str(world)],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+        )  # fmt: skip
+        assert p.returncode == 0, p.stderr[-3000:]
+        assert p.stdout.split() == ["ok", str(world), "1"], p.stdout
 
 
 @pytest.mark.parametrize("use_fp8,ue8m0", [(True, False), (True, True), (False, False)])
@@ -357,7 +411,7 @@ def test_fake_ll_dispatch_shapes(use_fp8, ue8m0):
             idx = torch.empty(10, 8, dtype=torch.int64)
             stats = torch.empty(8, dtype=torch.int32)
             recv_x, scales, count, src_info, layout_range = OPS.ll_dispatch(
-                x, idx, h, t, e, stats, use_fp8, ue8m0, ue8m0
+                x, idx, h, 4, t, e, stats, use_fp8, ue8m0, ue8m0
             )
         assert b.calls == []  # the fake ran, not the object
         assert (recv_x.shape, recv_x.dtype) == (
@@ -409,7 +463,7 @@ def test_fake_ll_errors():
             def dispatch(**kw):
                 a = {"x": x, "topk_idx": idx, "t": 16, "e": 32, "fp8": True, "rs": False,
                      "ue": False, "stats": None, **kw}  # fmt: skip
-                return OPS.ll_dispatch(a["x"], a["topk_idx"], h, a["t"], a["e"], a["stats"],
+                return OPS.ll_dispatch(a["x"], a["topk_idx"], h, 4, a["t"], a["e"], a["stats"],
                                        a["fp8"], a["rs"], a["ue"])  # fmt: skip
 
             cases = [
@@ -481,10 +535,10 @@ def test_all_reduce_forwards_its_arguments(comm):
 def test_all_gather_through_a_stand_in(comm):
     c, h = comm
     x = torch.arange(6, dtype=torch.int32).view(2, 3)
-    y = OPS.all_gather(x, h, "ag_ll")
+    y = OPS.all_gather(x, h, 3, "ag_ll")
     assert torch.equal(y, torch.cat([x + p for p in range(3)]))
-    assert torch.equal(OPS.all_gather(torch.tensor(5.0), h), torch.tensor([5.0, 6.0, 7.0]))
-    assert torch.equal(OPS.all_gather(x.t(), h), torch.cat([x.t() + p for p in range(3)]))
+    assert torch.equal(OPS.all_gather(torch.tensor(5.0), h, 3), torch.tensor([5.0, 6.0, 7.0]))
+    assert torch.equal(OPS.all_gather(x.t(), h, 3), torch.cat([x.t() + p for p in range(3)]))
     assert c.calls[0] == ("all_gather", "ag_ll", (2, 3))
 
 
@@ -493,7 +547,7 @@ def test_ll_dispatch_through_a_stand_in(ll, use_fp8, ue8m0):
     b, h = ll
     x, idx, _ = ll_inputs()
     stats = torch.zeros(4, dtype=torch.int32)
-    got = OPS.ll_dispatch(x, idx, h, 8, 8, stats, use_fp8, ue8m0, ue8m0)
+    got = OPS.ll_dispatch(x, idx, h, 2, 8, 8, stats, use_fp8, ue8m0, ue8m0)
     assert b.calls == [("dispatch", 8, 8, use_fp8, ue8m0, ue8m0)]
     want, count, handle, _, _ = b.low_latency_dispatch(
         x, idx, 8, 8, use_fp8=use_fp8, round_scale=ue8m0, use_ue8m0=ue8m0
@@ -515,7 +569,7 @@ def test_ll_round_trip_through_a_stand_in(ll):
     and bit for bit what the stand-in's own methods give."""
     b, h = ll
     x, idx, w = ll_inputs()
-    recv_x, _, count, src_info, layout_range = OPS.ll_dispatch(x, idx, h, 8, 8, None, False)
+    recv_x, _, count, src_info, layout_range = OPS.ll_dispatch(x, idx, h, 2, 8, 8, None, False)
     out = OPS.ll_combine(recv_x, idx, w, src_info, layout_range, h, 8, 8)
     want = (x.float() * (w * (idx >= 0)).sum(1, keepdim=True)).to(torch.bfloat16)
     assert out.shape == x.shape and out.dtype == torch.bfloat16
@@ -531,15 +585,15 @@ def test_opcheck(comm, ll):
     _, hc = comm
     _, hl = ll
     x, idx, w = ll_inputs()
-    recv_x, _, _, src_info, layout_range = OPS.ll_dispatch(x, idx, hl, 8, 8, None, False)
+    recv_x, _, _, src_info, layout_range = OPS.ll_dispatch(x, idx, hl, 2, 8, 8, None, False)
     cases = [
         (OPS.all_reduce.default, (torch.randn(3, 5), hc, "max")),
         (OPS.all_reduce.default, (torch.randn(5, 3).t(), hc)),
         (OPS.all_reduce_.default, (torch.randn(3, 5), hc, "sum")),
-        (OPS.all_gather.default, (torch.randn(2, 5), hc)),
-        (OPS.ll_dispatch.default, (x, idx, hl, 8, 8, torch.zeros(4, dtype=torch.int32))),
-        (OPS.ll_dispatch.default, (x, idx, hl, 8, 8, None, True, True, True)),
-        (OPS.ll_dispatch.default, (x, idx, hl, 8, 8, None, False)),
+        (OPS.all_gather.default, (torch.randn(2, 5), hc, 3)),
+        (OPS.ll_dispatch.default, (x, idx, hl, 2, 8, 8, torch.zeros(4, dtype=torch.int32))),
+        (OPS.ll_dispatch.default, (x, idx, hl, 2, 8, 8, None, True, True, True)),
+        (OPS.ll_dispatch.default, (x, idx, hl, 2, 8, 8, None, False)),
         (OPS.ll_combine.default, (recv_x, idx, w, src_info, layout_range, hl, 8, 8)),
     ]  # fmt: skip
     for op, args in cases:
@@ -571,7 +625,7 @@ def test_compile_allreduce_ops(comm):
         y = OPS.all_reduce(x * 2, h, "sum")
         z = x + 1
         mops.all_reduce_(z, h, "max")
-        return y + 1, z, OPS.all_gather(x, h)
+        return y + 1, z, OPS.all_gather(x, h, 3)
 
     x = torch.randn(4, 3)
     y, z, g = f(x)
@@ -607,7 +661,7 @@ def test_compile_ll_round_trip(ll, backend):
     x, idx, w = ll_inputs()
 
     def f(x, idx, w):
-        recv_x, _, count, src_info, layout_range = OPS.ll_dispatch(x, idx, h, 8, 8, None, False)
+        recv_x, _, count, src_info, layout_range = OPS.ll_dispatch(x, idx, h, 2, 8, 8, None, False)
         y = recv_x * 1  # the "experts"
         return OPS.ll_combine(y, idx, w, src_info, layout_range, h, 8, 8), count
 

@@ -14,10 +14,11 @@ strides) and CUDA graphs capture them. Schemas (``SCHEMAS``):
   place through moelink where its ``AllReduce`` serves the call
   (``comm_serves``), else ``torch.distributed.all_reduce`` on the
   communicator's group (``op`` also "avg" / "product", which go to NCCL).
-- ``all_gather(Tensor inp, int handle, str? algorithm=None) -> Tensor``: every
+- ``all_gather(Tensor inp, int handle, int group_size, str? algorithm=None) ->
+  Tensor``: every
   rank's ``inp`` concatenated along dim 0, ``[R * inp.shape[0], *inp.shape[1:]]``
   (``[R]`` for a 0-d ``inp``), as ``torch.distributed.all_gather_into_tensor``.
-- ``ll_dispatch(Tensor x, Tensor topk_idx, int handle, int
+- ``ll_dispatch(Tensor x, Tensor topk_idx, int handle, int group_size, int
   num_max_dispatch_tokens_per_rank, int num_experts, Tensor(a!)?
   cumulative_local_expert_recv_stats, bool use_fp8=True, bool round_scale=False,
   bool use_ue8m0=False) -> (Tensor recv_x, Tensor scales, Tensor recv_count,
@@ -39,13 +40,18 @@ strides) and CUDA graphs capture them. Schemas (``SCHEMAS``):
   ``(src_info, layout_range, T, H, num_experts)``; bf16 ``[N, H]``.
 
 ``handle`` names the ``AllReduce`` / ``Buffer`` in the process-wide registry
-(``moelink._registry``; ``AllReduce.handle``, ``moelink.ops.register(buffer)``):
+(``moelink._registry``; ``AllReduce.handle``, ``Buffer.handle``):
 a schema holds tensors and scalars only. It is an ``int`` (not ``SymInt``), so a
-compiled graph specializes on it. The fakes of ``all_gather`` and the
-low-latency ops read the world size from the registered object at trace time;
-the allreduce fakes need no registration. The real implementations call only the
-public methods of the registered object, so a stand-in with the same methods
-(tests: a CPU object) runs the ops anywhere.
+compiled graph specializes on it. The ops whose output shapes depend on the
+number of ranks (``all_gather``, ``ll_dispatch``) take it as ``group_size``, as
+torch's own functional collectives do, and check it against the registered
+object (``ValueError`` when they differ): inductor's on-disk graph cache keys on
+the graph, not on the registry, so a shape read only from the registered object
+would let a 4-rank process reuse a graph compiled by a 2-rank one (seen on the
+GPU: sizes 12000 == 6000 asserted). The other fakes read the registered object
+only to check their arguments; the allreduce fakes need no registration. The
+real implementations call only the public methods of the registered object, so
+a stand-in with the same methods (tests: a CPU object) runs the ops anywhere.
 
 Not covered: autograd (no backward formulas: wrap the ops in an
 ``autograd.Function`` as Megatron does), receive hooks and ``async_finish``
@@ -78,9 +84,10 @@ SCHEMAS = {
         "ScalarType? accum_dtype=None) -> ()"
     ),
     "all_reduce_or_nccl_": '(Tensor(a!) tensor, int handle, str op="sum") -> ()',
-    "all_gather": "(Tensor inp, int handle, str? algorithm=None) -> Tensor",
+    "all_gather": "(Tensor inp, int handle, int group_size, str? algorithm=None) -> Tensor",
     "ll_dispatch": (
-        "(Tensor x, Tensor topk_idx, int handle, int num_max_dispatch_tokens_per_rank, "
+        "(Tensor x, Tensor topk_idx, int handle, int group_size, "
+        "int num_max_dispatch_tokens_per_rank, "
         "int num_experts, Tensor(a!)? cumulative_local_expert_recv_stats, bool use_fp8=True, "
         "bool round_scale=False, bool use_ue8m0=False) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)"
@@ -120,12 +127,19 @@ def _target(handle: int, op: str, method: str):
     return obj
 
 
-def _ranks(obj, attr: str, op: str, handle: int) -> int:
+def _ranks(obj, attr: str, op: str, handle: int, group_size=None) -> int:
+    """The group size of ``obj`` (its ``attr``); with ``group_size`` (an op's
+    argument), checked against it."""
     n = getattr(obj, attr, None)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise TypeError(
             f"torch.ops.moelink.{op}: the {type(obj).__name__} under handle {handle} has no "
             f"integer {attr} (got {n!r})"
+        )
+    if group_size is not None and group_size != n:
+        raise ValueError(
+            f"torch.ops.moelink.{op}: group_size is {group_size}, but the "
+            f"{type(obj).__name__} under handle {handle} has {n} ranks"
         )
     return n
 
@@ -244,9 +258,9 @@ def _gathered_shape(inp, world: int) -> list:
     return [world * inp.shape[0], *inp.shape[1:]]
 
 
-def _all_gather(inp, handle, algorithm=None):
+def _all_gather(inp, handle, group_size, algorithm=None):
     comm = _target(handle, "all_gather", "all_gather")
-    world = _ranks(comm, "world_size", "all_gather", handle)
+    world = _ranks(comm, "world_size", "all_gather", handle, group_size)
     out = inp.new_empty(_gathered_shape(inp, world))
     comm.all_gather(out, inp.contiguous(), algorithm=algorithm)
     return out
@@ -256,20 +270,22 @@ all_gather = _define("all_gather", _all_gather)
 
 
 @all_gather.register_fake
-def _all_gather_fake(inp, handle, algorithm=None):
+def _all_gather_fake(inp, handle, group_size, algorithm=None):
     comm = _target(handle, "all_gather", "all_gather")
-    world = _ranks(comm, "world_size", "all_gather", handle)
+    world = _ranks(comm, "world_size", "all_gather", handle, group_size)
     return inp.new_empty(_gathered_shape(inp, world))
 
 
 # ----- low latency --------------------------------------------------------------------
 
 
-def _ll_geometry(op: str, handle: int, num_max_dispatch_tokens_per_rank, num_experts):
+def _ll_geometry(
+    op: str, handle: int, num_max_dispatch_tokens_per_rank, num_experts, group_size=None
+):
     """``(Buffer, R, T, E_local)`` of a low-latency op, checked."""
     method = "low_latency_dispatch" if op == "ll_dispatch" else "low_latency_combine"
     buf = _target(handle, op, method)
-    r = _ranks(buf, "group_size", op, handle)
+    r = _ranks(buf, "group_size", op, handle, group_size)
     t = check_int(
         "num_max_dispatch_tokens_per_rank",
         num_max_dispatch_tokens_per_rank,
@@ -309,11 +325,11 @@ def _scales_like(x, el: int, rt: int, hidden, use_fp8: bool, use_ue8m0: bool):
 
 
 def _ll_dispatch_checked(
-    x, topk_idx, handle, t_arg, num_experts, use_fp8, round_scale, use_ue8m0, stats
+    x, topk_idx, handle, group_size, t_arg, num_experts, use_fp8, round_scale, use_ue8m0, stats
 ):
-    """The checks of ``ll_dispatch`` (trace and run time); returns
+    """The checks of ``ll_dispatch`` (trace time); returns
     ``(Buffer, R, T, E_local, N, H)``."""
-    buf, r, t, el = _ll_geometry("ll_dispatch", handle, t_arg, num_experts)
+    buf, r, t, el = _ll_geometry("ll_dispatch", handle, t_arg, num_experts, group_size)
     check_tensor("x", x, dtype=torch.bfloat16, dims=2)
     n, hidden = x.shape
     _check_hidden("ll_dispatch", "x.shape[1]", hidden)
@@ -330,11 +346,12 @@ def _ll_dispatch_checked(
 
 
 def _ll_dispatch(
-    x, topk_idx, handle, num_max_dispatch_tokens_per_rank, num_experts,
+    x, topk_idx, handle, group_size, num_max_dispatch_tokens_per_rank, num_experts,
     cumulative_local_expert_recv_stats, use_fp8=True, round_scale=False, use_ue8m0=False,
 ):  # fmt: skip
-    # The Buffer checks every argument (and memoizes the checks of a shape).
+    # The Buffer checks every other argument (and memoizes the checks of a shape).
     buf = _target(handle, "ll_dispatch", "low_latency_dispatch")
+    _ranks(buf, "group_size", "ll_dispatch", handle, group_size)
     t = num_max_dispatch_tokens_per_rank
     recv, recv_count, ll_handle, _event, _hook = buf.low_latency_dispatch(
         x.contiguous(), topk_idx.contiguous(), t, num_experts,
@@ -357,11 +374,11 @@ ll_dispatch = _define(
 
 @ll_dispatch.register_fake
 def _ll_dispatch_fake(
-    x, topk_idx, handle, num_max_dispatch_tokens_per_rank, num_experts,
+    x, topk_idx, handle, group_size, num_max_dispatch_tokens_per_rank, num_experts,
     cumulative_local_expert_recv_stats, use_fp8=True, round_scale=False, use_ue8m0=False,
 ):  # fmt: skip
     _, r, t, el, _, hidden = _ll_dispatch_checked(
-        x, topk_idx, handle, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+        x, topk_idx, handle, group_size, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
         round_scale, use_ue8m0, cumulative_local_expert_recv_stats,
     )  # fmt: skip
     rt = r * t

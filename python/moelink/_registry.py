@@ -5,12 +5,11 @@ op names its ``AllReduce`` / ``Buffer`` by a handle and looks it up when it runs
 (and when it is traced: the fake implementations read the world size there).
 
 - ``register(obj) -> int``: the object's handle, made at its first registration
-  (an ``AllReduce`` registers itself when it is made; a ``Buffer`` through
-  ``moelink.ops.register``). Registering again returns the same handle. Handles
-  count up from 1 and are never reused, so a stale handle never names another
-  object.
+  (an ``AllReduce`` and a ``Buffer`` register themselves when they are made).
+  Registering again returns the same handle. Handles count up from 1 and are
+  never reused, so a stale handle never names another object.
 - The table holds weak references: an entry goes when its object is collected
-  (and an ``AllReduce`` unregisters itself in ``destroy()``), so registering never
+  (and an ``AllReduce`` or ``Buffer`` unregisters itself in ``destroy()``), so registering never
   keeps a communicator or its GPU memory alive.
 - ``unregister(obj_or_handle)``, ``lookup(handle)`` (``ValueError`` naming the
   handle when nothing is registered under it).
@@ -105,7 +104,7 @@ def lookup(handle: int):
         raise ValueError(
             f"handle {handle} names no registered moelink object (never registered, "
             "unregistered, or its AllReduce / Buffer was destroyed or collected); "
-            "handles come from AllReduce.handle or moelink.ops.register(obj)"
+            "handles come from AllReduce.handle, Buffer.handle or moelink.ops.register(obj)"
         )
     return obj
 

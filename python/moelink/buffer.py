@@ -15,7 +15,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import _native
+from . import _native, _registry
 from ._buffer_common import PlanCache, _check_ids, _CudaMemory
 from ._device_timeout import env_device_timeout_ns
 from ._group import native_group as _native_group
@@ -190,6 +190,10 @@ class Buffer(LowLatencyMixin):
             self._native = ep if num_nvl_bytes > 0 else None
             if low_latency_mode:
                 self._ll = ep
+        #: This Buffer's handle in the op registry (``torch.ops.moelink.ll_dispatch`` /
+        #: ``ll_combine`` take it); it is dropped by ``destroy()`` and when the Buffer
+        #: is collected.
+        self.handle = _registry.register(self)
 
     # ----- static helpers -------------------------------------------------------
 
@@ -284,6 +288,7 @@ class Buffer(LowLatencyMixin):
         """Frees the buffer (collective: every rank calls it). Needs ``explicitly_destroy=True``."""
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs a Buffer created with explicitly_destroy=True")
+        _registry.unregister(self)
         ep = self._native if self._native is not None else self._ll
         if ep is None:
             return

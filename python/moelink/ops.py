@@ -9,9 +9,9 @@ They name their communicator or Buffer by an int handle:
     comm = moelink.AllReduce.from_process_group(tp_group)   # registered: comm.handle
     y = torch.ops.moelink.all_reduce(x, comm.handle)
     buf = moelink.Buffer(group, 0, num_rdma_bytes, low_latency_mode=True)
-    h = moelink.ops.register(buf)                           # a Buffer registers here
+    h = buf.handle                                          # registered too
     recv_x, scales, count, src_info, layout_range = torch.ops.moelink.ll_dispatch(
-        x, topk_idx, h, max_tokens, num_experts, None)  # None: no stats tensor
+        x, topk_idx, h, buf.group_size, max_tokens, num_experts, None)  # None: no stats
 
 ``all_reduce_or_nccl(t, handle)`` is the drop-in for a model's
 ``torch.distributed.all_reduce(t, group=...)``: moelink where it serves the call,

@@ -85,7 +85,7 @@ def new_buffer(ctx: Ctx) -> moelink.Buffer:
         buf = llw.new_ll_buffer(ctx.ll)
     finally:
         del os.environ["MOELINK_LL_TIMEOUT_S"]
-    ctx.buf_handle = mops.register(buf)
+    ctx.buf_handle = buf.handle  # a Buffer registers itself
     return buf
 
 
@@ -109,11 +109,28 @@ def flat_inputs(ctx: Ctx, tag, n: int, dtype) -> list:
 # ----- registry ---------------------------------------------------------------------------
 
 
+def destroy_and_expect_unregistered(chk, obj, what: str) -> None:
+    """``obj.destroy()``; its handle must then name nothing."""
+    h = obj.handle
+    obj.destroy()
+    try:
+        mops.lookup(h)
+        chk.expect(False, f"a destroyed {what} is still registered")
+    except ValueError:
+        chk.expect(True, "")
+
+
 def scenario_registry(ctx: Ctx) -> None:
     chk = arw.Checker()
     comm = ctx.comm
     chk.expect(mops.lookup(comm.handle) is comm, "the AllReduce is not under its handle")
     chk.expect(mops.register(ctx.buf) == ctx.buf_handle, "a Buffer registered twice changed handle")
+    chk.expect(mops.lookup(ctx.buf_handle) is ctx.buf, "the Buffer is not under its handle")
+    extra = llw.new_ll_buffer(ctx.ll, t=16, h=1024)
+    hb = extra.handle
+    chk.expect(hb != ctx.buf_handle and mops.lookup(hb) is extra, "a second Buffer's handle")
+    destroy_and_expect_unregistered(chk, extra, "Buffer")
+    del extra
     a = moelink.AllReduce.from_process_group(ctx.ar.group, max_bytes=MIB, tune_file=False)
     b = moelink.AllReduce.from_process_group(ctx.ar.group, tune_file=False, max_bytes=MIB)
     chk.expect(a is b, "from_process_group made two communicators for the same settings")
@@ -123,12 +140,7 @@ def scenario_registry(ctx: Ctx) -> None:
     torch.cuda.synchronize()
     arw.check_allreduce(ctx.ar, chk, "registry all_reduce", y, inputs, "sum")
     h = a.handle
-    a.destroy()
-    try:
-        mops.lookup(h)
-        chk.expect(False, "a destroyed AllReduce is still registered")
-    except ValueError:
-        chk.expect(True, "")
+    destroy_and_expect_unregistered(chk, a, "AllReduce")
     c = moelink.AllReduce.from_process_group(ctx.ar.group, max_bytes=MIB, tune_file=False)
     chk.expect(c is not a and c.handle != h, "from_process_group handed out a destroyed one")
     c.destroy()
@@ -195,7 +207,7 @@ def scenario_all_gather_eager(ctx: Ctx) -> None:
             inputs = flat_inputs(ctx, ("ag", name), n, dtype)
             x = inputs[r].view(shape)
             poison_free(ctx)
-            y = OPS.all_gather(x, h)
+            y = OPS.all_gather(x, h, ctx.ar.world)
             torch.cuda.synchronize()
             want_shape = (world,) if shape == () else (world * shape[0], *shape[1:])
             chk.expect(tuple(y.shape) == want_shape, f"{name}: shape {tuple(y.shape)}")
@@ -292,9 +304,9 @@ def ll_round_trip(ctx: Ctx, label: str, dispatch, combine, *, use_fp8: bool, ue8
 
 
 def eager_dispatch(ctx: Ctx, use_fp8: bool, ue8m0: bool):
-    h = ctx.buf_handle
-    return lambda x, idx, stats, e: OPS.ll_dispatch(x, idx, h, LL_T, e, stats, use_fp8, ue8m0,
-                                                    ue8m0)  # fmt: skip
+    h, world = ctx.buf_handle, ctx.ar.world
+    return lambda x, idx, stats, e: OPS.ll_dispatch(x, idx, h, world, LL_T, e, stats, use_fp8,
+                                                    ue8m0, ue8m0)  # fmt: skip
 
 
 def eager_combine(ctx: Ctx):
@@ -331,7 +343,7 @@ def scenario_compiled(ctx: Ctx) -> None:
         y = OPS.all_reduce(x * 2, h, "sum")
         z = x + 0
         OPS.all_reduce_(z, h, "max")
-        return y, z, OPS.all_gather(x, h)
+        return y, z, OPS.all_gather(x, h, ctx.ar.world)
 
     def f_route(x, x64):
         mops.all_reduce_or_nccl(x, h)
@@ -367,7 +379,7 @@ def scenario_compiled(ctx: Ctx) -> None:
         hb = ctx.buf_handle
 
         def f_dispatch(x, idx, stats, e, hb=hb):
-            return OPS.ll_dispatch(x, idx, hb, LL_T, e, stats, True, False, False)
+            return OPS.ll_dispatch(x, idx, hb, ctx.ar.world, LL_T, e, stats, True, False, False)
 
         def f_combine(y, idx, w, si, lr, e, hb=hb):
             return OPS.ll_combine(y * 1, idx, w, si, lr, hb, LL_T, e)
@@ -405,9 +417,9 @@ def scenario_cuda_graph(ctx: Ctx) -> None:
     def body():
         outs["ar"] = OPS.all_reduce(x, h, "sum")
         OPS.all_reduce_(z, h, "max")
-        outs["ag"] = OPS.all_gather(x, h)
+        outs["ag"] = OPS.all_gather(x, h, ctx.ar.world)
         mops.all_reduce_or_nccl(q, h)
-        recv_x, _, count, si, lr = OPS.ll_dispatch(lx, lidx, hb, LL_T, e, None, False)
+        recv_x, _, count, si, lr = OPS.ll_dispatch(lx, lidx, hb, ctx.ar.world, LL_T, e, None, False)
         outs["ll"] = (recv_x, count, si, lr)
         outs["comb"] = OPS.ll_combine(recv_x, lidx, lw, si, lr, hb, LL_T, e)
 
