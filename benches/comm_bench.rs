@@ -73,15 +73,6 @@ const BOOTSTRAP_TIMEOUT: Duration = Duration::from_secs(150);
 /// Bound of every device-side wait, ns of GPU time (below `WAIT`, so a hang is
 /// reported by the device, naming rank and peer).
 const DEVICE_TIMEOUT_NS: i64 = comm::error::DEFAULT_DEVICE_TIMEOUT_NS;
-/// A FIFO test kernel of `kernels::testing` (`fifo_roundtrip`, `fifo_push_only`).
-type FifoKernel = unsafe fn(
-    Device,
-    comm::StreamHandle,
-    PortChannelDeviceHandle,
-    i32,
-    i64,
-    u64,
-) -> comm::Result<()>;
 const FIFO_SLOTS: usize = 1024;
 const THREADS: u32 = 1024;
 /// Bytes per block of the memory-channel put before another block is added.
@@ -590,7 +581,8 @@ impl Bench {
     /// Every error a device wait, a FIFO operation or the proxy recorded on this rank.
     fn health(&self) -> Result<()> {
         self.comm
-            .check_device()
+            .device_error()
+            .check()
             .context("communicator device-error record")?;
         self.proxy
             .fifo()
@@ -894,13 +886,14 @@ impl Bench {
 
     /// One timed launch of `kernel` (a FIFO test kernel of `kernels::testing`)
     /// on rank 0's port channel, `iters` operations: microseconds per operation.
-    fn fifo_kernel_us(&self, what: &str, kernel: FifoKernel, iters: i32) -> Result<f64> {
+    fn fifo_kernel_us(&self, what: &str, kernel: testing::FifoTest, iters: i32) -> Result<f64> {
         let port = self.port()?;
         // SAFETY: the handle is valid for this device; out_ns is a device u64.
         let ns = self.timed_launch(what, || unsafe {
-            kernel(
+            testing::fifo(
                 self.device,
                 self.stream.handle(),
+                kernel,
                 port,
                 iters,
                 DEVICE_TIMEOUT_NS,
@@ -922,7 +915,7 @@ impl Bench {
                     cfg.fifo_iters
                 };
                 let what = format!("FIFO round trip {rep}/{}", cfg.reps);
-                let us = self.fifo_kernel_us(&what, testing::fifo_roundtrip, iters)?;
+                let us = self.fifo_kernel_us(&what, testing::FifoTest::RoundTrip, iters)?;
                 if rep > 0 {
                     samples.push(us);
                 }
@@ -952,7 +945,7 @@ impl Bench {
                 let mut push = Vec::new();
                 for rep in 0..=cfg.reps {
                     let us =
-                        self.fifo_kernel_us("FIFO push-only", testing::fifo_push_only, iters)?;
+                        self.fifo_kernel_us("FIFO push-only", testing::FifoTest::PushOnly, iters)?;
                     if rep > 0 {
                         push.push(us);
                     }

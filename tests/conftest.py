@@ -1,11 +1,18 @@
 """Shared test setup: GPU tests skip themselves, with a reason, where there is no GPU;
-``gloo_world``, a one-rank gloo group for the CPU tests of collective code."""
+``gloo_world``, a one-rank gloo group for the CPU tests of collective code;
+``deep_ep``, the alias package imported from the source tree."""
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
+
+#: The ``deep_ep`` alias package's source folder.
+ALIAS = Path(__file__).resolve().parents[1] / "python" / "deep_ep_alias"
 
 # The no-multicast policy applies to every process the tests start.
 for _k, _v in {
@@ -43,3 +50,12 @@ def gloo_world(tmp_path):
         yield dist.group.WORLD
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def deep_ep(monkeypatch):
+    """``import deep_ep`` from the alias package's source folder (a fresh import)."""
+    monkeypatch.syspath_prepend(str(ALIAS))
+    for name in ("deep_ep", "deep_ep.utils"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    return importlib.import_module("deep_ep")

@@ -8,20 +8,11 @@ import importlib
 import inspect
 import subprocess
 import sys
-from pathlib import Path
 
 import moelink
 import pytest
 
-ALIAS = Path(__file__).resolve().parents[1] / "python" / "deep_ep_alias"
-
-
-@pytest.fixture
-def deep_ep(monkeypatch):
-    monkeypatch.syspath_prepend(str(ALIAS))
-    for name in ("deep_ep", "deep_ep.utils"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    return importlib.import_module("deep_ep")
+from .conftest import ALIAS
 
 
 def test_deep_ep_names_are_moelinks(deep_ep):

@@ -6,18 +6,13 @@ rank count vLLM asks (2 to 160)."""
 
 from __future__ import annotations
 
-import importlib
 import inspect
-import sys
-from pathlib import Path
 
 import moelink
 import pytest
 import torch
 from moelink import config as moelink_config
 from moelink.checks import LIMITS
-
-ALIAS = Path(__file__).resolve().parents[1] / "python" / "deep_ep_alias"
 
 #: DeepEP V1's ``Buffer.__init__`` parameters, in order, with their defaults.
 DEEP_EP_V1_PARAMS = [
@@ -82,14 +77,6 @@ FRAMEWORK_CALLS = {
         },
     ),
 }
-
-
-@pytest.fixture
-def deep_ep(monkeypatch):
-    monkeypatch.syspath_prepend(str(ALIAS))
-    for name in ("deep_ep", "deep_ep.utils"):
-        monkeypatch.delitem(sys.modules, name, raising=False)
-    return importlib.import_module("deep_ep")
 
 
 @pytest.fixture

@@ -166,20 +166,21 @@ class NoWeakRef:
     __slots__ = ("x",)
 
 
+def registered(obj):
+    """``(obj, its handle)`` for a fixture to yield; unregistered afterwards."""
+    h = mops.register(obj)
+    yield obj, h
+    mops.unregister(obj)
+
+
 @pytest.fixture
 def comm():
-    c = StandInAllReduce(world=3)
-    h = mops.register(c)
-    yield c, h
-    mops.unregister(c)
+    yield from registered(StandInAllReduce(world=3))
 
 
 @pytest.fixture
 def ll():
-    b = StandInLowLatency(group_size=2)
-    h = mops.register(b)
-    yield b, h
-    mops.unregister(b)
+    yield from registered(StandInLowLatency(group_size=2))
 
 
 def ll_inputs(n=6, hidden=256, e=8, k=3, seed=1):

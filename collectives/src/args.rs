@@ -79,35 +79,34 @@ const _: () = {
 
 /// What `coll_layout_probe` must write, in order.
 pub fn layout_probe_expected() -> Vec<u64> {
-    [
-        size_of::<CollArgs>(),
-        offset_of!(CollArgs, input),
-        offset_of!(CollArgs, output),
-        offset_of!(CollArgs, scratch),
-        offset_of!(CollArgs, peer_scratch),
-        offset_of!(CollArgs, peer_in),
-        offset_of!(CollArgs, peer_out),
-        offset_of!(CollArgs, channels),
-        offset_of!(CollArgs, error),
-        offset_of!(CollArgs, counter),
-        offset_of!(CollArgs, ticket),
-        offset_of!(CollArgs, nbytes),
-        offset_of!(CollArgs, ll_offset),
-        offset_of!(CollArgs, ll_half_bytes),
-        offset_of!(CollArgs, data_offset),
-        offset_of!(CollArgs, result_offset),
-        offset_of!(CollArgs, timeout_ns),
-        offset_of!(CollArgs, rank),
-        offset_of!(CollArgs, num_ranks),
-        offset_of!(CollArgs, flags),
-        offset_of!(CollArgs, test_delay_us),
+    let mut v = comm::struct_layout![CollArgs {
+        input,
+        output,
+        scratch,
+        peer_scratch,
+        peer_in,
+        peer_out,
+        channels,
+        error,
+        counter,
+        ticket,
+        nbytes,
+        ll_offset,
+        ll_half_bytes,
+        data_offset,
+        result_offset,
+        timeout_ns,
+        rank,
+        num_ranks,
+        flags,
+        test_delay_us,
+    }];
+    v.extend([
         size_of::<MemoryChannelDeviceHandle>(),
         MAX_RANKS,
         MAX_BLOCKS,
-    ]
-    .iter()
-    .map(|&v| v as u64)
-    .collect()
+    ]);
+    v.iter().map(|&v| v as u64).collect()
 }
 
 #[cfg(test)]

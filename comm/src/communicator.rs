@@ -352,22 +352,10 @@ impl Communicator {
     /// [`Group`](crate::Group) share the group's Communicator and never use
     /// this record: each passes its own
     /// ([`Member::device_error`](crate::group::Member::device_error)).
+    /// Check it with [`DeviceErrorRecord::check`] (a rejected argument is
+    /// reported once, a timeout every time).
     pub fn device_error(&self) -> &DeviceErrorRecord {
         &self.error
-    }
-
-    /// Ok unless a kernel using handles built with
-    /// [`device_error`](Self::device_error) reported a failure (a rejected
-    /// argument is reported once, a timeout every time).
-    pub fn check_device(&self) -> Result<()> {
-        self.error.check()
-    }
-
-    /// Ok unless a device wait of handles built with
-    /// [`device_error`](Self::device_error) timed out (the ranks are out of
-    /// step); leaves a rejected argument for [`check_device`](Self::check_device).
-    pub fn check_device_timeout(&self) -> Result<()> {
-        self.error.check_timeout()
     }
 
     /// Whether this rank runs an Ethernet receiver

@@ -133,23 +133,34 @@ mod tests {
     use super::*;
     use crate::device_handles::ERROR_INVALID;
 
-    fn record_with(e: DeviceError) -> DeviceErrorRecord {
+    /// A record holding `(code, kind, rank, peer, id, expected, observed)`.
+    fn record_with(
+        (code, kind, rank, peer, id, expected, observed): (u32, WaitKind, i32, i32, u64, u64, u64),
+    ) -> DeviceErrorRecord {
         let r = DeviceErrorRecord::new(None).unwrap();
-        r.record_for_test(e);
+        r.record_for_test(DeviceError {
+            code,
+            kind: kind as u32,
+            rank,
+            peer,
+            id,
+            expected,
+            observed,
+        });
         r
     }
 
     #[test]
     fn a_bad_expert_id_names_token_column_and_value_once() {
-        let r = record_with(DeviceError {
-            code: ERROR_INVALID,
-            kind: WaitKind::InvalidExpertId as u32,
-            rank: 3,
-            peer: -1,
-            id: (17 << 8) | 5,
-            expected: 64,
-            observed: (-7i64) as u64,
-        });
+        let r = record_with((
+            ERROR_INVALID,
+            WaitKind::InvalidExpertId,
+            3,
+            -1,
+            (17 << 8) | 5,
+            64,
+            (-7i64) as u64,
+        ));
         let msg = r.check().unwrap_err().to_string();
         assert!(msg.contains("topk_idx"), "{msg}");
         assert!(
@@ -163,15 +174,7 @@ mod tests {
 
     #[test]
     fn a_timeout_stays_recorded() {
-        let r = record_with(DeviceError {
-            code: ERROR_TIMEOUT,
-            kind: WaitKind::Semaphore as u32,
-            rank: 1,
-            peer: 0,
-            id: 2,
-            expected: 5,
-            observed: 4,
-        });
+        let r = record_with((ERROR_TIMEOUT, WaitKind::Semaphore, 1, 0, 2, 5, 4));
         assert!(matches!(r.check(), Err(CommError::Timeout { rank: 1, .. })));
         assert!(r.check().is_err());
         assert!(r.check_timeout().is_err());
@@ -179,15 +182,15 @@ mod tests {
 
     #[test]
     fn check_timeout_leaves_a_bad_argument_for_the_full_check() {
-        let r = record_with(DeviceError {
-            code: ERROR_INVALID,
-            kind: WaitKind::InvalidExpertId as u32,
-            rank: 0,
-            peer: -1,
-            id: 1 << 8,
-            expected: 8,
-            observed: 8,
-        });
+        let r = record_with((
+            ERROR_INVALID,
+            WaitKind::InvalidExpertId,
+            0,
+            -1,
+            1 << 8,
+            8,
+            8,
+        ));
         assert!(r.check_timeout().is_ok());
         assert!(r.check().is_err());
         assert!(r.check().is_ok());

@@ -6,6 +6,21 @@
 
 use std::mem::{offset_of, size_of};
 
+/// `[size_of::<A>(), offset_of!(A, a1), .., size_of::<B>(), offset_of!(B, b1), ..]`
+/// as a `Vec<usize>`: the order in which the layout probes (`comm_layout_probe`,
+/// `coll_layout_probe`) write a struct's size and its fields' offsets.
+#[macro_export]
+macro_rules! struct_layout {
+    ($($ty:ty { $($field:ident),* $(,)? }),* $(,)?) => {{
+        let mut v: Vec<usize> = Vec::new();
+        $(
+            v.push(::std::mem::size_of::<$ty>());
+            $(v.push(::std::mem::offset_of!($ty, $field));)*
+        )*
+        v
+    }};
+}
+
 /// Error codes of [`DeviceError::code`].
 pub const ERROR_NONE: u32 = 0;
 pub const ERROR_TIMEOUT: u32 = 1;
@@ -262,43 +277,46 @@ pub fn layout_probe_expected() -> Vec<u64> {
         0xFEDC_BA98,
     );
     let a = ProxyTrigger::atomic(trigger_type::ATOMIC_ADD32, 7, 9, 0x1000, -5);
-    let v = [
-        size_of::<DeviceError>(),
-        offset_of!(DeviceError, kind),
-        offset_of!(DeviceError, rank),
-        offset_of!(DeviceError, peer),
-        offset_of!(DeviceError, id),
-        offset_of!(DeviceError, expected),
-        offset_of!(DeviceError, observed),
-        size_of::<SemaphoreDeviceHandle>(),
-        offset_of!(SemaphoreDeviceHandle, expected_inbound),
-        offset_of!(SemaphoreDeviceHandle, outbound),
-        offset_of!(SemaphoreDeviceHandle, remote_inbound),
-        offset_of!(SemaphoreDeviceHandle, error),
-        offset_of!(SemaphoreDeviceHandle, rank),
-        offset_of!(SemaphoreDeviceHandle, peer),
-        offset_of!(SemaphoreDeviceHandle, id),
-        size_of::<ProxyTrigger>(),
-        size_of::<FifoDeviceHandle>(),
-        offset_of!(FifoDeviceHandle, head),
-        offset_of!(FifoDeviceHandle, tail),
-        offset_of!(FifoDeviceHandle, tail_cache),
-        offset_of!(FifoDeviceHandle, error),
-        offset_of!(FifoDeviceHandle, size),
-        offset_of!(FifoDeviceHandle, rank),
-        offset_of!(FifoDeviceHandle, id),
-        size_of::<PortChannelDeviceHandle>(),
-        offset_of!(PortChannelDeviceHandle, semaphore),
-        offset_of!(PortChannelDeviceHandle, channel),
-        offset_of!(PortChannelDeviceHandle, dst_mem),
-        offset_of!(PortChannelDeviceHandle, src_mem),
-        size_of::<MemoryChannelDeviceHandle>(),
-        offset_of!(MemoryChannelDeviceHandle, dst),
-        offset_of!(MemoryChannelDeviceHandle, src),
-        offset_of!(MemoryChannelDeviceHandle, packets),
+    let mut v = struct_layout![
+        DeviceError {
+            kind,
+            rank,
+            peer,
+            id,
+            expected,
+            observed
+        },
+        SemaphoreDeviceHandle {
+            expected_inbound,
+            outbound,
+            remote_inbound,
+            error,
+            rank,
+            peer,
+            id
+        },
+        ProxyTrigger {},
+        FifoDeviceHandle {
+            head,
+            tail,
+            tail_cache,
+            error,
+            size,
+            rank,
+            id
+        },
+        PortChannelDeviceHandle {
+            semaphore,
+            channel,
+            dst_mem,
+            src_mem
+        },
+        MemoryChannelDeviceHandle { dst, src, packets },
+    ];
+    v.extend([
         8,  // LL8Packet
         16, // LL16Packet
-    ];
+    ]);
     let mut out: Vec<u64> = v.iter().map(|&x| x as u64).collect();
     out.extend([t.fst, t.snd, a.fst, a.snd]);
     out

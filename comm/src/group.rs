@@ -698,7 +698,7 @@ mod tests {
             ));
             assert!(a.check_device().is_err());
             assert!(b.check_device().is_ok() && b.check_device_timeout().is_ok());
-            assert!(a.comm().check_device().is_ok());
+            assert!(a.comm().device_error().check().is_ok());
             b.device_error().record_for_test(timeout_record());
             a.device_error().reset();
             assert!(a.check_device().is_ok() && b.check_device().is_err());

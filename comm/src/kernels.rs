@@ -437,33 +437,24 @@ pub mod testing {
         }
     }
 
-    /// # Safety
-    /// As [`portchan_pingpong`].
-    pub unsafe fn fifo_roundtrip(
-        device: Device,
-        stream: StreamHandle,
-        h: PortChannelDeviceHandle,
-        iters: i32,
-        timeout_ns: i64,
-        out_ns: u64,
-    ) -> Result<()> {
-        let p = FifoParams {
-            h,
-            timeout_ns,
-            out_ns,
-            iters,
-        };
-        // SAFETY: FifoParams mirrors the kernel's block.
-        unsafe { launch(device, stream, TestKernelId::FifoRoundtrip, 1, 32, p) }
+    /// Which FIFO test kernel [`fifo`] launches.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum FifoTest {
+        /// `iters` triggers, each waited for (push -> proxy pop -> done).
+        RoundTrip,
+        /// `iters` no-op triggers back to back, then a wait for the last.
+        PushOnly,
     }
 
-    /// Pushes `iters` no-op triggers back to back, then waits for the last.
+    /// Runs one FIFO test kernel on `h`'s FIFO (one warp), writing the GPU time
+    /// in ns to `out_ns`.
     ///
     /// # Safety
     /// As [`portchan_pingpong`].
-    pub unsafe fn fifo_push_only(
+    pub unsafe fn fifo(
         device: Device,
         stream: StreamHandle,
+        test: FifoTest,
         h: PortChannelDeviceHandle,
         iters: i32,
         timeout_ns: i64,
@@ -475,8 +466,12 @@ pub mod testing {
             out_ns,
             iters,
         };
-        // SAFETY: FifoParams mirrors the kernel's block.
-        unsafe { launch(device, stream, TestKernelId::FifoPushOnly, 1, 32, p) }
+        let id = match test {
+            FifoTest::RoundTrip => TestKernelId::FifoRoundtrip,
+            FifoTest::PushOnly => TestKernelId::FifoPushOnly,
+        };
+        // SAFETY: FifoParams mirrors both kernels' block.
+        unsafe { launch(device, stream, id, 1, 32, p) }
     }
 }
 

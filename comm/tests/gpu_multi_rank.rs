@@ -71,7 +71,7 @@ impl Ctx {
     fn sync(&self, what: &str) -> R {
         self.stream
             .synchronize_bounded(WAIT, self.rank as i64, what)?;
-        self.comm.check_device()
+        self.comm.device_error().check()
     }
 
     fn write(&self, off: u64, data: &[u8]) -> R {
@@ -451,7 +451,7 @@ fn port_put_signal_flush(
             }
             c.stream
                 .synchronize_bounded(WAIT, c.rank as i64, "port channel op")?;
-            comm.check_device()?;
+            comm.device_error().check()?;
             p.proxy.check()?;
             let got = view.read(c.device, DST, n + dst_off as usize + 16)?;
             let mut want = vec![0xA5u8; dst_off as usize];
@@ -516,7 +516,7 @@ fn port_atomics(c: &Ctx, comm: &Communicator, buf: &RegisteredMemory, transport:
         }
         c.stream
             .synchronize_bounded(WAIT, c.rank as i64, "atomics")?;
-        comm.check_device()?;
+        comm.device_error().check()?;
         p.proxy.check()?;
     }
     comm.barrier()?;
@@ -565,7 +565,7 @@ fn timeout_is_reported(c: &Ctx) -> R {
             "a wait bounded by {BOUND:?} gave up after {took:?}"
         )));
     }
-    let r = c.comm.check_device();
+    let r = c.comm.device_error().check();
     c.comm.device_error().reset();
     match r {
         Err(CommError::Timeout { rank, what, .. })
@@ -809,7 +809,7 @@ fn shared_communicator(c: &Ctx) -> R {
     c.stream
         .synchronize_bounded(WAIT, c.rank as i64, "timed-out wait")?;
     let got_a = a.member.check_device_timeout();
-    let (got_b, got_comm) = (b.member.check_device(), c.comm.check_device());
+    let (got_b, got_comm) = (b.member.check_device(), c.comm.device_error().check());
     a.member.device_error().reset();
     match (got_a, got_b, got_comm) {
         (Err(CommError::Timeout { rank, .. }), Ok(()), Ok(())) if rank == c.rank as i64 => {}

@@ -569,18 +569,9 @@ class AllReduce:
         blocks, threads = check_geometry(num_blocks, num_threads)
         stream = current_raw_stream(self.device.index)
         self.last_choice = native.all_reduce(
-            stream,
-            tensor.data_ptr(),
-            out.data_ptr(),
-            tensor.numel(),
-            dtype,
-            op_name,
-            accum,
-            algorithm,
-            blocks,
-            threads,
-            torch.cuda.is_current_stream_capturing(),
-        )
+            stream, tensor.data_ptr(), out.data_ptr(), tensor.numel(), dtype, op_name, accum,
+            algorithm, blocks, threads, torch.cuda.is_current_stream_capturing(),
+        )  # fmt: skip
         return out
 
     def all_gather(
@@ -600,15 +591,9 @@ class AllReduce:
         blocks, threads = check_geometry(num_blocks, num_threads)
         stream = current_raw_stream(self.device.index)
         self.last_choice = native.all_gather(
-            stream,
-            inp.data_ptr(),
-            out.data_ptr(),
-            nbytes,
-            algorithm,
-            blocks,
-            threads,
+            stream, inp.data_ptr(), out.data_ptr(), nbytes, algorithm, blocks, threads,
             torch.cuda.is_current_stream_capturing(),
-        )
+        )  # fmt: skip
         return out
 
     # ----- zero copy ---------------------------------------------------------------

@@ -282,13 +282,6 @@ def get_dispatch_config(num_ranks: int, *, num_sms: int | None = None) -> Config
 
 
 def get_combine_config(num_ranks: int, *, num_sms: int | None = None) -> Config:
-    """Default ``Config`` for combine among ``num_ranks`` ranks.
-
-    Rank counts 2, 4 and 8 have their own entries, any other count from 1 to
-    ``max_ranks`` (32) a generic default. ``num_sms`` is the tuned value (48, from
-    the 4-rank sweep on 4 x H200; see the comment above ``_TUNED_NUM_SMS``) unless
-    given, as ``Buffer.set_num_sms`` does. Above 32 ranks (vLLM asks up to 160):
-    ``ValueError`` naming the count and why (no internode path); below 1 too;
-    ``TypeError`` for a non-integer.
-    """
+    """Default ``Config`` for combine among ``num_ranks`` ranks; rank counts,
+    ``num_sms`` and errors as ``get_dispatch_config``."""
     return _config_for(_COMBINE_CONFIGS, num_ranks, num_sms)
