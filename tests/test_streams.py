@@ -150,3 +150,36 @@ def test_event_handle_records_where_it_is_made_and_waits_later(monkeypatch):
     current[0] = FakeStream("later")
     h.current_stream_wait()
     assert current[0].log == [("wait_event", h.event)]
+
+
+def test_event_handle_goes_where_an_event_goes(monkeypatch):
+    """Megatron passes ``EventOverlap(EventHandle())`` as ``previous_event``, and
+    the Buffer (and ``EventOverlap.current_stream_wait``) hand its ``.event`` to
+    ``Stream.wait_event``, which calls ``event.wait(stream)``: an EventHandle
+    must answer that (and the other Event methods) through its event."""
+    import torch
+
+    class Event(FakeEvent):
+        def __init__(self):
+            super().__init__()
+            self.log = []
+
+        def wait(self, stream=None):
+            self.log.append(("wait", getattr(stream, "name", stream)))
+
+        def query(self):
+            return True
+
+        def synchronize(self):
+            self.log.append(("synchronize",))
+
+    monkeypatch.setattr(_streams.torch.cuda, "Event", Event)
+    monkeypatch.setattr(_streams.torch.cuda, "current_stream", lambda: FakeStream("compute"))
+    h = _streams.EventHandle()
+    comm = FakeStream("comm")
+    torch.cuda.Stream.wait_event(comm, h)  # what Buffer._enter_comm does with it
+    assert h.event.log == [("wait", "comm")]
+    assert h.query() is True
+    h.synchronize()
+    h.record(FakeStream("side"))
+    assert h.event.recorded_on == "side" and h.event.log[-1] == ("synchronize",)

@@ -58,6 +58,21 @@ class EventHandle:
     def current_stream_wait(self) -> None:
         torch.cuda.current_stream().wait_event(self.event)
 
+    # A torch.cuda.Event's methods, so that an EventHandle goes wherever an event
+    # does: Megatron passes ``EventOverlap(EventHandle())`` as ``previous_event``,
+    # and ``Stream.wait_event(e)`` calls ``e.wait(stream)``.
+    def wait(self, stream=None) -> None:
+        self.event.wait(stream)
+
+    def record(self, stream=None) -> None:
+        self.event.record(stream)
+
+    def query(self) -> bool:
+        return self.event.query()
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+
 
 def check_previous_event(previous_event) -> None:
     """``TypeError`` unless ``previous_event`` is None or an ``EventOverlap``."""
