@@ -26,6 +26,11 @@ rm -rf "$SITE"
 python3 -m pip install -q --no-deps --no-index --target "$SITE" .gpu/wheels/*.whl ||
   { echo "gpu_run: wheel install failed" >&2; exit 2; }
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+# `import deep_ep` for the framework-call steps: moelink's alias package
+# (python/deep_ep_alias, one pure-Python package `deep_ep`) from the checkout. Not
+# pip-installed: an offline --no-build-isolation build of it needs setuptools >= 77
+# (its PEP 639 license string), which this machine's python may lack.
+export PYTHONPATH="$PYTHONPATH:$PWD/python/deep_ep_alias"
 
 declare -A RESULT SECONDS_OF
 run() { # name timeout cmd...   (GPU_RUN_STEPS: a regex of step names to run)
@@ -84,6 +89,8 @@ for n in $RANKS; do
   run "low_latency-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/ll_worker.py
   run "allreduce-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/allreduce_worker.py
   run "ops-$n" 500 $LAUNCH -n "$n" --timeout 480 tests/multi_gpu/ops_worker.py
+  run "frameworks-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/frameworks_worker.py
+  run "deep_ep_script-$n" 200 $LAUNCH -n "$n" --timeout 180 tests/multi_gpu/deep_ep_script.py
 done
 # MOELINK_TRAP_ON_TIMEOUT=1 (2 ranks, no MPS: a trap under MPS takes down every
 # rank on the GPU): a device timeout traps the kernel.
