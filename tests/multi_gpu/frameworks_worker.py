@@ -74,7 +74,7 @@ SCENARIO_NAMES = (
     "vllm_ll_fault_tolerance",
 )
 SCENARIOS_ENV = "MOELINK_FRAMEWORKS_SCENARIOS"
-SEED_ENV = "MOELINK_TEST_SEED"
+SEED_ENV = llw.SEED_ENV  # MOELINK_TEST_SEED, as every worker
 #: Seconds a scenario may take before the watchdog ends the process.
 SCENARIO_TIMEOUT_S = float(os.environ.get("MOELINK_FRAMEWORKS_SCENARIO_TIMEOUT_S", "240"))
 #: Seconds the gloo control collectives wait for the other ranks.
@@ -262,6 +262,17 @@ def one_line(msg: str, limit: int = 240) -> str:
     return msg if len(msg) <= limit else msg[: limit - 3] + "..."
 
 
+def size_hints(configs, hidden_bytes: int, group) -> tuple:
+    """How DeepEP's README sizes a normal-mode Buffer (as fused_a2a.get_buffer and
+    DeepEPBuffer do): the largest NVLink and RDMA size hints of ``configs``."""
+    num_nvl_bytes, num_rdma_bytes = 0, 0
+    for config in configs:
+        nvl = config.get_nvl_buffer_size_hint(hidden_bytes, group.size())
+        rdma = config.get_rdma_buffer_size_hint(hidden_bytes, group.size())
+        num_nvl_bytes, num_rdma_bytes = max(nvl, num_nvl_bytes), max(rdma, num_rdma_bytes)
+    return num_nvl_bytes, num_rdma_bytes
+
+
 def settle(ctx: Ctx) -> None:
     """Every rank's GPU work is done: after this a Buffer may be dropped."""
     torch.cuda.synchronize()
@@ -347,10 +358,7 @@ def scenario_vllm_ht(ctx: Ctx) -> None:
     experts, counts), the experts' weight-and-reduce, combine without weights
     into a preallocated output; async and sync finalize; a DBO-style step with a
     captured previous_event after a late producer."""
-    chk, R, r, dev = ctx.chk, ctx.world, ctx.rank, ctx.device
-    E = EXPERTS_PER_RANK * R
-    offset = r * EXPERTS_PER_RANK
-    s = expert_scales(E).to(dev)
+    chk, R = ctx.chk, ctx.world
     buffer = vllm_ht_buffer(ctx)
     try:
         # DeepEPHTAll2AllManager.set_num_sms: never more than its 20.
@@ -370,44 +378,23 @@ def scenario_vllm_ht(ctx: Ctx) -> None:
             (4096, False, True, True),
             (3072, True, True, False),
         ]
-        for i, (hidden, fp8, fin_async, dbo) in enumerate(steps):
-            label = f"vllm ht #{i} H={hidden} fp8={fp8} async={fin_async} dbo={dbo}"
-            vllm_ht_step(
-                ctx,
-                buffer,
-                f"vllm_ht/{i}",
-                label,
-                hidden,
-                fp8,
-                fin_async,
-                dbo,
-                E,
-                offset,
-                s,
-                dispatch_config,
-                combine_config,
-            )
+        for i, step in enumerate(steps):
+            vllm_ht_step(ctx, buffer, i, step, (dispatch_config, combine_config))
     finally:
         torch.cuda.synchronize()
         buffer.destroy()  # DeepEPAll2AllManagerBase.destroy: every cached handle
 
 
-def vllm_ht_step(
-    ctx,
-    buffer,
-    tag,
-    label,
-    hidden,
-    fp8,
-    fin_async,
-    dbo,
-    E,
-    offset,
-    s,
-    dispatch_config,
-    combine_config,
-) -> None:
+def vllm_ht_step(ctx: Ctx, buffer, i: int, step: tuple, configs: tuple) -> None:
+    """Step ``i`` of scenario_vllm_ht: ``step`` is (hidden, fp8, finalize_async,
+    DBO-style events), ``configs`` the dispatch and combine configs."""
     chk, R, r, dev = ctx.chk, ctx.world, ctx.rank, ctx.device
+    hidden, fp8, fin_async, dbo = step
+    dispatch_config, combine_config = configs
+    tag, label = f"vllm_ht/{i}", f"vllm ht #{i} H={hidden} fp8={fp8} async={fin_async} dbo={dbo}"
+    E = EXPERTS_PER_RANK * R
+    offset = r * EXPERTS_PER_RANK
+    s = expert_scales(E).to(dev)
     counts = token_counts(ctx, tag, zero_rank=(hidden == 3072))
     case = iw.Case(hidden, E, 8, counts, fp8=fp8)
     inputs = case.inputs(ctx.data, tag)
@@ -798,17 +785,11 @@ class SglDeepEPBuffer:
         cls._num_experts = num_experts
         num_nvl_bytes, num_rdma_bytes = 0, 0
         if deepep_mode in ("normal", "auto"):
-            hidden_bytes = hidden_size * param_bytes
-            for cfg in (
+            configs = (
                 config.normal_dispatch_config or deep_ep.Buffer.get_dispatch_config(group.size()),
                 config.normal_combine_config or deep_ep.Buffer.get_combine_config(group.size()),
-            ):
-                num_nvl_bytes = max(
-                    cfg.get_nvl_buffer_size_hint(hidden_bytes, group.size()), num_nvl_bytes
-                )
-                num_rdma_bytes = max(
-                    cfg.get_rdma_buffer_size_hint(hidden_bytes, group.size()), num_rdma_bytes
-                )
+            )
+            num_nvl_bytes, num_rdma_bytes = size_hints(configs, hidden_size * param_bytes, group)
         if deepep_mode in ("low_latency", "auto"):
             assert num_max_dispatch_tokens_per_rank != -1
             assert num_experts != -1 and num_experts % group.size() == 0
@@ -863,11 +844,9 @@ class SglDeepEPBuffer:
         gc.collect()
 
 
-class SglNormal:
-    """``_DeepEPDispatcherImplNormal`` (dispatch_a/b, combine_a/b). ``deepgemm``:
-    ``ENABLE_JIT_DEEPGEMM`` (expert_alignment 128, fp8 tokens quantized by the
-    caller as ``sglang_per_token_group_quant_fp8`` does, row-major float scales
-    on Hopper)."""
+class SglDispatcherBase:
+    """``_DeepEPDispatcherImplBase``: what both dispatchers keep, and
+    ``_get_buffer`` (the dispatcher's ``set_dispatch_mode``, then the one Buffer)."""
 
     def __init__(
         self,
@@ -877,8 +856,6 @@ class SglNormal:
         hidden,
         num_experts,
         fp8,
-        deepgemm,
-        async_finish,
         config,
         num_max_dispatch_tokens_per_rank=SGLANG_LL_MAX_TOKENS,
     ):
@@ -886,17 +863,18 @@ class SglNormal:
         self.deepep_mode = mode
         self.hidden_size = hidden
         self.num_experts = num_experts
+        self.use_fp8 = fp8
         self.params_bytes = 1 if fp8 else 2
-        self.deepgemm = deepgemm
-        self.async_finish = async_finish
         self.config = config
         self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
         assert self.num_max_dispatch_tokens_per_rank <= 1024
         self.handle = None
-        self.last = None  # the dispatch tuple, for the checks
+
+    def set_dispatch_mode(self) -> None:
+        raise NotImplementedError
 
     def _get_buffer(self):
-        SglDeepEPBuffer.set_dispatch_mode_as_normal()
+        self.set_dispatch_mode()
         return SglDeepEPBuffer.get_deepep_buffer(
             self.ctx.group,
             self.hidden_size,
@@ -906,6 +884,22 @@ class SglNormal:
             self.num_max_dispatch_tokens_per_rank,
             self.num_experts,
         )
+
+
+class SglNormal(SglDispatcherBase):
+    """``_DeepEPDispatcherImplNormal`` (dispatch_a/b, combine_a/b); ``common`` are
+    SglDispatcherBase's keywords. ``deepgemm``: ``ENABLE_JIT_DEEPGEMM``
+    (expert_alignment 128, fp8 tokens quantized by the caller as
+    ``sglang_per_token_group_quant_fp8`` does, row-major float scales on Hopper)."""
+
+    def __init__(self, ctx, *, deepgemm, async_finish, **common):
+        super().__init__(ctx, **common)
+        self.deepgemm = deepgemm
+        self.async_finish = async_finish
+        self.last = None  # the dispatch tuple, for the checks
+
+    def set_dispatch_mode(self) -> None:
+        SglDeepEPBuffer.set_dispatch_mode_as_normal()
 
     def dispatch_a(self, hidden_states, topk_ids, topk_weights):
         topk_ids = topk_ids.to(torch.int64)
@@ -987,48 +981,19 @@ class SglNormal:
         return combined_x, event
 
 
-class SglLowLatency:
-    """``_DeepEPDispatcherImplLowLatency``. ``blackwell``: DeepGEMM on Blackwell
-    (round_scale and use_ue8m0 with fp8)."""
+class SglLowLatency(SglDispatcherBase):
+    """``_DeepEPDispatcherImplLowLatency``; ``common`` are SglDispatcherBase's
+    keywords. ``blackwell``: DeepGEMM on Blackwell (round_scale and use_ue8m0 with
+    fp8)."""
 
-    def __init__(
-        self,
-        ctx,
-        *,
-        mode,
-        hidden,
-        num_experts,
-        fp8,
-        return_recv_hook,
-        config,
-        blackwell=False,
-        num_max_dispatch_tokens_per_rank=SGLANG_LL_MAX_TOKENS,
-    ):
-        self.ctx = ctx
-        self.deepep_mode = mode
-        self.hidden_size = hidden
-        self.num_experts = num_experts
-        self.use_fp8 = fp8
-        self.params_bytes = 1 if fp8 else 2
+    def __init__(self, ctx, *, return_recv_hook, blackwell=False, **common):
+        super().__init__(ctx, **common)
         self.blackwell = blackwell
         self.return_recv_hook = return_recv_hook
-        self.config = config
-        self.num_max_dispatch_tokens_per_rank = num_max_dispatch_tokens_per_rank
-        assert self.num_max_dispatch_tokens_per_rank <= 1024
-        self.handle = None
         self.packed_recv_count = None
 
-    def _get_buffer(self):
+    def set_dispatch_mode(self) -> None:
         SglDeepEPBuffer.set_dispatch_mode_as_low_latency()
-        return SglDeepEPBuffer.get_deepep_buffer(
-            self.ctx.group,
-            self.hidden_size,
-            self.params_bytes,
-            self.deepep_mode,
-            self.config,
-            self.num_max_dispatch_tokens_per_rank,
-            self.num_experts,
-        )
 
     def dispatch_a(self, hidden_states, topk_ids, topk_weights):
         buffer = self._get_buffer()
@@ -1386,25 +1351,9 @@ def scenario_sglang_mode_switch(ctx: Ctx) -> None:
     hidden = 2048
     try:
         cfg = SglDeepEPConfig(None)
-        normal = SglNormal(
-            ctx,
-            mode="auto",
-            hidden=hidden,
-            num_experts=E,
-            fp8=True,
-            deepgemm=True,
-            async_finish=False,
-            config=cfg,
-        )
-        low = SglLowLatency(
-            ctx,
-            mode="auto",
-            hidden=hidden,
-            num_experts=E,
-            fp8=True,
-            return_recv_hook=False,
-            config=cfg,
-        )
+        common = dict(mode="auto", hidden=hidden, num_experts=E, fp8=True, config=cfg)
+        normal = SglNormal(ctx, deepgemm=True, async_finish=False, **common)
+        low = SglLowLatency(ctx, return_recv_hook=False, **common)
         for i, mode in enumerate("NLLNL"):
             if mode == "N":
                 sgl_normal_round_trip(ctx, normal, f"sgl_auto/{i}", f"sglang auto #{i} normal")
@@ -1435,18 +1384,8 @@ def scenario_sglang_tbo(ctx: Ctx) -> None:
     hidden, t, k = 2048, SGLANG_LL_MAX_TOKENS, 8
     try:
         cfg = SglDeepEPConfig(None)
-        a, b = (
-            SglLowLatency(
-                ctx,
-                mode="low_latency",
-                hidden=hidden,
-                num_experts=E,
-                fp8=True,
-                return_recv_hook=True,
-                config=cfg,
-            )
-            for _ in range(2)
-        )
+        common = dict(mode="low_latency", hidden=hidden, num_experts=E, fp8=True, config=cfg)
+        a, b = (SglLowLatency(ctx, return_recv_hook=True, **common) for _ in range(2))
         inputs = {m: ll_inputs(ctx, f"sgl_tbo/{m}", t, hidden, E, k) for m in "AB"}
         want = {m: ll_reference(ctx, inputs[m], t, E, True, False, False) for m in "AB"}
         gpu = {m: tuple(x.to(dev) for x in inputs[m][r]) for m in "AB"}
@@ -1515,25 +1454,33 @@ def mg_get_buffer(group, hidden_bytes: int):
     """fused_a2a.get_buffer: sized by the dispatch and combine configs' hints; a
     new Buffer (the old one dropped) when the group changes or it is too small."""
     global _mg_buffer
-    num_nvl_bytes, num_rdma_bytes = 0, 0
-    for config in (
+    configs = (
         deep_ep.Buffer.get_dispatch_config(group.size()),
         deep_ep.Buffer.get_combine_config(group.size()),
-    ):
-        num_nvl_bytes = max(
-            config.get_nvl_buffer_size_hint(hidden_bytes, group.size()), num_nvl_bytes
-        )
-        num_rdma_bytes = max(
-            config.get_rdma_buffer_size_hint(hidden_bytes, group.size()), num_rdma_bytes
-        )
-    if (
-        _mg_buffer is None
-        or _mg_buffer.group != group
-        or _mg_buffer.num_nvl_bytes < num_nvl_bytes
-        or _mg_buffer.num_rdma_bytes < num_rdma_bytes
-    ):
-        _mg_buffer = deep_ep.Buffer(group, num_nvl_bytes, num_rdma_bytes)
+    )
+    nvl, rdma = size_hints(configs, hidden_bytes, group)
+    buf = _mg_buffer
+    if buf is None or buf.group != group or buf.num_nvl_bytes < nvl or buf.num_rdma_bytes < rdma:
+        _mg_buffer = deep_ep.Buffer(group, nvl, rdma)
     return _mg_buffer
+
+
+def mg_previous_event(async_finish: bool):
+    """fused_a2a's ``previous_event``: the current stream's, under async_finish."""
+    return EventOverlap(EventHandle()) if async_finish else None
+
+
+def mg_wait(async_finish: bool, after_event) -> None:
+    """fused_a2a after a dispatch or combine: the current stream waits under
+    async_finish."""
+    if async_finish:
+        after_event.current_stream_wait()
+
+
+def mg_save(fn_ctx, group, handle, async_finish, allocate_on_comm_stream, trace) -> None:
+    """What a forward keeps for its backward."""
+    fn_ctx.group, fn_ctx.handle, fn_ctx.trace = group, handle, trace
+    fn_ctx.async_finish, fn_ctx.allocate_on_comm_stream = async_finish, allocate_on_comm_stream
 
 
 def mg_reset(ctx: Ctx) -> None:
@@ -1561,9 +1508,7 @@ class MgFusedDispatch(torch.autograd.Function):
         num_worst_tokens=0,
         trace=None,
     ):
-        previous_event = None
-        if async_finish:
-            previous_event = EventOverlap(EventHandle())
+        previous_event = mg_previous_event(async_finish)
         buffer = mg_get_buffer(group, mg_get_hidden_bytes(x))
         (
             num_tokens_per_rank,
@@ -1600,13 +1545,8 @@ class MgFusedDispatch(torch.autograd.Function):
             handle,
             after_event_overlap,
         ) = got
-        if async_finish:
-            after_event_overlap.current_stream_wait()
-        ctx.group = group
-        ctx.handle = handle
-        ctx.async_finish = async_finish
-        ctx.allocate_on_comm_stream = allocate_on_comm_stream
-        ctx.trace = trace
+        mg_wait(async_finish, after_event_overlap)
+        mg_save(ctx, group, handle, async_finish, allocate_on_comm_stream, trace)
         if trace is not None:
             trace["dispatch"] = got
             trace["buffer"] = (id(buffer), buffer.num_nvl_bytes)
@@ -1619,9 +1559,7 @@ class MgFusedDispatch(torch.autograd.Function):
     ):
         buffer = mg_get_buffer(ctx.group, mg_get_hidden_bytes(grad_output))
         handle = ctx.handle
-        previous_event = None
-        if ctx.async_finish:
-            previous_event = EventOverlap(EventHandle())
+        previous_event = mg_previous_event(ctx.async_finish)
         grad_x, grad_token_probs_out, after_event = buffer.combine(
             grad_output.contiguous(),
             handle,
@@ -1630,8 +1568,7 @@ class MgFusedDispatch(torch.autograd.Function):
             async_finish=ctx.async_finish,
             allocate_on_comm_stream=ctx.allocate_on_comm_stream,
         )
-        if ctx.async_finish:
-            after_event.current_stream_wait()
+        mg_wait(ctx.async_finish, after_event)
         if ctx.trace is not None:
             ctx.trace["dispatch_bwd_in"] = (grad_output.detach(), grad_token_probs.detach())
             ctx.trace["dispatch_bwd_out"] = (grad_x, grad_token_probs_out)
@@ -1645,9 +1582,7 @@ class MgFusedCombine(torch.autograd.Function):
     def forward(
         ctx, x, group, handle, async_finish=False, allocate_on_comm_stream=False, trace=None
     ):
-        previous_event = None
-        if async_finish:
-            previous_event = EventOverlap(EventHandle())
+        previous_event = mg_previous_event(async_finish)
         buffer = mg_get_buffer(group, mg_get_hidden_bytes(x))
         combined_x, _, after_event = buffer.combine(
             x,
@@ -1656,20 +1591,13 @@ class MgFusedCombine(torch.autograd.Function):
             previous_event=previous_event,
             allocate_on_comm_stream=allocate_on_comm_stream,
         )
-        if async_finish:
-            after_event.current_stream_wait()
-        ctx.handle = handle
-        ctx.group = group
-        ctx.async_finish = async_finish
-        ctx.allocate_on_comm_stream = allocate_on_comm_stream
-        ctx.trace = trace
+        mg_wait(async_finish, after_event)
+        mg_save(ctx, group, handle, async_finish, allocate_on_comm_stream, trace)
         return combined_x, None
 
     @staticmethod
     def backward(ctx, grad_output, grad_none=None):
-        previous_event = None
-        if ctx.async_finish:
-            previous_event = EventOverlap(EventHandle())
+        previous_event = mg_previous_event(ctx.async_finish)
         buffer = mg_get_buffer(ctx.group, mg_get_hidden_bytes(grad_output))
         grad_x, _, _, _, _, after_event = buffer.dispatch(
             grad_output.contiguous(),
@@ -1678,8 +1606,7 @@ class MgFusedCombine(torch.autograd.Function):
             async_finish=ctx.async_finish,
             allocate_on_comm_stream=ctx.allocate_on_comm_stream,
         )
-        if ctx.async_finish:
-            after_event.current_stream_wait()
+        mg_wait(ctx.async_finish, after_event)
         if ctx.trace is not None:
             ctx.trace["combine_bwd_in"] = grad_output.detach()
             ctx.trace["combine_bwd_out"] = grad_x
