@@ -123,6 +123,7 @@ fn export_local(device: Device, rank: usize, ptr: u64, len: u64) -> Result<(Memo
             len: size as u64,
         })),
         ethernet: None,
+        ib: None,
     };
     Ok((info, ptr - base))
 }

@@ -26,14 +26,32 @@ use crate::fd_passing::FdServer;
 use crate::host_memory::HostMemory;
 use crate::memory::DeviceMemory;
 use crate::proxy::ProxyService;
-use crate::registered_memory::{host_id, IpcExport, Location, MemoryInfo, RegisteredMemory};
+use crate::registered_memory::{host_id, IbKey, IpcExport, Location, MemoryInfo, RegisteredMemory};
 use crate::semaphore::{Semaphore, SignalPage, SlotCursor, SLOT_BYTES};
 use crate::topology::{ranks_per_node_from_env, Topology};
 use crate::transport::cuda_ipc::CudaIpcConnection;
 use crate::transport::ethernet::{EthernetConnection, EthernetReceiver};
-use crate::transport::{Connection, Transport};
+use crate::transport::ib::config::IbConfig;
+use crate::transport::ib::context::{IbContext, IbRegistration};
+use crate::transport::ib::device::RdmaProvider;
+use crate::transport::{Connection, CrossNode, Transport};
 use crate::vmm::VmmMemory;
 use crate::wire::{Reader, Writer};
+
+/// `table[peer]`, made by `make` at the first call (one connection per peer).
+fn cached(
+    table: &Mutex<Vec<Option<Arc<dyn Connection>>>>,
+    peer: usize,
+    make: impl FnOnce() -> Result<Arc<dyn Connection>>,
+) -> Result<Arc<dyn Connection>> {
+    let mut conns = table.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(c) = &conns[peer] {
+        return Ok(c.clone());
+    }
+    let c = make()?;
+    conns[peer] = Some(c.clone());
+    Ok(c)
+}
 
 /// Bootstrap tags of the communicator's own exchanges (top bit clear, as the
 /// bootstrap requires; high enough to stay out of users' way, and low enough
@@ -41,6 +59,9 @@ use crate::wire::{Reader, Writer};
 /// end at 2^38 - 1: room for 2^37 exchanges).
 const TAG_BASE: u64 = 1 << 37;
 const _: () = assert!(TAG_BASE + (1 << 36) <= crate::bootstrap::ScopedBootstrap::MAX_TAG);
+/// The tag of the IB queue-pair exchange of a pair of ranks (once per pair),
+/// above every numbered exchange.
+const TAG_IB: u64 = TAG_BASE + (1 << 36);
 
 #[derive(Clone, Debug)]
 pub struct CommunicatorOptions {
@@ -54,6 +75,10 @@ pub struct CommunicatorOptions {
     pub semaphore_slots: u32,
     /// Bound of every host-side wait the communicator makes.
     pub timeout: Duration,
+    /// Where IB verbs come from for peers on other nodes: None (the
+    /// default) loads libibverbs at run time; tests pass a fake fabric
+    /// ([`crate::transport::ib::fake::FakeFabric`]).
+    pub rdma: Option<Arc<dyn RdmaProvider>>,
 }
 
 impl Default for CommunicatorOptions {
@@ -63,12 +88,15 @@ impl Default for CommunicatorOptions {
             // One page: 2 MiB, the usual cuMem allocation granularity.
             semaphore_slots: 65536,
             timeout: Duration::from_secs(60),
+            rdma: None,
         }
     }
 }
 
-/// Keeps an allocation and its registrations alive; undoes them on drop.
+/// Keeps an allocation and its registrations alive; undoes them on drop
+/// (the RDMA registration first, before the memory goes).
 struct Registration {
+    _ib: Option<IbRegistration>,
     _memory: Arc<VmmMemory>,
     fd_server: Arc<FdServer>,
     fd_key: u64,
@@ -87,6 +115,7 @@ impl Drop for Registration {
 /// As [`Registration`], for memory without an fd offer (a legacy-IPC
 /// registration, a host signal page).
 struct LegacyRegistration {
+    _ib: Option<IbRegistration>,
     _memory: Arc<dyn std::any::Any + Send + Sync>,
     ethernet: Option<(Arc<EthernetReceiver>, u64)>,
 }
@@ -100,6 +129,12 @@ impl Drop for LegacyRegistration {
 }
 
 pub struct Communicator {
+    /// IB verbs for peers on other nodes (None: not used). Its
+    /// connections, one per peer, are made at the first `connect`.
+    ib: Option<Arc<IbContext>>,
+    ib_connections: Mutex<Vec<Option<Arc<dyn Connection>>>>,
+    /// The first signal page's RDMA registration (dropped before the page).
+    ib_first_page: Option<IbRegistration>,
     bootstrap: Arc<dyn Bootstrap>,
     device: Option<Device>,
     host_id: u64,
@@ -173,6 +208,9 @@ impl Communicator {
             None => SignalPage::host(slots),
         };
         let mut comm = Self {
+            ib: None,
+            ib_connections: Mutex::new(vec![None; size]),
+            ib_first_page: None,
             bootstrap,
             device,
             host_id,
@@ -287,14 +325,13 @@ impl Communicator {
             )
         };
         comm.topology = topology(false)?;
-        // Peers on other nodes: IB verbs where a device is usable (or
-        // MOELINK_TRANSPORT=ib demands it), else Ethernet.
-        if cross_node.uses_ib(
-            rank,
-            comm.topology.num_nodes() > 1,
-            crate::transport::usable_rdma_devices,
-        )? {
-            comm.topology = topology(true)?;
+        // Peers on other nodes: IB verbs where every rank has a usable device
+        // (or MOELINK_TRANSPORT=ib demands it), else Ethernet.
+        if comm.topology.num_nodes() > 1 && cross_node != CrossNode::Ethernet {
+            let rdma = opts.rdma.clone();
+            if comm.open_ib(cross_node, rdma, &page_reg)? {
+                comm.topology = topology(true)?;
+            }
         }
         if let Some(d) = device {
             comm.device_peers = ranks_on_same_device(&placement, rank);
@@ -316,6 +353,133 @@ impl Communicator {
 
     pub fn rank(&self) -> usize {
         self.bootstrap.rank()
+    }
+
+    /// *Collective.* Opens this rank's RDMA device where a usable one
+    /// exists, registers the first signal page with it, and agrees with
+    /// every rank: IB verbs are used only if every rank has them (a rank
+    /// without is logged once, or fails all ranks under
+    /// `MOELINK_TRANSPORT=ib`). Returns whether they are used.
+    fn open_ib(
+        &mut self,
+        cross_node: CrossNode,
+        rdma: Option<Arc<dyn RdmaProvider>>,
+        page: &RegisteredMemory,
+    ) -> Result<bool> {
+        let rank = self.rank();
+        let config = IbConfig::from_env()?;
+        let provider = || -> Result<Arc<dyn RdmaProvider>> {
+            match &rdma {
+                Some(p) => Ok(p.clone()),
+                None => Ok(crate::transport::ib::native::shared_verbs()?),
+            }
+        };
+        let local = cross_node
+            .uses_ib(rank, true, || {
+                crate::transport::ib::verbs::usable_devices(&*provider()?, &config.hca)
+            })
+            .and_then(|usable| {
+                if !usable {
+                    return Ok(None);
+                }
+                let local_rank = self.topology.peer(rank).local_rank;
+                let ctx = IbContext::open(
+                    rank,
+                    &*provider()?,
+                    config.clone(),
+                    local_rank,
+                    self.device,
+                    self.timeout,
+                )?;
+                let info = page.info();
+                let reg = ctx.register(info.owner_ptr, info.len, info.location)?;
+                Ok(Some((ctx, reg)))
+            });
+        let mut w = Writer::default();
+        match &local {
+            Ok(Some((_, reg))) => w.u8(1).u32(reg.key().lkey).u32(reg.key().rkey),
+            Ok(None) => w.u8(0).u32(0).u32(0),
+            Err(_) => w.u8(2).u32(0).u32(0),
+        };
+        let all = self.bootstrap.all_gather(&w.finish())?;
+        let mut keys = Vec::with_capacity(all.len());
+        let mut without = Vec::new();
+        for (r, b) in all.iter().enumerate() {
+            let mut rd = Reader::new(b, "IB verbs agreement");
+            let (usable, lkey, rkey) = (rd.u8()?, rd.u32()?, rd.u32()?);
+            rd.end()?;
+            if usable != 1 {
+                without.push(r);
+            }
+            keys.push(IbKey { lkey, rkey });
+        }
+        let (ctx, reg) = match local {
+            Err(e) => return Err(e),
+            Ok(_) if !without.is_empty() => {
+                if cross_node == CrossNode::Ib {
+                    return Err(CommError::NoRdma {
+                        reason: format!(
+                            "{}=ib, but ranks {without:?} have no usable RDMA device",
+                            crate::transport::TRANSPORT_ENV
+                        ),
+                    });
+                }
+                tracing::info!(
+                    "rank {rank}: ranks {without:?} have no usable RDMA device; peers on other \
+                     nodes use Ethernet"
+                );
+                return Ok(false);
+            }
+            Ok(None) => return Ok(false),
+            Ok(Some(x)) => x,
+        };
+        let signals = self.signals.get_mut().unwrap_or_else(|p| p.into_inner());
+        for (r, m) in signals.peers[0].iter_mut().enumerate() {
+            m.set_ib(keys[r]);
+        }
+        self.ib = Some(ctx);
+        self.ib_first_page = Some(reg);
+        Ok(true)
+    }
+
+    /// How peers reach this rank's `[ptr, ptr + len)`: `ipc` on this host,
+    /// Ethernet where the receiver runs, IB verbs where `ib` registered it.
+    fn memory_info(
+        &self,
+        ptr: u64,
+        len: u64,
+        location: Location,
+        ipc: Option<IpcExport>,
+        ib: &Option<IbRegistration>,
+    ) -> MemoryInfo {
+        MemoryInfo {
+            rank: self.rank() as u32,
+            len,
+            location,
+            host_id: self.host_id,
+            owner_ptr: ptr,
+            ipc,
+            ethernet: self.ethernet.as_ref().map(|e| e.address()),
+            ib: ib.as_ref().map(IbRegistration::key),
+        }
+    }
+
+    /// The IB verbs state, where peers on other nodes use it.
+    pub fn ib_context(&self) -> Option<&Arc<IbContext>> {
+        self.ib.as_ref()
+    }
+
+    /// Registers `[ptr, ptr + len)` with the RDMA device, where IB verbs are used.
+    fn ib_register(
+        &self,
+        ptr: u64,
+        len: u64,
+        location: Location,
+    ) -> Result<Option<IbRegistration>> {
+        match &self.ib {
+            Some(ctx) => ctx.register(ptr, len, location).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Every rank's node, local rank, device sharing, P2P reach and the way
@@ -398,24 +562,24 @@ impl Communicator {
         let fd_key = self.fd_server.offer(memory.export_fd()?);
         let ptr = memory.ptr();
         let len = memory.len() as u64;
+        let ib = self.ib_register(ptr, len, Location::Device(memory.device().ordinal))?;
         let ethernet = self.ethernet.as_ref().map(|rx| {
             rx.register(ptr, len, Location::Device(memory.device().ordinal));
             (rx.clone(), ptr)
         });
-        let info = MemoryInfo {
-            rank: self.rank() as u32,
+        let info = self.memory_info(
+            ptr,
             len,
-            location: Location::Device(memory.device().ordinal),
-            host_id: self.host_id,
-            owner_ptr: ptr,
-            ipc: Some(IpcExport::Vmm {
+            Location::Device(memory.device().ordinal),
+            Some(IpcExport::Vmm {
                 server: self.fd_server.address(),
                 key: fd_key,
                 len,
             }),
-            ethernet: self.ethernet.as_ref().map(|e| e.address()),
-        };
+            &ib,
+        );
         let keep = Registration {
+            _ib: ib,
             _memory: memory,
             fd_server: self.fd_server.clone(),
             fd_key,
@@ -435,20 +599,14 @@ impl Communicator {
             .cloned()
             .ok_or_else(|| CommError::invalid("signal page", "neither GPU nor host memory"))?;
         let (ptr, len) = (page.ptr(), mem.len() as u64);
+        let ib = self.ib_register(ptr, len, Location::Host)?;
         let ethernet = self.ethernet.as_ref().map(|rx| {
             rx.register(ptr, len, Location::Host);
             (rx.clone(), ptr)
         });
-        let info = MemoryInfo {
-            rank: self.rank() as u32,
-            len,
-            location: Location::Host,
-            host_id: self.host_id,
-            owner_ptr: ptr,
-            ipc: None,
-            ethernet: self.ethernet.as_ref().map(|e| e.address()),
-        };
+        let info = self.memory_info(ptr, len, Location::Host, None, &ib);
         let keep = LegacyRegistration {
+            _ib: ib,
             _memory: mem,
             ethernet,
         };
@@ -502,20 +660,14 @@ impl Communicator {
         let handle = memory.ipc_handle()?;
         let (ptr, len) = (memory.ptr(), memory.len() as u64);
         let location = Location::Device(memory.device().ordinal);
+        let ib = self.ib_register(ptr, len, location)?;
         let ethernet = self.ethernet.as_ref().map(|rx| {
             rx.register(ptr, len, location);
             (rx.clone(), ptr)
         });
-        let info = MemoryInfo {
-            rank: self.rank() as u32,
-            len,
-            location,
-            host_id: self.host_id,
-            owner_ptr: ptr,
-            ipc: Some(IpcExport::Legacy(handle)),
-            ethernet: self.ethernet.as_ref().map(|e| e.address()),
-        };
+        let info = self.memory_info(ptr, len, location, Some(IpcExport::Legacy(handle)), &ib);
         let keep = LegacyRegistration {
+            _ib: ib,
             _memory: memory,
             ethernet,
         };
@@ -523,24 +675,23 @@ impl Communicator {
     }
 
     /// Registers memory owned by the caller (host memory, or GPU memory from
-    /// another allocator) for Ethernet access. The caller keeps it alive and
-    /// unchanged in place while peers may use it.
-    pub fn register_external(&self, ptr: u64, len: u64, location: Location) -> RegisteredMemory {
+    /// another allocator) for Ethernet access, and with the RDMA device where
+    /// IB verbs are used (that registration lives as long as the returned
+    /// memory and its clones). The caller keeps the memory alive and in
+    /// place while peers may use it.
+    pub fn register_external(
+        &self,
+        ptr: u64,
+        len: u64,
+        location: Location,
+    ) -> Result<RegisteredMemory> {
+        let ib = self.ib_register(ptr, len, location)?;
         if let Some(rx) = &self.ethernet {
             rx.register(ptr, len, location);
         }
-        RegisteredMemory::local(
-            MemoryInfo {
-                rank: self.rank() as u32,
-                len,
-                location,
-                host_id: self.host_id,
-                owner_ptr: ptr,
-                ipc: None,
-                ethernet: self.ethernet.as_ref().map(|e| e.address()),
-            },
-            None,
-        )
+        let info = self.memory_info(ptr, len, location, None, &ib);
+        let keep = ib.map(|r| Arc::new(r) as Arc<dyn std::any::Any + Send + Sync>);
+        Ok(RegisteredMemory::local(info, keep))
     }
 
     /// *Collective.* Every rank's `mem` (indexed by rank; ours is `mem` itself),
@@ -584,24 +735,16 @@ impl Communicator {
                 let device = self.device.ok_or_else(|| {
                     CommError::invalid("transport", "CUDA IPC needs a GPU communicator")
                 })?;
-                let mut conns = self
-                    .ipc_connections
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner());
-                if let Some(c) = &conns[peer] {
-                    return Ok(c.clone());
-                }
-                let stream = {
-                    let mut shared = self.ipc_stream.lock().unwrap_or_else(|p| p.into_inner());
-                    match &*shared {
-                        Some(s) => s.clone(),
-                        None => shared.insert(Arc::new(OwnedStream::new(device)?)).clone(),
-                    }
-                };
-                let c: Arc<dyn Connection> =
-                    Arc::new(CudaIpcConnection::new(self.rank(), peer, stream));
-                conns[peer] = Some(c.clone());
-                Ok(c)
+                cached(&self.ipc_connections, peer, || {
+                    let stream = {
+                        let mut shared = self.ipc_stream.lock().unwrap_or_else(|p| p.into_inner());
+                        match &*shared {
+                            Some(s) => s.clone(),
+                            None => shared.insert(Arc::new(OwnedStream::new(device)?)).clone(),
+                        }
+                    };
+                    Ok(Arc::new(CudaIpcConnection::new(self.rank(), peer, stream)))
+                })
             }
             Transport::Ethernet => {
                 let addr = self.peer_ethernet[peer].as_ref().ok_or_else(|| {
@@ -620,7 +763,19 @@ impl Communicator {
                     self.timeout,
                 )?))
             }
-            Transport::IbVerbs => Err(crate::transport::ib::connect_unavailable()),
+            Transport::IbVerbs => {
+                let Some(ctx) = &self.ib else {
+                    return Err(crate::transport::ib::connect_unavailable());
+                };
+                cached(&self.ib_connections, peer, || {
+                    let boot = &self.bootstrap;
+                    let mut exchange = |mine: &[u8]| {
+                        boot.send(peer, TAG_IB, mine)?;
+                        boot.recv(peer, TAG_IB)
+                    };
+                    Ok(Arc::new(ctx.connect(peer, &mut exchange)?))
+                })
+            }
         }
     }
 

@@ -8,7 +8,7 @@
 //! | group | [`group`] | [`Group`]: one bootstrap and one [`Communicator`] shared by every object of a process group; [`Member`]: what each object keeps for itself |
 //! | memory | [`memory`], [`vmm`], [`host_memory`], [`fd_passing`] | device allocations (legacy IPC, cuMem POSIX fd), host-mapped memory, fd passing over unix sockets |
 //! | registration | [`registered_memory`], [`wire`] | buffers + how to reach them, serializable |
-//! | transports | [`transport`] | [`transport::Connection`]s: CUDA IPC, Ethernet |
+//! | transports | [`transport`] | [`transport::Connection`]s: CUDA IPC, Ethernet, IB verbs (libibverbs loaded at run time; docs/ib.md) |
 //! | sharing | [`device_share`] | ranks on one GPU: each rank's SM share, so all ranks' blocks are resident together |
 //! | signalling | [`semaphore`], [`fifo`], [`proxy`], [`device_error`] | semaphores, trigger FIFO, CPU proxy, device error records |
 //! | channels | [`channel`], [`device_handles`] | memory and port channels, `#[repr(C)]` device handles |

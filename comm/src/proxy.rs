@@ -281,7 +281,7 @@ fn run(fifo: &Fifo, shared: &Shared, flush_timeout: Duration) {
     let mut since_poll = 0u32;
     while !shared.stop.load(Ordering::Acquire) {
         let Some(t) = fifo.poll() else {
-            poll_in_flight(&mut in_flight);
+            poll_in_flight(&mut in_flight, shared);
             idle += 1;
             if idle > 4096 {
                 std::thread::yield_now();
@@ -303,23 +303,28 @@ fn run(fifo: &Fifo, shared: &Shared, flush_timeout: Duration) {
         since_poll += 1;
         if since_poll >= POLL_EVERY {
             since_poll = 0;
-            poll_in_flight(&mut in_flight);
+            poll_in_flight(&mut in_flight, shared);
         }
     }
 }
 
-/// Queries every channel in flight once (this drives its stream); forgets the
-/// ones that drained (or whose transport cannot tell), keeping how long the
-/// drained ones were in flight.
-fn poll_in_flight(in_flight: &mut Vec<(Arc<ChannelState>, Instant)>) {
-    in_flight.retain(|(ch, since)| match ch.connection.busy() {
-        Some(true) => true,
-        Some(false) => {
+/// Queries every channel in flight once (this drives its stream, or polls
+/// its completions); forgets the ones that drained (or whose transport
+/// cannot tell), keeping how long the drained ones were in flight. An error
+/// the transport found meanwhile (a failed RDMA completion) is recorded.
+fn poll_in_flight(in_flight: &mut Vec<(Arc<ChannelState>, Instant)>, shared: &Shared) {
+    in_flight.retain(|(ch, since)| match ch.connection.progress() {
+        Ok(Some(true)) => true,
+        Ok(Some(false)) => {
             let ms = since.elapsed().as_millis() as u64;
             ch.max_flight_ms.fetch_max(ms, Ordering::AcqRel);
             false
         }
-        None => false,
+        Ok(None) => false,
+        Err(e) => {
+            shared.record(e);
+            false
+        }
     });
 }
 
@@ -538,6 +543,7 @@ pub mod testing {
             owner_ptr: 0x1000,
             ipc: None,
             ethernet: None,
+            ib: None,
         };
         RegisteredMemory::local(info, None)
     }

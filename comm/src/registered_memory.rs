@@ -47,6 +47,16 @@ pub mod transports {
     pub const IB_VERBS: u32 = 4;
 }
 
+/// The keys of a buffer's IB verbs registration (on its owner's RDMA
+/// device; peers address it at `owner_ptr`, registered as its IO address).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IbKey {
+    /// Used by the owner's own work requests (write sources).
+    pub lkey: u32,
+    /// Used by peers' RDMA writes and atomics.
+    pub rkey: u32,
+}
+
 /// What a peer needs to know to reach a registered buffer.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MemoryInfo {
@@ -61,6 +71,8 @@ pub struct MemoryInfo {
     pub ipc: Option<IpcExport>,
     /// The owner's Ethernet receiver ("host:port"), if it accepts Ethernet writes.
     pub ethernet: Option<String>,
+    /// The owner's IB verbs registration, if its RDMA device registered it.
+    pub ib: Option<IbKey>,
 }
 
 impl MemoryInfo {
@@ -87,6 +99,10 @@ impl MemoryInfo {
             }
         }
         w.bytes(self.ethernet.as_deref().unwrap_or("").as_bytes());
+        match self.ib {
+            None => w.u8(0),
+            Some(k) => w.u8(1).u32(k.lkey).u32(k.rkey),
+        };
         w.finish()
     }
 
@@ -123,6 +139,14 @@ impl MemoryInfo {
         } else {
             Some(String::from_utf8(eth.to_vec()).map_err(|_| r.bad("ethernet address not UTF-8"))?)
         };
+        let ib = match r.u8()? {
+            0 => None,
+            1 => Some(IbKey {
+                lkey: r.u32()?,
+                rkey: r.u32()?,
+            }),
+            t => return Err(r.bad(format!("bad IB key kind {t}"))),
+        };
         r.end()?;
         Ok(Self {
             rank,
@@ -132,6 +156,7 @@ impl MemoryInfo {
             owner_ptr,
             ipc,
             ethernet,
+            ib,
         })
     }
 }
@@ -213,6 +238,12 @@ impl RegisteredMemory {
         &self.info
     }
 
+    /// Adds the keys of an IB verbs registration made after this
+    /// description was built (a Communicator's first signal page).
+    pub(crate) fn set_ib(&mut self, key: IbKey) {
+        self.info.ib = Some(key);
+    }
+
     pub fn rank(&self) -> usize {
         self.info.rank as usize
     }
@@ -280,6 +311,7 @@ mod tests {
             owner_ptr: 0x7f00_0000_0000,
             ipc,
             ethernet: eth.map(String::from),
+            ib: None,
         }
     }
 
@@ -294,6 +326,10 @@ mod tests {
             sample(Some(legacy), Some("10.0.0.1:5000")),
             MemoryInfo {
                 location: Location::Host,
+                ib: Some(IbKey {
+                    lkey: 0x11,
+                    rkey: 0x2233,
+                }),
                 ..sample(None, Some("[::1]:1"))
             },
         ] {

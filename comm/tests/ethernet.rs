@@ -69,6 +69,7 @@ fn memory_info(
         owner_ptr,
         ipc: None,
         ethernet,
+        ib: None,
     }
 }
 

@@ -11,6 +11,12 @@
 //! | SIGNAL | `AtomicU64` store (release) | 8-byte copy, after the preceding writes completed |
 //! | ATOMIC | `AtomicU64` / `AtomicU32` `fetch_add` | `kernels::atomic_add` + bounded stream sync |
 //! | FLUSH | answered with FLUSH_ACK once everything before it was applied | |
+//! | IMM | the (immediate, record) of a signal or add, decoded and applied as IB verbs' receiving proxy does ([`super::ib::imm`]) | |
+//!
+//! Memory is touched through [`super::inbound::Regions`], the code the IB
+//! receiving proxy uses too. A connection in the `host-no-atomic` signalling
+//! mode ([`EthernetConnection::with_signal_mode`]) sends its signals and adds
+//! as IMM frames, so CPU tests drive that path of IB verbs end to end.
 //!
 //! An operation that does not fall entirely inside a registered region is
 //! rejected: the receiver logs it and sends ERROR back on that connection, and
@@ -19,22 +25,25 @@
 //! Wire format (little-endian): every frame starts with a 32-byte header
 //! `magic u32 | op u8 | flag u8 | 0u16 | seq u64 | ptr u64 | arg u64`. WRITE is
 //! followed by `arg` payload bytes (at most [`CHUNK`]; larger writes are split
-//! into several frames), ERROR by `arg` bytes of UTF-8 message. `flag` is the
-//! width of an ATOMIC (4 or 8) and the kind of an ERROR.
+//! into several frames), ERROR by `arg` bytes of UTF-8 message, IMM (`arg`: the
+//! immediate) by a 32-byte record. `flag` is the width of an ATOMIC (4 or 8)
+//! and the kind of an ERROR.
 //!
 //! [`MemoryInfo::ethernet`]: crate::registered_memory::MemoryInfo::ethernet
 
-use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream, ToSocketAddrs};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, RwLock, RwLockWriteGuard};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
+use super::ib::config::SignalMode;
+use super::ib::imm::{self, Action, Record};
+use super::inbound::{ApplyError, Op, Regions};
 use super::{check_atomic_target, AtomicWidth, Connection, Transport};
 use crate::cuda::{Device, OwnedStream};
 use crate::error::{CommError, CudaResultExt, Result};
@@ -53,8 +62,6 @@ const HEADER: usize = 32;
 const MAX_ERROR_MESSAGE: u64 = 64 << 10;
 /// Blocking socket calls wake this often to check for shutdown or a deadline.
 const POLL: Duration = Duration::from_millis(100);
-/// Bound of the receiver's wait for one GPU operation.
-const GPU_TIMEOUT: Duration = Duration::from_secs(10);
 
 const OP_HELLO: u8 = 1;
 const OP_WRITE: u8 = 2;
@@ -63,6 +70,10 @@ const OP_ATOMIC: u8 = 4;
 const OP_FLUSH: u8 = 5;
 const OP_FLUSH_ACK: u8 = 6;
 const OP_ERROR: u8 = 7;
+/// A signal or add as (immediate, record): `arg` the immediate, followed by
+/// the [`imm::RECORD_BYTES`]-byte record (the `host-no-atomic` path of IB
+/// verbs, which the receiver applies with the same code).
+const OP_IMM: u8 = 8;
 
 /// ERROR kinds: the operation was not allowed / applying it failed.
 const ERR_REJECTED: u8 = 1;
@@ -179,19 +190,11 @@ fn send_all(sock: &mut TcpStream, mut buf: &[u8], give_up: impl Fn() -> bool) ->
 
 // ---------------------------------------------------------------- receiver --
 
-#[derive(Clone, Copy, Debug)]
-struct Region {
-    len: u64,
-    location: Location,
-}
-
 #[derive(Debug)]
 struct Shared {
     rank: usize,
-    device: Option<Device>,
-    /// Registered regions by start address. Operations hold the read lock while
-    /// they touch memory, so once `unregister` returns nothing lands there.
-    regions: RwLock<BTreeMap<u64, Region>>,
+    /// What peers may touch, and how their operations are applied.
+    regions: Regions,
     stop: AtomicBool,
     workers: Mutex<Vec<JoinHandle<()>>>,
 }
@@ -210,10 +213,7 @@ impl std::fmt::Debug for EthernetReceiver {
         f.debug_struct("EthernetReceiver")
             .field("rank", &self.shared.rank)
             .field("address", &self.addr)
-            .field(
-                "regions",
-                &self.shared.regions.read().map(|r| r.len()).unwrap_or(0),
-            )
+            .field("regions", &self.shared.regions.len())
             .finish()
     }
 }
@@ -234,8 +234,7 @@ impl EthernetReceiver {
         let addr = listener.local_addr().map_err(fail)?;
         let shared = Arc::new(Shared {
             rank,
-            device,
-            regions: RwLock::new(BTreeMap::new()),
+            regions: Regions::new(rank, device),
             stop: AtomicBool::new(false),
             workers: Mutex::new(Vec::new()),
         });
@@ -264,18 +263,13 @@ impl EthernetReceiver {
     /// memory valid until [`unregister`](Self::unregister) returns or the
     /// receiver is shut down.
     pub fn register(&self, ptr: u64, len: u64, location: Location) {
-        self.regions().insert(ptr, Region { len, location });
+        self.shared.regions.register(ptr, len, location);
     }
 
     /// Removes the registration starting at `ptr`. Once this returns, no
     /// operation touches that memory; later ones are rejected.
     pub fn unregister(&self, ptr: u64) {
-        self.regions().remove(&ptr);
-    }
-
-    fn regions(&self) -> RwLockWriteGuard<'_, BTreeMap<u64, Region>> {
-        let regions = &self.shared.regions;
-        regions.write().unwrap_or_else(PoisonError::into_inner)
+        self.shared.regions.unregister(ptr);
     }
 
     /// Stops accepting, closes every connection and waits for the receiver's
@@ -353,7 +347,7 @@ struct OpError(u8, String);
 
 /// Applies one connection's frames, in order, until it closes or the receiver stops.
 fn serve(shared: &Shared, mut sock: TcpStream, mut peer: String) {
-    if let Some(dev) = shared.device {
+    if let Some(dev) = shared.regions.device() {
         if let Err(e) = dev.make_current() {
             tracing::warn!(
                 "rank {}: Ethernet receiver cannot bind device: {e}",
@@ -364,6 +358,8 @@ fn serve(shared: &Shared, mut sock: TcpStream, mut peer: String) {
     let rank = shared.rank;
     let mut payload = Vec::new();
     let mut stream: Option<OwnedStream> = None;
+    // The sender's rank (from HELLO) and the IMM records applied so far.
+    let (mut peer_rank, mut imms) = (usize::MAX, 0u64);
     let reply = |sock: &mut TcpStream, h: Header, msg: &[u8]| {
         let mut frame = h.encode().to_vec();
         frame.extend_from_slice(msg);
@@ -383,7 +379,7 @@ fn serve(shared: &Shared, mut sock: TcpStream, mut peer: String) {
                 "a WRITE frame of {} bytes exceeds the {CHUNK}-byte limit",
                 h.arg
             )),
-            Ok(h) if !(OP_HELLO..=OP_FLUSH).contains(&h.op) => {
+            Ok(h) if !(OP_HELLO..=OP_FLUSH).contains(&h.op) && h.op != OP_IMM => {
                 Err(format!("unknown operation {}", h.op))
             }
             other => other,
@@ -400,10 +396,15 @@ fn serve(shared: &Shared, mut sock: TcpStream, mut peer: String) {
                 return;
             }
         };
-        let len = h.arg as usize;
+        let len = match h.op {
+            OP_WRITE => h.arg as usize,
+            OP_IMM => imm::RECORD_BYTES,
+            _ => 0,
+        };
         let result = match h.op {
             OP_HELLO => {
                 peer = format!("rank {} ({peer})", h.ptr);
+                peer_rank = h.ptr as usize;
                 continue;
             }
             OP_FLUSH => {
@@ -412,16 +413,19 @@ fn serve(shared: &Shared, mut sock: TcpStream, mut peer: String) {
                 }
                 continue;
             }
-            OP_WRITE => {
+            _ => {
                 if payload.len() < len {
                     payload.resize(len, 0);
                 }
-                match read_full(&mut sock, &mut payload[..len], &shared.stop) {
-                    Ok(true) => apply(shared, &h, &payload[..len], &mut stream),
-                    _ => return,
+                if !matches!(
+                    read_full(&mut sock, &mut payload[..len], &shared.stop),
+                    Ok(true)
+                ) {
+                    return;
                 }
+                let body = &payload[..len];
+                apply(shared, &h, body, &mut imms, peer_rank, &mut stream)
             }
-            _ => apply(shared, &h, &[], &mut stream),
         };
         if let Err(OpError(kind, msg)) = result {
             tracing::warn!(
@@ -438,126 +442,47 @@ fn serve(shared: &Shared, mut sock: TcpStream, mut peer: String) {
     }
 }
 
-fn rejected(msg: String) -> OpError {
-    OpError(ERR_REJECTED, msg)
-}
-
-/// Applies one WRITE / SIGNAL / ATOMIC, if it lies inside a registered region.
+/// Applies one WRITE / SIGNAL / ATOMIC / IMM frame through the receiver's
+/// regions; `imms`: IMM frames applied so far on this connection (the
+/// sequence the next record must carry).
 fn apply(
     shared: &Shared,
     h: &Header,
     payload: &[u8],
+    imms: &mut u64,
+    peer: usize,
     stream: &mut Option<OwnedStream>,
 ) -> std::result::Result<(), OpError> {
-    let (what, len) = match (h.op, h.flag) {
-        (OP_WRITE, _) => ("write", payload.len() as u64),
-        (OP_SIGNAL, _) => ("signal", 8),
-        (OP_ATOMIC, w @ (4 | 8)) => ("atomic add", w as u64),
-        (_, w) => return Err(rejected(format!("bad atomic width {w}"))),
-    };
-    if h.op != OP_WRITE && h.ptr % len != 0 {
-        return Err(rejected(format!(
-            "{what} target {:#x} is not {len}-byte aligned",
-            h.ptr
-        )));
-    }
-    let regions = shared
-        .regions
-        .read()
-        .unwrap_or_else(PoisonError::into_inner);
-    let region = h.ptr.checked_add(len).and_then(|end| {
-        let mut below = regions.range(..=h.ptr).rev();
-        below.find(|(start, r)| start.checked_add(r.len).is_some_and(|e| end <= e))
-    });
-    let Some((_, region)) = region else {
-        return Err(rejected(format!(
-            "{what} of {len} bytes at {:#x} is not inside a region registered with \
-             rank {}'s receiver",
-            h.ptr, shared.rank
-        )));
-    };
-    let dev = match (region.location, shared.device) {
-        (Location::Host, _) => {
-            apply_host(h, payload);
-            return Ok(());
-        }
-        (Location::Device(d), Some(dev)) if dev.ordinal == d => dev,
-        (Location::Device(d), _) => {
-            return Err(rejected(format!(
-                "{what} target is on GPU {d}, which rank {}'s receiver does not serve",
-                shared.rank
-            )))
-        }
-    };
-    let failed = |e: CommError| OpError(ERR_FAILED, format!("{what} at {:#x}: {e}", h.ptr));
-    if stream.is_none() {
-        *stream = Some(OwnedStream::new(dev).map_err(failed)?);
-    }
-    let stream = stream.as_ref().expect("created above");
-    apply_device(h, payload, dev, stream, shared.rank).map_err(failed)
-}
-
-/// Host memory: plain copies for writes, real atomics for signals and adds.
-fn apply_host(h: &Header, payload: &[u8]) {
-    let target = h.ptr as *mut u8;
-    match (h.op, h.flag) {
-        // SAFETY: the target range lies inside a registered host region, which
-        // the owner keeps valid while it is registered; the caller holds the
-        // read lock that keeps it registered.
-        (OP_WRITE, _) => unsafe {
-            std::ptr::copy_nonoverlapping(payload.as_ptr(), target, payload.len())
+    let op = match (h.op, h.flag) {
+        (OP_WRITE, _) => Op::Write {
+            ptr: h.ptr,
+            data: payload,
         },
-        (OP_SIGNAL, _) => {
-            // SAFETY: as above, for an 8-byte-aligned u64 (checked by the caller).
-            unsafe { AtomicU64::from_ptr(target.cast()) }.store(h.arg, Ordering::Release)
+        (OP_SIGNAL, _) => Op::Set {
+            ptr: h.ptr,
+            value: h.arg,
+        },
+        (OP_ATOMIC, w @ (4 | 8)) => Op::Add {
+            ptr: h.ptr,
+            value: h.arg as i64,
+            width: if w == 8 {
+                AtomicWidth::U64
+            } else {
+                AtomicWidth::U32
+            },
+        },
+        (OP_IMM, _) => {
+            let op = imm::decode(h.arg as u32, payload, *imms, peer)
+                .map_err(|e| OpError(ERR_REJECTED, e.to_string()))?;
+            *imms += 1;
+            op
         }
-        (_, 8) => {
-            // SAFETY: as above, for an 8-byte-aligned u64.
-            unsafe { AtomicU64::from_ptr(target.cast()) }.fetch_add(h.arg, Ordering::AcqRel);
-        }
-        _ => {
-            // Truncation to 32 bits adds `value as i32`, like the GPU kernel.
-            // SAFETY: as above, for a 4-byte-aligned u32.
-            unsafe { AtomicU32::from_ptr(target.cast()) }.fetch_add(h.arg as u32, Ordering::AcqRel);
-        }
-    }
-}
-
-/// GPU memory: every operation goes on this connection's stream and completes
-/// (bounded wait) before the next frame is read, so one connection's operations
-/// land in order and a FLUSH_ACK means they have all landed.
-fn apply_device(
-    h: &Header,
-    payload: &[u8],
-    dev: Device,
-    stream: &OwnedStream,
-    rank: usize,
-) -> Result<()> {
-    dev.make_current()?;
-    let raw = stream.handle().raw();
-    let value = h.arg;
-    match h.op {
-        OP_WRITE => {
-            // SAFETY: the target range lies inside a registered GPU region of
-            // `dev` (kept registered by the caller's read lock); the source
-            // stays alive until the stream is synchronized below.
-            unsafe { sys::cuMemcpyHtoDAsync_v2(h.ptr, payload.as_ptr().cast(), payload.len(), raw) }
-                .result()
-                .call("cuMemcpyHtoDAsync")?
-        }
-        OP_SIGNAL => {
-            // SAFETY: as above, for the aligned 8 bytes at h.ptr; `value`
-            // outlives the sync.
-            unsafe { sys::cuMemcpyHtoDAsync_v2(h.ptr, (&value as *const u64).cast(), 8, raw) }
-                .result()
-                .call("cuMemcpyHtoDAsync")?
-        }
-        // SAFETY: h.ptr is an aligned integer of the given width inside the region.
-        _ => unsafe {
-            crate::kernels::atomic_add(dev, stream.handle(), h.ptr, value as i64, h.flag == 8)
-        }?,
-    }
-    stream.synchronize_bounded(GPU_TIMEOUT, rank as i64, "an Ethernet operation on its GPU")
+        (_, w) => return Err(OpError(ERR_REJECTED, format!("bad atomic width {w}"))),
+    };
+    shared.regions.apply(&op, stream).map_err(|e| match e {
+        ApplyError::Rejected(m) => OpError(ERR_REJECTED, m),
+        ApplyError::Failed(m) => OpError(ERR_FAILED, m),
+    })
 }
 
 // ------------------------------------------------------------------ sender --
@@ -605,6 +530,11 @@ pub struct EthernetConnection {
     send: Mutex<SendState>,
     replies: Arc<Replies>,
     reader: Option<JoinHandle<()>>,
+    /// `HostNoAtomic`: signals and adds travel as IMM frames.
+    mode: SignalMode,
+    /// IMM records sent so far (held while one is sent, so records go out
+    /// in sequence).
+    imms: Mutex<u64>,
 }
 
 impl std::fmt::Debug for EthernetConnection {
@@ -678,9 +608,38 @@ impl EthernetConnection {
             }),
             replies,
             reader: Some(reader),
+            mode: SignalMode::Host,
+            imms: Mutex::new(0),
         };
         conn.send_header(Header::new(OP_HELLO, rank as u64, 0), deadline)?;
         Ok(conn)
+    }
+
+    /// This connection with signals and adds sent as `mode` says: `Host`
+    /// (the default) as SIGNAL / ATOMIC frames, `HostNoAtomic` as IMM frames
+    /// (what IB verbs sends as write-with-immediate), applied by the
+    /// receiver through the same decoding as the IB receiving proxy.
+    pub fn with_signal_mode(mut self, mode: SignalMode) -> Self {
+        self.mode = mode;
+        self
+    }
+
+    /// Sends one IMM frame: `action` with `value` at the receiver's `target`.
+    fn send_imm(&self, action: Action, target: u64, value: u64) -> Result<()> {
+        let mut seq = lock(&self.imms);
+        let record = Record {
+            seq: *seq,
+            target,
+            value,
+            action,
+        };
+        let h = Header::new(OP_IMM, 0, record.imm() as u64);
+        self.send_frame(h, imm::RECORD_BYTES, Instant::now() + SEND_TIMEOUT, |b| {
+            b.copy_from_slice(&record.to_bytes());
+            Ok(())
+        })?;
+        *seq += 1;
+        Ok(())
     }
 
     /// "rank R at ADDR", for messages.
@@ -920,6 +879,9 @@ impl Connection for EthernetConnection {
                 format!("offset {dst_offset} is not aligned to 8 bytes"),
             ));
         }
+        if self.mode == SignalMode::HostNoAtomic {
+            return self.send_imm(Action::Set, ptr, value);
+        }
         let h = Header::new(OP_SIGNAL, ptr, value);
         self.send_header(h, Instant::now() + SEND_TIMEOUT).map(drop)
     }
@@ -933,6 +895,9 @@ impl Connection for EthernetConnection {
     ) -> Result<()> {
         check_atomic_target(dst, dst_offset, width)?;
         let ptr = self.target(dst, "atomic_add destination")? + dst_offset;
+        if self.mode == SignalMode::HostNoAtomic {
+            return self.send_imm(Action::Add(width), ptr, value as u64);
+        }
         let h = Header::new(OP_ATOMIC, ptr, value as u64).flag(width.bytes() as u8);
         self.send_header(h, Instant::now() + SEND_TIMEOUT).map(drop)
     }

@@ -5,11 +5,12 @@
 //! |---|---|---|---|
 //! | CUDA IPC | [`cuda_ipc`] | GPUs of one host | copies, value writes and atomic kernels on a proxy-owned stream, into the peer's memory mapped here |
 //! | Ethernet | [`ethernet`] | any two processes | TCP to the peer's receiver thread, which applies writes / signals / atomics to its memory (host or GPU) |
-//! | IB verbs | [`ib`] (in progress: configuration, run-time loading, discovery; no queue pairs yet) | across hosts | RDMA write, fetch-and-add, write-with-immediate |
+//! | IB verbs | [`ib`] | across hosts (libibverbs loaded at run time) | RDMA write, fetch-and-add, write-with-immediate on RC queue pairs; records applied by the receiver's IB receiving proxy ([`inbound`]) |
 
 pub mod cuda_ipc;
 pub mod ethernet;
 pub mod ib;
+pub mod inbound;
 
 use std::time::Duration;
 
@@ -21,8 +22,9 @@ use crate::registered_memory::RegisteredMemory;
 pub enum Transport {
     CudaIpc,
     Ethernet,
-    /// The IB verbs transport ([`ib`]); no connection of this kind can be
-    /// built yet (the error says why: no RDMA device, or no queue pairs yet).
+    /// The IB verbs transport ([`ib`]): a Communicator builds it for peers
+    /// on other nodes where every rank has a usable RDMA device (else the
+    /// error says why).
     IbVerbs,
 }
 
@@ -83,6 +85,13 @@ pub trait Connection: Send + Sync + std::fmt::Debug {
     /// transport cannot tell). Diagnostics only: never waits.
     fn busy(&self) -> Option<bool> {
         None
+    }
+
+    /// What the proxy calls while operations of this connection are in
+    /// flight: drives completions, and returns (once) an error found in the
+    /// background, e.g. a failed RDMA completion; else what `busy` says.
+    fn progress(&self) -> Result<Option<bool>> {
+        Ok(self.busy())
     }
 }
 
@@ -178,8 +187,8 @@ impl CrossNode {
 /// libibverbs or a device is missing).
 pub fn usable_rdma_devices() -> Result<Vec<String>> {
     let config = ib::config::IbConfig::from_env()?;
-    let verbs = ib::verbs::Verbs::load()?;
-    ib::verbs::usable_devices(&verbs, &config.hca)
+    let verbs = ib::native::shared_verbs()?;
+    ib::verbs::usable_devices(&*verbs, &config.hca)
 }
 
 #[cfg(test)]

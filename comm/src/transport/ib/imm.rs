@@ -1,163 +1,211 @@
-//! The `host-no-atomic` signalling mode: signals and counter adds travel as
-//! RDMA write-with-immediate, and the receiving proxy applies them. One queue
-//! pair delivers in order, so the data written before a signal is in place
-//! when the signal's completion arrives, and an add's operand record (written
-//! just before its immediate) is complete when the immediate is read.
+//! Signals and counter adds as write-with-immediate: the `host-no-atomic`
+//! signalling mode, and every 32-bit add (IB atomics are 64-bit only, and a
+//! 32-bit counter is never the target of a 64-bit atomic).
 //!
-//! The 32-bit immediate (host order here; verbs carries `imm_data` in network
-//! byte order, which the queue-pair code converts): bits 30..32 the kind,
-//! bits 0..30 an index.
-//! - kind 0, signal: add 1 to the receiver's semaphore slot `index` (its
-//!   signal page, `remote_offset / SLOT_BYTES`);
-//! - kind 1, add: apply the operand record in slot `index` of the
-//!   connection's operand ring ([`AddOperand`]);
-//! - kinds 2 and 3 are invalid (a corrupted or foreign immediate).
+//! The sender writes a 32-byte [`Record`] (what to do, where, which value)
+//! into the next slot of the receiver's record ring, as the payload of a
+//! write with immediate; the receiving proxy finds the slot by the record's
+//! sequence number and applies it ([`crate::transport::inbound`]). One queue
+//! pair delivers in order, so data written earlier on it, and the record
+//! itself, are in place when the receive completion arrives: data before
+//! signal. The Ethernet transport carries the same (immediate, record) pair
+//! in a frame, and its receiver runs the same [`decode`] and apply.
+//!
+//! The immediate (host order here; verbs carries `imm_data` in network byte
+//! order, which the native binding converts): bits 30..32 the kind (0 set,
+//! 1 add; 2 and 3 are invalid), bits 0..30 the low 30 bits of the record's
+//! sequence number, checked against the receiver's count.
 
-use super::fixed_record;
 use crate::error::{CommError, Result};
+use crate::transport::inbound::Op;
 use crate::transport::AtomicWidth;
-use crate::wire::{u32_at, u64_at};
+use crate::wire::u64_at;
 
 const KIND_SHIFT: u32 = 30;
-/// Largest index an immediate carries.
-pub const MAX_INDEX: u32 = (1 << KIND_SHIFT) - 1;
+/// The sequence bits an immediate carries.
+pub const SEQ_MASK: u32 = (1 << KIND_SHIFT) - 1;
+/// Bytes of one record.
+pub const RECORD_BYTES: usize = 32;
 
-/// What one immediate asks the receiving proxy to do.
+/// What a record asks the receiving proxy to do.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Imm {
-    Signal { slot: u32 },
-    Add { operand: u32 },
+pub enum Action {
+    /// Store `value` in the u64 at `target` (a semaphore signal: the
+    /// sender's count, so a lost or repeated store cannot skew it).
+    Set,
+    /// Atomically add `value` to the integer of `width` at `target`.
+    Add(AtomicWidth),
 }
 
-impl Imm {
-    pub fn encode(self) -> Result<u32> {
-        let (kind, index) = match self {
-            Imm::Signal { slot } => (0u32, slot),
-            Imm::Add { operand } => (1u32, operand),
+/// One operation for the receiver: the `seq`-th record of its sender on this
+/// queue pair (or connection), on the receiver's memory at `target` (its own
+/// address, which its region table checks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Record {
+    pub seq: u64,
+    pub target: u64,
+    pub value: u64,
+    pub action: Action,
+}
+
+impl Record {
+    /// The immediate that goes with this record.
+    pub fn imm(&self) -> u32 {
+        let kind = match self.action {
+            Action::Set => 0,
+            Action::Add(_) => 1,
         };
-        if index > MAX_INDEX {
-            return Err(CommError::invalid(
-                "imm",
-                format!("index {index} is above {MAX_INDEX}, the largest an immediate carries"),
-            ));
-        }
-        Ok((kind << KIND_SHIFT) | index)
+        (kind << KIND_SHIFT) | (self.seq as u32 & SEQ_MASK)
     }
 
-    /// `peer`: who sent it (named in the error of an invalid immediate).
-    pub fn decode(imm: u32, peer: usize) -> Result<Self> {
-        let index = imm & MAX_INDEX;
-        match imm >> KIND_SHIFT {
-            0 => Ok(Imm::Signal { slot: index }),
-            1 => Ok(Imm::Add { operand: index }),
-            k => Err(CommError::Rdma {
-                peer,
-                what: format!("immediate {imm:#010x} has kind {k}, which no sender writes"),
-            }),
-        }
-    }
-}
-
-/// The operand of a counter add in `host-no-atomic` mode: where (registered
-/// memory id and byte offset, in the receiver's registrations) and what to add,
-/// at which width. 24 bytes, little-endian.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct AddOperand {
-    pub memory_id: u32,
-    pub width: AtomicWidth,
-    pub offset: u64,
-    pub value: i64,
-}
-
-/// Bytes of one [`AddOperand`] record.
-pub const OPERAND_BYTES: usize = 24;
-
-impl AddOperand {
-    pub fn to_bytes(&self) -> [u8; OPERAND_BYTES] {
-        let mut b = [0u8; OPERAND_BYTES];
-        b[0..4].copy_from_slice(&self.memory_id.to_le_bytes());
-        b[4..8].copy_from_slice(&(self.width.bytes() as u32).to_le_bytes());
-        b[8..16].copy_from_slice(&self.offset.to_le_bytes());
+    /// `seq u64 | target u64 | value u64 | kind u8 | width u8 | 0 x6`,
+    /// little-endian.
+    pub fn to_bytes(&self) -> [u8; RECORD_BYTES] {
+        let mut b = [0u8; RECORD_BYTES];
+        b[0..8].copy_from_slice(&self.seq.to_le_bytes());
+        b[8..16].copy_from_slice(&self.target.to_le_bytes());
         b[16..24].copy_from_slice(&self.value.to_le_bytes());
+        (b[24], b[25]) = match self.action {
+            Action::Set => (0, 8),
+            Action::Add(w) => (1, w.bytes() as u8),
+        };
         b
     }
+}
 
-    /// Checks the record as the receiver must: a known width, an offset
-    /// aligned to it (a 64-bit add never lands on a 32-bit counter's half).
-    pub fn from_bytes(b: &[u8], peer: usize) -> Result<Self> {
-        let b: &[u8; OPERAND_BYTES] = fixed_record(b, peer, "an add operand")?;
-        let bad = |what: String| CommError::Rdma { peer, what };
-        let width = match u32_at(b, 4) {
-            4 => AtomicWidth::U32,
-            8 => AtomicWidth::U64,
-            w => return Err(bad(format!("an add operand of width {w} bytes (4 or 8)"))),
-        };
-        let offset = u64_at(b, 8);
-        if offset % width.bytes() != 0 {
-            return Err(bad(format!(
-                "a {}-byte add at offset {offset}, not aligned to its width",
-                width.bytes()
-            )));
-        }
-        Ok(Self {
-            memory_id: u32_at(b, 0),
-            width,
-            offset,
-            value: u64_at(b, 16) as i64,
-        })
+/// The operation of immediate `imm` with record bytes `record`, which must
+/// be record number `expected` of `peer` on this link: checks that they
+/// agree (kind, sequence), that the width is 4 or 8 (a set: 8) and that the
+/// target is aligned to it. Every failure is an `Rdma` error naming `peer`.
+pub fn decode(imm: u32, record: &[u8], expected: u64, peer: usize) -> Result<Op<'static>> {
+    let bad = |what: String| CommError::Rdma { peer, what };
+    let kind = imm >> KIND_SHIFT;
+    if kind > 1 {
+        return Err(bad(format!(
+            "immediate {imm:#010x} has kind {kind}, which no sender writes"
+        )));
     }
+    if imm & SEQ_MASK != expected as u32 & SEQ_MASK {
+        return Err(bad(format!(
+            "immediate {imm:#010x} is out of sequence: record {expected} was due"
+        )));
+    }
+    let b: &[u8; RECORD_BYTES] = record.try_into().map_err(|_| {
+        bad(format!(
+            "a signal record of {} bytes, expected {RECORD_BYTES}",
+            record.len()
+        ))
+    })?;
+    let seq = u64_at(b, 0);
+    if seq != expected || b[24] as u32 != kind {
+        return Err(bad(format!(
+            "signal record {seq} (kind {}) does not match immediate {imm:#010x}; record \
+             {expected} was due",
+            b[24]
+        )));
+    }
+    let (ptr, value) = (u64_at(b, 8), u64_at(b, 16));
+    let width = match b[25] {
+        4 => AtomicWidth::U32,
+        8 => AtomicWidth::U64,
+        w => return Err(bad(format!("a signal record of width {w} bytes (4 or 8)"))),
+    };
+    if ptr % width.bytes() != 0 {
+        return Err(bad(format!(
+            "a {}-byte update at {ptr:#x}, not aligned to its width",
+            width.bytes()
+        )));
+    }
+    Ok(match kind {
+        0 if width == AtomicWidth::U64 => Op::Set { ptr, value },
+        0 => return Err(bad("a 4-byte semaphore store".into())),
+        _ => Op::Add {
+            ptr,
+            value: value as i64,
+            width,
+        },
+    })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    #[test]
-    fn immediates_round_trip_and_keep_their_kind() {
-        for imm in [
-            Imm::Signal { slot: 0 },
-            Imm::Signal { slot: MAX_INDEX },
-            Imm::Add { operand: 7 },
-            Imm::Add { operand: MAX_INDEX },
-        ] {
-            assert_eq!(Imm::decode(imm.encode().unwrap(), 0).unwrap(), imm);
+    fn rec(seq: u64, action: Action) -> Record {
+        Record {
+            seq,
+            target: 0x7f00_0000_1000,
+            value: 0xffff_fffe,
+            action,
         }
-        assert_ne!(
-            Imm::Signal { slot: 5 }.encode().unwrap(),
-            Imm::Add { operand: 5 }.encode().unwrap()
-        );
-        assert!(Imm::Signal {
-            slot: MAX_INDEX + 1
-        }
-        .encode()
-        .is_err());
-        let e = Imm::decode(0xC000_0001, 4).unwrap_err().to_string();
-        assert!(e.contains("rank 4") && e.contains("kind 3"), "{e}");
     }
 
     #[test]
-    fn operands_round_trip_and_are_checked() {
-        let op = AddOperand {
-            memory_id: 9,
-            width: AtomicWidth::U64,
-            offset: 4096,
-            value: -3,
-        };
-        assert_eq!(AddOperand::from_bytes(&op.to_bytes(), 0).unwrap(), op);
-        let op32 = AddOperand {
-            width: AtomicWidth::U32,
-            offset: 4100,
-            ..op
-        };
-        assert_eq!(AddOperand::from_bytes(&op32.to_bytes(), 0).unwrap(), op32);
-        let misaligned = AddOperand { offset: 4100, ..op }.to_bytes();
-        let e = AddOperand::from_bytes(&misaligned, 2)
-            .unwrap_err()
-            .to_string();
-        assert!(e.contains("rank 2") && e.contains("not aligned"), "{e}");
-        let mut bad_width = op.to_bytes();
-        bad_width[4] = 2;
-        assert!(AddOperand::from_bytes(&bad_width, 0).is_err());
-        assert!(AddOperand::from_bytes(&[0; 23], 0).is_err());
+    fn records_decode_to_their_operations() {
+        let r = rec(5, Action::Set);
+        assert_eq!(r.imm(), 5);
+        assert_eq!(
+            decode(r.imm(), &r.to_bytes(), 5, 1).unwrap(),
+            Op::Set {
+                ptr: r.target,
+                value: r.value
+            }
+        );
+        let r = rec((1 << 30) + 3, Action::Add(AtomicWidth::U32));
+        assert_eq!(r.imm(), (1 << 30) | 3, "kind 1, low 30 bits of seq");
+        assert_eq!(
+            decode(r.imm(), &r.to_bytes(), r.seq, 1).unwrap(),
+            Op::Add {
+                ptr: r.target,
+                value: 0xffff_fffe,
+                width: AtomicWidth::U32
+            }
+        );
+    }
+
+    #[test]
+    fn corrupt_or_foreign_immediates_name_the_peer() {
+        let r = rec(7, Action::Add(AtomicWidth::U64));
+        let cases: Vec<(u32, Vec<u8>, u64, &str)> = vec![
+            (0xC000_0007, r.to_bytes().to_vec(), 7, "kind 3"),
+            (r.imm(), r.to_bytes().to_vec(), 8, "out of sequence"),
+            (r.imm(), r.to_bytes()[..31].to_vec(), 7, "31 bytes"),
+            (7, r.to_bytes().to_vec(), 7, "does not match"),
+            (
+                r.imm(),
+                Record {
+                    target: 0x1004,
+                    ..r
+                }
+                .to_bytes()
+                .to_vec(),
+                7,
+                "not aligned",
+            ),
+            (
+                rec(7, Action::Set).imm(),
+                {
+                    let mut b = rec(7, Action::Set).to_bytes();
+                    b[25] = 4;
+                    b.to_vec()
+                },
+                7,
+                "4-byte semaphore",
+            ),
+            (
+                r.imm(),
+                {
+                    let mut b = r.to_bytes();
+                    b[25] = 2;
+                    b.to_vec()
+                },
+                7,
+                "width 2",
+            ),
+        ];
+        for (imm, bytes, expected, want) in cases {
+            let e = decode(imm, &bytes, expected, 4).unwrap_err().to_string();
+            assert!(e.contains("rank 4") && e.contains(want), "{want}: {e}");
+        }
     }
 }

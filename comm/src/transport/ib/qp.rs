@@ -2,8 +2,8 @@
 //! other through the bootstrap ([`QpEndpoint`]), and the attributes of the
 //! RESET -> INIT -> RTR -> RTS transitions built from both sides and the
 //! configuration ([`transitions`]), with the `ibv_qp_attr_mask` bits and the
-//! values verbs.h defines. The call that hands them to `ibv_modify_qp` comes
-//! with the queue pairs themselves.
+//! values verbs.h defines, which [`super::device::RdmaQp::modify`] applies
+//! (`ibv_modify_qp` natively; the fake NIC checks each transition's mask).
 
 use crate::error::{CommError, Result};
 use crate::wire::u32_at;

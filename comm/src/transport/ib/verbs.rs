@@ -2,15 +2,18 @@
 //! machines without rdma-core: where it is missing, or finds no device, the
 //! transport says so (`CommError::NoRdma`) and nothing else changes.
 //!
-//! Only exported functions are bound here (device discovery); the verbs that
-//! rdma-core implements as inline calls through a context's ops table (post
-//! send, poll CQ) come with the queue pairs.
+//! The exported functions are bound here (`Fns`); the verbs rdma-core
+//! implements as static inline calls through a context's ops table (post
+//! send, post receive, poll CQ) are called the same way by [`super::native`],
+//! which implements [`super::device`] on top of both.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 
 use crate::error::{CommError, Result};
 
 use super::config::HcaFilter;
+use super::device::RdmaProvider;
+use super::sys;
 
 /// Library names tried in order (the SONAME first).
 pub const LIBRARY_NAMES: [&str; 2] = ["libibverbs.so.1", "libibverbs.so"];
@@ -19,16 +22,51 @@ type GetDeviceList = unsafe extern "C" fn(*mut c_int) -> *mut *mut c_void;
 type FreeDeviceList = unsafe extern "C" fn(*mut *mut c_void);
 type GetDeviceName = unsafe extern "C" fn(*mut c_void) -> *const c_char;
 
+/// The exported functions of libibverbs moelink calls (verbs.h signatures;
+/// the default symbol versions, IBVERBS_1.1 and later).
+#[derive(Clone, Copy)]
+pub(crate) struct Fns {
+    pub get_device_list: GetDeviceList,
+    pub free_device_list: FreeDeviceList,
+    pub get_device_name: GetDeviceName,
+    pub open_device: unsafe extern "C" fn(*mut c_void) -> *mut sys::ibv_context,
+    pub close_device: unsafe extern "C" fn(*mut sys::ibv_context) -> c_int,
+    pub query_device:
+        unsafe extern "C" fn(*mut sys::ibv_context, *mut sys::ibv_device_attr) -> c_int,
+    pub query_port:
+        unsafe extern "C" fn(*mut sys::ibv_context, u8, *mut sys::ibv_port_attr) -> c_int,
+    pub query_gid:
+        unsafe extern "C" fn(*mut sys::ibv_context, u8, c_int, *mut sys::ibv_gid) -> c_int,
+    pub alloc_pd: unsafe extern "C" fn(*mut sys::ibv_context) -> *mut c_void,
+    pub dealloc_pd: unsafe extern "C" fn(*mut c_void) -> c_int,
+    pub reg_mr: unsafe extern "C" fn(*mut c_void, *mut c_void, usize, c_int) -> *mut sys::ibv_mr,
+    /// Absent before rdma-core 34 (IBVERBS_1.12).
+    pub reg_dmabuf_mr: Option<
+        unsafe extern "C" fn(*mut c_void, u64, usize, u64, c_int, c_int) -> *mut sys::ibv_mr,
+    >,
+    pub dereg_mr: unsafe extern "C" fn(*mut sys::ibv_mr) -> c_int,
+    pub create_cq: unsafe extern "C" fn(
+        *mut sys::ibv_context,
+        c_int,
+        *mut c_void,
+        *mut c_void,
+        c_int,
+    ) -> *mut sys::ibv_cq,
+    pub destroy_cq: unsafe extern "C" fn(*mut sys::ibv_cq) -> c_int,
+    pub create_qp:
+        unsafe extern "C" fn(*mut c_void, *mut sys::ibv_qp_init_attr) -> *mut sys::ibv_qp,
+    pub modify_qp: unsafe extern "C" fn(*mut sys::ibv_qp, *mut sys::ibv_qp_attr, c_int) -> c_int,
+    pub destroy_qp: unsafe extern "C" fn(*mut sys::ibv_qp) -> c_int,
+}
+
 /// An open libibverbs (kept open for the process's life once loaded).
 pub struct Verbs {
     handle: *mut c_void,
-    get_device_list: GetDeviceList,
-    free_device_list: FreeDeviceList,
-    get_device_name: GetDeviceName,
+    pub(crate) fns: Fns,
 }
 
 // SAFETY: the handle and function pointers are process-global and libibverbs'
-// device-list functions are thread-safe.
+// functions are thread-safe.
 unsafe impl Send for Verbs {}
 // SAFETY: as above.
 unsafe impl Sync for Verbs {}
@@ -39,6 +77,17 @@ impl std::fmt::Debug for Verbs {
             .field("handle", &self.handle)
             .finish()
     }
+}
+
+/// A symbol's address as the function pointer type `F`.
+///
+/// # Safety
+/// `F` is an `extern "C" fn` type matching the symbol's C signature.
+unsafe fn fn_ptr<F: Copy>(p: *mut c_void) -> F {
+    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: same size (checked); the caller's contract makes the bits a
+    // valid function pointer of type F.
+    unsafe { std::mem::transmute_copy(&p) }
 }
 
 fn dlerror_text() -> String {
@@ -65,33 +114,46 @@ impl Verbs {
                 tried.push(format!("{name}: {}", dlerror_text()));
                 continue;
             }
-            let sym = |s: &str| -> Result<*mut c_void> {
+            let sym = |s: &str| -> Option<*mut c_void> {
                 let cs = CString::new(s).expect("symbol names have no NUL");
                 // SAFETY: handle is open; cs is a valid C string.
                 let p = unsafe { libc::dlsym(handle, cs.as_ptr()) };
-                if p.is_null() {
-                    Err(CommError::NoRdma {
-                        reason: format!("{name} lacks {s} ({})", dlerror_text()),
-                    })
-                } else {
-                    Ok(p)
-                }
+                (!p.is_null()).then_some(p)
             };
-            // SAFETY: the symbols have these C signatures (verbs.h).
-            return Ok(unsafe {
-                Verbs {
-                    handle,
-                    get_device_list: std::mem::transmute::<*mut c_void, GetDeviceList>(sym(
-                        "ibv_get_device_list",
-                    )?),
-                    free_device_list: std::mem::transmute::<*mut c_void, FreeDeviceList>(sym(
-                        "ibv_free_device_list",
-                    )?),
-                    get_device_name: std::mem::transmute::<*mut c_void, GetDeviceName>(sym(
-                        "ibv_get_device_name",
-                    )?),
-                }
-            });
+            let need = |s: &str| -> Result<*mut c_void> {
+                sym(s).ok_or_else(|| CommError::NoRdma {
+                    reason: format!("{name} lacks {s} ({})", dlerror_text()),
+                })
+            };
+            macro_rules! bind {
+                ($s:literal) => {
+                    // SAFETY: the symbol has the C signature of the field
+                    // it is stored in (verbs.h).
+                    unsafe { fn_ptr(need($s)?) }
+                };
+            }
+            let fns = Fns {
+                get_device_list: bind!("ibv_get_device_list"),
+                free_device_list: bind!("ibv_free_device_list"),
+                get_device_name: bind!("ibv_get_device_name"),
+                open_device: bind!("ibv_open_device"),
+                close_device: bind!("ibv_close_device"),
+                query_device: bind!("ibv_query_device"),
+                query_port: bind!("ibv_query_port"),
+                query_gid: bind!("ibv_query_gid"),
+                alloc_pd: bind!("ibv_alloc_pd"),
+                dealloc_pd: bind!("ibv_dealloc_pd"),
+                reg_mr: bind!("ibv_reg_mr"),
+                // SAFETY: as above, where the symbol exists.
+                reg_dmabuf_mr: sym("ibv_reg_dmabuf_mr").map(|p| unsafe { fn_ptr(p) }),
+                dereg_mr: bind!("ibv_dereg_mr"),
+                create_cq: bind!("ibv_create_cq"),
+                destroy_cq: bind!("ibv_destroy_cq"),
+                create_qp: bind!("ibv_create_qp"),
+                modify_qp: bind!("ibv_modify_qp"),
+                destroy_qp: bind!("ibv_destroy_qp"),
+            };
+            return Ok(Verbs { handle, fns });
         }
         Err(CommError::NoRdma {
             reason: format!(
@@ -109,7 +171,7 @@ impl Verbs {
     pub fn device_names(&self) -> Result<Vec<String>> {
         let mut n: c_int = 0;
         // SAFETY: an out-parameter; the list is freed below.
-        let list = unsafe { (self.get_device_list)(&mut n) };
+        let list = unsafe { (self.fns.get_device_list)(&mut n) };
         if list.is_null() {
             return Err(CommError::NoRdma {
                 reason: format!(
@@ -123,7 +185,7 @@ impl Verbs {
                 // SAFETY: i < n entries of a list libibverbs returned.
                 let dev = unsafe { *list.add(i) };
                 // SAFETY: dev is a device of the list; the name is a C string.
-                let p = unsafe { (self.get_device_name)(dev) };
+                let p = unsafe { (self.fns.get_device_name)(dev) };
                 if p.is_null() {
                     String::new()
                 } else {
@@ -133,15 +195,15 @@ impl Verbs {
             })
             .collect();
         // SAFETY: the list came from get_device_list and is freed once.
-        unsafe { (self.free_device_list)(list) };
+        unsafe { (self.fns.free_device_list)(list) };
         Ok(names)
     }
 }
 
 /// The RDMA devices this process may use under `filter` (by name; ports are
 /// chosen when queue pairs are built), or `NoRdma` saying why there are none.
-pub fn usable_devices(verbs: &Verbs, filter: &HcaFilter) -> Result<Vec<String>> {
-    let found = verbs.device_names()?;
+pub fn usable_devices(provider: &dyn RdmaProvider, filter: &HcaFilter) -> Result<Vec<String>> {
+    let found = provider.device_names()?;
     if found.is_empty() {
         return Err(CommError::NoRdma {
             reason: "libibverbs finds no RDMA device on this machine".into(),

@@ -46,33 +46,40 @@ pub enum WorkKind {
     WriteWithImm,
     FetchAdd,
     Recv,
+    /// The receiving proxy's RDMA write returning credits to the sender.
+    Credit,
 }
 
 impl WorkKind {
-    fn name(self) -> &'static str {
+    pub fn name(self) -> &'static str {
         match self {
             WorkKind::Write => "RDMA write",
             WorkKind::WriteWithImm => "RDMA write with immediate",
             WorkKind::FetchAdd => "fetch-and-add",
             WorkKind::Recv => "receive",
+            WorkKind::Credit => "credit return (RDMA write)",
         }
     }
 }
 
 /// The error of a completion with status `status` (non-zero): names the peer,
-/// the work request and the NIC's vendor code.
+/// the work request (`detail`: its size, target, queue pair) and the NIC's
+/// vendor code.
 pub fn completion_error(
     peer: usize,
     kind: WorkKind,
     wr_id: u64,
+    detail: &str,
     status: u32,
     vendor_err: u32,
 ) -> CommError {
     CommError::Rdma {
         peer,
         what: format!(
-            "{} (work request {wr_id:#x}) completed with {} ({status}), vendor error {vendor_err:#x}",
+            "{} (work request {wr_id:#x}{}{detail}) completed with {} ({status}), vendor error \
+             {vendor_err:#x}",
             kind.name(),
+            if detail.is_empty() { "" } else { ": " },
             status_name(status)
         ),
     }
@@ -94,9 +101,12 @@ mod tests {
 
     #[test]
     fn a_failed_completion_names_peer_request_and_status() {
-        let e = completion_error(3, WorkKind::FetchAdd, 0x2a, 10, 0x88).to_string();
+        let e = completion_error(3, WorkKind::FetchAdd, 0x2a, "8 bytes at 0x40", 10, 0x88);
+        let e = e.to_string();
         assert!(
-            e.starts_with("RDMA to rank 3 failed: fetch-and-add (work request 0x2a)"),
+            e.starts_with(
+                "RDMA to rank 3 failed: fetch-and-add (work request 0x2a: 8 bytes at 0x40)"
+            ),
             "{e}"
         );
         assert!(
