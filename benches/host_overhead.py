@@ -15,8 +15,8 @@ of the ratios into ``--out`` on rank 0, and prints the table. ``--profile N``:
 after timing, each call runs N more times under cProfile (same untimed partner
 calls and syncs, not profiled) and rank 0 writes the heaviest functions per call
 into ``profile.txt``. ``--breakdown``: each call timed again with every native method
-call and every ``torch.empty``/``torch.zeros`` timed inside it (the wrappers add
-~0.2 us per wrapped call), medians of the native, allocation and remaining
+call and every ``torch.empty``/``empty_strided``/``zeros`` timed inside it (the
+wrappers add ~0.2 us per wrapped call), medians of the native, allocation and remaining
 (Python: checks, streams, glue) parts and the count of each per call, into
 ``host_overhead.json`` under ``breakdown``.
 """
@@ -280,7 +280,7 @@ def main(argv=None) -> int:
         attribution = Attribution()
         natives = [(ll_buf, "_ll"), (buf, "_native"), (ar, "_native")]
         saved_natives = [getattr(o, a) for o, a in natives]
-        saved_torch = {k: getattr(torch, k) for k in ("empty", "zeros")}
+        saved_torch = {k: getattr(torch, k) for k in ("empty", "empty_strided", "zeros")}
         try:
             for (o, a), v in zip(natives, saved_natives):
                 setattr(o, a, NativeProxy(v, attribution))

@@ -8,52 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from moelink import _buffer_common, buffer, checks, low_latency
-from moelink.buffer import Buffer
+from moelink import _buffer_common, _native, checks
+
+from tests.cpu_buffer import cpu_buffer
 
 R, T, H, E, K = 4, 16, 256, 16, 4
 
 
-class FakeNative:
-    """Records every launch (method name, arguments); checks nothing."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __getattr__(self, name):
-        if name in ("check_device", "check_device_timeout", "check_shape"):
-            return lambda *a: None
-        if name == "layout_scratch_elems":
-            return lambda n, e: n * e
-        if name == "dispatch_send":
-            return lambda *a: self.calls.append((name, a)) or 7
-        if name == "wait_counts":
-            return lambda epoch, e: (5, [1] * e)
-        return lambda *a: self.calls.append((name, a))
-
-
-class FakeOrder:
-    def __init__(self):
-        self.log = []
-
-    def after(self, waiter, signaler):
-        self.log.append((waiter, signaler))
-
-
 @pytest.fixture
 def buf(monkeypatch):
-    monkeypatch.setattr(low_latency, "current_raw_stream", lambda i: 11)
-    monkeypatch.setattr(buffer, "current_raw_stream", lambda i: 11)
-    monkeypatch.setattr(_buffer_common, "_capturing", lambda: False)
-    b = Buffer.__new__(Buffer)
-    b._native, b._ll = FakeNative(), FakeNative()
-    b._plans = _buffer_common.PlanCache()
-    b._order = FakeOrder()
-    b._comm_raw = 22
-    b.device = torch.device("cpu")
-    b.group_size = R
-    b.enable_shrink = False
-    return b
+    return cpu_buffer(monkeypatch, R)
 
 
 def ll_inputs(n=T):
@@ -72,8 +36,8 @@ def test_a_repeated_low_latency_dispatch_launches_as_the_checked_one(buf, monkey
     ll_dispatch(buf, x, idx)
     checked = buf._ll.calls[-1][1]
     assert len(buf._plans.plans) == 1
-    # The second call skips the checks: make any check fail loudly.
-    monkeypatch.setattr(low_latency, "check_tensor", lambda *a, **k: pytest.fail("checked"))
+    # The second call skips the checks: make the native plan fail loudly.
+    monkeypatch.setattr(_native, "ll_dispatch_plan", lambda *a, **k: pytest.fail("checked"))
     ll_dispatch(buf, x, idx)
     cached = buf._ll.calls[-1][1]
     same = lambda a: (a[:6], a[8:11])  # noqa: E731 - stream, shapes, flags (no outputs)
@@ -176,7 +140,8 @@ def test_layout_dispatch_and_combine_repeat_with_the_checked_arguments(buf, monk
     buf.dispatch(x, handle=handle)
     checked = [(name, a) for name, a in buf._native.calls]
     buf._native.calls.clear()
-    monkeypatch.setattr(buffer, "check_tensor", lambda *a, **k: pytest.fail("checked"))
+    for plan in ("layout_plan", "dispatch_plan", "combine_plan"):
+        monkeypatch.setattr(_native, plan, lambda *a, **k: pytest.fail("checked"))
     buf.get_dispatch_layout(idx, E)
     recv_x2, _, recv_w2, _, handle2, _ = buf.dispatch(x, **kw)
     buf.combine(recv_x2, handle2, topk_weights=recv_w2)

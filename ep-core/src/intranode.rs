@@ -85,7 +85,8 @@ pub struct LayoutCall {
     pub num_tokens_per_expert: u64,
     /// Out: `[num_tokens, R]` bool.
     pub is_token_in_rank: u64,
-    /// int32 scratch of [`IntranodeBuffer::layout_scratch_elems`] elements.
+    /// int32 scratch of `ep_kernels::launch::layout_scratch_elems` elements (the
+    /// `layout_scratch` output of [`crate::calls::layout`]).
     pub partials: u64,
 }
 
@@ -466,11 +467,6 @@ impl IntranodeBuffer {
                 },
             )
         }
-    }
-
-    /// int32 scratch elements [`layout`](Self::layout) needs (`partials`).
-    pub fn layout_scratch_elems(&self, num_tokens: usize, num_experts: usize) -> usize {
-        ep_kernels::launch::layout_scratch_elems(num_tokens, num_experts, self.part.num_ranks())
     }
 }
 

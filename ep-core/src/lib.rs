@@ -3,6 +3,7 @@
 //!
 //! | module | what it does |
 //! |---|---|
+//! | [`calls`] | every call's argument checks and output shapes, on torch-free tensor descriptions (shared by the Python binding and the Rust tch API) |
 //! | [`diagnostics`] | peer-write check: every GPU stores a pattern into every peer over NVLink |
 //! | [`ep_buffer`] | [`EpBuffer`], the Rust half of one `moelink.Buffer`: its intranode and low-latency parts (either may be absent), each an object of one `comm::Group`, and what they share (joining the group, device-error checks, barrier, destroy order) |
 //! | [`limits`] | every limit of the EP API in one place, and the checks that apply them |
@@ -11,6 +12,7 @@
 //! | [`reference`](mod@reference) | CPU reference semantics (the test oracle) of layout, dispatch and combine, any number of ranks |
 //! | [`reference_ll`] | CPU reference semantics (the test oracle) of low-latency dispatch (with its fp8 cast) and combine, any number of ranks |
 
+pub mod calls;
 pub mod diagnostics;
 pub mod ep_buffer;
 pub mod intranode;

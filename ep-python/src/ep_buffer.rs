@@ -5,8 +5,8 @@
 //! low-latency); what both parts have (`local_buffer`, `check_device`,
 //! `check_device_timeout`, `barrier`) takes the part: "intranode" or
 //! "low_latency". Pointers arrive as ints (`tensor.data_ptr()`, 0 = absent)
-//! after the Python layer checked every tensor; streams as raw `cudaStream_t`
-//! ints.
+//! after the call's plan (`calls.rs`, `ep_core::calls`) checked every tensor;
+//! streams as raw `cudaStream_t` ints.
 
 use comm::StreamHandle;
 use ep_core::intranode::{
@@ -278,13 +278,6 @@ impl EpBuffer {
         self.intranode()?
             .layout(StreamHandle(stream), &call)
             .map_err(to_py)
-    }
-
-    /// int32 elements of the scratch `layout` needs.
-    fn layout_scratch_elems(&mut self, num_tokens: usize, num_experts: usize) -> PyResult<usize> {
-        Ok(self
-            .intranode()?
-            .layout_scratch_elems(num_tokens, num_experts))
     }
 
     /// Notify + send half of a dispatch (cached when `cached`). Returns the

@@ -3,6 +3,7 @@
 //! around every call that waits on the GPU.
 
 mod allreduce;
+mod calls;
 mod diagnostics;
 mod ep_buffer;
 mod error;
@@ -110,6 +111,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<diagnostics::PeerWriteCheck>()?;
     m.add_class::<allreduce::AllReduceComm>()?;
     reference::register(m)?;
+    calls::register(m)?;
     m.add_function(wrap_pyfunction!(group::bootstrap_unique_id, m)?)?;
     m.add_class::<group::Group>()?;
     m.add_class::<ep_buffer::EpBuffer>()?;

@@ -1,13 +1,19 @@
 """What ``buffer.py`` (the Buffer) and ``low_latency.py`` (its low-latency half)
 both use besides stream handling (``_streams.py``): a device range as a tensor,
-and whether ids are also checked on the host. A module of its own so the two do
-not import each other."""
+whether ids are also checked on the host, the plan cache and the outputs of a
+native plan. A module of its own so the two do not import each other."""
 
 from __future__ import annotations
 
 import os
 
 import torch
+
+from . import _native
+
+#: A dimension or stride of an output spec that is the rows a dispatch receives
+#: (``ep_core::calls::RECV_ROWS``), known once its counts arrive.
+_RECV_ROWS = _native.RECV_ROWS
 
 
 class _CudaMemory:
@@ -83,3 +89,35 @@ class PlanCache:
             self.plans[key] = plan
         except TypeError:
             pass
+
+
+def output_specs(plan: dict, names) -> tuple:
+    """The outputs ``names`` of a native plan (``_native.*_plan``), each as
+    ``(shape, strides, dtype, zeroed)``, None where the plan has no such output
+    (an optional one the call does not make)."""
+    specs = {
+        name: (shape, strides, getattr(torch, dtype), zeroed)
+        for name, dtype, shape, strides, zeroed in plan["outputs"]
+    }
+    return tuple(specs.get(name) for name in names)
+
+
+def empty(spec, device):
+    """A new tensor as ``spec`` (an ``output_specs`` entry) says, on ``device``;
+    None for None."""
+    if spec is None:
+        return None
+    shape, strides, dtype, zeroed = spec
+    t = torch.empty_strided(shape, strides, dtype=dtype, device=device)
+    return t.zero_() if zeroed else t
+
+
+def at_rows(spec, rows: int):
+    """``spec`` with ``rows`` received rows, as ``ep_core::calls::OutputSpec::resolve``
+    fills them in (a stride of ``rows`` is at least 1, as torch strides a new tensor)."""
+    if spec is None:
+        return None
+    shape, strides, dtype, zeroed = spec
+    shape = [rows if d == _RECV_ROWS else d for d in shape]
+    strides = [max(rows, 1) if d == _RECV_ROWS else d for d in strides]
+    return shape, strides, dtype, zeroed

@@ -1,5 +1,6 @@
 """Type stubs of the Rust extension module ``moelink._native``."""
 
+from collections.abc import Sequence
 from typing import Any
 
 __version__: str
@@ -90,6 +91,52 @@ def ref_ll_combine(
     inputs: list, max_tokens: int, hidden: int, num_experts: int, num_topk: int
 ) -> list: ...
 
+# Argument checks and output shapes of the Buffer's calls (ep_core::calls). A
+# plan is a dict of the call's values and "outputs": (name, dtype name, shape,
+# strides, zeroed) per output, RECV_ROWS standing for rows known once the
+# counts arrive. Errors: TypeError, moelink.DtypeError, ValueError.
+RECV_ROWS: int
+CPU_DEVICE: int
+OTHER_DEVICE: int
+#: (dtype name, shape, strides, device index): moelink.checks.tensor_meta.
+_TensorMeta = tuple[str, Sequence[int], Sequence[int], int]
+_Plan = dict[str, Any]
+
+def layout_plan(num_ranks: int, device: int, topk_idx: _TensorMeta, num_experts: int) -> _Plan: ...
+def dispatch_plan(
+    num_ranks: int, device: int, x: _TensorMeta, scales: _TensorMeta | None,
+    handle: tuple[_TensorMeta, _TensorMeta, _TensorMeta, _TensorMeta] | None,
+    num_tokens_per_rank: _TensorMeta | None, num_tokens_per_rdma_rank: bool,
+    is_token_in_rank: _TensorMeta | None, num_tokens_per_expert: _TensorMeta | None,
+    topk_idx: _TensorMeta | None, topk_weights: _TensorMeta | None,
+    expert_alignment: int, num_worst_tokens: int,
+) -> _Plan: ...  # fmt: skip
+def combine_plan(
+    num_ranks: int, device: int, x: _TensorMeta,
+    handle: tuple[_TensorMeta, _TensorMeta, _TensorMeta, _TensorMeta],
+    topk_weights: _TensorMeta | None,
+    bias: _TensorMeta | tuple[_TensorMeta | None, _TensorMeta | None] | None,
+) -> _Plan: ...  # fmt: skip
+def ll_geometry(
+    num_ranks: int, max_tokens: int, hidden: int, num_experts: int, ranks_name: str
+) -> _Plan: ...
+def ll_dispatch_plan(
+    num_ranks: int, device: int, x: _TensorMeta, topk_idx: _TensorMeta,
+    num_max_dispatch_tokens_per_rank: int, num_experts: int,
+    cumulative_local_expert_recv_stats: _TensorMeta | None,
+    dispatch_wait_recv_cost_stats: _TensorMeta | None, use_fp8: bool, round_scale: bool,
+    use_ue8m0: bool,
+) -> _Plan: ...  # fmt: skip
+def ll_handle_plan(
+    num_ranks: int, device: int, handle: tuple[_TensorMeta, _TensorMeta, int, int, int]
+) -> _Plan: ...
+def ll_combine_plan(
+    num_ranks: int, device: int, x: _TensorMeta | None, topk_idx: _TensorMeta,
+    topk_weights: _TensorMeta, handle: tuple[_TensorMeta, _TensorMeta, int, int, int],
+    use_logfmt: bool, zero_copy: bool, out: _TensorMeta | None,
+    combine_wait_recv_cost_stats: _TensorMeta | None,
+) -> _Plan: ...  # fmt: skip
+
 class StreamOrder:
     def __init__(self, device: int) -> None: ...
     def after(self, waiter: int, signaler: int) -> None: ...
@@ -121,7 +168,6 @@ class EpBuffer:
     def barrier(self, part: str | None = None) -> None: ...
     def destroy(self, collective: bool = False) -> None: ...
     # Intranode.
-    def layout_scratch_elems(self, num_tokens: int, num_experts: int) -> int: ...
     def layout(
         self, stream: int, topk_idx: int, num_tokens: int, num_topk: int, num_experts: int,
         num_tokens_per_rank: int, num_tokens_per_expert: int, is_token_in_rank: int,

@@ -1,7 +1,9 @@
 """``moelink.Buffer``: DeepEP's ``deep_ep.Buffer`` API on moelink's intranode kernels.
 
 Every argument is checked before anything is launched (``ValueError`` /
-``TypeError`` naming the argument). Kernels run on the buffer's communication
+``TypeError`` naming the argument): by the native plans (``ep_core::calls``, which
+also give the outputs' shapes), once per new combination of argument shapes (the
+Buffer's ``PlanCache``). Kernels run on the buffer's communication
 stream, which first waits for the caller's current stream (or ``previous_event``);
 see ``docs/design-intranode.md`` for the kernels and ``docs/architecture.md`` for
 the layers. Differences from DeepEP are listed in ``docs/api-notes.md``.
@@ -16,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from . import _native, _registry
-from ._buffer_common import PlanCache, _check_ids, _CudaMemory
+from ._buffer_common import PlanCache, _check_ids, _CudaMemory, at_rows, empty, output_specs
 from ._device_timeout import env_device_timeout_ns
 from ._group import native_group as _native_group
 from ._streams import (
@@ -29,14 +31,11 @@ from ._streams import (
 from .checks import (
     _NO_SIG,
     LIMITS,
-    check_bias,
-    check_dispatch_x,
-    check_experts_ranks,
-    check_hidden_bytes,
     check_int,
-    check_tensor,
-    check_topk_idx,
-    check_topk_weights,
+    check_topk_values,
+    device_index,
+    optional_meta,
+    tensor_meta,
 )
 from .checks import tensor_ptr as _ptr
 from .checks import tensor_sig as _sig
@@ -89,6 +88,52 @@ def _bias_pair(bias):
     if type(bias) is torch.Tensor:
         return bias, None
     return bias
+
+
+#: The outputs of a dispatch plan (``_native.dispatch_plan``), in this order.
+_DISPATCH_OUTPUTS = (
+    "rank_prefix_matrix", "send_head", "recv_x", "recv_x_scales", "recv_topk_idx",
+    "recv_topk_weights", "recv_src_idx", "channel_prefix_matrix", "recv_channel_prefix_matrix",
+)  # fmt: skip
+
+
+def _x_metas(x):
+    """dispatch's ``x``, a tensor or a ``(data, scales)`` pair, as ``(data meta,
+    scales meta or None)``."""
+    if isinstance(x, tuple):
+        if len(x) != 2:
+            raise ValueError(f"x must be a tensor or a (data, scales) pair, got a {len(x)}-tuple")
+        return tensor_meta("x[0]", x[0]), tensor_meta("x[1] (scales)", x[1])
+    if isinstance(x, torch.Tensor):
+        return tensor_meta("x", x), None
+    raise TypeError(f"x must be a torch.Tensor or a (data, scales) tuple, got {type(x).__name__}")
+
+
+def _handle_metas(handle):
+    """The metas of the entries of an intranode handle that the checks read."""
+    if not isinstance(handle, tuple) or len(handle) != 6:
+        raise ValueError("handle must be the 6-tuple an intranode dispatch returned")
+    return (
+        tensor_meta("handle[0] (rank_prefix_matrix)", handle[0]),
+        tensor_meta("handle[3] (recv_src_idx)", handle[3]),
+        tensor_meta("handle[4] (is_token_in_rank)", handle[4]),
+        tensor_meta("handle[5] (send_head)", handle[5]),
+    )
+
+
+def _bias_metas(bias):
+    """combine's ``bias`` (None, a tensor, or a pair of tensors or None) as metas."""
+    if bias is None:
+        return None
+    if isinstance(bias, torch.Tensor):
+        return tensor_meta("bias", bias)
+    if isinstance(bias, tuple):
+        if len(bias) != 2:
+            raise ValueError(f"bias must be None, a tensor or a pair, got a {len(bias)}-tuple")
+        return optional_meta("bias[0]", bias[0]), optional_meta("bias[1]", bias[1])
+    raise TypeError(
+        f"bias must be None, a torch.Tensor or a tuple of two, got {type(bias).__name__}"
+    )
 
 
 class Buffer(LowLatencyMixin):
@@ -361,13 +406,6 @@ class Buffer(LowLatencyMixin):
         self._native.check_device("intranode")
         return event
 
-    def _check_device(self, **tensors) -> None:
-        for name, t in tensors.items():
-            if t is not None and t.device != self.device:
-                raise ValueError(
-                    f"{name} must be on this Buffer's device {self.device}, got {t.device}"
-                )
-
     def _num_sms(self, config, default) -> int:
         """SMs of a call: ``config``'s, else the default config's, whose only
         input is the rank count and ``set_num_sms`` (``default``: the class's
@@ -404,23 +442,23 @@ class Buffer(LowLatencyMixin):
         key = ("layout", _sig(topk_idx), num_experts, type(num_experts))
         plan = self._plans.get(key)
         if plan is None:
-            check_experts_ranks(num_experts, R)
-            check_topk_idx(topk_idx, num_experts, check_values=_check_ids())
-            check_tensor("topk_idx", topk_idx, contiguous=True)
-            self._check_device(topk_idx=topk_idx)
-            n, k = topk_idx.shape
-            num_experts = int(num_experts)
-            plan = (n, k, num_experts, native.layout_scratch_elems(n, num_experts))
+            e = check_int("num_experts", num_experts)
+            p = _native.layout_plan(
+                R, device_index(self.device), tensor_meta("topk_idx", topk_idx), e
+            )
+            if _check_ids():
+                check_topk_values(topk_idx, e)
+            outputs = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
+                       "layout_scratch")  # fmt: skip
+            plan = (p["num_tokens"], p["num_topk"], e, output_specs(p, outputs))
             self._plans.put(key, plan)
         elif _check_ids():
-            check_topk_idx(topk_idx, num_experts, check_values=True)
-        n, k, num_experts, scratch_elems = plan
+            check_topk_values(topk_idx, plan[2])
+        n, k, num_experts, specs = plan
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
-            per_rank = torch.empty(R, dtype=torch.int32, device=self.device)
-            per_expert = torch.empty(num_experts, dtype=torch.int32, device=self.device)
-            in_rank = torch.empty((n, R), dtype=torch.bool, device=self.device)
-            scratch = torch.empty(scratch_elems, dtype=torch.int32, device=self.device)
+            dev = self.device
+            per_rank, per_expert, in_rank, scratch = [empty(s, dev) for s in specs]
         self._enter_comm(compute, previous_event)
         native.layout(
             self._comm_raw,
@@ -444,94 +482,33 @@ class Buffer(LowLatencyMixin):
 
     # ----- dispatch ---------------------------------------------------------------
 
-    def _check_handle(self, handle, num_tokens: int | None = None):
-        if not isinstance(handle, tuple) or len(handle) != 6:
-            raise ValueError("handle must be the 6-tuple an intranode dispatch returned")
-        R = self.group_size
-        rpm, cpm, rcpm, recv_src_idx, in_rank, send_head = handle
-        check_tensor(
-            "handle[0] (rank_prefix_matrix)", rpm, dtype=torch.int32, shape=(R, R), contiguous=True
-        )
-        check_tensor(
-            "handle[3] (recv_src_idx)", recv_src_idx, dtype=torch.int32, dims=1, contiguous=True
-        )
-        check_tensor("handle[4] (is_token_in_rank)", in_rank, dtype=torch.bool, dims=2)
-        check_tensor("handle[5] (send_head)", send_head, dtype=torch.int32, dims=2, contiguous=True)
-        if send_head.shape[1] != R:
-            raise ValueError(
-                f"handle[5] (send_head) must have {R} columns, got {list(send_head.shape)}"
-            )
-        if num_tokens is not None and send_head.shape[0] != num_tokens:
-            raise ValueError(
-                f"x has {num_tokens} tokens but the handle was made for {send_head.shape[0]}"
-            )
-        self._check_device(rank_prefix_matrix=rpm, recv_src_idx=recv_src_idx, send_head=send_head)
-        return rpm, recv_src_idx, send_head
-
     def _dispatch_plan(
         self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
     ):  # fmt: skip
-        """Every check of a dispatch; returns ``(N, hidden bytes, scale columns, scale
-        strides, expert_alignment, num_worst_tokens, E, K, rows of a cached dispatch)``."""
-        R = self.group_size
-        data, scales = check_dispatch_x(x)
-        self._check_device(x=data, scales=scales)
-        n, hidden = data.shape
-        hidden_bytes = hidden * data.element_size()
-        num_scales = 0 if scales is None else scales.shape[1]
-        s_strides = (0, 0) if scales is None else tuple(scales.stride())
-        expert_alignment = check_int(
-            "expert_alignment", expert_alignment, minimum=1, maximum=LIMITS["max_expert_alignment"]
-        )
-        num_worst_tokens = check_int(
-            "num_worst_tokens", num_worst_tokens, minimum=0, maximum=LIMITS["max_recv_tokens"]
-        )
-        if num_tokens_per_rdma_rank is not None:
-            raise ValueError("num_tokens_per_rdma_rank must be None within one node")
-        head = (n, hidden_bytes, num_scales, s_strides, expert_alignment, num_worst_tokens)
-        if handle is not None:
-            if topk_idx is not None or topk_weights is not None:
-                raise ValueError("cached dispatch (handle given) takes no topk_idx / topk_weights")
-            _, recv_src_idx, _ = self._check_handle(handle, n)
-            return (*head, 0, 0, recv_src_idx.shape[0])
-        if is_token_in_rank is None or num_tokens_per_expert is None or num_tokens_per_rank is None:
-            raise ValueError(
-                "dispatch without a handle needs num_tokens_per_rank, is_token_in_rank and "
-                "num_tokens_per_expert (from get_dispatch_layout)"
-            )
-        check_tensor("num_tokens_per_rank", num_tokens_per_rank, dtype=torch.int32, shape=(R,))
-        check_tensor(
-            "is_token_in_rank", is_token_in_rank, dtype=torch.bool, shape=(n, R), contiguous=True
-        )
-        check_tensor(
-            "num_tokens_per_expert",
-            num_tokens_per_expert,
-            dtype=torch.int32,
-            dims=1,
-            contiguous=True,
-        )
-        num_experts = num_tokens_per_expert.shape[0]
-        check_experts_ranks(num_experts, R)
-        num_topk = 0
-        if topk_idx is not None:
-            sync_ok = num_worst_tokens == 0 and _check_ids()
-            check_topk_idx(topk_idx, num_experts, check_values=sync_ok)
-            check_tensor("topk_idx", topk_idx, shape=(n, None), contiguous=True)
-            num_topk = topk_idx.shape[1]
-            if topk_weights is not None:
-                check_topk_weights(topk_weights, topk_idx)
-                check_tensor("topk_weights", topk_weights, contiguous=True)
-        elif topk_weights is not None:
-            raise ValueError("topk_weights needs topk_idx")
-        self._check_device(
-            num_tokens_per_rank=num_tokens_per_rank,
-            is_token_in_rank=is_token_in_rank,
-            num_tokens_per_expert=num_tokens_per_expert,
-            topk_idx=topk_idx,
-            topk_weights=topk_weights,
-        )
-        return (*head, num_experts, num_topk, 0)
+        """Every check of a dispatch (``_native.dispatch_plan``); returns ``(N, hidden
+        bytes, scale columns, scale strides, expert_alignment, num_worst_tokens, E, K,
+        rows, output specs)``; rows (of a cached dispatch, or ``num_worst_tokens``) is
+        -1 where only the counts tell them."""
+        data, scales = _x_metas(x)
+        p = _native.dispatch_plan(
+            self.group_size, device_index(self.device), data, scales,
+            None if handle is None else _handle_metas(handle),
+            optional_meta("num_tokens_per_rank", num_tokens_per_rank),
+            num_tokens_per_rdma_rank is not None,
+            optional_meta("is_token_in_rank", is_token_in_rank),
+            optional_meta("num_tokens_per_expert", num_tokens_per_expert),
+            optional_meta("topk_idx", topk_idx), optional_meta("topk_weights", topk_weights),
+            check_int("expert_alignment", expert_alignment),
+            check_int("num_worst_tokens", num_worst_tokens),
+        )  # fmt: skip
+        if topk_idx is not None and p["num_worst_tokens"] == 0 and _check_ids():
+            check_topk_values(topk_idx, p["num_experts"])
+        return (
+            p["num_tokens"], p["hidden_bytes"], p["num_scales"], p["scale_strides"],
+            p["expert_alignment"], p["num_worst_tokens"], p["num_experts"], p["num_topk"],
+            p["num_recv_rows"], output_specs(p, _DISPATCH_OUTPUTS),
+        )  # fmt: skip
 
     def dispatch(
         self,
@@ -572,11 +549,12 @@ class Buffer(LowLatencyMixin):
             )  # fmt: skip
             self._plans.put(key, plan)
         elif topk_idx is not None and plan[5] == 0 and _check_ids():
-            check_topk_idx(topk_idx, plan[6], check_values=True)
+            check_topk_values(topk_idx, plan[6])
         (n, hidden_bytes, num_scales, s_strides, expert_alignment, num_worst_tokens, num_experts,
-         num_topk, rows) = plan  # fmt: skip
+         num_topk, rows, specs) = plan  # fmt: skip
         data, scales = x if type(x) is tuple else (x, None)
         _check_aligned("x", data)
+        dev = self.device
 
         if handle is not None:
             rpm, send_head = handle[0], handle[5]
@@ -604,7 +582,7 @@ class Buffer(LowLatencyMixin):
                 num_sms,
             )
             with self._alloc_ctx(allocate_on_comm_stream):
-                recv_x, recv_scales = self._alloc_recv_x(data, scales, rows)
+                recv_x, recv_scales = empty(specs[2], dev), empty(specs[3], dev)
             native.dispatch_recv(
                 stream,
                 n,
@@ -634,8 +612,7 @@ class Buffer(LowLatencyMixin):
 
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
-            rpm = torch.empty((R, R), dtype=torch.int32, device=self.device)
-            send_head = torch.empty((n, R), dtype=torch.int32, device=self.device)
+            rpm, send_head = empty(specs[0], dev), empty(specs[1], dev)
         self._enter_comm(compute, previous_event)
         stream = self._comm_raw
         epoch = native.dispatch_send(
@@ -658,21 +635,17 @@ class Buffer(LowLatencyMixin):
             expert_alignment,
             num_sms,
         )
+        recv = specs[2:]
         if num_worst_tokens > 0:
-            rows, per_expert = num_worst_tokens, []
+            per_expert = []  # rows: num_worst_tokens, already in the specs
         else:
             rows, per_expert = native.wait_counts(epoch, num_experts)
             per_expert = list(per_expert)
+            recv = [at_rows(spec, rows) for spec in recv]
         with self._alloc_ctx(allocate_on_comm_stream):
-            recv_x, recv_scales = self._alloc_recv_x(data, scales, rows)
-            recv_idx = recv_w = None
-            if topk_idx is not None:
-                recv_idx = torch.empty((rows, num_topk), dtype=torch.int64, device=self.device)
-                if topk_weights is not None:
-                    recv_w = torch.empty((rows, num_topk), dtype=torch.float32, device=self.device)
-            recv_src_idx = torch.empty(rows, dtype=torch.int32, device=self.device)
-            cpm = torch.zeros((R, 1), dtype=torch.int32, device=self.device)
-            rcpm = torch.zeros((R, 1), dtype=torch.int32, device=self.device)
+            recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, cpm, rcpm = [
+                empty(spec, dev) for spec in recv
+            ]
         native.dispatch_recv(
             stream,
             n,
@@ -701,18 +674,6 @@ class Buffer(LowLatencyMixin):
         out_x = recv_x if scales is None else (recv_x, recv_scales)
         return out_x, recv_idx, recv_w, per_expert, handle, event
 
-    def _alloc_recv_x(self, data, scales, rows: int):
-        recv_x = torch.empty((rows, data.shape[1]), dtype=data.dtype, device=self.device)
-        if scales is None:
-            return recv_x, None
-        s = scales.shape[1]
-        column_major = scales.dim() == 2 and scales.stride(0) == 1 and scales.stride(1) != 1
-        if column_major:
-            recv_scales = torch.empty((s, rows), dtype=torch.float32, device=self.device).T
-        else:
-            recv_scales = torch.empty((rows, s), dtype=torch.float32, device=self.device)
-        return recv_x, recv_scales
-
     @staticmethod
     def _strides(t) -> tuple:
         return (0, 0) if t is None else tuple(t.stride())
@@ -720,27 +681,15 @@ class Buffer(LowLatencyMixin):
     # ----- combine ---------------------------------------------------------------
 
     def _combine_plan(self, x, handle, topk_weights, bias):
-        """Every check of a combine; returns ``(rows, H, N, K)``."""
-        rpm, recv_src_idx, send_head = self._check_handle(handle)
-        rows = recv_src_idx.shape[0]
-        check_tensor("x", x, dtype=torch.bfloat16, dims=2, contiguous=True)
-        if x.shape[0] != rows:
-            raise ValueError(f"x must have the {rows} rows dispatch delivered, got {x.shape[0]}")
-        hidden = x.shape[1]
-        check_hidden_bytes(hidden, 2)
-        n = send_head.shape[0]
-        num_topk = 0
-        if topk_weights is not None:
-            check_tensor("topk_weights", topk_weights, dtype=torch.float32, dims=2, contiguous=True)
-            if topk_weights.shape[0] != rows or not 1 <= topk_weights.shape[1] <= 32:
-                raise ValueError(
-                    f"topk_weights must be [{rows}, K] with 1 <= K <= 32, "
-                    f"got {list(topk_weights.shape)}"
-                )
-            num_topk = topk_weights.shape[1]
-        b0, b1 = check_bias(bias, n, hidden)
-        self._check_device(x=x, topk_weights=topk_weights, bias0=b0, bias1=b1)
-        return rows, hidden, n, num_topk
+        """Every check of a combine (``_native.combine_plan``); returns ``(rows, H, N, K,
+        output specs)``."""
+        h = _handle_metas(handle)
+        p = _native.combine_plan(
+            self.group_size, device_index(self.device), tensor_meta("x", x), h,
+            optional_meta("topk_weights", topk_weights), _bias_metas(bias),
+        )  # fmt: skip
+        outputs = output_specs(p, ("combined_x", "combined_topk_weights"))
+        return p["num_recv_rows"], p["hidden"], p["num_tokens"], p["num_topk"], outputs
 
     def combine(
         self,
@@ -762,7 +711,7 @@ class Buffer(LowLatencyMixin):
         if plan is None:
             plan = self._combine_plan(x, handle, topk_weights, bias)
             self._plans.put(key, plan)
-        rows, hidden, n, num_topk = plan
+        rows, hidden, n, num_topk, specs = plan
         rpm, send_head = handle[0], handle[5]
         b0, b1 = _bias_pair(bias)
         for name, t in (("x", x), ("bias[0]", b0), ("bias[1]", b1)):
@@ -770,10 +719,7 @@ class Buffer(LowLatencyMixin):
         num_sms = self._num_sms(config, type(self).get_combine_config)
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
-            out = torch.empty((n, hidden), dtype=torch.bfloat16, device=self.device)
-            out_w = None
-            if topk_weights is not None:
-                out_w = torch.empty((n, num_topk), dtype=torch.float32, device=self.device)
+            out, out_w = empty(specs[0], self.device), empty(specs[1], self.device)
         self._enter_comm(compute, previous_event)
         native.combine(
             self._comm_raw,

@@ -7,6 +7,14 @@ value, with a message that names the argument and says what was expected and wha
 was given. Tensors may live on any device unless a check asks for one, so everything
 here also runs on CPU tensors.
 
+The checks and output shapes of the ``Buffer``'s calls live in Rust
+(``ep_core::calls``, shared with the Rust API); the ``Buffer`` hands them each
+tensor's ``tensor_meta`` and raises here only what is Python's to see: an argument
+that is not a tensor, an int or a bool (``check_int``, ``check_bool``), and the
+values of ``topk_idx`` (``check_topk_values``, a device sync). The native plans
+raise the same three kinds of error (``DtypeError`` is this module's). The checks
+below also serve the CPU reference (``moelink.reference``) and the torch ops.
+
 The limits (``LIMITS``) come from the Rust definitions through
 ``moelink._native.limits()``; ``docs/api-notes.md`` has them as a table.
 """
@@ -24,20 +32,19 @@ __all__ = [
     "LIMITS",
     "MAX_TOPK",
     "DtypeError",
-    "check_bias",
     "check_bool",
-    "check_dispatch_x",
     "check_experts_ranks",
-    "check_hidden_bytes",
     "check_int",
     "check_keys",
     "check_multiple",
     "check_rank_list",
     "check_row_bytes",
-    "check_same_device",
     "check_tensor",
     "check_topk_idx",
-    "check_topk_weights",
+    "check_topk_values",
+    "device_index",
+    "optional_meta",
+    "tensor_meta",
     "tensor_sig",
 ]
 
@@ -52,8 +59,6 @@ class DtypeError(TypeError, ValueError):
 LIMITS = {name: value for name, value, _ in _native.limits()}
 #: Largest number of experts per token (``topk_idx.shape[1]``) the kernels handle.
 MAX_TOPK = LIMITS["max_topk"]
-#: Channels per fp8 scale.
-SCALE_BLOCK = LIMITS["fp8_group_size"]
 #: Row sizes in bytes must be multiples of this.
 HIDDEN_BYTES_ALIGN = LIMITS["row_bytes_alignment"]
 
@@ -78,6 +83,28 @@ def tensor_sig(t):
     if type(t) is not torch.Tensor:
         return _NO_SIG
     return (t.dtype, t.shape, t.device, t.is_contiguous())
+
+
+def device_index(device: torch.device) -> int:
+    """``device`` as the native plans take it: a CUDA device's index,
+    ``_native.CPU_DEVICE`` for the CPU, ``_native.OTHER_DEVICE`` for any other."""
+    if device.type == "cuda":
+        return device.index
+    return _native.CPU_DEVICE if device.type == "cpu" else _native.OTHER_DEVICE
+
+
+def tensor_meta(name: str, t) -> tuple:
+    """What the native plans (``ep_core::calls::TensorMeta``) read of the tensor
+    argument ``name``: ``(dtype name, shape, strides, device_index)``; ``TypeError``
+    naming it where ``t`` is not a tensor."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return (str(t.dtype), t.shape, t.stride(), device_index(t.device))
+
+
+def optional_meta(name: str, t):
+    """``tensor_meta`` of an optional tensor argument (None for None)."""
+    return None if t is None else tensor_meta(name, t)
 
 
 def check_int(name: str, value, *, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -224,7 +251,16 @@ def check_topk_idx(topk_idx, num_experts: int, *, check_values: bool = True, nam
             f"{name} must have 1 to {MAX_TOPK} columns (experts per token), "
             f"got shape {list(topk_idx.shape)}"
         )
-    if check_values and topk_idx.numel() > 0:
+    if check_values:
+        check_topk_values(topk_idx, num_experts, name)
+    return topk_idx
+
+
+def check_topk_values(topk_idx, num_experts: int, name: str = "topk_idx") -> None:
+    """Checks that every id of the int64 tensor ``topk_idx`` (called ``name``) is in
+    ``[-1, num_experts)``: one min/max reduction, whose result a CUDA tensor's host
+    read waits for."""
+    if topk_idx.numel() > 0:
         lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()
         bad = lo if lo < -1 else hi if hi >= num_experts else None
         if bad is not None:
@@ -232,14 +268,6 @@ def check_topk_idx(topk_idx, num_experts: int, *, check_values: bool = True, nam
             raise ValueError(
                 f"{name} values must be in [-1, num_experts={num_experts}), got {bad} at {where}"
             )
-    return topk_idx
-
-
-def check_topk_weights(topk_weights, topk_idx):
-    """Checks top-k weights: float32 with the shape of ``topk_idx``. Returns them."""
-    return check_tensor(
-        "topk_weights", topk_weights, dtype=torch.float32, shape=tuple(topk_idx.shape)
-    )
 
 
 def check_experts_ranks(num_experts: int, num_ranks: int, ranks_name: str = "num_ranks") -> int:
@@ -262,57 +290,6 @@ def check_experts_ranks(num_experts: int, num_ranks: int, ranks_name: str = "num
     return per_rank
 
 
-def check_hidden_bytes(hidden: int, element_size: int) -> int:
-    """Checks that a row of ``hidden`` elements of ``element_size`` bytes is a
-    positive multiple of 128 bytes, at most ``max_hidden_bytes``; returns the row
-    size in bytes."""
-    hidden = check_int("hidden", hidden, minimum=1)
-    element_size = check_int("element_size", element_size, minimum=1)
-    hidden_bytes = hidden * element_size
-    if hidden_bytes % HIDDEN_BYTES_ALIGN != 0 or hidden_bytes > LIMITS["max_hidden_bytes"]:
-        raise ValueError(
-            f"hidden * element_size must be a multiple of {HIDDEN_BYTES_ALIGN} bytes up to "
-            f"{LIMITS['max_hidden_bytes']}, got hidden={hidden} * element_size={element_size} "
-            f"= {hidden_bytes}"
-        )
-    return hidden_bytes
-
-
-def check_dispatch_x(x, num_tokens: int | None = None):
-    """Checks the ``x`` of ``dispatch``; returns ``(data, scales or None)``.
-
-    ``x`` is a contiguous bf16 [N, H] tensor, or a tuple ``(data, scales)`` of a
-    contiguous float8_e4m3fn [N, H] tensor and float32 scales of shape exactly
-    [N, H / 128] with any strides (column-major views are common), on the data's
-    device. Rows must be a multiple of 128 bytes. ``num_tokens``, when given, is N.
-    """
-    is_pair = isinstance(x, tuple)
-    if is_pair:
-        if len(x) != 2:
-            raise ValueError(f"x must be a tensor or a (data, scales) pair, got a {len(x)}-tuple")
-        data, scales = x
-        data_name = "x[0]"
-        check_tensor(data_name, data, dtype=torch.float8_e4m3fn, dims=2, contiguous=True)
-    elif isinstance(x, torch.Tensor):
-        data, scales = x, None
-        data_name = "x"
-        check_tensor(data_name, data, dtype=torch.bfloat16, dims=2, contiguous=True)
-    else:
-        raise TypeError(
-            f"x must be a torch.Tensor or a (data, scales) tuple, got {type(x).__name__}"
-        )
-    n, hidden = data.shape
-    if num_tokens is not None:
-        num_tokens = check_int("num_tokens", num_tokens, minimum=0)
-        if n != num_tokens:
-            raise ValueError(f"{data_name} must have {num_tokens} rows (tokens), got {n}")
-    check_row_bytes(data_name, data)
-    if is_pair:
-        check_tensor("x[1] (scales)", scales, dtype=torch.float32, shape=(n, hidden // SCALE_BLOCK))
-        check_same_device(**{"x[0]": data, "x[1] (scales)": scales})
-    return data, scales
-
-
 def check_row_bytes(name: str, t) -> int:
     """Checks that the rows of the 2-D tensor ``t`` (called ``name``) are a
     positive multiple of 128 bytes, at most ``max_hidden_bytes``; returns their size."""
@@ -325,52 +302,3 @@ def check_row_bytes(name: str, t) -> int:
             f"{max_bytes}, got hidden={hidden} of {t.dtype} ({row_bytes} bytes)"
         )
     return row_bytes
-
-
-def check_bias(bias, num_tokens: int, hidden: int):
-    """Checks the ``bias`` of ``combine``: ``None``, one tensor, or a pair of tensors
-    or ``None``; each a contiguous bf16 [num_tokens, hidden]. Returns a pair."""
-    num_tokens = check_int("num_tokens", num_tokens, minimum=0)
-    hidden = check_int("hidden", hidden, minimum=1)
-    if bias is None:
-        return (None, None)
-    if isinstance(bias, torch.Tensor):
-        pair, names = (bias, None), ("bias", None)
-    elif isinstance(bias, tuple):
-        if len(bias) != 2:
-            raise ValueError(f"bias must be None, a tensor or a pair, got a {len(bias)}-tuple")
-        pair, names = bias, ("bias[0]", "bias[1]")
-    else:
-        raise TypeError(
-            f"bias must be None, a torch.Tensor or a tuple of two, got {type(bias).__name__}"
-        )
-    for name, b in zip(names, pair):
-        if b is not None:
-            check_tensor(name, b, dtype=torch.bfloat16, shape=(num_tokens, hidden), contiguous=True)
-    if pair[0] is not None and pair[1] is not None:
-        check_same_device(**{"bias[0]": pair[0], "bias[1]": pair[1]})
-    return tuple(pair)
-
-
-def check_same_device(*tensors, **named_tensors) -> torch.device | None:
-    """Checks that all given tensors share one device; ``None`` entries are skipped.
-
-    Pass tensors by keyword to have them named in the message
-    (``check_same_device(x=x, topk_idx=topk_idx)``); positional ones are called
-    ``tensors[i]``. Returns the common device (``None`` when no tensor was given).
-    """
-    items = [(f"tensors[{i}]", t) for i, t in enumerate(tensors)]
-    items += list(named_tensors.items())
-    first_name, first_device = None, None
-    for name, t in items:
-        if t is None:
-            continue
-        check_tensor(name, t)
-        if first_device is None:
-            first_name, first_device = name, t.device
-        elif t.device != first_device:
-            raise ValueError(
-                f"{name} must be on the same device as {first_name} ({first_device}), "
-                f"got {t.device}"
-            )
-    return first_device

@@ -1,7 +1,8 @@
 """The low-latency half of ``moelink.Buffer`` (DeepEP's ``low_latency_*`` API).
 
 Kernels: ``ep-kernels/cuda/low_latency.cu``; design: ``docs/design-low-latency.md``.
-Every argument is checked before a launch. Without ``async_finish`` the kernels
+Every argument is checked before a launch, by the native plans (``ep_core::calls``,
+which also give the outputs' shapes). Without ``async_finish`` the kernels
 run on the caller's current stream; with it, on the Buffer's communication stream
 (which first waits for the current one) and an event is returned.
 """
@@ -11,17 +12,17 @@ from __future__ import annotations
 import torch
 
 from . import _native
-from ._buffer_common import _check_ids, _CudaMemory
+from ._buffer_common import _check_ids, _CudaMemory, empty, output_specs
 from ._streams import NO_STREAM_SWITCH, EventOverlap, current_raw_stream, finish_async
 from .checks import (
     _NO_SIG,
-    LIMITS,
     check_bool,
-    check_experts_ranks,
     check_int,
-    check_multiple,
     check_tensor,
-    check_topk_idx,
+    check_topk_values,
+    device_index,
+    optional_meta,
+    tensor_meta,
 )
 from .checks import tensor_ptr as _ptr
 from .checks import tensor_sig as _sig
@@ -31,17 +32,36 @@ __all__ = ["LowLatencyMixin", "get_low_latency_rdma_size_hint"]
 _SEND, _RECV, _BOTH = 1, 2, 3
 
 
-def _check_ll_shape(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, ranks_name):
-    """``(T, H, E, E_local)`` as ints, within the low-latency limits (``LIMITS``)."""
-    t = check_int(
-        "num_max_dispatch_tokens_per_rank",
-        num_max_dispatch_tokens_per_rank,
-        minimum=1,
-        maximum=LIMITS["ll_max_tokens_per_rank"],
+#: The outputs of a low-latency dispatch plan (``_native.ll_dispatch_plan``), in order.
+_DISPATCH_OUTPUTS = ("recv_x", "recv_x_scales", "recv_count", "src_info", "layout_range")
+
+
+def _ll_geometry(num_ranks: int, num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                 ranks_name: str):  # fmt: skip
+    """``(T, H, E, E_local)``, checked (``_native.ll_geometry``; ``num_ranks`` is
+    called ``ranks_name``)."""
+    g = _native.ll_geometry(
+        num_ranks, check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+        check_int("hidden", hidden), check_int("num_experts", num_experts), ranks_name,
+    )  # fmt: skip
+    return g["max_tokens"], g["hidden"], g["num_experts"], g["experts_per_rank"]
+
+
+def _ll_handle_arg(handle):
+    """A low-latency handle as ``_native.ll_*_plan`` take it."""
+    if not isinstance(handle, tuple) or len(handle) != 5:
+        raise TypeError(
+            "handle must be the 5-tuple (src_info, layout_range, "
+            "num_max_dispatch_tokens_per_rank, hidden, num_experts) of low_latency_dispatch"
+        )
+    src_info, layout_range, t, hidden, num_experts = handle
+    return (
+        tensor_meta("handle[0] (src_info)", src_info),
+        tensor_meta("handle[1] (layout_range)", layout_range),
+        check_int("num_max_dispatch_tokens_per_rank", t),
+        check_int("hidden", hidden),
+        check_int("num_experts", num_experts),
     )
-    h = check_multiple("hidden", hidden, LIMITS["fp8_group_size"], LIMITS["ll_max_hidden"])
-    el = check_experts_ranks(num_experts, num_ranks, ranks_name)
-    return t, h, int(num_experts), el
 
 
 def get_low_latency_rdma_size_hint(
@@ -52,10 +72,9 @@ def get_low_latency_rdma_size_hint(
     limits (``moelink.checks.LIMITS``: ``ll_max_tokens_per_rank``, ``ll_max_hidden``,
     ``max_ranks``, ``max_experts_per_rank``) or whose kernel blocks would need more
     shared memory than they have."""
-    t, h, e, _ = _check_ll_shape(
-        num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts, "num_ranks"
-    )
-    return _native.low_latency_size_hint(t, h, int(num_ranks), e)
+    r = check_int("num_ranks", num_ranks)
+    t, h, e, _ = _ll_geometry(r, num_max_dispatch_tokens_per_rank, hidden, num_experts, "num_ranks")
+    return _native.low_latency_size_hint(t, h, r, e)
 
 
 class _Hook:
@@ -119,12 +138,6 @@ class LowLatencyMixin:
         ll.check_device_timeout("low_latency")
         return ll
 
-    def _ll_shape(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        t, _, _, el = _check_ll_shape(
-            num_max_dispatch_tokens_per_rank, hidden, self.group_size, num_experts, "group size"
-        )
-        return t, el
-
     def _ll_stream(self, async_finish: bool):
         """(stream, raw handle, allocation context) of a call: the communication
         stream after it waited for the compute stream where ``async_finish``, else
@@ -149,38 +162,29 @@ class LowLatencyMixin:
         self, ll, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, stats_count,
         stats_wait, use_fp8, round_scale, use_ue8m0,
     ):  # fmt: skip
-        """Every check of a low-latency dispatch; returns what the call needs of them,
-        ``(T, E_local, N, H, K, E, use_fp8, round_scale, use_ue8m0)``, normalized."""
-        r = self.group_size
-        check_tensor("x", x, dtype=torch.bfloat16, dims=2, device=self.device, contiguous=True)
-        n, hidden = x.shape
-        t, el = self._ll_shape(num_max_dispatch_tokens_per_rank, hidden, num_experts)
-        if n > t:
-            raise ValueError(f"x has {n} tokens, more than num_max_dispatch_tokens_per_rank={t}")
-        check_topk_idx(topk_idx, num_experts, check_values=self._check_ids_now())
-        check_tensor("topk_idx", topk_idx, shape=(n, None), device=self.device, contiguous=True)
-        k = topk_idx.shape[1]
-        if stats_count is not None:
-            check_tensor(
-                "cumulative_local_expert_recv_stats", stats_count, dtype=torch.int32,
-                shape=(el,), device=self.device, contiguous=True,
-            )  # fmt: skip
-        if stats_wait is not None:
-            check_tensor(
-                "dispatch_wait_recv_cost_stats", stats_wait, dtype=torch.int64, shape=(r,),
-                device=self.device, contiguous=True,
-            )  # fmt: skip
-        use_fp8 = check_bool("use_fp8", use_fp8)
-        round_scale = check_bool("round_scale", round_scale)
-        use_ue8m0 = check_bool("use_ue8m0", use_ue8m0)
-        if use_ue8m0 and not use_fp8:
-            raise ValueError("use_ue8m0=True needs use_fp8=True (bf16 dispatch has no scales)")
-        if use_fp8 and use_ue8m0 and not round_scale:
-            raise ValueError("use_ue8m0=True needs round_scale=True")
+        """Every check of a low-latency dispatch (``_native.ll_dispatch_plan``); returns
+        what the call needs of them, ``(T, N, H, K, E, use_fp8, round_scale, use_ue8m0,
+        output specs)``, normalized."""
+        p = _native.ll_dispatch_plan(
+            self.group_size, device_index(self.device), tensor_meta("x", x),
+            tensor_meta("topk_idx", topk_idx),
+            check_int("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank),
+            check_int("num_experts", num_experts),
+            optional_meta("cumulative_local_expert_recv_stats", stats_count),
+            optional_meta("dispatch_wait_recv_cost_stats", stats_wait),
+            check_bool("use_fp8", use_fp8), check_bool("round_scale", round_scale),
+            check_bool("use_ue8m0", use_ue8m0),
+        )  # fmt: skip
+        t, hidden, e, k = p["max_tokens"], p["hidden"], p["num_experts"], p["num_topk"]
+        if self._check_ids_now():
+            check_topk_values(topk_idx, e)
         # The buffer must hold this shape: refused before the outputs are
         # allocated (they can be larger than the GPU has free).
-        ll.check_shape(t, hidden, num_experts, k)
-        return t, el, n, hidden, k, int(num_experts), use_fp8, round_scale, use_ue8m0
+        ll.check_shape(t, hidden, e, k)
+        return (
+            t, p["num_tokens"], hidden, k, e, p["use_fp8"], p["round_scale"], p["use_ue8m0"],
+            output_specs(p, _DISPATCH_OUTPUTS),
+        )  # fmt: skip
 
     def low_latency_dispatch(
         self,
@@ -215,31 +219,12 @@ class LowLatencyMixin:
             )  # fmt: skip
             self._plans.put(key, plan)
         elif self._check_ids_now():
-            check_topk_idx(topk_idx, num_experts, check_values=True)
-        t, el, n, hidden, k, num_experts, use_fp8, round_scale, use_ue8m0 = plan
-        r = self.group_size
+            check_topk_values(topk_idx, plan[4])
+        t, n, hidden, k, num_experts, use_fp8, round_scale, use_ue8m0, specs = plan
         stream, raw, alloc = self._ll_stream(async_finish)
-        rt = r * t
         with alloc:
             dev = self.device
-            recv_x = torch.empty(
-                (el, rt, hidden),
-                dtype=torch.float8_e4m3fn if use_fp8 else torch.bfloat16,
-                device=dev,
-            )
-            scales = None
-            if use_fp8:
-                g = hidden // 128
-                if use_ue8m0:
-                    w = (g + 3) // 4
-                    scales = torch.empty((el, w, rt), dtype=torch.int32, device=dev).transpose(1, 2)
-                else:
-                    scales = torch.empty((el, g, rt), dtype=torch.float32, device=dev).transpose(
-                        1, 2
-                    )
-            recv_count = torch.empty((el,), dtype=torch.int32, device=dev)
-            src_info = torch.empty((el, rt), dtype=torch.int32, device=dev)
-            layout_range = torch.empty((el, r), dtype=torch.int64, device=dev)
+            recv_x, scales, recv_count, src_info, layout_range = [empty(s, dev) for s in specs]
         args = (
             t, hidden, num_experts, k, n,
             _ptr(x), _ptr(topk_idx), use_fp8, round_scale, use_ue8m0,
@@ -270,67 +255,37 @@ class LowLatencyMixin:
     def _ll_combine_plan(
         self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, stats_wait
     ):
-        """Every check of a low-latency combine; returns ``(T, H, N, K, E)``."""
-        if use_logfmt:
-            raise ValueError("use_logfmt=True is not supported by moelink (bf16 combine only)")
-        _, _, t, hidden, num_experts, el = self._check_ll_handle(handle)
-        r = self.group_size
-        if not zero_copy:
-            check_tensor(
-                "x", x, dtype=torch.bfloat16, shape=(el, r * t, hidden), device=self.device,
-                contiguous=True,
-            )  # fmt: skip
-        check_topk_idx(topk_idx, num_experts, check_values=self._check_ids_now())
-        check_tensor("topk_idx", topk_idx, device=self.device, contiguous=True)
-        n, k = topk_idx.shape
-        if n > t:
-            raise ValueError(
-                f"topk_idx has {n} tokens, more than num_max_dispatch_tokens_per_rank={t}"
-            )
-        check_tensor(
-            "topk_weights", topk_weights, dtype=torch.float32, shape=(n, k), device=self.device,
-            contiguous=True,
+        """Every check of a low-latency combine (``_native.ll_combine_plan``); returns
+        ``(T, H, N, K, E, output specs)``: ``combine_buffer`` (with ``zero_copy``) and
+        ``combined_x`` (without ``out``)."""
+        p = _native.ll_combine_plan(
+            self.group_size, device_index(self.device),
+            None if zero_copy else tensor_meta("x", x), tensor_meta("topk_idx", topk_idx),
+            tensor_meta("topk_weights", topk_weights), _ll_handle_arg(handle), bool(use_logfmt),
+            bool(zero_copy), optional_meta("out", out),
+            optional_meta("combine_wait_recv_cost_stats", stats_wait),
         )  # fmt: skip
-        if stats_wait is not None:
-            check_tensor(
-                "combine_wait_recv_cost_stats", stats_wait, dtype=torch.int64, shape=(r,),
-                device=self.device, contiguous=True,
-            )  # fmt: skip
-        if out is not None:
-            check_tensor(
-                "out", out, dtype=torch.bfloat16, shape=(n, hidden), device=self.device,
-                contiguous=True,
-            )  # fmt: skip
-        return t, hidden, n, k, num_experts
+        e = p["num_experts"]
+        if self._check_ids_now():
+            check_topk_values(topk_idx, e)
+        specs = output_specs(p, ("combine_buffer", "combined_x"))
+        return p["max_tokens"], p["hidden"], p["num_tokens"], p["num_topk"], e, specs
 
-    def _check_ll_handle(self, handle):
-        if not isinstance(handle, tuple) or len(handle) != 5:
-            raise TypeError(
-                "handle must be the 5-tuple (src_info, layout_range, "
-                "num_max_dispatch_tokens_per_rank, hidden, num_experts) of low_latency_dispatch"
-            )
-        src_info, layout_range, t, hidden, num_experts = handle
-        t, el = self._ll_shape(t, hidden, num_experts)
-        r = self.group_size
-        check_tensor(
-            "handle[0] (src_info)", src_info, dtype=torch.int32, shape=(el, r * t),
-            device=self.device, contiguous=True,
-        )  # fmt: skip
-        check_tensor(
-            "handle[1] (layout_range)", layout_range, dtype=torch.int64, shape=(el, r),
-            device=self.device, contiguous=True,
-        )  # fmt: skip
-        return src_info, layout_range, t, hidden, num_experts, el
+    def _combine_buffer(self, ll, t: int, hidden: int, num_experts: int, spec) -> torch.Tensor:
+        """The zero-copy combine input of this shape as ``spec`` (its view) says."""
+        shape, _, dtype, _ = spec
+        ptr, nbytes = ll.zero_copy_buffer(t, hidden, num_experts)
+        raw = torch.as_tensor(_CudaMemory(ptr, nbytes, self), device=self.device)
+        return raw.view(dtype).view(shape)
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
         """The bf16 ``[E_local, R*T, H]`` view of the buffer ``low_latency_combine(...,
         zero_copy=True)`` reads: write the expert outputs here, then combine."""
-
         ll = self._ll_native()
-        _, _, t, hidden, num_experts, el = self._check_ll_handle(handle)
-        ptr, nbytes = ll.zero_copy_buffer(t, hidden, num_experts)
-        raw = torch.as_tensor(_CudaMemory(ptr, nbytes, self), device=self.device)
-        return raw.view(torch.bfloat16).view(el, self.group_size * t, hidden)
+        p = _native.ll_handle_plan(self.group_size, device_index(self.device),
+                                   _ll_handle_arg(handle))  # fmt: skip
+        (spec,) = output_specs(p, ("combine_buffer",))
+        return self._combine_buffer(ll, p["max_tokens"], p["hidden"], p["num_experts"], spec)
 
     def low_latency_combine(
         self,
@@ -363,15 +318,15 @@ class LowLatencyMixin:
             )  # fmt: skip
             self._plans.put(key, plan)
         elif self._check_ids_now():
-            check_topk_idx(topk_idx, plan[4], check_values=True)
+            check_topk_values(topk_idx, plan[4])
         src_info, layout_range = h[0], h[1]
-        t, hidden, n, k, num_experts = plan
+        t, hidden, n, k, num_experts, specs = plan
         if zero_copy:
-            x = self.get_next_low_latency_combine_buffer(handle)
+            x = self._combine_buffer(ll, t, hidden, num_experts, specs[0])
         stream, raw, alloc = self._ll_stream(async_finish)
         if out is None:
             with alloc:
-                out = torch.empty((n, hidden), dtype=torch.bfloat16, device=self.device)
+                out = empty(specs[1], self.device)
         args = (
             t, hidden, num_experts, k, n, _ptr(x), _ptr(layout_range), _ptr(topk_idx),
             _ptr(topk_weights), _ptr(out), _ptr(combine_wait_recv_cost_stats),
@@ -401,7 +356,8 @@ class LowLatencyMixin:
         (waits for this device first). Needed before low-latency use of a buffer whose
         low-latency calls were interrupted (a timeout)."""
         ll = self._ll_native()
-        self._ll_shape(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        _ll_geometry(self.group_size, num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                     "group size")  # fmt: skip
         if self._ll_pending is not None and not self._ll_pending.called:
             raise RuntimeError("a low-latency receive hook is pending: call it first")
         torch.cuda.synchronize(self.device)

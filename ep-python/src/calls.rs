@@ -1,0 +1,364 @@
+//! The argument checks and output shapes of the EP calls (`ep_core::calls`):
+//! one `*_plan` function per call, which the Python `Buffer` runs when a call's
+//! arguments miss its plan cache.
+//!
+//! A tensor crosses as its meta `(dtype name, shape, strides, device index)`
+//! (`moelink.checks.tensor_meta`), an absent one as None, an intranode handle
+//! as the metas of its entries 0, 3, 4 and 5, a low-latency handle as
+//! `(meta, meta, T, H, E)`. A plan comes back as a dict of its values and
+//! `outputs`, a list of `(name, dtype name, shape, strides, zeroed)` in
+//! allocation order. A refusal raises through `crate::error::arg_to_py`.
+
+use ep_core::calls::{
+    self, Bias, CombineArgs, DType, DispatchArgs, IntranodeHandle, LlCombineArgs, LlDispatchArgs,
+    LlGeometry, LlHandle, OutputSpec, TensorMeta,
+};
+use pyo3::exceptions::PyOverflowError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::error::arg_to_py;
+
+/// A tensor argument: `(dtype name, shape, strides, device index)`.
+#[derive(FromPyObject)]
+pub struct Meta(String, Vec<i64>, Vec<i64>, i32);
+
+impl From<Meta> for TensorMeta {
+    fn from(Meta(dtype, shape, strides, device): Meta) -> Self {
+        TensorMeta {
+            dtype: DType::from_torch_name(&dtype),
+            shape,
+            strides,
+            device,
+        }
+    }
+}
+
+fn meta(m: Option<Meta>) -> Option<TensorMeta> {
+    m.map(TensorMeta::from)
+}
+
+/// A Python int as i64, saturated: a value beyond i64 is far beyond every
+/// limit, and is refused as `i64::MAX` / `i64::MIN` instead of overflowing.
+pub struct Int(i64);
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Int {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        match obj.extract::<i64>() {
+            Ok(v) => Ok(Int(v)),
+            Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
+                Ok(Int(if obj.gt(0)? { i64::MAX } else { i64::MIN }))
+            }
+            Err(e) => Err(e),
+        }
+    }
+}
+
+/// The metas of an intranode handle's entries 0, 3, 4 and 5.
+#[derive(FromPyObject)]
+pub struct HandleArg(Meta, Meta, Meta, Meta);
+
+impl From<HandleArg> for IntranodeHandle {
+    fn from(HandleArg(rpm, recv_src_idx, in_rank, send_head): HandleArg) -> Self {
+        IntranodeHandle {
+            rank_prefix_matrix: rpm.into(),
+            recv_src_idx: recv_src_idx.into(),
+            is_token_in_rank: in_rank.into(),
+            send_head: send_head.into(),
+        }
+    }
+}
+
+/// A low-latency handle: `(src_info, layout_range, T, H, E)`.
+#[derive(FromPyObject)]
+pub struct LlHandleArg(Meta, Meta, Int, Int, Int);
+
+impl From<LlHandleArg> for LlHandle {
+    fn from(LlHandleArg(src_info, layout_range, t, h, e): LlHandleArg) -> Self {
+        LlHandle {
+            src_info: src_info.into(),
+            layout_range: layout_range.into(),
+            num_max_dispatch_tokens_per_rank: t.0,
+            hidden: h.0,
+            num_experts: e.0,
+        }
+    }
+}
+
+/// `bias` of combine: one meta, or a pair of metas or None.
+#[derive(FromPyObject)]
+pub enum BiasArg {
+    One(Meta),
+    Pair(Option<Meta>, Option<Meta>),
+}
+
+type Plan<'py> = Bound<'py, PyDict>;
+
+/// A plan dict holding `outputs`.
+fn plan<'py>(py: Python<'py>, outputs: &[OutputSpec]) -> PyResult<Plan<'py>> {
+    let d = PyDict::new(py);
+    let outputs: Vec<_> = outputs
+        .iter()
+        .map(|o| {
+            let (shape, strides) = (o.shape.clone(), o.strides.clone());
+            (
+                o.name,
+                o.dtype.torch_name().to_string(),
+                shape,
+                strides,
+                o.zeroed,
+            )
+        })
+        .collect();
+    d.set_item("outputs", outputs)?;
+    Ok(d)
+}
+
+/// `d[name] = p.name` for each field `name` of `p`.
+macro_rules! set_fields {
+    ($d:expr, $p:expr; $($field:ident),+) => {
+        $($d.set_item(stringify!($field), $p.$field)?;)+
+    };
+}
+
+fn set_geometry(d: &Plan<'_>, g: &LlGeometry) -> PyResult<()> {
+    set_fields!(d, g; max_tokens, hidden, num_experts, experts_per_rank);
+    Ok(())
+}
+
+/// `get_dispatch_layout`: `num_tokens`, `num_topk`, `num_experts`, `outputs`.
+#[pyfunction]
+pub fn layout_plan<'py>(
+    py: Python<'py>,
+    num_ranks: i64,
+    device: i32,
+    topk_idx: Meta,
+    num_experts: Int,
+) -> PyResult<Plan<'py>> {
+    let p = calls::layout(num_ranks, device, &topk_idx.into(), num_experts.0).map_err(arg_to_py)?;
+    let d = plan(py, &p.outputs)?;
+    set_fields!(d, p; num_tokens, num_topk, num_experts);
+    Ok(d)
+}
+
+/// `dispatch`, full or cached (`handle`): `cached`, `num_tokens`,
+/// `hidden_bytes`, `num_scales`, `scale_strides`, `expert_alignment`,
+/// `num_worst_tokens`, `num_experts`, `num_topk`, `num_recv_rows` (-1 until
+/// the counts arrive), `outputs`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (num_ranks, device, x, scales, handle, num_tokens_per_rank,
+    num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
+    expert_alignment, num_worst_tokens))]
+pub fn dispatch_plan<'py>(
+    py: Python<'py>,
+    num_ranks: i64,
+    device: i32,
+    x: Meta,
+    scales: Option<Meta>,
+    handle: Option<HandleArg>,
+    num_tokens_per_rank: Option<Meta>,
+    num_tokens_per_rdma_rank: bool,
+    is_token_in_rank: Option<Meta>,
+    num_tokens_per_expert: Option<Meta>,
+    topk_idx: Option<Meta>,
+    topk_weights: Option<Meta>,
+    expert_alignment: Int,
+    num_worst_tokens: Int,
+) -> PyResult<Plan<'py>> {
+    let x = TensorMeta::from(x);
+    let (scales, handle) = (meta(scales), handle.map(IntranodeHandle::from));
+    let (per_rank, in_rank) = (meta(num_tokens_per_rank), meta(is_token_in_rank));
+    let per_expert = meta(num_tokens_per_expert);
+    let (idx, w) = (meta(topk_idx), meta(topk_weights));
+    let a = DispatchArgs {
+        x: &x,
+        scales: scales.as_ref(),
+        handle: handle.as_ref(),
+        num_tokens_per_rank: per_rank.as_ref(),
+        num_tokens_per_rdma_rank,
+        is_token_in_rank: in_rank.as_ref(),
+        num_tokens_per_expert: per_expert.as_ref(),
+        topk_idx: idx.as_ref(),
+        topk_weights: w.as_ref(),
+        expert_alignment: expert_alignment.0,
+        num_worst_tokens: num_worst_tokens.0,
+    };
+    let p = calls::dispatch(num_ranks, device, &a).map_err(arg_to_py)?;
+    let d = plan(py, &p.outputs)?;
+    set_fields!(d, p; cached, num_tokens, hidden_bytes, num_scales, scale_strides,
+        expert_alignment, num_worst_tokens, num_experts, num_topk, num_recv_rows);
+    Ok(d)
+}
+
+/// `combine`: `num_recv_rows`, `hidden`, `num_tokens`, `num_topk`, `outputs`.
+#[pyfunction]
+pub fn combine_plan<'py>(
+    py: Python<'py>,
+    num_ranks: i64,
+    device: i32,
+    x: Meta,
+    handle: HandleArg,
+    topk_weights: Option<Meta>,
+    bias: Option<BiasArg>,
+) -> PyResult<Plan<'py>> {
+    // A pair of None is no bias.
+    let (one, b0, b1) = match bias {
+        Some(BiasArg::One(b)) => (Some(TensorMeta::from(b)), None, None),
+        Some(BiasArg::Pair(b0, b1)) => (None, meta(b0), meta(b1)),
+        None => (None, None, None),
+    };
+    let pair = (b0.is_some() || b1.is_some()).then_some(Bias::Pair(b0.as_ref(), b1.as_ref()));
+    let w = meta(topk_weights);
+    let a = CombineArgs {
+        x: &x.into(),
+        handle: &handle.into(),
+        topk_weights: w.as_ref(),
+        bias: one.as_ref().map(Bias::One).or(pair),
+    };
+    let p = calls::combine(num_ranks, device, &a).map_err(arg_to_py)?;
+    let d = plan(py, &p.outputs)?;
+    set_fields!(d, p; num_recv_rows, hidden, num_tokens, num_topk);
+    Ok(d)
+}
+
+/// The `(T, H, E)` of a low-latency call over `num_ranks` ranks (called
+/// `ranks_name`): `max_tokens`, `hidden`, `num_experts`, `experts_per_rank`.
+#[pyfunction]
+pub fn ll_geometry<'py>(
+    py: Python<'py>,
+    num_ranks: Int,
+    max_tokens: Int,
+    hidden: Int,
+    num_experts: Int,
+    ranks_name: &str,
+) -> PyResult<Plan<'py>> {
+    let g = calls::ll_geometry(
+        num_ranks.0,
+        ranks_name,
+        max_tokens.0,
+        hidden.0,
+        num_experts.0,
+    )
+    .map_err(arg_to_py)?;
+    let d = PyDict::new(py);
+    set_geometry(&d, &g)?;
+    Ok(d)
+}
+
+/// `low_latency_dispatch`: the geometry, `num_tokens`, `num_topk`,
+/// `use_fp8`, `round_scale`, `use_ue8m0`, `outputs`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (num_ranks, device, x, topk_idx, num_max_dispatch_tokens_per_rank,
+    num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+    round_scale, use_ue8m0))]
+pub fn ll_dispatch_plan<'py>(
+    py: Python<'py>,
+    num_ranks: i64,
+    device: i32,
+    x: Meta,
+    topk_idx: Meta,
+    num_max_dispatch_tokens_per_rank: Int,
+    num_experts: Int,
+    cumulative_local_expert_recv_stats: Option<Meta>,
+    dispatch_wait_recv_cost_stats: Option<Meta>,
+    use_fp8: bool,
+    round_scale: bool,
+    use_ue8m0: bool,
+) -> PyResult<Plan<'py>> {
+    let (x, idx) = (TensorMeta::from(x), TensorMeta::from(topk_idx));
+    let count = meta(cumulative_local_expert_recv_stats);
+    let wait = meta(dispatch_wait_recv_cost_stats);
+    let a = LlDispatchArgs {
+        x: &x,
+        topk_idx: &idx,
+        num_max_dispatch_tokens_per_rank: num_max_dispatch_tokens_per_rank.0,
+        num_experts: num_experts.0,
+        cumulative_local_expert_recv_stats: count.as_ref(),
+        dispatch_wait_recv_cost_stats: wait.as_ref(),
+        use_fp8,
+        round_scale,
+        use_ue8m0,
+    };
+    let p = calls::ll_dispatch(num_ranks, device, &a).map_err(arg_to_py)?;
+    let d = plan(py, &p.outputs)?;
+    set_geometry(&d, &p.geometry)?;
+    set_fields!(d, p; num_tokens, num_topk, use_fp8, round_scale, use_ue8m0);
+    Ok(d)
+}
+
+/// A low-latency handle: the geometry and `outputs` (the zero-copy combine
+/// buffer's view).
+#[pyfunction]
+pub fn ll_handle_plan<'py>(
+    py: Python<'py>,
+    num_ranks: i64,
+    device: i32,
+    handle: LlHandleArg,
+) -> PyResult<Plan<'py>> {
+    let p = calls::ll_handle(num_ranks, device, &handle.into()).map_err(arg_to_py)?;
+    let d = plan(py, &p.outputs)?;
+    set_geometry(&d, &p.geometry)?;
+    Ok(d)
+}
+
+/// `low_latency_combine`: the geometry, `num_tokens`, `num_topk`, `outputs`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (num_ranks, device, x, topk_idx, topk_weights, handle, use_logfmt,
+    zero_copy, out, combine_wait_recv_cost_stats))]
+pub fn ll_combine_plan<'py>(
+    py: Python<'py>,
+    num_ranks: i64,
+    device: i32,
+    x: Option<Meta>,
+    topk_idx: Meta,
+    topk_weights: Meta,
+    handle: LlHandleArg,
+    use_logfmt: bool,
+    zero_copy: bool,
+    out: Option<Meta>,
+    combine_wait_recv_cost_stats: Option<Meta>,
+) -> PyResult<Plan<'py>> {
+    let (x, idx, w) = (
+        meta(x),
+        TensorMeta::from(topk_idx),
+        TensorMeta::from(topk_weights),
+    );
+    let (handle, out) = (LlHandle::from(handle), meta(out));
+    let stats = meta(combine_wait_recv_cost_stats);
+    let a = LlCombineArgs {
+        x: x.as_ref(),
+        topk_idx: &idx,
+        topk_weights: &w,
+        handle: &handle,
+        use_logfmt,
+        zero_copy,
+        out: out.as_ref(),
+        combine_wait_recv_cost_stats: stats.as_ref(),
+    };
+    let p = calls::ll_combine(num_ranks, device, &a).map_err(arg_to_py)?;
+    let d = plan(py, &p.outputs)?;
+    set_geometry(&d, &p.geometry)?;
+    set_fields!(d, p; num_tokens, num_topk);
+    Ok(d)
+}
+
+/// Adds the plans and the constants of their encoding (`RECV_ROWS`,
+/// `CPU_DEVICE`, `OTHER_DEVICE`) to the module.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("RECV_ROWS", calls::RECV_ROWS)?;
+    m.add("CPU_DEVICE", calls::CPU)?;
+    m.add("OTHER_DEVICE", calls::OTHER_DEVICE)?;
+    m.add_function(wrap_pyfunction!(layout_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(dispatch_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(combine_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(ll_geometry, m)?)?;
+    m.add_function(wrap_pyfunction!(ll_dispatch_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(ll_handle_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(ll_combine_plan, m)?)?;
+    Ok(())
+}

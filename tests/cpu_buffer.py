@@ -1,0 +1,50 @@
+"""A ``moelink.Buffer`` on the CPU for tests of its Python layer: made without a
+process group or GPU, with a stand-in native object that records every launch
+and checks nothing, so that what a call checks and allocates runs on CPU tensors
+(the native plans, ``ep_core::calls``, take any device; this Buffer's is the CPU)."""
+
+from __future__ import annotations
+
+import torch
+from moelink import _buffer_common, buffer, low_latency
+from moelink.buffer import Buffer
+
+
+class FakeNative:
+    """Records every launch (method name, arguments); checks nothing."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        if name in ("check_device", "check_device_timeout", "check_shape"):
+            return lambda *a: None
+        if name == "dispatch_send":
+            return lambda *a: self.calls.append((name, a)) or 7
+        if name == "wait_counts":
+            return lambda epoch, e: (5, [1] * e)
+        return lambda *a: self.calls.append((name, a))
+
+
+class FakeOrder:
+    def __init__(self):
+        self.log = []
+
+    def after(self, waiter, signaler):
+        self.log.append((waiter, signaler))
+
+
+def cpu_buffer(monkeypatch, group_size: int) -> Buffer:
+    """A Buffer of ``group_size`` ranks on the CPU (both parts stand-ins)."""
+    monkeypatch.setattr(low_latency, "current_raw_stream", lambda i: 11)
+    monkeypatch.setattr(buffer, "current_raw_stream", lambda i: 11)
+    monkeypatch.setattr(_buffer_common, "_capturing", lambda: False)
+    b = Buffer.__new__(Buffer)
+    b._native, b._ll = FakeNative(), FakeNative()
+    b._plans = _buffer_common.PlanCache()
+    b._order = FakeOrder()
+    b._comm_raw = 22
+    b.device = torch.device("cpu")
+    b.group_size = group_size
+    b.enable_shrink = False
+    return b
