@@ -510,6 +510,10 @@ pub mod testing {
             Ok(())
         }
 
+        fn put(&self, p: crate::transport::Put<'_>) -> Result<()> {
+            self.write(p.dst, p.dst_offset, p.src, p.src_offset, p.size)
+        }
+
         fn update_and_sync(&self, dst: &RegisteredMemory, d: u64, v: u64) -> Result<()> {
             self.note(|| format!("signal r{} +{d} = {v}", dst.rank()));
             Ok(())

@@ -225,11 +225,14 @@ class LowLatencyMixin:
         with alloc:
             dev = self.device
             recv_x, scales, recv_count, src_info, layout_range = [empty(s, dev) for s in specs]
+        # The plan fixes every size: x and topk_idx are empty exactly when n is 0,
+        # the outputs never are (T, E_local >= 1), so no numel() per pointer.
         args = (
             t, hidden, num_experts, k, n,
-            _ptr(x), _ptr(topk_idx), use_fp8, round_scale, use_ue8m0,
-            _ptr(recv_x), 0 if scales is None else scales.data_ptr(), _ptr(recv_count),
-            _ptr(src_info), _ptr(layout_range),
+            x.data_ptr() if n else 0, topk_idx.data_ptr() if n else 0,
+            use_fp8, round_scale, use_ue8m0,
+            recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(), recv_count.data_ptr(),
+            src_info.data_ptr(), layout_range.data_ptr(),
             _ptr(cumulative_local_expert_recv_stats), _ptr(dispatch_wait_recv_cost_stats),
         )  # fmt: skip
 
@@ -328,8 +331,9 @@ class LowLatencyMixin:
             with alloc:
                 out = empty(specs[1], self.device)
         args = (
-            t, hidden, num_experts, k, n, _ptr(x), _ptr(layout_range), _ptr(topk_idx),
-            _ptr(topk_weights), _ptr(out), _ptr(combine_wait_recv_cost_stats),
+            t, hidden, num_experts, k, n, x.data_ptr(), layout_range.data_ptr(),
+            topk_idx.data_ptr() if n else 0, topk_weights.data_ptr() if n else 0,
+            out.data_ptr() if n else 0, _ptr(combine_wait_recv_cost_stats),
         )  # fmt: skip
 
         def launch(s, phases):

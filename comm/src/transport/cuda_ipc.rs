@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use cudarc::driver::sys;
 
-use super::{check_atomic_target, AtomicWidth, Connection, Transport};
+use super::{check_atomic_target, AtomicWidth, Connection, Put, Transport};
 use crate::cuda::OwnedStream;
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::registered_memory::RegisteredMemory;
@@ -70,16 +70,9 @@ impl Connection for CudaIpcConnection {
         self.remote_rank
     }
 
-    fn write(
-        &self,
-        dst: &RegisteredMemory,
-        dst_offset: u64,
-        src: &RegisteredMemory,
-        src_offset: u64,
-        size: u64,
-    ) -> Result<()> {
-        dst.check_range(dst_offset, size, "write destination")?;
-        src.check_range(src_offset, size, "write source")?;
+    fn put(&self, p: Put<'_>) -> Result<()> {
+        let (dst, dst_offset, src, src_offset, size) =
+            (p.dst, p.dst_offset, p.src, p.src_offset, p.size);
         if size == 0 {
             return Ok(());
         }

@@ -44,7 +44,7 @@ use cudarc::driver::sys;
 use super::ib::config::SignalMode;
 use super::ib::imm::{self, Action, Record};
 use super::inbound::{ApplyError, Op, Regions};
-use super::{check_atomic_target, AtomicWidth, Connection, Transport};
+use super::{check_atomic_target, AtomicWidth, Connection, Put, Transport};
 use crate::cuda::{Device, OwnedStream};
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::registered_memory::{Location, RegisteredMemory};
@@ -814,16 +814,9 @@ impl Connection for EthernetConnection {
         self.remote_rank
     }
 
-    fn write(
-        &self,
-        dst: &RegisteredMemory,
-        dst_offset: u64,
-        src: &RegisteredMemory,
-        src_offset: u64,
-        size: u64,
-    ) -> Result<()> {
-        dst.check_range(dst_offset, size, "write destination")?;
-        src.check_range(src_offset, size, "write source")?;
+    fn put(&self, p: Put<'_>) -> Result<()> {
+        let (dst, dst_offset, src, src_offset, size) =
+            (p.dst, p.dst_offset, p.src, p.src_offset, p.size);
         let base = self.target(dst, "write destination")? + dst_offset;
         if size == 0 {
             return Ok(());

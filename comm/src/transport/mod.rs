@@ -45,6 +45,17 @@ impl AtomicWidth {
     }
 }
 
+/// One [`Connection::write`] whose ranges are checked: `size` bytes from local
+/// `src` at `src_offset` into the peer's `dst` at `dst_offset`.
+#[derive(Clone, Copy, Debug)]
+pub struct Put<'a> {
+    pub dst: &'a RegisteredMemory,
+    pub dst_offset: u64,
+    pub src: &'a RegisteredMemory,
+    pub src_offset: u64,
+    pub size: u64,
+}
+
 /// A one-directional link from this rank to `remote_rank()`. Operations are
 /// applied at the peer in the order they were issued on one connection; none
 /// waits for completion except `flush`.
@@ -53,7 +64,8 @@ pub trait Connection: Send + Sync + std::fmt::Debug {
     fn remote_rank(&self) -> usize;
 
     /// Copies `size` bytes from local `src` at `src_offset` into the peer's
-    /// `dst` at `dst_offset`.
+    /// `dst` at `dst_offset`: both ranges checked against their
+    /// registrations, then the transport's [`put`](Self::put).
     fn write(
         &self,
         dst: &RegisteredMemory,
@@ -61,7 +73,21 @@ pub trait Connection: Send + Sync + std::fmt::Debug {
         src: &RegisteredMemory,
         src_offset: u64,
         size: u64,
-    ) -> Result<()>;
+    ) -> Result<()> {
+        dst.check_range(dst_offset, size, "write destination")?;
+        src.check_range(src_offset, size, "write source")?;
+        self.put(Put {
+            dst,
+            dst_offset,
+            src,
+            src_offset,
+            size,
+        })
+    }
+
+    /// The transport's half of [`write`](Self::write), its ranges checked
+    /// (`size` may be 0: the transport still checks that it can reach `dst`).
+    fn put(&self, p: Put<'_>) -> Result<()>;
 
     /// Sets the u64 at the peer's `dst` + `dst_offset` to `value`, after every
     /// earlier write of this connection has landed (a semaphore signal).

@@ -39,7 +39,7 @@ use crate::error::{CommError, Result};
 use crate::host_memory::HostMemory;
 use crate::registered_memory::RegisteredMemory;
 use crate::transport::inbound::Regions;
-use crate::transport::{check_atomic_target, AtomicWidth, Connection, Transport};
+use crate::transport::{check_atomic_target, AtomicWidth, Connection, Put, Transport};
 
 use super::config::SignalMode;
 use super::device::{Completion, RdmaCq, RdmaMr, RdmaQp, SendOp, SendWr, Sge};
@@ -583,16 +583,9 @@ impl Connection for IbConnection {
         self.link.peer
     }
 
-    fn write(
-        &self,
-        dst: &RegisteredMemory,
-        dst_offset: u64,
-        src: &RegisteredMemory,
-        src_offset: u64,
-        size: u64,
-    ) -> Result<()> {
-        dst.check_range(dst_offset, size, "write destination")?;
-        src.check_range(src_offset, size, "write source")?;
+    fn put(&self, p: Put<'_>) -> Result<()> {
+        let (dst, dst_offset, src, src_offset, size) =
+            (p.dst, p.dst_offset, p.src, p.src_offset, p.size);
         let (remote, rkey) = self.target(dst, dst_offset, "write destination")?;
         let lkey = match (
             src.info().ib,
