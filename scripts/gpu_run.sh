@@ -91,6 +91,9 @@ for n in $RANKS; do
   run "ops-$n" 500 $LAUNCH -n "$n" --timeout 480 tests/multi_gpu/ops_worker.py
   run "frameworks-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/frameworks_worker.py
   run "deep_ep_script-$n" 200 $LAUNCH -n "$n" --timeout 180 tests/multi_gpu/deep_ep_script.py
+  # The Rust tch API (moelink-tch/scripts/gpu_build.sh put its binaries in .gpu/tch):
+  # the MoE-layer example and the bit-for-bit parity test against the Python API.
+  [ -x .gpu/tch/moe_layer ] && run "tch-$n" 400 bash moelink-tch/scripts/gpu_run.sh "$n"
 done
 # MOELINK_TRAP_ON_TIMEOUT=1 (2 ranks, no MPS: a trap under MPS takes down every
 # rank on the GPU): a device timeout traps the kernel.

@@ -20,6 +20,12 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test (compiles every CUDA file through the comm and ep-kernels build scripts)"
 cargo test --workspace --locked
 
+step "moelink-tch: the Rust API on tch tensors (feature tch, built against .venv's torch)"
+# Off in the workspace build above (libtorch's C++ wrapper stays out of clippy,
+# cargo test and scripts/gpu_build.sh); torch-sys finds torch through python3.
+LIBTORCH_USE_PYTORCH=1 cargo clippy -p moelink-tch --features tch --all-targets --locked -- -D warnings
+LIBTORCH_USE_PYTORCH=1 cargo test -p moelink-tch --features tch --locked
+
 step "python lint (ruff)"
 "$PY" -m ruff check python tests benches scripts
 "$PY" -m ruff format --check python tests benches scripts

@@ -1,0 +1,1299 @@
+//! [`Buffer`]: `moelink.Buffer` on tch tensors. Its calls run the sequence
+//! the Python Buffer runs (`python/moelink/buffer.py`, `low_latency.py`):
+//! the checks and output shapes of `ep_core::calls`, outputs allocated
+//! through tch, the launches of `ep_core::EpBuffer`, on the same streams.
+//!
+//! Streams: an intranode call (layout, dispatch, combine) runs on the
+//! Buffer's communication stream, which first waits for torch's current
+//! stream on the Buffer's device; that stream then waits for the
+//! communication stream before the call returns (Python's
+//! `async_finish=False`). A low-latency call runs on the current stream.
+//! Outputs are allocated by tch on the current stream, as the Python API
+//! allocates them.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use comm::{Device as CoreDevice, OwnedStream, StreamHandle};
+use ep_core::calls::{self, IntranodeHandle, LlHandle as CoreLlHandle};
+use ep_core::intranode::{
+    CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape,
+    IntranodeBuffer, LayoutCall,
+};
+use ep_core::limits::{MAX_NUM_SMS, MAX_TOPK, MIN_NUM_SMS};
+use ep_core::low_latency::{
+    size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs,
+    LowLatencyBuffer, LowLatencyOptions, Phases,
+};
+use ep_core::{BufferPart, EpBuffer, EpBufferOptions, PartKind};
+use tch::{Device, Kind, Tensor};
+
+use crate::checks::{self, Target};
+use crate::error::{Error, Result};
+use crate::group::{env_timeout, Group};
+use crate::stream::current_stream;
+use crate::tensor::{meta, output, ptr, required};
+
+/// SMs of intranode dispatch and combine where neither the Buffer's options
+/// nor the call name them: the Python API's default config
+/// (`moelink.config._DEFAULT_NUM_SMS`, the tuned value for every rank count).
+pub const DEFAULT_NUM_SMS: u32 = 48;
+
+/// Seconds of GPU time a device wait may take where nothing sets it (the
+/// Python API's `DEFAULT_DEVICE_TIMEOUT_S`).
+pub const DEFAULT_DEVICE_TIMEOUT_S: f64 = 30.0;
+
+/// The bound environment variable `env` sets (seconds), else the default, in
+/// nanoseconds (`moelink._device_timeout.env_device_timeout_ns`).
+pub fn env_device_timeout_ns(env: &str) -> Result<i64> {
+    let seconds = match std::env::var(env) {
+        Err(_) => DEFAULT_DEVICE_TIMEOUT_S,
+        Ok(raw) => raw
+            .trim()
+            .parse::<f64>()
+            .map_err(|_| Error::value(format!("{env} must be a number of seconds, got {raw:?}")))?,
+    };
+    let ns = if seconds.is_finite() {
+        (seconds * 1e9).round()
+    } else {
+        0.0
+    };
+    if !(ns > 0.0 && ns <= i64::MAX as f64) {
+        return Err(Error::value(format!(
+            "{env} must be a positive, finite number of seconds, got {seconds}"
+        )));
+    }
+    Ok(ns as i64)
+}
+
+/// How to make a [`Buffer`]: `moelink.Buffer`'s arguments.
+#[derive(Clone, Debug)]
+pub struct BufferOptions {
+    /// Bytes of NVLink buffer (intranode dispatch/combine; 0: none). Size it
+    /// with `Config.get_nvl_buffer_size_hint` (Python) for the largest batch.
+    pub num_nvl_bytes: usize,
+    /// Bytes of low-latency buffer (> 0 exactly with `low_latency_mode`);
+    /// size it with [`Buffer::get_low_latency_rdma_size_hint`].
+    pub num_rdma_bytes: usize,
+    pub low_latency_mode: bool,
+    pub allow_nvlink_for_low_latency_mode: bool,
+    pub enable_shrink: bool,
+    /// SMs of intranode dispatch/combine (even; the Python `Config.num_sms`),
+    /// where a call does not name them; None: [`DEFAULT_NUM_SMS`].
+    pub num_sms: Option<u32>,
+    /// Bound of host waits; None: `MOELINK_TIMEOUT_S`, else 60 s.
+    pub timeout: Option<std::time::Duration>,
+    /// Bound of every intranode device wait (ns of GPU time); None:
+    /// `MOELINK_DEVICE_TIMEOUT_S`, else 30 s.
+    pub device_timeout_ns: Option<i64>,
+    /// Bound of every low-latency receive (ns); None: `MOELINK_LL_TIMEOUT_S`,
+    /// else the intranode one.
+    pub ll_device_timeout_ns: Option<i64>,
+}
+
+impl Default for BufferOptions {
+    fn default() -> Self {
+        Self {
+            num_nvl_bytes: 0,
+            num_rdma_bytes: 0,
+            low_latency_mode: false,
+            allow_nvlink_for_low_latency_mode: true,
+            enable_shrink: false,
+            num_sms: None,
+            timeout: None,
+            device_timeout_ns: None,
+            ll_device_timeout_ns: None,
+        }
+    }
+}
+
+/// `num_sms` (of a Buffer or a call) as `moelink.Config` checks it.
+fn check_num_sms(n: u32) -> Result<u32> {
+    if n < 1 || n as usize > MAX_NUM_SMS {
+        return Err(Error::value(format!(
+            "num_sms must be <= {MAX_NUM_SMS}, got {n}"
+        )));
+    }
+    if n % 2 != 0 || (n as usize) < MIN_NUM_SMS {
+        return Err(Error::value(format!(
+            "num_sms must be even (SMs are used in pairs: one sender and one receiver block \
+             per channel), got {n}"
+        )));
+    }
+    Ok(n)
+}
+
+/// `moelink.Buffer.__init__`'s checks of its byte counts and modes.
+fn check_options(o: &BufferOptions) -> Result<()> {
+    for (name, v) in [
+        ("num_nvl_bytes", o.num_nvl_bytes),
+        ("num_rdma_bytes", o.num_rdma_bytes),
+    ] {
+        if v % 128 != 0 {
+            return Err(Error::value(format!(
+                "{name} must be a multiple of 128, got {v}"
+            )));
+        }
+    }
+    if o.enable_shrink && !o.low_latency_mode {
+        return Err(Error::value(
+            "enable_shrink=True needs low_latency_mode=True",
+        ));
+    }
+    if o.low_latency_mode && o.num_rdma_bytes == 0 {
+        return Err(Error::value(
+            "low_latency_mode=True needs num_rdma_bytes > 0 (the low-latency buffer); size it \
+             with Buffer.get_low_latency_rdma_size_hint",
+        ));
+    }
+    if o.num_rdma_bytes > 0 && !o.low_latency_mode {
+        return Err(Error::value(
+            "num_rdma_bytes must be 0 without low_latency_mode: moelink has no internode (RDMA) \
+             path for normal kernels; Config.get_rdma_buffer_size_hint returns 0",
+        ));
+    }
+    if let Some(n) = o.num_sms {
+        check_num_sms(n)?;
+    }
+    Ok(())
+}
+
+/// `x` of a dispatch: bf16 `[N, H]`, or fp8 data with its f32 scales
+/// `[N, H / 128]` (any strided view; they come back in the same layout).
+#[derive(Clone, Copy, Debug)]
+pub enum DispatchX<'a> {
+    Bf16(&'a Tensor),
+    Fp8(&'a Tensor, &'a Tensor),
+}
+
+impl<'a> DispatchX<'a> {
+    pub(crate) fn parts(self) -> (&'a Tensor, Option<&'a Tensor>) {
+        match self {
+            DispatchX::Bf16(x) => (x, None),
+            DispatchX::Fp8(x, s) => (x, Some(s)),
+        }
+    }
+}
+
+/// What a dispatch received: `recv_x` (and its scales for fp8), as the
+/// first element of `Buffer.dispatch`'s tuple.
+#[derive(Debug)]
+pub struct RecvX {
+    pub x: Tensor,
+    pub scales: Option<Tensor>,
+}
+
+/// `get_dispatch_layout`'s outputs (`num_tokens_per_rdma_rank` is always
+/// None within one node, so it is left out).
+#[derive(Debug)]
+pub struct Layout {
+    /// int32 `[R]`.
+    pub num_tokens_per_rank: Tensor,
+    /// int32 `[E]`.
+    pub num_tokens_per_expert: Tensor,
+    /// bool `[N, R]`.
+    pub is_token_in_rank: Tensor,
+}
+
+/// The intranode handle of a dispatch (DeepEP's 6-tuple): pass it to
+/// [`Buffer::combine`] and to a cached [`Buffer::dispatch_cached`].
+#[derive(Debug)]
+pub struct Handle {
+    /// int32 `[R, R]`: cumulative tokens from ranks `0..=i` to rank `j`.
+    pub rank_prefix_matrix: Tensor,
+    /// int32 `[R, 1]` zeros (kept for DeepEP's shape).
+    pub channel_prefix_matrix: Tensor,
+    /// int32 `[R, 1]` zeros.
+    pub recv_channel_prefix_matrix: Tensor,
+    /// int32 `[rows]`: each received row's index on its source rank.
+    pub recv_src_idx: Tensor,
+    /// bool `[N, R]` (the layout's).
+    pub is_token_in_rank: Tensor,
+    /// int32 `[N, R]`.
+    pub send_head: Tensor,
+}
+
+impl Handle {
+    pub(crate) fn metas(&self) -> IntranodeHandle {
+        IntranodeHandle {
+            rank_prefix_matrix: meta(&self.rank_prefix_matrix),
+            recv_src_idx: meta(&self.recv_src_idx),
+            is_token_in_rank: meta(&self.is_token_in_rank),
+            send_head: meta(&self.send_head),
+        }
+    }
+}
+
+/// The optional arguments of [`Buffer::dispatch`] (a dispatch without a
+/// handle): the layout's tensors (from [`Buffer::get_dispatch_layout`]), the
+/// routing, and the scalars, with Python's defaults.
+#[derive(Clone, Copy, Debug)]
+pub struct DispatchArgs<'a> {
+    pub num_tokens_per_rank: Option<&'a Tensor>,
+    pub is_token_in_rank: Option<&'a Tensor>,
+    pub num_tokens_per_expert: Option<&'a Tensor>,
+    pub topk_idx: Option<&'a Tensor>,
+    pub topk_weights: Option<&'a Tensor>,
+    /// Rounds each per-expert count up to a multiple (default 1).
+    pub expert_alignment: i64,
+    /// `> 0`: no CPU wait; outputs padded to this many rows (default 0).
+    pub num_worst_tokens: i64,
+    /// SMs of this call (the Python `config.num_sms`); None: the Buffer's.
+    pub num_sms: Option<u32>,
+}
+
+impl<'a> DispatchArgs<'a> {
+    /// A dispatch of `layout`'s routing with `topk_idx` and `topk_weights`,
+    /// Python's defaults otherwise.
+    pub fn new(layout: &'a Layout, topk_idx: &'a Tensor, topk_weights: Option<&'a Tensor>) -> Self {
+        DispatchArgs {
+            num_tokens_per_rank: Some(&layout.num_tokens_per_rank),
+            is_token_in_rank: Some(&layout.is_token_in_rank),
+            num_tokens_per_expert: Some(&layout.num_tokens_per_expert),
+            topk_idx: Some(topk_idx),
+            topk_weights,
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+            num_sms: None,
+        }
+    }
+}
+
+/// What [`Buffer::dispatch`] returns: `Buffer.dispatch`'s tuple.
+#[derive(Debug)]
+pub struct Dispatched {
+    pub recv_x: RecvX,
+    /// int64 `[rows, K]` (local expert ids, -1 elsewhere), with `topk_idx`.
+    pub recv_topk_idx: Option<Tensor>,
+    /// f32 `[rows, K]`, with `topk_weights`.
+    pub recv_topk_weights: Option<Tensor>,
+    /// Per local expert, received tokens rounded up to `expert_alignment`
+    /// (empty with `num_worst_tokens`).
+    pub num_recv_tokens_per_expert: Vec<i64>,
+    pub handle: Handle,
+}
+
+/// `bias` of [`Buffer::combine`]: none, one bf16 `[N, H]` tensor, or a pair.
+#[derive(Clone, Copy, Debug, Default)]
+pub enum Bias<'a> {
+    #[default]
+    None,
+    One(&'a Tensor),
+    Pair(Option<&'a Tensor>, Option<&'a Tensor>),
+}
+
+/// A low-latency handle (`(src_info, layout_range, T, H, E)` in Python).
+#[derive(Debug)]
+pub struct LlHandle {
+    /// int32 `[E_local, R*T]`: each received row's token index on its source.
+    pub src_info: Tensor,
+    /// int64 `[E_local, R]`: `(begin << 32) | count` of each source's block.
+    pub layout_range: Tensor,
+    pub num_max_dispatch_tokens_per_rank: i64,
+    pub hidden: i64,
+    pub num_experts: i64,
+}
+
+impl LlHandle {
+    pub(crate) fn metas(&self) -> CoreLlHandle {
+        CoreLlHandle {
+            src_info: meta(&self.src_info),
+            layout_range: meta(&self.layout_range),
+            num_max_dispatch_tokens_per_rank: self.num_max_dispatch_tokens_per_rank,
+            hidden: self.hidden,
+            num_experts: self.num_experts,
+        }
+    }
+}
+
+/// The options of [`Buffer::low_latency_dispatch`] (Python's defaults:
+/// fp8 with f32 scales).
+#[derive(Clone, Copy, Debug)]
+pub struct LlDispatchOptions<'a> {
+    /// int32 `[E_local]`, accumulates received tokens per local expert.
+    pub cumulative_local_expert_recv_stats: Option<&'a Tensor>,
+    /// int64 `[R]`, accumulates wait cycles per source rank.
+    pub dispatch_wait_recv_cost_stats: Option<&'a Tensor>,
+    pub use_fp8: bool,
+    pub round_scale: bool,
+    pub use_ue8m0: bool,
+    /// Only issue the sends; the returned [`RecvHook`] runs the receive half.
+    pub return_recv_hook: bool,
+}
+
+impl Default for LlDispatchOptions<'_> {
+    fn default() -> Self {
+        Self {
+            cumulative_local_expert_recv_stats: None,
+            dispatch_wait_recv_cost_stats: None,
+            use_fp8: true,
+            round_scale: false,
+            use_ue8m0: false,
+            return_recv_hook: false,
+        }
+    }
+}
+
+/// What [`Buffer::low_latency_dispatch`] returns.
+#[derive(Debug)]
+pub struct LlDispatched {
+    /// `[E_local, R*T, H]` (fp8 e4m3 or bf16) and, with fp8, its scales.
+    pub recv_x: RecvX,
+    /// int32 `[E_local]`: valid rows per local expert.
+    pub recv_count: Tensor,
+    pub handle: LlHandle,
+    /// With `return_recv_hook`: the receive half, to run with
+    /// [`Buffer::run_recv_hook`] before the outputs are read.
+    pub hook: Option<RecvHook>,
+}
+
+/// The options of [`Buffer::low_latency_combine`].
+#[derive(Debug, Default)]
+pub struct LlCombineOptions<'a> {
+    /// The caller wrote `x` into the combine buffer
+    /// ([`Buffer::get_next_low_latency_combine_buffer`]); `x` is not read.
+    pub zero_copy: bool,
+    /// Not supported by moelink (bf16 combine only): refused.
+    pub use_logfmt: bool,
+    /// bf16 `[N, H]` to write the result into.
+    pub out: Option<&'a Tensor>,
+    /// int64 `[R]`, accumulates wait cycles per source rank.
+    pub combine_wait_recv_cost_stats: Option<&'a Tensor>,
+    pub return_recv_hook: bool,
+}
+
+/// The receive half of a low-latency call made with `return_recv_hook`: run
+/// it with [`Buffer::run_recv_hook`] (once; the Buffer refuses another
+/// low-latency call until it ran). It keeps the call's tensors alive.
+pub struct RecvHook {
+    id: u64,
+    launch: HookLaunch,
+    _keep: Vec<Tensor>,
+}
+
+impl std::fmt::Debug for RecvHook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecvHook").field("id", &self.id).finish()
+    }
+}
+
+enum HookLaunch {
+    Dispatch(DispatchCall),
+    Combine(CombineCall),
+}
+
+static NEXT_HOOK: AtomicU64 = AtomicU64::new(1);
+
+/// DeepEP's Buffer (intranode and low-latency parts) on tch tensors, made on
+/// a [`Group`]: every rank makes the same Buffers and calls in the same order.
+pub struct Buffer {
+    // Dropped after Drop::drop synchronised the device.
+    inner: EpBuffer,
+    device: Device,
+    dev: i32,
+    core_device: CoreDevice,
+    num_ranks: i64,
+    rank: usize,
+    num_sms: u32,
+    comm_stream: OwnedStream,
+    order: comm::cuda::StreamOrder,
+    ll_pending: Option<u64>,
+    enable_shrink: bool,
+}
+
+impl std::fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Buffer")
+            .field("rank", &self.rank)
+            .field("num_ranks", &self.num_ranks)
+            .field("device", &self.device)
+            .field("parts", &self.inner)
+            .finish()
+    }
+}
+
+impl Buffer {
+    /// *Collective.* A Buffer on CUDA device `device` among `group`'s ranks
+    /// (the group's next objects: the intranode part where `num_nvl_bytes >
+    /// 0`, then the low-latency part in `low_latency_mode`). Binds `device`'s
+    /// primary context to this thread (torch's).
+    pub fn new(group: &Group, device: Device, opts: &BufferOptions) -> Result<Self> {
+        check_options(opts)?;
+        let device_timeout_ns = match opts.device_timeout_ns {
+            Some(ns) => ns,
+            None => env_device_timeout_ns("MOELINK_DEVICE_TIMEOUT_S")?,
+        };
+        let ll_device_timeout_ns = match opts.ll_device_timeout_ns {
+            Some(ns) => ns,
+            None if opts.low_latency_mode && std::env::var_os("MOELINK_LL_TIMEOUT_S").is_some() => {
+                env_device_timeout_ns("MOELINK_LL_TIMEOUT_S")?
+            }
+            None => device_timeout_ns,
+        };
+        let timeout = match opts.timeout {
+            Some(t) => t,
+            None => env_timeout()?,
+        };
+        let Device::Cuda(index) = device else {
+            return Err(Error::state(format!(
+                "moelink.Buffer needs a CUDA device, got {device:?}"
+            )));
+        };
+        let dev = index as i32;
+        let core_device = CoreDevice::bind(dev)?;
+        let eopts = EpBufferOptions {
+            num_nvl_bytes: opts.num_nvl_bytes,
+            num_ll_bytes: if opts.low_latency_mode {
+                opts.num_rdma_bytes
+            } else {
+                0
+            },
+            timeout,
+            device_timeout_ns,
+            low_latency: LowLatencyOptions {
+                allow_nvlink: opts.allow_nvlink_for_low_latency_mode,
+                shrink: opts.enable_shrink,
+                device_timeout_ns: ll_device_timeout_ns,
+            },
+        };
+        let comm_stream = OwnedStream::new(core_device)?;
+        let order = comm::cuda::StreamOrder::new(core_device)?;
+        let inner = EpBuffer::new(group.core(), core_device, &eopts)?;
+        Ok(Self {
+            inner,
+            device,
+            dev,
+            core_device,
+            num_ranks: group.size() as i64,
+            rank: group.rank(),
+            num_sms: opts.num_sms.unwrap_or(DEFAULT_NUM_SMS),
+            comm_stream,
+            order,
+            ll_pending: None,
+            enable_shrink: opts.enable_shrink,
+        })
+    }
+
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    pub fn num_ranks(&self) -> usize {
+        self.num_ranks as usize
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// What this Buffer's calls are checked against ([`checks`]).
+    pub fn target(&self) -> Target {
+        Target {
+            num_ranks: self.num_ranks,
+            device: self.device,
+        }
+    }
+
+    /// The communication stream intranode calls run on.
+    pub fn comm_stream(&self) -> StreamHandle {
+        self.comm_stream.handle()
+    }
+
+    /// Bytes of low-latency buffer each rank needs for calls up to this
+    /// shape (`Buffer.get_low_latency_rdma_size_hint`).
+    pub fn get_low_latency_rdma_size_hint(
+        num_max_dispatch_tokens_per_rank: i64,
+        hidden: i64,
+        num_ranks: i64,
+        num_experts: i64,
+    ) -> Result<usize> {
+        let g = calls::ll_geometry(
+            num_ranks,
+            "num_ranks",
+            num_max_dispatch_tokens_per_rank,
+            hidden,
+            num_experts,
+        )?;
+        Ok(size_hint(
+            g.max_tokens as usize,
+            g.hidden as usize,
+            num_ranks as usize,
+            g.num_experts as usize,
+        )?)
+    }
+
+    /// Bytes of NVLink buffer (`num_nvl_bytes`) for intranode dispatch and
+    /// combine of rows of `hidden_bytes` among `num_ranks` ranks, each sending
+    /// at most `max_tokens_per_rank` tokens: Python's
+    /// `Config.get_nvl_buffer_size_hint`, the same formula (64 KiB of
+    /// counters, then two regions of a slot per possible token, each slot the
+    /// larger of a worst-case dispatch record and a combine record).
+    pub fn nvl_buffer_size_hint(
+        hidden_bytes: usize,
+        num_ranks: usize,
+        max_tokens_per_rank: usize,
+    ) -> Result<usize> {
+        use ep_core::limits::{check_range, check_ranks, check_row_bytes, MAX_TOKENS_PER_RANK};
+        const COUNTER_BYTES: usize = 64 * 1024;
+        const COMBINE_RECORD_TOPK: usize = 32;
+        let hb = check_row_bytes("hidden_bytes", hidden_bytes)?;
+        let r = check_ranks("num_ranks", num_ranks)?;
+        let t = check_range(
+            "max_tokens_per_rank",
+            max_tokens_per_rank,
+            1,
+            MAX_TOKENS_PER_RANK,
+            "tokens",
+        )?;
+        let round16 = |n: usize| n.div_ceil(16) * 16;
+        let dispatch = round16(hb + hb / 128 * 4 + MAX_TOPK * (8 + 4) + 16);
+        let combine = round16(hb + COMBINE_RECORD_TOPK * 4);
+        let bytes = 2 * r * t * dispatch.max(combine) + COUNTER_BYTES;
+        Ok(bytes.div_ceil(128) * 128)
+    }
+
+    /// Whether the kernels were compiled for sm_90 (`Buffer.is_sm90_compiled`).
+    pub fn is_sm90_compiled() -> bool {
+        ep_core::compiled_archs()
+            .iter()
+            .any(|a| a.starts_with("90"))
+    }
+
+    // ----- state ------------------------------------------------------------
+
+    fn absent(&self, kind: PartKind) -> Error {
+        if self.inner.is_empty() {
+            Error::state("the Buffer was destroyed")
+        } else {
+            match kind {
+                PartKind::Intranode => Error::state(
+                    "this Buffer has no NVLink buffer (destroyed, or created with \
+                     num_nvl_bytes=0)",
+                ),
+                PartKind::LowLatency => Error::state(
+                    "this Buffer has no low-latency buffer (destroyed, or created without \
+                     low_latency_mode=True and num_rdma_bytes > 0)",
+                ),
+            }
+        }
+    }
+
+    /// The intranode part, after a device wait of an earlier call that timed
+    /// out was raised (it leaves the ranks out of step).
+    fn intranode(&mut self) -> Result<&mut IntranodeBuffer> {
+        let b = self.intranode_part()?;
+        b.check_device_timeout()?;
+        Ok(b)
+    }
+
+    /// The intranode part, without the device check (made at the call's start).
+    fn intranode_part(&mut self) -> Result<&mut IntranodeBuffer> {
+        if self.inner.intranode().is_none() {
+            return Err(self.absent(PartKind::Intranode));
+        }
+        Ok(self.inner.intranode_mut().expect("checked above"))
+    }
+
+    fn ll(&self) -> Result<&LowLatencyBuffer> {
+        self.inner
+            .low_latency()
+            .ok_or_else(|| self.absent(PartKind::LowLatency))
+    }
+
+    /// Raises what a kernel of this Buffer recorded, if anything (an expert
+    /// id out of range, a device wait that timed out), every part.
+    pub fn check(&self) -> Result<()> {
+        for p in self.inner.parts() {
+            p.check_device()?;
+        }
+        Ok(())
+    }
+
+    /// torch's current stream on this Buffer's device.
+    fn compute_stream(&self) -> Result<StreamHandle> {
+        current_stream(self.dev)
+    }
+
+    /// The communication stream, after it waited for `compute`.
+    fn enter_comm(&self, compute: StreamHandle) -> Result<StreamHandle> {
+        let comm = self.comm_stream.handle();
+        self.order.after(comm, compute)?;
+        Ok(comm)
+    }
+
+    /// The end of an intranode call: `compute` waits for the communication
+    /// stream, then a kernel's recorded error (an expert id out of range) is
+    /// raised, after the launches (the ranks stay in step).
+    fn finish(&self, compute: StreamHandle) -> Result<()> {
+        self.order.after(compute, self.comm_stream.handle())?;
+        if let Some(b) = self.inner.intranode() {
+            b.check_device()?;
+        }
+        Ok(())
+    }
+
+    fn call_sms(&self, num_sms: Option<u32>) -> Result<u32> {
+        num_sms.map_or(Ok(self.num_sms), check_num_sms)
+    }
+
+    // ----- layout -------------------------------------------------------------
+
+    /// `get_dispatch_layout(topk_idx, num_experts)`: per-rank and per-expert
+    /// token counts and `is_token_in_rank` of int64 `topk_idx` `[N, K]`.
+    pub fn get_dispatch_layout(&mut self, topk_idx: &Tensor, num_experts: i64) -> Result<Layout> {
+        let device = self.device;
+        self.intranode()?;
+        let p = checks::layout(&self.target(), topk_idx, num_experts)?;
+        let compute = self.compute_stream()?;
+        let per_rank = required(&p.outputs, "num_tokens_per_rank", device)?;
+        let per_expert = required(&p.outputs, "num_tokens_per_expert", device)?;
+        let in_rank = required(&p.outputs, "is_token_in_rank", device)?;
+        let scratch = required(&p.outputs, "layout_scratch", device)?;
+        let comm = self.enter_comm(compute)?;
+        let call = LayoutCall {
+            topk_idx: ptr(Some(topk_idx)),
+            num_tokens: p.num_tokens as usize,
+            num_topk: p.num_topk as usize,
+            num_experts: p.num_experts as usize,
+            num_tokens_per_rank: ptr(Some(&per_rank)),
+            num_tokens_per_expert: ptr(Some(&per_expert)),
+            is_token_in_rank: ptr(Some(&in_rank)),
+            partials: ptr(Some(&scratch)),
+        };
+        self.intranode_part()?.layout(comm, &call)?;
+        self.finish(compute)?;
+        drop(scratch); // freed on the compute stream, which waited for the kernel
+        Ok(Layout {
+            num_tokens_per_rank: per_rank,
+            num_tokens_per_expert: per_expert,
+            is_token_in_rank: in_rank,
+        })
+    }
+
+    // ----- dispatch -------------------------------------------------------------
+
+    /// `dispatch(x, ...)` without a handle: sends each token to every rank
+    /// hosting one of its experts.
+    pub fn dispatch(&mut self, x: DispatchX<'_>, a: &DispatchArgs<'_>) -> Result<Dispatched> {
+        let device = self.device;
+        self.intranode()?;
+        let num_sms = self.call_sms(a.num_sms)?;
+        let p = checks::dispatch(&self.target(), x, a)?;
+        let (data, scales) = x.parts();
+        let shape = DispatchShape {
+            num_tokens: p.num_tokens as usize,
+            hidden_bytes: p.hidden_bytes as usize,
+            num_scales: p.num_scales as usize,
+            num_topk: p.num_topk as usize,
+            num_experts: p.num_experts as usize,
+        };
+        let compute = self.compute_stream()?;
+        let rpm = required(&p.outputs, "rank_prefix_matrix", device)?;
+        let send_head = required(&p.outputs, "send_head", device)?;
+        let comm = self.enter_comm(compute)?;
+        let inp = DispatchInputs {
+            x: ptr(Some(data)),
+            scales: ptr(scales),
+            scale_strides: p.scale_strides,
+            topk_idx: ptr(a.topk_idx),
+            topk_weights: ptr(a.topk_weights),
+            is_token_in_rank: ptr(a.is_token_in_rank),
+            num_tokens_per_expert: ptr(a.num_tokens_per_expert),
+            rank_prefix_matrix: ptr(Some(&rpm)),
+            send_head: ptr(Some(&send_head)),
+        };
+        let b = self.intranode_part()?;
+        let epoch = b.dispatch_send(comm, &shape, &inp, p.expert_alignment as usize, num_sms)?;
+        let (rows, per_expert) = if p.num_worst_tokens > 0 {
+            (p.num_recv_rows, Vec::new())
+        } else {
+            let (rows, counts) = b.wait_counts(epoch, shape.num_experts)?;
+            (rows as i64, counts.into_iter().map(i64::from).collect())
+        };
+        let specs: Vec<_> = p.outputs.iter().map(|s| s.resolve(rows)).collect();
+        let recv_x = required(&specs, "recv_x", device)?;
+        let recv_scales = output(&specs, "recv_x_scales", device)?;
+        let recv_idx = output(&specs, "recv_topk_idx", device)?;
+        let recv_w = output(&specs, "recv_topk_weights", device)?;
+        let recv_src_idx = required(&specs, "recv_src_idx", device)?;
+        let cpm = required(&specs, "channel_prefix_matrix", device)?;
+        let rcpm = required(&specs, "recv_channel_prefix_matrix", device)?;
+        let out = DispatchOutputs {
+            num_rows: rows,
+            recv_x: ptr(Some(&recv_x)),
+            recv_scales: ptr(recv_scales.as_ref()),
+            scale_strides: strides2(recv_scales.as_ref()),
+            recv_topk_idx: ptr(recv_idx.as_ref()),
+            recv_topk_weights: ptr(recv_w.as_ref()),
+            recv_src_idx: ptr(Some(&recv_src_idx)),
+        };
+        self.intranode_part()?
+            .dispatch_recv(comm, &shape, ptr(Some(&rpm)), &out, num_sms)?;
+        self.finish(compute)?;
+        let in_rank = a
+            .is_token_in_rank
+            .expect("the plan requires is_token_in_rank")
+            .shallow_clone();
+        Ok(Dispatched {
+            recv_x: RecvX {
+                x: recv_x,
+                scales: recv_scales,
+            },
+            recv_topk_idx: recv_idx,
+            recv_topk_weights: recv_w,
+            num_recv_tokens_per_expert: per_expert,
+            handle: Handle {
+                rank_prefix_matrix: rpm,
+                channel_prefix_matrix: cpm,
+                recv_channel_prefix_matrix: rcpm,
+                recv_src_idx,
+                is_token_in_rank: in_rank,
+                send_head,
+            },
+        })
+    }
+
+    /// `dispatch(x, handle=handle)`: a cached dispatch, reusing an earlier
+    /// dispatch's layout (no CPU wait). Returns `recv_x` (and scales).
+    pub fn dispatch_cached(
+        &mut self,
+        x: DispatchX<'_>,
+        handle: &Handle,
+        num_sms: Option<u32>,
+    ) -> Result<RecvX> {
+        let (r, device) = (self.num_ranks, self.device);
+        self.intranode()?;
+        let num_sms = self.call_sms(num_sms)?;
+        let p = checks::dispatch_cached(&self.target(), x, handle)?;
+        let (data, scales) = x.parts();
+        let shape = DispatchShape {
+            num_tokens: p.num_tokens as usize,
+            hidden_bytes: p.hidden_bytes as usize,
+            num_scales: p.num_scales as usize,
+            num_topk: 0,
+            num_experts: r as usize,
+        };
+        let (rpm, send_head) = (&handle.rank_prefix_matrix, &handle.send_head);
+        let compute = self.compute_stream()?;
+        let comm = self.enter_comm(compute)?;
+        let inp = DispatchInputs {
+            x: ptr(Some(data)),
+            scales: ptr(scales),
+            scale_strides: p.scale_strides,
+            rank_prefix_matrix: ptr(Some(rpm)),
+            send_head: ptr(Some(send_head)),
+            ..DispatchInputs::default()
+        };
+        self.intranode_part()?
+            .cached_dispatch_send(comm, &shape, &inp, num_sms)?;
+        let recv_x = required(&p.outputs, "recv_x", device)?;
+        let recv_scales = output(&p.outputs, "recv_x_scales", device)?;
+        let out = DispatchOutputs {
+            num_rows: p.num_recv_rows,
+            recv_x: ptr(Some(&recv_x)),
+            recv_scales: ptr(recv_scales.as_ref()),
+            scale_strides: strides2(recv_scales.as_ref()),
+            recv_topk_idx: 0,
+            recv_topk_weights: 0,
+            recv_src_idx: 0,
+        };
+        self.intranode_part()?
+            .dispatch_recv(comm, &shape, ptr(Some(rpm)), &out, num_sms)?;
+        self.finish(compute)?;
+        Ok(RecvX {
+            x: recv_x,
+            scales: recv_scales,
+        })
+    }
+
+    // ----- combine ---------------------------------------------------------------
+
+    /// `combine(x, handle, topk_weights, bias)`: every token gets the float32
+    /// sum of the copies the ranks it was dispatched to sent back (plus
+    /// `bias`), as bf16. Returns `(combined_x, combined_topk_weights)`.
+    pub fn combine(
+        &mut self,
+        x: &Tensor,
+        handle: &Handle,
+        topk_weights: Option<&Tensor>,
+        bias: Bias<'_>,
+        num_sms: Option<u32>,
+    ) -> Result<(Tensor, Option<Tensor>)> {
+        let device = self.device;
+        self.intranode()?;
+        let p = checks::combine(&self.target(), x, handle, topk_weights, bias)?;
+        let (b0, b1) = checks::bias_pair(bias);
+        let num_sms = self.call_sms(num_sms)?;
+        let compute = self.compute_stream()?;
+        let out = required(&p.outputs, "combined_x", device)?;
+        let out_w = output(&p.outputs, "combined_topk_weights", device)?;
+        let comm = self.enter_comm(compute)?;
+        let a = CoreCombineArgs {
+            y: ptr(Some(x)),
+            num_recv_rows: p.num_recv_rows,
+            hidden: p.hidden as usize,
+            topk_weights: ptr(topk_weights),
+            num_topk: p.num_topk as usize,
+            rank_prefix_matrix: ptr(Some(&handle.rank_prefix_matrix)),
+            send_head: ptr(Some(&handle.send_head)),
+            num_tokens: p.num_tokens as usize,
+            bias: (ptr(b0), ptr(b1)),
+            out: ptr(Some(&out)),
+            out_weights: ptr(out_w.as_ref()),
+        };
+        self.intranode_part()?.combine(comm, &a, num_sms)?;
+        self.finish(compute)?;
+        Ok((out, out_w))
+    }
+
+    // ----- low latency -------------------------------------------------------------
+
+    fn ll_begin(&self) -> Result<&LowLatencyBuffer> {
+        let ll = self.ll()?;
+        if self.ll_pending.is_some() {
+            return Err(Error::state(
+                "the receive hook of the previous low-latency call has not run: call it before \
+                 the next low-latency call",
+            ));
+        }
+        // A timed-out wait leaves the ranks out of step: raise before launching.
+        ll.check_device_timeout()?;
+        Ok(ll)
+    }
+
+    /// `low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
+    /// num_experts, ...)`: every (token, selected expert) goes to the
+    /// expert's rank, cast to fp8 on the fly with `use_fp8`.
+    pub fn low_latency_dispatch(
+        &mut self,
+        x: &Tensor,
+        topk_idx: &Tensor,
+        num_max_dispatch_tokens_per_rank: i64,
+        num_experts: i64,
+        o: &LlDispatchOptions<'_>,
+    ) -> Result<LlDispatched> {
+        let device = self.device;
+        let target = self.target();
+        let ll = self.ll_begin()?;
+        let p = checks::ll_dispatch(
+            &target,
+            x,
+            topk_idx,
+            num_max_dispatch_tokens_per_rank,
+            num_experts,
+            o,
+        )?;
+        let g = p.geometry;
+        let shape = CallShape {
+            max_tokens: g.max_tokens as usize,
+            hidden: g.hidden as usize,
+            num_experts: g.num_experts as usize,
+            num_topk: p.num_topk as usize,
+        };
+        // The buffer must hold this shape: refused before the outputs are
+        // allocated (they can be larger than the GPU has free).
+        ll.check_shape(&shape)?;
+        let stream = self.compute_stream()?;
+        let recv_x = required(&p.outputs, "recv_x", device)?;
+        let scales = output(&p.outputs, "recv_x_scales", device)?;
+        let recv_count = required(&p.outputs, "recv_count", device)?;
+        let src_info = required(&p.outputs, "src_info", device)?;
+        let layout_range = required(&p.outputs, "layout_range", device)?;
+        let call = DispatchCall {
+            shape,
+            x: ptr(Some(x)),
+            topk_idx: ptr(Some(topk_idx)),
+            num_tokens: p.num_tokens as usize,
+            use_fp8: p.use_fp8,
+            round_scale: p.round_scale,
+            use_ue8m0: p.use_ue8m0,
+            out: LlDispatchOutputs {
+                recv_x: ptr(Some(&recv_x)),
+                // Scales of an empty buffer still have an address.
+                recv_scales: scales.as_ref().map_or(0, |s| s.data_ptr() as u64),
+                recv_count: ptr(Some(&recv_count)),
+                src_info: ptr(Some(&src_info)),
+                layout_range: ptr(Some(&layout_range)),
+                stats_count: ptr(o.cumulative_local_expert_recv_stats),
+                stats_wait: ptr(o.dispatch_wait_recv_cost_stats),
+            },
+        };
+        let phases = if o.return_recv_hook {
+            Phases::Send
+        } else {
+            Phases::Both
+        };
+        ll.dispatch(stream, &call, phases)?;
+        let hook = if o.return_recv_hook {
+            let mut keep = vec![x.shallow_clone(), topk_idx.shallow_clone()];
+            keep.extend(
+                [&recv_x, &recv_count, &src_info, &layout_range]
+                    .into_iter()
+                    .map(Tensor::shallow_clone),
+            );
+            keep.extend(scales.iter().map(Tensor::shallow_clone));
+            keep.extend(
+                [
+                    o.cumulative_local_expert_recv_stats,
+                    o.dispatch_wait_recv_cost_stats,
+                ]
+                .into_iter()
+                .flatten()
+                .map(Tensor::shallow_clone),
+            );
+            Some(self.pend(HookLaunch::Dispatch(call), keep))
+        } else {
+            ll.check_device()?; // after the launch: the ranks stay in step
+            None
+        };
+        Ok(LlDispatched {
+            recv_x: RecvX { x: recv_x, scales },
+            recv_count,
+            handle: LlHandle {
+                src_info,
+                layout_range,
+                num_max_dispatch_tokens_per_rank: g.max_tokens,
+                hidden: g.hidden,
+                num_experts: g.num_experts,
+            },
+            hook,
+        })
+    }
+
+    fn pend(&mut self, launch: HookLaunch, keep: Vec<Tensor>) -> RecvHook {
+        let id = NEXT_HOOK.fetch_add(1, Ordering::Relaxed);
+        self.ll_pending = Some(id);
+        RecvHook {
+            id,
+            launch,
+            _keep: keep,
+        }
+    }
+
+    /// Runs the receive half of the low-latency call that returned `hook`, on
+    /// the current stream.
+    pub fn run_recv_hook(&mut self, hook: RecvHook) -> Result<()> {
+        if self.ll_pending != Some(hook.id) {
+            return Err(Error::state(
+                "this receive hook is not the pending one of this Buffer",
+            ));
+        }
+        let ll = self.ll()?;
+        ll.check_device_timeout()?;
+        let stream = self.compute_stream()?;
+        match &hook.launch {
+            HookLaunch::Dispatch(c) => ll.dispatch(stream, c, Phases::Recv)?,
+            HookLaunch::Combine(c) => ll.combine(stream, c, Phases::Recv)?,
+        }
+        self.ll_pending = None;
+        let ll = self.ll()?;
+        // The kept tensors are freed on the current stream, after the launch.
+        drop(hook);
+        ll.check_device()?;
+        Ok(())
+    }
+
+    /// `low_latency_combine(x, topk_idx, topk_weights, handle, ...)`: every
+    /// source token gets `sum_k topk_weights[t, k] * x[expert_k, row]` (f32,
+    /// skipping -1) as bf16 `[N, H]`. Returns it (`out` where given) and the
+    /// receive hook with `return_recv_hook`.
+    pub fn low_latency_combine(
+        &mut self,
+        x: &Tensor,
+        topk_idx: &Tensor,
+        topk_weights: &Tensor,
+        handle: &LlHandle,
+        o: &LlCombineOptions<'_>,
+    ) -> Result<(Tensor, Option<RecvHook>)> {
+        let device = self.device;
+        let target = self.target();
+        let ll = self.ll_begin()?;
+        let p = checks::ll_combine(&target, x, topk_idx, topk_weights, handle, o)?;
+        let g = p.geometry;
+        let x_ptr = if o.zero_copy {
+            ll.zero_copy_buffer(
+                g.max_tokens as usize,
+                g.hidden as usize,
+                g.num_experts as usize,
+            )?
+            .0
+        } else {
+            ptr(Some(x))
+        };
+        let stream = self.compute_stream()?;
+        let out = match o.out {
+            Some(out) => out.shallow_clone(),
+            None => required(&p.outputs, "combined_x", device)?,
+        };
+        let call = CombineCall {
+            shape: CallShape {
+                max_tokens: g.max_tokens as usize,
+                hidden: g.hidden as usize,
+                num_experts: g.num_experts as usize,
+                num_topk: p.num_topk as usize,
+            },
+            x: x_ptr,
+            layout_range: ptr(Some(&handle.layout_range)),
+            topk_idx: ptr(Some(topk_idx)),
+            topk_weights: ptr(Some(topk_weights)),
+            num_tokens: p.num_tokens as usize,
+            out: ptr(Some(&out)),
+            stats_wait: ptr(o.combine_wait_recv_cost_stats),
+        };
+        let phases = if o.return_recv_hook {
+            Phases::Send
+        } else {
+            Phases::Both
+        };
+        ll.combine(stream, &call, phases)?;
+        let hook = if o.return_recv_hook {
+            let mut keep: Vec<Tensor> = [
+                x,
+                topk_idx,
+                topk_weights,
+                &handle.src_info,
+                &handle.layout_range,
+                &out,
+            ]
+            .into_iter()
+            .map(Tensor::shallow_clone)
+            .collect();
+            keep.extend(o.combine_wait_recv_cost_stats.map(Tensor::shallow_clone));
+            Some(self.pend(HookLaunch::Combine(call), keep))
+        } else {
+            ll.check_device()?;
+            None
+        };
+        Ok((out, hook))
+    }
+
+    /// The bf16 `[E_local, R*T, H]` view of the buffer a zero-copy
+    /// low-latency combine of `handle`'s shape reads: write the expert
+    /// outputs there, then call [`low_latency_combine`](Self::low_latency_combine)
+    /// with `zero_copy`.
+    ///
+    /// # Safety
+    /// The tensor views this Buffer's memory without owning it: it must not
+    /// be used after the Buffer is destroyed or dropped.
+    pub unsafe fn get_next_low_latency_combine_buffer(&self, handle: &LlHandle) -> Result<Tensor> {
+        let ll = self.ll()?;
+        let p = calls::ll_handle(self.num_ranks, self.dev, &handle.metas())?;
+        let g = p.geometry;
+        let spec = ep_core::calls::output(&p.outputs, "combine_buffer")
+            .ok_or_else(|| Error::state("the handle's plan has no combine_buffer"))?;
+        let (addr, _) = ll.zero_copy_buffer(
+            g.max_tokens as usize,
+            g.hidden as usize,
+            g.num_experts as usize,
+        )?;
+        // SAFETY: the region holds the view (zero_copy_buffer sized it for
+        // this shape); the caller keeps the Buffer alive.
+        Ok(unsafe {
+            Tensor::f_from_blob(
+                addr as *const u8,
+                &spec.shape,
+                &spec.strides,
+                Kind::BFloat16,
+                self.device,
+            )
+        }?)
+    }
+
+    /// *Collective.* `clean_low_latency_buffer(T, H, E)`: resets the
+    /// low-latency flags and call counters on every rank (waits for this
+    /// device first); needed after interrupted low-latency calls.
+    pub fn clean_low_latency_buffer(
+        &mut self,
+        num_max_dispatch_tokens_per_rank: i64,
+        hidden: i64,
+        num_experts: i64,
+    ) -> Result<()> {
+        let ll = self.ll()?;
+        calls::ll_geometry(
+            self.num_ranks,
+            "group size",
+            num_max_dispatch_tokens_per_rank,
+            hidden,
+            num_experts,
+        )?;
+        if self.ll_pending.is_some() {
+            return Err(Error::state(
+                "a low-latency receive hook is pending: call it first",
+            ));
+        }
+        self.core_device.synchronize()?;
+        Ok(ll.clean()?)
+    }
+
+    /// Masks (`mask`) or unmasks rank `rank_to_mask` for the low-latency
+    /// kernels (needs `enable_shrink`), on the current stream.
+    pub fn low_latency_update_mask_buffer(&mut self, rank_to_mask: i64, mask: bool) -> Result<()> {
+        let view = self.mask_view()?;
+        if !(0..self.num_ranks).contains(&rank_to_mask) {
+            return Err(Error::value(if rank_to_mask < 0 {
+                format!("rank_to_mask must be >= 0, got {rank_to_mask}")
+            } else {
+                format!(
+                    "rank_to_mask must be <= {}, got {rank_to_mask}",
+                    self.num_ranks - 1
+                )
+            }));
+        }
+        let _ = view.get(rank_to_mask).f_fill_(i64::from(mask))?;
+        Ok(())
+    }
+
+    /// Unmasks every rank (on the current stream).
+    pub fn low_latency_clean_mask_buffer(&mut self) -> Result<()> {
+        let _ = self.mask_view()?.f_zero_()?;
+        Ok(())
+    }
+
+    /// Copies the int32 `[R]` rank mask (1 = masked, by a call or a timeout)
+    /// into `mask_status` (int32 `[R]` on this Buffer's device).
+    pub fn low_latency_query_mask_buffer(&self, mask_status: &mut Tensor) -> Result<()> {
+        let view = self.mask_view()?;
+        let r = self.num_ranks;
+        if mask_status.kind() != Kind::Int {
+            return Err(Error::dtype(format!(
+                "mask_status must have dtype torch.int32, got {}",
+                crate::tensor::dtype_of(mask_status.kind())
+            )));
+        }
+        if mask_status.size() != [r] {
+            return Err(Error::value(format!(
+                "mask_status must have shape [{r}], got {:?}",
+                mask_status.size()
+            )));
+        }
+        if mask_status.device() != self.device {
+            return Err(Error::value(format!(
+                "mask_status must be on {:?}, got {:?}",
+                self.device,
+                mask_status.device()
+            )));
+        }
+        mask_status.f_copy_(&view)?;
+        Ok(())
+    }
+
+    fn mask_view(&self) -> Result<Tensor> {
+        let ll = self.ll()?;
+        if !self.enable_shrink {
+            return Err(Error::state(
+                "the rank mask needs a Buffer created with enable_shrink=True",
+            ));
+        }
+        let shape = [self.num_ranks];
+        // SAFETY: int32 [R] the low-latency part owns; the view does not
+        // outlive this call's caller (it is used and dropped in it).
+        Ok(unsafe {
+            Tensor::f_from_blob(
+                ll.mask_ptr() as *const u8,
+                &shape,
+                &[1],
+                Kind::Int,
+                self.device,
+            )
+        }?)
+    }
+
+    // ----- lifetime ---------------------------------------------------------------
+
+    /// *Collective.* Waits for the device, then destroys both parts: per
+    /// part, raises its device error after meeting the other ranks in a
+    /// barrier and freeing it. Every later call errors.
+    pub fn destroy(&mut self) -> Result<()> {
+        if self.inner.is_empty() {
+            return Ok(());
+        }
+        self.core_device.synchronize()?;
+        Ok(self.inner.destroy()?)
+    }
+}
+
+impl Drop for Buffer {
+    /// Frees the parts without a barrier (as the Python Buffer's collection),
+    /// after the device finished what used them.
+    fn drop(&mut self) {
+        if !self.inner.is_empty() {
+            let _ = self.core_device.synchronize();
+        }
+    }
+}
+
+/// `t`'s strides as the kernels take a 2-D scale tensor's (`(0, 0)` for
+/// None).
+fn strides2(t: Option<&Tensor>) -> (i64, i64) {
+    match t {
+        Some(t) => {
+            let s = t.stride();
+            (s[0], s[1])
+        }
+        None => (0, 0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn value_message(r: Result<()>) -> String {
+        match r {
+            Err(e) => {
+                assert_eq!(e.python_class(), "ValueError", "{e}");
+                e.to_string()
+            }
+            Ok(()) => panic!("expected a ValueError"),
+        }
+    }
+
+    #[test]
+    fn options_are_checked_as_python_checks_them() {
+        assert!(check_options(&BufferOptions::default()).is_ok());
+        let o = |f: fn(&mut BufferOptions)| {
+            let mut o = BufferOptions::default();
+            f(&mut o);
+            check_options(&o)
+        };
+        assert_eq!(
+            value_message(o(|o| o.num_nvl_bytes = 100)),
+            "num_nvl_bytes must be a multiple of 128, got 100"
+        );
+        assert_eq!(
+            value_message(o(|o| o.enable_shrink = true)),
+            "enable_shrink=True needs low_latency_mode=True"
+        );
+        assert!(value_message(o(|o| o.low_latency_mode = true)).contains("num_rdma_bytes > 0"));
+        assert!(value_message(o(|o| o.num_rdma_bytes = 128)).contains("without low_latency_mode"));
+        assert!(value_message(o(|o| o.num_sms = Some(7))).contains("must be even"));
+        assert!(value_message(o(|o| o.num_sms = Some(100_000))).contains("<="));
+    }
+
+    #[test]
+    fn device_timeouts_from_the_environment() {
+        // A variable nothing else reads.
+        let env = "MOELINK_TCH_TEST_TIMEOUT_S";
+        assert_eq!(env_device_timeout_ns(env).unwrap(), 30_000_000_000);
+        std::env::set_var(env, "0.5");
+        assert_eq!(env_device_timeout_ns(env).unwrap(), 500_000_000);
+        for bad in ["0", "-1", "inf", "x"] {
+            std::env::set_var(env, bad);
+            let e = env_device_timeout_ns(env).unwrap_err();
+            assert_eq!(e.python_class(), "ValueError");
+            assert!(e.to_string().starts_with(env), "{e}");
+        }
+        std::env::remove_var(env);
+    }
+
+    #[test]
+    fn size_hint_checks_its_geometry_in_the_core() {
+        assert!(Buffer::get_low_latency_rdma_size_hint(128, 7168, 8, 256).unwrap() > 0);
+        let e = Buffer::get_low_latency_rdma_size_hint(128, 100, 8, 256).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "hidden must be a positive multiple of 128 up to 8192, got 100"
+        );
+        let e = Buffer::get_low_latency_rdma_size_hint(128, 7168, 33, 264).unwrap_err();
+        assert_eq!(e.to_string(), "num_ranks must be <= 32, got 33");
+    }
+}

@@ -1,0 +1,56 @@
+//! `moelink-tch`: moelink's Rust API on [`tch`] tensors, for Rust code that
+//! trains or serves MoE models with tch (and mixed Rust/Python stacks):
+//! DeepEP's Buffer (intranode and low-latency dispatch/combine) and
+//! moelink's AllReduce, with the semantics, argument checks and error kinds
+//! of the Python API (`moelink.Buffer`, `moelink.AllReduce`).
+//!
+//! Everything is behind the feature `tch` (off by default, so that the
+//! workspace builds without compiling libtorch's C++ wrapper). Build it
+//! against the torch of `scripts/setup.sh`:
+//! `LIBTORCH_USE_PYTORCH=1 PATH=$PWD/.venv/bin:$PATH cargo build -p moelink-tch --features tch`.
+//!
+//! | module | what it does |
+//! |---|---|
+//! | [`group`] | [`Group`]: the ranks and their shared bootstrap, from torchrun's environment or a unique id |
+//! | [`buffer`] | [`Buffer`]: layout, dispatch (full, cached), combine, low-latency dispatch/combine (with receive hooks) |
+//! | [`allreduce`] | [`AllReduce`]: allreduce and allgather on the current stream |
+//! | [`checks`] | every call's argument checks (ep-core's `calls`, plus the Python layer's), usable without a GPU |
+//! | [`reference`] | the CPU reference semantics (ep-core's oracle) on tch tensors |
+//! | [`tensor`] | tch tensors as the core sees them; outputs allocated through tch |
+//! | [`stream`] | torch's current CUDA stream (libtorch's C shim) |
+//! | [`error`] | [`Error`], with the Python exception class of each failure |
+//!
+//! Layers: this crate sits beside `ep-python` on `ep-core` and `collectives`
+//! (docs/architecture.md); it calls them as the Python package does, through
+//! the same checks and launches.
+
+#[cfg(feature = "tch")]
+pub mod allreduce;
+#[cfg(feature = "tch")]
+pub mod buffer;
+#[cfg(feature = "tch")]
+pub mod checks;
+#[cfg(feature = "tch")]
+pub mod error;
+#[cfg(feature = "tch")]
+pub mod group;
+#[cfg(feature = "tch")]
+pub mod reference;
+#[cfg(feature = "tch")]
+pub mod stream;
+#[cfg(feature = "tch")]
+pub mod tensor;
+
+#[cfg(feature = "tch")]
+pub use allreduce::{AllReduce, AllReduceArgs, AllReduceOptions, ReduceOp};
+#[cfg(feature = "tch")]
+pub use buffer::{
+    Bias, Buffer, BufferOptions, DispatchArgs, DispatchX, Dispatched, Handle, Layout,
+    LlCombineOptions, LlDispatchOptions, LlDispatched, LlHandle, RecvHook, RecvX,
+};
+#[cfg(feature = "tch")]
+pub use error::{Error, Result};
+#[cfg(feature = "tch")]
+pub use group::{local_device, Group};
+#[cfg(feature = "tch")]
+pub use tch;

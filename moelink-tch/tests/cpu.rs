@@ -1,0 +1,520 @@
+//! CPU tests of the tch API (CI, no GPU): a CPU tensor gets a clear error,
+//! wrong dtypes and shapes are refused with the Python API's messages and
+//! error kinds, outputs are planned and allocated through tch, and the CPU
+//! reference (ep-core's oracle) runs on tch CPU tensors.
+
+#![cfg(feature = "tch")]
+
+use std::time::Duration;
+
+use ep_core::limits::MAX_HIDDEN_BYTES;
+use moelink_tch::checks::{self, Target};
+use moelink_tch::reference::{self, RankTokens};
+use moelink_tch::tch::{Device, Kind, Tensor};
+use moelink_tch::tensor::required;
+use moelink_tch::{
+    AllReduce, AllReduceOptions, Bias, Buffer, BufferOptions, DispatchArgs, DispatchX, Error,
+    Group, Handle, LlCombineOptions, LlDispatchOptions, LlHandle,
+};
+
+const R: usize = 4;
+const N: i64 = 32;
+const H: i64 = 256;
+const K: i64 = 4;
+const E: i64 = 16;
+const GPU: Device = Device::Cuda(0);
+
+fn cpu(kind: Kind, shape: &[i64]) -> Tensor {
+    Tensor::zeros(shape, (kind, Device::Cpu))
+}
+
+#[track_caller]
+fn refused<T: std::fmt::Debug>(r: Result<T, Error>, class: &str, message: &str) {
+    let e = r.expect_err("the call must be refused");
+    assert_eq!((e.python_class(), e.to_string().as_str()), (class, message));
+}
+
+/// Expert ids `[n, K]`: token t's column k is `(t + 3k) % E`, column 3 of
+/// every fifth token -1.
+fn topk(n: i64) -> Tensor {
+    let mut v = Vec::new();
+    for t in 0..n {
+        for k in 0..K {
+            v.push(if k == 3 && t % 5 == 0 {
+                -1
+            } else {
+                (t + 3 * k) % E
+            });
+        }
+    }
+    Tensor::from_slice(&v).reshape([n, K])
+}
+
+// ----- a CPU tensor gets a clear error ------------------------------------------------
+
+#[test]
+fn cpu_tensors_are_refused_naming_the_argument_and_the_device() {
+    let gpu = Target::new(R, GPU);
+    let (idx, x) = (topk(N), cpu(Kind::BFloat16, &[N, H]));
+    refused(
+        checks::layout(&gpu, &idx, E),
+        "ValueError",
+        "topk_idx must be on this Buffer's device cuda:0, got cpu",
+    );
+    let layout = reference::layout(&idx, E, R as i64).unwrap();
+    refused(
+        checks::dispatch(
+            &gpu,
+            DispatchX::Bf16(&x),
+            &DispatchArgs::new(&layout, &idx, None),
+        ),
+        "ValueError",
+        "x must be on this Buffer's device cuda:0, got cpu",
+    );
+    refused(
+        checks::ll_dispatch(&gpu, &x, &idx, N, E, &LlDispatchOptions::default()),
+        "ValueError",
+        "x must be on this Buffer's device cuda:0, got cpu",
+    );
+    refused(
+        checks::all_reduce(&cpu(Kind::Float, &[8]), None, GPU),
+        "ValueError",
+        "tensor is on cpu, but this communicator runs on cuda:0",
+    );
+}
+
+#[test]
+fn a_cpu_device_is_refused_for_buffer_and_allreduce() {
+    let id = Group::unique_id().unwrap();
+    let group = Group::new(&id, 0, 1, Duration::from_secs(20)).unwrap();
+    assert_eq!((group.rank(), group.size()), (0, 1));
+    let opts = BufferOptions {
+        num_nvl_bytes: 1 << 20,
+        ..BufferOptions::default()
+    };
+    refused(
+        Buffer::new(&group, Device::Cpu, &opts),
+        "RuntimeError",
+        "moelink.Buffer needs a CUDA device, got Cpu",
+    );
+    refused(
+        AllReduce::new(&group, Device::Cpu, &AllReduceOptions::default()),
+        "RuntimeError",
+        "moelink.AllReduce needs a CUDA device, got Cpu",
+    );
+    // The Buffer's own argument checks come first, as in Python.
+    let bad = BufferOptions {
+        num_nvl_bytes: 1000,
+        ..BufferOptions::default()
+    };
+    refused(
+        Buffer::new(&group, GPU, &bad),
+        "ValueError",
+        "num_nvl_bytes must be a multiple of 128, got 1000",
+    );
+}
+
+// ----- wrong dtypes and shapes ---------------------------------------------------------
+
+#[test]
+fn wrong_dtypes_are_dtype_errors() {
+    // Checked against a CPU "device" so that only the dtypes are wrong.
+    let t = Target::new(R, Device::Cpu);
+    let idx = topk(N);
+    refused(
+        checks::layout(&t, &idx.to_kind(Kind::Int), E),
+        "moelink.DtypeError",
+        "topk_idx must have dtype torch.int64, got torch.int32",
+    );
+    let layout = reference::layout(&idx, E, R as i64).unwrap();
+    let x32 = cpu(Kind::Float, &[N, H]);
+    refused(
+        checks::dispatch(
+            &t,
+            DispatchX::Bf16(&x32),
+            &DispatchArgs::new(&layout, &idx, None),
+        ),
+        "moelink.DtypeError",
+        "x must have dtype torch.bfloat16, got torch.float32",
+    );
+    let (x8, s64) = (
+        cpu(Kind::Float8e4m3fn, &[N, H]),
+        cpu(Kind::Double, &[N, H / 128]),
+    );
+    refused(
+        checks::dispatch(
+            &t,
+            DispatchX::Fp8(&x8, &s64),
+            &DispatchArgs::new(&layout, &idx, None),
+        ),
+        "moelink.DtypeError",
+        "x[1] (scales) must have dtype torch.float32, got torch.float64",
+    );
+    let x = cpu(Kind::BFloat16, &[N, H]);
+    let w64 = cpu(Kind::Double, &[N, K]);
+    refused(
+        checks::dispatch(
+            &t,
+            DispatchX::Bf16(&x),
+            &DispatchArgs::new(&layout, &idx, Some(&w64)),
+        ),
+        "moelink.DtypeError",
+        "topk_weights must have dtype torch.float32, got torch.float64",
+    );
+    refused(
+        checks::all_reduce(&cpu(Kind::Double, &[8]), None, Device::Cpu),
+        "TypeError",
+        "tensor dtype torch.float64 is not supported; supported: torch.bfloat16, \
+         torch.float16, torch.float32, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2",
+    );
+    refused(
+        checks::all_reduce(
+            &cpu(Kind::Float, &[8]),
+            Some(&cpu(Kind::Half, &[8])),
+            Device::Cpu,
+        ),
+        "TypeError",
+        "out has dtype torch.float16, tensor torch.float32",
+    );
+}
+
+#[test]
+fn wrong_shapes_are_value_errors() {
+    let t = Target::new(R, Device::Cpu);
+    let idx = topk(N);
+    refused(
+        checks::layout(&t, &idx, 18),
+        "ValueError",
+        "num_experts must be a multiple of num_ranks, got num_experts=18 and num_ranks=4",
+    );
+    refused(
+        checks::layout(&t, &cpu(Kind::Int64, &[N, 33]), E),
+        "ValueError",
+        "topk_idx must have 1 to 32 columns (experts per token), got shape [32, 33]",
+    );
+    let layout = reference::layout(&idx, E, R as i64).unwrap();
+    let odd = cpu(Kind::BFloat16, &[N, 100]);
+    refused(
+        checks::dispatch(
+            &t,
+            DispatchX::Bf16(&odd),
+            &DispatchArgs::new(&layout, &idx, None),
+        ),
+        "ValueError",
+        &format!(
+            "x rows must be a positive multiple of 128 bytes up to {MAX_HIDDEN_BYTES}, got \
+             hidden=100 of torch.bfloat16 (200 bytes)"
+        ),
+    );
+    let x = cpu(Kind::BFloat16, &[N, H]);
+    let short = topk(N - 1);
+    refused(
+        checks::dispatch(
+            &t,
+            DispatchX::Bf16(&x),
+            &DispatchArgs::new(&layout, &short, None),
+        ),
+        "ValueError",
+        "topk_idx must have shape [32, *], got [31, 4]",
+    );
+    let tr = cpu(Kind::BFloat16, &[H, N]).tr();
+    refused(
+        checks::dispatch(
+            &t,
+            DispatchX::Bf16(&tr),
+            &DispatchArgs::new(&layout, &idx, None),
+        ),
+        "ValueError",
+        "x must be contiguous, got shape [32, 256] with strides [1, 32]",
+    );
+    refused(
+        checks::ll_dispatch(&t, &x, &idx, N - 1, E, &LlDispatchOptions::default()),
+        "ValueError",
+        "x has 32 tokens, more than num_max_dispatch_tokens_per_rank=31",
+    );
+    let o = LlDispatchOptions {
+        use_ue8m0: true,
+        ..LlDispatchOptions::default()
+    };
+    refused(
+        checks::ll_dispatch(&t, &x, &idx, N, E, &o),
+        "ValueError",
+        "use_ue8m0=True needs round_scale=True",
+    );
+    refused(
+        checks::all_reduce(
+            &cpu(Kind::Float, &[8]),
+            Some(&cpu(Kind::Float, &[9])),
+            Device::Cpu,
+        ),
+        "ValueError",
+        "out has 9 elements, tensor 8",
+    );
+    refused(
+        checks::all_gather(
+            &cpu(Kind::Float, &[10]),
+            &cpu(Kind::Float, &[3]),
+            4,
+            Device::Cpu,
+        ),
+        "ValueError",
+        "out must hold world_size * inp.numel() = 4 * 3 elements, it holds 10",
+    );
+    let row = cpu(Kind::BFloat16, &[2 * N * H + 1]);
+    let view = row.narrow(0, 1, N * H).view([N, H]);
+    refused(
+        checks::dispatch(
+            &t,
+            DispatchX::Bf16(&view),
+            &DispatchArgs::new(&layout, &idx, None),
+        ),
+        "ValueError",
+        "x must start on a 16-byte boundary (it is a view at an odd offset)",
+    );
+}
+
+// ----- plans and outputs ------------------------------------------------------------------
+
+/// A handle of `rows` received rows for N tokens (what combine reads).
+fn handle(rows: i64) -> Handle {
+    Handle {
+        rank_prefix_matrix: cpu(Kind::Int, &[R as i64, R as i64]),
+        channel_prefix_matrix: cpu(Kind::Int, &[R as i64, 1]),
+        recv_channel_prefix_matrix: cpu(Kind::Int, &[R as i64, 1]),
+        recv_src_idx: cpu(Kind::Int, &[rows]),
+        is_token_in_rank: cpu(Kind::Bool, &[N, R as i64]),
+        send_head: cpu(Kind::Int, &[N, R as i64]),
+    }
+}
+
+#[test]
+fn plans_allocate_the_outputs_python_allocates() {
+    let t = Target::new(R, Device::Cpu);
+    let idx = topk(N);
+    let p = checks::layout(&t, &idx, E).unwrap();
+    let in_rank = required(&p.outputs, "is_token_in_rank", Device::Cpu).unwrap();
+    assert_eq!(
+        (in_rank.size(), in_rank.kind()),
+        (vec![N, R as i64], Kind::Bool)
+    );
+
+    let layout = reference::layout(&idx, E, R as i64).unwrap();
+    let (x8, scales) = (
+        cpu(Kind::Float8e4m3fn, &[N, H]),
+        cpu(Kind::Float, &[H / 128, N]).tr(),
+    );
+    let w = cpu(Kind::Float, &[N, K]);
+    let p = checks::dispatch(
+        &t,
+        DispatchX::Fp8(&x8, &scales),
+        &DispatchArgs::new(&layout, &idx, Some(&w)),
+    )
+    .unwrap();
+    assert_eq!((p.num_topk, p.num_scales, p.num_experts), (K, H / 128, E));
+    let specs: Vec<_> = p.outputs.iter().map(|s| s.resolve(7)).collect();
+    // Column-major scales in, column-major scales out.
+    let s = required(&specs, "recv_x_scales", Device::Cpu).unwrap();
+    assert_eq!((s.size(), s.stride()), (vec![7, H / 128], vec![1, 7]));
+    let cpm = required(&specs, "channel_prefix_matrix", Device::Cpu).unwrap();
+    assert_eq!(cpm.abs().sum(Kind::Int64).int64_value(&[]), 0, "zeroed");
+
+    let y = cpu(Kind::BFloat16, &[7, H]);
+    let b = cpu(Kind::BFloat16, &[N, H]);
+    let p = checks::combine(&t, &y, &handle(7), None, Bias::One(&b)).unwrap();
+    assert_eq!((p.num_recv_rows, p.hidden, p.num_tokens), (7, H, N));
+    refused(
+        checks::combine(
+            &t,
+            &cpu(Kind::BFloat16, &[8, H]),
+            &handle(7),
+            None,
+            Bias::None,
+        ),
+        "ValueError",
+        "x must have the 7 rows dispatch delivered, got 8",
+    );
+    let b2 = cpu(Kind::BFloat16, &[N, 2 * H]);
+    refused(
+        checks::combine(&t, &y, &handle(7), None, Bias::Pair(None, Some(&b2))),
+        "ValueError",
+        "bias[1] must have shape [32, 256], got [32, 512]",
+    );
+
+    let x = cpu(Kind::BFloat16, &[N, H]);
+    let p = checks::ll_dispatch(&t, &x, &idx, N, E, &LlDispatchOptions::default()).unwrap();
+    let rt = R as i64 * N;
+    let s = required(&p.outputs, "recv_x_scales", Device::Cpu).unwrap();
+    assert_eq!(
+        (s.size(), s.stride(), s.kind()),
+        (
+            vec![E / R as i64, rt, H / 128],
+            vec![rt * H / 128, 1, rt],
+            Kind::Float
+        )
+    );
+    let h = LlHandle {
+        src_info: cpu(Kind::Int, &[E / R as i64, rt]),
+        layout_range: cpu(Kind::Int64, &[E / R as i64, R as i64]),
+        num_max_dispatch_tokens_per_rank: N,
+        hidden: H,
+        num_experts: E,
+    };
+    let y = cpu(Kind::BFloat16, &[E / R as i64, rt, H]);
+    let p = checks::ll_combine(&t, &y, &idx, &w, &h, &LlCombineOptions::default()).unwrap();
+    assert_eq!((p.num_tokens, p.num_topk), (N, K));
+    let lf = LlCombineOptions {
+        use_logfmt: true,
+        ..LlCombineOptions::default()
+    };
+    refused(
+        checks::ll_combine(&t, &y, &idx, &w, &h, &lf),
+        "ValueError",
+        "use_logfmt=True is not supported by moelink (bf16 combine only)",
+    );
+}
+
+#[test]
+fn size_hints_need_no_gpu() {
+    let nvl = Buffer::nvl_buffer_size_hint(2 * 7168, 8, 128).unwrap();
+    assert_eq!(nvl % 128, 0);
+    assert!(nvl > 2 * 8 * 128 * 2 * 7168);
+    let ll = Buffer::get_low_latency_rdma_size_hint(128, 7168, 8, 256).unwrap();
+    assert!(ll > 0);
+    refused(
+        Buffer::get_low_latency_rdma_size_hint(128, 7168, 8, 250),
+        "ValueError",
+        "num_experts must be a multiple of num_ranks, got num_experts=250 and num_ranks=8",
+    );
+}
+
+// ----- the reference on tch CPU tensors --------------------------------------------------------
+
+/// Rank r's tokens: row t holds the bf16 value `r * 100 + t` in every channel.
+fn tokens(r: i64, n: i64) -> Tensor {
+    (Tensor::arange(n, (Kind::Float, Device::Cpu)) + (r * 100) as f64)
+        .unsqueeze(1)
+        .expand([n, H], false)
+        .to_kind(Kind::BFloat16)
+        .contiguous()
+}
+
+#[test]
+fn reference_dispatch_and_combine_on_cpu_tensors() {
+    let r = R as i64;
+    let l = reference::layout(&topk(N), E, r).unwrap();
+    // Token 0: experts 0, 3, 6, -1 -> ranks 0 and 1.
+    let in0: Vec<bool> = Vec::<bool>::try_from(l.is_token_in_rank.get(0)).unwrap();
+    assert_eq!(in0, [true, true, false, false]);
+    assert_eq!(
+        l.num_tokens_per_rank.sum(Kind::Int64).int64_value(&[]),
+        l.is_token_in_rank.sum(Kind::Int64).int64_value(&[])
+    );
+
+    let xs: Vec<Tensor> = (0..r).map(|rank| tokens(rank, N)).collect();
+    let idx = topk(N);
+    let ws: Vec<Tensor> = (0..r)
+        .map(|rank| Tensor::rand([N, K], (Kind::Float, Device::Cpu)) + rank as f64)
+        .collect();
+    let inputs: Vec<RankTokens<'_>> = (0..R)
+        .map(|rank| RankTokens {
+            x: DispatchX::Bf16(&xs[rank]),
+            topk_idx: &idx,
+            topk_weights: Some(&ws[rank]),
+        })
+        .collect();
+    let d = reference::dispatch(&inputs, E, 1, 0).unwrap();
+    for (dst, out) in d.ranks.iter().enumerate() {
+        // Every received row is its source token's (value r * 100 + t).
+        let src_rank = out.recv_src_rank.to_kind(Kind::Float);
+        let src_idx = out.recv_src_idx.to_kind(Kind::Float);
+        let want = (src_rank * 100.0 + src_idx)
+            .to_kind(Kind::BFloat16)
+            .to_kind(Kind::Float);
+        let got = out.recv_x.x.select(1, 0).to_kind(Kind::Float);
+        assert!(got.equal(&want), "rank {dst}");
+        // Local ids in [0, E/R) or -1.
+        let ids = out.recv_topk_idx.shallow_clone();
+        assert!(
+            ids.ge(-1).all().int64_value(&[]) == 1 && ids.lt(E / r).all().int64_value(&[]) == 1
+        );
+    }
+    // Combine of the received rows (every copy) with the received weights:
+    // x times the number of ranks the token went to; the weights rebuild the
+    // originals where the id is not -1.
+    let ys: Vec<&Tensor> = d.ranks.iter().map(|o| &o.recv_x.x).collect();
+    let rw: Vec<&Tensor> = d
+        .ranks
+        .iter()
+        .map(|o| o.recv_topk_weights.as_ref().unwrap())
+        .collect();
+    let out = reference::combine(&d, &ys, Some(&rw), None).unwrap();
+    for (rank, (x, w)) in out.iter().enumerate() {
+        let copies = l.is_token_in_rank.sum_dim_intlist(-1, false, Kind::Float);
+        let want = xs[rank].to_kind(Kind::Float) * copies.unsqueeze(1);
+        assert!(x.equal(&want), "rank {rank}");
+        let kept = idx.ne(-1).to_kind(Kind::Float);
+        assert!(
+            w.as_ref().unwrap().equal(&(&ws[rank] * kept)),
+            "rank {rank}"
+        );
+    }
+    // Wrong dtypes are refused with the reference's messages.
+    let x32 = cpu(Kind::Float, &[N, H]);
+    let bad = [RankTokens {
+        x: DispatchX::Bf16(&x32),
+        topk_idx: &idx,
+        topk_weights: None,
+    }];
+    refused(
+        reference::dispatch(&bad, E, 1, 0),
+        "moelink.DtypeError",
+        "xs[0] must have dtype torch.bfloat16, got torch.float32",
+    );
+    // Ids out of range are the core's to find.
+    let e = reference::layout(&(topk(N) + E), E, r).unwrap_err();
+    assert_eq!(e.python_class(), "ValueError", "{e}");
+}
+
+#[test]
+fn reference_low_latency_on_cpu_tensors() {
+    let r = R as i64;
+    let n = 8;
+    let xs: Vec<Tensor> = (0..r).map(|rank| tokens(rank, n)).collect();
+    let idx = topk(n);
+    let xr: Vec<&Tensor> = xs.iter().collect();
+    let ir: Vec<&Tensor> = (0..R).map(|_| &idx).collect();
+    let bf16 = reference::ll_dispatch(&xr, &ir, n, E, false, false, false).unwrap();
+    let el = E / r;
+    for out in &bf16 {
+        assert_eq!(out.recv_x.x.size(), [el, r * n, H]);
+        assert!(out.recv_x.scales.is_none());
+        let total = out.recv_count.sum(Kind::Int64).int64_value(&[]);
+        assert!(total > 0 && total <= r * n * el);
+    }
+    let fp8 = reference::ll_dispatch(&xr, &ir, n, E, true, false, false).unwrap();
+    let s = fp8[0].recv_x.scales.as_ref().unwrap();
+    assert_eq!(fp8[0].recv_x.x.kind(), Kind::Float8e4m3fn);
+    assert_eq!(
+        (s.size(), s.stride()),
+        (vec![el, r * n, H / 128], vec![r * n * H / 128, 1, r * n])
+    );
+
+    // Combine what each expert received, unchanged, with weights summing to
+    // 1 over the valid columns: every token comes back as itself.
+    let valid = idx.ne(-1).to_kind(Kind::Float);
+    let w = &valid / valid.sum_dim_intlist(-1, true, Kind::Float);
+    let ys: Vec<&Tensor> = bf16.iter().map(|o| &o.recv_x.x).collect();
+    let ws: Vec<&Tensor> = (0..R).map(|_| &w).collect();
+    let handles: Vec<(&Tensor, &Tensor)> = bf16
+        .iter()
+        .map(|o| (&o.src_info, &o.layout_range))
+        .collect();
+    let out = reference::ll_combine(&ys, &ir, &ws, &handles, n, E).unwrap();
+    for (rank, o) in out.iter().enumerate() {
+        assert_eq!(o.kind(), Kind::BFloat16);
+        let diff = (o.to_kind(Kind::Float) - xs[rank].to_kind(Kind::Float))
+            .abs()
+            .max();
+        assert!(diff.double_value(&[]) <= 2.0, "rank {rank}: {diff:?}"); // one bf16 ulp
+    }
+}
