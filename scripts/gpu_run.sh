@@ -80,6 +80,8 @@ for exe in .gpu/bin/*; do
           --include-ignored --test-threads=1 --nocapture
       done ;;
     comm_bench) ;;  # a benchmark: run through GPU_RUN_EXTRA
+    ib_hardware)  # needs an RDMA NIC: --nocapture shows each test's "SKIPPED: <reason>"
+      run "rust-$name" 300 "$exe" --include-ignored --test-threads=1 --nocapture ;;
     *) run "rust-$name" 300 "$exe" --include-ignored --test-threads=1 ;;
   esac
 done
