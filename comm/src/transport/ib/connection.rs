@@ -482,8 +482,9 @@ impl Link {
 #[derive(Debug)]
 pub struct IbConnection {
     pub(crate) link: Arc<Link>,
-    /// Removes the link from its context's receiving proxy on drop.
-    pub(crate) _unlink: super::context::Unlink,
+    /// Removes the link from its context's receiving proxy on drop (a guard
+    /// of the context's, opaque here so that this module does not import it).
+    pub(crate) _unlink: Box<dyn std::fmt::Debug + Send + Sync>,
 }
 
 impl Drop for IbConnection {

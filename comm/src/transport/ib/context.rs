@@ -63,7 +63,7 @@ impl RecvShared {
 
 /// Removes a connection's queue pairs from the receiving proxy's table.
 #[derive(Debug)]
-pub(crate) struct Unlink {
+struct Unlink {
     shared: Arc<RecvShared>,
     qp_nums: Vec<u32>,
 }
@@ -444,10 +444,10 @@ impl IbContext {
         self.start_receiver()?;
         Ok(IbConnection {
             link,
-            _unlink: Unlink {
+            _unlink: Box::new(Unlink {
                 shared: self.shared.clone(),
                 qp_nums,
-            },
+            }),
         })
     }
 }
