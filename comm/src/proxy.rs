@@ -524,6 +524,14 @@ pub mod testing {
             Ok(())
         }
 
+        fn set(&self, dst: &RegisteredMemory, d: u64, v: u64) -> Result<()> {
+            self.update_and_sync(dst, d, v)
+        }
+
+        fn add(&self, dst: &RegisteredMemory, d: u64, v: i64, w: AtomicWidth) -> Result<()> {
+            self.atomic_add(dst, d, v, w)
+        }
+
         fn flush(&self, _: Duration) -> Result<()> {
             self.note(|| "flush".into());
             Ok(())

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use cudarc::driver::sys;
 
-use super::{check_atomic_target, AtomicWidth, Connection, Put, Transport};
+use super::{AtomicWidth, Connection, Put, Transport};
 use crate::cuda::OwnedStream;
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::registered_memory::RegisteredMemory;
@@ -85,8 +85,7 @@ impl Connection for CudaIpcConnection {
             .call("cuMemcpyAsync")
     }
 
-    fn update_and_sync(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()> {
-        dst.check_range(dst_offset, 8, "signal destination")?;
+    fn set(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()> {
         let d = self.mapped(dst, "signal destination")? + dst_offset;
         self.stream.device().make_current()?;
         // SAFETY: an aligned u64 inside the peer's mapped registration.
@@ -102,14 +101,13 @@ impl Connection for CudaIpcConnection {
         .call("cuStreamWriteValue64")
     }
 
-    fn atomic_add(
+    fn add(
         &self,
         dst: &RegisteredMemory,
         dst_offset: u64,
         value: i64,
         width: AtomicWidth,
     ) -> Result<()> {
-        check_atomic_target(dst, dst_offset, width)?;
         let d = self.mapped(dst, "atomic_add destination")? + dst_offset;
         // SAFETY: d is an aligned integer of `width` inside the mapped registration.
         unsafe {

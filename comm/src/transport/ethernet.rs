@@ -44,7 +44,7 @@ use cudarc::driver::sys;
 use super::ib::config::SignalMode;
 use super::ib::imm::{self, Action, Record};
 use super::inbound::{ApplyError, Op, Regions};
-use super::{check_atomic_target, AtomicWidth, Connection, Put, Transport};
+use super::{AtomicWidth, Connection, Put, Transport};
 use crate::cuda::{Device, OwnedStream};
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::registered_memory::{Location, RegisteredMemory};
@@ -863,15 +863,8 @@ impl Connection for EthernetConnection {
         Ok(())
     }
 
-    fn update_and_sync(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()> {
-        dst.check_range(dst_offset, 8, "signal destination")?;
+    fn set(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()> {
         let ptr = self.target(dst, "signal destination")? + dst_offset;
-        if ptr % 8 != 0 {
-            return Err(CommError::invalid(
-                "signal destination",
-                format!("offset {dst_offset} is not aligned to 8 bytes"),
-            ));
-        }
         if self.mode == SignalMode::HostNoAtomic {
             return self.send_imm(Action::Set, ptr, value);
         }
@@ -879,14 +872,13 @@ impl Connection for EthernetConnection {
         self.send_header(h, Instant::now() + SEND_TIMEOUT).map(drop)
     }
 
-    fn atomic_add(
+    fn add(
         &self,
         dst: &RegisteredMemory,
         dst_offset: u64,
         value: i64,
         width: AtomicWidth,
     ) -> Result<()> {
-        check_atomic_target(dst, dst_offset, width)?;
         let ptr = self.target(dst, "atomic_add destination")? + dst_offset;
         if self.mode == SignalMode::HostNoAtomic {
             return self.send_imm(Action::Add(width), ptr, value as u64);

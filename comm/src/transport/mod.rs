@@ -90,17 +90,41 @@ pub trait Connection: Send + Sync + std::fmt::Debug {
     fn put(&self, p: Put<'_>) -> Result<()>;
 
     /// Sets the u64 at the peer's `dst` + `dst_offset` to `value`, after every
-    /// earlier write of this connection has landed (a semaphore signal).
-    fn update_and_sync(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()>;
+    /// earlier write of this connection has landed (a semaphore signal): the
+    /// word checked (in range, 8-byte aligned), then the transport's
+    /// [`set`](Self::set).
+    fn update_and_sync(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()> {
+        check_word_target(dst, dst_offset, 8, "signal destination")?;
+        self.set(dst, dst_offset, value)
+    }
+
+    /// The transport's half of [`update_and_sync`](Self::update_and_sync),
+    /// its word checked.
+    fn set(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()>;
 
     /// Atomically adds `value` to the integer of width `width` at the peer's
-    /// `dst` + `dst_offset` (on the target, not as a read-modify-write copy).
+    /// `dst` + `dst_offset` (on the target, not as a read-modify-write copy):
+    /// the word checked (in range, aligned to its width), then the
+    /// transport's [`add`](Self::add).
     fn atomic_add(
         &self,
         dst: &RegisteredMemory,
         dst_offset: u64,
         value: i64,
         width: AtomicWidth,
+    ) -> Result<()> {
+        check_word_target(dst, dst_offset, width.bytes(), "atomic_add offset")?;
+        self.add(dst, dst_offset, value, width)
+    }
+
+    /// The transport's half of [`atomic_add`](Self::atomic_add), its word
+    /// checked.
+    fn add(
+        &self,
+        dst: &RegisteredMemory,
+        dst_offset: u64,
+        value: i64,
+        w: AtomicWidth,
     ) -> Result<()>;
 
     /// Waits, at most `timeout`, until every earlier operation has completed at
@@ -121,20 +145,19 @@ pub trait Connection: Send + Sync + std::fmt::Debug {
     }
 }
 
-/// Validates an atomic target: in range and aligned to its width.
-pub(crate) fn check_atomic_target(
+/// Validates the target word of a signal or atomic (`what`): `bytes` long,
+/// in range and aligned to `bytes` in its owner's memory.
+fn check_word_target(
     dst: &RegisteredMemory,
     dst_offset: u64,
-    width: AtomicWidth,
+    bytes: u64,
+    what: &'static str,
 ) -> Result<()> {
-    dst.check_range(dst_offset, width.bytes(), "atomic_add offset")?;
-    if (dst.info().owner_ptr + dst_offset) % width.bytes() != 0 {
+    dst.check_range(dst_offset, bytes, what)?;
+    if (dst.info().owner_ptr + dst_offset) % bytes != 0 {
         return Err(crate::error::CommError::invalid(
-            "atomic_add offset",
-            format!(
-                "offset {dst_offset} is not aligned to {} bytes",
-                width.bytes()
-            ),
+            what,
+            format!("offset {dst_offset} is not aligned to {bytes} bytes"),
         ));
     }
     Ok(())

@@ -39,7 +39,7 @@ use crate::error::{CommError, Result};
 use crate::host_memory::HostMemory;
 use crate::registered_memory::RegisteredMemory;
 use crate::transport::inbound::Regions;
-use crate::transport::{check_atomic_target, AtomicWidth, Connection, Put, Transport};
+use crate::transport::{AtomicWidth, Connection, Put, Transport};
 
 use super::config::SignalMode;
 use super::device::{Completion, RdmaCq, RdmaMr, RdmaQp, SendOp, SendWr, Sge};
@@ -647,26 +647,18 @@ impl Connection for IbConnection {
         Ok(())
     }
 
-    fn update_and_sync(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()> {
-        dst.check_range(dst_offset, 8, "signal destination")?;
+    fn set(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()> {
         let (target, rkey) = self.target(dst, dst_offset, "signal destination")?;
-        if target % 8 != 0 {
-            return Err(CommError::invalid(
-                "signal destination",
-                format!("offset {dst_offset} is not aligned to 8 bytes"),
-            ));
-        }
         self.signal_op(Action::Set, target, rkey, value)
     }
 
-    fn atomic_add(
+    fn add(
         &self,
         dst: &RegisteredMemory,
         dst_offset: u64,
         value: i64,
         width: AtomicWidth,
     ) -> Result<()> {
-        check_atomic_target(dst, dst_offset, width)?;
         let (target, rkey) = self.target(dst, dst_offset, "atomic_add destination")?;
         self.signal_op(Action::Add(width), target, rkey, value as u64)
     }
