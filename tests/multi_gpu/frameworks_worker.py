@@ -43,6 +43,7 @@ pattern with a clear error. Exit code 1 if any scenario failed.
 
 from __future__ import annotations
 
+import abc
 import gc
 import os
 import sys
@@ -844,7 +845,7 @@ class SglDeepEPBuffer:
         gc.collect()
 
 
-class SglDispatcherBase:
+class SglDispatcherBase(abc.ABC):
     """``_DeepEPDispatcherImplBase``: what both dispatchers keep, and
     ``_get_buffer`` (the dispatcher's ``set_dispatch_mode``, then the one Buffer)."""
 
@@ -870,8 +871,9 @@ class SglDispatcherBase:
         assert self.num_max_dispatch_tokens_per_rank <= 1024
         self.handle = None
 
+    @abc.abstractmethod
     def set_dispatch_mode(self) -> None:
-        raise NotImplementedError
+        """SglDeepEPBuffer's mode for this dispatcher (normal or low latency)."""
 
     def _get_buffer(self):
         self.set_dispatch_mode()
