@@ -26,9 +26,15 @@
 //!   (rank 0) launches, so the initiator's clock (`%globaltimer` inside the
 //!   kernel) never includes the other side's launch skew. RTT = elapsed / iters
 //!   of the initiator. One untimed warm-up launch, then `reps` timed launches;
-//!   median, min and max over launches.
+//!   median, min and max over launches. Memory channel: one `red.release.sys`
+//!   add on the peer's counter per signal. Port channel: a signal trigger
+//!   through the FIFO, which the proxy performs as a CPU store into the peer's
+//!   shared-host-memory inbound counter (nothing of the connection is in
+//!   flight in this loop), polled by the peer's GPU.
 //! - FIFO round trip: rank 0 pushes a no-op trigger and waits until its proxy
-//!   popped it, `iters` times in one kernel; per-op = elapsed / iters.
+//!   popped it, `iters` times in one kernel; per-op = elapsed / iters. The
+//!   push checks for room against the GPU tail replica; the wait polls the
+//!   host tail.
 //! - Put bandwidth: only rank 0 sends into rank 1's buffer (rank 1 waits at the
 //!   next synchronisation point). Memory channel: the `memchan_copy` kernel on
 //!   `clamp(bytes / 64 KiB, 1, SMs)` blocks of 1024 threads, repeating the same
@@ -935,8 +941,10 @@ impl Bench {
     /// *Collective.* Latency breakdown on rank 0 (no targets; they explain the
     /// round trips): the slower of the GPU push and the proxy's service per
     /// trigger (back-to-back pushes), and a `cuStreamWriteValue64` from enqueue
-    /// on the host to the value being visible in host memory (the CUDA IPC
-    /// signal hop).
+    /// on the host to the value being visible in host memory (what a CUDA IPC
+    /// signal costs when it must go behind puts still in flight; an idle
+    /// connection signals with a CPU store into the peer's shared host memory
+    /// instead, see `comm::transport::cuda_ipc`).
     fn breakdown(&self, cfg: &Config) -> Result<Vec<(&'static str, Stats, String)>> {
         let mut out = Vec::new();
         let result = if self.role == Role::Initiator {
@@ -1359,7 +1367,7 @@ fn run(args: &Args) -> Result<()> {
         ));
     }
 
-    log("latency breakdown (proxy service, GPU read of host memory, stream write)");
+    log("latency breakdown (proxy service, stream write)");
     for (name, stats, note) in b.breakdown(&cfg)? {
         metrics.push(Metric {
             name,

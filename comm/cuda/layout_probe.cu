@@ -21,7 +21,7 @@ extern "C" __global__ void comm_layout_probe(uint64_t* out) {
   PROBE(offsetof(DeviceError, observed));
   PROBE(sizeof(SemaphoreDeviceHandle));
   PROBE(offsetof(SemaphoreDeviceHandle, expected_inbound));
-  PROBE(offsetof(SemaphoreDeviceHandle, outbound));
+  PROBE(offsetof(SemaphoreDeviceHandle, reserved));
   PROBE(offsetof(SemaphoreDeviceHandle, remote_inbound));
   PROBE(offsetof(SemaphoreDeviceHandle, error));
   PROBE(offsetof(SemaphoreDeviceHandle, rank));
@@ -31,7 +31,7 @@ extern "C" __global__ void comm_layout_probe(uint64_t* out) {
   PROBE(sizeof(FifoDeviceHandle));
   PROBE(offsetof(FifoDeviceHandle, head));
   PROBE(offsetof(FifoDeviceHandle, tail));
-  PROBE(offsetof(FifoDeviceHandle, tail_cache));
+  PROBE(offsetof(FifoDeviceHandle, tail_replica));
   PROBE(offsetof(FifoDeviceHandle, error));
   PROBE(offsetof(FifoDeviceHandle, size));
   PROBE(offsetof(FifoDeviceHandle, rank));

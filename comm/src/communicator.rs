@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::bootstrap::Bootstrap;
-use crate::channel::{MemoryChannel, PortChannel};
+use crate::channel::{HostInbound, MemoryChannel, PortChannel};
 use crate::cuda::{Device, OwnedStream};
 use crate::device_error::DeviceErrorRecord;
 use crate::device_share::{ranks_on_same_device, DeviceShare};
@@ -112,6 +112,10 @@ impl Drop for Registration {
     }
 }
 
+/// Bytes between two inbound counters of a port-channel inbound block (one
+/// cache line each: a peer's CPU writes one while this GPU polls another).
+pub const INBOUND_STRIDE: u64 = 64;
+
 /// As [`Registration`], for memory without an fd offer (a legacy-IPC
 /// registration, a host signal page).
 struct LegacyRegistration {
@@ -153,6 +157,9 @@ pub struct Communicator {
     ipc_connections: Mutex<Vec<Option<Arc<dyn Connection>>>>,
     /// The one stream of every CUDA IPC connection (made at the first).
     ipc_stream: Mutex<Option<Arc<OwnedStream>>>,
+    /// Our inbound blocks of CUDA IPC port channels (one per `port_channels`
+    /// call), kept as long as the Communicator, like the signal pages.
+    inbound_blocks: Mutex<Vec<RegisteredMemory>>,
     /// This rank's share of its device (ranks on the same GPU found through
     /// the setup exchange); the whole device when alone or without a device.
     share: DeviceShare,
@@ -227,6 +234,7 @@ impl Communicator {
             timeout: opts.timeout,
             ipc_connections: Mutex::new(vec![None; size]),
             ipc_stream: Mutex::new(None),
+            inbound_blocks: Mutex::new(Vec::new()),
             share: DeviceShare::whole(0),
             device_peers: vec![rank],
             topology: Topology::single(rank, size),
@@ -890,6 +898,15 @@ impl Communicator {
 
     /// *Collective.* Port channels to every peer over `local`, performed by
     /// `proxy` on `transport` connections.
+    ///
+    /// Over CUDA IPC, each channel's inbound counter (the word its waits poll
+    /// and the peer's proxy signals) is in shared host memory of this rank
+    /// (one block per call, exchanged here, [`INBOUND_STRIDE`] bytes per
+    /// peer): the peer's proxy signals it with a CPU store when nothing of
+    /// its connection is in flight, instead of a stream memory operation
+    /// (see [`crate::transport::cuda_ipc`]). Over the other transports it is
+    /// the semaphore slot's inbound counter in GPU memory, as for memory
+    /// channels.
     pub fn port_channels(
         &self,
         proxy: &ProxyService,
@@ -898,23 +915,111 @@ impl Communicator {
     ) -> Result<Vec<Option<PortChannel>>> {
         let peers = self.exchange_memory(local)?;
         let sems = self.semaphores()?;
+        // Every rank calls with the same transport, so all take part or none.
+        let inbound = match transport {
+            Transport::CudaIpc => Some(self.inbound_block()?),
+            _ => None,
+        };
         let src_mem = proxy.add_memory(local.clone())?;
         let mut out = vec![None; self.size()];
         for (p, s) in sems.into_iter().enumerate() {
             let Some(semaphore) = s else { continue };
             let conn = self.connect(p, transport)?;
             let dst_mem = proxy.add_memory(peers[p].clone())?;
-            let channel =
-                proxy.add_channel(conn, semaphore.remote_page.clone(), semaphore.remote_offset)?;
+            // The peer's counter for us: in its block where we mapped one,
+            // else its semaphore slot. Ours for the peer: likewise (a peer
+            // fails in the exchange when it cannot map a block we offer).
+            let (target, target_offset) = match &inbound {
+                Some((_, all)) if all[p].host_ptr().is_some() => {
+                    (all[p].clone(), self.rank() as u64 * INBOUND_STRIDE)
+                }
+                _ => (semaphore.remote_page.clone(), semaphore.remote_offset),
+            };
+            let host_inbound = match &inbound {
+                Some((Some((ours, dev)), _)) => Some(HostInbound {
+                    device_ptr: dev + p as u64 * INBOUND_STRIDE,
+                    block: ours.clone(),
+                }),
+                _ => None,
+            };
+            let channel = proxy.add_channel(conn, target, target_offset)?;
             out[p] = Some(PortChannel {
                 channel,
                 fifo: proxy.fifo_handle(),
                 semaphore,
                 dst_mem,
                 src_mem,
+                host_inbound,
             });
         }
         Ok(out)
+    }
+
+    /// *Collective.* A new block of port-channel inbound counters in shared
+    /// host memory (zeroed, registered with our GPU), exchanged: ours and its
+    /// device address (None where it could not be made: this rank's channels
+    /// then wait on their semaphore slots, and the peers, finding nothing to
+    /// map, signal those), and every rank's as seen here (ours at our index).
+    #[allow(clippy::type_complexity)]
+    fn inbound_block(&self) -> Result<(Option<(RegisteredMemory, u64)>, Vec<RegisteredMemory>)> {
+        let bytes = self.size() as u64 * INBOUND_STRIDE;
+        let made = match self.device {
+            Some(d) => match HostMemory::shared(Some(d), bytes as usize) {
+                Ok(m) => Some(m),
+                Err(e) => {
+                    tracing::warn!(
+                        "rank {}: no shared host memory for port-channel signals ({e}); \
+                         CUDA IPC signals to this rank go through the proxy's stream",
+                        self.rank()
+                    );
+                    None
+                }
+            },
+            None => None,
+        };
+        let mut info = MemoryInfo {
+            rank: self.rank() as u32,
+            len: bytes,
+            location: Location::Host,
+            host_id: self.host_id,
+            owner_ptr: 0,
+            ipc: None,
+            ethernet: None,
+            ib: None,
+        };
+        let (ours, fd_key) = match made {
+            Some((memory, fd)) => {
+                let fd_key = self.fd_server.offer(fd);
+                info.owner_ptr = memory.as_ptr() as u64;
+                info.ipc = Some(IpcExport::SharedHost {
+                    server: self.fd_server.address(),
+                    key: fd_key,
+                    len: memory.len() as u64,
+                });
+                let dev = memory.device_ptr();
+                let reg = RegisteredMemory::local(info.clone(), Some(Arc::new(memory)));
+                (Some((reg, dev)), Some(fd_key))
+            }
+            None => (None, None),
+        };
+        let advertised = match &ours {
+            Some((reg, _)) => reg.clone(),
+            None => RegisteredMemory::local(info, None),
+        };
+        let all = self.exchange_memory(&advertised);
+        // exchange_memory ends with a barrier: every peer has its mapping (or
+        // failed), so the offer (an open fd) can go.
+        if let Some(k) = fd_key {
+            self.fd_server.withdraw(k);
+        }
+        let all = all?;
+        if let Some((reg, _)) = &ours {
+            self.inbound_blocks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .push(reg.clone());
+        }
+        Ok((ours, all))
     }
 
     /// *Collective.* Barrier over the bootstrap.

@@ -101,7 +101,8 @@ pub struct DeviceError {
 pub struct SemaphoreDeviceHandle {
     pub inbound: u64,
     pub expected_inbound: u64,
-    pub outbound: u64,
+    /// Unused (formerly the local count of signals sent): 0.
+    pub reserved: u64,
     pub remote_inbound: u64,
     pub error: u64,
     pub rank: i32,
@@ -124,7 +125,7 @@ pub struct FifoDeviceHandle {
     pub triggers: u64,
     pub head: u64,
     pub tail: u64,
-    pub tail_cache: u64,
+    pub tail_replica: u64,
     pub error: u64,
     pub size: i32,
     pub rank: i32,
@@ -158,6 +159,7 @@ const _: () = {
     assert!(size_of::<DeviceError>() == 40);
     assert!(offset_of!(DeviceError, id) == 16);
     assert!(size_of::<SemaphoreDeviceHandle>() == 56);
+    assert!(offset_of!(SemaphoreDeviceHandle, reserved) == 16);
     assert!(offset_of!(SemaphoreDeviceHandle, error) == 32);
     assert!(offset_of!(SemaphoreDeviceHandle, id) == 48);
     assert!(size_of::<ProxyTrigger>() == 16);
@@ -288,7 +290,7 @@ pub fn layout_probe_expected() -> Vec<u64> {
         },
         SemaphoreDeviceHandle {
             expected_inbound,
-            outbound,
+            reserved,
             remote_inbound,
             error,
             rank,
@@ -299,7 +301,7 @@ pub fn layout_probe_expected() -> Vec<u64> {
         FifoDeviceHandle {
             head,
             tail,
-            tail_cache,
+            tail_replica,
             error,
             size,
             rank,

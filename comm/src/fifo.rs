@@ -7,14 +7,24 @@
 //! (a proxy thread) polls the slot at `tail`: non-zero `snd` means full; it
 //! reads the trigger, clears the slot and advances `tail` (release), which is
 //! what producers wait on for free space and for flushes.
+//!
+//! GPU producers check for room against `tail_replica`, a lower bound of
+//! `tail` in GPU memory (device side: `fifo_device.cuh`). The consumer
+//! refreshes it ([`TailReplica`]) with one `cuStreamWriteValue64` of the new
+//! tail every quarter ring it pops: a posted write into GPU memory, so a push
+//! reads host memory over PCIe only while the ring looks full. Set
+//! `MOELINK_FIFO_TAIL_REPLICA=0` to leave the refresh to the producers
+//! (each raises the replica to the host tail it read while waiting).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::cuda::Device;
+use cudarc::driver::sys;
+
+use crate::cuda::{Device, OwnedStream};
 use crate::device_error::DeviceErrorRecord;
 use crate::device_handles::{FifoDeviceHandle, ProxyTrigger};
-use crate::error::{CommError, Result};
+use crate::error::{CommError, CudaResultExt, Result};
 use crate::host_memory::HostMemory;
 use crate::memory::DeviceMemory;
 
@@ -28,6 +38,8 @@ enum Head {
 
 #[derive(Debug)]
 pub struct Fifo {
+    /// Declared (so dropped) before `head`, which holds the replica word.
+    replica: Option<TailReplica>,
     ring: HostMemory,
     head: Head,
     error: DeviceErrorRecord,
@@ -36,6 +48,76 @@ pub struct Fifo {
     id: u64,
     /// Consumer's position (only the single consumer writes it).
     tail: AtomicU64,
+}
+
+/// The consumer's side of the GPU tail replica: a stream write of the tail
+/// every `every` pops. Only the single consumer calls it.
+#[derive(Debug)]
+struct TailReplica {
+    stream: OwnedStream,
+    /// The replica's device address.
+    ptr: u64,
+    every: u64,
+    /// The tail last written.
+    sent: AtomicU64,
+    /// Set after a failed write: producers then keep the replica up themselves.
+    failed: AtomicBool,
+}
+
+impl TailReplica {
+    /// Writes `tail` to the replica if it moved `every` past the last write.
+    fn after_pop(&self, tail: u64) {
+        if tail < self.sent.load(Ordering::Relaxed) + self.every
+            || self.failed.load(Ordering::Relaxed)
+        {
+            return;
+        }
+        self.sent.store(tail, Ordering::Relaxed);
+        if let Err(e) = self.stream.device().make_current() {
+            tracing::warn!(
+                "{e}; GPU producers refresh the FIFO tail replica themselves from now on"
+            );
+            self.failed.store(true, Ordering::Relaxed);
+            return;
+        }
+        // SAFETY: ptr is the replica's u64 in GPU memory, alive with the FIFO.
+        let r = unsafe {
+            sys::cuStreamWriteValue64_v2(
+                self.stream.handle().raw(),
+                self.ptr,
+                tail,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+            )
+        }
+        .result()
+        .call("cuStreamWriteValue64 (FIFO tail replica)");
+        if let Err(e) = r {
+            // Not fatal: producers fall back to reading the host tail.
+            tracing::warn!(
+                "{e}; GPU producers refresh the FIFO tail replica themselves from now on"
+            );
+            self.failed.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Drop for TailReplica {
+    fn drop(&mut self) {
+        // A write still queued must land before the replica's memory is freed.
+        if let Err(e) = self.stream.synchronize_bounded(
+            Duration::from_secs(10),
+            -1,
+            "the FIFO tail replica write",
+        ) {
+            tracing::warn!("{e}");
+        }
+    }
+}
+
+/// Whether the consumer refreshes the GPU tail replica
+/// (`MOELINK_FIFO_TAIL_REPLICA`, default on).
+fn replica_enabled() -> bool {
+    std::env::var("MOELINK_FIFO_TAIL_REPLICA").map_or(true, |v| v != "0")
 }
 
 impl Fifo {
@@ -48,16 +130,32 @@ impl Fifo {
             ));
         }
         let bytes = size * 16 + 64;
-        let (ring, head) = match device {
+        let (ring, head, replica) = match device {
             Some(d) => {
-                // [head, tail_cache]
+                // [head, tail_replica]
                 let head = DeviceMemory::alloc(d, 16)?;
                 head.fill(0)?;
-                (HostMemory::pinned(d, bytes)?, Head::Device(head))
+                let replica = if replica_enabled() {
+                    Some(TailReplica {
+                        stream: OwnedStream::new(d)?,
+                        ptr: head.ptr() + 8,
+                        every: (size as u64 / 4).max(1),
+                        sent: AtomicU64::new(0),
+                        failed: AtomicBool::new(false),
+                    })
+                } else {
+                    None
+                };
+                (HostMemory::pinned(d, bytes)?, Head::Device(head), replica)
             }
-            None => (HostMemory::heap(bytes), Head::Host(HostMemory::heap(8))),
+            None => (
+                HostMemory::heap(bytes),
+                Head::Host(HostMemory::heap(8)),
+                None,
+            ),
         };
         Ok(Self {
+            replica,
             ring,
             head,
             error: DeviceErrorRecord::new(device)?,
@@ -105,6 +203,9 @@ impl Fifo {
         snd.store(0, Ordering::Relaxed);
         self.tail.store(t + 1, Ordering::Relaxed);
         self.tail_atomic().store(t + 1, Ordering::Release);
+        if let Some(r) = &self.replica {
+            r.after_pop(t + 1);
+        }
     }
 
     /// Triggers popped so far.
@@ -126,7 +227,7 @@ impl Fifo {
             triggers: self.ring.device_ptr(),
             head,
             tail: self.ring.device_ptr() + (self.size * 16) as u64,
-            tail_cache: if head == 0 { 0 } else { head + 8 },
+            tail_replica: if head == 0 { 0 } else { head + 8 },
             error: self.error.device_ptr(),
             size: self.size as i32,
             rank: self.rank,

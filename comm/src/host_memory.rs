@@ -2,6 +2,8 @@
 //! address space (`cuMemHostAlloc` with DEVICEMAP | PORTABLE). The FIFO ring,
 //! its tail and the device error records live here. Without a GPU (CPU tests of
 //! the FIFO and proxy logic) the same type wraps ordinary zeroed heap memory.
+//! [`HostMemory::shared`] / [`HostMemory::import_shared`]: memory shared between
+//! the processes of one host (a memfd), registered with the device.
 
 use std::alloc::Layout;
 use std::sync::atomic::{AtomicU32, AtomicU64};
@@ -16,6 +18,8 @@ use crate::memory::prepare_alloc;
 enum Backing {
     Pinned,
     Heap(Layout),
+    /// A `MAP_SHARED` mapping of a memfd, registered with `Some` device.
+    Shared(Option<Device>),
 }
 
 /// Zero-initialised host memory, optionally mapped for a device.
@@ -137,6 +141,150 @@ impl Drop for HostMemory {
             },
             // SAFETY: ptr came from alloc_zeroed with this layout.
             Backing::Heap(layout) => unsafe { std::alloc::dealloc(self.ptr, layout) },
+            Backing::Shared(device) => {
+                if let Some(d) = device {
+                    if d.make_current().is_ok() {
+                        // SAFETY: registered in map_shared and unregistered once.
+                        warn_if_failed("cuMemHostUnregister", unsafe {
+                            sys::cuMemHostUnregister(self.ptr.cast()).result()
+                        });
+                    }
+                }
+                // SAFETY: our mapping of len bytes, unmapped once.
+                unsafe { libc::munmap(self.ptr.cast(), self.len) };
+            }
         }
+    }
+}
+
+impl HostMemory {
+    /// `len` bytes (rounded up to whole pages) of new, zeroed memory shared
+    /// between the processes of one host (a memfd mapped `MAP_SHARED`),
+    /// page-locked and mapped for `device` if given (`cuMemHostRegister` with
+    /// DEVICEMAP | PORTABLE), and its fd.
+    ///
+    /// The owner hands the fd out (through the fd server) until every peer on
+    /// the host mapped the same pages ([`HostMemory::import_shared`]); neither
+    /// side keeps an fd open afterwards (a mapping outlives its fd). Both CPUs
+    /// can then store into it directly and both GPUs can read it. Used for the
+    /// inbound counters of CUDA IPC port channels: the peer's proxy signals with
+    /// a plain CPU store instead of a stream memory operation.
+    pub fn shared(device: Option<Device>, len: usize) -> Result<(Self, std::os::fd::OwnedFd)> {
+        use std::os::fd::FromRawFd;
+        let page = page_size();
+        let len = len.max(1).div_ceil(page) * page;
+        // SAFETY: a NUL-terminated name; the returned fd (if any) is ours.
+        let raw = unsafe { libc::memfd_create(c"moelink-signals".as_ptr(), libc::MFD_CLOEXEC) };
+        if raw < 0 {
+            return Err(io_error("memfd_create"));
+        }
+        // SAFETY: raw is a fresh fd we own.
+        let fd = unsafe { std::os::fd::OwnedFd::from_raw_fd(raw) };
+        // SAFETY: fd is a memfd; the new size reads as zeros.
+        if unsafe { libc::ftruncate(raw, len as libc::off_t) } != 0 {
+            return Err(io_error("ftruncate of the shared signal memory"));
+        }
+        let m = Self::map_shared(device, &fd, len)?;
+        Ok((m, fd))
+    }
+
+    /// Maps the shared memory behind `fd` (`len` bytes, from the owner's
+    /// [`HostMemory::shared`]), registered with `device` if given.
+    pub fn import_shared(
+        device: Option<Device>,
+        fd: std::os::fd::OwnedFd,
+        len: usize,
+    ) -> Result<Self> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: an all-zero stat is a valid out-parameter.
+        let mut st: libc::stat = unsafe { std::mem::zeroed() };
+        // SAFETY: fd is open; st is a valid out-parameter.
+        if unsafe { libc::fstat(fd.as_raw_fd(), &mut st) } != 0 {
+            return Err(io_error("fstat of a peer's shared signal memory"));
+        }
+        if (st.st_size as u64) < len as u64 || len == 0 {
+            return Err(CommError::invalid(
+                "shared host memory",
+                format!("{len} bytes announced, the fd holds {}", st.st_size),
+            ));
+        }
+        Self::map_shared(device, &fd, len)
+    }
+
+    fn map_shared(device: Option<Device>, fd: &std::os::fd::OwnedFd, len: usize) -> Result<Self> {
+        use std::os::fd::AsRawFd;
+        // SAFETY: a fresh shared mapping of len bytes of fd (checked to be that long).
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io_error("mmap of the shared signal memory"));
+        }
+        // From here on, drop unmaps (and unregisters once `Shared(Some)`).
+        let mut m = Self {
+            ptr: p.cast(),
+            len,
+            device_ptr: 0,
+            backing: Backing::Shared(None),
+        };
+        if let Some(d) = device {
+            d.make_current()?;
+            let flags = sys::CU_MEMHOSTREGISTER_DEVICEMAP | sys::CU_MEMHOSTREGISTER_PORTABLE;
+            // SAFETY: p..p+len is our mapping; it stays mapped until drop,
+            // which unregisters first.
+            unsafe { sys::cuMemHostRegister_v2(p, len, flags) }
+                .result()
+                .call("cuMemHostRegister")?;
+            m.backing = Backing::Shared(Some(d));
+            let mut dptr = 0;
+            // SAFETY: p was registered with DEVICEMAP just above.
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dptr, p, 0) }
+                .result()
+                .call("cuMemHostGetDevicePointer")?;
+            m.device_ptr = dptr;
+        }
+        Ok(m)
+    }
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as usize
+}
+
+fn io_error(what: &str) -> CommError {
+    CommError::Io {
+        context: what.into(),
+        source: std::io::Error::last_os_error(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn shared_memory_is_seen_through_an_imported_mapping() {
+        let (a, fd) = HostMemory::shared(None, 100).unwrap();
+        assert_eq!(a.len(), page_size());
+        assert_eq!(a.device_ptr(), 0);
+        assert_eq!(a.atomic_u64(64).load(Ordering::Relaxed), 0, "zero-filled");
+        let dup = fd.try_clone().unwrap();
+        let b = HostMemory::import_shared(None, fd, a.len()).unwrap();
+        assert_ne!(a.as_ptr(), b.as_ptr(), "a second mapping of the same pages");
+        a.atomic_u64(64).store(7, Ordering::Release);
+        assert_eq!(b.atomic_u64(64).load(Ordering::Acquire), 7);
+        b.atomic_u64(8).store(9, Ordering::Release);
+        drop(b);
+        assert_eq!(a.atomic_u64(8).load(Ordering::Acquire), 9);
+        assert!(HostMemory::import_shared(None, dup, a.len() + 1).is_err());
     }
 }

@@ -28,7 +28,8 @@ pub const MAX_CHANNELS: usize = 4096;
 #[derive(Debug)]
 struct ChannelState {
     connection: Arc<dyn Connection>,
-    /// The peer's signal page and the offset of its inbound counter for us.
+    /// The memory holding the peer's inbound counter for us and its offset:
+    /// the peer's signal page, or (CUDA IPC) its shared host inbound block.
     remote_semaphore: RegisteredMemory,
     remote_offset: u64,
     /// Signals sent so far (the value the next signal writes is this + 1).

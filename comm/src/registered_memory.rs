@@ -16,6 +16,7 @@ use std::time::Duration;
 use crate::cuda::Device;
 use crate::error::{CommError, Result};
 use crate::fd_passing::{fetch_fd, FdAddress};
+use crate::host_memory::HostMemory;
 use crate::memory::{IpcHandle, PeerMemory};
 use crate::vmm::VmmMapping;
 use crate::wire::{Reader, Writer};
@@ -34,6 +35,14 @@ pub enum IpcExport {
     Legacy(IpcHandle),
     /// A cuMem allocation whose fd the owner's fd server hands out under `key`.
     Vmm {
+        server: FdAddress,
+        key: u64,
+        len: u64,
+    },
+    /// Shared host memory (a memfd, [`HostMemory::shared`]) whose fd the owner's
+    /// fd server hands out under `key`: a peer maps the same pages, its CPU
+    /// stores into them and its GPU reads them.
+    SharedHost {
         server: FdAddress,
         key: u64,
         len: u64,
@@ -97,6 +106,9 @@ impl MemoryInfo {
             Some(IpcExport::Vmm { server, key, len }) => {
                 w.u8(2).bytes(&server.to_bytes()).u64(*key).u64(*len);
             }
+            Some(IpcExport::SharedHost { server, key, len }) => {
+                w.u8(3).bytes(&server.to_bytes()).u64(*key).u64(*len);
+            }
         }
         w.bytes(self.ethernet.as_deref().unwrap_or("").as_bytes());
         match self.ib {
@@ -126,6 +138,14 @@ impl MemoryInfo {
             2 => {
                 let server = FdAddress::from_bytes(r.bytes()?)?;
                 Some(IpcExport::Vmm {
+                    server,
+                    key: r.u64()?,
+                    len: r.u64()?,
+                })
+            }
+            3 => {
+                let server = FdAddress::from_bytes(r.bytes()?)?;
+                Some(IpcExport::SharedHost {
                     server,
                     key: r.u64()?,
                     len: r.u64()?,
@@ -169,6 +189,9 @@ pub struct RegisteredMemory {
     /// peer's buffer is mapped here; 0 when it is not mapped (reach it by
     /// Ethernet only).
     ptr: u64,
+    /// Where this process's CPU can store into the buffer (shared host
+    /// memory, [`IpcExport::SharedHost`]); 0 otherwise.
+    host_ptr: u64,
     _keep: Option<Arc<dyn Any + Send + Sync>>,
 }
 
@@ -177,6 +200,7 @@ impl std::fmt::Debug for RegisteredMemory {
         f.debug_struct("RegisteredMemory")
             .field("info", &self.info)
             .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("host_ptr", &format_args!("{:#x}", self.host_ptr))
             .finish()
     }
 }
@@ -187,6 +211,7 @@ impl RegisteredMemory {
     pub fn local(info: MemoryInfo, keep: Option<Arc<dyn Any + Send + Sync>>) -> Self {
         Self {
             ptr: info.owner_ptr,
+            host_ptr: 0,
             info,
             _keep: keep,
         }
@@ -213,9 +238,11 @@ impl RegisteredMemory {
             return Ok(Self {
                 info,
                 ptr: 0,
+                host_ptr: 0,
                 _keep: None,
             });
         };
+        let mut host_ptr = 0;
         let (ptr, keep): (u64, Arc<dyn Any + Send + Sync>) = match ipc {
             IpcExport::Legacy(h) => {
                 let m = PeerMemory::open(dev, h)?;
@@ -226,10 +253,17 @@ impl RegisteredMemory {
                 let m = VmmMapping::import(dev, fd, *len as usize)?;
                 (m.ptr(), Arc::new(m))
             }
+            IpcExport::SharedHost { server, key, len } => {
+                let fd = fetch_fd(server, *key, timeout)?;
+                let m = HostMemory::import_shared(Some(dev), fd, *len as usize)?;
+                host_ptr = m.as_ptr() as u64;
+                (m.device_ptr(), Arc::new(m))
+            }
         };
         Ok(Self {
             info,
             ptr,
+            host_ptr,
             _keep: Some(keep),
         })
     }
@@ -263,6 +297,12 @@ impl RegisteredMemory {
 
     pub fn is_mapped(&self) -> bool {
         self.ptr != 0
+    }
+
+    /// Where this process's CPU can store into the buffer: Some for a peer's
+    /// shared host memory mapped here ([`IpcExport::SharedHost`]).
+    pub fn host_ptr(&self) -> Option<u64> {
+        (self.host_ptr != 0).then_some(self.host_ptr)
     }
 
     /// Checks that `[offset, offset + size)` lies inside the buffer.
@@ -324,6 +364,17 @@ mod tests {
         for info in [
             sample(None, None),
             sample(Some(legacy), Some("10.0.0.1:5000")),
+            MemoryInfo {
+                location: Location::Host,
+                ..sample(
+                    Some(IpcExport::SharedHost {
+                        server: FdAddress::from_bytes(b"moelink-1-abc").unwrap(),
+                        key: 9,
+                        len: 4096,
+                    }),
+                    None,
+                )
+            },
             MemoryInfo {
                 location: Location::Host,
                 ib: Some(IbKey {

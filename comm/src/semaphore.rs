@@ -3,14 +3,18 @@
 //!
 //! A rank keeps its semaphores' counters in [`SignalPage`]s (GPU memory,
 //! registered and mapped once by each peer; heap memory for a Communicator
-//! without a GPU). Slot `s` holds `inbound`, `expected_inbound`, `outbound`
-//! (32 bytes). A [`Semaphore`] pairs our slot for a peer with the peer's slot
-//! for us:
-//! - device-to-device (memory channels): our GPU stores straight into the
-//!   peer's `inbound` over NVLink (`remote_inbound` mapped here);
+//! without a GPU). Slot `s` holds `inbound`, `expected_inbound` and two unused
+//! words (32 bytes). A [`Semaphore`] pairs our slot for a peer with the
+//! peer's slot for us:
+//! - device-to-device (memory channels): our GPU adds one to the peer's
+//!   `inbound` over NVLink (`remote_inbound` mapped here; one `red.release.sys`
+//!   per signal, no outbound counter);
 //! - host-to-device (port channels): our proxy writes the peer's `inbound`
 //!   through a connection (`update_and_sync`), keeping the outbound count on
-//!   the host.
+//!   the host. Over CUDA IPC the counter it writes is not the slot's but one
+//!   in the peer's shared host memory (see
+//!   [`Communicator::port_channels`](crate::Communicator::port_channels));
+//!   the slot's `expected_inbound` is still the waits' count.
 //!
 //! A Communicator starts with one page and adds one, collectively, whenever
 //! the semaphores of one [`Communicator::semaphores`](crate::Communicator::semaphores)
@@ -29,7 +33,7 @@ use crate::host_memory::HostMemory;
 use crate::registered_memory::RegisteredMemory;
 use crate::vmm::VmmMemory;
 
-/// Bytes per semaphore slot (inbound, expected_inbound, outbound, padding).
+/// Bytes per semaphore slot (inbound, expected_inbound, two unused words).
 pub const SLOT_BYTES: u64 = 32;
 
 #[derive(Debug)]
@@ -229,7 +233,7 @@ impl Semaphore {
         SemaphoreDeviceHandle {
             inbound: self.local_inbound,
             expected_inbound: self.local_inbound + 8,
-            outbound: self.local_inbound + 16,
+            reserved: 0,
             remote_inbound,
             error: error.device_ptr(),
             rank: self.rank as i32,

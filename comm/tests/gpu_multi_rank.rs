@@ -182,6 +182,82 @@ fn memchan_pingpong(c: &Ctx) -> R {
     c.comm.barrier()
 }
 
+/// Signal + wait ping-pong over CUDA IPC port channels (the proxy's signal is a
+/// CPU store into the peer's shared host memory), then the same interleaved
+/// with puts, so signals alternate between the store and the stream path.
+fn portchan_pingpong(c: &Ctx) -> R {
+    let p = port_channels(c, &c.comm, &c.buf, Transport::CudaIpc)?;
+    let h = p.chans[c.partner()]
+        .as_ref()
+        .unwrap()
+        .device_handle(c.comm.device_error());
+    let out = DeviceMemory::alloc(c.device, 8)?;
+    c.comm.barrier()?;
+    // SAFETY: handle from this communicator; out is a device u64.
+    unsafe {
+        testing::portchan_pingpong(
+            c.device,
+            c.stream.handle(),
+            h,
+            300,
+            c.rank % 2 == 0,
+            TIMEOUT_NS,
+            out.ptr(),
+        )
+    }?;
+    c.sync("port-channel ping-pong")?;
+    let mut ns = [0u64];
+    out.copy_to_host(0, &mut ns)?;
+    println!(
+        "rank {}: port-channel ping-pong 300 round trips: {:.2} us each",
+        c.rank,
+        ns[0] as f64 / 300.0 / 1000.0
+    );
+    c.comm.device_error().check()?;
+    p.proxy.check()?;
+    c.comm.barrier()?;
+    // Interleaved: 20 rounds of (put 1 MiB, signal, wait), each checked.
+    let view = DeviceMemoryView(&c.buf);
+    const SRC: u64 = 4 << 20;
+    const DST: u64 = 8 << 20;
+    const N: usize = 1 << 20;
+    for round in 0..20u64 {
+        let seed = |r: usize| (r as u64) << 32 | round | 7 << 56;
+        view.write(c.device, SRC, &bytes_of(seed(c.rank), N))?;
+        c.comm.barrier()?;
+        // SAFETY: ranges inside both ranks' registered buffers.
+        unsafe {
+            for (op, size) in [
+                (PortOp::Put, N as u64),
+                (PortOp::Signal, 0),
+                (PortOp::Wait, 0),
+            ] {
+                testing::portchan_op(
+                    c.device,
+                    c.stream.handle(),
+                    h,
+                    op,
+                    DST,
+                    SRC,
+                    size,
+                    1,
+                    TIMEOUT_NS,
+                )?;
+            }
+        }
+        c.sync("port-channel put, signal, wait")?;
+        c.comm.device_error().check()?;
+        p.proxy.check()?;
+        check_eq(
+            &format!("port put + signal round {round}"),
+            &view.read(c.device, DST, N)?,
+            &bytes_of(seed(c.partner()), N),
+        )?;
+        c.comm.barrier()?;
+    }
+    Ok(())
+}
+
 /// Odd sizes and offsets, put and get, over memory channels.
 fn memchan_put_get(c: &Ctx) -> R {
     let chans = memory_channels(c)?;
@@ -394,10 +470,14 @@ fn port_put_signal_flush(
     let view = DeviceMemoryView(buf);
     const SRC: u64 = 0;
     const DST: u64 = 16 << 20;
+    // Put then a separate Signal trigger (no flush): over CUDA IPC the signal
+    // is a CPU store only once the puts are known complete, else a stream
+    // write behind them; either way the data must be there when the wait returns.
     let ops = [
         (PortOp::PutWithSignal, 1),
         (PortOp::PutWithSignalAndFlush, 1),
         (PortOp::PutThenFlush, 7),
+        (PortOp::Put, 3),
     ];
     for (i, &(op, pieces)) in ops.iter().enumerate() {
         for (j, &(n, dst_off, src_off)) in [(1usize, 3u64, 5u64), (4097, 0, 1), (3 << 20, 8, 8)]
@@ -423,8 +503,9 @@ fn port_put_signal_flush(
                     pieces as i32,
                     TIMEOUT_NS,
                 )?;
-                if op == PortOp::PutThenFlush {
-                    // the flush returned only after the data landed: now signal
+                if op == PortOp::PutThenFlush || op == PortOp::Put {
+                    // PutThenFlush: the flush returned only after the data
+                    // landed; Put: the signal must order after the puts. Now signal.
                     testing::portchan_op(
                         c.device,
                         c.stream.handle(),
@@ -947,6 +1028,7 @@ fn multi_rank_suite() {
         ("memchan_pingpong", memchan_pingpong),
         ("memchan_put_get_odd_sizes", memchan_put_get),
         ("packets_ll8_ll16", packets),
+        ("portchan_pingpong_cuda_ipc", portchan_pingpong),
         ("port_cuda_ipc_put_signal_flush", |c| {
             port_put_signal_flush(c, &c.comm, &c.buf, Transport::CudaIpc)
         }),

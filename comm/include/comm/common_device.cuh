@@ -78,6 +78,15 @@ __device__ __forceinline__ void store_relaxed_sys(uint64_t* p, uint64_t v) {
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
 }
 
+// Fire-and-forget atomic adds (no value returned: the issuing thread does not
+// wait for the target, which may be a peer's memory over NVLink).
+__device__ __forceinline__ void red_add_release_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+__device__ __forceinline__ void red_add_relaxed_sys(uint64_t* p, uint64_t v) {
+  asm volatile("red.relaxed.sys.global.add.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+}
+
 // Records the first failure into `err` (if not null). Later failures are dropped.
 __device__ __forceinline__ void report_error(DeviceError* err, uint32_t code, uint32_t kind,
                                              int32_t rank, int32_t peer, uint64_t id,

@@ -4,7 +4,16 @@
 // add on `head` (GPU memory), waits while the ring is full (bounded), writes
 // `fst` then `snd` (release): a slot is full when its `snd` is non-zero (every
 // trigger type is non-zero and lives in `snd`'s top bits). The proxy pops slots
-// in order, clears them, and publishes how many it has finished in `tail`.
+// in order, clears them, and publishes how many it has finished in `tail`
+// (host memory).
+//
+// Room check: `tail_replica` (GPU memory) is a lower bound of `tail` that the
+// proxy refreshes with a stream write every quarter ring it pops (posted
+// writes into GPU memory, no GPU read of host memory) and that producers raise
+// with what they read from `tail`. A push compares with the replica only; only
+// when the ring looks full does it wait, polling the replica and, every
+// kHostTailPollEvery-th poll (the first included), the host `tail` itself (a
+// PCIe read round trip), so progress never depends on the proxy's refresh.
 // A push that times out (the proxy stopped popping) leaves its claimed slot
 // unwritten, so the FIFO cannot make progress past it: such a timeout is
 // fatal for the FIFO, and the error record says which rank and FIFO.
@@ -64,12 +73,24 @@ __host__ __device__ __forceinline__ ProxyTrigger make_atomic_trigger(uint64_t ty
   return t;
 }
 
+// While the ring looks full, one poll in this many reads the host `tail`
+// (the others read the GPU replica).
+constexpr uint32_t kHostTailPollEvery = 8;
+
+#if defined(__CUDACC__)
+__device__ __forceinline__ uint64_t load_relaxed_gpu(const uint64_t* p) {
+  uint64_t v;
+  asm volatile("ld.relaxed.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+}
+#endif
+
 struct FifoDeviceHandle {
   ProxyTrigger* triggers;  // host-mapped ring of `size` slots; GPU writes, proxy reads and clears
   uint64_t* head;          // GPU memory; producers claim slots with atomicAdd; proxy never reads
   uint64_t* tail;          // host-mapped; proxy writes (slots finished), GPU reads
-  uint64_t* tail_cache;    // GPU memory; producers' last seen `tail` (a lower bound), so a push
-                           // reads host memory over PCIe only when the ring looks full
+  uint64_t* tail_replica;  // GPU memory; a lower bound of `tail`: written by the proxy (stream
+                           // write) and raised by producers (atomicMax of what they read)
   DeviceError* error;      // host-mapped; GPU writes on timeout, host reads
   int32_t size;            // slots in the ring
   int32_t rank;            // for error reports
@@ -82,16 +103,21 @@ struct FifoDeviceHandle {
   __device__ __forceinline__ uint64_t push(ProxyTrigger t,
                                           int64_t timeout_ns = kDefaultTimeoutNs) {
     const uint64_t pos = atomicAdd(reinterpret_cast<unsigned long long*>(head), 1ull);
-    if (pos >= uint64_t(size) + *reinterpret_cast<volatile uint64_t*>(tail_cache)) {
+    if (pos >= uint64_t(size) + load_relaxed_gpu(tail_replica)) {
       bool ok;
-      const uint64_t seen =
-          spin_until([&] { return load_acquire_sys(tail); },
-                     [&](uint64_t v) { return pos < uint64_t(size) + v; }, timeout_ns, ok);
+      uint32_t polls = 0;
+      bool from_host = false;
+      const uint64_t seen = spin_until(
+          [&] {
+            from_host = polls++ % kHostTailPollEvery == 0;
+            return from_host ? load_acquire_sys(tail) : load_relaxed_gpu(tail_replica);
+          },
+          [&](uint64_t v) { return pos < uint64_t(size) + v; }, timeout_ns, ok);
       if (!ok) {
         report_error(error, kErrorTimeout, kWaitFifoSpace, rank, -1, id, pos - size + 1, seen);
         return pos;  // the trigger is dropped; the host reports the error
       }
-      atomicMax(reinterpret_cast<unsigned long long*>(tail_cache), seen);
+      if (from_host) atomicMax(reinterpret_cast<unsigned long long*>(tail_replica), seen);
     }
     ProxyTrigger* slot = &triggers[pos % uint64_t(size)];
     store_relaxed_sys(&slot->fst, t.fst);

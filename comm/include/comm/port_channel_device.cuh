@@ -1,7 +1,9 @@
 // Port channel: the GPU asks a CPU proxy to move data to a peer (through the
-// FIFO), and waits on a semaphore the peer's proxy updates. The proxy performs
-// the operation on whatever connection links the two ranks (CUDA IPC copies on
-// a proxy stream, Ethernet, later IB verbs).
+// FIFO), and waits on a semaphore the peer's proxy updates (over CUDA IPC the
+// counter is in shared host memory: the peer's proxy signals with a CPU store
+// when nothing of its connection is in flight, else a stream write behind it).
+// The proxy performs the operation on whatever connection links the two ranks
+// (CUDA IPC copies on a proxy stream, Ethernet, IB verbs).
 //
 // Memory ids index the proxy's tables of registered memory: `dst_mem` a peer's
 // memory, `src_mem` a local one. Offsets and sizes are 32-bit (< 4 GiB).

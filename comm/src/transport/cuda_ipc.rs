@@ -2,10 +2,23 @@
 //! IPC handle or cuMem fd), and every operation is enqueued on the one stream
 //! that all CUDA IPC connections of a Communicator share (the proxy's; see
 //! [`CudaIpcConnection::new`] for why one): copies with `cuMemcpyAsync` (copy engines),
-//! signals with `cuStreamWriteValue64` (the value is captured when enqueued, so
-//! a signal can never overtake the data issued before it), atomics with a
-//! one-thread kernel doing a real `atomicAdd` on the target over NVLink.
+//! atomics with a one-thread kernel doing a real `atomicAdd` on the target over
+//! NVLink.
+//!
+//! Signals (`set`): a port channel's inbound counter lives in the peer's shared
+//! host memory ([`crate::host_memory::HostMemory::shared`], mapped here too), so
+//! when every operation this connection enqueued before is known complete the
+//! proxy signals with one CPU store (release), no driver call. Otherwise (a
+//! put still in flight, or a target without a CPU mapping) the signal is a
+//! `cuStreamWriteValue64` behind that work on the stream, as before (the value
+//! is captured when enqueued, so a signal never overtakes the data issued
+//! before it). "Known complete": the connection counts the operations it
+//! enqueued and the count it last saw drained (a `cuStreamQuery` that found
+//! the stream idle, or a flush); see [`IssueCount`]. A completed copy's data
+//! is in the peer's memory before the stream reports it complete, so a store
+//! made after that report orders after the data, as the stream operation did.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,11 +29,56 @@ use crate::cuda::OwnedStream;
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::registered_memory::RegisteredMemory;
 
+/// How many stream operations a connection enqueued, and how many of them
+/// are known complete. Operations are counted after they were enqueued; a
+/// query that finds the stream idle proves complete every operation counted
+/// before the query was made (the count is read first).
+#[derive(Debug, Default)]
+pub(crate) struct IssueCount {
+    issued: AtomicU64,
+    done: AtomicU64,
+}
+
+impl IssueCount {
+    /// Counts one operation (call after it was enqueued).
+    pub(crate) fn issued(&self) {
+        self.issued.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The count to pass to [`saw_idle`](Self::saw_idle) after a query or
+    /// synchronisation made from now on found the stream idle.
+    pub(crate) fn snapshot(&self) -> u64 {
+        self.issued.load(Ordering::Acquire)
+    }
+
+    /// Records that the stream was idle after `snapshot` was taken.
+    pub(crate) fn saw_idle(&self, snapshot: u64) {
+        self.done.fetch_max(snapshot, Ordering::AcqRel);
+    }
+
+    /// Whether every counted operation has completed: true at once when the
+    /// last idle stream seen covers them all, else asks `busy` (a stream
+    /// query) once.
+    pub(crate) fn drained(&self, busy: impl FnOnce() -> Result<bool>) -> Result<bool> {
+        let n = self.snapshot();
+        if self.done.load(Ordering::Acquire) >= n {
+            return Ok(true);
+        }
+        if busy()? {
+            return Ok(false);
+        }
+        self.saw_idle(n);
+        Ok(true)
+    }
+}
+
 #[derive(Debug)]
 pub struct CudaIpcConnection {
     rank: usize,
     remote_rank: usize,
     stream: Arc<OwnedStream>,
+    /// This connection's stream operations (for the CPU-store signal).
+    ops: IssueCount,
 }
 
 impl CudaIpcConnection {
@@ -39,6 +97,7 @@ impl CudaIpcConnection {
             rank,
             remote_rank,
             stream,
+            ops: IssueCount::default(),
         }
     }
 
@@ -82,10 +141,22 @@ impl Connection for CudaIpcConnection {
         // SAFETY: both ranges were checked against their registrations and are mapped here.
         unsafe { sys::cuMemcpyAsync(d, s, size as usize, self.stream.handle().raw()) }
             .result()
-            .call("cuMemcpyAsync")
+            .call("cuMemcpyAsync")?;
+        self.ops.issued();
+        Ok(())
     }
 
     fn set(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()> {
+        if let Some(cpu) = dst.host_ptr() {
+            if self.ops.drained(|| self.stream.is_busy())? {
+                // SAFETY: the word was checked (in range, 8-byte aligned) against
+                // the peer's shared host memory, which is mapped here (host_ptr)
+                // for as long as `dst` lives.
+                let word = unsafe { AtomicU64::from_ptr((cpu + dst_offset) as *mut u64) };
+                word.store(value, Ordering::Release);
+                return Ok(());
+            }
+        }
         let d = self.mapped(dst, "signal destination")? + dst_offset;
         self.stream.device().make_current()?;
         // SAFETY: an aligned u64 inside the peer's mapped registration.
@@ -98,7 +169,9 @@ impl Connection for CudaIpcConnection {
             )
         }
         .result()
-        .call("cuStreamWriteValue64")
+        .call("cuStreamWriteValue64")?;
+        self.ops.issued();
+        Ok(())
     }
 
     fn add(
@@ -118,14 +191,22 @@ impl Connection for CudaIpcConnection {
                 value,
                 width == AtomicWidth::U64,
             )
-        }
+        }?;
+        self.ops.issued();
+        Ok(())
     }
 
     fn busy(&self) -> Option<bool> {
-        self.stream.is_busy().ok()
+        let n = self.ops.snapshot();
+        let busy = self.stream.is_busy().ok()?;
+        if !busy {
+            self.ops.saw_idle(n);
+        }
+        Some(busy)
     }
 
     fn flush(&self, timeout: Duration) -> Result<()> {
+        let n = self.ops.snapshot();
         self.stream.synchronize_bounded(
             timeout,
             self.rank as i64,
@@ -133,6 +214,41 @@ impl Connection for CudaIpcConnection {
                 "CUDA IPC operations to rank {} (and to the peers sharing its stream) to complete",
                 self.remote_rank
             ),
-        )
+        )?;
+        self.ops.saw_idle(n);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::IssueCount;
+
+    #[test]
+    fn only_an_idle_stream_seen_after_the_last_operation_drains_it() {
+        let c = IssueCount::default();
+        // Nothing issued: drained without asking the stream.
+        assert!(c.drained(|| panic!("no query needed")).unwrap());
+        c.issued();
+        assert!(!c.drained(|| Ok(true)).unwrap(), "the stream is busy");
+        assert!(c.drained(|| Ok(false)).unwrap(), "an idle stream drains it");
+        assert!(c.drained(|| panic!("already known drained")).unwrap());
+        // An idle stream seen before an operation was issued proves nothing about it.
+        let before = c.snapshot();
+        c.issued();
+        c.saw_idle(before);
+        assert!(!c.drained(|| Ok(true)).unwrap());
+        let after = c.snapshot();
+        c.saw_idle(after);
+        assert!(c
+            .drained(|| panic!("covered by the idle stream seen"))
+            .unwrap());
+        assert!(c
+            .drained(|| Err(crate::error::CommError::invalid("x", "y")))
+            .is_ok());
+        c.issued();
+        assert!(c
+            .drained(|| Err(crate::error::CommError::invalid("x", "y")))
+            .is_err());
     }
 }
