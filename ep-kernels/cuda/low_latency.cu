@@ -41,6 +41,10 @@ constexpr int kMaxRanks = 32;
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxTopk = 32;
+// Largest hidden size (LL_MAX_HIDDEN in Rust): at most 64 fp8 scales per
+// token, two per lane of the copying warp (dispatch_recv).
+constexpr int kMaxHidden = 8192;
+static_assert(kMaxHidden / 128 <= 64, "dispatch_recv moves at most 64 scales per message");
 // A dispatch message (one per token and destination rank): int4 {token, n, 0,
 // 0}, then n <= K pairs {local expert, occurrence} (int2, in k order), padded
 // to 16 bytes; then the payload (fp8 + scales, or bf16).
@@ -209,28 +213,73 @@ __device__ void publish(const LlCtx& c, int parity, int d, int64_t inbox_bytes, 
   port.put(uint64_t(parity * kMaxRanks + c.rank) * 8, out_off, 8);
 }
 
-// One arrival for peer d (after this warp's writes for d); the last of
-// `expected` arrivals publishes. Lane 0 only.
-__device__ __forceinline__ void arrive(const LlCtx& c, int parity, int d, int expected,
-                                       int64_t inbox_bytes, int64_t used_bytes, uint64_t seq) {
+// One arrival for peer d (after this warp's writes for d): adds `add` to d's
+// arrival counter; the arrival that brings it to `target` is the last and
+// publishes (and resets the counter for the next call). Lane 0 only.
+// `used_bytes` < 0: the proxy put's size is read from the staged inbox header
+// (dispatch: the header arrival carried the message count; see
+// dispatch_send), only by the last arrival and only for a proxied peer.
+__device__ __forceinline__ void arrive(const LlCtx& c, int parity, int d, uint32_t add,
+                                       uint32_t target, int64_t inbox_bytes, int64_t used_bytes,
+                                       uint64_t seq, int experts_per_rank = 0,
+                                       int64_t msg_bytes = 0) {
   __threadfence_system();
   uint32_t* done = c.state + kStateDone + d;
-  const uint32_t prev = atomicAdd(done, 1u);
-  if (int(prev) + 1 == expected) {
+  const uint32_t prev = atomicAdd(done, add);
+  if (prev + add == target) {
     *done = 0;
+    if (used_bytes < 0) {
+      used_bytes = 0;
+      if (c.use_proxy && d != c.rank) {
+        // Acquire side of the header block's fence + add (which this add
+        // follows in the counter's RMW chain): its header stores are visible.
+        __threadfence();
+        const int* h = reinterpret_cast<const int*>(send_inbox(c, parity, d, inbox_bytes));
+        const int n = ld_cg_i32(h + experts_per_rank);
+        used_bytes = inbox_header_bytes(experts_per_rank) + int64_t(n) * msg_bytes;
+      }
+    }
     publish(c, parity, d, inbox_bytes, used_bytes, seq);
   }
 }
+// Dispatch arrivals: every message adds 1, the header block adds
+// kArrivalsDone - (messages to d), so the counter reaches kArrivalsDone exactly
+// at the last of the messages + 1 arrivals whatever their order (before the
+// header's add it is at most the message count < kArrivalsDone); the message
+// warps need not know how many messages their destination gets.
+constexpr uint32_t kArrivalsDone = 1u << 30;
 
-// Waits (lane 0) for the flag of `src` on `parity` to reach the call count, at
-// most `timeout_ns` of GPU time (comm::WaitClock). Returns false on timeout:
-// the peer is masked (shrink) or an error recorded.
+// The receive halves' first look at the flags, issued at the start of the
+// half together with the call counter's load instead of after it (the parity
+// picks the flag): thread p * 32 + s (p = 0, 1; s < R) loads source s's flag
+// of parity p with acquire semantics, and the mask entry of s. The thread of
+// this call's parity then waits from that value on (wait_flag), so when the
+// data is already there the chain is one round trip (counter, flag and mask
+// in flight together), not counter -> mask -> flag.
+struct FirstPoll {
+  uint64_t flag;
+  int32_t masked;
+};
+__device__ __forceinline__ FirstPoll first_poll(const LlCtx& c) {
+  FirstPoll f{0, 0};
+  const int s = threadIdx.x % 32, p = threadIdx.x / 32;
+  if (p < 2 && s < c.num_ranks) {
+    f.masked = *reinterpret_cast<volatile int32_t*>(c.mask + s);
+    f.flag = comm::load_acquire_sys(flag_ptr(c.local, p, s));
+  }
+  return f;
+}
+
+// Waits (thread parity * 32 + src, which loaded `f`) for the flag of `src` on
+// `parity` to reach the call count, at most `timeout_ns` of GPU time
+// (comm::WaitClock). Returns false on timeout: the peer is masked (shrink) or
+// an error recorded (rank, peer, parity, wanted and seen flag values).
 __device__ bool wait_flag(const LlCtx& c, int parity, int src, uint64_t seq, uint32_t kind,
-                          int64_t* cycles) {
+                          int64_t* cycles, const FirstPoll& f) {
   const uint64_t want = calls_on_parity(seq);
-  const uint64_t* f = flag_ptr(c.local, parity, src);
+  const uint64_t* flag = flag_ptr(c.local, parity, src);
   const long long t0 = clock64();
-  uint64_t v = comm::load_acquire_sys(f);
+  uint64_t v = f.flag;
   comm::WaitClock clock(c.timeout_ns > uint64_t(INT64_MAX) ? INT64_MAX : int64_t(c.timeout_ns));
   while (v < want) {
     if (is_masked(c, src)) return false;
@@ -243,11 +292,34 @@ __device__ bool wait_flag(const LlCtx& c, int parity, int src, uint64_t seq, uin
       }
       return false;
     }
-    v = comm::load_acquire_sys(f);
+    v = comm::load_acquire_sys(flag);
   }
   if (cycles) *cycles = clock64() - t0;
   return true;
 }
+
+// The receive half's share of advancing the call counter: one thread per
+// block, after a barrier that follows every thread's read of the counter
+// (current_seq at kernel start). The last block's ticket advances it. Taken
+// before the copy-out / sums (not after them, at the end of the kernel, where
+// its fence and atomic round trip were the block's last ~1 us), so the round
+// trip overlaps them; the counter is read by no one else before the next
+// kernel. Ordering: each
+// block's fence + ticket add happen after its counter reads (the barrier);
+// the last block's add follows them in the ticket's RMW chain, then its fence,
+// then the store: no block can read the advanced value.
+__device__ __forceinline__ void take_ticket(const LlCtx& c) {
+  __threadfence();
+  if (comm::last_block_ticket(c.state + kStateTicket)) {
+    __threadfence();
+    uint64_t* seq = reinterpret_cast<uint64_t*>(c.state);
+    *seq = *seq + 1;
+    __threadfence();
+  }
+}
+// Which thread takes the ticket: lane 0 of the last warp (it never waits for a
+// flag, and is the last to get a message / channels to work on).
+__device__ __forceinline__ bool ticket_thread() { return threadIdx.x == kThreads - 32; }
 
 // Exclusive prefix sums of the n ints in[i * stride] into out[i * stride] (may
 // alias in), by one warp (every lane calls it); returns the total.
@@ -283,24 +355,32 @@ __device__ __forceinline__ int64_t valid_id(int64_t e, int num_experts) {
   return (e >= 0 && e < num_experts) ? e : -1;
 }
 
-// `report` (null: none): an id outside [-1, E) is recorded in its error record
-// (token, column of the [N, num_topk] ids, value), raised by the host later.
+// The ids of a token's k slots as int (-1: none), from the int64 entry.
+__device__ __forceinline__ int valid_id32(int64_t e, int num_experts) {
+  return (e >= 0 && e < num_experts) ? int(e) : -1;
+}
+
+// Combine's routing: per-expert counts of this rank's (token, k) entries, the
+// prefixes per destination rank, and (t0 >= 0) ek / occ of token t0, fused
+// into the same pass over the ids (token_routing for the others). Whole block;
+// ends with a barrier.
 __device__ void count_routing(const Routing& r, const int64_t* topk, int n_entries, int num_experts,
-                              int experts_per_rank, int num_ranks, const LlCtx* report = nullptr,
-                              int num_topk = 1) {
+                              int experts_per_rank, int num_ranks, int t0, int num_topk) {
   for (int e = threadIdx.x; e < num_experts; e += blockDim.x) r.cnt[e] = 0;
+  if (t0 >= 0 && threadIdx.x < num_topk) {
+    r.ek[threadIdx.x] = valid_id32(topk[int64_t(t0) * num_topk + threadIdx.x], num_experts);
+    r.occ[threadIdx.x] = 0;
+  }
   __syncthreads();
+  const int64_t base = int64_t(t0) * num_topk;
   for (int i = threadIdx.x; i < n_entries; i += blockDim.x) {
-    const int64_t raw = topk[i];
-    const int64_t e = valid_id(raw, num_experts);
-    if (e >= 0) {
-      atomicAdd(r.cnt + e, 1);
-    } else if (report != nullptr && raw != -1) {
-      comm::report_error(report->error, comm::kErrorInvalid, comm::kInvalidExpertId,
-                         report->rank, -1,
-                         (uint64_t(i / num_topk) << 8) | uint64_t(i % num_topk),
-                         uint64_t(num_experts), uint64_t(raw));
-    }
+    const int e = valid_id32(topk[i], num_experts);
+    if (e < 0) continue;
+    atomicAdd(r.cnt + e, 1);
+    // Occurrence of (t0, k): the entries before it with the same id.
+    if (t0 >= 0 && i < base + num_topk)
+      for (int k = 0; k < num_topk; ++k)
+        if (r.ek[k] == e && i < base + k) atomicAdd(r.occ + k, 1);
   }
   __syncthreads();
   // One warp per destination rank: prefixes over its experts, and its total.
@@ -339,50 +419,87 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t by
   for (int64_t i = lane; i < n; i += 32) st_na(d + i, s[i]);
 }
 
-// The last block of the receive half advances the call counter.
-__device__ __forceinline__ void finish_call(const LlCtx& c) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    if (comm::last_block_ticket(c.state + kStateTicket)) {
-      uint64_t* seq = reinterpret_cast<uint64_t*>(c.state);
-      *seq = *seq + 1;
-      __threadfence();
-    }
-  }
-}
-
 // ---- dispatch ---------------------------------------------------------------------
 
-// Adds to out[d] (shared, R entries) the number of tokens t < upto with at
-// least one valid expert on rank d (whole block; ballots per warp).
-__device__ void tokens_per_dest(const int64_t* topk, int upto, int K, int E, int EL, int R,
-                                int* out) {
+// The send half's routing state (shared memory, dispatch_smem in Rust:
+// E + 4 kMaxTopk + kMaxRanks + 4 ints, then kThreads bytes, then the message).
+// Block b keeps running counts over the tokens it has routed so far, [0, done):
+// advancing them to its next token t costs one pass over the ids of
+// [done, t), so its occurrences and message slots follow from counters instead
+// of a per-token rescan of every earlier token.
+struct SendRouting {
+  int* hist;   // [E] entries of tokens [0, done) per expert
+  int* tpos;   // [kMaxRanks] tokens of [0, done) with an expert on rank d
+  int* ek;     // [kMaxTopk] the current token's ids (-1: none)
+  int* occ;    // [kMaxTopk] occurrence of (t, k)
+  int* dl;     // [kMaxTopk] the current token's distinct destinations (first-k order)
+  int* dpos;   // [kMaxTopk] its message slot on dl[i]
+  int* nd;     // the number of distinct destinations
+  int8_t* sd;  // [kThreads] destination rank of each entry of a chunk (-1: none)
+};
+
+// Adds the tokens [from, to) to hist / tpos, in chunks of whole tokens (one
+// entry per thread; K <= 32 so a chunk holds at least 32 tokens). An entry
+// counts for tpos when no earlier slot of its token has the same destination
+// (warp-aggregated with match.any). `report` (the header block, which passes
+// every token exactly once): ids outside [-1, E) are recorded (token, column
+// of the [N, num_topk] ids, value), raised by the host later. Whole block;
+// ends with a barrier when there was work.
+__device__ void route_tokens(const SendRouting& r, const int64_t* topk, int from, int to, int K,
+                             int E, int EL, const LlCtx* report) {
+  const int tpc = blockDim.x / K;
   const int lane = threadIdx.x % 32;
-  for (int base = 0; base < upto; base += blockDim.x) {
-    const int t = base + threadIdx.x;
-    uint32_t m = 0;
-    if (t < upto)
-      for (int k = 0; k < K; ++k) {
-        const int64_t e = valid_id(topk[int64_t(t) * K + k], E);
-        if (e >= 0) m |= 1u << (e / EL);
+  const int i = threadIdx.x;
+  for (int c0 = from; c0 < to; c0 += tpc) {
+    const int n = (to - c0 < tpc ? to - c0 : tpc) * K;
+    int d = -1;
+    if (i < n) {
+      const int64_t g = int64_t(c0) * K + i;
+      const int64_t raw = topk[g];
+      const int e = valid_id32(raw, E);
+      if (e >= 0) {
+        d = e / EL;
+        atomicAdd(r.hist + e, 1);
+      } else if (report != nullptr && raw != -1) {
+        comm::report_error(report->error, comm::kErrorInvalid, comm::kInvalidExpertId,
+                           report->rank, -1, (uint64_t(g / K) << 8) | uint64_t(g % K),
+                           uint64_t(E), uint64_t(raw));
       }
-    for (int d = 0; d < R; ++d) {
-      const int n = __popc(__ballot_sync(0xffffffffu, (m >> d) & 1u));
-      if (lane == 0 && n > 0) atomicAdd(out + d, n);
+      r.sd[i] = int8_t(d);
     }
+    __syncthreads();
+    bool lead = d >= 0;
+    if (lead) {
+      const int k = i % K;
+      const int8_t* row = r.sd + (i - k);
+      for (int k2 = 0; k2 < k; ++k2)
+        if (row[k2] == d) {
+          lead = false;
+          break;
+        }
+    }
+    const unsigned peers = __match_any_sync(0xffffffffu, lead ? d : -1);
+    if (lead && lane == __ffs(peers) - 1) atomicAdd(r.tpos + d, __popc(peers));
+    __syncthreads();
   }
 }
 
-// The cast of one token into the payload at `msg` (shared memory; the
-// per-destination header is written by the sending warp), H/8 threads each
-// owning 8 channels; exactly the reference's arithmetic.
-__device__ void build_message(const DispatchArgs& a, int t, char* msg) {
+// Token t's row (H/8 threads, 8 channels each), loaded before the routing so
+// its latency overlaps it.
+__device__ __forceinline__ int4 load_row(const DispatchArgs& a, int t) {
+  if (int(threadIdx.x) < a.hidden / 8)
+    return ld_nc(reinterpret_cast<const int4*>(a.x + int64_t(t) * a.hidden) + threadIdx.x);
+  return make_int4(0, 0, 0, 0);
+}
+
+// The cast of one token (its row in `raw`, from load_row) into the payload at
+// `msg` (shared memory; the per-destination header is written by the sending
+// warp), H/8 threads each owning 8 channels; exactly the reference's
+// arithmetic.
+__device__ void build_message(const DispatchArgs& a, int4 raw, char* msg) {
   const int H = a.hidden;
   const int i = threadIdx.x;  // owns channels 8i .. 8i + 7
   const bool active = i < H / 8;
-  int4 raw = make_int4(0, 0, 0, 0);
-  if (active) raw = ld_nc(reinterpret_cast<const int4*>(a.x + int64_t(t) * H) + i);
   if (!a.use_fp8) {
     if (active) reinterpret_cast<int4*>(msg)[i] = raw;
     return;
@@ -439,73 +556,85 @@ __device__ void build_message(const DispatchArgs& a, int t, char* msg) {
   }
 }
 
+// Send half. No block waits for another: block b routes its tokens b, b + grid,
+// ... from running counts (route_tokens), casts each once, and one warp per
+// distinct destination rank of the token stores its message. The header block
+// hb (N % grid: one of the blocks with the fewest tokens; with more blocks
+// than tokens, one without a token) also routes the rest of the tokens and
+// writes every inbox header (this rank's counts for the peer's experts and its
+// number of messages), then adds kArrivalsDone - messages to each counter.
 __device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t seq, char* smem) {
   const int parity = int(seq & 1);
   const int R = c.num_ranks;
   const int E = a.num_experts;
   const int EL = E / R;
   const int K = a.num_topk;
+  const int N = a.num_tokens;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t hdr = inbox_header_bytes(EL);
   const int mh = msg_header_bytes(K);
-  Routing r;
-  r.cnt = reinterpret_cast<int*>(smem);
-  r.prefix = r.cnt + E;
-  r.total = r.prefix + E;
-  r.ek = r.total + kMaxRanks;
+  SendRouting r;
+  r.hist = reinterpret_cast<int*>(smem);
+  r.tpos = r.hist + E;
+  r.ek = r.tpos + kMaxRanks;
   r.occ = r.ek + kMaxTopk;
-  int* ntok = r.occ + kMaxTopk;  // [R] messages (tokens) per destination
-  int* pos = ntok + kMaxRanks;   // [R] the current token's message slot per destination
-  int* dl = pos + kMaxRanks;     // [K] the current token's distinct destinations
-  int* nd = dl + kMaxTopk;       // their number
-  char* msg = smem + (int64_t(2 * E + 4 * kMaxRanks + 4 * kMaxTopk + 4) * 4 + 15) / 16 * 16;
-  if (threadIdx.x < kMaxRanks) ntok[threadIdx.x] = 0;
-  // Block 0 also reports ids outside [-1, E) (they count nowhere).
-  count_routing(r, a.topk, a.num_tokens * K, E, EL, R, blockIdx.x == 0 ? &c : nullptr, K);
-  tokens_per_dest(a.topk, a.num_tokens, K, E, EL, R, ntok);
+  r.dl = r.occ + kMaxTopk;
+  r.dpos = r.dl + kMaxTopk;
+  r.nd = r.dpos + kMaxTopk;
+  r.sd = reinterpret_cast<int8_t*>(smem + (int64_t(E + 4 * kMaxTopk + kMaxRanks + 4) * 4 + 15) /
+                                              16 * 16);
+  char* msg = reinterpret_cast<char*>(r.sd) + kThreads;
+  const int hb = N % int(gridDim.x);
+  const LlCtx* report = int(blockIdx.x) == hb ? &c : nullptr;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) r.hist[e] = 0;
+  if (threadIdx.x < kMaxRanks) r.tpos[threadIdx.x] = 0;
   __syncthreads();
-  stamp(c, 0, 2);
-
-  // Block 0 writes every inbox header (this rank's counts for the peer's
-  // experts and its number of messages): one arrival per peer, so a peer with
-  // no message still publishes.
-  if (blockIdx.x == 0) {
-    for (int d = warp; d < R; d += kWarps) {
-      if (is_masked(c, d)) continue;
-      int* h = reinterpret_cast<int*>(send_inbox(c, parity, d, a.inbox_bytes));
-      for (int j = lane; j < EL; j += 32) h[j] = r.cnt[d * EL + j];
-      if (lane == 0) h[EL] = ntok[d];
-      __syncwarp();
-      if (lane == 0)
-        arrive(c, parity, d, ntok[d] + 1, a.inbox_bytes, hdr + int64_t(ntok[d]) * a.msg_bytes,
-               seq);
-    }
-  }
-  for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
+  int done = 0;  // tokens [0, done) are in hist / tpos
+  for (int t = blockIdx.x; t < N; t += gridDim.x) {
     const bool first = t == int(blockIdx.x);
-    if (threadIdx.x < kMaxRanks) pos[threadIdx.x] = 0;
-    token_routing(r, a.topk, t, K, E);  // ends with a barrier
-    tokens_per_dest(a.topk, t, K, E, EL, R, pos);
+    // Loads that do not wait for the routing: the token's ids (warp 0, lane
+    // k) and its row.
+    const int64_t raw_id = warp == 0 && lane < K ? a.topk[int64_t(t) * K + lane] : -1;
+    const int4 row = load_row(a, t);
+    route_tokens(r, a.topk, done, t, K, E, EL, report);
+    done = t;
+    if (first) stamp(c, 0, 2);
     if (warp == 0) {
-      // Distinct destinations of token t, in the order of their first k.
-      const int d = lane < K && r.ek[lane] >= 0 ? r.ek[lane] / EL : -1;
-      bool leader = d >= 0;
+      // Lane k: occurrence of (t, k) = earlier tokens' entries with its id +
+      // earlier slots of t with it; whether it is the first slot of t for its
+      // destination; the distinct destinations in first-k order and their
+      // message slots (tokens before t with an expert there).
+      const int e = lane < K ? valid_id32(raw_id, E) : -1;
+      const int d = e >= 0 ? e / EL : -1;
+      int occ = e >= 0 ? r.hist[e] : 0;
+      bool lead = d >= 0;
       for (int k2 = 0; k2 < K; ++k2) {
+        const int e2 = __shfl_sync(0xffffffffu, e, k2);
         const int d2 = __shfl_sync(0xffffffffu, d, k2);
-        if (k2 < lane && d2 == d) leader = false;
+        if (k2 < lane && e >= 0 && e2 == e) ++occ;
+        if (k2 < lane && d2 == d) lead = false;
       }
-      const unsigned lm = __ballot_sync(0xffffffffu, leader);
-      if (leader) dl[__popc(lm & ((1u << lane) - 1u))] = d;
-      if (lane == 0) *nd = __popc(lm);
+      const unsigned lm = __ballot_sync(0xffffffffu, lead);
+      if (lead) {
+        const int slot = __popc(lm & ((1u << lane) - 1u));
+        r.dl[slot] = d;
+        r.dpos[slot] = r.tpos[d];
+      }
+      if (lane < K) {
+        r.ek[lane] = e;
+        r.occ[lane] = occ;
+      }
+      if (lane == 0) *r.nd = __popc(lm);
     }
     if (first) stamp(c, 0, 3);
-    build_message(a, t, msg);
+    build_message(a, row, msg);
     __syncthreads();
     if (first) stamp(c, 0, 4);
-    if (warp < *nd) {
-      const int d = dl[warp];
+    if (warp < *r.nd) {
+      const int d = r.dl[warp];
       if (!is_masked(c, d)) {
-        char* dst = send_inbox(c, parity, d, a.inbox_bytes) + hdr + int64_t(pos[d]) * a.msg_bytes;
+        char* dst =
+            send_inbox(c, parity, d, a.inbox_bytes) + hdr + int64_t(r.dpos[warp]) * a.msg_bytes;
         if (first) stamp(c, 0, 11);
         // Header: the token and, in k order, (local expert, occurrence) of every
         // k whose expert lives on d.
@@ -519,13 +648,29 @@ __device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t se
         __syncwarp();
         if (first) stamp(c, 0, 12);
         if (lane == 0)
-          arrive(c, parity, d, ntok[d] + 1, a.inbox_bytes, hdr + int64_t(ntok[d]) * a.msg_bytes,
-                 seq);
+          arrive(c, parity, d, 1u, kArrivalsDone, a.inbox_bytes, -1, seq, EL, a.msg_bytes);
         if (first) stamp(c, 0, 13);
       }
     }
+    // Before the next token's routing rewrites the counters, ek .. nd and msg.
     __syncthreads();
     if (first) stamp(c, 0, 5);
+  }
+  if (int(blockIdx.x) == hb) {
+    route_tokens(r, a.topk, done, N, K, E, EL, report);
+    // hist / tpos now cover every token: the inbox headers, one arrival per
+    // peer (so a peer with no message still publishes).
+    for (int d = warp; d < R; d += kWarps) {
+      if (is_masked(c, d)) continue;
+      int* h = reinterpret_cast<int*>(send_inbox(c, parity, d, a.inbox_bytes));
+      const int nmsg = r.tpos[d];
+      for (int j = lane; j < EL; j += 32) h[j] = r.hist[d * EL + j];
+      if (lane == 0) h[EL] = nmsg;
+      __syncwarp();
+      if (lane == 0)
+        arrive(c, parity, d, kArrivalsDone - uint32_t(nmsg), kArrivalsDone, a.inbox_bytes,
+               hdr + int64_t(nmsg) * a.msg_bytes, seq);
+    }
   }
   stamp(c, 0, 6);
 }
@@ -535,7 +680,8 @@ __device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t se
 // source-rank order (begin = counts of the lower sources), and the messages are
 // spread one per warp over the grid. Block 0 writes layout_range, recv_count and
 // the statistics.
-__device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t seq, char* smem) {
+__device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t seq, char* smem,
+                              const FirstPoll& poll) {
   const int parity = int(seq & 1);
   const int R = c.num_ranks;
   const int EL = a.num_experts / R;
@@ -559,11 +705,12 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
   int* timed_out = before + kMaxRanks + 1;
   if (threadIdx.x == 0) *timed_out = 0;
   __syncthreads();
-  if (threadIdx.x < R) {
-    const int s = threadIdx.x;
+  // Thread parity * 32 + s waits for source s, from its first poll.
+  if (int(threadIdx.x) / 32 == parity && lane < R) {
+    const int s = lane;
     int64_t cycles = 0;
     const bool ok =
-        !is_masked(c, s) && wait_flag(c, parity, s, seq, comm::kWaitLlDispatch, &cycles);
+        !poll.masked && wait_flag(c, parity, s, seq, comm::kWaitLlDispatch, &cycles, poll);
     live[s] = ok ? 1 : 0;
     if (!ok && !is_masked(c, s)) atomicExch(timed_out, 1);
     if (ok && blockIdx.x == 0 && a.stats_wait)
@@ -571,12 +718,17 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
                 static_cast<unsigned long long>(cycles));
   }
   __syncthreads();
+  // The header words and the mask (re-read: another block may have masked s)
+  // are loaded together, not one after the other.
   for (int u = threadIdx.x; u < R * EL; u += blockDim.x) {
     const int s = u / EL, j = u % EL;
     const int* h = reinterpret_cast<const int*>(c.local + c.recv_offset[parity] +
                                                 int64_t(s) * a.inbox_bytes);
-    cnt[u] = live[s] && !is_masked(c, s) ? ld_cg_i32(h + j) : 0;
-    if (j == 0) nmsg[s] = live[s] && !is_masked(c, s) ? ld_cg_i32(h + EL) : 0;
+    const int v = ld_cg_i32(h + j);
+    const int vn = j == 0 ? ld_cg_i32(h + EL) : 0;
+    const bool use = live[s] && !is_masked(c, s);
+    cnt[u] = use ? v : 0;
+    if (j == 0) nmsg[s] = use ? vn : 0;
   }
   __syncthreads();
   stamp(c, 0, 7);
@@ -627,6 +779,9 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
   }
   __syncthreads();
   stamp(c, 0, 8);
+  // Warp 31 has no message in the standard shape (about 350 messages on 132 x
+  // 32 warps): its ticket's round trip overlaps the copy-out.
+  if (ticket_thread()) take_ticket(c);
   const int total = reinterpret_cast<int*>(before + kMaxRanks)[0];
   // Message m goes to warp m / gridDim of block m % gridDim: every SM copies.
   const int gwarp = warp * gridDim.x + blockIdx.x;
@@ -634,65 +789,81 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
   const int K = a.num_topk;
   const int row_bytes = a.use_fp8 ? H : 2 * H;
   const int n16 = row_bytes / 16;
-  const int nsc = a.use_ue8m0 ? W : G;
+  const int nsc = a.use_fp8 ? (a.use_ue8m0 ? W : G) : 0;  // <= 64: two per lane
+  char* recv_x = static_cast<char*>(a.recv_x);
+  int* recv_sc = static_cast<int*>(a.recv_scales);
   for (int m = gwarp; m < total; m += nwarps) {
     // Source: the last s with before[s] <= m.
     int s = 0;
     while (s + 1 < R && before[s + 1] <= m) ++s;
     const char* msg = c.local + c.recv_offset[parity] + int64_t(s) * a.inbox_bytes + hdr +
                       int64_t(m - before[s]) * a.msg_bytes;
-    // Lane i < n holds the i-th (expert, occurrence) pair: its destination row
-    // (-1: out of range, the sender and this rank disagree; skipped).
+    // Every load of the message is issued before the first use: header, pair
+    // of lane k, scales, and the first batch of the payload (none depends on
+    // another), then the rest of the payload batch by batch (one round trip
+    // per 8 KiB of the message instead of one per load).
     const int4 head = ld_cg(reinterpret_cast<const int4*>(msg));
-    const int n = head.y < 0 ? 0 : (head.y > K ? K : head.y);
-    int64_t drow = -1;
-    if (lane < n) {
+    int pj = -1, pocc = -1;
+    if (lane < K) {
       const int* pr = reinterpret_cast<const int*>(msg + 16) + 2 * lane;
-      const int j = ld_cg_i32(pr), occ = ld_cg_i32(pr + 1);
-      if (j >= 0 && j < EL && occ >= 0 && occ < cnt[s * EL + j]) {
-        const int64_t rowi = int64_t(begin[s * EL + j]) + occ;
-        if (rowi < RT) drow = int64_t(j) * RT + rowi;
-      }
-      if (drow >= 0) a.src_info[drow] = head.x;
+      pj = ld_cg_i32(pr);
+      pocc = ld_cg_i32(pr + 1);
     }
+    const int* sc = reinterpret_cast<const int*>(msg + mh + H);
+    const int sc0 = lane < nsc ? ld_cg_i32(sc + lane) : 0;
+    const int sc1 = lane + 32 < nsc ? ld_cg_i32(sc + lane + 32) : 0;
     const int4* payload = reinterpret_cast<const int4*>(msg + mh);
-    char* recv_x = static_cast<char*>(a.recv_x);
-    // Loops are uniform over the warp (the shuffles need every lane): q0 is
-    // the warp's base index, lane q0 + lane copies.
     constexpr int kUnroll = 8;
-    int q0 = 0;
-    for (; q0 + 32 * kUnroll <= n16; q0 += 32 * kUnroll) {
-      int4 v[kUnroll];
+    int4 v[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) v[u] = ld_cg(payload + q0 + lane + 32 * u);
-      for (int p = 0; p < n; ++p) {
-        const int64_t r = __shfl_sync(0xffffffffu, drow, p);
-        if (r < 0) continue;
-        int4* dst = reinterpret_cast<int4*>(recv_x + r * row_bytes) + q0 + lane;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) dst[32 * u] = v[u];
+    for (int u = 0; u < kUnroll; ++u) {
+      const int q = lane + 32 * u;
+      v[u] = q < n16 ? ld_cg(payload + q) : make_int4(0, 0, 0, 0);
+    }
+    // Lane i < n holds the i-th (expert, occurrence) pair: its destination
+    // (local expert dj, row di; dj = -1: out of range, the sender and this
+    // rank disagree; skipped).
+    const int n = head.y < 0 ? 0 : (head.y > K ? K : head.y);
+    int dj = -1, di = 0;
+    if (lane < n && pj >= 0 && pj < EL && pocc >= 0 && pocc < cnt[s * EL + pj]) {
+      const int64_t rowi = int64_t(begin[s * EL + pj]) + pocc;
+      if (rowi < RT) {
+        dj = pj;
+        di = int(rowi);
+        a.src_info[int64_t(dj) * RT + di] = head.x;
       }
     }
-    for (; q0 < n16; q0 += 32) {
-      const int q = q0 + lane;
-      const int4 v = q < n16 ? ld_cg(payload + q) : make_int4(0, 0, 0, 0);
+    // Loops are uniform over the warp (the shuffles need every lane): q0 is
+    // the batch's base index, lane q0 + lane + 32 u copies.
+    for (int q0 = 0;;) {
       for (int p = 0; p < n; ++p) {
-        const int64_t r = __shfl_sync(0xffffffffu, drow, p);
-        if (r >= 0 && q < n16) reinterpret_cast<int4*>(recv_x + r * row_bytes)[q] = v;
-      }
-    }
-    if (a.use_fp8) {
-      const int* sc = reinterpret_cast<const int*>(msg + mh + H);
-      for (int g0 = 0; g0 < nsc; g0 += 32) {
-        const int g = g0 + lane;
-        const int v = g < nsc ? ld_cg_i32(sc + g) : 0;
-        for (int p = 0; p < n; ++p) {
-          const int64_t r = __shfl_sync(0xffffffffu, drow, p);
-          if (r < 0 || g >= nsc) continue;
-          // Column-major: element (j, row, g) at j*RT*nsc + g*RT + row.
-          const int64_t j = r / RT, rowi = r % RT;
-          static_cast<int*>(a.recv_scales)[j * RT * nsc + int64_t(g) * RT + rowi] = v;
+        const int j = __shfl_sync(0xffffffffu, dj, p);
+        const int ri = __shfl_sync(0xffffffffu, di, p);
+        if (j < 0) continue;
+        int4* dst = reinterpret_cast<int4*>(recv_x + (int64_t(j) * RT + ri) * row_bytes);
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int q = q0 + lane + 32 * u;
+          if (q < n16) dst[q] = v[u];
         }
+      }
+      q0 += 32 * kUnroll;
+      if (q0 >= n16) break;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int q = q0 + lane + 32 * u;
+        v[u] = q < n16 ? ld_cg(payload + q) : make_int4(0, 0, 0, 0);
+      }
+    }
+    if (nsc > 0) {
+      for (int p = 0; p < n; ++p) {
+        const int j = __shfl_sync(0xffffffffu, dj, p);
+        const int ri = __shfl_sync(0xffffffffu, di, p);
+        if (j < 0) continue;
+        // Column-major: element (j, row, g) at j*RT*nsc + g*RT + row.
+        int* base = recv_sc + int64_t(j) * RT * nsc + ri;
+        if (lane < nsc) base[int64_t(lane) * RT] = sc0;
+        if (lane + 32 < nsc) base[int64_t(lane + 32) * RT] = sc1;
       }
     }
   }
@@ -709,9 +880,12 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const uint64_t seq = current_seq(c);
   if (a.phases & 1) dispatch_send(c, a, seq, smem);
   if (a.phases & 2) {
+    // Issued before the barrier: in a receive-only launch these loads are in
+    // flight together with the call counter's.
+    const FirstPoll poll = first_poll(c);
     __syncthreads();
-    dispatch_recv(c, a, seq, smem);
-    finish_call(c);
+    dispatch_recv(c, a, seq, smem, poll);
+    __syncthreads();
     stamp(c, 0, 10);
   }
   stamp(c, 0, kProfSlots - 2);
@@ -760,7 +934,7 @@ __device__ void combine_send(const LlCtx& c, const CombineArgs& a, uint64_t seq,
   if (blockIdx.x == 0) {
     for (int s = warp; s < R; s += kWarps)
       if (lane == 0 && !is_masked(c, s))
-        arrive(c, parity, s, total[s] + 1, a.inbox_bytes, total[s] * row_bytes, seq);
+        arrive(c, parity, s, 1u, uint32_t(total[s] + 1), a.inbox_bytes, total[s] * row_bytes, seq);
   }
   // Row `item` goes to warp item / gridDim of block item % gridDim: every SM copies.
   const int gwarp = warp * gridDim.x + blockIdx.x;
@@ -784,19 +958,21 @@ __device__ void combine_send(const LlCtx& c, const CombineArgs& a, uint64_t seq,
     warp_copy16(dst, src, row_bytes, lane);
     __syncwarp();
     if (first) stamp(c, 1, 12);
-    if (lane == 0) arrive(c, parity, s, total[s] + 1, a.inbox_bytes, total[s] * row_bytes, seq);
+    if (lane == 0) arrive(c, parity, s, 1u, uint32_t(total[s] + 1), a.inbox_bytes, total[s] * row_bytes, seq);
     if (first) stamp(c, 1, 13);
   }
   stamp(c, 1, 3);
 }
 
-__device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq, char* smem) {
+__device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq, char* smem,
+                             const FirstPoll& poll) {
   const int parity = int(seq & 1);
   const int R = c.num_ranks;
   const int E = a.num_experts;
   const int EL = E / R;
   const int K = a.num_topk;
   const int H = a.hidden;
+  const int lane = threadIdx.x % 32;
   Routing r;
   r.cnt = reinterpret_cast<int*>(smem);
   r.prefix = r.cnt + E;
@@ -804,43 +980,67 @@ __device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq,
   r.ek = r.total + kMaxRanks;
   r.occ = r.ek + kMaxTopk;
   int* live = r.occ + kMaxTopk;  // [R] 1: data of rank d arrived
-  if (threadIdx.x < R) {
-    const int d = threadIdx.x;
+  // Thread parity * 32 + d waits for expert rank d, from its first poll (the
+  // other warps start the routing; its barriers wait for them).
+  if (int(threadIdx.x) / 32 == parity && lane < R) {
+    const int d = lane;
     int64_t cycles = 0;
-    const bool ok = !is_masked(c, d) && wait_flag(c, parity, d, seq, comm::kWaitLlCombine, &cycles);
+    const bool ok =
+        !poll.masked && wait_flag(c, parity, d, seq, comm::kWaitLlCombine, &cycles, poll);
     live[d] = ok ? 1 : 0;
     if (ok && blockIdx.x == 0 && a.stats_wait)
       atomicAdd(reinterpret_cast<unsigned long long*>(a.stats_wait + d),
                 static_cast<unsigned long long>(cycles));
   }
-  count_routing(r, a.topk, a.num_tokens * K, E, EL, R);
+  const int t0 = int(blockIdx.x) < a.num_tokens ? int(blockIdx.x) : -1;
+  count_routing(r, a.topk, a.num_tokens * K, E, EL, R, t0, K);
   stamp(c, 1, 5);
+  // Warp 31 sums nothing up to hidden 7936 (H / 8 threads sum): its ticket's
+  // round trip overlaps the sums.
+  if (ticket_thread()) take_ticket(c);
   const int i = threadIdx.x;  // channels 8i .. 8i + 7
   const int64_t row_bytes = int64_t(H) * 2;
+  const char* inbox = c.local + c.recv_offset[parity];
   for (int t = blockIdx.x; t < a.num_tokens; t += gridDim.x) {
-    token_routing(r, a.topk, t, K, E);
+    if (t != t0) token_routing(r, a.topk, t, K, E);
     if (i < H / 8) {
       float acc[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) acc[u] = 0.0f;
       bool poisoned = false;
-      for (int k = 0; k < K; ++k) {
-        const int e = r.ek[k];
-        if (e < 0) continue;
-        const int d = e / EL;
-        if (!live[d]) {
+      // kBatch slots' rows (and weights) are loaded before the first is
+      // summed: one round trip per kBatch slots, not one per slot. The sums
+      // stay in ascending k from +0, as in the reference.
+      constexpr int kBatch = 8;
+      for (int k0 = 0; k0 < K; k0 += kBatch) {
+        int4 v[kBatch];
+        float w[kBatch];
+        bool use[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int k = k0 + u;
+          const int e = k < K ? r.ek[k] : -1;
+          const int d = e >= 0 ? e / EL : 0;
+          use[u] = e >= 0 && live[d];
           // A rank that timed out (not one masked on purpose): this token's
           // sum would be partial, so it becomes NaN.
-          if (!is_masked(c, d)) poisoned = true;
-          continue;
+          if (e >= 0 && !live[d] && !is_masked(c, d)) poisoned = true;
+          w[u] = 0.0f;
+          v[u] = make_int4(0, 0, 0, 0);
+          if (use[u]) {
+            w[u] = a.weights[int64_t(t) * K + k];
+            const char* row = inbox + int64_t(d) * a.inbox_bytes +
+                              (int64_t(r.prefix[e]) + r.occ[k]) * row_bytes;
+            v[u] = ld_cg(reinterpret_cast<const int4*>(row) + i);
+          }
         }
-        const float w = a.weights[int64_t(t) * K + k];
-        const char* row = c.local + c.recv_offset[parity] + int64_t(d) * a.inbox_bytes +
-                          (int64_t(r.prefix[e]) + r.occ[k]) * row_bytes;
-        const int4 v = ld_cg(reinterpret_cast<const int4*>(row) + i);
-        const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&v);
 #pragma unroll
-        for (int u = 0; u < 8; ++u) acc[u] = __fmaf_rn(__bfloat162float(b[u]), w, acc[u]);
+        for (int u = 0; u < kBatch; ++u) {
+          if (!use[u]) continue;
+          const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&v[u]);
+#pragma unroll
+          for (int q = 0; q < 8; ++q) acc[q] = __fmaf_rn(__bfloat162float(b[q]), w[u], acc[q]);
+        }
       }
       __align__(16) __nv_bfloat16 o[8];
 #pragma unroll
@@ -862,10 +1062,11 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const uint64_t seq = current_seq(c);
   if (a.phases & 1) combine_send(c, a, seq, smem);
   if (a.phases & 2) {
+    const FirstPoll poll = first_poll(c);
     __syncthreads();
     stamp(c, 1, 4);
-    combine_recv(c, a, seq, smem);
-    finish_call(c);
+    combine_recv(c, a, seq, smem, poll);
+    __syncthreads();
     stamp(c, 1, 7);
   }
   stamp(c, 1, kProfSlots - 2);

@@ -133,6 +133,11 @@ struct LlCombineParams {
 }
 
 const _: () = {
+    // The receive half moves at most 64 fp8 scales per message (two per lane):
+    // `kMaxHidden` in low_latency.cu.
+    assert!(MAX_HIDDEN == 8192 && MAX_HIDDEN / FP8_GROUP_SIZE <= 64);
+    // A send-half chunk holds whole tokens, one entry per thread.
+    assert!(MAX_TOPK <= THREADS as usize);
     assert!(size_of::<LlCtx>() == 120);
     assert!(size_of::<DispatchArgs>() == 128);
     assert!(offset_of!(DispatchArgs, out) == 16);
@@ -298,8 +303,13 @@ impl LlShape {
     }
 
     fn dispatch_smem(&self, use_fp8: bool, use_ue8m0: bool) -> usize {
-        let send = 2 * self.num_experts + 4 * MAX_RANKS + 4 * MAX_TOPK + 4;
-        let send = round16(4 * send as u64) as usize + self.msg_bytes(use_fp8, use_ue8m0) as usize;
+        // Send half (`SendRouting`): hist [E], tpos [32], ek, occ, dl, dpos
+        // [32 each], nd (+3 words), padded to 16 bytes; one byte per thread
+        // (a chunk's destinations); the message.
+        let send = self.num_experts + MAX_RANKS + 4 * MAX_TOPK + 4;
+        let send = round16(4 * send as u64) as usize
+            + THREADS as usize
+            + self.msg_bytes(use_fp8, use_ue8m0) as usize;
         // cnt, begin [R][EL]; nmsg, live, before [32]; the total; the timeout flag.
         let recv = 4 * (2 * self.num_experts + 3 * MAX_RANKS + 2);
         send.max(recv)
