@@ -11,7 +11,8 @@
 # GPU_RUN_PYTEST_ARGS narrows pytest (e.g. "-k peer");
 # GPU_RUN_EXTRA is a command run last (benchmarks), its output logged as extra.log.
 # GPU_RUN_TIMESLICE=1 adds comm, intranode, low-latency and allreduce at 2 ranks
-# without MPS (steps timeslice-*-2).
+# without MPS (steps timeslice-*-2). GPU_RUN_UNFUSED=1 adds the intranode suite on
+# the separate (unfused) send / receive kernels (steps intranode-unfused-N).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-./gpu-logs}}
@@ -88,6 +89,10 @@ done
 for n in $RANKS; do
   run "peer_write-$n" 120 $LAUNCH -n "$n" --timeout 110 tests/multi_gpu/peer_write_worker.py
   run "intranode-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
+  # GPU_RUN_UNFUSED=1: the intranode suite again on the separate send / receive
+  # kernels (MOELINK_INTRANODE_FUSED=0; the fused ones are the default).
+  [ -n "${GPU_RUN_UNFUSED:-}" ] && run "intranode-unfused-$n" 400 env MOELINK_INTRANODE_FUSED=0 \
+    $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
   run "low_latency-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/ll_worker.py
   run "allreduce-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/allreduce_worker.py
   run "ops-$n" 500 $LAUNCH -n "$n" --timeout 480 tests/multi_gpu/ops_worker.py

@@ -134,7 +134,7 @@ def test_token_record_bytes():
     for hidden_bytes in (128, 256, 2048, 7168, 14336):
         for k in (1, 7, 32):
             assert token_record_bytes(hidden_bytes, num_topk=k) % 16 == 0
-    assert combine_record_bytes(14336) == 14336 + 128
+    assert combine_record_bytes(14336) == 14336 + 128 + 16  # + the 8-byte flag, rounded to 16
     with pytest.raises(ValueError, match="hidden_bytes must be positive"):
         token_record_bytes(0)
     with pytest.raises(ValueError, match="num_topk must be >= 0"):

@@ -39,6 +39,8 @@ pub enum WaitKind {
     LlCombine = 7,
     LlOverflow = 8,
     InvalidExpertId = 9,
+    IntranodeDispatch = 10,
+    IntranodeCombine = 11,
 }
 
 impl WaitKind {
@@ -53,6 +55,8 @@ impl WaitKind {
             7 => Self::LlCombine,
             8 => Self::LlOverflow,
             9 => Self::InvalidExpertId,
+            10 => Self::IntranodeDispatch,
+            11 => Self::IntranodeCombine,
             _ => return None,
         })
     }
@@ -77,6 +81,14 @@ impl WaitKind {
             Self::InvalidExpertId => {
                 "nothing: an expert id outside [-1, num_experts) (token << 8 | column in `id`; \
                  expected: num_experts, observed: the id)"
+            }
+            Self::IntranodeDispatch => {
+                "an intranode dispatch record (fused kernel; slot in `id`; expected: the \
+                 call's flag, observed: the record's flag)"
+            }
+            Self::IntranodeCombine => {
+                "an intranode combine record (fused kernel; slot in `id`; expected: the \
+                 call's flag, observed: the record's flag)"
             }
         }
     }

@@ -15,11 +15,25 @@
 //! cached dispatch always, and a combine that follows a combine without a
 //! notify or barrier in between, first run a barrier kernel. Which one is needed is tracked on the
 //! host: every rank makes the same sequence of calls.
+//!
+//! Fused mode (the default; `MOELINK_INTRANODE_FUSED=0` turns it off, and every
+//! rank must make the same choice): the send and the receive half of a
+//! dispatch (a combine) run at the same time on disjoint blocks, the receivers
+//! copying (reducing) each record once its flag shows the call, so the local
+//! pass overlaps the NVLink transfer. A normal dispatch launches the send half
+//! right after notify (it overlaps the host's wait for the counts, as before)
+//! and [`IntranodeBuffer::dispatch_recv`] the receive half on the Buffer's side
+//! stream, which waits for notify only and which the caller's stream then waits
+//! for. A cached dispatch keeps the send's arguments and launches both halves
+//! as one kernel; so does a combine. The share of receiver blocks is
+//! `MOELINK_INTRANODE_RECV_PERCENT` (default [`DEFAULT_SHARES`]: 50 %, the best of
+//! 25 / 40 / 50 / 60 measured on 2 x H100).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use comm::channel::MemoryChannel;
+use comm::cuda::{OwnedStream, StreamOrder};
 use comm::error::{CommError, Result};
 use comm::host_memory::HostMemory;
 use comm::{Device, DeviceMemory, Group, StreamHandle, SymmetricRegion};
@@ -27,8 +41,8 @@ use ep_kernels::intranode::CtxKernel::{
     CombineBarrier, CombineWait, DispatchBarrier, DispatchWait,
 };
 use ep_kernels::intranode::{
-    self as k, CombineRecvArgs, CombineSendArgs, IntranodeCtx, NotifyArgs, RecordLayout, RecvArgs,
-    SendArgs, CTRL_BYTES,
+    self as k, CombineRecvArgs, CombineSendArgs, FusedGrid, FusedHalves, FusedState, IntranodeCtx,
+    NotifyArgs, RecordLayout, RecvArgs, SendArgs, CTRL_BYTES,
 };
 
 use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PartKind};
@@ -38,6 +52,88 @@ use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PartKind};
 pub use crate::limits::MAX_EXPERTS_PER_RANK;
 const HOST_COUNTS_OFFSET: usize = 64;
 const HOST_BYTES: usize = HOST_COUNTS_OFFSET + 4 * (1 + MAX_EXPERTS_PER_RANK);
+/// Byte offsets in `scratch` of the fused kernels' call counters (u64) and of
+/// the receive-only launches' ticket (u32).
+const DISPATCH_SEND_CALLS_OFFSET: u64 = 16;
+const DISPATCH_RECV_CALLS_OFFSET: u64 = 24;
+const COMBINE_CALLS_OFFSET: u64 = 32;
+const RECV_TICKET_OFFSET: u64 = 40;
+const SCRATCH_BYTES: usize = 48;
+/// Turns the fused kernels off (`0`) or on (`1`, the default).
+pub const FUSED_ENV: &str = "MOELINK_INTRANODE_FUSED";
+/// Percent of a fused kernel's blocks that receive (1 to 99), dispatch and
+/// combine alike; unset: [`DEFAULT_SHARES`].
+pub const RECV_PERCENT_ENV: &str = "MOELINK_INTRANODE_RECV_PERCENT";
+
+/// Percent of a fused kernel's blocks that receive, per phase.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecvShares {
+    pub dispatch: u32,
+    pub combine: u32,
+}
+
+/// The defaults: on 2 x H100 (NVLink, 4096 tokens of hidden 7168, top-8 of
+/// 256, 24 and 48 SMs; benches/results/2026-11-26_fused-intranode-h100x2), 50 %
+/// was the best of 25 / 40 / 50 / 60 for dispatch (bf16 and fp8) and combine.
+/// Unmeasured on 4 or 8 GPUs, where more of the bytes cross NVLink.
+pub const DEFAULT_SHARES: RecvShares = RecvShares {
+    dispatch: 50,
+    combine: 50,
+};
+
+/// The fused mode from the environment: `None` (separate send and receive
+/// kernels) or the receiver shares.
+pub fn fused_mode_from_env() -> Result<Option<RecvShares>> {
+    parse_fused_mode(
+        std::env::var(FUSED_ENV).ok().as_deref(),
+        std::env::var(RECV_PERCENT_ENV).ok().as_deref(),
+    )
+}
+
+fn parse_fused_mode(fused: Option<&str>, percent: Option<&str>) -> Result<Option<RecvShares>> {
+    match fused.map(str::trim) {
+        None | Some("") | Some("1") => {}
+        Some("0") => return Ok(None),
+        Some(v) => {
+            return Err(CommError::invalid(
+                FUSED_ENV,
+                format!("{v:?}: expected 0 or 1"),
+            ))
+        }
+    }
+    let Some(p) = percent.map(str::trim).filter(|p| !p.is_empty()) else {
+        return Ok(Some(DEFAULT_SHARES));
+    };
+    match p.parse::<u32>() {
+        Ok(v) if (1..=99).contains(&v) => Ok(Some(RecvShares {
+            dispatch: v,
+            combine: v,
+        })),
+        _ => Err(CommError::invalid(
+            RECV_PERCENT_ENV,
+            format!("{p:?}: expected an integer from 1 to 99"),
+        )),
+    }
+}
+
+/// Fused mode: a dispatch whose receive half comes next.
+#[derive(Clone, Copy, Debug)]
+struct PendingSend {
+    send: SendArgs,
+    dispatch_slots: usize,
+    /// The send half is running (normal dispatch: the receive half follows on
+    /// the side stream), else it waits to be launched with the receive half.
+    launched: bool,
+}
+
+/// Fused mode's streams: the receive half of a normal dispatch runs on `side`
+/// while the send half still runs on the caller's stream.
+struct SideStream {
+    side: OwnedStream,
+    /// `side` after notify; the caller's stream after the receive half.
+    after_notify: StreamOrder,
+    after_recv: StreamOrder,
+}
 
 /// What a dispatch moves per token (the same on every rank).
 #[derive(Clone, Copy, Debug)]
@@ -119,8 +215,16 @@ pub struct IntranodeBuffer {
     channel_table: DeviceMemory,
     /// `[0..4)`: ticket (u32, 0 between kernels; layout and the send kernels),
     /// `[4..8)`: peers whose device wait timed out (u32 bit mask, sticky: the
-    /// receive kernels poison what came from them), `[8..16)`: notify epoch (u64).
+    /// receive kernels poison what came from them), `[8..16)`: notify epoch (u64),
+    /// `[16..24)` / `[24..32)` / `[32..40)`: fused dispatch send / dispatch
+    /// receive / combine calls (u64), `[40..44)`: ticket of receive-only launches.
     scratch: DeviceMemory,
+    /// `Some(receiver shares)`: fused kernels.
+    fused: Option<RecvShares>,
+    /// Fused mode's side stream and its orderings.
+    side: Option<SideStream>,
+    /// Fused mode: the send half of the dispatch whose receive half comes next.
+    pending: Option<PendingSend>,
     host: HostMemory,
     host_epoch: u64,
     combine_dirty: bool,
@@ -135,11 +239,12 @@ impl IntranodeBuffer {
     /// waits). `opts.timeout` also bounds [`wait_counts`](Self::wait_counts);
     /// every device wait is bounded by `opts.device_timeout_ns`.
     pub(crate) fn new(group: &Group, device: Device, opts: &EpBufferOptions) -> Result<Self> {
+        let fused = fused_mode_from_env()?;
         let (mut part, nvl) = PartBase::join(group, device, opts, PartKind::Intranode)?;
         let comm = part.comm().clone();
         let (channels, channel_table) =
             nvl.memory_channel_table(&comm, 1, part.member().device_error())?;
-        let scratch = DeviceMemory::alloc(device, 16)?;
+        let scratch = DeviceMemory::alloc(device, SCRATCH_BYTES)?;
         scratch.fill(0)?;
         let host = HostMemory::pinned(device, HOST_BYTES)?;
         // Everybody has mapped everybody's buffer before anyone launches.
@@ -150,6 +255,16 @@ impl IntranodeBuffer {
             _channels: channels,
             channel_table,
             scratch,
+            side: match fused {
+                Some(_) => Some(SideStream {
+                    side: OwnedStream::new(device)?,
+                    after_notify: StreamOrder::new(device)?,
+                    after_recv: StreamOrder::new(device)?,
+                }),
+                None => None,
+            },
+            fused,
+            pending: None,
             host,
             host_epoch: 0,
             combine_dirty: false,
@@ -269,7 +384,7 @@ impl IntranodeBuffer {
         unsafe { k::dispatch_notify(self.part.kernels(), stream, ctx, notify) }?;
         self.host_epoch = epoch;
         self.combine_dirty = false;
-        self.launch_send(stream, ctx, rec, shape, inp, epr, num_sms)?;
+        self.launch_send(stream, ctx, rec, shape, inp, epr, num_sms, true)?;
         Ok(epoch)
     }
 
@@ -297,12 +412,16 @@ impl IntranodeBuffer {
             topk_weights: 0,
             ..*inp
         };
-        self.launch_send(stream, ctx, rec, &shape, &inp, 1, num_sms)
+        self.launch_send(stream, ctx, rec, &shape, &inp, 1, num_sms, false)
     }
 
+    /// Launches the send half. Fused mode: `early` (a normal dispatch: the
+    /// host waits for the counts next) launches it alone, the side stream
+    /// ordered after notify; else it is kept for
+    /// [`dispatch_recv`](Self::dispatch_recv), which launches both halves.
     #[allow(clippy::too_many_arguments)]
     fn launch_send(
-        &self,
+        &mut self,
         stream: StreamHandle,
         ctx: IntranodeCtx,
         rec: RecordLayout,
@@ -310,6 +429,7 @@ impl IntranodeBuffer {
         inp: &DispatchInputs,
         experts_per_rank: usize,
         num_sms: u32,
+        early: bool,
     ) -> Result<()> {
         let num_sms = self.sms(num_sms);
         let send = SendArgs {
@@ -324,8 +444,65 @@ impl IntranodeBuffer {
             experts_per_rank: experts_per_rank as i32,
             num_sms,
         };
-        // SAFETY: as above.
-        unsafe { k::dispatch_send(self.part.kernels(), stream, ctx, send) }
+        self.pending = None;
+        let Some(grid) = self.fused_grid(num_sms, |s| s.dispatch) else {
+            // SAFETY: as above.
+            return unsafe { k::dispatch_send(self.part.kernels(), stream, ctx, send) };
+        };
+        if early {
+            let side = self.side_stream()?;
+            side.after_notify.after(side.side.handle(), stream)?;
+            // SAFETY: as above; the receive half follows in dispatch_recv.
+            unsafe {
+                k::dispatch_fused(
+                    self.part.kernels(),
+                    stream,
+                    ctx,
+                    FusedHalves::Send,
+                    Some(send),
+                    None,
+                    self.dispatch_state(),
+                    grid,
+                )
+            }?;
+        }
+        self.pending = Some(PendingSend {
+            send,
+            dispatch_slots: ctx.dispatch_slots as usize,
+            launched: early,
+        });
+        Ok(())
+    }
+
+    /// The fused kernels' grid for `num_sms` (already capped) with the phase's
+    /// receiver share, or `None` when the kernels run separately (fused mode
+    /// off, or fewer than 2 SMs).
+    fn fused_grid(&self, num_sms: u32, share: impl Fn(&RecvShares) -> u32) -> Option<FusedGrid> {
+        FusedGrid::new(num_sms, share(self.fused.as_ref()?))
+    }
+
+    fn side_stream(&self) -> Result<&SideStream> {
+        self.side
+            .as_ref()
+            .ok_or_else(|| CommError::invalid("stream", "fused mode without its side stream"))
+    }
+
+    fn dispatch_state(&self) -> FusedState {
+        FusedState {
+            send_calls: self.scratch.ptr() + DISPATCH_SEND_CALLS_OFFSET,
+            recv_calls: self.scratch.ptr() + DISPATCH_RECV_CALLS_OFFSET,
+            recv_ticket: self.scratch.ptr() + RECV_TICKET_OFFSET,
+            error: self.part.error_ptr(),
+        }
+    }
+
+    fn combine_state(&self) -> FusedState {
+        FusedState {
+            send_calls: self.scratch.ptr() + COMBINE_CALLS_OFFSET,
+            recv_calls: 0,
+            recv_ticket: 0,
+            error: self.part.error_ptr(),
+        }
     }
 
     /// Waits (bounded, CPU) for the counts of the notify of `epoch`: returns
@@ -379,14 +556,70 @@ impl IntranodeBuffer {
         let cap = self.dispatch_capacity(shape)?;
         let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
         let ctx = self.ctx(cap, 0);
-        // SAFETY: as above.
-        unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchWait) }?;
         let recv = RecvArgs {
             rec,
             rank_prefix_matrix,
             out: *out,
             num_sms,
         };
+        if let Some(pending) = self.pending.take() {
+            let grid = self.fused_grid(num_sms, |s| s.dispatch).ok_or_else(|| {
+                CommError::invalid(
+                    "num_sms",
+                    "the receive half of a fused dispatch needs 2 SMs",
+                )
+            })?;
+            if pending.dispatch_slots != cap {
+                return Err(CommError::invalid(
+                    "x",
+                    "the receive half of a dispatch does not match its send half",
+                ));
+            }
+            let state = self.dispatch_state();
+            if !pending.launched {
+                // SAFETY: the send half's arguments were checked when it was
+                // prepared; the caller checked the outputs.
+                return unsafe {
+                    k::dispatch_fused(
+                        self.part.kernels(),
+                        stream,
+                        ctx,
+                        FusedHalves::Both,
+                        Some(pending.send),
+                        Some(recv),
+                        state,
+                        grid,
+                    )
+                };
+            }
+            // The send half runs on `stream` since dispatch_send; the receive
+            // half runs beside it on the side stream (ordered after notify),
+            // and `stream` continues after it.
+            let side = self.side_stream()?;
+            // SAFETY: as above; the outputs were allocated on `stream`, which
+            // waits for the side stream before it goes on.
+            unsafe {
+                k::dispatch_fused(
+                    self.part.kernels(),
+                    side.side.handle(),
+                    ctx,
+                    FusedHalves::Recv,
+                    None,
+                    Some(recv),
+                    state,
+                    grid,
+                )
+            }?;
+            return side.after_recv.after(stream, side.side.handle());
+        }
+        if self.fused_grid(num_sms, |s| s.dispatch).is_some() {
+            return Err(CommError::invalid(
+                "handle",
+                "a dispatch's receive half without its send half (dispatch_send first)",
+            ));
+        }
+        // SAFETY: as above.
+        unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchWait) }?;
         // SAFETY: as above.
         unsafe { k::dispatch_recv(self.part.kernels(), stream, ctx, recv) }?;
         Ok(())
@@ -423,10 +656,6 @@ impl IntranodeBuffer {
             num_rows: a.num_recv_rows,
             num_sms,
         };
-        // SAFETY: the caller checked every tensor.
-        unsafe { k::combine_send(self.part.kernels(), stream, ctx, send) }?;
-        // SAFETY: as above.
-        unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, CombineWait) }?;
         let recv = CombineRecvArgs {
             send_head: a.send_head,
             num_tokens: a.num_tokens as i32,
@@ -437,8 +666,27 @@ impl IntranodeBuffer {
             num_topk: a.num_topk as i32,
             num_sms,
         };
-        // SAFETY: as above.
-        unsafe { k::combine_recv(self.part.kernels(), stream, ctx, recv) }?;
+        if let Some(grid) = self.fused_grid(num_sms, |s| s.combine) {
+            // SAFETY: the caller checked every tensor.
+            unsafe {
+                k::combine_fused(
+                    self.part.kernels(),
+                    stream,
+                    ctx,
+                    send,
+                    recv,
+                    self.combine_state(),
+                    grid,
+                )
+            }?;
+        } else {
+            // SAFETY: the caller checked every tensor.
+            unsafe { k::combine_send(self.part.kernels(), stream, ctx, send) }?;
+            // SAFETY: as above.
+            unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, CombineWait) }?;
+            // SAFETY: as above.
+            unsafe { k::combine_recv(self.part.kernels(), stream, ctx, recv) }?;
+        }
         self.combine_dirty = true;
         Ok(())
     }
@@ -478,5 +726,33 @@ impl BufferPart for IntranodeBuffer {
     /// Device address and length of this rank's NVL buffer.
     fn local_buffer(&self) -> (u64, usize) {
         (self.nvl.ptr(), self.nvl.len() as usize)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fused_mode_parses_its_two_variables() {
+        let both = |v| {
+            Some(RecvShares {
+                dispatch: v,
+                combine: v,
+            })
+        };
+        assert_eq!(parse_fused_mode(None, None).unwrap(), Some(DEFAULT_SHARES));
+        assert_eq!(parse_fused_mode(Some("1"), Some("40")).unwrap(), both(40));
+        assert_eq!(parse_fused_mode(Some(""), Some(" 10 ")).unwrap(), both(10));
+        assert_eq!(parse_fused_mode(Some("0"), Some("not read")).unwrap(), None);
+        for (f, p) in [
+            (Some("yes"), None),
+            (None, Some("0")),
+            (None, Some("100")),
+            (None, Some("x")),
+        ] {
+            let e = parse_fused_mode(f, p).unwrap_err().to_string();
+            assert!(e.contains("MOELINK_INTRANODE"), "{e}");
+        }
     }
 }

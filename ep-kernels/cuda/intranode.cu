@@ -18,6 +18,23 @@
 //
 // Every phase does exactly one signal and one wait per peer pair, in the same
 // order on every rank, on the one device-to-device semaphore per pair.
+//
+// Fused (the default, MOELINK_INTRANODE_FUSED): one kernel does the send and
+// the receive of a phase at once, on disjoint blocks, so the local pass runs
+// while the bytes are still crossing NVLink instead of after them:
+//
+//   dispatch:  dispatch_notify | dispatch_barrier -> dispatch_fused
+//   combine:   [combine_barrier] -> combine_fused
+//
+// Every record ends in an 8-byte flag: the sender stores (kFlagMagic << 32 |
+// call number) into it after the record's bytes (one fence.acq_rel.sys per
+// token or row, then relaxed flag stores); the receiving warp polls it with
+// acquire loads and then reads the record through L2 (ld.global.cg: the bytes
+// arrive during the kernel). Call numbers are device counters (one for each
+// phase, advanced by the last block of the fused kernel), so CUDA-graph replays
+// count like eager calls and flags are never reset. The fused kernels send no
+// end-of-phase signal and run no wait kernel: the semaphores stay aligned
+// because both are left out together.
 #include <cuda_bf16.h>
 
 #include <cstddef>
@@ -33,6 +50,12 @@ constexpr int kNotifyThreads = 1024;
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
 constexpr uint64_t kCtrlHalfBytes = 32 * 1024;
+// High half of every record flag (the low half is the call number): bytes a
+// user wrote into the buffer (get_local_buffer_tensor) never pass as a flag.
+constexpr uint64_t kFlagMagic = 0x4d4c4e4bull;  // "MLNK"
+// Rows per chunk of the interleaved row orders of the fused kernels (each
+// source's or destination's rows visited chunk by chunk, round robin).
+constexpr int kChunkRows = 16;
 
 // Everything a kernel needs to reach the peers; mirrored in Rust
 // (ep_kernels::launch::IntranodeCtx).
@@ -147,6 +170,42 @@ struct CombineRecvParams {
 };
 static_assert(sizeof(CombineRecvParams) == 144, "mirrored in Rust");
 static_assert(offsetof(CombineRecvParams, num_tokens) == 128, "mirrored in Rust");
+
+// The fused kernels' blocks: [0, num_send_blocks) run the send half, the rest
+// the receive half (dispatch: num_send_blocks == gridDim.x is a send-only
+// launch, 0 a receive-only one; the two then run on two streams at once).
+// Device counters of calls, from which the flags are derived: dispatch keeps one
+// per half (`send_calls`, `recv_calls`: a send-only launch may start after the
+// receive-only one of the same call finished), combine one for both halves.
+// Every launch advances the counters of the halves it ran, from its last
+// block, with `ticket` (the Ctx's, or `recv_ticket` for a receive-only launch,
+// which may run at the same time as the send-only one). `error`: the Buffer's
+// device error record (a record wait that ran out).
+struct DispatchFusedParams {
+  DispatchSendParams send;
+  DispatchRecvParams recv;
+  unsigned long long* send_calls;
+  unsigned long long* recv_calls;
+  unsigned int* recv_ticket;
+  comm::DeviceError* error;
+  int num_send_blocks;
+  int pad;
+};
+static_assert(sizeof(DispatchFusedParams) == 400, "mirrored in Rust");
+static_assert(offsetof(DispatchFusedParams, recv) == 176, "mirrored in Rust");
+static_assert(offsetof(DispatchFusedParams, num_send_blocks) == 392, "mirrored in Rust");
+
+struct CombineFusedParams {
+  CombineSendParams send;
+  CombineRecvParams recv;
+  unsigned long long* calls;
+  comm::DeviceError* error;
+  int num_send_blocks;
+  int pad;
+};
+static_assert(sizeof(CombineFusedParams) == 296, "mirrored in Rust");
+static_assert(offsetof(CombineFusedParams, recv) == 128, "mirrored in Rust");
+static_assert(offsetof(CombineFusedParams, num_send_blocks) == 288, "mirrored in Rust");
 
 __device__ __forceinline__ char* peer_base(const Ctx& c, int p) {
   return p == c.rank ? c.local : c.channels[p].dst;
@@ -351,62 +410,300 @@ __device__ __forceinline__ void wait_all(const Ctx& c) {
 extern "C" __global__ void dispatch_wait(Ctx c) { wait_all(c); }
 extern "C" __global__ void combine_wait(Ctx c) { wait_all(c); }
 
+namespace moelink::intranode {
+
+// The flag word of a record of `bytes` bytes (its last 8).
+__device__ __forceinline__ uint64_t* record_flag(char* record, int64_t bytes) {
+  return reinterpret_cast<uint64_t*>(record + bytes - 8);
+}
+
+// The flag value of the call after `calls` completed calls of a phase.
+__device__ __forceinline__ uint64_t flag_value(uint64_t calls) {
+  return (kFlagMagic << 32) | ((calls + 1) & 0xffffffffull);
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// Waits (the calling thread) until the flag of a record from peer `src`
+// holds `want`, bounded by the context's timeout. A peer already marked as
+// timed out is not waited for again. On timeout: marks `src` in ticket[1],
+// records the failure (kind, rank, src, `id`, want, seen) and returns false.
+__device__ bool wait_record(const Ctx& c, const uint64_t* flag, uint64_t want, int src,
+                            uint32_t kind, uint64_t id, comm::DeviceError* error) {
+  if (timed_out_peers(c) & (1u << src)) return false;
+  comm::WaitClock clock(c.timeout_ns);
+  uint64_t seen = comm::load_acquire_sys(flag);
+  while (seen != want) {
+    if (clock.expired()) {
+      atomicOr(c.ticket + 1, 1u << src);
+      comm::report_error(error, comm::kErrorTimeout, kind, c.rank, src, id, want, seen);
+      return false;
+    }
+    // Another warp found this peer late: stop waiting for it.
+    if ((clock.polls & 1023u) == 0 && (timed_out_peers(c) & (1u << src))) return false;
+    seen = comm::load_acquire_sys(flag);
+  }
+  return true;
+}
+
+// Writes the dispatch record of token t into slot send_head[t][d] of block
+// [rank] of every destination d's dispatch region (the whole warp). With
+// `flag` != 0, the record's flag is then set to `flag` on every destination
+// (after a fence: the record's bytes are visible first).
+__device__ __forceinline__ void send_token(const DispatchSendParams& a, int64_t t, int lane,
+                                           uint64_t flag) {
+  const Ctx& c = a.c;
+  const RecordLayout& rec = a.rec;
+  const int R = c.num_ranks, K = rec.num_topk;
+  const int my_slot = lane < R ? a.send_head[t * R + lane] : -1;
+  unsigned dests = __ballot_sync(0xffffffffu, my_slot >= 0);
+  const char* row = a.x + t * rec.hidden_bytes;
+  int64_t my_id = -1;
+  float my_w = 0.f;
+  if (lane < K) {
+    my_id = a.topk_idx[t * K + lane];
+    if (a.topk_weights != nullptr) my_w = a.topk_weights[t * K + lane];
+  }
+  // Destinations in the order rank, rank + 1, ... (mod R): at any moment the
+  // ranks write to different peers instead of all to the lowest one first
+  // (measured: ascending order left peers waiting 60-300 us for the last sender).
+  dests = rotate_right(dests, c.rank, R);
+  while (dests) {
+    const int j = __ffs(dests) - 1;
+    dests &= dests - 1;
+    const int d = j + c.rank < R ? j + c.rank : j + c.rank - R;
+    const int64_t slot = __shfl_sync(0xffffffffu, my_slot, d);
+    char* dst = peer_base(c, d) + c.dispatch_offset +
+                (int64_t(c.rank) * c.dispatch_slots + slot) * rec.bytes;
+    warp_copy16(dst, row, rec.hidden_bytes, lane);
+    float* dst_scales = reinterpret_cast<float*>(dst + rec.hidden_bytes);
+    for (int s = lane; s < rec.num_scales; s += 32)
+      dst_scales[s] = a.scales[t * a.scale_stride0 + s * a.scale_stride1];
+    if (lane < K) {
+      const int64_t first = int64_t(d) * a.experts_per_rank;
+      const bool mine = my_id >= first && my_id < first + a.experts_per_rank;
+      reinterpret_cast<int64_t*>(dst + rec.idx_offset)[lane] = mine ? my_id - first : -1;
+      if (a.topk_weights != nullptr)
+        reinterpret_cast<float*>(dst + rec.w_offset)[lane] = mine ? my_w : 0.f;
+    }
+    if (lane == 0) *reinterpret_cast<int*>(dst + rec.src_offset) = int(t);
+  }
+  if (flag != 0) {
+    // Every lane's stores of the records, then (per destination, by the lane
+    // that holds its slot) a release: fence, then the flag.
+    __syncwarp();
+    if (my_slot >= 0) {
+      fence_acq_rel_sys();
+      char* dst = peer_base(c, lane) + c.dispatch_offset +
+                  (int64_t(c.rank) * c.dispatch_slots + my_slot) * rec.bytes;
+      comm::store_relaxed_sys(record_flag(dst, rec.bytes), flag);
+    }
+  }
+}
+
+// Poisons received row i (a peer timed out): bytes 0xff (NaN in bf16 and
+// e4m3), NaN scales and weights, top-k id -1 and source index -1.
+__device__ __forceinline__ void poison_row(const DispatchRecvParams& a, int64_t i, int lane) {
+  const RecordLayout& rec = a.rec;
+  const int K = rec.num_topk;
+  int4* row = reinterpret_cast<int4*>(a.recv_x + i * rec.hidden_bytes);
+  for (int j = lane; j < rec.hidden_bytes / 16; j += 32) row[j] = make_int4(-1, -1, -1, -1);
+  for (int j = lane; j < rec.num_scales; j += 32)
+    a.recv_scales[i * a.scale_stride0 + j * a.scale_stride1] = __int_as_float(0x7fffffff);
+  if (a.recv_topk_idx != nullptr && lane < K) a.recv_topk_idx[i * K + lane] = -1;
+  if (a.recv_topk_weights != nullptr && lane < K)
+    a.recv_topk_weights[i * K + lane] = __int_as_float(0x7fffffff);
+  if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[i] = -1;
+}
+
+// Padding row i (num_worst_tokens beyond the received count): id -1, weight 0,
+// source -1; recv_x and scales are left as they are.
+__device__ __forceinline__ void pad_row(const DispatchRecvParams& a, int64_t i, int lane) {
+  const int K = a.rec.num_topk;
+  if (a.recv_topk_idx != nullptr && lane < K) a.recv_topk_idx[i * K + lane] = -1;
+  if (a.recv_topk_weights != nullptr && lane < K) a.recv_topk_weights[i * K + lane] = 0.f;
+  if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[i] = -1;
+}
+
+// Copies record `r` into received row i. `Fresh`: the record arrived during
+// this kernel (read through L2), else it was complete before the kernel.
+template <bool Fresh>
+__device__ __forceinline__ void copy_out_row(const DispatchRecvParams& a, int64_t i, const char* r,
+                                             int lane) {
+  const RecordLayout& rec = a.rec;
+  const int K = rec.num_topk;
+  warp_copy16<Fresh>(a.recv_x + i * rec.hidden_bytes, r, rec.hidden_bytes, lane);
+  const float* sc = reinterpret_cast<const float*>(r + rec.hidden_bytes);
+  for (int j = lane; j < rec.num_scales; j += 32)
+    a.recv_scales[i * a.scale_stride0 + j * a.scale_stride1] = sc[j];
+  if (lane < K) {
+    if (a.recv_topk_idx != nullptr)
+      a.recv_topk_idx[i * K + lane] = reinterpret_cast<const int64_t*>(r + rec.idx_offset)[lane];
+    if (a.recv_topk_weights != nullptr)
+      a.recv_topk_weights[i * K + lane] = reinterpret_cast<const float*>(r + rec.w_offset)[lane];
+  }
+  if (a.recv_src_idx != nullptr && lane == 0)
+    a.recv_src_idx[i] = *reinterpret_cast<const int*>(r + rec.src_offset);
+}
+
+// The interleaved order of the fused kernels: unit k (of R * chunks *
+// kChunkRows) is row j of block b, where the blocks take turns chunk by chunk
+// (b = (first + k / kChunkRows) % R). So every block's rows advance together,
+// as the senders' do; units past a block's row count are skipped by the caller.
+__device__ __forceinline__ void interleaved(int64_t k, int R, int first, int& b, int64_t& j) {
+  const int64_t chunk = k / (int64_t(R) * kChunkRows);
+  const int turn = int((k / kChunkRows) % R);
+  b = first + turn < R ? first + turn : first + turn - R;
+  j = chunk * kChunkRows + k % kChunkRows;
+}
+
+// The combine record of token slot `slot` written by rank `from` in `s`'s
+// combine region (as seen through base `base`).
+__device__ __forceinline__ const char* combine_record(const Ctx& c, const char* base, int from,
+                                                      int64_t slot, int64_t record_bytes) {
+  return base + c.combine_offset + (int64_t(from) * c.combine_slots + slot) * record_bytes;
+}
+
+// The combine of token t (one warp): out[t] = bf16((bias0 + bias1) + copy_d0 +
+// copy_d1 + ...) in f32 over the ranks d0 < d1 < ... that received t (the CPU
+// reference's order, so results match it bit for bit); weights likewise from 0.
+// `Fresh`: the copies arrived during this kernel (read through L2).
+template <bool Fresh>
+__device__ __forceinline__ void reduce_token(const CombineRecvParams& a, int64_t t, unsigned srcs,
+                                             const int* my_slots, int my_slot, int lane) {
+  const Ctx& c = a.c;
+  const int hidden = a.hidden, num_topk = a.num_topk;
+  const int64_t record_bytes = a.record_bytes;
+  const int64_t row_bytes = int64_t(hidden) * 2;
+  // kUnroll vectors per lane and two sources per step are loaded before
+  // they are added (memory-level parallelism); the order of the additions
+  // stays bias, then sources in ascending rank order.
+  constexpr int kUnroll = 2;
+  const int nvec = hidden / 8;
+  for (int v0 = lane; v0 < nvec; v0 += 32 * kUnroll) {
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + 32 * u;
+      int4 b0 = make_int4(0, 0, 0, 0), b1 = make_int4(0, 0, 0, 0);
+      if (v < nvec && a.bias0 != nullptr) b0 = ld_nc(reinterpret_cast<const int4*>(a.bias0 + t * hidden) + v);
+      if (v < nvec && a.bias1 != nullptr) b1 = ld_nc(reinterpret_cast<const int4*>(a.bias1 + t * hidden) + v);
+      const __nv_bfloat16* p0 = reinterpret_cast<const __nv_bfloat16*>(&b0);
+      const __nv_bfloat16* p1 = reinterpret_cast<const __nv_bfloat16*>(&b1);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[u][k] = __bfloat162float(p0[k]) + __bfloat162float(p1[k]);
+    }
+    unsigned m = srcs;
+    while (m) {
+      const int d0 = __ffs(m) - 1;
+      m &= m - 1;
+      const int d1 = m ? __ffs(m) - 1 : -1;
+      if (m) m &= m - 1;
+      const int4* r0 = reinterpret_cast<const int4*>(combine_record(c, c.local, d0, my_slots[d0], record_bytes));
+      const int4* r1 = d1 < 0 ? nullptr
+                              : reinterpret_cast<const int4*>(
+                                    combine_record(c, c.local, d1, my_slots[d1], record_bytes));
+      int4 w0[kUnroll], w1[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = v0 + 32 * u;
+        if (v < nvec) {
+          w0[u] = comm::ld_vec<Fresh>(r0 + v);
+          if (r1 != nullptr) w1[u] = comm::ld_vec<Fresh>(r1 + v);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w0[u]);
+        const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&w1[u]);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          acc[u][k] += __bfloat162float(x[k]);
+          if (r1 != nullptr) acc[u][k] += __bfloat162float(y[k]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + 32 * u;
+      if (v >= nvec) continue;
+      int4 o;
+      __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) po[k] = __float2bfloat16_rn(acc[u][k]);
+      reinterpret_cast<int4*>(a.out + t * hidden)[v] = o;
+    }
+  }
+  if (a.out_weights != nullptr) {
+    float acc = 0.f;
+    unsigned m = srcs;
+    while (m) {
+      const int d = __ffs(m) - 1;
+      m &= m - 1;
+      const int64_t slot = __shfl_sync(0xffffffffu, my_slot, d);
+      const char* r = combine_record(c, c.local, d, slot, record_bytes);
+      if (lane < num_topk) {
+        const float* w = reinterpret_cast<const float*>(r + row_bytes) + lane;
+        acc += Fresh ? __ldcg(w) : *w;
+      }
+    }
+    if (lane < num_topk) a.out_weights[t * num_topk + lane] = acc;
+  }
+}
+
+// Poisons combined token t (it depends on a peer whose wait timed out).
+__device__ __forceinline__ void poison_token(const CombineRecvParams& a, int64_t t, int lane) {
+  int4* row = reinterpret_cast<int4*>(a.out + t * a.hidden);
+  for (int v = lane; v < a.hidden / 8; v += 32) row[v] = make_int4(-1, -1, -1, -1);
+  if (a.out_weights != nullptr && lane < a.num_topk)
+    a.out_weights[t * a.num_topk + lane] = __int_as_float(0x7fffffff);
+}
+
+// Writes received row i (its expert output row and K weights) into slot `slot`
+// of block [rank] of source rank `src`'s combine region (the whole warp); with
+// `flag` != 0 then sets the record's flag (after a fence).
+__device__ __forceinline__ void send_combine_row(const CombineSendParams& a, int64_t i, int src,
+                                                 int64_t slot, int lane, uint64_t flag) {
+  const Ctx& c = a.c;
+  char* dst = peer_base(c, src) + c.combine_offset +
+              (int64_t(c.rank) * c.combine_slots + slot) * a.record_bytes;
+  warp_copy16(dst, a.y + i * a.row_bytes, a.row_bytes, lane);
+  if (a.topk_weights != nullptr && lane < a.num_topk)
+    reinterpret_cast<float*>(dst + a.row_bytes)[lane] = a.topk_weights[i * a.num_topk + lane];
+  if (flag != 0) {
+    __syncwarp();
+    if (lane == 0) {
+      fence_acq_rel_sys();
+      comm::store_relaxed_sys(record_flag(dst, a.record_bytes), flag);
+    }
+  }
+}
+
+// The end of a fused kernel: the last block (by `ticket`) advances the call
+// counters given (null: not this launch's).
+__device__ __forceinline__ void fused_done(unsigned int* ticket, unsigned long long* calls,
+                                           unsigned long long* more_calls) {
+  __syncthreads();
+  if (threadIdx.x == 0 && comm::last_block_ticket(ticket)) {
+    if (calls != nullptr) *calls += 1;
+    if (more_calls != nullptr) *more_calls += 1;
+  }
+}
+
+}  // namespace moelink::intranode
+
 // dispatch_send: a warp per token; for each destination d of the token, the
 // record (row, scales, local top-k ids, weights, source index) goes into slot
 // send_head[t][d] of block [rank] of d's dispatch region. The last block
 // signals every peer.
 extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
     dispatch_send(const __grid_constant__ moelink::intranode::DispatchSendParams a) {
-  const Ctx& c = a.c;
-  const RecordLayout& rec = a.rec;
-  const char* __restrict__ x = a.x;
-  const float* __restrict__ scales = a.scales;
-  const int64_t scale_stride0 = a.scale_stride0, scale_stride1 = a.scale_stride1;
-  const int64_t* __restrict__ topk_idx = a.topk_idx;
-  const float* __restrict__ topk_weights = a.topk_weights;
-  const int* __restrict__ send_head = a.send_head;
-  const int num_tokens = a.num_tokens, experts_per_rank = a.experts_per_rank;
   using namespace moelink::intranode;
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
-  const int R = c.num_ranks, K = rec.num_topk;
-  for (int64_t t = warp; t < num_tokens; t += nwarps) {
-    const int my_slot = lane < R ? send_head[t * R + lane] : -1;
-    unsigned dests = __ballot_sync(0xffffffffu, my_slot >= 0);
-    const char* row = x + t * rec.hidden_bytes;
-    int64_t my_id = -1;
-    float my_w = 0.f;
-    if (lane < K) {
-      my_id = topk_idx[t * K + lane];
-      if (topk_weights != nullptr) my_w = topk_weights[t * K + lane];
-    }
-    // Destinations in the order rank, rank + 1, ... (mod R): at any moment the
-    // ranks write to different peers instead of all to the lowest one first
-    // (measured: ascending order left peers waiting 60-300 us for the last sender).
-    dests = rotate_right(dests, c.rank, R);
-    while (dests) {
-      const int j = __ffs(dests) - 1;
-      dests &= dests - 1;
-      const int d = j + c.rank < R ? j + c.rank : j + c.rank - R;
-      const int64_t slot = __shfl_sync(0xffffffffu, my_slot, d);
-      char* dst = peer_base(c, d) + c.dispatch_offset +
-                  (int64_t(c.rank) * c.dispatch_slots + slot) * rec.bytes;
-      warp_copy16(dst, row, rec.hidden_bytes, lane);
-      float* dst_scales = reinterpret_cast<float*>(dst + rec.hidden_bytes);
-      for (int s = lane; s < rec.num_scales; s += 32)
-        dst_scales[s] = scales[t * scale_stride0 + s * scale_stride1];
-      if (lane < K) {
-        const int64_t first = int64_t(d) * experts_per_rank;
-        const bool mine = my_id >= first && my_id < first + experts_per_rank;
-        reinterpret_cast<int64_t*>(dst + rec.idx_offset)[lane] = mine ? my_id - first : -1;
-        if (topk_weights != nullptr)
-          reinterpret_cast<float*>(dst + rec.w_offset)[lane] = mine ? my_w : 0.f;
-      }
-      if (lane == 0) *reinterpret_cast<int*>(dst + rec.src_offset) = int(t);
-    }
-  }
-  last_block_signals(c);
+  for (int64_t t = warp; t < a.num_tokens; t += nwarps) send_token(a, t, lane, 0);
+  last_block_signals(a.c);
 }
 
 // dispatch_recv: a warp per output row. Row i < num_recv comes from the
@@ -414,63 +711,98 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
 // rank_prefix_matrix; rows beyond (num_worst_tokens padding) get top-k id -1,
 // weight 0 and source index -1. Once any wait of this Buffer timed out, the
 // counts (rank_prefix_matrix) themselves may be a peer's stale row, so every
-// row is poisoned, not copied: bytes 0xff (NaN in bf16 and e4m3), NaN scales
-// and weights, top-k id -1 and source index -1.
+// row is poisoned, not copied (poison_row).
 extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
     dispatch_recv(const __grid_constant__ moelink::intranode::DispatchRecvParams a) {
   const Ctx& c = a.c;
-  const RecordLayout& rec = a.rec;
-  const int* __restrict__ rank_prefix_matrix = a.rank_prefix_matrix;
-  const int64_t num_rows = a.num_rows;
-  char* __restrict__ recv_x = a.recv_x;
-  float* __restrict__ recv_scales = a.recv_scales;
-  const int64_t scale_stride0 = a.scale_stride0, scale_stride1 = a.scale_stride1;
-  int64_t* __restrict__ recv_topk_idx = a.recv_topk_idx;
-  float* __restrict__ recv_topk_weights = a.recv_topk_weights;
-  int* __restrict__ recv_src_idx = a.recv_src_idx;
   using namespace moelink::intranode;
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
-  const int R = c.num_ranks, K = rec.num_topk;
-  const int my_prefix = lane < R ? rank_prefix_matrix[lane * R + c.rank] : 0;
+  const int R = c.num_ranks;
+  const int my_prefix = lane < R ? a.rank_prefix_matrix[lane * R + c.rank] : 0;
   const int64_t num_recv = __shfl_sync(0xffffffffu, my_prefix, R - 1);
   const bool poisoned = timed_out_peers(c) != 0;
-  for (int64_t i = warp; i < num_rows; i += nwarps) {
+  for (int64_t i = warp; i < a.num_rows; i += nwarps) {
     if (poisoned) {
-      int4* row = reinterpret_cast<int4*>(recv_x + i * rec.hidden_bytes);
-      for (int j = lane; j < rec.hidden_bytes / 16; j += 32) row[j] = make_int4(-1, -1, -1, -1);
-      for (int j = lane; j < rec.num_scales; j += 32)
-        recv_scales[i * scale_stride0 + j * scale_stride1] = __int_as_float(0x7fffffff);
-      if (recv_topk_idx != nullptr && lane < K) recv_topk_idx[i * K + lane] = -1;
-      if (recv_topk_weights != nullptr && lane < K)
-        recv_topk_weights[i * K + lane] = __int_as_float(0x7fffffff);
-      if (recv_src_idx != nullptr && lane == 0) recv_src_idx[i] = -1;
+      poison_row(a, i, lane);
       continue;
     }
     if (i >= num_recv) {
-      if (recv_topk_idx != nullptr && lane < K) recv_topk_idx[i * K + lane] = -1;
-      if (recv_topk_weights != nullptr && lane < K) recv_topk_weights[i * K + lane] = 0.f;
-      if (recv_src_idx != nullptr && lane == 0) recv_src_idx[i] = -1;
+      pad_row(a, i, lane);
       continue;
     }
     int src;
     int64_t slot;
     locate(i, my_prefix, lane, R, src, slot);
-    const char* r = c.local + c.dispatch_offset + (int64_t(src) * c.dispatch_slots + slot) * rec.bytes;
-    warp_copy16(recv_x + i * rec.hidden_bytes, r, rec.hidden_bytes, lane);
-    const float* sc = reinterpret_cast<const float*>(r + rec.hidden_bytes);
-    for (int j = lane; j < rec.num_scales; j += 32)
-      recv_scales[i * scale_stride0 + j * scale_stride1] = sc[j];
-    if (lane < K) {
-      if (recv_topk_idx != nullptr)
-        recv_topk_idx[i * K + lane] = reinterpret_cast<const int64_t*>(r + rec.idx_offset)[lane];
-      if (recv_topk_weights != nullptr)
-        recv_topk_weights[i * K + lane] = reinterpret_cast<const float*>(r + rec.w_offset)[lane];
-    }
-    if (recv_src_idx != nullptr && lane == 0)
-      recv_src_idx[i] = *reinterpret_cast<const int*>(r + rec.src_offset);
+    const char* r = c.local + c.dispatch_offset + (int64_t(src) * c.dispatch_slots + slot) * a.rec.bytes;
+    copy_out_row<false>(a, i, r, lane);
   }
+}
+
+// dispatch_fused: blocks [0, num_send_blocks) send as dispatch_send (a warp
+// per token) and set each record's flag (all blocks: a send-only launch); the
+// other blocks (all: a receive-only launch) receive: received
+// row (source s, slot j) is copied out once its record's flag shows this
+// call, the rows visited source by source in chunks (interleaved), so they
+// are copied while the later rows are still crossing NVLink. No end-of-send
+// signal, no wait kernel. A wait that runs out marks the peer (its rows are
+// poisoned, not waited for again) and records the error.
+extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
+    dispatch_fused(const __grid_constant__ moelink::intranode::DispatchFusedParams a) {
+  using namespace moelink::intranode;
+  const Ctx& c = a.send.c;
+  const int lane = threadIdx.x % 32;
+  const int R = c.num_ranks;
+  const int nsend = a.num_send_blocks;
+  if (int(blockIdx.x) < nsend) {
+    const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.send_calls));
+    const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+    const int64_t nwarps = int64_t(nsend) * kWarps;
+    for (int64_t t = warp; t < a.send.num_tokens; t += nwarps) send_token(a.send, t, lane, flag);
+  } else {
+    const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.recv_calls));
+    const DispatchRecvParams& r = a.recv;
+    const int64_t warp = int64_t(blockIdx.x - nsend) * kWarps + threadIdx.x / 32;
+    const int64_t nwarps = int64_t(gridDim.x - nsend) * kWarps;
+    const int my_prefix = lane < R ? r.rank_prefix_matrix[lane * R + c.rank] : 0;
+    const int before = __shfl_up_sync(0xffffffffu, my_prefix, 1);
+    const int my_count = lane < R ? my_prefix - (lane > 0 ? before : 0) : 0;
+    int max_count = my_count;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) max_count = max(max_count, __shfl_xor_sync(0xffffffffu, max_count, o));
+    const int64_t num_recv = __shfl_sync(0xffffffffu, my_prefix, R - 1);
+    const int64_t units =
+        int64_t(R) * ((int64_t(max_count) + kChunkRows - 1) / kChunkRows) * kChunkRows;
+    // Once any wait of this Buffer timed out, the counts themselves may be a
+    // peer's stale row: every row is poisoned, none copied (as dispatch_recv).
+    const bool poisoned = timed_out_peers(c) != 0;
+    for (int64_t i = warp; poisoned && i < r.num_rows; i += nwarps) poison_row(r, i, lane);
+    for (int64_t k = warp; !poisoned && k < units; k += nwarps) {
+      int s;
+      int64_t j;
+      interleaved(k, R, 0, s, j);
+      const int count_s = __shfl_sync(0xffffffffu, my_count, s);
+      if (j >= count_s) continue;
+      const int start_s = s > 0 ? __shfl_sync(0xffffffffu, my_prefix, s - 1) : 0;
+      const int64_t i = start_s + j;
+      if (i >= r.num_rows) continue;
+      const char* rec = c.local + c.dispatch_offset + (int64_t(s) * c.dispatch_slots + j) * r.rec.bytes;
+      bool ok = true;
+      if (lane == 0)
+        ok = wait_record(c, record_flag(const_cast<char*>(rec), r.rec.bytes), flag, s,
+                         comm::kWaitIntranodeDispatch, uint64_t(j), a.error);
+      if (__shfl_sync(0xffffffffu, ok, 0))
+        copy_out_row<true>(r, i, rec, lane);
+      else
+        poison_row(r, i, lane);
+    }
+    // num_worst_tokens padding.
+    for (int64_t i = num_recv + warp; !poisoned && i < r.num_rows; i += nwarps) pad_row(r, i, lane);
+  }
+  const bool sends = nsend > 0, receives = nsend < int(gridDim.x);
+  fused_done(sends ? c.ticket : a.recv_ticket, sends ? a.send_calls : nullptr,
+             receives ? a.recv_calls : nullptr);
 }
 
 // combine_send: a warp per received row i < num_recv: the expert output row
@@ -480,17 +812,12 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
 extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
     combine_send(const __grid_constant__ moelink::intranode::CombineSendParams a) {
   const Ctx& c = a.c;
-  const char* __restrict__ y = a.y;
-  const int64_t row_bytes = a.row_bytes, record_bytes = a.record_bytes;
-  const float* __restrict__ topk_weights = a.topk_weights;
-  const int num_topk = a.num_topk;
-  const int* __restrict__ rank_prefix_matrix = a.rank_prefix_matrix;
   using namespace moelink::intranode;
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   const int R = c.num_ranks;
-  const int my_prefix = lane < R ? rank_prefix_matrix[lane * R + c.rank] : 0;
+  const int my_prefix = lane < R ? a.rank_prefix_matrix[lane * R + c.rank] : 0;
   const int64_t num_recv = __shfl_sync(0xffffffffu, my_prefix, R - 1);
   // Rows in the order of their source rank starting at this rank (rank,
   // rank + 1, ... mod R), so the ranks write to different peers at any moment.
@@ -501,126 +828,106 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
     int64_t slot;
     locate(i, my_prefix, lane, R, src, slot);
     if (slot >= c.combine_slots) continue;
-    char* dst = peer_base(c, src) + c.combine_offset +
-                (int64_t(c.rank) * c.combine_slots + slot) * record_bytes;
-    warp_copy16(dst, y + i * row_bytes, row_bytes, lane);
-    if (topk_weights != nullptr && lane < num_topk)
-      reinterpret_cast<float*>(dst + row_bytes)[lane] = topk_weights[i * num_topk + lane];
+    send_combine_row(a, i, src, slot, lane, 0);
   }
   last_block_signals(c);
 }
 
-// combine_recv: a warp per token t: out[t] = bf16((bias0 + bias1) + copy_d0 +
-// copy_d1 + ...) in f32 over the ranks d0 < d1 < ... that received t (the CPU
-// reference's order, so results match it bit for bit); weights likewise from 0.
-// A token that one of the ranks whose wait timed out received is NaN (row and
-// weights), not a partial sum.
+// combine_recv: a warp per token t (reduce_token). A token that one of the
+// ranks whose wait timed out received is NaN (row and weights), not a partial
+// sum.
 extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
     combine_recv(const __grid_constant__ moelink::intranode::CombineRecvParams a) {
   const Ctx& c = a.c;
-  const int* __restrict__ send_head = a.send_head;
-  const int num_tokens = a.num_tokens, hidden = a.hidden, num_topk = a.num_topk;
-  const int64_t record_bytes = a.record_bytes;
-  const __nv_bfloat16* __restrict__ bias0 = a.bias0;
-  const __nv_bfloat16* __restrict__ bias1 = a.bias1;
-  __nv_bfloat16* __restrict__ out = a.out;
-  float* __restrict__ out_weights = a.out_weights;
   using namespace moelink::intranode;
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   const int R = c.num_ranks;
-  const int64_t row_bytes = int64_t(hidden) * 2;
   // Slots of the warp's token per source rank (lanes of the row loop below
   // may be inactive, so they are not shuffled).
   __shared__ int slots[kWarps][kMaxRanks];
   int* my_slots = slots[threadIdx.x / 32];
   const unsigned late = timed_out_peers(c);
-  for (int64_t t = warp; t < num_tokens; t += nwarps) {
-    const int my_slot = lane < R ? send_head[t * R + lane] : -1;
+  for (int64_t t = warp; t < a.num_tokens; t += nwarps) {
+    const int my_slot = lane < R ? a.send_head[t * R + lane] : -1;
     const unsigned srcs = __ballot_sync(0xffffffffu, my_slot >= 0);
     if (srcs & late) {
-      int4* row = reinterpret_cast<int4*>(out + t * hidden);
-      for (int v = lane; v < hidden / 8; v += 32) row[v] = make_int4(-1, -1, -1, -1);
-      if (out_weights != nullptr && lane < num_topk)
-        out_weights[t * num_topk + lane] = __int_as_float(0x7fffffff);
+      poison_token(a, t, lane);
       continue;
     }
     __syncwarp();
     if (lane < R) my_slots[lane] = my_slot;
     __syncwarp();
-    // kUnroll vectors per lane and two sources per step are loaded before
-    // they are added (memory-level parallelism); the order of the additions
-    // stays bias, then sources in ascending rank order.
-    constexpr int kUnroll = 2;
-    const int nvec = hidden / 8;
-    for (int v0 = lane; v0 < nvec; v0 += 32 * kUnroll) {
-      float acc[kUnroll][8];
+    reduce_token<false>(a, t, srcs, my_slots, my_slot, lane);
+  }
+}
+
+// combine_fused: blocks [0, num_send_blocks) send as combine_send and set each
+// record's flag, the rows visited source block by source block in chunks
+// (interleaved, starting at this rank's own block) so that every source's
+// slots fill at the same pace; the other blocks reduce token after token as
+// soon as every copy of the token shows this call's flag. No end-of-send
+// signal, no wait kernel.
+extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
+    combine_fused(const __grid_constant__ moelink::intranode::CombineFusedParams a) {
+  using namespace moelink::intranode;
+  const Ctx& c = a.send.c;
+  const int lane = threadIdx.x % 32;
+  const int R = c.num_ranks;
+  const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.calls));
+  const int nsend = a.num_send_blocks;
+  __shared__ int slots[kWarps][kMaxRanks];
+  if (int(blockIdx.x) < nsend) {
+    const CombineSendParams& s = a.send;
+    const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+    const int64_t nwarps = int64_t(nsend) * kWarps;
+    const int my_prefix = lane < R ? s.rank_prefix_matrix[lane * R + c.rank] : 0;
+    const int before = __shfl_up_sync(0xffffffffu, my_prefix, 1);
+    const int my_count = lane < R ? my_prefix - (lane > 0 ? before : 0) : 0;
+    int max_count = my_count;
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int v = v0 + 32 * u;
-        int4 b0 = make_int4(0, 0, 0, 0), b1 = make_int4(0, 0, 0, 0);
-        if (v < nvec && bias0 != nullptr) b0 = ld_nc(reinterpret_cast<const int4*>(bias0 + t * hidden) + v);
-        if (v < nvec && bias1 != nullptr) b1 = ld_nc(reinterpret_cast<const int4*>(bias1 + t * hidden) + v);
-        const __nv_bfloat16* p0 = reinterpret_cast<const __nv_bfloat16*>(&b0);
-        const __nv_bfloat16* p1 = reinterpret_cast<const __nv_bfloat16*>(&b1);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) acc[u][k] = __bfloat162float(p0[k]) + __bfloat162float(p1[k]);
-      }
-      unsigned m = srcs;
-      while (m) {
-        const int d0 = __ffs(m) - 1;
-        m &= m - 1;
-        const int d1 = m ? __ffs(m) - 1 : -1;
-        if (m) m &= m - 1;
-        const int4* r0 = reinterpret_cast<const int4*>(
-            c.local + c.combine_offset + (int64_t(d0) * c.combine_slots + my_slots[d0]) * record_bytes);
-        const int4* r1 = d1 < 0 ? nullptr
-                                : reinterpret_cast<const int4*>(
-                                      c.local + c.combine_offset +
-                                      (int64_t(d1) * c.combine_slots + my_slots[d1]) * record_bytes);
-        int4 w0[kUnroll], w1[kUnroll];
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int v = v0 + 32 * u;
-          if (v < nvec) {
-            w0[u] = ld_nc(r0 + v);
-            if (r1 != nullptr) w1[u] = ld_nc(r1 + v);
-          }
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const __nv_bfloat16* a = reinterpret_cast<const __nv_bfloat16*>(&w0[u]);
-          const __nv_bfloat16* b = reinterpret_cast<const __nv_bfloat16*>(&w1[u]);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) {
-            acc[u][k] += __bfloat162float(a[k]);
-            if (r1 != nullptr) acc[u][k] += __bfloat162float(b[k]);
-          }
-        }
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int v = v0 + 32 * u;
-        if (v >= nvec) continue;
-        int4 o;
-        __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) po[k] = __float2bfloat16_rn(acc[u][k]);
-        reinterpret_cast<int4*>(out + t * hidden)[v] = o;
-      }
+    for (int o = 16; o > 0; o >>= 1) max_count = max(max_count, __shfl_xor_sync(0xffffffffu, max_count, o));
+    const int64_t units =
+        int64_t(R) * ((int64_t(max_count) + kChunkRows - 1) / kChunkRows) * kChunkRows;
+    for (int64_t k = warp; k < units; k += nwarps) {
+      int src;
+      int64_t slot;
+      interleaved(k, R, c.rank, src, slot);
+      const int count_s = __shfl_sync(0xffffffffu, my_count, src);
+      if (slot >= count_s || slot >= c.combine_slots) continue;
+      const int start_s = src > 0 ? __shfl_sync(0xffffffffu, my_prefix, src - 1) : 0;
+      send_combine_row(s, start_s + slot, src, slot, lane, flag);
     }
-    if (out_weights != nullptr) {
-      float acc = 0.f;
-      unsigned m = srcs;
-      while (m) {
-        const int d = __ffs(m) - 1;
-        m &= m - 1;
-        const int64_t slot = __shfl_sync(0xffffffffu, my_slot, d);
-        const char* r = c.local + c.combine_offset + (int64_t(d) * c.combine_slots + slot) * record_bytes;
-        if (lane < num_topk) acc += reinterpret_cast<const float*>(r + row_bytes)[lane];
+  } else {
+    const CombineRecvParams& r = a.recv;
+    const int64_t warp = int64_t(blockIdx.x - nsend) * kWarps + threadIdx.x / 32;
+    const int64_t nwarps = int64_t(gridDim.x - nsend) * kWarps;
+    int* my_slots = slots[threadIdx.x / 32];
+    const unsigned late_at_start = timed_out_peers(c);
+    for (int64_t t = warp; t < r.num_tokens; t += nwarps) {
+      const int my_slot = lane < R ? r.send_head[t * R + lane] : -1;
+      const unsigned srcs = __ballot_sync(0xffffffffu, my_slot >= 0);
+      if (srcs & late_at_start) {
+        poison_token(r, t, lane);
+        continue;
       }
-      if (lane < num_topk) out_weights[t * num_topk + lane] = acc;
+      // Lane d waits for the copy from rank d.
+      bool ok = true;
+      if (my_slot >= 0) {
+        const char* rec = combine_record(c, c.local, lane, my_slot, r.record_bytes);
+        ok = wait_record(c, record_flag(const_cast<char*>(rec), r.record_bytes), flag, lane,
+                         comm::kWaitIntranodeCombine, uint64_t(my_slot), a.error);
+      }
+      if (__ballot_sync(0xffffffffu, !ok) != 0) {
+        poison_token(r, t, lane);
+        continue;
+      }
+      __syncwarp();
+      if (lane < R) my_slots[lane] = my_slot;
+      __syncwarp();
+      reduce_token<true>(r, t, srcs, my_slots, my_slot, lane);
     }
   }
+  fused_done(c.ticket, a.calls, nullptr);
 }

@@ -146,6 +146,32 @@ struct CombineRecvParams {
     num_topk: i32,
 }
 
+/// `moelink::intranode::DispatchFusedParams`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct DispatchFusedParams {
+    send: DispatchSendParams,
+    recv: DispatchRecvParams,
+    send_calls: u64,
+    recv_calls: u64,
+    recv_ticket: u64,
+    error: u64,
+    num_send_blocks: i32,
+    pad: i32,
+}
+
+/// `moelink::intranode::CombineFusedParams`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct CombineFusedParams {
+    send: CombineSendParams,
+    recv: CombineRecvParams,
+    calls: u64,
+    error: u64,
+    num_send_blocks: i32,
+    pad: i32,
+}
+
 // The same numbers as the static_asserts in intranode.cu (a CPU test reads them there).
 param_layout!(
     PARAM_LAYOUT = [
@@ -162,6 +188,12 @@ param_layout!(
         offsetof!(CombineSendParams, num_topk == 120),
         sizeof!(CombineRecvParams == 144),
         offsetof!(CombineRecvParams, num_tokens == 128),
+        sizeof!(DispatchFusedParams == 400),
+        offsetof!(DispatchFusedParams, recv == 176),
+        offsetof!(DispatchFusedParams, num_send_blocks == 392),
+        sizeof!(CombineFusedParams == 296),
+        offsetof!(CombineFusedParams, recv == 128),
+        offsetof!(CombineFusedParams, num_send_blocks == 288),
         sizeof!(IntranodeCtx as Ctx == 80),
     ]
 );
@@ -172,7 +204,8 @@ const fn round_up(n: i64, m: i64) -> i64 {
 
 impl RecordLayout {
     /// Record of a dispatch: row | `num_scales` f32 | `num_topk` i64 local ids |
-    /// `num_topk` f32 weights | i32 source index, padded to 16 bytes.
+    /// `num_topk` f32 weights | i32 source index, padded so that the record
+    /// ends in an 8-byte flag (the fused kernels') at a multiple of 16 bytes.
     pub fn dispatch(hidden_bytes: usize, num_scales: usize, num_topk: usize) -> Result<Self> {
         if hidden_bytes == 0 || hidden_bytes % ROW_BYTES_ALIGNMENT != 0 {
             return Err(CommError::invalid(
@@ -190,7 +223,7 @@ impl RecordLayout {
         let idx = round_up(h + 4 * num_scales as i64, 8);
         let w = idx + 8 * num_topk as i64;
         let src = w + 4 * num_topk as i64;
-        let bytes = round_up(src + 4, 16);
+        let bytes = round_up(src + 4 + FLAG_BYTES, 16);
         let fits =
             |v: i64| i32::try_from(v).map_err(|_| CommError::invalid("hidden_bytes", "too large"));
         Ok(RecordLayout {
@@ -206,10 +239,14 @@ impl RecordLayout {
 }
 
 /// Bytes of a combine record: a bf16 row of `hidden` plus `num_topk` f32
-/// weights, padded to 16 bytes.
+/// weights, padded so that it ends in an 8-byte flag at a multiple of 16 bytes.
 pub fn combine_record_bytes(hidden: usize, num_topk: usize) -> i64 {
-    round_up(2 * hidden as i64 + 4 * num_topk as i64, 16)
+    round_up(2 * hidden as i64 + 4 * num_topk as i64 + FLAG_BYTES, 16)
 }
+
+/// Bytes of the flag that ends every dispatch and combine record (written by
+/// the fused kernels after the record, polled by the receiving warp).
+pub const FLAG_BYTES: i64 = 8;
 
 fn check_ctx(c: &IntranodeCtx) -> Result<()> {
     if c.num_ranks <= 0 || c.num_ranks as usize > MAX_RANKS || c.rank < 0 || c.rank >= c.num_ranks {
@@ -384,6 +421,14 @@ pub unsafe fn dispatch_send(
     ctx: IntranodeCtx,
     a: SendArgs,
 ) -> Result<()> {
+    let grid = data_grid(a.num_sms, a.num_tokens as i64);
+    let p = send_params(ctx, &a)?;
+    // SAFETY: as above.
+    unsafe { k.launch_params(KernelId::DispatchSend, (grid, 1), THREADS, 0, stream, p) }
+}
+
+/// The send half's argument block (checked).
+fn send_params(ctx: IntranodeCtx, a: &SendArgs) -> Result<DispatchSendParams> {
     check_ctx(&ctx)?;
     if a.num_tokens as i64 > ctx.dispatch_slots {
         return Err(CommError::invalid(
@@ -394,8 +439,7 @@ pub unsafe fn dispatch_send(
             ),
         ));
     }
-    let grid = data_grid(a.num_sms, a.num_tokens as i64);
-    let p = DispatchSendParams {
+    Ok(DispatchSendParams {
         c: ctx,
         rec: a.rec,
         x: a.x,
@@ -407,9 +451,7 @@ pub unsafe fn dispatch_send(
         send_head: a.send_head,
         num_tokens: a.num_tokens,
         experts_per_rank: a.experts_per_rank,
-    };
-    // SAFETY: as above.
-    unsafe { k.launch_params(KernelId::DispatchSend, (grid, 1), THREADS, 0, stream, p) }
+    })
 }
 
 /// Device addresses of a dispatch's outputs (0 = not wanted).
@@ -444,9 +486,15 @@ pub unsafe fn dispatch_recv(
     a: RecvArgs,
 ) -> Result<()> {
     check_ctx(&ctx)?;
+    let grid = data_grid(a.num_sms, a.out.num_rows);
+    let p = recv_params(ctx, &a);
+    // SAFETY: as above.
+    unsafe { k.launch_params(KernelId::DispatchRecv, (grid, 1), THREADS, 0, stream, p) }
+}
+
+fn recv_params(ctx: IntranodeCtx, a: &RecvArgs) -> DispatchRecvParams {
     let o = a.out;
-    let grid = data_grid(a.num_sms, o.num_rows);
-    let p = DispatchRecvParams {
+    DispatchRecvParams {
         c: ctx,
         rec: a.rec,
         rank_prefix_matrix: a.rank_prefix_matrix,
@@ -458,9 +506,7 @@ pub unsafe fn dispatch_recv(
         recv_topk_idx: o.recv_topk_idx,
         recv_topk_weights: o.recv_topk_weights,
         recv_src_idx: o.recv_src_idx,
-    };
-    // SAFETY: as above.
-    unsafe { k.launch_params(KernelId::DispatchRecv, (grid, 1), THREADS, 0, stream, p) }
+    }
 }
 
 /// Inputs of [`combine_send`].
@@ -488,18 +534,21 @@ pub unsafe fn combine_send(
 ) -> Result<()> {
     check_ctx(&ctx)?;
     let grid = data_grid(a.num_sms, a.num_rows);
-    let rec = combine_record_bytes(a.hidden as usize, a.num_topk.max(0) as usize);
-    let p = CombineSendParams {
+    let p = combine_send_params(ctx, &a);
+    // SAFETY: as above.
+    unsafe { k.launch_params(KernelId::CombineSend, (grid, 1), THREADS, 0, stream, p) }
+}
+
+fn combine_send_params(ctx: IntranodeCtx, a: &CombineSendArgs) -> CombineSendParams {
+    CombineSendParams {
         c: ctx,
         y: a.y,
         row_bytes: 2 * a.hidden as i64,
         topk_weights: a.topk_weights,
-        record_bytes: rec,
+        record_bytes: combine_record_bytes(a.hidden as usize, a.num_topk.max(0) as usize),
         rank_prefix_matrix: a.rank_prefix_matrix,
         num_topk: a.num_topk,
-    };
-    // SAFETY: as above.
-    unsafe { k.launch_params(KernelId::CombineSend, (grid, 1), THREADS, 0, stream, p) }
+    }
 }
 
 /// Inputs / outputs of [`combine_recv`].
@@ -527,6 +576,14 @@ pub unsafe fn combine_recv(
     ctx: IntranodeCtx,
     a: CombineRecvArgs,
 ) -> Result<()> {
+    let grid = data_grid(a.num_sms, a.num_tokens as i64);
+    let p = combine_recv_params(ctx, &a)?;
+    // SAFETY: as above.
+    unsafe { k.launch_params(KernelId::CombineRecv, (grid, 1), THREADS, 0, stream, p) }
+}
+
+/// The combine's receive half's argument block (checked).
+fn combine_recv_params(ctx: IntranodeCtx, a: &CombineRecvArgs) -> Result<CombineRecvParams> {
     check_ctx(&ctx)?;
     if a.hidden <= 0 || a.hidden % 64 != 0 {
         return Err(CommError::invalid(
@@ -534,12 +591,10 @@ pub unsafe fn combine_recv(
             format!("{} is not a positive multiple of 64", a.hidden),
         ));
     }
-    let grid = data_grid(a.num_sms, a.num_tokens as i64);
-    let rec = combine_record_bytes(a.hidden as usize, a.num_topk.max(0) as usize);
-    let p = CombineRecvParams {
+    Ok(CombineRecvParams {
         c: ctx,
         send_head: a.send_head,
-        record_bytes: rec,
+        record_bytes: combine_record_bytes(a.hidden as usize, a.num_topk.max(0) as usize),
         bias0: a.bias.0,
         bias1: a.bias.1,
         out: a.out,
@@ -547,9 +602,210 @@ pub unsafe fn combine_recv(
         num_tokens: a.num_tokens,
         hidden: a.hidden,
         num_topk: a.num_topk,
+    })
+}
+
+/// Blocks of a fused kernel: `blocks` in all, the first `send_blocks` send.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FusedGrid {
+    pub blocks: u32,
+    pub send_blocks: u32,
+}
+
+/// Which halves one `dispatch_fused` launch runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FusedHalves {
+    /// Both, on the grid's split (one launch).
+    Both,
+    /// The send half alone, on the grid's `send_blocks` blocks.
+    Send,
+    /// The receive half alone, on the grid's other blocks (it may run on
+    /// another stream while the send-only launch of the same call runs).
+    Recv,
+}
+
+impl FusedGrid {
+    /// `num_sms` blocks (at least 2), of which `recv_percent` % (rounded down,
+    /// at least one, at most all but one) receive. `None` below 2 SMs: the
+    /// fused kernels need a sender and a receiver block at once.
+    pub fn new(num_sms: u32, recv_percent: u32) -> Option<Self> {
+        if num_sms < 2 {
+            return None;
+        }
+        let recv = (num_sms * recv_percent.min(100) / 100).clamp(1, num_sms - 1);
+        Some(Self {
+            blocks: num_sms,
+            send_blocks: num_sms - recv,
+        })
+    }
+}
+
+/// Device state of the fused kernels (device addresses).
+#[derive(Clone, Copy, Debug)]
+pub struct FusedState {
+    /// u64 counter of the calls whose send half ran (combine: of its calls).
+    pub send_calls: u64,
+    /// u64 counter of the calls whose receive half ran (dispatch only).
+    pub recv_calls: u64,
+    /// u32 last-block ticket of receive-only launches, 0 between kernels
+    /// (dispatch only).
+    pub recv_ticket: u64,
+    /// comm's `DeviceError` record.
+    pub error: u64,
+}
+
+/// Launches `dispatch_fused` for `halves`: the send half of `send` on the
+/// first `grid.send_blocks` blocks and the receive half of `recv` on the
+/// others, at once (each received row copied out when its record's flag shows
+/// this call), or one half alone on its share of the grid. The arguments of
+/// the half a launch does not run are not read (`None`).
+///
+/// # Safety
+/// As [`dispatch_send`] and [`dispatch_recv`] together, except that no wait
+/// kernel comes between them: the kernel waits per record itself. Every
+/// peer's dispatch of this call must be a fused one too, and each call runs
+/// both halves once (`Both`, or `Send` then `Recv`).
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn dispatch_fused(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    halves: FusedHalves,
+    send: Option<SendArgs>,
+    recv: Option<RecvArgs>,
+    state: FusedState,
+    grid: FusedGrid,
+) -> Result<()> {
+    check_fused(&state, grid)?;
+    if state.recv_calls == 0 || state.recv_ticket == 0 {
+        return Err(CommError::invalid(
+            "fused state",
+            "a dispatch needs its receive counter and ticket",
+        ));
+    }
+    let (blocks, num_send_blocks) = match halves {
+        FusedHalves::Both => (grid.blocks, grid.send_blocks),
+        FusedHalves::Send => (grid.send_blocks, grid.send_blocks),
+        FusedHalves::Recv => (grid.blocks - grid.send_blocks, 0),
     };
-    // SAFETY: as above.
-    unsafe { k.launch_params(KernelId::CombineRecv, (grid, 1), THREADS, 0, stream, p) }
+    let missing = |what: &str| {
+        CommError::invalid(
+            "fused halves",
+            format!("{halves:?} needs the {what} arguments"),
+        )
+    };
+    let rec = send.map(|a| a.rec).or(recv.map(|a| a.rec));
+    let rec = rec.ok_or_else(|| missing("send or receive"))?;
+    let send = match (send, halves) {
+        (Some(a), _) => send_params(ctx, &a)?,
+        (None, FusedHalves::Recv) => send_params(ctx, &SendArgs::none(rec))?,
+        (None, _) => return Err(missing("send")),
+    };
+    let recv = match (recv, halves) {
+        (Some(a), _) => recv_params(ctx, &a),
+        (None, FusedHalves::Send) => recv_params(ctx, &RecvArgs::none(rec)),
+        (None, _) => return Err(missing("receive")),
+    };
+    let p = DispatchFusedParams {
+        send,
+        recv,
+        send_calls: state.send_calls,
+        recv_calls: state.recv_calls,
+        recv_ticket: state.recv_ticket,
+        error: state.error,
+        num_send_blocks: num_send_blocks as i32,
+        pad: 0,
+    };
+    // SAFETY: DispatchFusedParams mirrors the kernel's block; pointers are the caller's contract.
+    unsafe { k.launch_params(KernelId::DispatchFused, (blocks, 1), THREADS, 0, stream, p) }
+}
+
+impl SendArgs {
+    /// No tokens (the send half of a receive-only launch).
+    fn none(rec: RecordLayout) -> Self {
+        SendArgs {
+            rec,
+            x: 0,
+            scales: 0,
+            scale_strides: (0, 0),
+            topk_idx: 0,
+            topk_weights: 0,
+            send_head: 0,
+            num_tokens: 0,
+            experts_per_rank: 1,
+            num_sms: 0,
+        }
+    }
+}
+
+impl RecvArgs {
+    /// No rows (the receive half of a send-only launch).
+    fn none(rec: RecordLayout) -> Self {
+        RecvArgs {
+            rec,
+            rank_prefix_matrix: 0,
+            out: DispatchOutputs::default(),
+            num_sms: 0,
+        }
+    }
+}
+
+/// Launches `combine_fused`: the send half of `send` and the reduction of
+/// `recv` at once (each token reduced when the flags of all its copies show
+/// this call).
+///
+/// # Safety
+/// As [`combine_send`] and [`combine_recv`] together (no wait kernel between
+/// them); every peer's combine of this call must be a fused one too.
+pub unsafe fn combine_fused(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    send: CombineSendArgs,
+    recv: CombineRecvArgs,
+    state: FusedState,
+    grid: FusedGrid,
+) -> Result<()> {
+    check_ctx(&ctx)?;
+    let p = CombineFusedParams {
+        send: combine_send_params(ctx, &send),
+        recv: combine_recv_params(ctx, &recv)?,
+        calls: state.send_calls,
+        error: state.error,
+        num_send_blocks: grid.send_blocks as i32,
+        pad: 0,
+    };
+    check_fused(&state, grid)?;
+    // SAFETY: CombineFusedParams mirrors the kernel's block; pointers are the caller's contract.
+    unsafe {
+        k.launch_params(
+            KernelId::CombineFused,
+            (grid.blocks, 1),
+            THREADS,
+            0,
+            stream,
+            p,
+        )
+    }
+}
+
+fn check_fused(state: &FusedState, grid: FusedGrid) -> Result<()> {
+    if state.send_calls == 0 || state.error == 0 {
+        return Err(CommError::invalid(
+            "fused state",
+            "the call counter and the device error record are required",
+        ));
+    }
+    if grid.send_blocks == 0 || grid.send_blocks >= grid.blocks {
+        return Err(CommError::invalid(
+            "num_sms",
+            format!(
+                "a fused kernel needs sender and receiver blocks ({} of {} send)",
+                grid.send_blocks, grid.blocks
+            ),
+        ));
+    }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -563,22 +819,57 @@ mod tests {
             (r.idx_offset, r.w_offset, r.src_offset, r.bytes),
             (14336, 14400, 14432, 14448)
         );
+        // The flag: the last 8 bytes, after the source index.
+        assert!(r.src_offset as i64 + 4 <= r.bytes - FLAG_BYTES);
         // fp8 with 56 scales: ids 8-aligned after the scales.
         let r = RecordLayout::dispatch(7168, 56, 8).unwrap();
         assert_eq!(r.idx_offset, 7168 + 224);
         assert_eq!(r.bytes % 16, 0);
         let r = RecordLayout::dispatch(128, 1, 0).unwrap();
-        assert_eq!((r.idx_offset, r.src_offset, r.bytes), (136, 136, 144));
+        assert_eq!((r.idx_offset, r.src_offset, r.bytes), (136, 136, 160));
         assert!(RecordLayout::dispatch(100, 0, 1).is_err());
         assert!(RecordLayout::dispatch(128, 0, 33).is_err());
-        assert_eq!(combine_record_bytes(7168, 8), 14368);
-        assert_eq!(combine_record_bytes(64, 0), 128);
+        assert_eq!(combine_record_bytes(7168, 8), 14384);
+        assert_eq!(combine_record_bytes(64, 0), 144);
     }
 
     #[test]
     fn param_blocks_match_the_kernels_static_asserts() {
         let cu = include_str!("../cuda/intranode.cu");
         crate::check_static_asserts("intranode.cu", cu, PARAM_LAYOUT);
+    }
+
+    #[test]
+    fn fused_grid_splits_senders_and_receivers() {
+        assert_eq!(FusedGrid::new(1, 25), None);
+        assert_eq!(
+            FusedGrid::new(2, 25),
+            Some(FusedGrid {
+                blocks: 2,
+                send_blocks: 1
+            })
+        );
+        assert_eq!(
+            FusedGrid::new(48, 25),
+            Some(FusedGrid {
+                blocks: 48,
+                send_blocks: 36
+            })
+        );
+        assert_eq!(
+            FusedGrid::new(24, 0),
+            Some(FusedGrid {
+                blocks: 24,
+                send_blocks: 23
+            })
+        );
+        assert_eq!(
+            FusedGrid::new(24, 100),
+            Some(FusedGrid {
+                blocks: 24,
+                send_blocks: 1
+            })
+        );
     }
 
     #[test]

@@ -26,6 +26,8 @@ comm::kernel_table! {
         CombineSend => "combine_send",
         CombineWait => "combine_wait",
         CombineRecv => "combine_recv",
+        DispatchFused => "dispatch_fused",
+        CombineFused => "combine_fused",
         LlDispatch => "ll_dispatch",
         LlCombine => "ll_combine",
     }

@@ -546,7 +546,8 @@ impl Buffer {
         )?;
         let round16 = |n: usize| n.div_ceil(16) * 16;
         let dispatch = round16(hb + hb / 128 * 4 + MAX_TOPK * (8 + 4) + 16);
-        let combine = round16(hb + COMBINE_RECORD_TOPK * 4);
+        // + the 8-byte flag that ends every record (ep_kernels::intranode::FLAG_BYTES).
+        let combine = round16(hb + COMBINE_RECORD_TOPK * 4 + 8);
         let bytes = 2 * r * t * dispatch.max(combine) + COUNTER_BYTES;
         Ok(bytes.div_ceil(128) * 128)
     }

@@ -32,6 +32,7 @@ COMBINE_RECORD_TOPK = 32
 
 _ALIGN = 128  # buffer sizes are multiples of this
 _RECORD_ALIGN = 16  # slots start on 16-byte boundaries (16-byte vector stores)
+_FLAG_BYTES = 8  # every record ends in a flag word (ep_kernels::intranode::FLAG_BYTES)
 
 
 def _round_up(n: int, multiple: int) -> int:
@@ -57,7 +58,8 @@ def token_record_bytes(
     ``hidden_bytes`` of row data, ``num_scales`` float32 scales (default
     ``hidden_bytes // 128``, which covers fp8 rows with one scale per 128 channels),
     ``num_topk`` expert ids (int64) and weights (float32), and 16 bytes for the
-    source token index and padding; rounded up to a multiple of 16.
+    source token index, the 8-byte flag the fused kernels set after the record and
+    padding; rounded up to a multiple of 16.
     """
     hidden_bytes = check_int(
         "hidden_bytes", hidden_bytes, minimum=1, maximum=LIMITS["max_hidden_bytes"]
@@ -72,12 +74,13 @@ def token_record_bytes(
 
 def combine_record_bytes(hidden_bytes: int, num_topk: int = COMBINE_RECORD_TOPK) -> int:
     """Bytes of one combine slot: one expert-output row plus ``num_topk`` float32
-    weights, rounded up to a multiple of 16."""
+    weights and the 8-byte flag the fused kernels set after the record, rounded up
+    to a multiple of 16."""
     hidden_bytes = check_int(
         "hidden_bytes", hidden_bytes, minimum=1, maximum=LIMITS["max_hidden_bytes"]
     )
     num_topk = check_int("num_topk", num_topk, minimum=0, maximum=MAX_TOPK)
-    return _round_up(hidden_bytes + num_topk * 4, _RECORD_ALIGN)
+    return _round_up(hidden_bytes + num_topk * 4 + _FLAG_BYTES, _RECORD_ALIGN)
 
 
 class Config:

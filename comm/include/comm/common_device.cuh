@@ -26,6 +26,8 @@ enum : uint32_t {
   kWaitLlCombine = 7,   // low-latency combine: an expert rank's data flag
   kLlOverflow = 8,      // low-latency dispatch: more rows for a local expert than slots
   kInvalidExpertId = 9, // an expert id outside [-1, E): id = token << 8 | column
+  kWaitIntranodeDispatch = 10,  // fused intranode dispatch: a record's flag (slot in id)
+  kWaitIntranodeCombine = 11,   // fused intranode combine: a record's flag (slot in id)
 };
 
 // Bound of a wait whose caller passes none: 30 s of GPU time (shorter than the

@@ -74,8 +74,17 @@ __device__ __forceinline__ void st_na(int4* p, const int4& v) {
                : "memory");
 }
 
+// A 16-byte load of data that is complete before the kernel (`Fresh` false:
+// ld_nc) or that peers write during it (`Fresh`: ld_cg).
+template <bool Fresh>
+__device__ __forceinline__ int4 ld_vec(const int4* p) {
+  if constexpr (Fresh) return ld_cg(p);
+  else return ld_nc(p);
+}
+
 // Warp copy of `bytes` (a multiple of 16, 16-byte aligned pointers) through
-// ld_nc / st_na, four vectors per lane in flight.
+// ld_vec<Fresh> / st_na, four vectors per lane in flight.
+template <bool Fresh = false>
 __device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t bytes, int lane) {
   const int4* s = reinterpret_cast<const int4*>(src);
   int4* d = reinterpret_cast<int4*>(dst);
@@ -85,11 +94,11 @@ __device__ __forceinline__ void warp_copy16(char* dst, const char* src, int64_t 
   for (; i + 32 * (kUnroll - 1) < n; i += 32 * kUnroll) {
     int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) v[u] = ld_nc(s + i + 32 * u);
+    for (int u = 0; u < kUnroll; ++u) v[u] = ld_vec<Fresh>(s + i + 32 * u);
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) st_na(d + i + 32 * u, v[u]);
   }
-  for (; i < n; i += 32) st_na(d + i, ld_nc(s + i));
+  for (; i < n; i += 32) st_na(d + i, ld_vec<Fresh>(s + i));
 }
 
 #endif  // __CUDACC__
