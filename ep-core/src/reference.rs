@@ -51,23 +51,78 @@
 //!   `-1` (`recv_src_idx`, `recv_src_rank`), but GPU tests must not compare
 //!   them: only rows `..num_recv_tokens` of those are specified.
 //!
+//! # Internode: nodes of consecutive ranks
+//!
+//! An internode job splits the `R` ranks into `R / ranks_per_node` nodes of
+//! `ranks_per_node` consecutive ranks (`ranks_per_node >= 1` divides `R`):
+//! rank `j` is on node `j / ranks_per_node`. The split changes how bytes
+//! travel (a token crosses to each destination node once, over RDMA, and is
+//! forwarded there over NVLink), not what arrives:
+//!
+//! - [`layout_internode`] is [`layout`] plus `num_tokens_per_rdma_rank`, the
+//!   tokens with at least one expert on a rank of each node (once per node);
+//! - [`dispatch_internode`] gives exactly the outputs of [`dispatch`] (rows,
+//!   order, ids, weights, payloads, scales, source info, per-expert counts,
+//!   prefix matrix) for every split; only its layouts also carry the per-node
+//!   counts. So an internode dispatch is checked bit for bit against the
+//!   single-node results;
+//! - combine reduces in two levels with a bf16 rounding in between, so its
+//!   result does depend on the split: [`combine_internode`] is the model of
+//!   the internode kernels, below.
+//!
+//! ## Internode combine model
+//!
+//! For a token `t` of source rank `s` dispatched to the set `D(t)` of ranks,
+//! with `y_d` the row rank `d` returns for it and `w_d` its `K` weights (when
+//! given):
+//!
+//! 1. Every node `n` (ascending) holding at least one rank of `D(t)`, the
+//!    source's own node included, forms the partial
+//!    `p_n = bf16(0.0 + y_{d0} + y_{d1} + ...)` over the ranks `d0 < d1 < ...`
+//!    of `D(t)` on node `n`: summed in f32 from `+0.0`, left to right, then
+//!    rounded once to bf16 (to nearest, ties to even: [`f32_to_bf16_bits`]).
+//!    Weights: `q_n = 0.0 + w_{d0} + w_{d1} + ...` in f32, not rounded.
+//! 2. The source rank sums `(bias0 + bias1) + p_{n0} + p_{n1} + ...` in f32
+//!    over those nodes `n0 < n1 < ...` (absent biases read as `0.0`, exactly
+//!    as in [`combine`]), and the kernel stores it as bf16. Weights:
+//!    `0.0 + q_{n0} + q_{n1} + ...` in f32.
+//!
+//! [`combine_internode`] returns the f32 sum of step 2, before that last store,
+//! like [`combine`]: its [`round_to_bf16`] is the kernels' bf16 output and its
+//! weights their f32 weights, bit for bit. A token routed nowhere combines to
+//! its bias (zeros without bias), as in [`combine`]. This is DeepEP's internode
+//! combine: on each node a forwarder reduces the in-node copies in f32 and
+//! sends one bf16 row per (token, node) over RDMA; the source rank adds those
+//! to the biases in ascending node order.
+//!
+//! `ranks_per_node == R` (one node) is a valid split of [`combine_internode`]
+//! and gives `bf16((bias0 + bias1) + bf16(sum of the copies))`. A
+//! `moelink.Buffer` whose group is a single node, however, runs the intranode
+//! kernels, whose model is [`combine`] (no partial rounding): use [`combine`]
+//! for single-node groups and [`combine_internode`] for two nodes or more.
+//!
 //! # Summation order and tolerances
 //!
 //! [`combine`] accumulates in f32 in one fixed order: first `bias0 + bias1`
 //! (absent ones read as `0.0`), then the returned copies in ascending
 //! destination-rank order; topk weights start from `0.0` and add the copies in
-//! the same order. This is DeepEP's intranode order. GPU kernels may sum in a
-//! different order (the internode path reduces within a node first), and f32
-//! addition is not associative, so:
+//! the same order. This is DeepEP's intranode order. [`combine_internode`]
+//! follows the internode kernels' order and rounding exactly (see above):
+//! compare a GPU combine with the model of the path that ran it, bit for bit
+//! after [`round_to_bf16`]. Results summed in another order (the other model,
+//! or kernels that sum differently) differ, because f32 addition is not
+//! associative and partial sums may be rounded, so between those:
 //!
-//! - exact comparisons need inputs whose sums are exact in f32 in any order
-//!   (e.g. small integers, or bf16 values with few significant bits and a
-//!   narrow exponent range); then compare `round_to_bf16(reference)` with the
-//!   GPU's bf16 output bit for bit;
+//! - exact comparisons need inputs whose sums are exact in f32 and in bf16
+//!   in any order and grouping (e.g. small integers, or bf16 values with few
+//!   significant bits and a narrow exponent range); then compare
+//!   `round_to_bf16(reference)` with the GPU's bf16 output bit for bit;
 //! - for general random inputs, compare after bf16 rounding and allow
-//!   [`bf16_ulp_distance`] `<= 1` per element (a different f32 sum can land on
-//!   the other side of a bf16 rounding boundary); with cancellation (sums near
-//!   zero) use an absolute tolerance of a few bf16 ulps of the largest addend;
+//!   [`bf16_ulp_distance`] `<= 1` per element between sums that differ only
+//!   in f32 order (a different f32 sum can land on the other side of a bf16
+//!   rounding boundary); between the two combine models also allow half a
+//!   bf16 ulp of each node's partial; with cancellation (sums near zero) use
+//!   an absolute tolerance of a few bf16 ulps of the largest addend;
 //! - dispatch and everything except combine's sums (layout counts, order,
 //!   indices, payload bytes, scales, weights) is exact: compare bit for bit.
 
@@ -156,12 +211,7 @@ pub fn layout_internode(
     num_ranks: usize,
     ranks_per_node: usize,
 ) -> Result<Layout> {
-    if ranks_per_node == 0 || num_ranks % ranks_per_node != 0 {
-        return Err(CommError::invalid(
-            "ranks_per_node",
-            format!("{ranks_per_node} ranks per node does not divide {num_ranks} ranks"),
-        ));
-    }
+    check_ranks_per_node(ranks_per_node, num_ranks)?;
     compute_layout(
         topk_idx,
         num_topk,
@@ -270,7 +320,8 @@ pub struct Dispatched {
     /// The arguments the dispatch ran with.
     pub args: DispatchArgs,
     /// `[R]`: the layout of each source rank, as [`layout`] computes it
-    /// (its `is_token_in_rank` is the handle's).
+    /// ([`layout_internode`] for [`dispatch_internode`]); its
+    /// `is_token_in_rank` is the handle's.
     pub layouts: Vec<Layout>,
     /// `[R, R]`: entry `[i * R + j]` is the number of tokens ranks `0..=i`
     /// send to rank `j` (cumulative over source ranks); the same matrix on
@@ -303,7 +354,36 @@ impl Dispatched {
 /// [`limits::reference_max_bytes`] or that cannot be allocated
 /// (`num_worst_tokens`).
 pub fn dispatch(inputs: &[RankInput<'_>], args: &DispatchArgs) -> Result<Dispatched> {
+    dispatch_with(inputs, args, None)
+}
+
+/// [`dispatch`] of an internode job whose nodes are groups of
+/// `ranks_per_node` consecutive ranks (see the module docs): the outputs
+/// (`ranks`, `rank_prefix_matrix`, `args`) are exactly [`dispatch`]'s for
+/// every split, and each of `layouts` is what [`layout_internode`] computes
+/// (so it also carries `num_tokens_per_rdma_rank`). The handle works with
+/// [`dispatch_cached`], [`combine`] and [`combine_internode`].
+///
+/// Errors: those of [`dispatch`], and `ranks_per_node` zero or not dividing
+/// the number of ranks (`inputs.len()`).
+pub fn dispatch_internode(
+    inputs: &[RankInput<'_>],
+    args: &DispatchArgs,
+    ranks_per_node: usize,
+) -> Result<Dispatched> {
+    dispatch_with(inputs, args, Some(ranks_per_node))
+}
+
+/// [`dispatch`], with internode layouts when `ranks_per_node` is given.
+fn dispatch_with(
+    inputs: &[RankInput<'_>],
+    args: &DispatchArgs,
+    ranks_per_node: Option<usize>,
+) -> Result<Dispatched> {
     let num_ranks = limits::check_ranks("inputs", inputs.len())?;
+    if let Some(rpn) = ranks_per_node {
+        check_ranks_per_node(rpn, num_ranks)?;
+    }
     let experts_per_rank = limits::experts_per_rank(args.num_experts, num_ranks)?;
     limits::check_topk("num_topk", args.num_topk)?;
     limits::check_row_bytes("hidden_bytes", args.hidden_bytes)?;
@@ -337,7 +417,7 @@ pub fn dispatch(inputs: &[RankInput<'_>], args: &DispatchArgs) -> Result<Dispatc
             k,
             args.num_experts,
             num_ranks,
-            None,
+            ranks_per_node,
             Some(r),
         )?;
         let n = layout.num_tokens();
@@ -550,7 +630,9 @@ pub struct CombineInput<'a> {
     pub bias: [Option<&'a [f32]>; 2],
 }
 
-/// Combine result for one source rank.
+/// Combine result for one source rank, from [`combine`] or
+/// [`combine_internode`] (which groups the same copies per node first, see
+/// its docs; the rest of this description is [`combine`]'s).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CombineOutput {
     /// `[N, hidden]`, f32 before the GPU's final bf16 store: for token `t`,
@@ -571,20 +653,55 @@ pub struct CombineOutput {
 /// Combine over all ranks at once: every original token gets the plain
 /// (unweighted) f32 sum of the rows returned for it by the ranks it was
 /// dispatched to, plus its biases; see [`CombineOutput`] for the exact order.
-/// `inputs[r]` is rank `r`'s input; `hidden` is the number of elements per
-/// row (bf16 on the GPU, so `2 * hidden` must be a positive multiple of
-/// [`HIDDEN_BYTES_ALIGNMENT`]).
+/// This is the model of the intranode kernels (one node); the internode one
+/// is [`combine_internode`]. `inputs[r]` is rank `r`'s input; `hidden` is the
+/// number of elements per row (bf16 on the GPU, so `2 * hidden` must be a
+/// positive multiple of [`HIDDEN_BYTES_ALIGNMENT`]).
 ///
 /// Errors (`InvalidArgument`): `inputs.len()` different from the handle's
 /// number of ranks; a bad `hidden` (bf16 rows of `2 * hidden` bytes as
 /// [`limits::check_row_bytes`] requires); `y`, `topk_weights` or a bias of
 /// the wrong length; weights passed by some ranks only; outputs beyond
-/// [`limits::reference_max_bytes`].
+/// [`limits::reference_max_bytes`]; a `handle` whose fields disagree (one
+/// not made by [`dispatch`] / [`dispatch_internode`]).
 pub fn combine(
     handle: &Dispatched,
     inputs: &[CombineInput<'_>],
     hidden: usize,
 ) -> Result<Vec<CombineOutput>> {
+    combine_with(handle, inputs, hidden, None)
+}
+
+/// Combine as the internode kernels reduce, for nodes of `ranks_per_node`
+/// consecutive ranks (see "Internode combine model" in the module docs): per
+/// token, each node's copies are summed in f32 from `+0.0` in ascending rank
+/// order and rounded to bf16, then `(bias0 + bias1)` and those partials, in
+/// ascending node order, are summed in f32. `combined_x` is that last f32 sum
+/// (before the GPU's bf16 store: compare through [`round_to_bf16`]);
+/// `combined_topk_weights` the same two-level f32 sum of the weights, without
+/// rounding. The handle may come from [`dispatch`] or [`dispatch_internode`]
+/// (their routing is the same); the other arguments are [`combine`]'s.
+///
+/// Errors: those of [`combine`], and `ranks_per_node` zero or not dividing
+/// the handle's number of ranks.
+pub fn combine_internode(
+    handle: &Dispatched,
+    inputs: &[CombineInput<'_>],
+    hidden: usize,
+    ranks_per_node: usize,
+) -> Result<Vec<CombineOutput>> {
+    check_ranks_per_node(ranks_per_node, handle.num_ranks())?;
+    combine_with(handle, inputs, hidden, Some(ranks_per_node))
+}
+
+/// [`combine`] (`ranks_per_node` `None`) or [`combine_internode`].
+fn combine_with(
+    handle: &Dispatched,
+    inputs: &[CombineInput<'_>],
+    hidden: usize,
+    ranks_per_node: Option<usize>,
+) -> Result<Vec<CombineOutput>> {
+    check_handle(handle)?;
     let num_ranks = handle.num_ranks();
     check_rank_count(inputs.len(), num_ranks)?;
     limits::check_multiple(
@@ -623,48 +740,69 @@ pub fn combine(
 
     let tokens: usize = handle.layouts.iter().map(Layout::num_tokens).sum();
     check_budget("hidden", limits::mul("hidden", tokens, 4 * (hidden + k))?)?;
-    let mut outputs: Vec<CombineOutput> = inputs
+    let mut outputs: Vec<CombineOutput> = handle
+        .layouts
         .iter()
-        .enumerate()
-        .map(|(r, input)| {
-            let n = handle.layouts[r].num_tokens();
-            let mut combined_x = zeroed("hidden", n * hidden, 0.0f32)?;
-            for (i, v) in combined_x.iter_mut().enumerate() {
-                *v = input.bias[0].map_or(0.0, |b| b[i]) + input.bias[1].map_or(0.0, |b| b[i]);
-            }
-            let combined_topk_weights = if with_weights {
-                Some(zeroed("topk_weights", n * k, 0.0f32)?)
-            } else {
-                None
-            };
+        .map(|layout| {
+            let n = layout.num_tokens();
             Ok(CombineOutput {
-                combined_x,
-                combined_topk_weights,
+                combined_x: zeroed("hidden", n * hidden, 0.0f32)?,
+                combined_topk_weights: if with_weights {
+                    Some(zeroed("topk_weights", n * k, 0.0f32)?)
+                } else {
+                    None
+                },
             })
         })
         .collect::<Result<_>>()?;
-    // Destination ranks in ascending order: each token's copies are added in
-    // ascending destination-rank order.
-    for (d, input) in inputs.iter().enumerate() {
-        let out = &handle.ranks[d];
-        for i in 0..out.num_recv_tokens {
-            let (s, t) = (out.recv_src_rank[i] as usize, out.recv_src_idx[i] as usize);
-            let acc = &mut outputs[s].combined_x[t * hidden..(t + 1) * hidden];
-            for (a, &v) in acc.iter_mut().zip(&input.y[i * hidden..(i + 1) * hidden]) {
-                *a += v;
+    // One node's partial sums (internode only).
+    let mut partial = vec![0.0f32; hidden];
+    let mut partial_w = vec![0.0f32; k];
+    let y_row = |d: usize, row: usize| &inputs[d].y[row * hidden..(row + 1) * hidden];
+    let w_row = |d: usize, row: usize| inputs[d].topk_weights.map(|w| &w[row * k..(row + 1) * k]);
+    for_each_token(handle, |s, t, copies| {
+        let out = &mut outputs[s];
+        let acc = &mut out.combined_x[t * hidden..(t + 1) * hidden];
+        let bias = inputs[s].bias;
+        for (h, a) in acc.iter_mut().enumerate() {
+            let i = t * hidden + h;
+            *a = bias[0].map_or(0.0, |b| b[i]) + bias[1].map_or(0.0, |b| b[i]);
+        }
+        let mut acc_w = out
+            .combined_topk_weights
+            .as_mut()
+            .map(|w| &mut w[t * k..(t + 1) * k]);
+        match ranks_per_node {
+            // Intranode: every copy straight onto the biases, ranks ascending.
+            None => {
+                for &(d, row) in copies {
+                    add_to(acc, y_row(d, row));
+                    if let (Some(acc_w), Some(w)) = (&mut acc_w, w_row(d, row)) {
+                        add_to(acc_w, w);
+                    }
+                }
             }
-            if let (Some(acc), Some(w)) =
-                (&mut outputs[s].combined_topk_weights, input.topk_weights)
-            {
-                for (a, &v) in acc[t * k..(t + 1) * k]
-                    .iter_mut()
-                    .zip(&w[i * k..(i + 1) * k])
-                {
-                    *a += v;
+            // Internode: one rounded partial per node, nodes ascending.
+            Some(rpn) => {
+                for node in copies.chunk_by(|a, b| a.0 / rpn == b.0 / rpn) {
+                    partial.fill(0.0);
+                    partial_w.fill(0.0);
+                    for &(d, row) in node {
+                        add_to(&mut partial, y_row(d, row));
+                        if let Some(w) = w_row(d, row) {
+                            add_to(&mut partial_w, w);
+                        }
+                    }
+                    for (a, &p) in acc.iter_mut().zip(&partial) {
+                        *a += round_to_bf16(p);
+                    }
+                    if let Some(acc_w) = &mut acc_w {
+                        add_to(acc_w, &partial_w);
+                    }
                 }
             }
         }
-    }
+    })?;
     Ok(outputs)
 }
 
@@ -714,6 +852,91 @@ pub fn bf16_ulp_distance(a: f32, b: f32) -> u32 {
 }
 
 // ---- internals --------------------------------------------------------------
+
+/// `ranks_per_node` splits `num_ranks` ranks into whole nodes.
+fn check_ranks_per_node(ranks_per_node: usize, num_ranks: usize) -> Result<()> {
+    if ranks_per_node == 0 || num_ranks % ranks_per_node != 0 {
+        return Err(CommError::invalid(
+            "ranks_per_node",
+            format!("{ranks_per_node} ranks per node does not divide {num_ranks} ranks"),
+        ));
+    }
+    Ok(())
+}
+
+/// The shapes a combine relies on: `1..=MAX_RANKS` ranks, one layout and one
+/// output per rank, each layout of that many ranks, a valid `num_topk`.
+fn check_handle(handle: &Dispatched) -> Result<()> {
+    let num_ranks = limits::check_ranks("handle", handle.num_ranks())?;
+    limits::check_topk("handle", handle.args.num_topk)?;
+    if handle.layouts.len() != num_ranks
+        || handle.layouts.iter().any(|l| l.num_ranks() != num_ranks)
+    {
+        return Err(CommError::invalid(
+            "handle",
+            format!("layouts do not describe its {num_ranks} ranks"),
+        ));
+    }
+    Ok(())
+}
+
+/// `acc[i] += v[i]` in f32, element by element.
+fn add_to(acc: &mut [f32], v: &[f32]) {
+    for (a, &x) in acc.iter_mut().zip(v) {
+        *a += x;
+    }
+}
+
+/// Calls `f(s, t, copies)` for every token `t` of every source rank `s` (in
+/// that order), `copies` being the `(destination rank, row)` pairs where the
+/// token landed, destination ranks ascending (empty for a token sent
+/// nowhere). Rows come from the dispatch order (source rank, then token
+/// index, on every destination) and are checked against the handle's
+/// `recv_src_rank` / `recv_src_idx`, so a handle whose fields disagree is an
+/// error, not a panic. Needs [`check_handle`].
+fn for_each_token(
+    handle: &Dispatched,
+    mut f: impl FnMut(usize, usize, &[(usize, usize)]),
+) -> Result<()> {
+    let num_ranks = handle.num_ranks();
+    let mut next_row = vec![0usize; num_ranks];
+    let mut copies = Vec::with_capacity(num_ranks);
+    let mismatch = |d: usize, why: String| {
+        CommError::invalid("handle", format!("rank {d}'s received rows: {why}"))
+    };
+    for (s, layout) in handle.layouts.iter().enumerate() {
+        for t in 0..layout.num_tokens() {
+            copies.clear();
+            let in_rank = &layout.is_token_in_rank[t * num_ranks..(t + 1) * num_ranks];
+            for (d, out) in handle.ranks.iter().enumerate() {
+                if !in_rank[d] {
+                    continue;
+                }
+                let row = next_row[d];
+                let src = (out.recv_src_rank.get(row), out.recv_src_idx.get(row));
+                if row >= out.num_recv_tokens || src != (Some(&(s as i32)), Some(&(t as i32))) {
+                    return Err(mismatch(
+                        d,
+                        format!("row {row} should be token {t} of rank {s}"),
+                    ));
+                }
+                next_row[d] += 1;
+                copies.push((d, row));
+            }
+            f(s, t, &copies);
+        }
+    }
+    if let Some(d) = (0..num_ranks).find(|&d| next_row[d] != handle.ranks[d].num_recv_tokens) {
+        return Err(mismatch(
+            d,
+            format!(
+                "{} received, but the layouts send it {}",
+                handle.ranks[d].num_recv_tokens, next_row[d]
+            ),
+        ));
+    }
+    Ok(())
+}
 
 fn check_rank_count(got: usize, want: usize) -> Result<()> {
     if got != want {
@@ -926,6 +1149,7 @@ mod tests {
     use crate::test_support::assert_invalid;
     use rand::rngs::StdRng;
     use rand::Rng;
+    use std::collections::HashMap;
 
     // ---- helpers ------------------------------------------------------------
 
@@ -1870,6 +2094,566 @@ mod tests {
                 offset += 1;
             }
         }
+    }
+
+    // ---- internode ----------------------------------------------------------
+
+    /// (nodes, ranks per node) of the internode tests.
+    const SPLITS: [(usize, usize); 5] = [(1, 4), (2, 2), (4, 1), (2, 4), (3, 2)];
+
+    /// Random bf16 values (as f32) of both signs over a wide exponent range,
+    /// zeros of both signs included, so that f32 sums are rarely exact in bf16.
+    fn random_bf16s(rng: &mut StdRng, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|_| {
+                let r: u32 = rng.random();
+                let sign = ((r & 1) as u16) << 15;
+                // Exponent 2^-8 ..= 2^8, 7 random fraction bits; 1 in 20 zero.
+                let exponent = ((119 + (r >> 1) % 17) as u16) << 7;
+                let fraction = ((r >> 8) & 0x7F) as u16;
+                if (r >> 24) % 20 == 0 {
+                    bf16_bits_to_f32(sign)
+                } else {
+                    bf16_bits_to_f32(sign | exponent | fraction)
+                }
+            })
+            .collect()
+    }
+
+    /// What every rank returns to a combine, and the biases of its tokens.
+    struct CombineCase {
+        ys: Vec<Vec<f32>>,
+        ws: Vec<Vec<f32>>,
+        biases: Vec<[Option<Vec<f32>>; 2]>,
+    }
+
+    impl CombineCase {
+        /// Random bf16 rows and f32 weights for every received row (NaN in
+        /// padding rows, which must be ignored); bias slots as `slots` says.
+        fn random(rng: &mut StdRng, case: &Case, d: &Dispatched, slots: [bool; 2]) -> Self {
+            let (hidden, k) = (case.hidden(), case.args.num_topk);
+            let mut ys = Vec::new();
+            let mut ws = Vec::new();
+            for o in &d.ranks {
+                let mut y = random_bf16s(rng, o.num_rows() * hidden);
+                y[o.num_recv_tokens * hidden..].fill(f32::NAN);
+                ys.push(y);
+                let mut w: Vec<f32> = (0..o.num_rows() * k)
+                    .map(|_| rng.random_range(-1.0f32..1.0) * 2f32.powi(rng.random_range(-30..=4)))
+                    .collect();
+                w[o.num_recv_tokens * k..].fill(f32::NAN);
+                ws.push(w);
+            }
+            let biases = (0..case.num_ranks())
+                .map(|s| slots.map(|on| on.then(|| random_bf16s(rng, case.num_tokens(s) * hidden))))
+                .collect();
+            CombineCase { ys, ws, biases }
+        }
+
+        fn inputs(&self, weights: bool) -> Vec<CombineInput<'_>> {
+            (0..self.ys.len())
+                .map(|r| CombineInput {
+                    y: &self.ys[r],
+                    topk_weights: weights.then_some(&self.ws[r][..]),
+                    bias: [self.biases[r][0].as_deref(), self.biases[r][1].as_deref()],
+                })
+                .collect()
+        }
+    }
+
+    /// The internode combine model written out on its own: for every token,
+    /// the destination ranks from its `topk_idx` row, its row on each from a
+    /// search of `recv_src_rank` / `recv_src_idx`, explicit loops over the
+    /// nodes and their ranks, and the independent bf16 rounding. Returns
+    /// `(combined_x, combined_topk_weights)` per source rank.
+    fn internode_model(
+        case: &Case,
+        d: &Dispatched,
+        cc: &CombineCase,
+        ranks_per_node: usize,
+    ) -> Vec<(Vec<f32>, Vec<f32>)> {
+        let r_count = case.num_ranks();
+        let (hidden, k) = (case.hidden(), case.args.num_topk);
+        let el = case.args.num_experts / r_count;
+        let row_of: Vec<HashMap<(i32, i32), usize>> = d
+            .ranks
+            .iter()
+            .map(|o| {
+                (0..o.num_recv_tokens)
+                    .map(|i| ((o.recv_src_rank[i], o.recv_src_idx[i]), i))
+                    .collect()
+            })
+            .collect();
+        let round = |v: f32| bf16_bits_to_f32(slow_bf16_bits(v));
+        (0..r_count)
+            .map(|s| {
+                let n = case.num_tokens(s);
+                let mut x = vec![0.0f32; n * hidden];
+                let mut w = vec![0.0f32; n * k];
+                for t in 0..n {
+                    let ids = &case.topk[s][t * k..(t + 1) * k];
+                    let bias = |slot: usize, h: usize| {
+                        cc.biases[s][slot]
+                            .as_ref()
+                            .map_or(0.0, |b| b[t * hidden + h])
+                    };
+                    for h in 0..hidden {
+                        x[t * hidden + h] = bias(0, h) + bias(1, h);
+                    }
+                    for node in 0..r_count / ranks_per_node {
+                        let ranks: Vec<(usize, usize)> = (node * ranks_per_node
+                            ..(node + 1) * ranks_per_node)
+                            .filter(|&dest| ids.iter().any(|&e| e >= 0 && e as usize / el == dest))
+                            .map(|dest| (dest, row_of[dest][&(s as i32, t as i32)]))
+                            .collect();
+                        if ranks.is_empty() {
+                            continue;
+                        }
+                        for h in 0..hidden {
+                            let mut p = 0.0f32;
+                            for &(dest, row) in &ranks {
+                                p += cc.ys[dest][row * hidden + h];
+                            }
+                            x[t * hidden + h] += round(p);
+                        }
+                        for c in 0..k {
+                            let mut q = 0.0f32;
+                            for &(dest, row) in &ranks {
+                                q += cc.ws[dest][row * k + c];
+                            }
+                            w[t * k + c] += q;
+                        }
+                    }
+                }
+                (x, w)
+            })
+            .collect()
+    }
+
+    /// Per-node token counts of source rank `s`, straight from its ids.
+    fn per_node_counts(case: &Case, s: usize, ranks_per_node: usize) -> Vec<i32> {
+        let k = case.args.num_topk;
+        let el = case.args.num_experts / case.num_ranks();
+        (0..case.num_ranks() / ranks_per_node)
+            .map(|node| {
+                case.topk[s]
+                    .chunks_exact(k)
+                    .filter(|row| {
+                        row.iter()
+                            .any(|&e| e >= 0 && e as usize / el / ranks_per_node == node)
+                    })
+                    .count() as i32
+            })
+            .collect()
+    }
+
+    /// For each split: dispatch (plain and padded) equal to the single-node
+    /// dispatch, layouts equal to `layout` plus independent per-node counts,
+    /// and the internode combine equal to the model written out in the test,
+    /// bit for bit, for every bias pattern, with and without weights.
+    fn internode_job(num_nodes: usize, ranks_per_node: usize, k: usize, dup: bool, offset: u64) {
+        let num_ranks = num_nodes * ranks_per_node;
+        let what = format!("internode {num_nodes}x{ranks_per_node} K={k} duplicates={dup}");
+        with_seed(&what, offset, |rng| {
+            let mut case = random_case(rng, num_ranks, k, dup);
+            for padded in [false, true] {
+                let single = dispatch(&case.inputs(), &case.args).unwrap();
+                if padded {
+                    let max_recv = single.ranks.iter().map(|o| o.num_recv_tokens).max();
+                    case.args.num_worst_tokens = max_recv.unwrap().max(1) + rng.random_range(0..4);
+                    continue;
+                }
+                let d = dispatch_internode(&case.inputs(), &case.args, ranks_per_node).unwrap();
+                check_dispatch(&case, &d);
+                assert_eq!(d.args, single.args);
+                assert_eq!(d.rank_prefix_matrix, single.rank_prefix_matrix);
+                assert_eq!(d.ranks, single.ranks);
+                for s in 0..num_ranks {
+                    let want = Layout {
+                        num_tokens_per_rdma_rank: Some(per_node_counts(&case, s, ranks_per_node)),
+                        ..single.layouts[s].clone()
+                    };
+                    assert_eq!(d.layouts[s], want, "rank {s}");
+                    let l = layout_internode(
+                        &case.topk[s],
+                        k,
+                        case.args.num_experts,
+                        num_ranks,
+                        ranks_per_node,
+                    )
+                    .unwrap();
+                    assert_eq!(l, want, "rank {s}");
+                }
+            }
+            // Padded outputs: the same equality.
+            let single = dispatch(&case.inputs(), &case.args).unwrap();
+            let d = dispatch_internode(&case.inputs(), &case.args, ranks_per_node).unwrap();
+            check_dispatch(&case, &d);
+            assert_eq!(d.ranks, single.ranks);
+            assert_eq!(d.rank_prefix_matrix, single.rank_prefix_matrix);
+
+            for slots in [[false, false], [true, false], [false, true], [true, true]] {
+                let cc = CombineCase::random(rng, &case, &d, slots);
+                let want = internode_model(&case, &d, &cc, ranks_per_node);
+                let out =
+                    combine_internode(&d, &cc.inputs(true), case.hidden(), ranks_per_node).unwrap();
+                for (s, (o, (x, w))) in out.iter().zip(&want).enumerate() {
+                    assert_eq!(bits(&o.combined_x), bits(x), "rank {s} {slots:?}");
+                    let got = o.combined_topk_weights.as_ref().unwrap();
+                    assert_eq!(bits(got), bits(w), "rank {s} {slots:?}");
+                }
+                if slots == [true, true] {
+                    // Without weights: the same rows, no weights.
+                    let plain =
+                        combine_internode(&d, &cc.inputs(false), case.hidden(), ranks_per_node)
+                            .unwrap();
+                    for (p, o) in plain.iter().zip(&out) {
+                        assert_eq!(bits(&p.combined_x), bits(&o.combined_x));
+                        assert_eq!(p.combined_topk_weights, None);
+                    }
+                    // The single-node handle: the same routing, the same result.
+                    let other =
+                        combine_internode(&single, &cc.inputs(true), case.hidden(), ranks_per_node)
+                            .unwrap();
+                    assert_eq!(other, out);
+                }
+            }
+
+            // The dispatched weights come back: the original weight where the
+            // id is valid (duplicates in their own columns), 0 at -1 columns.
+            let ws: Vec<Vec<f32>> = d
+                .ranks
+                .iter()
+                .map(|o| {
+                    let mut w = o.recv_topk_weights.clone().unwrap();
+                    w[o.num_recv_tokens * k..].fill(f32::NAN);
+                    w
+                })
+                .collect();
+            let cc = CombineCase::random(rng, &case, &d, [false, false]);
+            let inputs: Vec<CombineInput> = (0..num_ranks)
+                .map(|r| CombineInput {
+                    y: &cc.ys[r],
+                    topk_weights: Some(&ws[r]),
+                    bias: [None, None],
+                })
+                .collect();
+            let out = combine_internode(&d, &inputs, case.hidden(), ranks_per_node).unwrap();
+            for (s, o) in out.iter().enumerate() {
+                let got = o.combined_topk_weights.as_ref().unwrap();
+                for (i, (&g, &id)) in got.iter().zip(&case.topk[s]).enumerate() {
+                    let want = if id >= 0 { case.weights[s][i] } else { 0.0 };
+                    assert_eq!(g.to_bits(), want.to_bits(), "rank {s} entry {i}");
+                }
+                // A token routed nowhere combines to zeros (no bias).
+                for (t, row) in case.topk[s].chunks_exact(k).enumerate() {
+                    if row.iter().all(|&e| e < 0) {
+                        let x = &o.combined_x[t * case.hidden()..(t + 1) * case.hidden()];
+                        assert!(x.iter().all(|v| v.to_bits() == 0), "rank {s} token {t}");
+                    }
+                }
+            }
+        });
+    }
+
+    #[test]
+    fn internode_splits_random() {
+        let mut offset = 3000;
+        for (nodes, rpn) in SPLITS {
+            for (k, dup) in [(1, false), (4, false), (8, true), (2, true)] {
+                internode_job(nodes, rpn, k, dup, offset);
+                offset += 1;
+            }
+        }
+    }
+
+    /// How the two models relate: one node of all ranks is the intranode sum
+    /// of the copies, rounded, plus the biases; one rank per node with bf16
+    /// rows is the intranode combine itself (values; zeros may differ in sign).
+    #[test]
+    fn internode_relations_to_intranode() {
+        for (offset, num_ranks) in [(3100u64, 2usize), (3101, 4), (3102, 6), (3103, 8)] {
+            with_seed("internode relations", offset, |rng| {
+                let case = random_case(rng, num_ranks, 4, true);
+                let d = dispatch(&case.inputs(), &case.args).unwrap();
+                let hidden = case.hidden();
+                let cc = CombineCase::random(rng, &case, &d, [true, true]);
+                let plain = CombineCase {
+                    biases: vec![[None, None]; num_ranks],
+                    ys: cc.ys.clone(),
+                    ws: cc.ws.clone(),
+                };
+                let intra = combine(&d, &cc.inputs(true), hidden).unwrap();
+                let intra_plain = combine(&d, &plain.inputs(true), hidden).unwrap();
+                let one_node = combine_internode(&d, &cc.inputs(true), hidden, num_ranks).unwrap();
+                let per_rank = combine_internode(&d, &cc.inputs(true), hidden, 1).unwrap();
+                for s in 0..num_ranks {
+                    let b = &cc.biases[s];
+                    for (i, &v) in one_node[s].combined_x.iter().enumerate() {
+                        let bias = b[0].as_ref().unwrap()[i] + b[1].as_ref().unwrap()[i];
+                        let want = bias + round_to_bf16(intra_plain[s].combined_x[i]);
+                        assert_eq!(v, want, "rank {s} element {i}");
+                    }
+                    assert_eq!(
+                        bits(one_node[s].combined_topk_weights.as_ref().unwrap()),
+                        bits(intra[s].combined_topk_weights.as_ref().unwrap())
+                    );
+                    assert_eq!(per_rank[s].combined_x, intra[s].combined_x, "rank {s}");
+                    assert_eq!(
+                        per_rank[s].combined_topk_weights,
+                        intra[s].combined_topk_weights
+                    );
+                }
+            });
+        }
+    }
+
+    /// 4 ranks, expert `j` on rank `j`, K = 4, chosen values whose sums show
+    /// each rounding: on rank 0, A = [0, 1, 2, -1], B = all -1 (nowhere),
+    /// C = [3, 3, -1, 2] (a duplicate), F = [1, 2, -1, -1]; on rank 1,
+    /// D = [0, 3, -1, -1], E = [0, 2, 3, -1]; ranks 2 and 3 have no tokens.
+    #[test]
+    fn internode_combine_hand() {
+        const HIDDEN: usize = 64;
+        let a = 2f32.powi(-8);
+        let topk: [&[i64]; 4] = [
+            &[0, 1, 2, -1, -1, -1, -1, -1, 3, 3, -1, 2, 1, 2, -1, -1],
+            &[0, 3, -1, -1, 0, 2, 3, -1],
+            &[],
+            &[],
+        ];
+        let xs: Vec<Vec<u8>> = (0..4).map(|r| vec![0u8; topk[r].len() / 4 * 128]).collect();
+        let inputs: Vec<RankInput> = (0..4)
+            .map(|r| RankInput {
+                topk_idx: topk[r],
+                topk_weights: None,
+                x: &xs[r],
+                scales: None,
+            })
+            .collect();
+        let d = dispatch(&inputs, &DispatchArgs::new(4, 4, 128)).unwrap();
+        // (source rank, token, destination) -> (y, weight); weight 0.5 unless listed.
+        let value = |s: i32, t: i32, dest: usize| -> (f32, f32) {
+            match (s, t, dest) {
+                (0, 0, 0) => (1.0, 0.5),
+                (0, 0, _) => (a, 0.5),   // A: 1, 2^-8, 2^-8
+                (0, 2, 2) => (1.0, 0.5), // C: 1 (rank 2), 3 * 2^-9 (rank 3)
+                (0, 2, _) => (1.5 * a, 0.5),
+                (0, 3, 1) => (1.0, 0.5), // F: 1 (rank 1), 2^-8 (rank 2)
+                (0, 3, _) => (a, 0.5),
+                (1, 0, _) => (1.0, 0.5), // D: 1, 1
+                (1, 1, 0) => (1.0, 1.0), // E: weights 1, 2^-24, 2^-24
+                (1, 1, _) => (a, 2f32.powi(-24)),
+                _ => unreachable!(),
+            }
+        };
+        let mut ys = Vec::new();
+        let mut ws = Vec::new();
+        for (dest, o) in d.ranks.iter().enumerate() {
+            let (mut y, mut w) = (Vec::new(), Vec::new());
+            for i in 0..o.num_recv_tokens {
+                let (v, wv) = value(o.recv_src_rank[i], o.recv_src_idx[i], dest);
+                y.extend([v; HIDDEN]);
+                w.extend([wv; 4]);
+            }
+            ys.push(y);
+            ws.push(w);
+        }
+        // Rank 0's biases: a pair, 0.5 + 0.25 on B, 2^-8 + 0 on F; rank 1's:
+        // zeros in the second slot.
+        let per_token = |v: [f32; 4]| -> Vec<f32> { v.iter().flat_map(|&x| [x; HIDDEN]).collect() };
+        let b0 = per_token([0.0, 0.5, 0.0, a]);
+        let b1 = per_token([0.0, 0.25, 0.0, 0.0]);
+        let zeros = vec![0.0f32; 2 * HIDDEN];
+        let run = |rpn: Option<usize>, bias: bool| {
+            let cin: Vec<CombineInput> = (0..4)
+                .map(|r| CombineInput {
+                    y: &ys[r],
+                    topk_weights: Some(&ws[r]),
+                    bias: match (bias, r) {
+                        (true, 0) => [Some(&b0[..]), Some(&b1[..])],
+                        (true, 1) => [None, Some(&zeros[..])],
+                        _ => [None, None],
+                    },
+                })
+                .collect();
+            let out = match rpn {
+                Some(rpn) => combine_internode(&d, &cin, HIDDEN, rpn).unwrap(),
+                None => combine(&d, &cin, HIDDEN).unwrap(),
+            };
+            let rows = |o: &CombineOutput| -> (Vec<f32>, Vec<f32>) {
+                let x = o.combined_x.chunks_exact(HIDDEN).map(|r| {
+                    assert!(r.iter().all(|v| v.to_bits() == r[0].to_bits()));
+                    r[0]
+                });
+                let w = o
+                    .combined_topk_weights
+                    .as_ref()
+                    .unwrap()
+                    .chunks_exact(4)
+                    .map(|r| {
+                        assert!(r.iter().all(|v| v.to_bits() == r[0].to_bits()));
+                        r[0]
+                    });
+                (x.collect(), w.collect())
+            };
+            let (x0, w0) = rows(&out[0]);
+            let (x1, w1) = rows(&out[1]);
+            assert!(out[2].combined_x.is_empty() && out[3].combined_x.is_empty());
+            (x0, w0, x1, w1)
+        };
+        // 1 + 2^-7 (a bf16 value), 1 + 2^-8 (a tie between bf16 1 and 1 + 2^-7),
+        // 1 + 3 * 2^-9 (rounds up to 1 + 2^-7).
+        let (s7, s8, s9) = (1.0 + 2.0 * a, 1.0 + a, 1.0 + 1.5 * a);
+
+        // Intranode (no partial rounding): A 1 + 2^-8 + 2^-8, B its biases,
+        // C 1 + 3 * 2^-9, F 2^-8 + 1 + 2^-8.
+        let (x0, w0, x1, w1) = run(None, true);
+        assert_eq!(x0, [s7, 0.75, s9, s7]);
+        assert_eq!(w0, [1.5, 0.0, 1.0, 1.0]);
+        assert_eq!(x1, [2.0, s7]);
+        assert_eq!(w1, [1.0, 1.0]); // (1 + 2^-24) + 2^-24 = 1 in f32
+
+        // 2 nodes of 2: A's node-0 partial 1 + 2^-8 rounds (tie, to even) to 1,
+        // so A is 1 + 2^-8, which the GPU stores as 1.0, where the intranode
+        // model gives 1 + 2^-7. C (node 1 only) is bf16(1 + 3 * 2^-9). F: 2^-8
+        // + 1 + 2^-8. E's weights: 1 + (2^-24 + 2^-24), no longer 1.
+        let (x0, w0, x1, w1) = run(Some(2), true);
+        assert_eq!(x0, [s8, 0.75, s7, s7]);
+        assert_eq!(round_to_bf16(x0[0]), 1.0);
+        assert_eq!(round_to_bf16(s7), s7);
+        assert_eq!(w0, [1.5, 0.0, 1.0, 1.0]);
+        assert_eq!(x1, [2.0, s7]);
+        assert_eq!(w1, [1.0, 1.0 + 2f32.powi(-23)]);
+        // Without biases: B (sent nowhere) is zero, F is 1 + 2^-8.
+        let (x0, _, _, _) = run(Some(2), false);
+        assert_eq!(x0, [s8, 0.0, s7, s8]);
+
+        // One node of all 4: A's partial is exact; F's partial 1 + 2^-8 rounds
+        // to 1 before its bias 2^-8 is added.
+        let (x0, w0, x1, w1) = run(Some(4), true);
+        assert_eq!(x0, [s7, 0.75, s7, s8]);
+        assert_eq!(round_to_bf16(x0[3]), 1.0);
+        assert_eq!(w0, [1.5, 0.0, 1.0, 1.0]);
+        assert_eq!((x1, w1), (vec![2.0, s7], vec![1.0, 1.0]));
+
+        // One rank per node: every partial is a single bf16 row, unchanged, so
+        // this is the intranode result.
+        assert_eq!(run(Some(1), true), run(None, true));
+        assert_eq!(run(Some(1), false), run(None, false));
+    }
+
+    #[test]
+    fn internode_rejects_bad_arguments() {
+        const HIDDEN: usize = 64;
+        let x = vec![0u8; 128];
+        let ids = [0i64, 2];
+        let w = [0.5f32; 2];
+        let good = RankInput {
+            topk_idx: &ids,
+            topk_weights: Some(&w),
+            x: &x,
+            scales: None,
+        };
+        let args = DispatchArgs::new(4, 2, 128);
+        let four = [good; 4];
+        let d = dispatch_internode(&four, &args, 2).unwrap();
+        for rpn in [0, 3, 5, 8, usize::MAX] {
+            assert_invalid(dispatch_internode(&four, &args, rpn), "ranks_per_node");
+        }
+        assert_invalid(dispatch_internode(&[], &args, 1), "inputs");
+        assert_invalid(
+            dispatch_internode(&four, &DispatchArgs::new(3, 2, 128), 2),
+            "num_experts",
+        );
+
+        let ys: Vec<Vec<f32>> = d
+            .ranks
+            .iter()
+            .map(|o| vec![1.0; o.num_rows() * HIDDEN])
+            .collect();
+        let ws: Vec<Vec<f32>> = d
+            .ranks
+            .iter()
+            .map(|o| vec![1.0; o.num_rows() * 2])
+            .collect();
+        let b = vec![0.0f32; HIDDEN];
+        let good: Vec<CombineInput> = (0..4)
+            .map(|r| CombineInput {
+                y: &ys[r],
+                topk_weights: Some(&ws[r]),
+                bias: [Some(&b), None],
+            })
+            .collect();
+        for rpn in [1, 2, 4] {
+            combine_internode(&d, &good, HIDDEN, rpn).unwrap();
+        }
+        for rpn in [0, 3, 5, 8, usize::MAX] {
+            assert_invalid(combine_internode(&d, &good, HIDDEN, rpn), "ranks_per_node");
+        }
+        assert_invalid(combine_internode(&d, &good[..3], HIDDEN, 2), "inputs");
+        for hidden in [0, 32, 100, 1 << 40, usize::MAX] {
+            assert_invalid(combine_internode(&d, &good, hidden, 2), "hidden");
+        }
+        assert_invalid(combine_internode(&d, &good, 128, 2), "y");
+        fn changed<'a>(
+            inputs: &[CombineInput<'a>],
+            f: impl FnOnce(&mut CombineInput<'a>),
+        ) -> Vec<CombineInput<'a>> {
+            let mut inputs = inputs.to_vec();
+            f(&mut inputs[2]);
+            inputs
+        }
+        let bad = |inputs: Vec<CombineInput>| combine_internode(&d, &inputs, HIDDEN, 2);
+        assert_invalid(bad(changed(&good, |c| c.y = &ys[2][1..])), "y");
+        assert_invalid(
+            bad(changed(&good, |c| c.topk_weights = None)),
+            "topk_weights",
+        );
+        assert_invalid(
+            bad(changed(&good, |c| c.topk_weights = Some(&ws[2][1..]))),
+            "topk_weights",
+        );
+        assert_invalid(bad(changed(&good, |c| c.bias[1] = Some(&b[1..]))), "bias");
+        assert_invalid(bad(changed(&good, |c| c.bias[0] = Some(&ys[0]))), "bias");
+        let mut first_without = good.clone();
+        first_without[0].topk_weights = None;
+        assert_invalid(
+            combine_internode(&d, &first_without, HIDDEN, 2),
+            "topk_weights",
+        );
+
+        // A handle whose fields disagree is an error (of both combines), not a panic.
+        let no_bias: Vec<CombineInput> = good
+            .iter()
+            .map(|c| CombineInput {
+                bias: [None, None],
+                ..*c
+            })
+            .collect();
+        let corrupt = |f: &dyn Fn(&mut Dispatched)| {
+            let mut h = d.clone();
+            f(&mut h);
+            assert_invalid(combine(&h, &no_bias, HIDDEN), "handle");
+            assert_invalid(combine_internode(&h, &no_bias, HIDDEN, 2), "handle");
+        };
+        corrupt(&|h| h.ranks[0].recv_src_rank.swap(0, 1));
+        corrupt(&|h| h.ranks[2].recv_src_idx[1] = 1);
+        corrupt(&|h| h.ranks[2].recv_src_rank[0] = 9);
+        corrupt(&|h| h.ranks[3].num_recv_tokens = 7);
+        corrupt(&|h| h.ranks[0].num_recv_tokens -= 1);
+        corrupt(&|h| h.layouts[1].is_token_in_rank[2] = false);
+        corrupt(&|h| h.layouts[1].is_token_in_rank[1] = true);
+        corrupt(&|h| h.layouts[1].is_token_in_rank.truncate(3));
+        corrupt(&|h| {
+            h.layouts.pop();
+        });
+        corrupt(&|h| h.args.num_topk = usize::MAX);
+        let mut empty = d.clone();
+        empty.ranks.clear();
+        empty.layouts.clear();
+        assert_invalid(combine(&empty, &[], HIDDEN), "handle");
+        assert_invalid(combine_internode(&empty, &[], HIDDEN, 1), "handle");
     }
 
     // ---- validation ---------------------------------------------------------

@@ -1,5 +1,6 @@
-//! Bindings of the CPU reference of intranode dispatch / combine
-//! (`ep_core::reference`), the oracle behind `moelink.reference`.
+//! Bindings of the CPU reference of intranode and internode layout /
+//! dispatch / combine (`ep_core::reference`), the oracle behind
+//! `moelink.reference`.
 //!
 //! Thin on purpose: every array crosses as raw little-endian bytes, row-major,
 //! with its shape passed (or implied) alongside; the checks and all semantics
@@ -31,6 +32,9 @@ type CombineIn<'py> = (
 );
 /// A pair of byte strings, the second optional.
 type BytesPair<'py> = (Bytes<'py>, Option<Bytes<'py>>);
+/// `reference_layout`'s result: per rank, per node (or None), per expert, and
+/// `is_token_in_rank`.
+type LayoutBytes<'py> = (Bytes<'py>, Option<Bytes<'py>>, Bytes<'py>, Bytes<'py>);
 
 /// Little-endian values of `N` bytes each.
 pub(crate) fn decode<const N: usize, T>(
@@ -96,21 +100,33 @@ fn bool_bytes<'py>(py: Python<'py>, v: &[bool]) -> PyResult<Bytes<'py>> {
     encode(py, v, |b| [u8::from(b)])
 }
 
-/// `ep_core::reference::layout` of one rank's int64 `topk_idx` `[N, num_topk]`.
-/// Returns `(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
-/// is_token_in_rank bool [N, R])` as bytes (bools as 0 / 1 bytes).
+/// `ep_core::reference::layout` of one rank's int64 `topk_idx` `[N, num_topk]`
+/// (`layout_internode` when `ranks_per_node` is given). Returns
+/// `(num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [R /
+/// ranks_per_node] or None without ranks_per_node, num_tokens_per_expert int32
+/// [E], is_token_in_rank bool [N, R])` as bytes (bools as 0 / 1 bytes).
 #[pyfunction]
+#[pyo3(signature = (topk_idx, num_topk, num_experts, num_ranks, ranks_per_node=None))]
 fn reference_layout<'py>(
     py: Python<'py>,
     topk_idx: &Bytes<'py>,
     num_topk: usize,
     num_experts: usize,
     num_ranks: usize,
-) -> PyResult<(Bytes<'py>, Bytes<'py>, Bytes<'py>)> {
+    ranks_per_node: Option<usize>,
+) -> PyResult<LayoutBytes<'py>> {
     let idx = i64s("topk_idx", topk_idx)?;
-    let l = reference::layout(&idx, num_topk, num_experts, num_ranks).map_err(to_py)?;
+    let l = match ranks_per_node {
+        Some(rpn) => reference::layout_internode(&idx, num_topk, num_experts, num_ranks, rpn),
+        None => reference::layout(&idx, num_topk, num_experts, num_ranks),
+    }
+    .map_err(to_py)?;
     Ok((
         i32_bytes(py, &l.num_tokens_per_rank)?,
+        l.num_tokens_per_rdma_rank
+            .as_deref()
+            .map(|v| i32_bytes(py, v))
+            .transpose()?,
         i32_bytes(py, &l.num_tokens_per_expert)?,
         bool_bytes(py, &l.is_token_in_rank)?,
     ))
@@ -196,16 +212,19 @@ fn reference_dispatch_cached<'py>(
         .collect()
 }
 
-/// `ep_core::reference::combine`: `inputs[r]` is rank `r`'s `(y f32 [rows,
-/// hidden], topk_weights f32 [rows, K] or None, bias0 f32 [N, hidden] or None,
-/// bias1 likewise)`. Returns `(combined_x f32 [N, hidden], combined_topk_weights
-/// f32 [N, K] or None)` bytes per source rank.
+/// `ep_core::reference::combine` (`combine_internode` when `ranks_per_node`
+/// is given): `inputs[r]` is rank `r`'s `(y f32 [rows, hidden], topk_weights
+/// f32 [rows, K] or None, bias0 f32 [N, hidden] or None, bias1 likewise)`.
+/// Returns `(combined_x f32 [N, hidden], combined_topk_weights f32 [N, K] or
+/// None)` bytes per source rank.
 #[pyfunction]
+#[pyo3(signature = (handle, inputs, hidden, ranks_per_node=None))]
 fn reference_combine<'py>(
     py: Python<'py>,
     handle: &Bound<'py, RefDispatched>,
     inputs: Vec<CombineIn<'py>>,
     hidden: usize,
+    ranks_per_node: Option<usize>,
 ) -> PyResult<Vec<BytesPair<'py>>> {
     let decoded = inputs
         .iter()
@@ -226,7 +245,12 @@ fn reference_combine<'py>(
             bias: [b0.as_deref(), b1.as_deref()],
         })
         .collect();
-    let out = reference::combine(&handle.get().inner, &combine_inputs, hidden).map_err(to_py)?;
+    let handle = &handle.get().inner;
+    let out = match ranks_per_node {
+        Some(rpn) => reference::combine_internode(handle, &combine_inputs, hidden, rpn),
+        None => reference::combine(handle, &combine_inputs, hidden),
+    }
+    .map_err(to_py)?;
     out.iter()
         .map(|o| {
             Ok((

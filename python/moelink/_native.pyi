@@ -44,8 +44,12 @@ class RefDispatched:
     def rank_output(self, rank: int) -> dict[str, Any]: ...
 
 def reference_layout(
-    topk_idx: bytes, num_topk: int, num_experts: int, num_ranks: int
-) -> tuple[bytes, bytes, bytes]: ...
+    topk_idx: bytes,
+    num_topk: int,
+    num_experts: int,
+    num_ranks: int,
+    ranks_per_node: int | None = None,
+) -> tuple[bytes, bytes | None, bytes, bytes]: ...
 def reference_dispatch(
     inputs: list[tuple[bytes, bytes | None, bytes, bytes | None]],
     num_experts: int,
@@ -65,6 +69,7 @@ def reference_combine(
     handle: RefDispatched,
     inputs: list[tuple[bytes, bytes | None, bytes | None, bytes | None]],
     hidden: int,
+    ranks_per_node: int | None = None,
 ) -> list[tuple[bytes, bytes | None]]: ...
 def bootstrap_unique_id() -> bytes: ...
 

@@ -1,4 +1,5 @@
-"""CPU reference of intranode dispatch and combine: the oracle of the GPU tests.
+"""CPU reference of dispatch and combine (intranode and internode): the oracle of
+the GPU tests.
 
 A torch wrapper of the Rust reference ``ep_core::reference`` (through
 ``moelink._native``); its docs are the exact contract. In short, with ``R`` ranks
@@ -11,7 +12,12 @@ A torch wrapper of the Rust reference ``ep_core::reference`` (through
   elsewhere; ``recv_topk_weights`` the source weight where the id is kept, ``0.0``
   elsewhere;
 - ``combine`` adds, in float32, ``bias0 + bias1`` and then the rows returned by
-  the destination ranks in ascending rank order.
+  the destination ranks in ascending rank order (the intranode kernels' model);
+- internode, with nodes of ``ranks_per_node`` consecutive ranks: ``layout`` also
+  counts tokens per node; dispatch results are the same for every split; and
+  ``combine(..., ranks_per_node=n)`` models the internode kernels: per token and
+  node, the node's rows summed in float32 and rounded to bf16, then ``bias0 +
+  bias1`` plus those partials in ascending node order, in float32.
 
 Dispatch results are exact (compare bit for bit); combine sums depend on the
 summation order, see the Rust module docs for the tolerances to use.
@@ -103,28 +109,51 @@ def to_bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16)
 
 
-def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int):
+def _check_ranks_per_node(ranks_per_node, num_ranks: int, what: str) -> int | None:
+    """``ranks_per_node`` (None, or a positive int dividing ``num_ranks``, the
+    number of ranks that ``what`` gives) as an ``int`` or None."""
+    if ranks_per_node is None:
+        return None
+    ranks_per_node = check_int("ranks_per_node", ranks_per_node, minimum=1)
+    if num_ranks % ranks_per_node != 0:
+        raise ValueError(
+            f"ranks_per_node must divide the number of ranks ({what} = {num_ranks}), "
+            f"got {ranks_per_node}"
+        )
+    return ranks_per_node
+
+
+def layout(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node=None):
     """Dispatch layout of one rank's tokens (``Buffer.get_dispatch_layout``).
 
     ``topk_idx``: int64 [N, K], ids in ``-1 .. num_experts - 1``. Returns
     ``(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E],
     is_token_in_rank bool [N, R])``: per rank / expert, the tokens with at least
     one expert there (each token once, duplicated ids included).
+
+    With ``ranks_per_node`` (nodes of that many consecutive ranks; it must divide
+    ``num_ranks``), returns ``get_dispatch_layout``'s four tensors instead:
+    ``(num_tokens_per_rank, num_tokens_per_rdma_rank int32 [R / ranks_per_node],
+    num_tokens_per_expert, is_token_in_rank)``, ``num_tokens_per_rdma_rank[n]``
+    counting the tokens with at least one expert on a rank of node ``n``, once.
     """
     num_ranks = check_int("num_ranks", num_ranks, minimum=1, maximum=LIMITS["max_ranks"])
     num_experts = check_int("num_experts", num_experts, minimum=1, maximum=LIMITS["max_experts"])
     check_experts_ranks(num_experts, num_ranks)
+    ranks_per_node = _check_ranks_per_node(ranks_per_node, num_ranks, "num_ranks")
     # Values are checked in Rust, which names the token and column.
     check_topk_idx(topk_idx, num_experts, check_values=False)
     n, k = topk_idx.shape
-    per_rank, per_expert, in_rank = _native.reference_layout(
-        _to_bytes(topk_idx), k, num_experts, num_ranks
+    per_rank, per_node, per_expert, in_rank = _native.reference_layout(
+        _to_bytes(topk_idx), k, num_experts, num_ranks, ranks_per_node
     )
-    return (
-        _from_bytes(per_rank, torch.int32, (num_ranks,)),
-        _from_bytes(per_expert, torch.int32, (num_experts,)),
-        _from_bytes(in_rank, torch.bool, (n, num_ranks)),
-    )
+    per_rank = _from_bytes(per_rank, torch.int32, (num_ranks,))
+    per_expert = _from_bytes(per_expert, torch.int32, (num_experts,))
+    in_rank = _from_bytes(in_rank, torch.bool, (n, num_ranks))
+    if ranks_per_node is None:
+        return per_rank, per_expert, in_rank
+    per_node = _from_bytes(per_node, torch.int32, (num_ranks // ranks_per_node,))
+    return per_rank, per_node, per_expert, in_rank
 
 
 @dataclasses.dataclass(frozen=True)
@@ -338,7 +367,7 @@ def _bias_pair(name: str, bias, shape) -> tuple:
     return pair
 
 
-def combine(ref: RefDispatch, ys, topk_weights=None, biases=None) -> list:
+def combine(ref: RefDispatch, ys, topk_weights=None, biases=None, ranks_per_node=None) -> list:
     """Combine over all ranks at once.
 
     - ``ys[r]``: bf16 (or float32) [rows_r, H], what rank ``r`` returns for the
@@ -346,16 +375,25 @@ def combine(ref: RefDispatch, ys, topk_weights=None, biases=None) -> list:
       are ignored);
     - ``topk_weights``: None, or per rank float32 [rows_r, K];
     - ``biases``: None, or per rank None, one tensor or a pair ``(b0, b1)`` (each
-      None or bf16 / float32 [N_r, H]) for rank ``r``'s own tokens.
+      None or bf16 / float32 [N_r, H]) for rank ``r``'s own tokens;
+    - ``ranks_per_node``: None for the intranode model, or the internode model
+      with nodes of that many consecutive ranks (it must divide ``ref.num_ranks``).
 
     bf16 values are converted to float32 exactly. Returns, per source rank,
     ``(combined_x float32 [N_r, H], combined_topk_weights float32 [N_r, K] or
-    None)``: ``(b0 + b1) + y_d0 + y_d1 + ...`` in float32 over the ranks
-    ``d0 < d1 < ...`` the token went to; weights likewise from ``0.0``. Round
-    with :func:`to_bf16` to get what a GPU bf16 output holds.
+    None)``. Intranode: ``(b0 + b1) + y_d0 + y_d1 + ...`` in float32 over the
+    ranks ``d0 < d1 < ...`` the token went to; weights likewise from ``0.0``.
+    Internode: for each node ``n0 < n1 < ...`` holding some of those ranks, the
+    partial ``p_n = bf16(0.0 + y_d + ...)`` over its ranks ascending (float32
+    sum, rounded once to bf16), then ``(b0 + b1) + p_n0 + p_n1 + ...`` in
+    float32; weights the same two-level float32 sum, not rounded. A token sent
+    nowhere is ``b0 + b1`` (zeros without bias). Round ``combined_x`` with
+    :func:`to_bf16` to get what a GPU bf16 output holds (bit for bit for the
+    kernels the model describes: intranode, or internode with that split).
     """
     _check_ref(ref)
     r_count = ref.num_ranks
+    ranks_per_node = _check_ranks_per_node(ranks_per_node, r_count, "ref.num_ranks")
     ys = check_rank_list("ys", ys, r_count)
     if topk_weights is not None:
         topk_weights = check_rank_list("topk_weights", topk_weights, r_count)
@@ -377,7 +415,7 @@ def combine(ref: RefDispatch, ys, topk_weights=None, biases=None) -> list:
         native_inputs.append(
             tuple(_opt_bytes(None if t is None else t.float()) for t in (y, w, b0, b1))
         )
-    out = _native.reference_combine(ref._handle, native_inputs, hidden)
+    out = _native.reference_combine(ref._handle, native_inputs, hidden, ranks_per_node)
     return [
         (
             _from_bytes(x, torch.float32, (ref.num_tokens(r), hidden)),
