@@ -1,0 +1,108 @@
+#!/usr/bin/env bash
+# Issue 21's measurements on one multi-GPU host (4 x H200 is the reference), in
+# parts that each fit one device call (<= 10 min), every figure next to the peers
+# measured in the same call:
+#   bash benches/speed_run.sh PART OUT
+# PART (one or several, comma separated):
+#   intranode  peer_bench.py --only intranode (the same code, workload and byte
+#              formula for every library) for moelink (fused kernels, the default),
+#              moelink on the separate kernels (MOELINK_INTRANODE_FUSED=0), moelink
+#              with SPEED_RECV_PERCENTS receiver shares (default "50"), DeepEP V1 and
+#              UCCL-EP; then peer_table.py. NCCL all_to_all_single is the baseline row.
+#   ll         peer_bench.py --only ll for moelink, moelink's base build (when
+#              .gpu/base/wheels holds one: the kernels before a change, measured in
+#              the same call), DeepEP V1 and UCCL-EP; then peer_table.py.
+#   comm       comm_bench (2 GPUs: round trips and puts), and .gpu/base/comm_bench
+#              (the base build) when present.
+#   detail     ll_bench with phase stamps (MOELINK_LL_PROFILE=1) and
+#              intranode_profile (per-kernel GPU times, fused and separate kernels).
+# Needs: the moelink wheel installed (scripts/gpu_run.sh does it, or PYTHONPATH),
+# and for `peers` the peers' builds in .peers/ (benches/README.md says what they are;
+# they are not part of the repository). Every step runs under `timeout`; its log goes
+# to OUT/<step>.log; a failed step does not stop the others; the exit code is the
+# number of failed steps.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PART=${1:?part(s): intranode,ll,comm,detail}
+OUT=${2:?output folder}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1
+NGPU=$(nvidia-smi -L | wc -l)
+RUN="python3 -m torch.distributed.run --standalone --nproc-per-node=$NGPU"
+failed=0
+step() { # name timeout cmd...
+  local name=$1 t=$2; shift 2
+  echo "=== $name: $*"
+  local t0=$SECONDS
+  timeout -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  [ $rc -eq 0 ] || failed=$((failed + 1))
+  tail -n 25 "$OUT/$name.log"
+  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
+}
+{
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
+  nvidia-smi topo -m
+  python3 -m pip show nvidia-nvshmem-cu13 2>/dev/null | grep -E "^(Name|Version)"
+  cat .gpu/BUILD_INFO 2>/dev/null
+} > "$OUT/machine.txt" 2>&1
+head -n 8 "$OUT/machine.txt"
+base_site() { # the base build's package, installed once (empty when absent)
+  local w
+  w=$(ls .gpu/base/wheels/*.whl 2>/dev/null | head -n1)
+  [ -n "$w" ] || return 0
+  [ -d /tmp/moelink-base-site ] ||
+    python3 -m pip install -q --no-deps --no-index --target /tmp/moelink-base-site "$w"
+  echo /tmp/moelink-base-site
+}
+for part in ${PART//,/ }; do
+  case "$part" in
+    intranode)
+      P="$OUT/intranode"
+      mkdir -p "$P/unfused"
+      for impl in moelink deep_ep uccl; do
+        step "intranode-$impl" 170 $RUN benches/peer_bench.py --impl "$impl" --only intranode --out "$P"
+      done
+      step intranode-moelink-unfused 120 env MOELINK_INTRANODE_FUSED=0 \
+        $RUN benches/peer_bench.py --impl moelink --only intranode --out "$P/unfused"
+      for pct in ${SPEED_RECV_PERCENTS:-50}; do
+        mkdir -p "$P/recv$pct"
+        step "intranode-moelink-recv$pct" 120 env MOELINK_INTRANODE_RECV_PERCENT="$pct" \
+          $RUN benches/peer_bench.py --impl moelink --only intranode --out "$P/recv$pct"
+      done
+      step intranode-table 60 python3 benches/peer_table.py "$P"
+      ;;
+    ll)
+      P="$OUT/ll"
+      mkdir -p "$P/base"
+      for impl in moelink deep_ep; do
+        step "ll-$impl" 150 $RUN benches/peer_bench.py --impl "$impl" --only ll --out "$P"
+      done
+      site=$(base_site)
+      [ -n "$site" ] && step ll-moelink-base 150 env PYTHONPATH="$site" \
+        $RUN benches/peer_bench.py --impl moelink --only ll --out "$P/base"
+      # UCCL-EP's low-latency mode goes through its CPU proxies (RDMA): bounded.
+      step ll-uccl 90 $RUN benches/peer_bench.py --impl uccl --only ll --out "$P"
+      step ll-table 60 python3 benches/peer_table.py "$P"
+      ;;
+    comm)
+      step comm_bench 150 python3 -m torch.distributed.run --standalone --nproc-per-node=2 \
+        --no-python .gpu/bin/comm_bench --out "$OUT/comm_bench.json"
+      [ -x .gpu/base/comm_bench ] && step comm_bench-base 150 python3 -m torch.distributed.run \
+        --standalone --nproc-per-node=2 --no-python .gpu/base/comm_bench --out "$OUT/comm_bench_base.json"
+      ;;
+    detail)
+      mkdir -p "$OUT/llstamps"
+      step ll_bench 200 env MOELINK_LL_PROFILE=1 MOELINK_CHECK_IDS=0 \
+        $RUN benches/ll_bench.py --no-sweep --out "$OUT/llstamps"
+      for f in 1 0; do
+        step "intranode_profile-fused$f" 120 env MOELINK_INTRANODE_FUSED=$f \
+          $RUN benches/intranode_profile.py --sms 24 48
+      done
+      ;;
+    *) echo "unknown part $part" >&2; exit 2 ;;
+  esac
+done
+echo "speed_run $PART: $failed failed step(s)"
+exit "$failed"
