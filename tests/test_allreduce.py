@@ -244,6 +244,136 @@ def test_all_gather_arguments():
         check_all_gather_args(out, inp, 4, torch.device("cuda", 0), 1 << 20)
 
 
+def test_tensor_checks_are_the_native_ones_and_name_the_argument():
+    """The tensors' checks are ``ep_core::calls::all_reduce`` / ``all_gather``
+    (``_native.all_reduce_plan`` / ``all_gather_plan``), shared with the Rust API."""
+    meta = moelink.checks.tensor_meta("tensor", torch.zeros(3, 4, dtype=torch.bfloat16))
+    assert moelink._native.all_reduce_plan(moelink._native.CPU_DEVICE, meta, None, MIB) == {
+        "dtype": "bf16",
+        "count": 12,
+        "nbytes": 24,
+    }
+    with pytest.raises(ValueError, match=r"^tensor must be contiguous \(got strides \(1, 4\)\)$"):
+        check(torch.zeros(4, 4).t())
+    with pytest.raises(ValueError, match=r"^tensor must be contiguous \(got strides \(2,\)\)$"):
+        check(torch.zeros(8)[::2])
+    with pytest.raises(
+        ValueError, match=r"^tensor has 1028 bytes, more than this communicator's max_bytes=1024$"
+    ):
+        check(torch.zeros(257), max_bytes=1024)
+    with pytest.raises(
+        ValueError, match=r"^tensor is on cpu, but this communicator runs on cuda:1$"
+    ):
+        check(torch.zeros(4), device=torch.device("cuda", 1))
+    t = torch.zeros(10, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^out has dtype torch\.float16, tensor torch\.bfloat16$"):
+        check(t, out=torch.empty(10, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"^out has 11 elements, tensor 10$"):
+        check(t, out=torch.empty(11, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^out is on a device that is neither CUDA nor the CPU"):
+        check(t, out=torch.empty(10, dtype=torch.bfloat16, device="meta"))
+    with pytest.raises(TypeError, match=r"^tensor dtype torch\.complex64 is not supported"):
+        check(torch.zeros(4, dtype=torch.complex64))
+    # An allgather moves any dtype, one the Rust side has no name for too.
+    c64 = torch.zeros(6, dtype=torch.complex64)
+    assert check_all_gather_args(c64, c64[:3], 2, CPU, MIB) == 24
+    with pytest.raises(ValueError, match=r"^out has 48 bytes, more than .* max_bytes=47$"):
+        check_all_gather_args(c64, c64[:3], 2, CPU, 47)
+    with pytest.raises(ValueError, match=r"^inp must be contiguous"):
+        check_all_gather_args(c64, c64[::2], 2, CPU, MIB)
+    with pytest.raises(TypeError, match=r"^inp must be a torch\.Tensor, got list$"):
+        check_all_gather_args(c64, [1], 2, CPU, MIB)
+
+
+class _FakeComm:
+    """What ``AllReduce``'s calls use of ``_native.AllReduceComm``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def all_reduce(self, *args):
+        self.calls.append(("all_reduce", args))
+        return ("oneshot_ll", 1, 32)
+
+    def all_gather(self, *args):
+        self.calls.append(("all_gather", args))
+        return ("ag_ll", 1, 32)
+
+    def register(self, ptr, nbytes):
+        self.calls.append(("register", nbytes))
+        return 7
+
+
+@pytest.fixture
+def cpu_comm(monkeypatch):
+    """An ``AllReduce`` of 4 ranks on the CPU (max_bytes 1 KiB) over a stand-in
+    native communicator: its calls' checks, without a GPU."""
+    monkeypatch.setattr(ar, "current_raw_stream", lambda device: 0)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    comm = object.__new__(ar.AllReduce)
+    comm._native, comm._registered, comm._checked = _FakeComm(), {}, ar.PlanCache()
+    comm.device, comm.max_bytes, comm.world_size, comm.last_choice = CPU, KIB, 4, None
+    yield comm
+    comm._native = None
+
+
+def test_calls_check_once_per_signature_and_refuse_every_bad_call(cpu_comm, monkeypatch):
+    checked = []
+    real = ar.check_all_reduce_args
+
+    def counting(*args):
+        checked.append(args[1])
+        return real(*args)
+
+    monkeypatch.setattr(ar, "check_all_reduce_args", counting)
+    t = torch.zeros(16, dtype=torch.bfloat16)
+    for _ in range(3):
+        assert cpu_comm.all_reduce(t) is t
+    assert cpu_comm.all_reduce(torch.ones(16, dtype=torch.bfloat16), "max") is not t
+    assert checked == ["sum", "max"]  # one check per signature
+    args = cpu_comm._native.calls[-1][1]
+    assert args[3:7] == (16, "bf16", "max", None)
+    o = torch.empty(16, dtype=torch.bfloat16)
+    assert cpu_comm.all_reduce(t, out=o) is o
+    # A call that differs in what the checks read is checked again.
+    with pytest.raises(TypeError, match="out has dtype torch.float16"):
+        cpu_comm.all_reduce(t, out=torch.empty(16, dtype=torch.float16))
+    with pytest.raises(ValueError, match="tensor must be contiguous"):
+        cpu_comm.all_reduce(torch.zeros(4, 4, dtype=torch.bfloat16).t())
+    with pytest.raises(ValueError, match="max_bytes=1024"):
+        cpu_comm.all_reduce(torch.zeros(513, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="op must be one of"):
+        cpu_comm.all_reduce(t, "prod")
+    with pytest.raises(TypeError, match="op must be"):
+        cpu_comm.all_reduce(t, True)
+    with pytest.raises(TypeError, match="tensor must be a torch.Tensor"):
+        cpu_comm.all_reduce([1.0])
+    out = torch.zeros(20, dtype=torch.float32)
+    for _ in range(2):
+        assert cpu_comm.all_gather(out, out[5:10]) is out
+    assert cpu_comm._native.calls[-1][1][3] == 20
+    with pytest.raises(ValueError, match="world_size"):
+        cpu_comm.all_gather(out, out[:4])
+
+
+def test_register_checks_the_tensor(cpu_comm):
+    with pytest.raises(ValueError, match="^cannot register an empty tensor$"):
+        cpu_comm.register(torch.zeros(0, 4))
+    with pytest.raises(ValueError, match=r"^tensor must be contiguous \(got strides \(1, 4\)\)$"):
+        cpu_comm.register(torch.zeros(4, 4).t())
+    with pytest.raises(
+        ValueError, match="^tensor is on cpu, but this communicator runs on cuda:0$"
+    ):
+        cpu_comm.device = torch.device("cuda", 0)
+        cpu_comm.register(torch.zeros(4))
+    cpu_comm.device = CPU
+    with pytest.raises(TypeError, match="^tensor must be a torch.Tensor, got list$"):
+        cpu_comm.register([1])
+    t = torch.zeros(3, 4, dtype=torch.bfloat16)
+    assert cpu_comm.register(t) == 7
+    assert cpu_comm._native.calls[-1] == ("register", 24)
+
+
 def test_geometry_arguments():
     assert check_geometry(None, None) == (0, 0)
     assert check_geometry(4, 256) == (4, 256)

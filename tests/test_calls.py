@@ -426,3 +426,51 @@ def test_ll_combine_and_handle_refuse(buf):
 
 def test_the_plans_encode_rows_and_devices_as_documented():
     assert (_native.RECV_ROWS, _native.CPU_DEVICE, _native.OTHER_DEVICE) == (-1, -1, -2)
+
+
+# ----- the Buffer's constructor ------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"num_nvl_bytes": -128}, ValueError, r"^num_nvl_bytes must be >= 0, got -128$"),
+        ({"num_nvl_bytes": -(2**70)}, ValueError, r"^num_nvl_bytes must be >= 0, got -\d{22}$"),
+        (
+            {"num_rdma_bytes": 2**70, "low_latency_mode": True},
+            ValueError,
+            r"^num_rdma_bytes must be below 2\*\*63 bytes, got 1180591620717411303424$",
+        ),
+        ({"num_qps_per_rank": 0}, ValueError, r"^num_qps_per_rank must be positive, got 0$"),
+        ({"num_qps_per_rank": 2.0}, TypeError, r"^num_qps_per_rank must be an int, got float$"),
+        ({"num_nvl_bytes": 1.0}, TypeError, r"^num_nvl_bytes must be an int, got float$"),
+        ({"num_nvl_bytes": 100}, ValueError, r"^num_nvl_bytes must be a multiple of 128, got 100$"),
+        ({"enable_shrink": True}, ValueError, r"^enable_shrink=True needs low_latency_mode=True$"),
+        (
+            {"low_latency_mode": True},
+            ValueError,
+            r"^low_latency_mode=True needs num_rdma_bytes > 0",
+        ),
+        (
+            {"num_rdma_bytes": 128},
+            ValueError,
+            r"^num_rdma_bytes must be 0 without low_latency_mode",
+        ),
+    ],
+)
+def test_buffer_arguments_are_refused_before_any_cuda_use(kwargs, exc, match):
+    """The constructor's value checks are ``ep_core::calls::buffer_options`` (the Rust
+    API's too); Python checks the types. Both run before CUDA is touched."""
+    import moelink
+
+    with pytest.raises(exc, match=match):
+        moelink.Buffer(None, **kwargs)
+
+
+def test_buffer_options_plan():
+    plan = _native.buffer_options_plan(1 << 20, 1 << 30, True, 24, True)
+    assert plan == {"num_nvl_bytes": 1 << 20, "num_ll_bytes": 1 << 30}
+    assert _native.buffer_options_plan(0, 0, False, 1, False) == {
+        "num_nvl_bytes": 0,
+        "num_ll_bytes": 0,
+    }

@@ -9,6 +9,7 @@ import moelink
 import pytest
 import torch
 from moelink.config import (
+    COMBINE_RECORD_TOPK,
     COUNTER_BYTES,
     Config,
     combine_record_bytes,
@@ -139,6 +140,71 @@ def test_token_record_bytes():
         token_record_bytes(0)
     with pytest.raises(ValueError, match="num_topk must be >= 0"):
         token_record_bytes(128, num_topk=-1)
+
+
+def test_record_bytes_limits():
+    """The record sizes are Rust's (``ep_core::calls``), checked there: each bound
+    names its argument."""
+    assert (COUNTER_BYTES, COMBINE_RECORD_TOPK) == (64 * 1024, 32)
+    assert combine_record_bytes(64, 0) == 80  # 64 + the flag, rounded to 16
+    assert token_record_bytes(1 << 20, 32, 8192) % 16 == 0
+    for f, args, match in [
+        (token_record_bytes, (128, 1, 8193), r"^num_scales must be <= 8192, got 8193$"),
+        (token_record_bytes, (128, 1, -1), r"^num_scales must be >= 0, got -1$"),
+        (token_record_bytes, (128, 33), r"^num_topk must be <= 32, got 33$"),
+        (token_record_bytes, ((1 << 20) + 1,), r"^hidden_bytes must be <= 1048576, got 1048577$"),
+        (
+            token_record_bytes,
+            (2**64,),
+            r"^hidden_bytes must be <= 1048576, got 18446744073709551616$",
+        ),
+        (combine_record_bytes, (0,), r"^hidden_bytes must be positive, got 0$"),
+        (combine_record_bytes, (128, 40), r"^num_topk must be <= 32, got 40$"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            f(*args)
+    with pytest.raises(TypeError, match="num_scales must be an int, got float"):
+        token_record_bytes(128, 1, 1.0)
+    with pytest.raises(TypeError, match="num_topk must be an int, got bool"):
+        combine_record_bytes(128, True)
+
+
+def test_nvl_hint_is_the_native_one():
+    """``Config.get_nvl_buffer_size_hint`` is ``ep_core::calls::nvl_buffer_size_hint``
+    (which the Rust API's ``Buffer::nvl_buffer_size_hint`` is too), callable without a
+    GPU; the standard workload's number."""
+    assert Config().get_nvl_buffer_size_hint(7168 * 2, 4) == 497_614_848
+    for args in ((7168 * 2, 8, 4096), (128, 1, 1), (384, 3, 7), (1 << 20, 32, 1000)):
+        assert Config().get_nvl_buffer_size_hint(
+            *args[:2], max_tokens_per_rank=args[2]
+        ) == moelink._native.nvl_buffer_size_hint(*args)
+    with pytest.raises(
+        ValueError,
+        match=r"^hidden_bytes must be a positive multiple of 128 up to 1048576, "
+        r"got 18446744073709551616$",
+    ):
+        Config().get_nvl_buffer_size_hint(2**64, 4)
+    with pytest.raises(TypeError, match="max_tokens_per_rank must be an int, got float"):
+        Config().get_nvl_buffer_size_hint(1024, 4, max_tokens_per_rank=4.0)
+
+
+def test_set_num_sms_checks_as_config_does(monkeypatch):
+    from moelink.buffer import Buffer
+
+    monkeypatch.setattr(Buffer, "num_sms", Buffer.num_sms)
+    monkeypatch.setattr(Buffer, "_num_sms_set", Buffer._num_sms_set)
+    for bad, match in [
+        (0, r"^new_num_sms must be positive, got 0$"),
+        (7, r"^new_num_sms must be even \(SMs are used in pairs: .*\), got 7$"),
+        (1026, r"^new_num_sms must be <= 1024, got 1026$"),
+        (-(2**70), r"^new_num_sms must be positive, got -1180591620717411303424$"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            Buffer.set_num_sms(bad)
+    with pytest.raises(TypeError, match="new_num_sms must be an int"):
+        Buffer.set_num_sms(2.0)
+    Buffer.set_num_sms(1024)
+    assert Buffer.num_sms == 1024 and type(Buffer.num_sms) is int
 
 
 def test_nvl_hint_formula():

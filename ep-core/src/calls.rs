@@ -26,11 +26,27 @@
 //! | [`ll_dispatch`] | `low_latency_dispatch` |
 //! | [`ll_handle`] | a low-latency handle; the shape of `get_next_low_latency_combine_buffer` |
 //! | [`ll_combine`] | `low_latency_combine` |
+//! | [`buffer_options`], [`num_sms`] | the Buffer's constructor; the SMs of a `Config` and `Buffer.set_num_sms` |
+//! | [`nvl_buffer_size_hint`], [`rdma_buffer_size_hint`], [`token_record_bytes`], [`combine_record_bytes`] | `Config.get_nvl_buffer_size_hint` / `get_rdma_buffer_size_hint` and the record sizes of the NVLink buffer (module `sizing`) |
+//! | [`all_reduce`], [`all_gather`], [`all_reduce_register`] | the tensor checks of `AllReduce.all_reduce`, `all_gather`, `register` |
 //!
 //! Checks run in the order of the arguments they read, each tensor's in the
 //! order dtype, rank, shape, device, layout; the first failure is returned.
 
 use std::fmt;
+
+mod allreduce;
+mod buffer;
+mod sizing;
+
+pub use allreduce::{
+    all_gather, all_reduce, all_reduce_register, AllGatherPlan, AllReducePlan, ALL_REDUCE_DTYPES,
+};
+pub use buffer::{buffer_options, num_sms, BufferArgs, BufferPlan};
+pub use sizing::{
+    combine_record_bytes, nvl_buffer_size_hint, rdma_buffer_size_hint, token_record_bytes,
+    COMBINE_RECORD_TOPK, COUNTER_BYTES,
+};
 
 use crate::limits::{
     FP8_GROUP_SIZE, LL_MAX_HIDDEN, LL_MAX_TOKENS_PER_RANK, MAX_EXPERTS, MAX_EXPERTS_PER_RANK,

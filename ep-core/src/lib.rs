@@ -3,7 +3,7 @@
 //!
 //! | module | what it does |
 //! |---|---|
-//! | [`calls`] | every call's argument checks and output shapes, on torch-free tensor descriptions (shared by the Python binding and the Rust tch API) |
+//! | [`calls`] | every call's argument checks and output shapes, on torch-free tensor descriptions (shared by the Python binding and the Rust tch API); the Buffer constructor's checks, the NVLink size hint, AllReduce's tensor checks |
 //! | [`diagnostics`] | peer-write check: every GPU stores a pattern into every peer over NVLink |
 //! | [`ep_buffer`] | [`EpBuffer`], the Rust half of one `moelink.Buffer`: its intranode and low-latency parts (either may be absent), each an object of one `comm::Group`, and what they share (joining the group, device-error checks, barrier, destroy order) |
 //! | [`limits`] | every limit of the EP API in one place, and the checks that apply them |

@@ -1,6 +1,10 @@
 //! The argument checks and output shapes of the EP calls (`ep_core::calls`):
 //! one `*_plan` function per call, which the Python `Buffer` runs when a call's
-//! arguments miss its plan cache.
+//! arguments miss its plan cache; the checks of the Buffer's constructor
+//! (`buffer_options_plan`) and of a `Config`'s SMs (`check_num_sms`); the
+//! NVLink size hints and record sizes of `moelink.config`; the tensor checks
+//! of `moelink.AllReduce`'s calls (`all_reduce_plan`, `all_gather_plan`,
+//! `all_reduce_register_plan`).
 //!
 //! A tensor crosses as its meta `(dtype name, shape, strides, device index)`
 //! (`moelink.checks.tensor_meta`), an absent one as None, an intranode handle
@@ -10,10 +14,10 @@
 //! allocation order. A refusal raises through `crate::error::arg_to_py`.
 
 use ep_core::calls::{
-    self, Bias, CombineArgs, DType, DispatchArgs, IntranodeHandle, LlCombineArgs, LlDispatchArgs,
-    LlGeometry, LlHandle, OutputSpec, TensorMeta,
+    self, ArgError, Bias, BufferArgs, CombineArgs, DType, DispatchArgs, IntranodeHandle,
+    LlCombineArgs, LlDispatchArgs, LlGeometry, LlHandle, OutputSpec, TensorMeta,
 };
-use pyo3::exceptions::PyOverflowError;
+use pyo3::exceptions::{PyOverflowError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
@@ -40,19 +44,47 @@ fn meta(m: Option<Meta>) -> Option<TensorMeta> {
 
 /// A Python int as i64, saturated: a value beyond i64 is far beyond every
 /// limit, and is refused as `i64::MAX` / `i64::MIN` instead of overflowing.
-pub struct Int(i64);
+/// The second field is the value as Python prints it where it was saturated
+/// ([`as_given`] puts it back into a refusal's message).
+pub struct Int(i64, Option<String>);
 
 impl<'a, 'py> FromPyObject<'a, 'py> for Int {
     type Error = PyErr;
 
     fn extract(obj: Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
         match obj.extract::<i64>() {
-            Ok(v) => Ok(Int(v)),
+            Ok(v) => Ok(Int(v, None)),
             Err(e) if e.is_instance_of::<PyOverflowError>(obj.py()) => {
-                Ok(Int(if obj.gt(0)? { i64::MAX } else { i64::MIN }))
+                let v = if obj.gt(0)? { i64::MAX } else { i64::MIN };
+                Ok(Int(v, Some(obj.str()?.to_string())))
             }
             Err(e) => Err(e),
         }
+    }
+}
+
+/// The mapping of a refusal ([`arg_to_py`]) whose message shows the values of
+/// `ints` as given, not as saturated.
+fn as_given<'a>(ints: &'a [&'a Int]) -> impl Fn(ArgError) -> PyErr + 'a {
+    move |mut e| {
+        for Int(v, given) in ints {
+            if let Some(given) = given {
+                e.message = e.message.replace(&v.to_string(), given);
+            }
+        }
+        arg_to_py(e)
+    }
+}
+
+/// A byte count (`num_nvl_bytes`, ...): an int of 64 bits. One beyond is
+/// refused here, naming `name` (saturated, a multiple of 128 would be
+/// refused for the wrong reason).
+fn byte_count(name: &str, n: &Int) -> PyResult<i64> {
+    match n {
+        Int(_, Some(given)) if !given.starts_with('-') => Err(PyValueError::new_err(format!(
+            "{name} must be below 2**63 bytes, got {given}"
+        ))),
+        Int(v, _) => Ok(*v),
     }
 }
 
@@ -347,12 +379,145 @@ pub fn ll_combine_plan<'py>(
     Ok(d)
 }
 
+// ----- the Buffer's construction, Config ------------------------------------------
+
+/// `moelink.Buffer(...)`'s checks: `num_nvl_bytes`, `num_ll_bytes` (the
+/// low-latency part's bytes, 0 for none).
+#[pyfunction]
+pub fn buffer_options_plan<'py>(
+    py: Python<'py>,
+    num_nvl_bytes: Int,
+    num_rdma_bytes: Int,
+    low_latency_mode: bool,
+    num_qps_per_rank: Int,
+    enable_shrink: bool,
+) -> PyResult<Plan<'py>> {
+    let a = BufferArgs {
+        num_nvl_bytes: byte_count("num_nvl_bytes", &num_nvl_bytes)?,
+        num_rdma_bytes: byte_count("num_rdma_bytes", &num_rdma_bytes)?,
+        low_latency_mode,
+        num_qps_per_rank: num_qps_per_rank.0,
+        enable_shrink,
+    };
+    let given = [&num_nvl_bytes, &num_rdma_bytes, &num_qps_per_rank];
+    let p = calls::buffer_options(&a).map_err(as_given(&given))?;
+    let d = PyDict::new(py);
+    set_fields!(d, p; num_nvl_bytes, num_ll_bytes);
+    Ok(d)
+}
+
+/// The SMs of intranode dispatch/combine, called `name` (`num_sms` of a
+/// `Config`, `new_num_sms` of `Buffer.set_num_sms`).
+#[pyfunction]
+pub fn check_num_sms(name: &str, num_sms: Int) -> PyResult<i64> {
+    calls::num_sms(name, num_sms.0).map_err(as_given(&[&num_sms]))
+}
+
+/// `Config.get_nvl_buffer_size_hint`.
+#[pyfunction]
+pub fn nvl_buffer_size_hint(
+    hidden_bytes: Int,
+    num_ranks: Int,
+    max_tokens_per_rank: Int,
+) -> PyResult<i64> {
+    calls::nvl_buffer_size_hint(hidden_bytes.0, num_ranks.0, max_tokens_per_rank.0)
+        .map_err(as_given(&[&hidden_bytes, &num_ranks, &max_tokens_per_rank]))
+}
+
+/// `Config.get_rdma_buffer_size_hint` (0; the arguments checked).
+#[pyfunction]
+pub fn rdma_buffer_size_hint(hidden_bytes: Int, num_ranks: Int) -> PyResult<i64> {
+    calls::rdma_buffer_size_hint(hidden_bytes.0, num_ranks.0)
+        .map_err(as_given(&[&hidden_bytes, &num_ranks]))
+}
+
+/// `moelink.config.token_record_bytes` (`num_scales` None: `hidden_bytes // 128`).
+#[pyfunction]
+#[pyo3(signature = (hidden_bytes, num_topk, num_scales=None))]
+pub fn token_record_bytes(
+    hidden_bytes: Int,
+    num_topk: Int,
+    num_scales: Option<Int>,
+) -> PyResult<i64> {
+    let scales = num_scales.as_ref().map(|s| s.0);
+    let none = Int(0, None);
+    let given = [
+        &hidden_bytes,
+        &num_topk,
+        num_scales.as_ref().unwrap_or(&none),
+    ];
+    calls::token_record_bytes(hidden_bytes.0, num_topk.0, scales).map_err(as_given(&given))
+}
+
+/// `moelink.config.combine_record_bytes`.
+#[pyfunction]
+pub fn combine_record_bytes(hidden_bytes: Int, num_topk: Int) -> PyResult<i64> {
+    calls::combine_record_bytes(hidden_bytes.0, num_topk.0)
+        .map_err(as_given(&[&hidden_bytes, &num_topk]))
+}
+
+// ----- AllReduce ----------------------------------------------------------------------
+
+/// `AllReduce.all_reduce`'s tensor checks on a communicator of `device`:
+/// `dtype` (the kernels' name), `count`, `nbytes`.
+#[pyfunction]
+pub fn all_reduce_plan<'py>(
+    py: Python<'py>,
+    device: i32,
+    tensor: Meta,
+    out: Option<Meta>,
+    max_bytes: i64,
+) -> PyResult<Plan<'py>> {
+    let (tensor, out) = (TensorMeta::from(tensor), meta(out));
+    let p = calls::all_reduce(device, &tensor, out.as_ref(), max_bytes).map_err(arg_to_py)?;
+    let d = PyDict::new(py);
+    set_fields!(d, p; dtype, count, nbytes);
+    Ok(d)
+}
+
+/// `AllReduce.all_gather`'s tensor checks: `nbytes` (per rank).
+#[pyfunction]
+pub fn all_gather_plan<'py>(
+    py: Python<'py>,
+    device: i32,
+    out: Meta,
+    inp: Meta,
+    element_size: i64,
+    world_size: i64,
+    max_bytes: i64,
+) -> PyResult<Plan<'py>> {
+    let (out, inp) = (TensorMeta::from(out), TensorMeta::from(inp));
+    let p = calls::all_gather(device, &out, &inp, element_size, world_size, max_bytes)
+        .map_err(arg_to_py)?;
+    let d = PyDict::new(py);
+    set_fields!(d, p; nbytes);
+    Ok(d)
+}
+
+/// `AllReduce.register`'s tensor check: the tensor's bytes.
+#[pyfunction]
+pub fn all_reduce_register_plan(device: i32, tensor: Meta, element_size: i64) -> PyResult<i64> {
+    calls::all_reduce_register(device, &tensor.into(), element_size).map_err(arg_to_py)
+}
+
 /// Adds the plans and the constants of their encoding (`RECV_ROWS`,
-/// `CPU_DEVICE`, `OTHER_DEVICE`) to the module.
+/// `CPU_DEVICE`, `OTHER_DEVICE`) and of the NVLink size hint
+/// (`NVL_COUNTER_BYTES`, `COMBINE_RECORD_TOPK`) to the module.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("RECV_ROWS", calls::RECV_ROWS)?;
     m.add("CPU_DEVICE", calls::CPU)?;
     m.add("OTHER_DEVICE", calls::OTHER_DEVICE)?;
+    m.add("NVL_COUNTER_BYTES", calls::COUNTER_BYTES)?;
+    m.add("COMBINE_RECORD_TOPK", calls::COMBINE_RECORD_TOPK)?;
+    m.add_function(wrap_pyfunction!(buffer_options_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(check_num_sms, m)?)?;
+    m.add_function(wrap_pyfunction!(nvl_buffer_size_hint, m)?)?;
+    m.add_function(wrap_pyfunction!(rdma_buffer_size_hint, m)?)?;
+    m.add_function(wrap_pyfunction!(token_record_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(combine_record_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(all_reduce_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(all_gather_plan, m)?)?;
+    m.add_function(wrap_pyfunction!(all_reduce_register_plan, m)?)?;
     m.add_function(wrap_pyfunction!(layout_plan, m)?)?;
     m.add_function(wrap_pyfunction!(dispatch_plan, m)?)?;
     m.add_function(wrap_pyfunction!(combine_plan, m)?)?;
@@ -361,4 +526,20 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(ll_handle_plan, m)?)?;
     m.add_function(wrap_pyfunction!(ll_combine_plan, m)?)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use ep_core::calls::ALL_REDUCE_DTYPES;
+
+    /// The kernel dtype names `ep_core::calls::all_reduce` gives are the ones
+    /// the communicator parses (ep-core does not depend on `collectives`).
+    #[test]
+    fn all_reduce_dtype_names_are_the_kernels() {
+        for (dtype, name) in &ALL_REDUCE_DTYPES {
+            let kernel = collectives::DType::parse(name).unwrap();
+            assert_eq!(dtype.element_size(), Some(kernel.size() as i64), "{name}");
+        }
+        assert_eq!(ALL_REDUCE_DTYPES.len(), collectives::DType::ALL.len());
+    }
 }

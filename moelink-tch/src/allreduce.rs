@@ -148,7 +148,8 @@ impl AllReduce {
         op: ReduceOp,
         args: &AllReduceArgs<'_>,
     ) -> Result<Tensor> {
-        let dtype = checks::all_reduce(tensor, args.out, self.device)?;
+        let max_bytes = self.get()?.limits().max_bytes as usize;
+        let dtype = checks::all_reduce(tensor, args.out, self.device, max_bytes)?;
         let out = args.out.unwrap_or(tensor);
         let algorithm = args
             .algorithm
@@ -182,8 +183,11 @@ impl AllReduce {
         num_blocks: Option<u32>,
         num_threads: Option<u32>,
     ) -> Result<Tensor> {
-        let world = self.get()?.num_ranks();
-        let nbytes = checks::all_gather(out, inp, world, self.device)?;
+        let (world, max_bytes) = {
+            let c = self.get()?;
+            (c.num_ranks(), c.limits().max_bytes as usize)
+        };
+        let nbytes = checks::all_gather(out, inp, world, self.device, max_bytes)?;
         let algorithm = algorithm
             .map(|a| parse_algorithm(a, Collective::AllGather))
             .transpose()?;

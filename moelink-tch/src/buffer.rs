@@ -19,7 +19,6 @@ use ep_core::intranode::{
     CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape,
     IntranodeBuffer, LayoutCall,
 };
-use ep_core::limits::{MAX_NUM_SMS, MAX_TOPK, MIN_NUM_SMS};
 use ep_core::low_latency::{
     size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs,
     LowLatencyBuffer, LowLatencyOptions, Phases,
@@ -69,7 +68,8 @@ pub fn env_device_timeout_ns(env: &str) -> Result<i64> {
 #[derive(Clone, Debug)]
 pub struct BufferOptions {
     /// Bytes of NVLink buffer (intranode dispatch/combine; 0: none). Size it
-    /// with `Config.get_nvl_buffer_size_hint` (Python) for the largest batch.
+    /// with [`Buffer::nvl_buffer_size_hint`] (Python's
+    /// `Config.get_nvl_buffer_size_hint`) for the largest batch.
     pub num_nvl_bytes: usize,
     /// Bytes of low-latency buffer (> 0 exactly with `low_latency_mode`);
     /// size it with [`Buffer::get_low_latency_rdma_size_hint`].
@@ -106,55 +106,31 @@ impl Default for BufferOptions {
     }
 }
 
-/// `num_sms` (of a Buffer or a call) as `moelink.Config` checks it.
+/// `num_sms` (of a Buffer or a call) as `moelink.Config` checks it
+/// (`ep_core::calls::num_sms`).
 fn check_num_sms(n: u32) -> Result<u32> {
-    if n < 1 || n as usize > MAX_NUM_SMS {
-        return Err(Error::value(format!(
-            "num_sms must be <= {MAX_NUM_SMS}, got {n}"
-        )));
-    }
-    if n % 2 != 0 || (n as usize) < MIN_NUM_SMS {
-        return Err(Error::value(format!(
-            "num_sms must be even (SMs are used in pairs: one sender and one receiver block \
-             per channel), got {n}"
-        )));
-    }
-    Ok(n)
+    Ok(calls::num_sms("num_sms", i64::from(n))? as u32)
 }
 
-/// `moelink.Buffer.__init__`'s checks of its byte counts and modes.
-fn check_options(o: &BufferOptions) -> Result<()> {
-    for (name, v) in [
-        ("num_nvl_bytes", o.num_nvl_bytes),
-        ("num_rdma_bytes", o.num_rdma_bytes),
-    ] {
-        if v % 128 != 0 {
-            return Err(Error::value(format!(
-                "{name} must be a multiple of 128, got {v}"
-            )));
-        }
-    }
-    if o.enable_shrink && !o.low_latency_mode {
-        return Err(Error::value(
-            "enable_shrink=True needs low_latency_mode=True",
-        ));
-    }
-    if o.low_latency_mode && o.num_rdma_bytes == 0 {
-        return Err(Error::value(
-            "low_latency_mode=True needs num_rdma_bytes > 0 (the low-latency buffer); size it \
-             with Buffer.get_low_latency_rdma_size_hint",
-        ));
-    }
-    if o.num_rdma_bytes > 0 && !o.low_latency_mode {
-        return Err(Error::value(
-            "num_rdma_bytes must be 0 without low_latency_mode: moelink has no internode (RDMA) \
-             path for normal kernels; Config.get_rdma_buffer_size_hint returns 0",
-        ));
-    }
+/// A byte count of the options as the core's checks take it (64 bits).
+fn byte_count(name: &str, n: usize) -> Result<i64> {
+    i64::try_from(n).map_err(|_| Error::value(format!("{name} must be below 2**63 bytes, got {n}")))
+}
+
+/// `moelink.Buffer.__init__`'s checks of its byte counts and modes
+/// (`ep_core::calls::buffer_options`), then of `num_sms`.
+fn check_options(o: &BufferOptions) -> Result<calls::BufferPlan> {
+    let plan = calls::buffer_options(&calls::BufferArgs {
+        num_nvl_bytes: byte_count("num_nvl_bytes", o.num_nvl_bytes)?,
+        num_rdma_bytes: byte_count("num_rdma_bytes", o.num_rdma_bytes)?,
+        low_latency_mode: o.low_latency_mode,
+        enable_shrink: o.enable_shrink,
+        ..calls::BufferArgs::default()
+    })?;
     if let Some(n) = o.num_sms {
         check_num_sms(n)?;
     }
-    Ok(())
+    Ok(plan)
 }
 
 /// `x` of a dispatch: bf16 `[N, H]`, or fp8 data with its f32 scales
@@ -417,7 +393,7 @@ impl Buffer {
     /// 0`, then the low-latency part in `low_latency_mode`). Binds `device`'s
     /// primary context to this thread (torch's).
     pub fn new(group: &Group, device: Device, opts: &BufferOptions) -> Result<Self> {
-        check_options(opts)?;
+        let parts = check_options(opts)?;
         let device_timeout_ns = match opts.device_timeout_ns {
             Some(ns) => ns,
             None => env_device_timeout_ns("MOELINK_DEVICE_TIMEOUT_S")?,
@@ -441,12 +417,8 @@ impl Buffer {
         let dev = index as i32;
         let core_device = CoreDevice::bind(dev)?;
         let eopts = EpBufferOptions {
-            num_nvl_bytes: opts.num_nvl_bytes,
-            num_ll_bytes: if opts.low_latency_mode {
-                opts.num_rdma_bytes
-            } else {
-                0
-            },
+            num_nvl_bytes: parts.num_nvl_bytes as usize,
+            num_ll_bytes: parts.num_ll_bytes as usize,
             timeout,
             device_timeout_ns,
             low_latency: LowLatencyOptions {
@@ -524,32 +496,23 @@ impl Buffer {
     /// Bytes of NVLink buffer (`num_nvl_bytes`) for intranode dispatch and
     /// combine of rows of `hidden_bytes` among `num_ranks` ranks, each sending
     /// at most `max_tokens_per_rank` tokens: Python's
-    /// `Config.get_nvl_buffer_size_hint`, the same formula (64 KiB of
-    /// counters, then two regions of a slot per possible token, each slot the
-    /// larger of a worst-case dispatch record and a combine record).
+    /// `Config.get_nvl_buffer_size_hint`, both `ep_core::calls::nvl_buffer_size_hint`
+    /// (64 KiB of counters, then two regions of a slot per possible token,
+    /// each slot the larger of a worst-case dispatch record and a combine
+    /// record).
     pub fn nvl_buffer_size_hint(
         hidden_bytes: usize,
         num_ranks: usize,
         max_tokens_per_rank: usize,
     ) -> Result<usize> {
-        use ep_core::limits::{check_range, check_ranks, check_row_bytes, MAX_TOKENS_PER_RANK};
-        const COUNTER_BYTES: usize = 64 * 1024;
-        const COMBINE_RECORD_TOPK: usize = 32;
-        let hb = check_row_bytes("hidden_bytes", hidden_bytes)?;
-        let r = check_ranks("num_ranks", num_ranks)?;
-        let t = check_range(
-            "max_tokens_per_rank",
-            max_tokens_per_rank,
-            1,
-            MAX_TOKENS_PER_RANK,
-            "tokens",
+        // A value beyond i64 is beyond every limit: refused as i64::MAX.
+        let int = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        let bytes = calls::nvl_buffer_size_hint(
+            int(hidden_bytes),
+            int(num_ranks),
+            int(max_tokens_per_rank),
         )?;
-        let round16 = |n: usize| n.div_ceil(16) * 16;
-        let dispatch = round16(hb + hb / 128 * 4 + MAX_TOPK * (8 + 4) + 16);
-        // + the 8-byte flag that ends every record (ep_kernels::intranode::FLAG_BYTES).
-        let combine = round16(hb + COMBINE_RECORD_TOPK * 4 + 8);
-        let bytes = 2 * r * t * dispatch.max(combine) + COUNTER_BYTES;
-        Ok(bytes.div_ceil(128) * 128)
+        Ok(bytes as usize)
     }
 
     /// Whether the kernels were compiled for sm_90 (`Buffer.is_sm90_compiled`).
@@ -1238,13 +1201,13 @@ fn strides2(t: Option<&Tensor>) -> (i64, i64) {
 mod tests {
     use super::*;
 
-    fn value_message(r: Result<()>) -> String {
+    fn value_message<T: std::fmt::Debug>(r: Result<T>) -> String {
         match r {
             Err(e) => {
                 assert_eq!(e.python_class(), "ValueError", "{e}");
                 e.to_string()
             }
-            Ok(()) => panic!("expected a ValueError"),
+            Ok(v) => panic!("expected a ValueError, got {v:?}"),
         }
     }
 
@@ -1268,6 +1231,26 @@ mod tests {
         assert!(value_message(o(|o| o.num_rdma_bytes = 128)).contains("without low_latency_mode"));
         assert!(value_message(o(|o| o.num_sms = Some(7))).contains("must be even"));
         assert!(value_message(o(|o| o.num_sms = Some(100_000))).contains("<="));
+        assert_eq!(
+            value_message(o(|o| o.num_sms = Some(0))),
+            "num_sms must be positive, got 0"
+        );
+        assert_eq!(
+            value_message(o(|o| o.num_rdma_bytes = usize::MAX)),
+            format!(
+                "num_rdma_bytes must be below 2**63 bytes, got {}",
+                usize::MAX
+            )
+        );
+        // The parts: the low-latency one only in low_latency_mode.
+        let both = check_options(&BufferOptions {
+            num_nvl_bytes: 1 << 20,
+            num_rdma_bytes: 1 << 30,
+            low_latency_mode: true,
+            ..BufferOptions::default()
+        })
+        .unwrap();
+        assert_eq!((both.num_nvl_bytes, both.num_ll_bytes), (1 << 20, 1 << 30));
     }
 
     #[test]

@@ -4,10 +4,10 @@
 //! `ep_core::calls`' (the Python Buffer's, through `moelink._native`): this
 //! module only describes tch tensors to them ([`crate::tensor::meta`]) and adds
 //! what the Python layer adds (a row tensor's 16-byte alignment). The
-//! AllReduce checks are `moelink.allreduce.check_all_reduce_args` and
-//! `check_all_gather_args` (the Python layer's; the communicator of crate
-//! `collectives` checks the rest: sizes, dtype/op combinations, algorithms
-//! and launch geometry).
+//! AllReduce checks are `ep_core::calls::all_reduce` and `all_gather` (the
+//! Python `check_all_reduce_args` and `check_all_gather_args` run them too;
+//! the communicator of crate `collectives` checks the rest: dtype/op
+//! combinations, algorithms and launch geometry).
 
 use collectives::DType as ArDType;
 use ep_core::calls::{
@@ -215,132 +215,73 @@ pub fn ll_combine(
 
 // ----- allreduce ------------------------------------------------------------------
 
-/// The allreduce element type of a tch kind (`moelink.allreduce.DTYPES`).
+/// The allreduce element type of a tch kind (`ep_core::calls::ALL_REDUCE_DTYPES`,
+/// what `moelink.allreduce` accepts).
 pub fn allreduce_dtype(kind: Kind) -> Option<ArDType> {
-    Some(match kind {
-        Kind::BFloat16 => ArDType::Bf16,
-        Kind::Half => ArDType::Fp16,
-        Kind::Float => ArDType::Fp32,
-        Kind::Int => ArDType::Int32,
-        Kind::Float8e4m3fn => ArDType::Fp8E4m3,
-        Kind::Float8e5m2 => ArDType::Fp8E5m2,
-        _ => return None,
-    })
+    let dtype = dtype_of(kind);
+    let (_, name) = calls::ALL_REDUCE_DTYPES.iter().find(|(d, _)| *d == dtype)?;
+    ArDType::parse(name).ok()
 }
 
-/// A device as torch prints it (`cuda:0`, `cpu`).
-fn device_str(d: Device) -> String {
-    match d {
-        Device::Cuda(i) => format!("cuda:{i}"),
-        Device::Cpu => "cpu".into(),
-        Device::Mps => "mps".into(),
-        Device::Vulkan => "vulkan".into(),
-    }
-}
-
-/// `allreduce._check_tensor`: on the communicator's device, contiguous.
-fn ar_tensor(name: &str, t: &Tensor, device: Device) -> Result<()> {
+/// `t` (called `name`) is a tensor: tch can hold an undefined one, which
+/// Python cannot (its `TypeError` for a non-tensor).
+fn defined(name: &str, t: &Tensor) -> Result<()> {
     if !t.defined() {
         return Err(Error::type_error(format!(
             "{name} must be a torch.Tensor, got an undefined tensor"
         )));
     }
-    if t.device() != device {
-        return Err(Error::value(format!(
-            "{name} is on {}, but this communicator runs on {}",
-            device_str(t.device()),
-            device_str(device)
-        )));
-    }
-    if !t.is_contiguous() {
-        return Err(Error::value(format!(
-            "{name} must be contiguous (got strides {})",
-            py_tuple(&t.stride())
-        )));
-    }
     Ok(())
 }
 
-/// Integers as Python prints a tuple of them.
-fn py_tuple(v: &[i64]) -> String {
-    match v {
-        [one] => format!("({one},)"),
-        _ => format!(
-            "({})",
-            v.iter()
-                .map(|x| x.to_string())
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-    }
+/// A byte count as the core's checks take it.
+fn max_bytes_i64(max_bytes: usize) -> i64 {
+    i64::try_from(max_bytes).unwrap_or(i64::MAX)
 }
 
-/// `check_all_reduce_args`' tensor checks (the Python layer's): `tensor` of
-/// a supported dtype, on `device`, contiguous; `out` likewise, of the same
-/// dtype and size. Returns the kernel dtype. (The bytes against `max_bytes`
-/// and the dtype/op/accumulation combination are the communicator's checks.)
-pub fn all_reduce(tensor: &Tensor, out: Option<&Tensor>, device: Device) -> Result<ArDType> {
-    if !tensor.defined() {
-        return Err(Error::type_error(
-            "tensor must be a torch.Tensor, got an undefined tensor",
-        ));
-    }
-    let dtype = allreduce_dtype(tensor.kind()).ok_or_else(|| {
-        let supported = [
-            Kind::BFloat16,
-            Kind::Half,
-            Kind::Float,
-            Kind::Int,
-            Kind::Float8e4m3fn,
-            Kind::Float8e5m2,
-        ]
-        .map(|k| dtype_of(k).to_string())
-        .join(", ");
-        Error::type_error(format!(
-            "tensor dtype {} is not supported; supported: {supported}",
-            dtype_of(tensor.kind())
-        ))
-    })?;
-    ar_tensor("tensor", tensor, device)?;
+/// `check_all_reduce_args`' tensor checks (`ep_core::calls::all_reduce`):
+/// `tensor` of a supported dtype, on `device`, contiguous, at most
+/// `max_bytes` (the communicator's); `out` likewise, of the same dtype and
+/// size. Returns the kernel dtype. (The dtype/op/accumulation combination is
+/// the communicator's check.)
+pub fn all_reduce(
+    tensor: &Tensor,
+    out: Option<&Tensor>,
+    device: Device,
+    max_bytes: usize,
+) -> Result<ArDType> {
+    defined("tensor", tensor)?;
     if let Some(out) = out {
-        ar_tensor("out", out, device)?;
-        if out.kind() != tensor.kind() {
-            return Err(Error::type_error(format!(
-                "out has dtype {}, tensor {}",
-                dtype_of(out.kind()),
-                dtype_of(tensor.kind())
-            )));
-        }
-        if out.numel() != tensor.numel() {
-            return Err(Error::value(format!(
-                "out has {} elements, tensor {}",
-                out.numel(),
-                tensor.numel()
-            )));
-        }
+        defined("out", out)?;
     }
-    Ok(dtype)
+    let p = calls::all_reduce(
+        device_index(device),
+        &meta(tensor),
+        opt_meta(out).as_ref(),
+        max_bytes_i64(max_bytes),
+    )?;
+    Ok(ArDType::parse(p.dtype)?)
 }
 
-/// `check_all_gather_args`' tensor checks: `out` and `inp` on `device`,
-/// contiguous, of one dtype, `out` holding `world_size` times `inp`. Returns
-/// the bytes per rank.
-pub fn all_gather(out: &Tensor, inp: &Tensor, world_size: usize, device: Device) -> Result<u64> {
-    ar_tensor("out", out, device)?;
-    ar_tensor("inp", inp, device)?;
-    if out.kind() != inp.kind() {
-        return Err(Error::type_error(format!(
-            "out has dtype {}, inp {}",
-            dtype_of(out.kind()),
-            dtype_of(inp.kind())
-        )));
-    }
-    if out.numel() != world_size * inp.numel() {
-        return Err(Error::value(format!(
-            "out must hold world_size * inp.numel() = {world_size} * {} elements, it holds {}",
-            inp.numel(),
-            out.numel()
-        )));
-    }
-    Ok((inp.numel() * inp.kind().elt_size_in_bytes()) as u64)
+/// `check_all_gather_args`' tensor checks (`ep_core::calls::all_gather`):
+/// `out` and `inp` on `device`, contiguous, of one dtype, `out` holding
+/// `world_size` times `inp`, at most `max_bytes`. Returns the bytes per rank.
+pub fn all_gather(
+    out: &Tensor,
+    inp: &Tensor,
+    world_size: usize,
+    device: Device,
+    max_bytes: usize,
+) -> Result<u64> {
+    defined("out", out)?;
+    defined("inp", inp)?;
+    let p = calls::all_gather(
+        device_index(device),
+        &meta(out),
+        &meta(inp),
+        inp.kind().elt_size_in_bytes() as i64,
+        world_size as i64,
+        max_bytes_i64(max_bytes),
+    )?;
+    Ok(p.nbytes as u64)
 }

@@ -23,6 +23,8 @@ const H: i64 = 256;
 const K: i64 = 4;
 const E: i64 = 16;
 const GPU: Device = Device::Cuda(0);
+/// `max_bytes` of the allreduce checks where the size does not matter (1 MiB).
+const MAX_BYTES: usize = 1 << 20;
 
 fn cpu(kind: Kind, shape: &[i64]) -> Tensor {
     Tensor::zeros(shape, (kind, Device::Cpu))
@@ -77,7 +79,7 @@ fn cpu_tensors_are_refused_naming_the_argument_and_the_device() {
         "x must be on this Buffer's device cuda:0, got cpu",
     );
     refused(
-        checks::all_reduce(&cpu(Kind::Float, &[8]), None, GPU),
+        checks::all_reduce(&cpu(Kind::Float, &[8]), None, GPU, MAX_BYTES),
         "ValueError",
         "tensor is on cpu, but this communicator runs on cuda:0",
     );
@@ -162,7 +164,7 @@ fn wrong_dtypes_are_dtype_errors() {
         "topk_weights must have dtype torch.float32, got torch.float64",
     );
     refused(
-        checks::all_reduce(&cpu(Kind::Double, &[8]), None, Device::Cpu),
+        checks::all_reduce(&cpu(Kind::Double, &[8]), None, Device::Cpu, MAX_BYTES),
         "TypeError",
         "tensor dtype torch.float64 is not supported; supported: torch.bfloat16, \
          torch.float16, torch.float32, torch.int32, torch.float8_e4m3fn, torch.float8_e5m2",
@@ -172,6 +174,7 @@ fn wrong_dtypes_are_dtype_errors() {
             &cpu(Kind::Float, &[8]),
             Some(&cpu(Kind::Half, &[8])),
             Device::Cpu,
+            MAX_BYTES,
         ),
         "TypeError",
         "out has dtype torch.float16, tensor torch.float32",
@@ -246,6 +249,7 @@ fn wrong_shapes_are_value_errors() {
             &cpu(Kind::Float, &[8]),
             Some(&cpu(Kind::Float, &[9])),
             Device::Cpu,
+            MAX_BYTES,
         ),
         "ValueError",
         "out has 9 elements, tensor 8",
@@ -256,9 +260,26 @@ fn wrong_shapes_are_value_errors() {
             &cpu(Kind::Float, &[3]),
             4,
             Device::Cpu,
+            MAX_BYTES,
         ),
         "ValueError",
         "out must hold world_size * inp.numel() = 4 * 3 elements, it holds 10",
+    );
+    refused(
+        checks::all_reduce(&cpu(Kind::Float, &[257]), None, Device::Cpu, 1024),
+        "ValueError",
+        "tensor has 1028 bytes, more than this communicator's max_bytes=1024",
+    );
+    refused(
+        checks::all_gather(
+            &cpu(Kind::Float, &[20]),
+            &cpu(Kind::Float, &[5]),
+            4,
+            Device::Cpu,
+            79,
+        ),
+        "ValueError",
+        "out has 80 bytes, more than this communicator's max_bytes=79",
     );
     let row = cpu(Kind::BFloat16, &[2 * N * H + 1]);
     let view = row.narrow(0, 1, N * H).view([N, H]);
@@ -377,6 +398,16 @@ fn plans_allocate_the_outputs_python_allocates() {
 fn size_hints_need_no_gpu() {
     let nvl = Buffer::nvl_buffer_size_hint(2 * 7168, 8, 128).unwrap();
     assert_eq!(nvl % 128, 0);
+    // Python's number for the standard workload (tests/test_config.py).
+    assert_eq!(
+        Buffer::nvl_buffer_size_hint(2 * 7168, 4, 4096).unwrap(),
+        2 * 4 * 4096 * 15184 + 65536
+    );
+    refused(
+        Buffer::nvl_buffer_size_hint(100, 4, 4096),
+        "ValueError",
+        "hidden_bytes must be a positive multiple of 128 up to 1048576, got 100",
+    );
     assert!(nvl > 2 * 8 * 128 * 2 * 7168);
     let ll = Buffer::get_low_latency_rdma_size_hint(128, 7168, 8, 256).unwrap();
     assert!(ll > 0);

@@ -142,6 +142,36 @@ def ll_combine_plan(
     combine_wait_recv_cost_stats: _TensorMeta | None,
 ) -> _Plan: ...  # fmt: skip
 
+# The Buffer's constructor and a Config's SMs (ep_core::calls::buffer_options,
+# num_sms): buffer_options_plan -> {"num_nvl_bytes", "num_ll_bytes"}.
+def buffer_options_plan(
+    num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, num_qps_per_rank: int,
+    enable_shrink: bool,
+) -> _Plan: ...  # fmt: skip
+def check_num_sms(name: str, num_sms: int) -> int: ...
+
+# The NVLink size hints and record sizes (ep_core::calls, module sizing).
+NVL_COUNTER_BYTES: int
+COMBINE_RECORD_TOPK: int
+
+def nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, max_tokens_per_rank: int) -> int: ...
+def rdma_buffer_size_hint(hidden_bytes: int, num_ranks: int) -> int: ...
+def token_record_bytes(hidden_bytes: int, num_topk: int, num_scales: int | None = None) -> int: ...
+def combine_record_bytes(hidden_bytes: int, num_topk: int) -> int: ...
+
+# AllReduce's tensor checks (ep_core::calls::all_reduce, all_gather,
+# all_reduce_register) on a communicator of device index `device`:
+# all_reduce_plan -> {"dtype" (the kernels' name), "count", "nbytes"},
+# all_gather_plan -> {"nbytes"} (per rank), all_reduce_register_plan -> bytes.
+def all_reduce_plan(
+    device: int, tensor: _TensorMeta, out: _TensorMeta | None, max_bytes: int
+) -> _Plan: ...
+def all_gather_plan(
+    device: int, out: _TensorMeta, inp: _TensorMeta, element_size: int, world_size: int,
+    max_bytes: int,
+) -> _Plan: ...  # fmt: skip
+def all_reduce_register_plan(device: int, tensor: _TensorMeta, element_size: int) -> int: ...
+
 class StreamOrder:
     def __init__(self, device: int) -> None: ...
     def after(self, waiter: int, signaler: int) -> None: ...

@@ -47,10 +47,19 @@ import torch
 import torch.distributed as dist
 
 from . import _native, _registry
+from ._buffer_common import PlanCache
 from ._device_timeout import device_timeout_ns, env_device_timeout_ns
 from ._group import native_group
 from ._streams import current_raw_stream
-from .checks import LIMITS, check_bool, check_int
+from .checks import (
+    LIMITS,
+    check_bool,
+    check_int,
+    device_index,
+    optional_meta,
+    tensor_meta,
+    tensor_sig,
+)
 
 __all__ = [
     "ALGORITHMS",
@@ -133,68 +142,39 @@ def _accum_name(accum_dtype):
     raise TypeError(f"accum_dtype must be a torch.dtype (or 'fp16'/'fp32'), got {accum_dtype!r}")
 
 
-def _check_tensor(name: str, t, device) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device}, but this communicator runs on {device}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (got strides {tuple(t.stride())})")
-
-
 def check_all_reduce_args(tensor, op, out, accum_dtype, device, max_bytes: int):
     """Checks an allreduce's arguments (everything that can be checked without the
     GPU); returns ``(dtype name, op name, accum name or None, out)`` with ``out``
     the tensor the result goes to. Raises ``TypeError`` for arguments of the wrong
-    kind (not a tensor, unsupported dtype) and ``ValueError`` for wrong values."""
-    if not isinstance(tensor, torch.Tensor):
-        raise TypeError(f"tensor must be a torch.Tensor, got {type(tensor).__name__}")
-    dtype = DTYPES.get(tensor.dtype)
-    if dtype is None:
-        raise TypeError(
-            f"tensor dtype {tensor.dtype} is not supported; supported: "
-            + ", ".join(str(d) for d in DTYPES)
-        )
+    kind (not a tensor, unsupported dtype) and ``ValueError`` for wrong values.
+
+    The tensors' checks are Rust's (``ep_core::calls::all_reduce``, the Rust API's
+    too): ``tensor`` of a dtype of ``DTYPES``, on ``device``, contiguous, at most
+    ``max_bytes``; ``out`` likewise, of ``tensor``'s dtype and element count. Here:
+    that they are tensors, ``op`` and ``accum_dtype`` as names, and the kernel
+    variant of the combination."""
+    plan = _native.all_reduce_plan(
+        device_index(device), tensor_meta("tensor", tensor), optional_meta("out", out), max_bytes
+    )
+    dtype = plan["dtype"]
     op_name = _op_name(op)
     accum = _accum_name(accum_dtype)
-    _check_tensor("tensor", tensor, device)
-    nbytes = tensor.numel() * tensor.element_size()
-    if nbytes > max_bytes:
-        raise ValueError(
-            f"tensor has {nbytes} bytes, more than this communicator's max_bytes={max_bytes}"
-        )
-    if out is None:
-        out = tensor
-    else:
-        _check_tensor("out", out, device)
-        if out.dtype != tensor.dtype:
-            raise TypeError(f"out has dtype {out.dtype}, tensor {tensor.dtype}")
-        if out.numel() != tensor.numel():
-            raise ValueError(f"out has {out.numel()} elements, tensor {tensor.numel()}")
     key = (dtype, op_name, accum)
     if key not in _VARIANTS_OK:
         _native.AllReduceComm.variant(dtype, op_name, accum)  # ValueError if unsupported
         _VARIANTS_OK.add(key)
-    return dtype, op_name, accum, out
+    return dtype, op_name, accum, tensor if out is None else out
 
 
 def check_all_gather_args(out, inp, world_size: int, device, max_bytes: int) -> int:
-    """Checks an allgather's arguments; returns the bytes per rank."""
-    _check_tensor("out", out, device)
-    _check_tensor("inp", inp, device)
-    if out.dtype != inp.dtype:
-        raise TypeError(f"out has dtype {out.dtype}, inp {inp.dtype}")
-    if out.numel() != world_size * inp.numel():
-        raise ValueError(
-            f"out must hold world_size * inp.numel() = {world_size} * {inp.numel()} elements, "
-            f"it holds {out.numel()}"
-        )
-    total = out.numel() * out.element_size()
-    if total > max_bytes:
-        raise ValueError(
-            f"out has {total} bytes, more than this communicator's max_bytes={max_bytes}"
-        )
-    return inp.numel() * inp.element_size()
+    """Checks an allgather's arguments; returns the bytes per rank. The checks are
+    Rust's (``ep_core::calls::all_gather``): both on ``device``, contiguous, of one
+    dtype (any), ``out`` holding ``world_size * inp.numel()`` elements, at most
+    ``max_bytes``."""
+    out_meta, inp_meta = tensor_meta("out", out), tensor_meta("inp", inp)
+    return _native.all_gather_plan(
+        device_index(device), out_meta, inp_meta, inp.element_size(), world_size, max_bytes
+    )["nbytes"]
 
 
 def check_geometry(num_blocks, num_threads) -> tuple:
@@ -391,6 +371,8 @@ class AllReduce:
     ) -> None:
         self._native = None
         self._registered: dict = {}
+        # Calls whose tensors passed the checks (keyed by what the checks read).
+        self._checked = PlanCache()
         max_bytes = check_int(
             "max_bytes", max_bytes, minimum=1, maximum=LIMITS["allreduce_max_bytes"]
         )
@@ -562,9 +544,17 @@ class AllReduce:
         (``torch.float32``, default, or ``torch.float16``); bf16/fp16/fp32 always
         accumulate in fp32, int32 in int32 (sums wrap around)."""
         native = self._get()
-        dtype, op_name, accum, out = check_all_reduce_args(
-            tensor, op, out, accum_dtype, self.device, self.max_bytes
-        )
+        # What the checks read, with the types of op and accum_dtype (so that equal
+        # values of other types, which the checks may refuse, never share a key).
+        key = (tensor_sig(tensor), tensor_sig(out), type(op), op, type(accum_dtype), accum_dtype)
+        checked = self._checked.get(key)
+        if checked is None:
+            checked = check_all_reduce_args(
+                tensor, op, out, accum_dtype, self.device, self.max_bytes
+            )[:3]
+            self._checked.put(key, checked)
+        dtype, op_name, accum = checked
+        out = tensor if out is None else out
         algorithm = _check_algorithm(algorithm, "allreduce")
         blocks, threads = check_geometry(num_blocks, num_threads)
         stream = current_raw_stream(self.device.index)
@@ -586,7 +576,11 @@ class AllReduce:
         ``inp`` in rank order, on the current stream; returns ``out``. ``inp`` may be
         this rank's chunk of ``out`` (in place)."""
         native = self._get()
-        nbytes = check_all_gather_args(out, inp, self.world_size, self.device, self.max_bytes)
+        key = ("allgather", tensor_sig(out), tensor_sig(inp))
+        nbytes = self._checked.get(key)
+        if nbytes is None:
+            nbytes = check_all_gather_args(out, inp, self.world_size, self.device, self.max_bytes)
+            self._checked.put(key, nbytes)
         algorithm = _check_algorithm(algorithm, "allgather")
         blocks, threads = check_geometry(num_blocks, num_threads)
         stream = current_raw_stream(self.device.index)
@@ -604,10 +598,10 @@ class AllReduce:
         rank) can use zero-copy algorithms (``rsag_zc``, ``ag_mesh`` without a copy).
         The communicator keeps a reference until ``deregister``. Needs memory from
         PyTorch's default caching allocator (not expandable segments)."""
-        _check_tensor("tensor", tensor, self.device)
-        nbytes = tensor.numel() * tensor.element_size()
-        if nbytes == 0:
-            raise ValueError("cannot register an empty tensor")
+        # On this GPU, contiguous, not empty (ep_core::calls::all_reduce_register).
+        nbytes = _native.all_reduce_register_plan(
+            device_index(self.device), tensor_meta("tensor", tensor), tensor.element_size()
+        )
         rid = self._get().register(tensor.data_ptr(), nbytes)
         self._registered[rid] = tensor
         return rid

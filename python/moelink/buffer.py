@@ -30,7 +30,6 @@ from ._streams import (
 )
 from .checks import (
     _NO_SIG,
-    LIMITS,
     check_int,
     check_topk_values,
     device_index,
@@ -174,24 +173,16 @@ class Buffer(LowLatencyMixin):
         # Calls whose arguments passed every check (their checks are skipped).
         self._plans = PlanCache()
         self.explicitly_destroy = bool(explicitly_destroy)
-        num_nvl_bytes = check_int("num_nvl_bytes", num_nvl_bytes, minimum=0)
-        num_rdma_bytes = check_int("num_rdma_bytes", num_rdma_bytes, minimum=0)
-        check_int("num_qps_per_rank", num_qps_per_rank, minimum=1)
-        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
-            if v % 128 != 0:
-                raise ValueError(f"{name} must be a multiple of 128, got {v}")
-        if enable_shrink and not low_latency_mode:
-            raise ValueError("enable_shrink=True needs low_latency_mode=True")
-        if low_latency_mode and num_rdma_bytes == 0:
-            raise ValueError(
-                "low_latency_mode=True needs num_rdma_bytes > 0 (the low-latency buffer); "
-                "size it with Buffer.get_low_latency_rdma_size_hint"
-            )
-        if num_rdma_bytes > 0 and not low_latency_mode:
-            raise ValueError(
-                "num_rdma_bytes must be 0 without low_latency_mode: moelink has no internode "
-                "(RDMA) path for normal kernels; Config.get_rdma_buffer_size_hint returns 0"
-            )
+        num_nvl_bytes = check_int("num_nvl_bytes", num_nvl_bytes)
+        num_rdma_bytes = check_int("num_rdma_bytes", num_rdma_bytes)
+        num_qps_per_rank = check_int("num_qps_per_rank", num_qps_per_rank)
+        # The values (ep_core::calls::buffer_options, the Rust API's checks too): byte
+        # counts >= 0 and multiples of 128, num_qps_per_rank positive, enable_shrink
+        # only and num_rdma_bytes > 0 exactly in low_latency_mode.
+        _native.buffer_options_plan(
+            num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), num_qps_per_rank,
+            bool(enable_shrink),
+        )  # fmt: skip
         # Bound of every intranode device wait (seconds of GPU time, default 30).
         device_timeout_ns = env_device_timeout_ns("MOELINK_DEVICE_TIMEOUT_S")
         if not torch.cuda.is_available():
@@ -244,10 +235,9 @@ class Buffer(LowLatencyMixin):
 
     @classmethod
     def set_num_sms(cls, new_num_sms: int) -> None:
-        """SMs used by dispatch/combine when no ``config`` is passed (even)."""
-        n = check_int("new_num_sms", new_num_sms, minimum=2, maximum=LIMITS["max_num_sms"])
-        if n % 2 != 0:
-            raise ValueError(f"new_num_sms must be even, got {n}")
+        """SMs used by dispatch/combine when no ``config`` is passed: even, 2 to
+        ``LIMITS["max_num_sms"]``, as ``Config.num_sms``."""
+        n = _native.check_num_sms("new_num_sms", check_int("new_num_sms", new_num_sms))
         cls.num_sms = n
         cls._num_sms_set = True
 

@@ -10,7 +10,8 @@ size hints depend on the number of tokens instead.
 
 from __future__ import annotations
 
-from .checks import HIDDEN_BYTES_ALIGN, LIMITS, MAX_TOPK, check_int, check_multiple
+from . import _native
+from .checks import LIMITS, MAX_TOPK, check_int
 
 __all__ = [
     "COMBINE_RECORD_TOPK",
@@ -25,29 +26,15 @@ __all__ = [
 
 #: Tokens per rank the size hints plan for unless told otherwise.
 DEFAULT_MAX_TOKENS_PER_RANK = 4096
-#: Bytes of the counter region (per-rank/per-expert counts, signals) of a buffer.
-COUNTER_BYTES = 64 * 1024
-#: Top-k weights (float32) a combine slot carries next to the row.
-COMBINE_RECORD_TOPK = 32
+#: Bytes of the counter region (per-rank/per-expert counts, signals) of a buffer:
+#: 64 KiB (``ep_core::calls::COUNTER_BYTES``).
+COUNTER_BYTES = _native.NVL_COUNTER_BYTES
+#: Top-k weights (float32) a combine slot carries next to the row: 32.
+COMBINE_RECORD_TOPK = _native.COMBINE_RECORD_TOPK
 
-_ALIGN = 128  # buffer sizes are multiples of this
-_RECORD_ALIGN = 16  # slots start on 16-byte boundaries (16-byte vector stores)
-_FLAG_BYTES = 8  # every record ends in a flag word (ep_kernels::intranode::FLAG_BYTES)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return (n + multiple - 1) // multiple * multiple
-
-
-def _check_hidden_bytes(hidden_bytes) -> int:
-    """Row bytes of a size hint: a positive multiple of 128 up to ``max_hidden_bytes``."""
-    return check_multiple(
-        "hidden_bytes", hidden_bytes, HIDDEN_BYTES_ALIGN, LIMITS["max_hidden_bytes"]
-    )
-
-
-def _check_num_ranks(num_ranks) -> int:
-    return check_int("num_ranks", num_ranks, minimum=1, maximum=LIMITS["max_ranks"])
+# The sizes below are computed and checked in Rust (``ep_core::calls``, module
+# ``sizing``; the Rust API's ``Buffer::nvl_buffer_size_hint`` is the same function):
+# Python checks only that the arguments are ints.
 
 
 def token_record_bytes(
@@ -60,27 +47,25 @@ def token_record_bytes(
     ``num_topk`` expert ids (int64) and weights (float32), and 16 bytes for the
     source token index, the 8-byte flag the fused kernels set after the record and
     padding; rounded up to a multiple of 16.
+
+    ``hidden_bytes`` is 1 to ``max_hidden_bytes``, ``num_topk`` 0 to ``max_topk``,
+    ``num_scales`` 0 to ``max_num_scales`` (``moelink.checks.LIMITS``); else
+    ``ValueError`` (``TypeError`` for a non-integer).
     """
-    hidden_bytes = check_int(
-        "hidden_bytes", hidden_bytes, minimum=1, maximum=LIMITS["max_hidden_bytes"]
+    return _native.token_record_bytes(
+        check_int("hidden_bytes", hidden_bytes),
+        check_int("num_topk", num_topk),
+        None if num_scales is None else check_int("num_scales", num_scales),
     )
-    num_topk = check_int("num_topk", num_topk, minimum=0, maximum=MAX_TOPK)
-    if num_scales is None:
-        num_scales = hidden_bytes // 128
-    num_scales = check_int("num_scales", num_scales, minimum=0, maximum=LIMITS["max_num_scales"])
-    raw = hidden_bytes + num_scales * 4 + num_topk * (8 + 4) + 16
-    return _round_up(raw, _RECORD_ALIGN)
 
 
 def combine_record_bytes(hidden_bytes: int, num_topk: int = COMBINE_RECORD_TOPK) -> int:
     """Bytes of one combine slot: one expert-output row plus ``num_topk`` float32
     weights and the 8-byte flag the fused kernels set after the record, rounded up
-    to a multiple of 16."""
-    hidden_bytes = check_int(
-        "hidden_bytes", hidden_bytes, minimum=1, maximum=LIMITS["max_hidden_bytes"]
+    to a multiple of 16. Arguments checked as ``token_record_bytes`` checks them."""
+    return _native.combine_record_bytes(
+        check_int("hidden_bytes", hidden_bytes), check_int("num_topk", num_topk)
     )
-    num_topk = check_int("num_topk", num_topk, minimum=0, maximum=MAX_TOPK)
-    return _round_up(hidden_bytes + num_topk * 4 + _FLAG_BYTES, _RECORD_ALIGN)
 
 
 class Config:
@@ -117,12 +102,8 @@ class Config:
         num_max_rdma_chunked_send_tokens: int = 6,
         num_max_rdma_chunked_recv_tokens: int = 256,
     ) -> None:
-        num_sms = check_int("num_sms", num_sms, minimum=1, maximum=LIMITS["max_num_sms"])
-        if num_sms % 2 != 0 or num_sms < LIMITS["min_num_sms"]:
-            raise ValueError(
-                f"num_sms must be even (SMs are used in pairs: one sender and one "
-                f"receiver block per channel), got {num_sms}"
-            )
+        # 1 to max_num_sms, even (ep_core::calls::num_sms, the Rust API's check too).
+        num_sms = _native.check_num_sms("num_sms", check_int("num_sms", num_sms))
         values = {"num_sms": num_sms}
         for name, value in (
             ("num_max_nvl_chunked_send_tokens", num_max_nvl_chunked_send_tokens),
@@ -201,18 +182,14 @@ class Config:
         ``hidden_bytes`` is a positive multiple of 128 up to ``max_hidden_bytes``,
         ``num_ranks`` at most ``max_ranks`` and ``max_tokens_per_rank`` at most
         ``max_tokens_per_rank`` (``moelink.checks.LIMITS``); else ``ValueError``.
+        The formula and its checks are Rust's (``ep_core::calls::nvl_buffer_size_hint``,
+        which the Rust API's ``Buffer::nvl_buffer_size_hint`` is too); no GPU needed.
         """
-        hidden_bytes = _check_hidden_bytes(hidden_bytes)
-        num_ranks = _check_num_ranks(num_ranks)
-        max_tokens_per_rank = check_int(
-            "max_tokens_per_rank",
-            max_tokens_per_rank,
-            minimum=1,
-            maximum=LIMITS["max_tokens_per_rank"],
+        return _native.nvl_buffer_size_hint(
+            check_int("hidden_bytes", hidden_bytes),
+            check_int("num_ranks", num_ranks),
+            check_int("max_tokens_per_rank", max_tokens_per_rank),
         )
-        slots = num_ranks * max_tokens_per_rank
-        slot_bytes = max(token_record_bytes(hidden_bytes), combine_record_bytes(hidden_bytes))
-        return _round_up(2 * slots * slot_bytes + COUNTER_BYTES, _ALIGN)
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """Bytes of RDMA buffer (``num_rdma_bytes``) a ``Buffer`` needs: always 0
@@ -222,9 +199,9 @@ class Config:
         unconditionally and pass the result to ``Buffer``, which needs no RDMA
         buffer within a node. The arguments are still checked.
         """
-        _check_hidden_bytes(hidden_bytes)
-        _check_num_ranks(num_ranks)
-        return 0
+        return _native.rdma_buffer_size_hint(
+            check_int("hidden_bytes", hidden_bytes), check_int("num_ranks", num_ranks)
+        )
 
 
 # Chunk sizes mirror DeepEP's tuned tables so printed configs look familiar; they do

@@ -1,0 +1,199 @@
+//! The checks of a Buffer's construction (`moelink.Buffer(...)`, the tch
+//! `Buffer::new`) and of the SM count of its intranode calls
+//! (`moelink.Config.num_sms`, `Buffer.set_num_sms`, the tch `num_sms`).
+
+use super::{int_in, lim, value_err, ArgResult};
+use crate::limits::{MAX_NUM_SMS, MIN_NUM_SMS};
+
+/// What `moelink.Buffer(...)` checks of its arguments (DeepEP's names).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BufferArgs {
+    /// Bytes of NVLink buffer (the intranode part; 0: none).
+    pub num_nvl_bytes: i64,
+    /// Bytes of low-latency buffer (> 0 exactly in `low_latency_mode`).
+    pub num_rdma_bytes: i64,
+    pub low_latency_mode: bool,
+    /// DeepEP's RDMA queue pairs per rank: positive, otherwise unused.
+    pub num_qps_per_rank: i64,
+    /// Needs `low_latency_mode`.
+    pub enable_shrink: bool,
+}
+
+impl Default for BufferArgs {
+    /// DeepEP's defaults: no buffers, normal mode, 24 queue pairs.
+    fn default() -> Self {
+        BufferArgs {
+            num_nvl_bytes: 0,
+            num_rdma_bytes: 0,
+            low_latency_mode: false,
+            num_qps_per_rank: 24,
+            enable_shrink: false,
+        }
+    }
+}
+
+/// The parts a Buffer is made of (what `EpBufferOptions` takes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BufferPlan {
+    /// Bytes of the intranode part (0: none).
+    pub num_nvl_bytes: u64,
+    /// Bytes of the low-latency part (0: none): `num_rdma_bytes`, which is
+    /// positive exactly in `low_latency_mode`.
+    pub num_ll_bytes: u64,
+}
+
+/// Checks a Buffer's arguments, in the order of the Python constructor's:
+/// both byte counts `>= 0`, `num_qps_per_rank` positive, the byte counts
+/// multiples of 128, `enable_shrink` only with `low_latency_mode`,
+/// `num_rdma_bytes > 0` exactly in `low_latency_mode` (moelink has no
+/// internode path for the normal kernels).
+pub fn buffer_options(a: &BufferArgs) -> ArgResult<BufferPlan> {
+    let nvl = int_in("num_nvl_bytes", a.num_nvl_bytes, 0, i64::MAX)?;
+    let rdma = int_in("num_rdma_bytes", a.num_rdma_bytes, 0, i64::MAX)?;
+    int_in("num_qps_per_rank", a.num_qps_per_rank, 1, i64::MAX)?;
+    for (name, v) in [("num_nvl_bytes", nvl), ("num_rdma_bytes", rdma)] {
+        if v % 128 != 0 {
+            return value_err(format!("{name} must be a multiple of 128, got {v}"));
+        }
+    }
+    if a.enable_shrink && !a.low_latency_mode {
+        return value_err("enable_shrink=True needs low_latency_mode=True".into());
+    }
+    if a.low_latency_mode && rdma == 0 {
+        return value_err(
+            "low_latency_mode=True needs num_rdma_bytes > 0 (the low-latency buffer); size it \
+             with Buffer.get_low_latency_rdma_size_hint"
+                .into(),
+        );
+    }
+    if rdma > 0 && !a.low_latency_mode {
+        return value_err(
+            "num_rdma_bytes must be 0 without low_latency_mode: moelink has no internode (RDMA) \
+             path for normal kernels; Config.get_rdma_buffer_size_hint returns 0"
+                .into(),
+        );
+    }
+    Ok(BufferPlan {
+        num_nvl_bytes: nvl as u64,
+        num_ll_bytes: rdma as u64,
+    })
+}
+
+/// The SMs of intranode dispatch and combine (called `name`: `num_sms` of a
+/// `Config`, `new_num_sms` of `Buffer.set_num_sms`): within
+/// `1..=MAX_NUM_SMS`, and even, at least `MIN_NUM_SMS` (the kernels run one
+/// sender and one receiver block per channel).
+pub fn num_sms(name: &str, n: i64) -> ArgResult<i64> {
+    let n = int_in(name, n, 1, lim(MAX_NUM_SMS))?;
+    if n % 2 != 0 || n < lim(MIN_NUM_SMS) {
+        return value_err(format!(
+            "{name} must be even (SMs are used in pairs: one sender and one receiver block per \
+             channel), got {n}"
+        ));
+    }
+    Ok(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::ArgErrorKind;
+    use super::*;
+
+    #[track_caller]
+    fn refused<T: std::fmt::Debug>(r: ArgResult<T>, message: &str) {
+        let e = r.expect_err("the arguments must be refused");
+        assert_eq!((e.kind, e.message.as_str()), (ArgErrorKind::Value, message));
+    }
+
+    fn args(change: impl FnOnce(&mut BufferArgs)) -> ArgResult<BufferPlan> {
+        let mut a = BufferArgs::default();
+        change(&mut a);
+        buffer_options(&a)
+    }
+
+    #[test]
+    fn buffer_options_accept_the_parts() {
+        let none = BufferPlan {
+            num_nvl_bytes: 0,
+            num_ll_bytes: 0,
+        };
+        assert_eq!(buffer_options(&BufferArgs::default()), Ok(none));
+        let both = args(|a| {
+            a.num_nvl_bytes = 1 << 20;
+            a.num_rdma_bytes = 1 << 30;
+            a.low_latency_mode = true;
+            a.enable_shrink = true;
+        });
+        assert_eq!(
+            both,
+            Ok(BufferPlan {
+                num_nvl_bytes: 1 << 20,
+                num_ll_bytes: 1 << 30,
+            })
+        );
+    }
+
+    #[test]
+    fn buffer_options_name_the_argument() {
+        refused(
+            args(|a| a.num_nvl_bytes = -128),
+            "num_nvl_bytes must be >= 0, got -128",
+        );
+        refused(
+            args(|a| a.num_rdma_bytes = -1),
+            "num_rdma_bytes must be >= 0, got -1",
+        );
+        refused(
+            args(|a| a.num_qps_per_rank = 0),
+            "num_qps_per_rank must be positive, got 0",
+        );
+        refused(
+            args(|a| a.num_nvl_bytes = 100),
+            "num_nvl_bytes must be a multiple of 128, got 100",
+        );
+        refused(
+            args(|a| {
+                a.num_rdma_bytes = 129;
+                a.low_latency_mode = true;
+            }),
+            "num_rdma_bytes must be a multiple of 128, got 129",
+        );
+        refused(
+            args(|a| a.enable_shrink = true),
+            "enable_shrink=True needs low_latency_mode=True",
+        );
+        let e = args(|a| a.low_latency_mode = true).unwrap_err();
+        assert!(
+            e.message
+                .starts_with("low_latency_mode=True needs num_rdma_bytes > 0"),
+            "{e}"
+        );
+        let e = args(|a| a.num_rdma_bytes = 128).unwrap_err();
+        assert!(
+            e.message
+                .starts_with("num_rdma_bytes must be 0 without low_latency_mode"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn num_sms_is_even_and_within_the_limit() {
+        assert_eq!(num_sms("num_sms", 2), Ok(2));
+        assert_eq!(num_sms("num_sms", 1024), Ok(1024));
+        refused(num_sms("num_sms", 0), "num_sms must be positive, got 0");
+        refused(
+            num_sms("num_sms", 1026),
+            "num_sms must be <= 1024, got 1026",
+        );
+        refused(
+            num_sms("new_num_sms", 7),
+            "new_num_sms must be even (SMs are used in pairs: one sender and one receiver \
+             block per channel), got 7",
+        );
+        refused(
+            num_sms("num_sms", 1),
+            "num_sms must be even (SMs are used in pairs: one sender and one receiver block \
+             per channel), got 1",
+        );
+    }
+}
