@@ -963,6 +963,40 @@ impl Bench {
                     Stats::of(push)?,
                     format!("{iters} back-to-back no-op pushes per launch"),
                 ));
+                // Issue 17: the same FIFO and proxy fed by several producers,
+                // or by one thread in batches (push_batch: one atomic, one
+                // room check and one system fence per batch); per trigger,
+                // the slower of the pushes and the proxy (target: <= 0.5 us,
+                // 2 M triggers/s per proxy thread).
+                let variants: [(&'static str, u32, u32, u32); 6] = [
+                    ("fifo_push_warps4_us", 4, 1, 1),
+                    ("fifo_push_warps16_us", 16, 1, 1),
+                    ("fifo_push_lanes32_us", 1, 32, 1),
+                    ("fifo_push_batch4_us", 1, 1, 4),
+                    ("fifo_push_batch16_us", 1, 1, 16),
+                    ("fifo_push_warps4_batch16_us", 4, 1, 16),
+                ];
+                for (name, warps, lanes, batch) in variants {
+                    let test = testing::FifoTest::PushMany {
+                        warps,
+                        lanes,
+                        batch,
+                    };
+                    let mut us = Vec::new();
+                    for rep in 0..=cfg.reps {
+                        let v = self.fifo_kernel_us(name, test, iters)?;
+                        if rep > 0 {
+                            us.push(v);
+                        }
+                    }
+                    out.push((
+                        name,
+                        Stats::of(us)?,
+                        format!(
+                            "{iters} no-op triggers per launch from {warps} warp(s) x {lanes} lane(s), batches of {batch}"
+                        ),
+                    ));
+                }
                 let host = comm::host_memory::HostMemory::pinned(self.device, 64)?;
                 // Stream memory op latency, host enqueue -> value visible.
                 let word = host.atomic_u64(0);

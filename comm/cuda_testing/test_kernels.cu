@@ -69,6 +69,10 @@ struct FifoParams {
   int64_t timeout_ns;
   uint64_t* out_ns;  // [0] = elapsed ns
   int iters;
+  // comm_test_fifo_push_many only: lanes pushing per warp (the block's
+  // warps: blockDim.x / 32) and triggers per push_batch (1: push()).
+  int lanes;
+  int batch;
 };
 
 // Offsets after the handle, the same numbers as Rust's const asserts.
@@ -81,6 +85,7 @@ static_assert(offsetof(PacketsParams, read) == kMh + 40, "Rust");
 static_assert(offsetof(PortchanOpParams, iters) == kPh + 36, "Rust");
 static_assert(offsetof(PortchanAtomicsParams, v32) == kPh + 28, "Rust");
 static_assert(offsetof(FifoParams, iters) == kPh + 16, "Rust");
+static_assert(offsetof(FifoParams, batch) == kPh + 24, "Rust");
 
 // Signal/wait ping-pong on one channel (one thread). The initiator signals
 // then waits; the other side waits then signals.
@@ -217,4 +222,34 @@ extern "C" __global__ void comm_test_fifo_push_only(const __grid_constant__ Fifo
   for (int i = 0; i < a.iters; ++i) pos = h.put(0, 0, 0);
   h.fifo.sync(pos, a.timeout_ns);
   a.out_ns[0] = now_ns() - t0;
+}
+
+// FIFO throughput from several producers: `lanes` lanes of each warp of the
+// block push no-op triggers (0-byte puts) back to back, `iters` in all, in
+// batches of `batch` (1: push(), else push_batch() of up to 32), then each
+// waits for its last. out_ns[0] = elapsed, first push to the last producer
+// done: per trigger, the slower of the pushes and the proxy's service.
+extern "C" __global__ void comm_test_fifo_push_many(const __grid_constant__ FifoParams a) {
+  PortChannelDeviceHandle h = a.h;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int lanes = max(1, min(a.lanes, 32)), batch = max(1, min(a.batch, 32));
+  const int producers = (blockDim.x / 32) * lanes, me = warp * lanes + lane;
+  __shared__ uint64_t t0;
+  if (threadIdx.x == 0) t0 = now_ns();
+  __syncthreads();
+  if (lane < lanes) {
+    // This producer's share of the iters, whole batches first.
+    const int share = a.iters / producers + (me < a.iters % producers ? 1 : 0);
+    const ProxyTrigger t = make_data_trigger(kTriggerData, h.channel, h.dst_mem, 0, h.src_mem, 0, 0);
+    ProxyTrigger ts[32];
+    for (int j = 0; j < batch; ++j) ts[j] = t;
+    uint64_t pos = 0;
+    for (int i = 0; i < share; i += batch) {
+      const int n = min(batch, share - i);
+      pos = batch == 1 ? h.fifo.push(t, a.timeout_ns) : h.fifo.push_batch(ts, n, a.timeout_ns);
+    }
+    if (share > 0) h.fifo.sync(pos, a.timeout_ns);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) a.out_ns[0] = now_ns() - t0;
 }

@@ -26,6 +26,7 @@ use crate::fd_passing::FdServer;
 use crate::host_memory::HostMemory;
 use crate::memory::DeviceMemory;
 use crate::proxy::ProxyService;
+use crate::proxy_pool::ProxyPool;
 use crate::registered_memory::{host_id, IbKey, IpcExport, Location, MemoryInfo, RegisteredMemory};
 use crate::semaphore::{Semaphore, SignalPage, SlotCursor, SLOT_BYTES};
 use crate::topology::{ranks_per_node_from_env, Topology};
@@ -913,6 +914,32 @@ impl Communicator {
         local: &RegisteredMemory,
         transport: Transport,
     ) -> Result<Vec<Option<PortChannel>>> {
+        self.port_channels_on(&[proxy], &|_| 0, local, transport)
+    }
+
+    /// *Collective.* [`port_channels`](Self::port_channels) sharded over the
+    /// services of `pool`: the channel to peer `p` lives on service
+    /// `pool.place(p)` and carries that service's FIFO and memory ids (`local`
+    /// is registered once on each service that gets a channel).
+    pub fn port_channels_pooled(
+        &self,
+        pool: &ProxyPool,
+        local: &RegisteredMemory,
+        transport: Transport,
+    ) -> Result<Vec<Option<PortChannel>>> {
+        let services: Vec<&ProxyService> = pool.services().iter().collect();
+        self.port_channels_on(&services, &|p| pool.place(p), local, transport)
+    }
+
+    /// Port channels to every peer; the one to peer `p` on
+    /// `services[service_of(p)]`.
+    fn port_channels_on(
+        &self,
+        services: &[&ProxyService],
+        service_of: &dyn Fn(usize) -> usize,
+        local: &RegisteredMemory,
+        transport: Transport,
+    ) -> Result<Vec<Option<PortChannel>>> {
         let peers = self.exchange_memory(local)?;
         let sems = self.semaphores()?;
         // Every rank calls with the same transport, so all take part or none.
@@ -920,10 +947,26 @@ impl Communicator {
             Transport::CudaIpc => Some(self.inbound_block()?),
             _ => None,
         };
-        let src_mem = proxy.add_memory(local.clone())?;
+        // `local`'s id on each service, registered on first use.
+        let mut src_mems: Vec<Option<u32>> = vec![None; services.len()];
         let mut out = vec![None; self.size()];
         for (p, s) in sems.into_iter().enumerate() {
             let Some(semaphore) = s else { continue };
+            let service = service_of(p);
+            let proxy = *services.get(service).ok_or_else(|| {
+                CommError::invalid(
+                    "proxy",
+                    format!("peer {p} placed on service {service} of {}", services.len()),
+                )
+            })?;
+            let src_mem = match src_mems[service] {
+                Some(id) => id,
+                None => {
+                    let id = proxy.add_memory(local.clone())?;
+                    src_mems[service] = Some(id);
+                    id
+                }
+            };
             let conn = self.connect(p, transport)?;
             let dst_mem = proxy.add_memory(peers[p].clone())?;
             // The peer's counter for us: in its block where we mapped one,

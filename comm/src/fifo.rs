@@ -15,8 +15,21 @@
 //! reads host memory over PCIe only while the ring looks full. Set
 //! `MOELINK_FIFO_TAIL_REPLICA=0` to leave the refresh to the producers
 //! (each raises the replica to the host tail it read while waiting).
+//!
+//! The proxy consumes through a [`FifoConsumer`]: it reads triggers in place
+//! and publishes `tail` (clearing the finished slots first) once per batch of
+//! at most [`TAIL_PUBLISH_EVERY`] pops, whenever the ring is found empty, and
+//! before anything that may wait (see [`FifoConsumer::publish`]), instead of
+//! one clear-and-release per trigger. A producer waiting for room therefore
+//! gets it at the latest `TAIL_PUBLISH_EVERY` pops later (the ring is full, so
+//! the consumer is popping), and one waiting in `sync` as soon as the
+//! consumer reaches an empty slot or the end of the batch.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+/// The most triggers a [`FifoConsumer`] pops before it publishes the tail
+/// (capped to the ring's size).
+pub const TAIL_PUBLISH_EVERY: u64 = 32;
 use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
@@ -48,6 +61,8 @@ pub struct Fifo {
     id: u64,
     /// Consumer's position (only the single consumer writes it).
     tail: AtomicU64,
+    /// Whether a [`FifoConsumer`] exists (there is at most one).
+    consuming: AtomicBool,
 }
 
 /// The consumer's side of the GPU tail replica: a stream write of the tail
@@ -163,6 +178,7 @@ impl Fifo {
             rank,
             id,
             tail: AtomicU64::new(0),
+            consuming: AtomicBool::new(false),
         })
     }
 
@@ -183,14 +199,7 @@ impl Fifo {
     /// Consumer side: one thread at a time.
     pub fn poll(&self) -> Option<ProxyTrigger> {
         let (fst, snd) = self.slot(self.tail.load(Ordering::Relaxed));
-        let s = snd.load(Ordering::Acquire);
-        if s == 0 {
-            return None;
-        }
-        Some(ProxyTrigger {
-            fst: fst.load(Ordering::Relaxed),
-            snd: s,
-        })
+        read_slot(fst, snd)
     }
 
     /// Releases the slot at the tail (after the trigger was processed): clears
@@ -208,9 +217,41 @@ impl Fifo {
         }
     }
 
-    /// Triggers popped so far.
+    /// Triggers popped so far (by a [`FifoConsumer`]: as far as it published).
     pub fn tail(&self) -> u64 {
         self.tail.load(Ordering::Relaxed)
+    }
+
+    /// The ring as slots of `[fst, snd]`.
+    fn slots(&self) -> &[[AtomicU64; 2]] {
+        // SAFETY: the ring holds `size` 16-byte slots from its (64-byte
+        // aligned) start, lives as long as &self, and is only ever accessed
+        // through atomics (here and by producers).
+        unsafe {
+            std::slice::from_raw_parts(self.ring.as_ptr() as *const [AtomicU64; 2], self.size)
+        }
+    }
+
+    /// The single consumer's cursor, with batched tail publication (what the
+    /// proxy thread uses). Fails while another one exists. Do not mix it with
+    /// [`poll`](Self::poll) / [`pop`](Self::pop) at the same time.
+    pub fn consumer(&self) -> Result<FifoConsumer<'_>> {
+        if self.consuming.swap(true, Ordering::Acquire) {
+            return Err(CommError::invalid(
+                "fifo",
+                format!("FIFO {} already has a consumer", self.id),
+            ));
+        }
+        let tail = self.tail.load(Ordering::Relaxed);
+        Ok(FifoConsumer {
+            fifo: self,
+            slots: self.slots(),
+            tail_atomic: self.tail_atomic(),
+            tail,
+            slot: (tail % self.size as u64) as usize,
+            published: tail,
+            every: TAIL_PUBLISH_EVERY.min(self.size as u64),
+        })
     }
 
     /// The record device pushes/syncs of this FIFO report timeouts into.
@@ -247,6 +288,101 @@ impl Fifo {
                 "this FIFO's head counter is in GPU memory: only GPU threads can push",
             )),
         }
+    }
+}
+
+/// The consumer side of a [`Fifo`] for one thread (see [`Fifo::consumer`]):
+/// [`poll`](Self::poll) reads the trigger at the tail in place,
+/// [`pop`](Self::pop) moves past it, and the tail producers wait on is
+/// published (the finished slots cleared first) every
+/// [`TAIL_PUBLISH_EVERY`] pops (at most the ring's size), on
+/// [`publish`](Self::publish), and when the consumer is dropped.
+#[derive(Debug)]
+pub struct FifoConsumer<'a> {
+    fifo: &'a Fifo,
+    slots: &'a [[AtomicU64; 2]],
+    tail_atomic: &'a AtomicU64,
+    /// Position of the next trigger.
+    tail: u64,
+    /// Its slot: `tail % size`, kept without a division.
+    slot: usize,
+    /// The tail producers see.
+    published: u64,
+    every: u64,
+}
+
+/// The trigger in a slot, if its producer has finished writing it (`snd`
+/// non-zero, acquire: `fst` was written before it).
+#[inline]
+fn read_slot(fst: &AtomicU64, snd: &AtomicU64) -> Option<ProxyTrigger> {
+    let s = snd.load(Ordering::Acquire);
+    if s == 0 {
+        return None;
+    }
+    Some(ProxyTrigger {
+        fst: fst.load(Ordering::Relaxed),
+        snd: s,
+    })
+}
+
+impl FifoConsumer<'_> {
+    /// The trigger at the tail, if a producer has finished writing it.
+    #[inline]
+    pub fn poll(&self) -> Option<ProxyTrigger> {
+        let [fst, snd] = &self.slots[self.slot];
+        read_slot(fst, snd)
+    }
+
+    /// Moves past the trigger at the tail (after it was performed);
+    /// publishes the tail once [`TAIL_PUBLISH_EVERY`] pops are unpublished.
+    #[inline]
+    pub fn pop(&mut self) {
+        self.tail += 1;
+        self.slot += 1;
+        if self.slot == self.slots.len() {
+            self.slot = 0;
+        }
+        if self.tail - self.published >= self.every {
+            self.publish();
+        }
+    }
+
+    /// Pops made and not yet published.
+    pub fn unpublished(&self) -> u64 {
+        self.tail - self.published
+    }
+
+    /// Clears the slots popped since the last publication and publishes the
+    /// tail (release): producers may reuse those slots, and `sync` on their
+    /// positions returns. The consumer calls it whenever it finds the ring
+    /// empty and before an operation that may wait.
+    pub fn publish(&mut self) {
+        if self.tail == self.published {
+            return;
+        }
+        let size = self.slots.len();
+        let mut i = (self.published % size as u64) as usize;
+        for _ in self.published..self.tail {
+            // `fst` needs no clearing: a producer writes it before `snd`.
+            self.slots[i][1].store(0, Ordering::Relaxed);
+            i += 1;
+            if i == size {
+                i = 0;
+            }
+        }
+        self.published = self.tail;
+        self.fifo.tail.store(self.tail, Ordering::Relaxed);
+        self.tail_atomic.store(self.tail, Ordering::Release);
+        if let Some(r) = &self.fifo.replica {
+            r.after_pop(self.tail);
+        }
+    }
+}
+
+impl Drop for FifoConsumer<'_> {
+    fn drop(&mut self) {
+        self.publish();
+        self.fifo.consuming.store(false, Ordering::Release);
     }
 }
 
@@ -289,6 +425,9 @@ impl HostProducer<'_> {
     }
 
     fn wait(&self, timeout: Duration, mut done: impl FnMut() -> bool, what: &str) -> Result<()> {
+        if done() {
+            return Ok(());
+        }
         let start = Instant::now();
         let mut spins = 0u32;
         while !done() {

@@ -91,6 +91,7 @@ pub mod testing {
             PortchanAtomics => "comm_test_portchan_atomics",
             FifoRoundtrip => "comm_test_fifo_roundtrip",
             FifoPushOnly => "comm_test_fifo_push_only",
+            FifoPushMany => "comm_test_fifo_push_many",
         }
     }
     static MODULES: ModuleCache = ModuleCache::new("comm-testing", FATBIN, TestKernelId::NAMES);
@@ -168,6 +169,8 @@ pub mod testing {
         timeout_ns: i64,
         out_ns: u64,
         iters: i32,
+        lanes: i32,
+        batch: i32,
     }
 
     // The same numbers as test_kernels.cu's static_asserts.
@@ -182,6 +185,7 @@ pub mod testing {
         assert!(offset_of!(PortchanOpParams, iters) == PH + 36);
         assert!(offset_of!(PortchanAtomicsParams, v32) == PH + 28);
         assert!(offset_of!(FifoParams, iters) == PH + 16);
+        assert!(offset_of!(FifoParams, batch) == PH + 24);
     };
 
     /// # Safety
@@ -444,6 +448,11 @@ pub mod testing {
         RoundTrip,
         /// `iters` no-op triggers back to back, then a wait for the last.
         PushOnly,
+        /// `iters` no-op triggers in all, pushed back to back by `lanes` lanes
+        /// (1..=32) of each of `warps` warps (1..=32) of one block, in batches
+        /// of `batch` (1: `push`, 2..=32: `push_batch`), then a wait for each
+        /// producer's last.
+        PushMany { warps: u32, lanes: u32, batch: u32 },
     }
 
     /// Runs one FIFO test kernel on `h`'s FIFO (one warp), writing the GPU time
@@ -460,18 +469,29 @@ pub mod testing {
         timeout_ns: i64,
         out_ns: u64,
     ) -> Result<()> {
-        let p = FifoParams {
+        let mut p = FifoParams {
             h,
             timeout_ns,
             out_ns,
             iters,
+            lanes: 1,
+            batch: 1,
         };
-        let id = match test {
-            FifoTest::RoundTrip => TestKernelId::FifoRoundtrip,
-            FifoTest::PushOnly => TestKernelId::FifoPushOnly,
+        let (id, warps) = match test {
+            FifoTest::RoundTrip => (TestKernelId::FifoRoundtrip, 1),
+            FifoTest::PushOnly => (TestKernelId::FifoPushOnly, 1),
+            FifoTest::PushMany {
+                warps,
+                lanes,
+                batch,
+            } => {
+                p.lanes = lanes.clamp(1, 32) as i32;
+                p.batch = batch.clamp(1, 32) as i32;
+                (TestKernelId::FifoPushMany, warps.clamp(1, 32))
+            }
         };
-        // SAFETY: FifoParams mirrors both kernels' block.
-        unsafe { launch(device, stream, id, 1, 32, p) }
+        // SAFETY: FifoParams mirrors the FIFO kernels' block.
+        unsafe { launch(device, stream, id, 1, 32 * warps, p) }
     }
 }
 

@@ -10,7 +10,7 @@
 //! | registration | [`registered_memory`], [`wire`] | buffers + how to reach them, serializable |
 //! | transports | [`transport`] | [`transport::Connection`]s: CUDA IPC, Ethernet, IB verbs (libibverbs loaded at run time; docs/ib.md) |
 //! | sharing | [`device_share`] | ranks on one GPU: each rank's SM share, so all ranks' blocks are resident together |
-//! | signalling | [`semaphore`], [`fifo`], [`proxy`], [`device_error`] | semaphores, trigger FIFO, CPU proxy, device error records |
+//! | signalling | [`semaphore`], [`fifo`], [`proxy`], [`proxy_pool`], [`device_error`] | semaphores, trigger FIFO, CPU proxy (one thread per FIFO; a pool of them per buffer), device error records |
 //! | channels | [`channel`], [`device_handles`] | memory and port channels, `#[repr(C)]` device handles |
 //! | errors | [`error`] | [`CommError`]: which call, which argument, which rank waited for what |
 //!
@@ -33,6 +33,7 @@ pub mod kernels;
 pub mod memory;
 pub mod module;
 pub mod proxy;
+pub mod proxy_pool;
 pub mod registered_memory;
 pub mod semaphore;
 pub mod symmetric;

@@ -41,6 +41,9 @@ struct ChannelState {
     /// The longest time its operations stayed in flight (issued until the
     /// proxy saw them complete), in ms.
     max_flight_ms: AtomicU64,
+    /// Whether the proxy thread holds it in its list of channels in flight
+    /// (only that thread reads or writes it).
+    in_flight: AtomicBool,
 }
 
 /// How far a channel's proxy got (see [`ProxyService::channel_state`]).
@@ -70,7 +73,6 @@ struct Shared {
     channels: RwLock<Vec<Arc<ChannelState>>>,
     first_error: Mutex<Option<CommError>>,
     stop: AtomicBool,
-    processed: AtomicU64,
 }
 
 impl Shared {
@@ -150,6 +152,7 @@ impl ProxyService {
                 handled: AtomicU64::new(0),
                 last_ms: AtomicU64::new(0),
                 max_flight_ms: AtomicU64::new(0),
+                in_flight: AtomicBool::new(false),
             }
         })
     }
@@ -197,9 +200,10 @@ impl ProxyService {
         Ok(())
     }
 
-    /// Triggers performed so far.
+    /// Triggers performed so far: the FIFO's tail as producers see it (the
+    /// proxy publishes it in batches, and whenever the FIFO is empty).
     pub fn processed(&self) -> u64 {
-        self.shared.processed.load(Ordering::Acquire)
+        self.fifo.tail()
     }
 
     /// How far channel `channel` got (None: no such channel): with the FIFO's
@@ -265,23 +269,83 @@ impl Drop for ProxyService {
     }
 }
 
-/// Triggers handled between two polls of the channels in flight while the
-/// FIFO stays busy.
+/// Triggers handled between two polls of the channels in flight (and two
+/// readings of the clock) while the FIFO stays busy.
 const POLL_EVERY: u32 = 32;
 
+/// The proxy thread's own copies of the memory and channel tables: entries
+/// are only ever appended, so a copy stays valid and is refreshed (under the
+/// lock) only when a trigger names an id beyond it. The hot path takes no
+/// lock and clones no `Arc`.
+#[derive(Default)]
+struct Tables {
+    memories: Vec<Arc<RegisteredMemory>>,
+    channels: Vec<Arc<ChannelState>>,
+}
+
+impl Tables {
+    fn channel(&mut self, shared: &Shared, id: u32) -> Option<&Arc<ChannelState>> {
+        if id as usize >= self.channels.len() {
+            self.channels = snapshot(&shared.channels);
+        }
+        self.channels.get(id as usize)
+    }
+}
+
+/// Memories `ids` of the proxy thread's copy `memories` (refreshed on a
+/// miss); an error names the first unknown one.
+fn lookup<'m, const N: usize>(
+    memories: &'m mut Vec<Arc<RegisteredMemory>>,
+    shared: &Shared,
+    ids: [u32; N],
+) -> Result<[&'m RegisteredMemory; N]> {
+    if ids.iter().any(|&id| id as usize >= memories.len()) {
+        *memories = snapshot(&shared.memories);
+    }
+    if let Some(id) = ids.iter().find(|&&id| id as usize >= memories.len()) {
+        return Err(CommError::invalid(
+            "trigger",
+            format!("unknown memory id {id}"),
+        ));
+    }
+    let memories: &'m Vec<Arc<RegisteredMemory>> = memories;
+    Ok(ids.map(|id| &*memories[id as usize]))
+}
+
+fn snapshot<T>(table: &RwLock<Vec<Arc<T>>>) -> Vec<Arc<T>> {
+    table.read().unwrap_or_else(|p| p.into_inner()).clone()
+}
+
+/// A channel with operations issued and not yet seen complete, and when the
+/// oldest of them was issued.
+struct InFlight {
+    channel: Arc<ChannelState>,
+    since: Instant,
+}
+
 fn run(fifo: &Fifo, shared: &Shared, flush_timeout: Duration) {
-    // Channels with operations issued and not yet seen complete, with when the
-    // oldest of them was issued. The proxy queries them until they drain: the
-    // longest flight per channel goes into hang reports, and the queries keep
-    // driving a stream after a rank's last call, when nothing else would (a
-    // guard: with ranks sharing a GPU under MPS, copies were measured to stay
-    // in flight while a peer's low-latency kernel spun, queried or not; see
-    // docs/one-gpu.md, known defects).
-    let mut in_flight: Vec<(Arc<ChannelState>, Instant)> = Vec::new();
+    let mut fifo = match fifo.consumer() {
+        Ok(c) => c,
+        Err(e) => return shared.record(e),
+    };
+    let mut tables = Tables::default();
+    // Channels with operations issued and not yet seen complete. The proxy
+    // queries them until they drain: the longest flight per channel goes
+    // into hang reports, and the queries keep driving a stream after a
+    // rank's last call, when nothing else would (a guard: with ranks sharing
+    // a GPU under MPS, copies were measured to stay in flight while a peer's
+    // low-latency kernel spun, queried or not; see docs/one-gpu.md, known
+    // defects).
+    let mut in_flight: Vec<InFlight> = Vec::new();
     let mut idle = 0u32;
     let mut since_poll = 0u32;
+    // ms since the epoch, read once per POLL_EVERY triggers, after a flush
+    // and when the FIFO turns busy (what `last_ms` records).
+    let mut now = now_ms();
     while !shared.stop.load(Ordering::Acquire) {
         let Some(t) = fifo.poll() else {
+            // Nothing to do: producers see everything performed so far.
+            fifo.publish();
             poll_in_flight(&mut in_flight, shared);
             idle += 1;
             if idle > 4096 {
@@ -289,53 +353,80 @@ fn run(fifo: &Fifo, shared: &Shared, flush_timeout: Duration) {
             }
             continue;
         };
-        idle = 0;
-        let (ch, result) = handle(t, shared, flush_timeout);
+        if idle > 0 {
+            idle = 0;
+            now = now_ms();
+        }
+        let flush = matches!(t.decode(), Some(TriggerOp::Data { flush: true, .. }));
+        if flush {
+            // A flush may wait (bounded): what is finished is published first.
+            fifo.publish();
+        }
+        let (ch, result) = handle(t, &mut tables, shared, flush_timeout);
         if let Err(e) = result {
             shared.record(e);
         }
+        if flush {
+            now = now_ms();
+        }
         if let Some(ch) = ch {
-            if !in_flight.iter().any(|(c, _)| Arc::ptr_eq(c, &ch)) {
-                in_flight.push((ch, Instant::now()));
+            ch.last_ms.store(now, Ordering::Relaxed);
+            let handled = ch.handled.load(Ordering::Relaxed);
+            ch.handled.store(handled + 1, Ordering::Release);
+            if !ch.in_flight.load(Ordering::Relaxed) {
+                ch.in_flight.store(true, Ordering::Relaxed);
+                in_flight.push(InFlight {
+                    channel: ch.clone(),
+                    since: Instant::now(),
+                });
             }
         }
         fifo.pop();
-        shared.processed.fetch_add(1, Ordering::Release);
         since_poll += 1;
         if since_poll >= POLL_EVERY {
             since_poll = 0;
+            now = now_ms();
             poll_in_flight(&mut in_flight, shared);
         }
     }
+    // Dropping the consumer publishes the tail.
 }
 
 /// Queries every channel in flight once (this drives its stream, or polls
 /// its completions); forgets the ones that drained (or whose transport
 /// cannot tell), keeping how long the drained ones were in flight. An error
 /// the transport found meanwhile (a failed RDMA completion) is recorded.
-fn poll_in_flight(in_flight: &mut Vec<(Arc<ChannelState>, Instant)>, shared: &Shared) {
-    in_flight.retain(|(ch, since)| match ch.connection.progress() {
-        Ok(Some(true)) => true,
-        Ok(Some(false)) => {
-            let ms = since.elapsed().as_millis() as u64;
-            ch.max_flight_ms.fetch_max(ms, Ordering::AcqRel);
-            false
+fn poll_in_flight(in_flight: &mut Vec<InFlight>, shared: &Shared) {
+    in_flight.retain(|f| {
+        let ch = &f.channel;
+        let keep = match ch.connection.progress() {
+            Ok(Some(true)) => true,
+            Ok(Some(false)) => {
+                let ms = f.since.elapsed().as_millis() as u64;
+                ch.max_flight_ms.fetch_max(ms, Ordering::AcqRel);
+                false
+            }
+            Ok(None) => false,
+            Err(e) => {
+                shared.record(e);
+                false
+            }
+        };
+        if !keep {
+            ch.in_flight.store(false, Ordering::Relaxed);
         }
-        Ok(None) => false,
-        Err(e) => {
-            shared.record(e);
-            false
-        }
+        keep
     });
 }
 
 /// Performs one trigger; returns its channel (None: it named none) and the
 /// outcome.
-fn handle(
+fn handle<'t>(
     t: ProxyTrigger,
+    tables: &'t mut Tables,
     shared: &Shared,
     flush_timeout: Duration,
-) -> (Option<Arc<ChannelState>>, Result<()>) {
+) -> (Option<&'t Arc<ChannelState>>, Result<()>) {
     let Some(op) = t.decode() else {
         return (
             None,
@@ -345,7 +436,7 @@ fn handle(
     let channel_id = match op {
         TriggerOp::Data { channel, .. } | TriggerOp::AtomicAdd { channel, .. } => channel,
     };
-    let Some(ch) = entry(&shared.channels, channel_id) else {
+    if tables.channel(shared, channel_id).is_none() {
         return (
             None,
             Err(CommError::invalid(
@@ -353,23 +444,18 @@ fn handle(
                 format!("unknown channel {channel_id}"),
             )),
         );
-    };
-    let result = perform(op, &ch, shared, flush_timeout);
-    ch.last_ms.store(now_ms(), Ordering::Release);
-    ch.handled.fetch_add(1, Ordering::Release);
-    (Some(ch), result)
+    }
+    let result = perform(op, channel_id as usize, tables, shared, flush_timeout);
+    (tables.channels.get(channel_id as usize), result)
 }
 
 fn perform(
     op: TriggerOp,
-    ch: &ChannelState,
+    channel: usize,
+    tables: &mut Tables,
     shared: &Shared,
     flush_timeout: Duration,
 ) -> Result<()> {
-    let memory = |id: u32| {
-        entry(&shared.memories, id)
-            .ok_or_else(|| CommError::invalid("trigger", format!("unknown memory id {id}")))
-    };
     match op {
         TriggerOp::Data {
             put,
@@ -382,13 +468,16 @@ fn perform(
             size,
             ..
         } => {
+            let ch = &tables.channels[channel];
             if put {
-                let (dst, src) = (memory(dst_mem)?, memory(src_mem)?);
+                let [dst, src] = lookup(&mut tables.memories, shared, [dst_mem, src_mem])?;
                 ch.connection
-                    .write(&dst, dst_offset, &src, src_offset, size)?;
+                    .write(dst, dst_offset, src, src_offset, size)?;
             }
             if signal {
-                let v = ch.outbound.fetch_add(1, Ordering::Relaxed) + 1;
+                // Only this thread writes `outbound`.
+                let v = ch.outbound.load(Ordering::Relaxed) + 1;
+                ch.outbound.store(v, Ordering::Relaxed);
                 ch.connection
                     .update_and_sync(&ch.remote_semaphore, ch.remote_offset, v)?;
             }
@@ -408,8 +497,10 @@ fn perform(
             } else {
                 AtomicWidth::U32
             };
-            ch.connection
-                .atomic_add(&*memory(dst_mem)?, dst_offset, value, width)?;
+            let [dst] = lookup(&mut tables.memories, shared, [dst_mem])?;
+            tables.channels[channel]
+                .connection
+                .atomic_add(dst, dst_offset, value, width)?;
         }
     }
     Ok(())

@@ -286,3 +286,330 @@ fn proxy_drives_issued_operations_to_completion_without_new_triggers() {
     proxy.check().unwrap();
     proxy.stop().unwrap();
 }
+
+/// Pops through a [`comm::fifo::FifoConsumer`] (batched tail publication)
+/// until `n` triggers, publishing whenever the ring is empty, as the proxy does.
+fn consume_batched(fifo: &Fifo, n: usize, timeout: Duration) -> Vec<ProxyTrigger> {
+    let mut c = fifo.consumer().unwrap();
+    let start = Instant::now();
+    let mut out = Vec::with_capacity(n);
+    while out.len() < n {
+        assert!(
+            start.elapsed() < timeout,
+            "consumer got {} of {n}",
+            out.len()
+        );
+        match c.poll() {
+            Some(t) => {
+                out.push(t);
+                c.pop();
+            }
+            None => {
+                c.publish();
+                thread::yield_now();
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn batched_consumer_keeps_order_through_wraparound_at_every_ring_size() {
+    // Rings smaller than, equal to and larger than a publication batch.
+    for size in [1, 3, 32, 33, 100] {
+        let fifo = Fifo::new(None, size, 0, 0).unwrap();
+        let n = 20_000;
+        thread::scope(|s| {
+            s.spawn(|| {
+                let p = fifo.host_producer().unwrap();
+                let mut last = 0;
+                for i in 0..n {
+                    last = p.push(data(i as u64 + 1), Duration::from_secs(10)).unwrap();
+                }
+                // The consumer publishes once it finds the ring empty.
+                p.sync(last, Duration::from_secs(10)).unwrap();
+            });
+            let got = consume_batched(&fifo, n, Duration::from_secs(20));
+            for (i, t) in got.iter().enumerate() {
+                assert_eq!(*t, data(i as u64 + 1), "ring {size}: trigger {i}");
+            }
+        });
+        assert_eq!(fifo.tail(), n as u64);
+        assert_nothing_to_pop(&fifo, "ring must be empty after the last pop");
+    }
+}
+
+#[test]
+fn batched_consumer_publishes_per_batch_and_on_demand() {
+    let fifo = Fifo::new(None, 64, 0, 0).unwrap();
+    let every = comm::fifo::TAIL_PUBLISH_EVERY;
+    let p = fifo.host_producer().unwrap();
+    let t = Duration::from_secs(1);
+    for i in 0..every + 8 {
+        p.push(data(i + 1), t).unwrap();
+    }
+    let mut c = fifo.consumer().unwrap();
+    assert!(fifo.consumer().is_err(), "one consumer at a time");
+    for _ in 0..every - 1 {
+        assert!(c.poll().is_some());
+        c.pop();
+    }
+    // Popped, not yet published: producers do not see it.
+    assert_eq!((fifo.tail(), c.unpublished()), (0, every - 1));
+    assert!(p.sync(0, Duration::from_millis(20)).is_err());
+    c.pop();
+    assert_eq!(fifo.tail(), every, "a full batch publishes");
+    p.sync(every - 1, t).unwrap();
+    assert_eq!(c.poll(), Some(data(every + 1)));
+    c.pop();
+    assert!(p.sync(every, Duration::from_millis(20)).is_err());
+    c.publish();
+    p.sync(every, t).unwrap();
+    assert_eq!(c.unpublished(), 0);
+    // Dropping publishes; the next consumer goes on where this one stopped.
+    assert_eq!(c.poll(), Some(data(every + 2)));
+    c.pop();
+    drop(c);
+    assert_eq!(fifo.tail(), every + 2);
+    let mut c = fifo.consumer().unwrap();
+    assert_eq!(c.poll(), Some(data(every + 3)));
+    c.pop();
+}
+
+/// A connection whose flush waits (at most 5 s) until `open` is set, noting
+/// each operation like a recording [`TestConnection`].
+#[derive(Debug, Default)]
+struct GatedFlush {
+    open: std::sync::atomic::AtomicBool,
+    ops: std::sync::Mutex<Vec<String>>,
+}
+
+impl GatedFlush {
+    fn note(&self, op: String) {
+        self.ops.lock().unwrap().push(op);
+    }
+}
+
+impl comm::transport::Connection for GatedFlush {
+    fn transport(&self) -> comm::transport::Transport {
+        comm::transport::Transport::Ethernet
+    }
+    fn remote_rank(&self) -> usize {
+        1
+    }
+    fn put(&self, p: comm::transport::Put<'_>) -> comm::Result<()> {
+        self.note(format!("put {}", p.size));
+        Ok(())
+    }
+    fn set(
+        &self,
+        _: &comm::registered_memory::RegisteredMemory,
+        _: u64,
+        v: u64,
+    ) -> comm::Result<()> {
+        self.note(format!("signal {v}"));
+        Ok(())
+    }
+    fn add(
+        &self,
+        _: &comm::registered_memory::RegisteredMemory,
+        _: u64,
+        v: i64,
+        _: comm::transport::AtomicWidth,
+    ) -> comm::Result<()> {
+        self.note(format!("add {v}"));
+        Ok(())
+    }
+    fn flush(&self, _: Duration) -> comm::Result<()> {
+        let start = Instant::now();
+        while !self.open.load(std::sync::atomic::Ordering::Acquire) {
+            if start.elapsed() > Duration::from_secs(5) {
+                return Err(comm::CommError::invalid("flush", "gate never opened"));
+            }
+            thread::yield_now();
+        }
+        self.note("flush".into());
+        Ok(())
+    }
+}
+
+#[test]
+fn proxy_publishes_finished_triggers_before_a_flush_waits() {
+    let conn = Arc::new(GatedFlush::default());
+    let mut proxy = ProxyService::new(0, None, 64, 0).unwrap();
+    let m = proxy.add_memory(fake_host_memory(0, 1 << 20)).unwrap();
+    let ch = proxy
+        .add_channel(conn.clone(), fake_host_memory(1, 64), 0)
+        .unwrap();
+    proxy.start().unwrap();
+    let p = proxy.fifo().host_producer().unwrap();
+    let t = Duration::from_secs(5);
+    let mut before = 0;
+    for i in 1..=3 {
+        before = p
+            .push(ProxyTrigger::data(tt::DATA, ch, m, 0, m, 0, i), t)
+            .unwrap();
+    }
+    let flush = p
+        .push(
+            ProxyTrigger::data(tt::SIGNAL | tt::FLUSH, ch, m, 0, m, 0, 0),
+            t,
+        )
+        .unwrap();
+    // The flush is blocked; what came before it must be visible as done.
+    p.sync(before, Duration::from_secs(2)).unwrap();
+    assert!(p.sync(flush, Duration::from_millis(50)).is_err());
+    conn.open.store(true, std::sync::atomic::Ordering::Release);
+    p.sync(flush, t).unwrap();
+    proxy.check().unwrap();
+    assert_eq!(
+        *conn.ops.lock().unwrap(),
+        ["put 1", "put 2", "put 3", "signal 1", "flush"]
+    );
+    assert_eq!(proxy.processed(), 4);
+    proxy.stop().unwrap();
+}
+
+#[test]
+fn proxy_keeps_order_and_flushes_across_batches() {
+    let rec = Arc::new(TestConnection::recording());
+    let (mut proxy, local, remote, ch) = started_proxy(0, 16, 1 << 20, rec.clone(), 8);
+    let p = proxy.fifo().host_producer().unwrap();
+    let t = Duration::from_secs(5);
+    let mut expected = Vec::new();
+    let mut last = 0;
+    let mut signals = 0;
+    for i in 1..=1000u64 {
+        let ty = if i % 7 == 0 {
+            tt::DATA | tt::SIGNAL | tt::FLUSH
+        } else {
+            tt::DATA
+        };
+        last = p
+            .push(ProxyTrigger::data(ty, ch, remote, i, local, 0, i), t)
+            .unwrap();
+        expected.push(format!("write r1 +{i} <- r0 +0 x{i}"));
+        if i % 7 == 0 {
+            signals += 1;
+            expected.push(format!("signal r1 +8 = {signals}"));
+            expected.push("flush".into());
+        }
+    }
+    p.sync(last, t).unwrap();
+    proxy.check().unwrap();
+    assert_eq!(rec.ops(), expected);
+    assert_eq!(proxy.processed(), 1000);
+    assert_eq!(proxy.channel_state(ch).unwrap().handled, 1000);
+    proxy.stop().unwrap();
+}
+
+#[test]
+fn proxy_sees_memories_and_channels_added_while_running() {
+    let rec = Arc::new(TestConnection::recording());
+    let (mut proxy, local, remote, ch) = started_proxy(0, 8, 1 << 20, rec.clone(), 0);
+    let p = proxy.fifo().host_producer().unwrap();
+    let t = Duration::from_secs(5);
+    // Memory 2 and channel 1 do not exist yet: errors, and popping goes on.
+    p.push(ProxyTrigger::data(tt::DATA, ch, 2, 0, local, 0, 4), t)
+        .unwrap();
+    let pos = p
+        .push(ProxyTrigger::data(tt::DATA, 1, remote, 0, local, 0, 4), t)
+        .unwrap();
+    p.sync(pos, t).unwrap();
+    let err = proxy.check().unwrap_err().to_string();
+    assert!(err.contains("unknown memory id 2"), "{err}");
+    let m2 = proxy.add_memory(fake_host_memory(1, 1 << 20)).unwrap();
+    let rec2 = Arc::new(TestConnection::recording());
+    let ch2 = proxy
+        .add_channel(rec2.clone(), fake_host_memory(1, 64), 16)
+        .unwrap();
+    assert_eq!((m2, ch2), (2, 1));
+    p.push(ProxyTrigger::data(tt::DATA, ch, m2, 8, local, 0, 4), t)
+        .unwrap();
+    p.push(ProxyTrigger::atomic(tt::ATOMIC_ADD64, ch2, m2, 16, 3), t)
+        .unwrap();
+    let pos = p
+        .push(ProxyTrigger::data(tt::SIGNAL, ch2, m2, 0, local, 0, 0), t)
+        .unwrap();
+    p.sync(pos, t).unwrap();
+    assert_eq!(rec.ops(), ["write r1 +8 <- r0 +0 x4"]);
+    assert_eq!(rec2.ops(), ["atomic r1 +16 3 U64", "signal r1 +16 = 1"]);
+    // The first error is kept.
+    let again = proxy.check().unwrap_err().to_string();
+    assert_eq!(again, err);
+    proxy.stop().unwrap();
+}
+
+#[test]
+fn pool_shards_channels_by_peer_and_keeps_each_channels_order() {
+    use comm::proxy_pool::{Placement, PooledChannel, ProxyPool};
+    let threads = 3;
+    let mut pool = ProxyPool::new(0, None, threads, 16, 10, Placement::ByPeer).unwrap();
+    let mems: Vec<(u32, u32)> = (0..threads)
+        .map(|s| {
+            let local = pool.add_memory(s, fake_host_memory(0, 1 << 20)).unwrap();
+            let remote = pool.add_memory(s, fake_host_memory(1, 1 << 20)).unwrap();
+            (local, remote)
+        })
+        .collect();
+    let peers = 7;
+    let conns: Vec<Arc<TestConnection>> = (0..peers)
+        .map(|_| Arc::new(TestConnection::recording()))
+        .collect();
+    let chans: Vec<PooledChannel> = conns
+        .iter()
+        .enumerate()
+        .map(|(peer, c)| {
+            pool.add_channel(peer, c.clone(), fake_host_memory(1, 64), 0)
+                .unwrap()
+        })
+        .collect();
+    for (peer, c) in chans.iter().enumerate() {
+        assert_eq!(c.service, peer % threads);
+    }
+    for s in 0..threads {
+        assert_eq!(pool.fifo_handle(s).unwrap().id, 10 + s as u64);
+    }
+    pool.start().unwrap();
+    let per = 300u64;
+    let t = Duration::from_secs(10);
+    // One producer per service, interleaving that service's channels.
+    thread::scope(|scope| {
+        for s in 0..threads {
+            let (pool, chans, mems) = (&pool, &chans, &mems);
+            scope.spawn(move || {
+                let p = pool.service(s).fifo().host_producer().unwrap();
+                let (local, remote) = mems[s];
+                let mut last = 0;
+                for i in 1..=per {
+                    for c in chans.iter().filter(|c| c.service == s) {
+                        let tr = ProxyTrigger::data(tt::DATA, c.channel, remote, i, local, 0, 1);
+                        last = p.push(tr, t).unwrap();
+                    }
+                }
+                p.sync(last, t).unwrap();
+            });
+        }
+    });
+    pool.check().unwrap();
+    assert_eq!(pool.processed(), per * peers as u64);
+    for (c, conn) in chans.iter().zip(&conns) {
+        let expected: Vec<String> = (1..=per)
+            .map(|i| format!("write r1 +{i} <- r0 +0 x1"))
+            .collect();
+        assert_eq!(conn.ops(), expected, "{c:?}");
+        assert_eq!(pool.channel_state(*c).unwrap().handled, per);
+    }
+    // An error on one service is reported naming it.
+    let p = pool.service(2).fifo().host_producer().unwrap();
+    let pos = p
+        .push(ProxyTrigger::data(tt::DATA, 99, 0, 0, 0, 0, 1), t)
+        .unwrap();
+    p.sync(pos, t).unwrap();
+    let err = pool.check().unwrap_err().to_string();
+    assert!(
+        err.contains("service 2 of 3") && err.contains("unknown channel 99"),
+        "{err}"
+    );
+    pool.stop().unwrap();
+}

@@ -97,32 +97,66 @@ struct FifoDeviceHandle {
   uint64_t id;             // which FIFO (proxy index), for error reports
 
 #if defined(__CUDACC__)
+  // Waits (at most `timeout_ns` of GPU time) until the ring has room for
+  // position `pos` (claimed from `head`). False: timed out, reported.
+  __device__ __forceinline__ bool wait_for_room(uint64_t pos, int64_t timeout_ns) {
+    if (pos < uint64_t(size) + load_relaxed_gpu(tail_replica)) return true;
+    bool ok;
+    uint32_t polls = 0;
+    bool from_host = false;
+    const uint64_t seen = spin_until(
+        [&] {
+          from_host = polls++ % kHostTailPollEvery == 0;
+          return from_host ? load_acquire_sys(tail) : load_relaxed_gpu(tail_replica);
+        },
+        [&](uint64_t v) { return pos < uint64_t(size) + v; }, timeout_ns, ok);
+    if (!ok) {
+      report_error(error, kErrorTimeout, kWaitFifoSpace, rank, -1, id, pos - size + 1, seen);
+      return false;
+    }
+    if (from_host) atomicMax(reinterpret_cast<unsigned long long*>(tail_replica), seen);
+    return true;
+  }
+
   // Pushes a trigger; returns its position (for sync()). Waits (at most
   // `timeout_ns` of GPU time) while the ring is full. Any thread may call it;
   // each call claims its own slot.
   __device__ __forceinline__ uint64_t push(ProxyTrigger t,
                                           int64_t timeout_ns = kDefaultTimeoutNs) {
     const uint64_t pos = atomicAdd(reinterpret_cast<unsigned long long*>(head), 1ull);
-    if (pos >= uint64_t(size) + load_relaxed_gpu(tail_replica)) {
-      bool ok;
-      uint32_t polls = 0;
-      bool from_host = false;
-      const uint64_t seen = spin_until(
-          [&] {
-            from_host = polls++ % kHostTailPollEvery == 0;
-            return from_host ? load_acquire_sys(tail) : load_relaxed_gpu(tail_replica);
-          },
-          [&](uint64_t v) { return pos < uint64_t(size) + v; }, timeout_ns, ok);
-      if (!ok) {
-        report_error(error, kErrorTimeout, kWaitFifoSpace, rank, -1, id, pos - size + 1, seen);
-        return pos;  // the trigger is dropped; the host reports the error
-      }
-      if (from_host) atomicMax(reinterpret_cast<unsigned long long*>(tail_replica), seen);
-    }
+    if (!wait_for_room(pos, timeout_ns)) return pos;  // dropped; the host reports the error
     ProxyTrigger* slot = &triggers[pos % uint64_t(size)];
     store_relaxed_sys(&slot->fst, t.fst);
     store_release_sys(&slot->snd, t.snd);
     return pos;
+  }
+
+  // Pushes t[0..n) from one thread into consecutive slots (the proxy performs
+  // them in this order); returns the position of the last (for sync()). Per
+  // batch of up to `size` triggers it pays once what push() pays per trigger:
+  // one atomicAdd on `head`, one room check (for the batch's last position,
+  // which implies room for the others) and one system-scope fence, between
+  // all the `fst` stores and all the `snd` stores (the proxy reads a slot
+  // once its `snd` is non-zero, so every `fst` of the batch is visible
+  // before any `snd`). A timed-out wait drops the rest of the batch (fatal
+  // for the FIFO, as for push()).
+  __device__ __forceinline__ uint64_t push_batch(const ProxyTrigger* t, uint32_t n,
+                                                int64_t timeout_ns = kDefaultTimeoutNs) {
+    uint64_t last = 0;
+    for (uint32_t done = 0; done < n;) {
+      const uint32_t k = min(n - done, uint32_t(size));
+      const uint64_t first = atomicAdd(reinterpret_cast<unsigned long long*>(head),
+                                       static_cast<unsigned long long>(k));
+      last = first + k - 1;
+      if (!wait_for_room(last, timeout_ns)) return last;
+      for (uint32_t j = 0; j < k; ++j)
+        store_relaxed_sys(&triggers[(first + j) % uint64_t(size)].fst, t[done + j].fst);
+      asm volatile("fence.acq_rel.sys;" ::: "memory");
+      for (uint32_t j = 0; j < k; ++j)
+        store_relaxed_sys(&triggers[(first + j) % uint64_t(size)].snd, t[done + j].snd);
+      done += k;
+    }
+    return last;
   }
 
   // Waits (at most `timeout_ns` of GPU time) until the proxy has finished the
