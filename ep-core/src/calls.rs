@@ -1101,8 +1101,29 @@ pub fn ll_combine(num_ranks: i64, device: i32, a: &LlCombineArgs<'_>) -> ArgResu
     })
 }
 
+/// Assertions of the tests here and in the submodules.
+#[cfg(test)]
+mod test_util {
+    use super::{ArgErrorKind, ArgResult};
+    use std::fmt;
+
+    /// `r` is refused with exactly this kind and message.
+    #[track_caller]
+    pub(super) fn fails<T: fmt::Debug>(r: ArgResult<T>, kind: ArgErrorKind, message: &str) {
+        let e = r.expect_err("the call must be refused");
+        assert_eq!((e.kind, e.message.as_str()), (kind, message));
+    }
+
+    /// `r` is refused as a bad value with exactly this message.
+    #[track_caller]
+    pub(super) fn value<T: fmt::Debug>(r: ArgResult<T>, message: &str) {
+        fails(r, ArgErrorKind::Value, message)
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::test_util::{fails, value};
     use super::*;
 
     /// This rank's device, and the sizes of the calls: ranks, tokens, hidden,
@@ -1137,17 +1158,6 @@ mod tests {
     fn on(mut m: TensorMeta, device: i32) -> TensorMeta {
         m.device = device;
         m
-    }
-
-    #[track_caller]
-    fn fails<T: fmt::Debug>(r: ArgResult<T>, kind: ArgErrorKind, message: &str) {
-        let e = r.expect_err("the call must be refused");
-        assert_eq!((e.kind, e.message.as_str()), (kind, message));
-    }
-
-    #[track_caller]
-    fn value<T: fmt::Debug>(r: ArgResult<T>, message: &str) {
-        fails(r, ArgErrorKind::Value, message)
     }
 
     #[track_caller]

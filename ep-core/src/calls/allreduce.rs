@@ -4,7 +4,7 @@
 //! algorithm, the launch geometry); a front end turns the kernel dtype name
 //! of [`AllReducePlan`] into `collectives::DType` (`DType::parse`).
 
-use super::{device_name, ArgError, ArgErrorKind, ArgResult, DType, TensorMeta};
+use super::{device_name, value_err, ArgError, ArgErrorKind, ArgResult, DType, TensorMeta};
 
 /// The dtypes an allreduce reduces, and the kernels' name of each
 /// (`collectives::DType::name`), in the order messages list them.
@@ -22,10 +22,6 @@ fn type_err<T>(message: String) -> ArgResult<T> {
         kind: ArgErrorKind::Type,
         message,
     })
-}
-
-fn value_err<T>(message: String) -> ArgResult<T> {
-    super::value_err(message)
 }
 
 /// Integers as Python prints a tuple of them: `(4, 1)`, `(2,)`.
@@ -183,6 +179,7 @@ pub fn all_reduce_register(device: i32, tensor: &TensorMeta, element_size: i64) 
 mod tests {
     use super::super::{contiguous_strides, CPU, OTHER_DEVICE};
     use super::*;
+    use crate::calls::test_util::fails;
 
     const DEV: i32 = 0;
     const MAX: i64 = 1 << 20;
@@ -198,12 +195,6 @@ mod tests {
             strides: strides.to_vec(),
             device: DEV,
         }
-    }
-
-    #[track_caller]
-    fn refused<T: std::fmt::Debug>(r: ArgResult<T>, kind: ArgErrorKind, message: &str) {
-        let e = r.expect_err("the call must be refused");
-        assert_eq!((e.kind, e.message.as_str()), (kind, message));
     }
 
     #[test]
@@ -235,7 +226,7 @@ mod tests {
     #[test]
     fn all_reduce_names_the_argument() {
         use ArgErrorKind::{Type, Value};
-        refused(
+        fails(
             all_reduce(DEV, &t(DType::F64, &[4]), None, MAX),
             Type,
             "tensor dtype torch.float64 is not supported; supported: torch.bfloat16, \
@@ -246,7 +237,7 @@ mod tests {
         assert!(e
             .message
             .starts_with("tensor dtype torch.complex64 is not supported"));
-        refused(
+        fails(
             all_reduce(
                 DEV,
                 &TensorMeta::contiguous(DType::F32, &[8], CPU),
@@ -256,45 +247,45 @@ mod tests {
             Value,
             "tensor is on cpu, but this communicator runs on cuda:0",
         );
-        refused(
+        fails(
             all_reduce(1, &t(DType::F32, &[8]), None, MAX),
             Value,
             "tensor is on cuda:0, but this communicator runs on cuda:1",
         );
-        refused(
+        fails(
             all_reduce(DEV, &strided(DType::F32, &[4, 4], &[1, 4]), None, MAX),
             Value,
             "tensor must be contiguous (got strides (1, 4))",
         );
-        refused(
+        fails(
             all_reduce(DEV, &strided(DType::F32, &[4], &[2]), None, MAX),
             Value,
             "tensor must be contiguous (got strides (2,))",
         );
-        refused(
+        fails(
             all_reduce(DEV, &t(DType::F32, &[257]), None, 1024),
             Value,
             "tensor has 1028 bytes, more than this communicator's max_bytes=1024",
         );
         let x = t(DType::BF16, &[10]);
-        refused(
+        fails(
             all_reduce(DEV, &x, Some(&t(DType::F16, &[10])), MAX),
             Type,
             "out has dtype torch.float16, tensor torch.bfloat16",
         );
-        refused(
+        fails(
             all_reduce(DEV, &x, Some(&t(DType::BF16, &[11])), MAX),
             Value,
             "out has 11 elements, tensor 10",
         );
-        refused(
+        fails(
             all_reduce(DEV, &x, Some(&strided(DType::BF16, &[10], &[2])), MAX),
             Value,
             "out must be contiguous (got strides (2,))",
         );
         let mut meta = t(DType::BF16, &[10]);
         meta.device = OTHER_DEVICE;
-        refused(
+        fails(
             all_reduce(DEV, &x, Some(&meta), MAX),
             Value,
             "out is on a device that is neither CUDA nor the CPU, but this communicator runs on \
@@ -319,29 +310,29 @@ mod tests {
                 .nbytes,
             24
         );
-        refused(
+        fails(
             all_gather(DEV, &out, &inp, 4, 3, MAX),
             Value,
             "out must hold world_size * inp.numel() = 3 * 5 elements, it holds 20",
         );
-        refused(
+        fails(
             all_gather(DEV, &out, &t(DType::F16, &[5]), 4, 4, MAX),
             Type,
             "out has dtype torch.float32, inp torch.float16",
         );
-        refused(
+        fails(
             all_gather(DEV, &out, &inp, 4, 4, 79),
             Value,
             "out has 80 bytes, more than this communicator's max_bytes=79",
         );
-        refused(
+        fails(
             all_gather(1, &out, &inp, 4, 4, MAX),
             Value,
             "out is on cuda:0, but this communicator runs on cuda:1",
         );
         let mut strided_inp = inp.clone();
         strided_inp.strides = vec![2];
-        refused(
+        fails(
             all_gather(DEV, &out, &strided_inp, 4, 4, MAX),
             Value,
             "inp must be contiguous (got strides (2,))",
@@ -354,19 +345,19 @@ mod tests {
             all_reduce_register(DEV, &t(DType::BF16, &[3, 4]), 2),
             Ok(24)
         );
-        refused(
+        fails(
             all_reduce_register(DEV, &t(DType::BF16, &[0, 4]), 2),
             ArgErrorKind::Value,
             "cannot register an empty tensor",
         );
-        refused(
+        fails(
             all_reduce_register(DEV, &TensorMeta::contiguous(DType::BF16, &[4], CPU), 2),
             ArgErrorKind::Value,
             "tensor is on cpu, but this communicator runs on cuda:0",
         );
         let mut s = t(DType::BF16, &[4, 4]);
         s.strides = contiguous_strides(&[4, 4]).into_iter().rev().collect();
-        refused(
+        fails(
             all_reduce_register(DEV, &s, 2),
             ArgErrorKind::Value,
             "tensor must be contiguous (got strides (1, 4))",

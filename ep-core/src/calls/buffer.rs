@@ -96,14 +96,8 @@ pub fn num_sms(name: &str, n: i64) -> ArgResult<i64> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::ArgErrorKind;
     use super::*;
-
-    #[track_caller]
-    fn refused<T: std::fmt::Debug>(r: ArgResult<T>, message: &str) {
-        let e = r.expect_err("the arguments must be refused");
-        assert_eq!((e.kind, e.message.as_str()), (ArgErrorKind::Value, message));
-    }
+    use crate::calls::test_util::value;
 
     fn args(change: impl FnOnce(&mut BufferArgs)) -> ArgResult<BufferPlan> {
         let mut a = BufferArgs::default();
@@ -135,30 +129,30 @@ mod tests {
 
     #[test]
     fn buffer_options_name_the_argument() {
-        refused(
+        value(
             args(|a| a.num_nvl_bytes = -128),
             "num_nvl_bytes must be >= 0, got -128",
         );
-        refused(
+        value(
             args(|a| a.num_rdma_bytes = -1),
             "num_rdma_bytes must be >= 0, got -1",
         );
-        refused(
+        value(
             args(|a| a.num_qps_per_rank = 0),
             "num_qps_per_rank must be positive, got 0",
         );
-        refused(
+        value(
             args(|a| a.num_nvl_bytes = 100),
             "num_nvl_bytes must be a multiple of 128, got 100",
         );
-        refused(
+        value(
             args(|a| {
                 a.num_rdma_bytes = 129;
                 a.low_latency_mode = true;
             }),
             "num_rdma_bytes must be a multiple of 128, got 129",
         );
-        refused(
+        value(
             args(|a| a.enable_shrink = true),
             "enable_shrink=True needs low_latency_mode=True",
         );
@@ -180,17 +174,17 @@ mod tests {
     fn num_sms_is_even_and_within_the_limit() {
         assert_eq!(num_sms("num_sms", 2), Ok(2));
         assert_eq!(num_sms("num_sms", 1024), Ok(1024));
-        refused(num_sms("num_sms", 0), "num_sms must be positive, got 0");
-        refused(
+        value(num_sms("num_sms", 0), "num_sms must be positive, got 0");
+        value(
             num_sms("num_sms", 1026),
             "num_sms must be <= 1024, got 1026",
         );
-        refused(
+        value(
             num_sms("new_num_sms", 7),
             "new_num_sms must be even (SMs are used in pairs: one sender and one receiver \
              block per channel), got 7",
         );
-        refused(
+        value(
             num_sms("num_sms", 1),
             "num_sms must be even (SMs are used in pairs: one sender and one receiver block \
              per channel), got 1",

@@ -124,15 +124,9 @@ pub fn rdma_buffer_size_hint(hidden_bytes: i64, num_ranks: i64) -> ArgResult<i64
 
 #[cfg(test)]
 mod tests {
-    use super::super::ArgErrorKind;
     use super::*;
+    use crate::calls::test_util::value;
     use ep_kernels::intranode::{combine_record_bytes as kernel_combine, RecordLayout};
-
-    #[track_caller]
-    fn refused<T: std::fmt::Debug>(r: ArgResult<T>, message: &str) {
-        let e = r.expect_err("the arguments must be refused");
-        assert_eq!((e.kind, e.message.as_str()), (ArgErrorKind::Value, message));
-    }
 
     #[test]
     fn record_bytes() {
@@ -150,35 +144,35 @@ mod tests {
 
     #[test]
     fn record_bytes_name_the_argument() {
-        refused(
+        value(
             token_record_bytes(0, 32, None),
             "hidden_bytes must be positive, got 0",
         );
-        refused(
+        value(
             token_record_bytes(lim(MAX_HIDDEN_BYTES) + 1, 32, None),
             "hidden_bytes must be <= 1048576, got 1048577",
         );
-        refused(
+        value(
             token_record_bytes(128, -1, None),
             "num_topk must be >= 0, got -1",
         );
-        refused(
+        value(
             token_record_bytes(128, 33, None),
             "num_topk must be <= 32, got 33",
         );
-        refused(
+        value(
             token_record_bytes(128, 1, Some(-1)),
             "num_scales must be >= 0, got -1",
         );
-        refused(
+        value(
             token_record_bytes(128, 1, Some(8193)),
             "num_scales must be <= 8192, got 8193",
         );
-        refused(
+        value(
             combine_record_bytes(-5, 0),
             "hidden_bytes must be positive, got -5",
         );
-        refused(
+        value(
             combine_record_bytes(128, 40),
             "num_topk must be <= 32, got 40",
         );
@@ -214,40 +208,40 @@ mod tests {
     #[test]
     fn the_hint_names_the_argument() {
         for bad in [0, 100, -128, lim(MAX_HIDDEN_BYTES) + 128, i64::MAX] {
-            refused(
+            value(
                 nvl_buffer_size_hint(bad, 4, 16),
                 &format!(
                     "hidden_bytes must be a positive multiple of 128 up to 1048576, got {bad}"
                 ),
             );
-            refused(
+            value(
                 rdma_buffer_size_hint(bad, 4),
                 &format!(
                     "hidden_bytes must be a positive multiple of 128 up to 1048576, got {bad}"
                 ),
             );
         }
-        refused(
+        value(
             nvl_buffer_size_hint(1024, 0, 16),
             "num_ranks must be positive, got 0",
         );
-        refused(
+        value(
             nvl_buffer_size_hint(1024, 33, 16),
             "num_ranks must be <= 32, got 33",
         );
-        refused(
+        value(
             rdma_buffer_size_hint(1024, 64),
             "num_ranks must be <= 32, got 64",
         );
-        refused(
+        value(
             nvl_buffer_size_hint(1024, 4, 0),
             "max_tokens_per_rank must be positive, got 0",
         );
-        refused(
+        value(
             nvl_buffer_size_hint(1024, 4, 1 << 26),
             "max_tokens_per_rank must be <= 67108863, got 67108864",
         );
-        refused(
+        value(
             nvl_buffer_size_hint(1024, 4, i64::MIN),
             &format!("max_tokens_per_rank must be positive, got {}", i64::MIN),
         );
