@@ -190,34 +190,7 @@ impl Fifo {
         self.ring.atomic_u64(self.size * 16)
     }
 
-    fn slot(&self, pos: u64) -> (&AtomicU64, &AtomicU64) {
-        let off = (pos % self.size as u64) as usize * 16;
-        (self.ring.atomic_u64(off), self.ring.atomic_u64(off + 8))
-    }
-
-    /// The trigger at the tail, if a producer has finished writing it.
-    /// Consumer side: one thread at a time.
-    pub fn poll(&self) -> Option<ProxyTrigger> {
-        let (fst, snd) = self.slot(self.tail.load(Ordering::Relaxed));
-        read_slot(fst, snd)
-    }
-
-    /// Releases the slot at the tail (after the trigger was processed): clears
-    /// it and publishes the new tail to producers.
-    /// Consumer side: one thread at a time.
-    pub fn pop(&self) {
-        let t = self.tail.load(Ordering::Relaxed);
-        let (fst, snd) = self.slot(t);
-        fst.store(0, Ordering::Relaxed);
-        snd.store(0, Ordering::Relaxed);
-        self.tail.store(t + 1, Ordering::Relaxed);
-        self.tail_atomic().store(t + 1, Ordering::Release);
-        if let Some(r) = &self.replica {
-            r.after_pop(t + 1);
-        }
-    }
-
-    /// Triggers popped so far (by a [`FifoConsumer`]: as far as it published).
+    /// Triggers popped so far (as far as the [`FifoConsumer`] published).
     pub fn tail(&self) -> u64 {
         self.tail.load(Ordering::Relaxed)
     }
@@ -233,8 +206,7 @@ impl Fifo {
     }
 
     /// The single consumer's cursor, with batched tail publication (what the
-    /// proxy thread uses). Fails while another one exists. Do not mix it with
-    /// [`poll`](Self::poll) / [`pop`](Self::pop) at the same time.
+    /// proxy thread uses). Fails while another one exists.
     pub fn consumer(&self) -> Result<FifoConsumer<'_>> {
         if self.consuming.swap(true, Ordering::Acquire) {
             return Err(CommError::invalid(
@@ -311,26 +283,20 @@ pub struct FifoConsumer<'a> {
     every: u64,
 }
 
-/// The trigger in a slot, if its producer has finished writing it (`snd`
-/// non-zero, acquire: `fst` was written before it).
-#[inline]
-fn read_slot(fst: &AtomicU64, snd: &AtomicU64) -> Option<ProxyTrigger> {
-    let s = snd.load(Ordering::Acquire);
-    if s == 0 {
-        return None;
-    }
-    Some(ProxyTrigger {
-        fst: fst.load(Ordering::Relaxed),
-        snd: s,
-    })
-}
-
 impl FifoConsumer<'_> {
     /// The trigger at the tail, if a producer has finished writing it.
     #[inline]
     pub fn poll(&self) -> Option<ProxyTrigger> {
         let [fst, snd] = &self.slots[self.slot];
-        read_slot(fst, snd)
+        // `snd` non-zero (acquire): the producer wrote `fst` before it.
+        let s = snd.load(Ordering::Acquire);
+        if s == 0 {
+            return None;
+        }
+        Some(ProxyTrigger {
+            fst: fst.load(Ordering::Relaxed),
+            snd: s,
+        })
     }
 
     /// Moves past the trigger at the tail (after it was performed);
@@ -408,7 +374,7 @@ impl HostProducer<'_> {
             || pos < size + tail.load(Ordering::Acquire),
             "a free FIFO slot",
         )?;
-        let (fst, snd) = self.fifo.slot(pos);
+        let [fst, snd] = &self.fifo.slots()[(pos % size) as usize];
         fst.store(t.fst, Ordering::Relaxed);
         snd.store(t.snd, Ordering::Release);
         Ok(pos)

@@ -18,12 +18,13 @@ fn data(payload: u64) -> ProxyTrigger {
 
 /// Asserts that the consumer finds no trigger at the ring's tail (`why` it should not).
 fn assert_nothing_to_pop(fifo: &Fifo, why: &str) {
-    assert!(fifo.poll().is_none(), "{why}");
+    assert!(fifo.consumer().unwrap().poll().is_none(), "{why}");
 }
 
 /// Pops everything, in order, from a single consumer thread until `n` triggers.
 fn consume(fifo: &Fifo, n: usize, timeout: Duration) -> Vec<ProxyTrigger> {
     let start = Instant::now();
+    let mut c = fifo.consumer().unwrap();
     let mut out = Vec::with_capacity(n);
     while out.len() < n {
         assert!(
@@ -31,10 +32,12 @@ fn consume(fifo: &Fifo, n: usize, timeout: Duration) -> Vec<ProxyTrigger> {
             "consumer got {} of {n}",
             out.len()
         );
-        if let Some(t) = fifo.poll() {
+        if let Some(t) = c.poll() {
             out.push(t);
-            fifo.pop();
+            c.pop();
         } else {
+            // What the proxy does on an empty ring: producers waiting for room see it.
+            c.publish();
             thread::yield_now();
         }
     }
