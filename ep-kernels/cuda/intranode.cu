@@ -546,16 +546,43 @@ __device__ __forceinline__ void copy_out_row(const DispatchRecvParams& a, int64_
     a.recv_src_idx[i] = *reinterpret_cast<const int*>(r + rec.src_offset);
 }
 
-// The interleaved order of the fused kernels: unit k (of R * chunks *
-// kChunkRows) is row j of block b, where the blocks take turns chunk by chunk
-// (b = (first + k / kChunkRows) % R). So every block's rows advance together,
-// as the senders' do; units past a block's row count are skipped by the caller.
-__device__ __forceinline__ void interleaved(int64_t k, int R, int first, int& b, int64_t& j) {
-  const int64_t chunk = k / (int64_t(R) * kChunkRows);
-  const int turn = int((k / kChunkRows) % R);
-  b = first + turn < R ? first + turn : first + turn - R;
-  j = chunk * kChunkRows + k % kChunkRows;
-}
+// This rank's received rows in the interleaved order of the fused kernels:
+// unit k (of R * chunks * kChunkRows) is row j of source block b, where the
+// blocks take turns chunk by chunk (b = (first + k / kChunkRows) % R), so every
+// block's rows advance together, as the senders' do. Built by the whole warp
+// from column `rank` of rank_prefix_matrix; row() is called by the whole warp.
+struct InterleavedRows {
+  int R, first;
+  int my_prefix;  // lane s: rows of sources 0..s
+  int my_count;   // lane s: rows of source s
+  int64_t units;  // enough chunks for the largest source block
+
+  __device__ __forceinline__ InterleavedRows(const int* rank_prefix_matrix, int rank, int R_,
+                                             int first_, int lane)
+      : R(R_), first(first_) {
+    my_prefix = lane < R ? rank_prefix_matrix[lane * R + rank] : 0;
+    const int before = __shfl_up_sync(0xffffffffu, my_prefix, 1);
+    my_count = lane < R ? my_prefix - (lane > 0 ? before : 0) : 0;
+    int max_count = my_count;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) max_count = max(max_count, __shfl_xor_sync(0xffffffffu, max_count, o));
+    units = int64_t(R) * ((int64_t(max_count) + kChunkRows - 1) / kChunkRows) * kChunkRows;
+  }
+
+  // Rows received in all.
+  __device__ __forceinline__ int64_t total() const { return __shfl_sync(0xffffffffu, my_prefix, R - 1); }
+
+  // Unit k: block b, its row j and the received row index i; false past b's rows.
+  __device__ __forceinline__ bool row(int64_t k, int& b, int64_t& j, int64_t& i) const {
+    const int turn = int((k / kChunkRows) % R);
+    b = first + turn < R ? first + turn : first + turn - R;
+    j = k / (int64_t(R) * kChunkRows) * kChunkRows + k % kChunkRows;
+    const int count_b = __shfl_sync(0xffffffffu, my_count, b);
+    const int start_b = __shfl_sync(0xffffffffu, my_prefix, b > 0 ? b - 1 : 0);
+    i = (b > 0 ? start_b : 0) + j;
+    return j < count_b;
+  }
+};
 
 // The combine record of token slot `slot` written by rank `from` in `s`'s
 // combine region (as seen through base `base`).
@@ -765,28 +792,16 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
     const DispatchRecvParams& r = a.recv;
     const int64_t warp = int64_t(blockIdx.x - nsend) * kWarps + threadIdx.x / 32;
     const int64_t nwarps = int64_t(gridDim.x - nsend) * kWarps;
-    const int my_prefix = lane < R ? r.rank_prefix_matrix[lane * R + c.rank] : 0;
-    const int before = __shfl_up_sync(0xffffffffu, my_prefix, 1);
-    const int my_count = lane < R ? my_prefix - (lane > 0 ? before : 0) : 0;
-    int max_count = my_count;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) max_count = max(max_count, __shfl_xor_sync(0xffffffffu, max_count, o));
-    const int64_t num_recv = __shfl_sync(0xffffffffu, my_prefix, R - 1);
-    const int64_t units =
-        int64_t(R) * ((int64_t(max_count) + kChunkRows - 1) / kChunkRows) * kChunkRows;
+    const InterleavedRows rows(r.rank_prefix_matrix, c.rank, R, 0, lane);
+    const int64_t num_recv = rows.total();
     // Once any wait of this Buffer timed out, the counts themselves may be a
     // peer's stale row: every row is poisoned, none copied (as dispatch_recv).
     const bool poisoned = timed_out_peers(c) != 0;
     for (int64_t i = warp; poisoned && i < r.num_rows; i += nwarps) poison_row(r, i, lane);
-    for (int64_t k = warp; !poisoned && k < units; k += nwarps) {
+    for (int64_t k = warp; !poisoned && k < rows.units; k += nwarps) {
       int s;
-      int64_t j;
-      interleaved(k, R, 0, s, j);
-      const int count_s = __shfl_sync(0xffffffffu, my_count, s);
-      if (j >= count_s) continue;
-      const int start_s = s > 0 ? __shfl_sync(0xffffffffu, my_prefix, s - 1) : 0;
-      const int64_t i = start_s + j;
-      if (i >= r.num_rows) continue;
+      int64_t j, i;
+      if (!rows.row(k, s, j, i) || i >= r.num_rows) continue;
       const char* rec = c.local + c.dispatch_offset + (int64_t(s) * c.dispatch_slots + j) * r.rec.bytes;
       bool ok = true;
       if (lane == 0)
@@ -882,22 +897,12 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
     const CombineSendParams& s = a.send;
     const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
     const int64_t nwarps = int64_t(nsend) * kWarps;
-    const int my_prefix = lane < R ? s.rank_prefix_matrix[lane * R + c.rank] : 0;
-    const int before = __shfl_up_sync(0xffffffffu, my_prefix, 1);
-    const int my_count = lane < R ? my_prefix - (lane > 0 ? before : 0) : 0;
-    int max_count = my_count;
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) max_count = max(max_count, __shfl_xor_sync(0xffffffffu, max_count, o));
-    const int64_t units =
-        int64_t(R) * ((int64_t(max_count) + kChunkRows - 1) / kChunkRows) * kChunkRows;
-    for (int64_t k = warp; k < units; k += nwarps) {
+    const InterleavedRows rows(s.rank_prefix_matrix, c.rank, R, c.rank, lane);
+    for (int64_t k = warp; k < rows.units; k += nwarps) {
       int src;
-      int64_t slot;
-      interleaved(k, R, c.rank, src, slot);
-      const int count_s = __shfl_sync(0xffffffffu, my_count, src);
-      if (slot >= count_s || slot >= c.combine_slots) continue;
-      const int start_s = src > 0 ? __shfl_sync(0xffffffffu, my_prefix, src - 1) : 0;
-      send_combine_row(s, start_s + slot, src, slot, lane, flag);
+      int64_t slot, i;
+      if (!rows.row(k, src, slot, i) || slot >= c.combine_slots) continue;
+      send_combine_row(s, i, src, slot, lane, flag);
     }
   } else {
     const CombineRecvParams& r = a.recv;
