@@ -1909,6 +1909,19 @@ mod tests {
         }
     }
 
+    /// Every rank's received top-k weights (`k` per row) as combine inputs:
+    /// NaN in the padding rows, which combine must ignore.
+    fn received_weights(d: &Dispatched, k: usize) -> Vec<Vec<f32>> {
+        d.ranks
+            .iter()
+            .map(|o| {
+                let mut w = o.recv_topk_weights.clone().unwrap();
+                w[o.num_recv_tokens * k..].fill(f32::NAN);
+                w
+            })
+            .collect()
+    }
+
     /// dispatch -> combine with `y = recv_x` read as f32 (padding rows NaN)
     /// and the received weights gives back `bias0 + bias1 + x * copies` and
     /// the original weights (0 at `-1` columns), exactly.
@@ -1926,15 +1939,7 @@ mod tests {
                 y
             })
             .collect();
-        let ws: Vec<Vec<f32>> = d
-            .ranks
-            .iter()
-            .map(|o| {
-                let mut w = o.recv_topk_weights.clone().unwrap();
-                w[o.num_recv_tokens * k..].fill(f32::NAN);
-                w
-            })
-            .collect();
+        let ws = received_weights(d, k);
         let nbias = rng.random_range(0..=2);
         let biases: Vec<Vec<Vec<f32>>> = (0..r_count)
             .map(|s| {
@@ -2321,15 +2326,7 @@ mod tests {
 
             // The dispatched weights come back: the original weight where the
             // id is valid (duplicates in their own columns), 0 at -1 columns.
-            let ws: Vec<Vec<f32>> = d
-                .ranks
-                .iter()
-                .map(|o| {
-                    let mut w = o.recv_topk_weights.clone().unwrap();
-                    w[o.num_recv_tokens * k..].fill(f32::NAN);
-                    w
-                })
-                .collect();
+            let ws = received_weights(&d, k);
             let cc = CombineCase::random(rng, &case, &d, [false, false]);
             let inputs: Vec<CombineInput> = (0..num_ranks)
                 .map(|r| CombineInput {
