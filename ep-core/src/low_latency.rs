@@ -23,8 +23,11 @@ use ep_kernels::low_latency::{
 
 use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PartKind};
 
-/// Trigger slots of the proxy's FIFO (two per peer and call are used).
+/// Trigger slots of the proxy's FIFO: per peer and call at most three are
+/// used (the inbox, its flag, the release counts), two calls may be in flight
+/// (a receive hook pending): 6 x 32 peers is well within.
 const FIFO_SLOTS: usize = 1024;
+const _: () = assert!(6 * k::MAX_RANKS <= FIFO_SLOTS);
 
 /// How the buffer reaches its peers and how long a receive may wait.
 #[derive(Clone, Copy, Debug)]
@@ -406,8 +409,9 @@ impl LowLatencyBuffer {
         unsafe { k::combine(&l, a) }
     }
 
-    /// *Collective.* Resets the flags and call counters of every rank (the
-    /// caller has synchronised its streams: no low-latency kernel runs) and
+    /// *Collective.* Resets the flags, release counts and the send and
+    /// receive counters of every rank (the caller has synchronised its streams:
+    /// no low-latency kernel runs, no receive hook is pending) and
     /// forgets a recorded device error (a timeout): the ranks are in step again.
     /// The rank mask is kept.
     pub fn clean(&self) -> Result<()> {

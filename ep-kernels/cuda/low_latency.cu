@@ -3,7 +3,9 @@
 // Every rank's low-latency buffer has the same layout (offsets in LlCtx):
 //
 //   flags     [2 parities][R sources] u64: call counters, one per (parity, peer);
-//             at 2048 the outgoing values the proxy copies (same shape)
+//             at 1024 the release counts [R peers][2 parities] u64 (below); at
+//             2048 / 3072 the outgoing values of both that the proxy copies
+//             (same shapes)
 //   zero-copy [E_local][R*T][H] bf16: get_next_low_latency_combine_buffer
 //   recv[p]   dispatch: [R sources] inboxes of `inbox_bytes`:
 //               header: E_local int32 counts and the number of messages
@@ -15,7 +17,20 @@
 //   stage[p]  (proxy transport only) the same shape as recv[p]: what this rank
 //             sends to peer d is assembled in inbox d, then put in one piece
 //
-// Calls alternate the parity p (device counter: graph replays alternate too).
+// Call n uses parity p = n & 1. The send half numbers its call from the send
+// counter, the receive half from the receive counter, each advanced by its own
+// half on the device (graph replays advance them too; the host never resets
+// them but in clean), so a call's send may run while the previous call's
+// receive is pending (a receive hook not yet called: SGLang's two-batch
+// overlap): at most two calls in flight, one per parity. The send of call n
+// writes the half of call n - 2 again, in the peer's buffer (and, proxy, our
+// staging), so it first waits until the peer has finished receiving call
+// n - 2: every LL kernel, at its start, publishes into each peer's release
+// counts how many calls of each parity this rank has received (its receive
+// counter: the kernels before it on the stream are done); the send half waits,
+// per destination, for the count of its parity to reach (its calls on that
+// parity) - 1, bounded like every wait (wait_release). Its own rank: the
+// receive counter itself.
 // Places are computed, not allocated. The dispatch message of token t to rank
 // d is the (number of earlier tokens with an expert on d)-th of the inbox; its
 // pair for slot k names the received row: row occurrence(t, k) = number of
@@ -55,9 +70,23 @@ __host__ __device__ constexpr int msg_header_bytes(int num_topk) {
 __host__ __device__ constexpr int64_t inbox_header_bytes(int experts_per_rank) {
   return (int64_t(experts_per_rank + 1) * 4 + 15) / 16 * 16;
 }
-// Flags region: incoming [2 parities][kMaxRanks] u64 at 0; outgoing flag values
-// (proxy transport: copied to the peer after the data) at kOutFlagsOffset.
+// Flags region (FLAGS_BYTES = 4096 in Rust): incoming data flags [2 parities]
+// [kMaxRanks] u64 at 0; incoming release counts [kMaxRanks peers][2 parities]
+// u64 at kReleaseOffset (peer d's entry p: calls of parity p that d has
+// finished receiving); the outgoing values of both (proxy transport: copied to
+// the peer) at kOutFlagsOffset / kOutReleaseOffset.
+constexpr uint64_t kReleaseOffset = 1024;
 constexpr uint64_t kOutFlagsOffset = 2048;
+constexpr uint64_t kOutReleaseOffset = 3072;
+static_assert(kOutReleaseOffset + kMaxRanks * 16 <= 4096, "FLAGS_BYTES in Rust");
+// `id` of the errors of the send half (kWaitLlDispatch / kWaitLlCombine): a
+// wait for a peer's release of parity p is id kReleaseId + p (2, 3; a data
+// flag's wait has id p); a whole call (send and receive in one launch) whose
+// counters disagree (a call issued while a receive was pending: a graph
+// replayed over a pending hook) is id kOrderId (kErrorInvalid; expected: the
+// receive's call number, observed: the send's).
+constexpr uint64_t kReleaseId = 2;
+constexpr uint64_t kOrderId = 4;
 
 // Mirrored in Rust (ep_kernels::low_latency::LlCtx).
 struct LlCtx {
@@ -80,12 +109,20 @@ struct LlCtx {
 static_assert(sizeof(LlCtx) == 120, "mirrored in Rust");
 
 // `state` words (kStateWords, mirrored in Rust as STATE_WORDS): [0, 2) u64
-// completed calls; [2] ticket of the receive half; [kStateDone, +32)
-// per-destination arrivals of the send half. All zero between kernels, except
-// the call counter.
+// receive counter (receive halves done); [2] ticket of the receive half; [3]
+// unused; [kStateDone, +32) per-destination arrivals of the send half;
+// [kStateSend, +2) u64 send counter: send halves done << kSendShift (each
+// block of a send half adds its share, send_share, the shares of a grid sum
+// to 1 << kSendShift); [kStateReleased, +2) u64 the receive counter last
+// published through the proxy (publish_release). All zero between kernels,
+// except the counters (reset only by clean, with the flags).
 constexpr int kStateTicket = 2;
 constexpr int kStateDone = 4;
-constexpr int kStateWords = kStateDone + kMaxRanks;
+constexpr int kStateSend = kStateDone + kMaxRanks;
+constexpr int kStateReleased = kStateSend + 2;
+constexpr int kStateWords = kStateReleased + 2;
+static_assert(kStateSend % 2 == 0 && kStateWords == 8 + kMaxRanks, "STATE_WORDS in Rust");
+constexpr int kSendShift = 20;
 
 struct DispatchArgs {
   const __nv_bfloat16* x;  // [N, H]
@@ -175,12 +212,164 @@ __device__ __forceinline__ uint64_t* flag_ptr(char* base, int parity, int src) {
 // Calls on this parity so far, this one included (the value flags reach).
 __device__ __forceinline__ uint64_t calls_on_parity(uint64_t seq) { return (seq + 1) >> 1; }
 
-__device__ __forceinline__ uint64_t current_seq(const LlCtx& c) {
-  return *reinterpret_cast<volatile uint64_t*>(c.state) + 1;
+// Receive halves done on this rank (the receive counter).
+__device__ __forceinline__ uint64_t recv_done(const LlCtx& c) {
+  return *reinterpret_cast<volatile uint64_t*>(c.state);
+}
+
+// The number of the call whose send half this launch runs (from 1).
+__device__ __forceinline__ uint64_t send_seq(const LlCtx& c) {
+  return (*reinterpret_cast<volatile uint64_t*>(c.state + kStateSend) >> kSendShift) + 1;
+}
+
+// Calls of parity p among calls 1 .. done (what a rank that has received
+// `done` calls releases on parity p).
+__device__ __forceinline__ uint64_t released_calls(uint64_t done, int parity) {
+  return parity ? (done + 1) >> 1 : done >> 1;
+}
+
+// Peer `peer`'s release count of `parity` in the buffer at `base`.
+__device__ __forceinline__ uint64_t* release_ptr(char* base, int peer, int parity) {
+  return reinterpret_cast<uint64_t*>(base + kReleaseOffset) + 2 * peer + parity;
+}
+
+// This block's share of a send half's advance of the send counter: the shares
+// of the grid's blocks sum to 1 << kSendShift, and every partial sum is less,
+// so the counter's call number (>> kSendShift) changes only with the last
+// block's add, which follows its own reads: no block of the call reads the
+// advanced number, whatever the order of the adds, and no block waits for an
+// add (fire-and-forget).
+__device__ __forceinline__ uint64_t send_share() {
+  constexpr uint64_t whole = uint64_t(1) << kSendShift;
+  return whole / gridDim.x + (blockIdx.x < whole % gridDim.x ? 1 : 0);
+}
+
+// One thread per block, after a barrier that follows every thread's read of
+// the send counter (send_seq at kernel start): fence (orders those reads, by
+// cumulativity through the barrier), then the block's add.
+__device__ __forceinline__ void advance_send(const LlCtx& c) {
+  __threadfence();
+  atomicAdd(reinterpret_cast<unsigned long long*>(c.state + kStateSend),
+            static_cast<unsigned long long>(send_share()));
 }
 
 __device__ __forceinline__ bool is_masked(const LlCtx& c, int r) {
   return *reinterpret_cast<volatile int32_t*>(c.mask + r) != 0;
+}
+
+// Whether the send half writes to peer d: not masked, and its release did not
+// time out (bit d of `blocked`, shared memory, written before a barrier).
+__device__ __forceinline__ bool can_send(const LlCtx& c, int d, const uint32_t* blocked) {
+  return !is_masked(c, d) && ((*blocked >> d) & 1u) == 0;
+}
+
+// Every LL kernel's first act (one warp, lane s for peer s): publishes into
+// every unmasked peer's release counts (this rank's entry, both parities) the
+// calls this rank has finished receiving, `done` = the receive counter at
+// kernel start (the receive halves before this kernel on the stream are done,
+// so they no longer read their inboxes). NVLink: two relaxed stores per peer
+// (nothing of ours to order: the reads they release are complete); the values
+// only grow, so rewriting the same ones every kernel is harmless. Proxy: the
+// values into the outgoing slot, then a put, only when `done` changed since the
+// last publication (kStateReleased); a put that copies a newer value than the
+// one it was pushed for is still a valid (larger) count.
+__device__ void publish_release(const LlCtx& c, uint64_t done) {
+  const int lane = threadIdx.x % 32;
+  const uint64_t v0 = released_calls(done, 0), v1 = released_calls(done, 1);
+  if (!c.use_proxy) {
+    for (int s = lane; s < c.num_ranks; s += 32) {
+      if (s == c.rank || is_masked(c, s)) continue;
+      uint64_t* p = release_ptr(c.peers[s], c.rank, 0);
+      comm::store_relaxed_sys(p, v0);
+      comm::store_relaxed_sys(p + 1, v1);
+    }
+    return;
+  }
+  volatile uint64_t* last = reinterpret_cast<volatile uint64_t*>(c.state + kStateReleased);
+  if (*last == done) return;
+  for (int s = lane; s < c.num_ranks; s += 32) {
+    if (s == c.rank || is_masked(c, s)) continue;
+    volatile uint64_t* out = reinterpret_cast<volatile uint64_t*>(c.local + kOutReleaseOffset) + 2 * s;
+    out[0] = v0;
+    out[1] = v1;
+    __threadfence_system();
+    c.ports[s].put(kReleaseOffset + uint64_t(c.rank) * 16, kOutReleaseOffset + uint64_t(s) * 16, 16);
+  }
+  __syncwarp();
+  if (lane == 0) *last = done;
+}
+
+// The send half's first look at the release counts, issued at kernel start
+// with the counters' loads: thread p * 32 + d (p = 0, 1; d < R) loads peer d's
+// count of parity p (acquire: our writes to its half follow its reads), its
+// own rank's from the receive counter (`done`).
+__device__ __forceinline__ uint64_t release_poll(const LlCtx& c, uint64_t done) {
+  const int d = threadIdx.x % 32, p = threadIdx.x / 32;
+  if (p >= 2 || d >= c.num_ranks) return 0;
+  if (d == c.rank) return released_calls(done, p);
+  return comm::load_acquire_sys(release_ptr(c.local, d, p));
+}
+
+// Waits (thread parity * 32 + d, which loaded `polled` in release_poll) until
+// peer d has received call seq - 2 (the last call on this parity), at most
+// `timeout_ns` of GPU time: on timeout the peer is masked (shrink) or an error
+// recorded (rank, peer, id kReleaseId + parity, wanted and seen counts) and
+// bit d of `blocked` set, so this block writes nothing to d. A masked peer is
+// not waited for (nothing is sent to it). Every block waits for itself before
+// its first write (a barrier after this). Other threads return at once.
+__device__ void wait_release(const LlCtx& c, uint64_t seq, uint64_t polled, uint32_t* blocked,
+                             uint32_t kind) {
+  const int parity = int(seq & 1);
+  const int d = threadIdx.x % 32;
+  if (int(threadIdx.x) / 32 != parity || d >= c.num_ranks) return;
+  const uint64_t want = calls_on_parity(seq) - 1;
+  uint64_t v = polled;
+  if (v >= want) return;
+  comm::WaitClock clock(c.timeout_ns > uint64_t(INT64_MAX) ? INT64_MAX : int64_t(c.timeout_ns));
+  while (v < want) {
+    if (is_masked(c, d)) return;
+    if (clock.expired()) {
+      if (c.shrink) {
+        atomicExch(c.mask + d, 1);
+      } else {
+        comm::report_error(c.error, comm::kErrorTimeout, kind, c.rank, d,
+                           kReleaseId + uint64_t(parity), want, v);
+        atomicOr(blocked, 1u << d);
+      }
+      return;
+    }
+    v = d == c.rank ? released_calls(recv_done(c), parity)
+                    : comm::load_acquire_sys(release_ptr(c.local, d, parity));
+  }
+}
+
+// What every LL kernel reads at its start (every thread): the call numbers of
+// its halves and the first release poll. Block 0's last warp then publishes
+// the release counts (block 0: the first to be resident, so a kernel whose
+// other blocks wait for peers' releases never keeps its own from being
+// published; its stall, one load of the receive counter, overlaps the loads
+// the block waits for anyway). A launch of both halves whose counters
+// disagree (a whole call issued while another call's receive was pending; the
+// host refuses that, a CUDA graph replayed over a pending hook cannot be
+// refused) is reported by block 0 (kErrorInvalid, id kOrderId).
+struct Start {
+  uint64_t send_seq;  // phases & 1
+  uint64_t recv_seq;  // the receive counter + 1
+  uint64_t release;   // release_poll (phases & 1)
+};
+__device__ __forceinline__ Start kernel_start(const LlCtx& c, int phases, uint32_t kind,
+                                              uint32_t* blocked) {
+  Start s;
+  const uint64_t done = recv_done(c);
+  s.recv_seq = done + 1;
+  s.send_seq = (phases & 1) ? send_seq(c) : 0;
+  s.release = (phases & 1) ? release_poll(c, done) : 0;
+  if (threadIdx.x == 0) *blocked = 0;
+  if (blockIdx.x == 0 && int(threadIdx.x) / 32 == kWarps - 1) publish_release(c, done);
+  if (phases == 3 && s.send_seq != s.recv_seq && blockIdx.x == 0 && threadIdx.x == 0)
+    comm::report_error(c.error, comm::kErrorInvalid, kind, c.rank, -1, kOrderId, s.recv_seq,
+                       s.send_seq);
+  return s;
 }
 
 // Where the inbox of peer `d` that this rank writes lies: the peer's recv
@@ -300,7 +489,7 @@ __device__ bool wait_flag(const LlCtx& c, int parity, int src, uint64_t seq, uin
 
 // The receive half's share of advancing the call counter: one thread per
 // block, after a barrier that follows every thread's read of the counter
-// (current_seq at kernel start). The last block's ticket advances it. Taken
+// (recv_done at kernel start). The last block's ticket advances it. Taken
 // before the copy-out / sums (not after them, at the end of the kernel, where
 // its fence and atomic round trip were the block's last ~1 us), so the round
 // trip overlaps them; the counter is read by no one else before the next
@@ -563,7 +752,8 @@ __device__ void build_message(const DispatchArgs& a, int4 raw, char* msg) {
 // than tokens, one without a token) also routes the rest of the tokens and
 // writes every inbox header (this rank's counts for the peer's experts and its
 // number of messages), then adds kArrivalsDone - messages to each counter.
-__device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t seq, char* smem) {
+__device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t seq, char* smem,
+                              uint64_t release, uint32_t* blocked) {
   const int parity = int(seq & 1);
   const int R = c.num_ranks;
   const int E = a.num_experts;
@@ -589,6 +779,8 @@ __device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t se
   for (int e = threadIdx.x; e < E; e += blockDim.x) r.hist[e] = 0;
   if (threadIdx.x < kMaxRanks) r.tpos[threadIdx.x] = 0;
   __syncthreads();
+  // Every thread has read the send counter (kernel start).
+  if (threadIdx.x == 0) advance_send(c);
   int done = 0;  // tokens [0, done) are in hist / tpos
   for (int t = blockIdx.x; t < N; t += gridDim.x) {
     const bool first = t == int(blockIdx.x);
@@ -628,11 +820,13 @@ __device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t se
     }
     if (first) stamp(c, 0, 3);
     build_message(a, row, msg);
+    // Before the block's first write: the destinations have released this half.
+    if (first) wait_release(c, seq, release, blocked, comm::kWaitLlDispatch);
     __syncthreads();
     if (first) stamp(c, 0, 4);
     if (warp < *r.nd) {
       const int d = r.dl[warp];
-      if (!is_masked(c, d)) {
+      if (can_send(c, d, blocked)) {
         char* dst =
             send_inbox(c, parity, d, a.inbox_bytes) + hdr + int64_t(r.dpos[warp]) * a.msg_bytes;
         if (first) stamp(c, 0, 11);
@@ -657,11 +851,16 @@ __device__ void dispatch_send(const LlCtx& c, const DispatchArgs& a, uint64_t se
     if (first) stamp(c, 0, 5);
   }
   if (int(blockIdx.x) == hb) {
+    if (int(blockIdx.x) >= N) {
+      // No token of its own (the loop above never ran): its release wait.
+      wait_release(c, seq, release, blocked, comm::kWaitLlDispatch);
+      __syncthreads();
+    }
     route_tokens(r, a.topk, done, N, K, E, EL, report);
     // hist / tpos now cover every token: the inbox headers, one arrival per
     // peer (so a peer with no message still publishes).
     for (int d = warp; d < R; d += kWarps) {
-      if (is_masked(c, d)) continue;
+      if (!can_send(c, d, blocked)) continue;
       int* h = reinterpret_cast<int*>(send_inbox(c, parity, d, a.inbox_bytes));
       const int nmsg = r.tpos[d];
       for (int j = lane; j < EL; j += 32) h[j] = r.hist[d * EL + j];
@@ -875,16 +1074,17 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const LlCtx& c = p.c;
   const DispatchArgs& a = p.a;
   extern __shared__ __align__(16) char smem[];
+  __shared__ uint32_t blocked;  // destinations whose release timed out (wait_release)
   stamp(c, 0, 0);
   stamp(c, 0, 1);
-  const uint64_t seq = current_seq(c);
-  if (a.phases & 1) dispatch_send(c, a, seq, smem);
+  const Start st = kernel_start(c, a.phases, comm::kWaitLlDispatch, &blocked);
+  if (a.phases & 1) dispatch_send(c, a, st.send_seq, smem, st.release, &blocked);
   if (a.phases & 2) {
     // Issued before the barrier: in a receive-only launch these loads are in
     // flight together with the call counter's.
     const FirstPoll poll = first_poll(c);
     __syncthreads();
-    dispatch_recv(c, a, seq, smem, poll);
+    dispatch_recv(c, a, st.recv_seq, smem, poll);
     __syncthreads();
     stamp(c, 0, 10);
   }
@@ -894,7 +1094,8 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
 
 // ---- combine ----------------------------------------------------------------------
 
-__device__ void combine_send(const LlCtx& c, const CombineArgs& a, uint64_t seq, char* smem) {
+__device__ void combine_send(const LlCtx& c, const CombineArgs& a, uint64_t seq, char* smem,
+                             uint64_t release, uint32_t* blocked) {
   const int parity = int(seq & 1);
   const int R = c.num_ranks;
   const int EL = a.num_experts / R;
@@ -913,6 +1114,8 @@ __device__ void combine_send(const LlCtx& c, const CombineArgs& a, uint64_t seq,
     beg[i] = int(v >> 32);
   }
   __syncthreads();
+  // Every thread has read the send counter (kernel start).
+  if (threadIdx.x == 0) advance_send(c);
   // pre[j][s]: rows of source s in the experts below j (one warp per source);
   // cum[j]: rows of the experts below j (all sources).
   for (int s = warp; s < R; s += kWarps) {
@@ -929,11 +1132,13 @@ __device__ void combine_send(const LlCtx& c, const CombineArgs& a, uint64_t seq,
     const int tot = warp_exclusive_scan(cum, cum, EL, 1, lane);
     if (lane == 0) cum[EL] = tot;
   }
+  // Before the block's first write: the destinations have released this half.
+  wait_release(c, seq, release, blocked, comm::kWaitLlCombine);
   __syncthreads();
   stamp(c, 1, 2);
   if (blockIdx.x == 0) {
     for (int s = warp; s < R; s += kWarps)
-      if (lane == 0 && !is_masked(c, s))
+      if (lane == 0 && can_send(c, s, blocked))
         arrive(c, parity, s, 1u, uint32_t(total[s] + 1), a.inbox_bytes, total[s] * row_bytes, seq);
   }
   // Row `item` goes to warp item / gridDim of block item % gridDim: every SM copies.
@@ -949,7 +1154,7 @@ __device__ void combine_send(const LlCtx& c, const CombineArgs& a, uint64_t seq,
     const int row = item - cum[j];
     int s = 0;
     while (s < R && !(beg[j * R + s] <= row && row < beg[j * R + s] + cnt[j * R + s])) ++s;
-    if (s == R || is_masked(c, s)) continue;
+    if (s == R || !can_send(c, s, blocked)) continue;
     const int64_t pos = pre[j * R + s] + (row - beg[j * R + s]);
     char* dst = send_inbox(c, parity, s, a.inbox_bytes) + pos * row_bytes;
     const char* src = reinterpret_cast<const char*>(a.x) + (int64_t(j) * RT + row) * row_bytes;
@@ -1057,15 +1262,16 @@ extern "C" __global__ void __launch_bounds__(kThreads, 1)
   const LlCtx& c = p.c;
   const CombineArgs& a = p.a;
   extern __shared__ __align__(16) char smem[];
+  __shared__ uint32_t blocked;  // destinations whose release timed out (wait_release)
   stamp(c, 1, 0);
   stamp(c, 1, 1);
-  const uint64_t seq = current_seq(c);
-  if (a.phases & 1) combine_send(c, a, seq, smem);
+  const Start st = kernel_start(c, a.phases, comm::kWaitLlCombine, &blocked);
+  if (a.phases & 1) combine_send(c, a, st.send_seq, smem, st.release, &blocked);
   if (a.phases & 2) {
     const FirstPoll poll = first_poll(c);
     __syncthreads();
     stamp(c, 1, 4);
-    combine_recv(c, a, seq, smem, poll);
+    combine_recv(c, a, st.recv_seq, smem, poll);
     __syncthreads();
     stamp(c, 1, 7);
   }

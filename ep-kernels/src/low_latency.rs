@@ -19,10 +19,26 @@ pub use crate::limits::{
 };
 /// Threads per block.
 pub const THREADS: u32 = 1024;
-/// Bytes of the flags region at the start of the buffer.
+/// Bytes of the flags region at the start of the buffer: the data flags
+/// `[2 parities][32]` u64 at 0, the release counts `[32 peers][2 parities]` u64
+/// at [`RELEASE_OFFSET`], and the outgoing values of both that the proxy copies
+/// at 2048 / 3072 (`kOutFlagsOffset`, `kOutReleaseOffset`).
 pub const FLAGS_BYTES: u64 = 4096;
-/// u32 words of the device state (`kStateWords`).
-pub const STATE_WORDS: usize = 4 + MAX_RANKS;
+/// Byte offset of the release counts in the flags region (`kReleaseOffset`):
+/// entry `[d][p]` is the number of calls of parity `p` that peer `d` has
+/// finished receiving (what a send of the next call of parity `p` waits for).
+pub const RELEASE_OFFSET: u64 = 1024;
+/// u32 words of the device state (`kStateWords`): the receive counter (u64),
+/// the receive half's ticket, one unused word, the send half's per-destination
+/// arrivals, the send counter (u64, calls `<< SEND_SHIFT`) and the receive
+/// count last published through the proxy (u64).
+pub const STATE_WORDS: usize = 8 + MAX_RANKS;
+/// The send counter counts calls in units of `1 << SEND_SHIFT` (`kSendShift`:
+/// each block of a send half adds its share).
+pub const SEND_SHIFT: u32 = 20;
+/// Bytes of static shared memory of each kernel (`blocked`, padded), next to
+/// the dynamic shared memory below.
+const STATIC_SMEM: usize = 16;
 /// Blocks and slots per kernel of the optional phase stamps (`kProfBlocks`,
 /// `kProfSlots`): slot 0 / `PROF_SLOTS - 1` globaltimer ns at a block's start /
 /// end, the others `clock64` at the phase boundaries listed in the kernel.
@@ -31,8 +47,9 @@ pub const PROF_SLOTS: usize = 16;
 /// Fixed part of a dispatch message header (`{token, n, 0, 0}`); then 8 bytes
 /// per top-k slot (`msg_header_bytes`).
 pub const HEADER_BYTES: u64 = 16;
-/// Dynamic shared memory a block may use without opting in.
-const MAX_SMEM: usize = 48 * 1024;
+/// Dynamic shared memory a block may use without opting in (48 KiB, less the
+/// kernels' static shared memory).
+const MAX_SMEM: usize = 48 * 1024 - STATIC_SMEM;
 
 /// `moelink::ll::LlCtx`.
 #[derive(Clone, Copy, Debug, Default)]
@@ -145,6 +162,11 @@ const _: () = {
     assert!(size_of::<CombineArgs>() == 80);
     assert!(size_of::<LlDispatchParams>() == 248);
     assert!(size_of::<LlCombineParams>() == 200);
+    // `kStateWords == 8 + kMaxRanks`, the send counter 8-byte aligned.
+    assert!(MAX_RANKS == 32 && STATE_WORDS == 40 && (4 + MAX_RANKS) % 2 == 0);
+    // The release counts and the outgoing values fit the flags region.
+    assert!(RELEASE_OFFSET + 16 * MAX_RANKS as u64 <= 2048);
+    assert!(3072 + 16 * MAX_RANKS as u64 <= FLAGS_BYTES);
 };
 
 /// Which halves a launch runs.
@@ -450,6 +472,21 @@ mod tests {
         assert!(s.layout(false).total < l.total);
         for o in [l.zero_copy, l.recv[0], l.recv[1], l.stage[0], l.stage[1]] {
             assert_eq!(o % 16, 0);
+        }
+    }
+
+    /// `send_share` of low_latency.cu: the shares of a grid's blocks sum to
+    /// `1 << SEND_SHIFT`, so the send counter's call number changes only with
+    /// the last block's add.
+    #[test]
+    fn send_shares_sum_to_one_call() {
+        let whole = 1u64 << SEND_SHIFT;
+        for grid in [1u64, 2, 3, 7, 33, 66, 78, 114, 132, 264, 1000, 1024] {
+            let share = |b: u64| whole / grid + u64::from(b < whole % grid);
+            let total: u64 = (0..grid).map(share).sum();
+            assert_eq!(total, whole, "grid {grid}");
+            // Any proper subset of the adds stays below one call.
+            assert!(total - share(grid - 1) < whole);
         }
     }
 

@@ -77,24 +77,44 @@ def get_low_latency_rdma_size_hint(
     return _native.low_latency_size_hint(t, h, r, e)
 
 
-class _Hook:
-    """The receive half of a low-latency call (``return_recv_hook=True``)."""
+#: Low-latency calls that may be in flight at once: a call's send while the previous
+#: call's receive hook is pending (the buffer's two halves; DeepEP's two buffers).
+MAX_LL_IN_FLIGHT = 2
 
-    def __init__(self, owner, launch, keep) -> None:
+
+class _Hook:
+    """The receive half of a low-latency call (``return_recv_hook=True``).
+
+    Hooks run in call order: the kernels number a call's receive from a device
+    counter advanced by each receive (``docs/design-low-latency.md``), so a hook
+    called while an earlier call's hook is pending raises ``RuntimeError``."""
+
+    def __init__(self, owner, launch, keep, name: str) -> None:
         self._owner = owner
         self._launch = launch
         self._keep = keep
+        self.name = name
         self.called = False
+
+    def __repr__(self) -> str:
+        state = "called" if self.called else "pending"
+        return f"<low-latency receive hook of {self.name}, {state}>"
 
     def __call__(self) -> None:
         if self.called:
-            raise RuntimeError("this low-latency receive hook was already called")
-        ll = self._owner._ll_native()
+            raise RuntimeError(f"the low-latency receive hook of {self.name} was already called")
+        owner = self._owner
+        pending = owner._ll_pending
+        if self in pending and pending[0] is not self:
+            raise RuntimeError(
+                f"low-latency receive hooks run in call order: the hook of {pending[0].name} "
+                f"is pending; call it before the hook of {self.name}"
+            )
+        ll = owner._ll_native()
         ll.check_device_timeout("low_latency")
-        self._launch(current_raw_stream(self._owner.device.index))
+        self._launch(current_raw_stream(owner.device.index))
         self.called = True
-        if self._owner._ll_pending is self:
-            self._owner._ll_pending = None
+        owner._ll_pending = tuple(h for h in owner._ll_pending if h is not self)
         self._keep = None
         # What a kernel recorded (an expert id out of range, in this call or an
         # earlier one): raised once the receive half is launched, so the ranks
@@ -106,7 +126,10 @@ class LowLatencyMixin:
     """Methods of ``Buffer`` for ``low_latency_mode=True`` (mixed into ``Buffer``)."""
 
     _ll = None
-    _ll_pending = None
+    #: Receive hooks not yet called, oldest first (at most MAX_LL_IN_FLIGHT).
+    _ll_pending: tuple = ()
+    #: Low-latency calls issued (names the hooks in errors).
+    _ll_calls = 0
 
     @staticmethod
     def get_low_latency_rdma_size_hint(
@@ -125,18 +148,39 @@ class LowLatencyMixin:
         return self._ll
 
     def _ll_begin(self, async_finish: bool, return_recv_hook: bool):
+        """Checks that a low-latency call may start now. Two calls may be in flight:
+        the send of a call with ``return_recv_hook=True`` while the previous call's
+        receive hook is pending (SGLang's two-batch overlap); a third, or a call
+        without a hook (its receive runs at once, before the pending one's), while a
+        hook is pending raises ``RuntimeError`` naming that hook."""
         ll = self._ll_native()
         if async_finish and return_recv_hook:
             raise ValueError("async_finish and return_recv_hook cannot both be True")
         pending = self._ll_pending
-        if pending is not None and not pending.called:
+        if len(pending) >= MAX_LL_IN_FLIGHT:
+            names = " and ".join(h.name for h in pending)
             raise RuntimeError(
-                "the receive hook of the previous low-latency call has not run: call it "
-                "before the next low-latency call"
+                f"the receive hooks of {names} have not run: at most {MAX_LL_IN_FLIGHT} "
+                f"low-latency calls may be in flight (the buffer has two halves); call the "
+                f"hook of {pending[0].name} before the next low-latency call"
+            )
+        if pending and not return_recv_hook:
+            raise RuntimeError(
+                f"the receive hook of {pending[0].name} has not run: a low-latency call "
+                f"without return_recv_hook=True cannot overlap it (its receive would run "
+                f"before the pending one's); call the hook first, or pass "
+                f"return_recv_hook=True"
             )
         # A timed-out wait leaves the ranks out of step: raise before launching.
         ll.check_device_timeout("low_latency")
         return ll
+
+    def _ll_hook(self, kind: str, launch, keep) -> _Hook:
+        """The receive hook of the call just launched (pending until called)."""
+        self._ll_calls += 1
+        hook = _Hook(self, launch, keep, f"low-latency {kind} call #{self._ll_calls}")
+        self._ll_pending = (*self._ll_pending, hook)
+        return hook
 
     def _ll_stream(self, async_finish: bool):
         """(stream, raw handle, allocation context) of a call: the communication
@@ -244,8 +288,9 @@ class LowLatencyMixin:
                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)  # fmt: skip
         hook = None
         if return_recv_hook:
-            hook = _Hook(self, lambda s: launch(s, _RECV), keep)
-            self._ll_pending = hook
+            hook = self._ll_hook("dispatch", lambda s: launch(s, _RECV), keep)
+        else:
+            self._ll_calls += 1
         event = self._ll_finish(stream, async_finish, keep)
         if hook is None:
             ll.check_device("low_latency")  # after the launch (see _Hook.__call__)
@@ -283,7 +328,10 @@ class LowLatencyMixin:
 
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
         """The bf16 ``[E_local, R*T, H]`` view of the buffer ``low_latency_combine(...,
-        zero_copy=True)`` reads: write the expert outputs here, then combine."""
+        zero_copy=True)`` reads: write the expert outputs here, then combine. One region
+        per buffer (not one per half): with two calls in flight, write it for a call
+        only after the other call's zero-copy combine was issued (its send reads it, in
+        stream order)."""
         ll = self._ll_native()
         p = _native.ll_handle_plan(self.group_size, device_index(self.device),
                                    _ll_handle_arg(handle))  # fmt: skip
@@ -344,8 +392,9 @@ class LowLatencyMixin:
                 combine_wait_recv_cost_stats)  # fmt: skip
         hook = None
         if return_recv_hook:
-            hook = _Hook(self, lambda s: launch(s, _RECV), keep)
-            self._ll_pending = hook
+            hook = self._ll_hook("combine", lambda s: launch(s, _RECV), keep)
+        else:
+            self._ll_calls += 1
         event = self._ll_finish(stream, async_finish, keep)
         if hook is None:
             ll.check_device("low_latency")  # after the launch (see _Hook.__call__)
@@ -362,8 +411,9 @@ class LowLatencyMixin:
         ll = self._ll_native()
         _ll_geometry(self.group_size, num_max_dispatch_tokens_per_rank, hidden, num_experts,
                      "group size")  # fmt: skip
-        if self._ll_pending is not None and not self._ll_pending.called:
-            raise RuntimeError("a low-latency receive hook is pending: call it first")
+        if self._ll_pending:
+            names = " and ".join(h.name for h in self._ll_pending)
+            raise RuntimeError(f"the low-latency receive hook of {names} is pending: call it first")
         torch.cuda.synchronize(self.device)
         ll.clean()
 

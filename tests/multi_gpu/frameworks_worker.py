@@ -1378,10 +1378,11 @@ def scenario_sglang_tbo(ctx: Ctx) -> None:
     """Two-batch overlap in decode (operations_strategy, tbo_delta_stages=2): two
     dispatchers with return_recv_hook share the Buffer, and micro-batch B's
     dispatch send is issued while A's combine hook is still pending (DeepEP's two
-    low-latency buffers allow it). moelink either runs it (both results exact) or
-    refuses B's send with a RuntimeError on every rank before launching, after
-    which A completes, B runs, and both are exact."""
-    chk, R, r, dev = ctx.chk, ctx.world, ctx.rank, ctx.device
+    low-latency buffers allow it; moelink's two buffer halves, numbered by a send
+    and a receive counter on the device, too). Both micro-batches must come out
+    exact; a refusal of B's send fails the scenario (after A is completed, so that
+    the ranks stay in step)."""
+    R, r, dev = ctx.world, ctx.rank, ctx.device
     E = EXPERTS_PER_RANK * R
     hidden, t, k = 2048, SGLANG_LL_MAX_TOKENS, 8
     try:
@@ -1421,22 +1422,16 @@ def scenario_sglang_tbo(ctx: Ctx) -> None:
         except RuntimeError as e:
             refused = str(e)
         said = gathered(ctx, refused)
-        if len({x is None for x in said}) != 1:
-            raise RuntimeError(f"ranks disagree on refusing B's dispatch: {said}")
-        if refused is not None:
-            chk.expect("hook" in refused, f"the refusal does not name the pending hook: {refused}")
-            ctx.note(
-                f"SGLang two-batch overlap (a second low-latency send while a hook is "
-                f"pending) is refused: {one_line(refused)}"
+        if any(x is not None for x in said):
+            if refused is not None:
+                finish("A", a, comb_a)  # the ranks that refused complete A
+            raise RuntimeError(
+                f"B's dispatch send with A's combine hook pending was refused (two "
+                f"low-latency calls in flight must run): {[one_line(x) if x else x for x in said]}"
             )
-            finish("A", a, comb_a)  # A, stage 4: combine_b
-            state_b = dispatch_a("B", b)
-            comb_b = experts_and_combine_a("B", b, state_b)
-            finish("B", b, comb_b)
-        else:
-            finish("A", a, comb_a)  # A, stage 4: combine_b
-            comb_b = experts_and_combine_a("B", b, state_b)  # B, stage 3
-            finish("B", b, comb_b)  # B, stage 4
+        finish("A", a, comb_a)  # A, stage 4: combine_b
+        comb_b = experts_and_combine_a("B", b, state_b)  # B, stage 3
+        finish("B", b, comb_b)  # B, stage 4
     finally:
         SglDeepEPBuffer.reset(ctx)
 

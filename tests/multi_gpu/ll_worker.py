@@ -44,6 +44,7 @@ SCENARIO_NAMES = (
     "proxy_loose",
     "invalid_args",
     "cuda_graph",
+    "overlap",
     "masked_rank",
     "timeout_mask",
     "timeout_poison",
@@ -445,13 +446,16 @@ def scenario_proxy_loose(ctx: Ctx, buf) -> None:
 
 def proxy_state(ctx: Ctx, pbuf) -> str:
     """Every rank's flags (incoming, [parity][source]; outgoing values the proxy
-    copies, [parity][destination]) and its proxy's progress, one line per rank
-    (collective over gloo): tells a lost trigger from a copy that never ran."""
+    copies, [parity][destination]), release counts (incoming, [peer][parity]) and its
+    proxy's progress, one line per rank (collective over gloo): tells a lost trigger
+    from a copy that never ran."""
     r = ctx.size
     flags = pbuf.get_local_buffer_tensor(torch.int64, use_rdma_buffer=True)
     inc = flags[: 2 * 32].view(2, 32)[:, :r].cpu().tolist()
+    rel = flags[128 : 128 + 2 * 32].view(32, 2)[:r].cpu().tolist()
     out = flags[256 : 256 + 2 * 32].view(2, 32)[:, :r].cpu().tolist()
-    mine = f"rank {ctx.rank}: in {inc} out {out} proxy {pbuf._ll.proxy_progress()}"
+    mine = (f"rank {ctx.rank}: in {inc} out {out} released {rel} "
+            f"proxy {pbuf._ll.proxy_progress()}")  # fmt: skip
     lines = [None] * ctx.size
     dist.all_gather_object(lines, mine)
     return "\n".join(lines)
@@ -593,6 +597,209 @@ def scenario_cuda_graph(ctx: Ctx, buf) -> None:
             graph.replay()
     torch.cuda.synchronize(dev)
     del graph
+
+
+# ----- two calls in flight (SGLang's two-batch overlap) ---------------------------------
+
+#: GPU cycles the late ranks of ``overlap`` sleep before A's combine hook (about
+#: 25 ms): the others' B combine send then waits for their release of A's half.
+OVERLAP_SKEW_CYCLES = 50_000_000
+
+
+def spoil(t: torch.Tensor) -> None:
+    """Overwrite ``t`` (any layout) with POISON_BYTE bytes, in place."""
+    ints = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    t.view(ints).fill_(int.from_bytes(bytes([POISON_BYTE]) * t.element_size(), "little",
+                                      signed=True))  # fmt: skip
+
+
+class _Overlap:
+    """Micro-batches A (fp8) and B (bf16) in SGLang's two-batch-overlap order (decode,
+    ``tbo_delta_stages=2``), every call with a receive hook:
+
+        A dispatch send, A hook, A experts, A combine send,
+        B dispatch send            <- A's combine hook still pending (two in flight)
+        [late ranks sleep on the GPU]
+        A combine hook, B dispatch hook, B experts, B combine send, B combine hook
+
+    ``run`` issues the sequence with no host synchronisation (the steps meet on gloo
+    only, so the ranks' GPUs stay skewed), capturable in a CUDA graph; ``check``
+    compares both micro-batches with the reference."""
+
+    FP8 = {"A": True, "B": False}
+
+    def __init__(self, ctx: Ctx, b, tag: str, t: int, e: int, *, skew: bool, zc_b: bool,
+                 out_a: bool) -> None:  # fmt: skip
+        r, dev = ctx.rank, ctx.device
+        self.ctx, self.b, self.tag, self.t, self.e = ctx, b, tag, t, e
+        self.skew = skew and ctx.size > 1 and r % 2 == 1
+        self.zc_b, self.out_a = zc_b, out_a
+        h, k, el = 2048, 4, e // ctx.size
+        self.inputs = {m: make_inputs(ctx, f"{tag}/{m}", t, h, e, k) for m in "AB"}
+        self.dev_in = {m: tuple(a.to(dev) for a in self.inputs[m][r]) for m in "AB"}
+        self.noise = {
+            m: (torch.randn(el, ctx.size * t, h, generator=ctx.gen(f"{tag}/{m}/y", r)) * 0.01)
+            .to(torch.bfloat16).to(dev)
+            for m in "AB"
+        }  # fmt: skip
+        n_a = self.dev_in["A"][0].shape[0]
+        self.out = torch.empty(n_a, h, dtype=torch.bfloat16, device=dev) if out_a else None
+        self.res = {}
+
+    def step(self, fn):
+        # The ranks meet on gloo (no GPU synchronisation) and raise together.
+        return worker_driver.in_step(fn, self.ctx.gloo)
+
+    def dispatch_send(self, m: str):
+        x, idx, _ = self.dev_in[m]
+        return self.step(lambda: self.b.low_latency_dispatch(
+            x, idx, self.t, self.e, use_fp8=self.FP8[m], return_recv_hook=True))  # fmt: skip
+
+    def experts(self, m: str, recv) -> torch.Tensor:
+        recv_x, scales = recv if self.FP8[m] else (recv, None)
+        y = dequant(recv_x, scales, self.FP8[m], False)
+        return (y.float() + self.noise[m].float()).to(torch.bfloat16)
+
+    def combine_send(self, m: str, y, handle):
+        _, idx, w = self.dev_in[m]
+        zc = m == "B" and self.zc_b
+        if zc:
+            self.b.get_next_low_latency_combine_buffer(handle).copy_(y)
+        out = self.out if m == "A" else None
+        return self.step(lambda: self.b.low_latency_combine(
+            y, idx, w, handle, zero_copy=zc, return_recv_hook=True, out=out))  # fmt: skip
+
+    def run(self, refusals: bool = False) -> None:
+        recv_a, cnt_a, h_a, _, hk = self.dispatch_send("A")
+        hk()
+        y_a = self.experts("A", recv_a)
+        comb_a, _, hk_ca = self.combine_send("A", y_a, h_a)
+        recv_b, cnt_b, h_b, _, hk_db = self.dispatch_send("B")
+        if refusals:
+            self.refusals(hk_ca, hk_db, h_b)
+        if self.skew:
+            torch.cuda._sleep(OVERLAP_SKEW_CYCLES)
+        hk_ca()
+        hk_db()
+        y_b = self.experts("B", recv_b)
+        comb_b, _, hk_cb = self.combine_send("B", y_b, h_b)
+        hk_cb()
+        self.res = {"A": (recv_a, cnt_a, h_a, y_a, comb_a), "B": (recv_b, cnt_b, h_b, y_b, comb_b)}
+
+    def refusals(self, hk_ca, hk_db, h_b) -> None:
+        """With two hooks pending: a third call (with a hook or without) raises
+        RuntimeError naming the oldest pending hook, and so does B's hook called
+        before A's; nothing is launched."""
+        ctx, b = self.ctx, self.b
+        x, idx, w = self.dev_in["B"]
+        for label, fn in (
+            ("third dispatch", lambda: b.low_latency_dispatch(x, idx, self.t, self.e,
+                                                              return_recv_hook=True)),
+            ("third call without hook", lambda: b.low_latency_dispatch(x, idx, self.t, self.e)),
+            ("third combine", lambda: b.low_latency_combine(
+                torch.zeros_like(self.noise["B"]), idx, w, h_b, return_recv_hook=True)),
+            ("hook out of order", hk_db),
+        ):  # fmt: skip
+            try:
+                fn()
+            except RuntimeError as ex:
+                if hk_ca.name not in str(ex) or "hook" not in str(ex):
+                    ctx.fail(f"{self.tag}: {label}: the refusal does not name {hk_ca.name}: {ex}")
+                continue
+            except Exception as ex:  # noqa: BLE001
+                ctx.fail(f"{self.tag}: {label}: raised {type(ex).__name__}: {ex}")
+                continue
+            ctx.fail(f"{self.tag}: {label} with two hooks pending did not raise RuntimeError")
+        if hk_db.called or hk_ca.called:
+            ctx.fail(f"{self.tag}: a refused hook ran")
+
+    def spoil_outputs(self) -> None:
+        for recv, cnt, handle, _, comb in self.res.values():
+            for tensor in (*(recv if isinstance(recv, tuple) else (recv,)), cnt, handle[0],
+                           handle[1], comb):  # fmt: skip
+                spoil(tensor)
+
+    def check(self, label: str, inputs=None) -> None:
+        ctx, r = self.ctx, self.ctx.rank
+        torch.cuda.synchronize(ctx.device)
+        inputs = inputs or self.inputs
+        for m in "AB":
+            recv, cnt, handle, y, comb = self.res[m]
+            inp = inputs[m]
+            ref = reference.ll_dispatch([i[0] for i in inp], [i[1] for i in inp], self.t,
+                                        self.e, self.FP8[m], rank=r)  # fmt: skip
+            recv_x, scales = recv if self.FP8[m] else (recv, None)
+            check_dispatch(ctx, f"{label} {m}", ((recv_x, scales), cnt, handle), ref[r], r,
+                           self.FP8[m], False)  # fmt: skip
+            if m == "A" and self.out is not None and comb.data_ptr() != self.out.data_ptr():
+                ctx.fail(f"{label} A: combine did not write into out=")
+            want = reference_combine(ctx, y, cnt, handle, inp, self.t, self.e)
+            got = comb.cpu()
+            if not torch.equal(got.view(torch.int16), want.view(torch.int16)):
+                bad = (got.view(torch.int16) != want.view(torch.int16)).nonzero()
+                ctx.fail(f"{label} {m}: combine differs from the reference at "
+                         f"{bad[0].tolist()} ({len(bad)} elements)")  # fmt: skip
+
+
+def scenario_overlap(ctx: Ctx, buf) -> None:
+    """SGLang's two-batch overlap (``_Overlap``): micro-batch B's dispatch send while
+    A's combine hook is pending, the odd ranks late on the GPU before A's combine hook;
+    both micro-batches exact (dispatch and combine against the reference, outputs
+    poisoned first). With two hooks pending, a third call and an out-of-order hook
+    raise RuntimeError naming the pending hook. Over NVLink (B's combine zero-copy,
+    A's into out=) and through the proxy, then the NVLink sequence captured in a CUDA
+    graph, replayed with the late ranks and changing inputs (outputs spoiled before
+    each checked replay)."""
+    dev, r = ctx.device, ctx.rank
+    e, t = 8 * ctx.size, 32
+    poison(dev, ctx.ranks_per_gpu)
+    ov = _Overlap(ctx, buf, "overlap", t, e, skew=True, zc_b=True, out_a=True)
+    ov.run(refusals=True)
+    ov.check("overlap nvlink")
+    with own_buffer(ctx, t=t, h=2048, e=e, allow_nvlink_for_low_latency_mode=False) as pbuf:
+        poison(dev, ctx.ranks_per_gpu)
+        pov = _Overlap(ctx, pbuf, "overlap-proxy", t, e, skew=True, zc_b=False, out_a=False)
+        pov.run()
+        pov.check("overlap proxy")
+        torch.cuda.synchronize(dev)
+        pbuf.check()
+    # The same sequence in a CUDA graph (warmed up by the eager run above).
+    gov = _Overlap(ctx, buf, "overlap-graph", t, e, skew=True, zc_b=False, out_a=True)
+    gov.run()
+    gov.check("overlap graph warm-up")
+    s = torch.cuda.Stream(dev)
+    s.wait_stream(torch.cuda.current_stream(dev))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(s):
+        torch.cuda.synchronize(dev)
+        with torch.cuda.graph(graph, stream=s):
+            gov.run()
+    torch.cuda.synchronize(dev)
+    if buf._ll_pending:
+        ctx.fail(f"overlap graph: hooks pending after the capture: {buf._ll_pending}")
+    for it in range(6):
+        if it in (0, 3, 5):
+            inputs = {}
+            for m in "AB":
+                inp = []
+                for q in range(ctx.size):
+                    x0, idx, w = gov.inputs[m][q]
+                    g = ctx.gen(f"overlap-graph{it}/{m}", q)
+                    xq = (torch.randn(x0.shape, generator=g) * (it + 1)).to(torch.bfloat16)
+                    inp.append((xq, idx, w))
+                inputs[m] = inp
+                gov.dev_in[m][0].copy_(inp[r][0].to(dev))
+            gov.spoil_outputs()
+            torch.cuda.synchronize(dev)
+            dist.barrier(group=ctx.gloo)
+            graph.replay()
+            gov.check(f"overlap graph replay {it}", inputs)
+        else:
+            dist.barrier(group=ctx.gloo)
+            graph.replay()
+    torch.cuda.synchronize(dev)
+    del graph
+    buf.check()
 
 
 def scenario_masked_rank(ctx: Ctx, buf) -> None:

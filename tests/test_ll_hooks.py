@@ -1,0 +1,129 @@
+"""Receive hooks of the low-latency calls on a CPU Buffer (the native part a stand-in
+that records launches): two calls may be in flight (a send while the previous call's
+hook is pending: SGLang's two-batch overlap), a third is refused naming the pending
+hooks, a call without a hook cannot overlap one, hooks run in call order, and
+``clean_low_latency_buffer`` waits for none. The GPU side (both micro-batches exact):
+``tests/multi_gpu/ll_worker.py`` scenario ``overlap`` and
+``tests/multi_gpu/frameworks_worker.py`` scenario ``sglang_tbo``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.cpu_buffer import cpu_buffer
+
+R, H, E, K, T = 4, 256, 16, 4, 16
+SEND, RECV, BOTH = 1, 2, 3
+
+
+@pytest.fixture
+def buf(monkeypatch):
+    return cpu_buffer(monkeypatch, R)
+
+
+def inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices
+    return x, idx, torch.rand(T, K, generator=g)
+
+
+def launches(buf):
+    """(kernel, phases) of every low-latency launch so far."""
+    return [(name, a[-1]) for name, a in buf._ll.calls if name in ("ll_dispatch", "ll_combine")]
+
+
+def dispatch(buf, hook=True, **kw):
+    x, idx, _ = inputs()
+    return buf.low_latency_dispatch(x, idx, T, E, use_fp8=False, return_recv_hook=hook, **kw)
+
+
+def combine(buf, handle, hook=True):
+    _, idx, w = inputs()
+    y = torch.zeros(E // R, R * T, H, dtype=torch.bfloat16)
+    return buf.low_latency_combine(y, idx, w, handle, return_recv_hook=hook)
+
+
+def test_sglang_two_batch_overlap_runs_in_order(buf):
+    # A: dispatch (send, hook), combine send; B's dispatch send with A's combine
+    # hook pending; then A's hook, B's hook, B's combine.
+    _, _, ha, _, hook = dispatch(buf)
+    hook()
+    _, _, comb_a = combine(buf, ha)
+    _, _, hb, _, disp_b = dispatch(buf)
+    assert len(buf._ll_pending) == 2
+    comb_a()
+    disp_b()
+    _, _, comb_b = combine(buf, hb)
+    comb_b()
+    assert buf._ll_pending == ()
+    assert launches(buf) == [
+        ("ll_dispatch", SEND), ("ll_dispatch", RECV), ("ll_combine", SEND),
+        ("ll_dispatch", SEND), ("ll_combine", RECV), ("ll_dispatch", RECV),
+        ("ll_combine", SEND), ("ll_combine", RECV),
+    ]  # fmt: skip
+
+
+def test_a_third_call_in_flight_is_refused_naming_the_hooks(buf):
+    _, _, _, _, a = dispatch(buf)
+    _, _, _, _, b = dispatch(buf)
+    n = len(launches(buf))
+    for hook in (True, False):
+        with pytest.raises(RuntimeError, match="at most 2 low-latency calls") as e:
+            dispatch(buf, hook=hook)
+        assert a.name in str(e.value) and b.name in str(e.value) and "hook" in str(e.value)
+    with pytest.raises(RuntimeError, match=a.name):
+        combine(buf, _handle(buf))
+    assert len(launches(buf)) == n  # nothing launched
+    a()
+    _, _, _, _, c = dispatch(buf)  # one in flight again: allowed
+    b()
+    c()
+
+
+def _handle(buf):
+    """A valid handle without a call (for a combine that must be refused first)."""
+    return (
+        torch.zeros(E // R, R * T, dtype=torch.int32),
+        torch.zeros(E // R, R, dtype=torch.int64),
+        T, H, E,
+    )  # fmt: skip
+
+
+def test_a_call_without_hook_cannot_overlap_a_pending_one(buf):
+    _, _, handle, _, a = dispatch(buf)
+    with pytest.raises(RuntimeError, match="receive hook of low-latency dispatch call #1"):
+        dispatch(buf, hook=False)
+    with pytest.raises(RuntimeError, match="return_recv_hook=True"):
+        combine(buf, handle, hook=False)
+    a()
+    combine(buf, handle, hook=False)  # nothing pending: a whole call
+
+
+def test_hooks_out_of_order_are_refused(buf):
+    _, _, _, _, a = dispatch(buf)
+    _, _, _, _, b = dispatch(buf)
+    n = len(launches(buf))
+    with pytest.raises(RuntimeError, match="call order") as e:
+        b()
+    assert a.name in str(e.value)
+    assert len(launches(buf)) == n and not b.called
+    a()
+    b()
+    with pytest.raises(RuntimeError, match="already called"):
+        a()
+    assert launches(buf)[-2:] == [("ll_dispatch", RECV), ("ll_dispatch", RECV)]
+
+
+def test_clean_refuses_while_a_hook_is_pending(buf):
+    _, _, _, _, a = dispatch(buf)
+    with pytest.raises(RuntimeError, match="pending: call it first"):
+        buf.clean_low_latency_buffer(T, H, E)
+    a()
+
+
+def test_hook_and_async_finish_still_exclusive(buf):
+    with pytest.raises(ValueError, match="cannot both be True"):
+        dispatch(buf, async_finish=True)
+    assert buf._ll_pending == ()
