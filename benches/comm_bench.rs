@@ -1309,6 +1309,8 @@ fn fresh_seed() -> u64 {
     t ^ ((std::process::id() as u64) << 32) ^ 0xD1B5_4A32_D192_ED03
 }
 
+/// This rank's GPU: `LOCAL_RANK` (else `RANK`) modulo the visible GPUs, so ranks
+/// share GPUs where they outnumber them (as `python -m moelink.launch` places them).
 fn device_ordinal() -> Result<i32> {
     let (name, v) = match std::env::var("LOCAL_RANK") {
         Ok(v) => ("LOCAL_RANK", v),
@@ -1317,9 +1319,12 @@ fn device_ordinal() -> Result<i32> {
             std::env::var("RANK").context("LOCAL_RANK is not set")?,
         ),
     };
-    v.trim()
+    let local: i32 = v
+        .trim()
         .parse()
-        .with_context(|| format!("{name}={v:?} is not a GPU ordinal"))
+        .with_context(|| format!("{name}={v:?} is not a GPU ordinal"))?;
+    let visible = comm::cuda::device_count().max(1) as i32;
+    Ok(local % visible)
 }
 
 fn run(args: &Args) -> Result<()> {
