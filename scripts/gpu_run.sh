@@ -10,6 +10,7 @@
 # tool brings back at most 8 files), next to machine.txt and summary.json.
 # GPU_RUN_PYTEST_ARGS narrows pytest (e.g. "-k peer");
 # GPU_RUN_EXTRA is a command run last (benchmarks), its output logged as extra.log.
+# GPU_RUN_INTERNODE="4:2 8:4 ..." adds the internode splits (RANKS:RANKS_PER_NODE).
 # GPU_RUN_TIMESLICE=1 adds comm, intranode, low-latency and allreduce at 2 ranks
 # without MPS (steps timeslice-*-2). GPU_RUN_UNFUSED=1 adds the intranode suite on
 # the separate (unfused) send / receive kernels (steps intranode-unfused-N).
@@ -101,6 +102,16 @@ for n in $RANKS; do
   # The Rust tch API (moelink-tch/scripts/gpu_build.sh put its binaries in .gpu/tch):
   # the MoE-layer example and the bit-for-bit parity test against the Python API.
   [ -x .gpu/tch/moe_layer ] && run "tch-$n" 400 bash moelink-tch/scripts/gpu_run.sh "$n"
+done
+# The internode path on emulated nodes (ranks sharing GPUs, every cross-node byte
+# through the proxy): GPU_RUN_INTERNODE lists RANKS:RANKS_PER_NODE[:TRANSPORT]
+# splits (e.g. "4:2 8:4 8:2 4:2:ethernet"); each runs the intranode suite, which
+# then takes the internode path (tests/multi_gpu/intranode_worker.py).
+for split in ${GPU_RUN_INTERNODE:-}; do
+  IFS=: read -r xn xl xt <<< "$split"
+  run "internode-$((xn / xl))x${xl}${xt:+-$xt}" 500 env MOELINK_RANKS_PER_NODE="$xl" \
+    ${xt:+MOELINK_INTERNODE_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 480 \
+    tests/multi_gpu/intranode_worker.py
 done
 # MOELINK_TRAP_ON_TIMEOUT=1 (2 ranks, no MPS: a trap under MPS takes down every
 # rank on the GPU): a device timeout traps the kernel.

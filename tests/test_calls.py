@@ -243,7 +243,7 @@ def test_cached_dispatch_refuses(buf, layout):
         buf.dispatch(x, handle=handle, topk_weights=w)
     with pytest.raises(ValueError, match="x has 8 tokens but the handle was made for 32"):
         buf.dispatch(x[:8], handle=handle)
-    with pytest.raises(ValueError, match="handle must be the 6-tuple"):
+    with pytest.raises(ValueError, match="handle must be the tuple a dispatch returned"):
         buf.dispatch(x, handle=handle[:5])
     bad = (handle[0].long(), *handle[1:])
     with pytest.raises(DtypeError, match=r"handle\[0\] \(rank_prefix_matrix\) must have dtype"):
@@ -316,7 +316,7 @@ def test_combine_refuses(buf, dispatched):
         buf.combine(None, handle)
     with pytest.raises(ValueError, match=r"topk_weights must be \[5, K\] with 1 <= K <= 32"):
         buf.combine(recv_x, handle, topk_weights=torch.rand(ROWS, 33))
-    with pytest.raises(ValueError, match="handle must be the 6-tuple"):
+    with pytest.raises(ValueError, match="handle must be the tuple a dispatch returned"):
         buf.combine(recv_x, None)
 
 
@@ -452,9 +452,9 @@ def test_the_plans_encode_rows_and_devices_as_documented():
             r"^low_latency_mode=True needs num_rdma_bytes > 0",
         ),
         (
-            {"num_rdma_bytes": 128},
+            {"num_rdma_bytes": 100},
             ValueError,
-            r"^num_rdma_bytes must be 0 without low_latency_mode",
+            r"^num_rdma_bytes must be a multiple of 128",
         ),
     ],
 )
@@ -469,8 +469,15 @@ def test_buffer_arguments_are_refused_before_any_cuda_use(kwargs, exc, match):
 
 def test_buffer_options_plan():
     plan = _native.buffer_options_plan(1 << 20, 1 << 30, True, 24, True)
-    assert plan == {"num_nvl_bytes": 1 << 20, "num_ll_bytes": 1 << 30}
+    assert plan == {"num_nvl_bytes": 1 << 20, "num_ll_bytes": 1 << 30, "num_internode_bytes": 0}
     assert _native.buffer_options_plan(0, 0, False, 1, False) == {
         "num_nvl_bytes": 0,
         "num_ll_bytes": 0,
+        "num_internode_bytes": 0,
+    }
+    # Outside low-latency mode num_rdma_bytes sizes the internode part.
+    assert _native.buffer_options_plan(1 << 20, 1 << 24, False, 1, False) == {
+        "num_nvl_bytes": 1 << 20,
+        "num_ll_bytes": 0,
+        "num_internode_bytes": 1 << 24,
     }

@@ -261,11 +261,24 @@ def test_nvl_hint_rejects_bad_arguments(args, kwargs, match):
         Config().get_nvl_buffer_size_hint(*args, **kwargs)
 
 
-def test_rdma_hint_is_zero_for_now():
+def test_rdma_hint_is_zero_within_a_node_and_covers_the_internode_regions():
     c = Config()
     for hidden_bytes in (256, 14336):
-        for ranks in (1, 2, 8, 16, 32):
-            assert c.get_rdma_buffer_size_hint(hidden_bytes, ranks) == 0
+        for ranks in (1, 2, 8):
+            assert c.get_rdma_buffer_size_hint(hidden_bytes, ranks, ranks_per_node=8) == 0
+    # Across nodes: 64 KiB of staging + two halves of T * (R + 2N) records of the
+    # NVLink slot plus 4L + 16 bytes (ep_core::calls::rdma_buffer_size_hint).
+    slot = max(moelink.config.token_record_bytes(1024), moelink.config.combine_record_bytes(1024))
+    for ranks, per_node in ((4, 2), (8, 4), (8, 2), (6, 2)):
+        nodes = ranks // per_node
+        want = 2 * 100 * (ranks + 2 * nodes) * (slot + 4 * per_node + 16) + 65536
+        want = (want + 127) // 128 * 128
+        got = c.get_rdma_buffer_size_hint(
+            1024, ranks, max_tokens_per_rank=100, ranks_per_node=per_node
+        )
+        assert got == want, (ranks, per_node)
+    with pytest.raises(ValueError, match="ranks_per_node 4 does not divide num_ranks 6"):
+        c.get_rdma_buffer_size_hint(1024, 6, ranks_per_node=4)
     with pytest.raises(ValueError, match="num_ranks must be positive"):
         c.get_rdma_buffer_size_hint(1024, 0)
     with pytest.raises(ValueError, match="num_ranks must be <= 32"):

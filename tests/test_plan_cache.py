@@ -175,7 +175,7 @@ def test_intranode_wrong_arguments_after_cached_calls_still_raise(buf):
         buf.dispatch(x[:8], handle=handle)
     with pytest.raises(ValueError, match="rows dispatch delivered"):
         buf.combine(recv_x[:1], handle)
-    with pytest.raises(ValueError, match="handle must be the 6-tuple"):
+    with pytest.raises(ValueError, match="handle must be the tuple a dispatch returned"):
         buf.combine(recv_x, handle[:5])
     with pytest.raises(ValueError, match="bias"):
         buf.combine(recv_x, handle, bias=(x, x, x))

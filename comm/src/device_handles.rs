@@ -41,6 +41,9 @@ pub enum WaitKind {
     InvalidExpertId = 9,
     IntranodeDispatch = 10,
     IntranodeCombine = 11,
+    InternodeChunk = 12,
+    InternodeLocal = 13,
+    InternodeForward = 14,
 }
 
 impl WaitKind {
@@ -57,6 +60,9 @@ impl WaitKind {
             9 => Self::InvalidExpertId,
             10 => Self::IntranodeDispatch,
             11 => Self::IntranodeCombine,
+            12 => Self::InternodeChunk,
+            13 => Self::InternodeLocal,
+            14 => Self::InternodeForward,
             _ => return None,
         })
     }
@@ -89,6 +95,18 @@ impl WaitKind {
             Self::IntranodeCombine => {
                 "an intranode combine record (fused kernel; slot in `id`; expected: the \
                  call's flag, observed: the record's flag)"
+            }
+            Self::InternodeChunk => {
+                "a chunk of the peer's cross-node stream (port-channel signal; chunk in `id`; \
+                 expected: chunks, observed: chunks landed)"
+            }
+            Self::InternodeLocal => {
+                "this rank's own warps to fill a chunk of a cross-node stream (node << 32 | \
+                 chunk in `id`; expected: records, observed: records written)"
+            }
+            Self::InternodeForward => {
+                "an internode combine row for the forwarder (source token in `id`; expected: \
+                 the call's flag, observed: the row's flag)"
             }
         }
     }

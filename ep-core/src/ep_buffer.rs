@@ -24,6 +24,7 @@ use ep_kernels::intranode::CTRL_BYTES;
 use ep_kernels::low_latency::FLAGS_BYTES;
 use ep_kernels::DeviceKernels;
 
+use crate::internode::InternodeBuffer;
 use crate::intranode::IntranodeBuffer;
 use crate::limits::MAX_RANKS;
 use crate::low_latency::{LowLatencyBuffer, LowLatencyOptions};
@@ -69,7 +70,10 @@ impl PartKind {
     /// ask for.
     fn args(self, opts: &EpBufferOptions) -> (usize, i64) {
         match self {
-            PartKind::Intranode => (opts.num_nvl_bytes, opts.device_timeout_ns),
+            PartKind::Intranode => (
+                opts.num_nvl_bytes + opts.num_internode_bytes,
+                opts.device_timeout_ns,
+            ),
             PartKind::LowLatency => (opts.num_ll_bytes, opts.low_latency.device_timeout_ns),
         }
     }
@@ -139,6 +143,12 @@ impl PartBase {
         kind.check_args(group.size(), opts)?;
         let copts = CommunicatorOptions {
             timeout: opts.timeout,
+            ethernet: match kind {
+                PartKind::Intranode if opts.num_internode_bytes > 0 => {
+                    crate::internode::ethernet_receiver()?
+                }
+                _ => None,
+            },
             ..CommunicatorOptions::default()
         };
         let mut member = group.join(&format!("{} buffer", kind.name()), Some(device), &copts)?;
@@ -267,6 +277,11 @@ impl std::fmt::Debug for dyn BufferPart + '_ {
 pub struct EpBufferOptions {
     /// Bytes of the intranode part's NVL buffer (0: no intranode part).
     pub num_nvl_bytes: usize,
+    /// Bytes the intranode part adds for the cross-node regions when the
+    /// group spans more than one node (DeepEP's `num_rdma_bytes` outside
+    /// low-latency mode): the part is then an [`InternodeBuffer`] over
+    /// `num_nvl_bytes + num_internode_bytes`. Needed (> 0) on such a group.
+    pub num_internode_bytes: usize,
     /// Bytes of the low-latency part's buffer (0: no low-latency part).
     pub num_ll_bytes: usize,
     /// Bound of host waits: the group's Communicator's when this buffer makes
@@ -285,6 +300,8 @@ pub struct EpBufferOptions {
 #[derive(Default)]
 pub struct EpBuffer {
     intranode: Option<IntranodeBuffer>,
+    /// The intranode part of a group that spans nodes (instead of `intranode`).
+    internode: Option<InternodeBuffer>,
     low_latency: Option<LowLatencyBuffer>,
 }
 
@@ -299,16 +316,43 @@ impl EpBuffer {
     /// the intranode part first (each the group's next object); a part that
     /// fails frees what was made before it.
     pub fn new(group: &Group, device: Device, opts: &EpBufferOptions) -> Result<Self> {
-        let intranode = (opts.num_nvl_bytes > 0)
-            .then(|| IntranodeBuffer::new(group, device, opts))
-            .transpose()?;
+        let (mut intranode, mut internode) = (None, None);
+        if opts.num_nvl_bytes > 0 {
+            let (part, region) = PartBase::join(group, device, opts, PartKind::Intranode)?;
+            let nodes = part.comm().topology().num_nodes();
+            if nodes > 1 {
+                if opts.num_internode_bytes == 0 {
+                    return Err(CommError::invalid(
+                        "num_rdma_bytes",
+                        format!(
+                            "the group spans {nodes} nodes: dispatch and combine need \
+                             num_rdma_bytes > 0 outside low-latency mode (see \
+                             Config.get_rdma_buffer_size_hint)"
+                        ),
+                    ));
+                }
+                internode = Some(InternodeBuffer::new(part, region, opts)?);
+            } else {
+                intranode = Some(IntranodeBuffer::over(part, region, opts)?);
+            }
+        }
         let low_latency = (opts.num_ll_bytes > 0)
             .then(|| LowLatencyBuffer::new(group, device, opts))
             .transpose()?;
         Ok(Self {
             intranode,
+            internode,
             low_latency,
         })
+    }
+
+    /// The intranode part of a group that spans nodes.
+    pub fn internode(&self) -> Option<&InternodeBuffer> {
+        self.internode.as_ref()
+    }
+
+    pub fn internode_mut(&mut self) -> Option<&mut InternodeBuffer> {
+        self.internode.as_mut()
     }
 
     pub fn intranode(&self) -> Option<&IntranodeBuffer> {
@@ -330,7 +374,11 @@ impl EpBuffer {
     /// Part `kind`, if present.
     pub fn part(&self, kind: PartKind) -> Option<&dyn BufferPart> {
         match kind {
-            PartKind::Intranode => self.intranode.as_ref().map(|b| b as &dyn BufferPart),
+            PartKind::Intranode => match (&self.intranode, &self.internode) {
+                (Some(b), _) => Some(b as &dyn BufferPart),
+                (None, Some(b)) => Some(b as &dyn BufferPart),
+                (None, None) => None,
+            },
             PartKind::LowLatency => self.low_latency.as_ref().map(|b| b as &dyn BufferPart),
         }
     }
@@ -342,7 +390,7 @@ impl EpBuffer {
 
     /// Whether no part is left (none was made, or both were destroyed).
     pub fn is_empty(&self) -> bool {
-        self.intranode.is_none() && self.low_latency.is_none()
+        self.intranode.is_none() && self.internode.is_none() && self.low_latency.is_none()
     }
 
     /// *Collective.* Destroys the parts, intranode first: per part, reads its
@@ -362,7 +410,10 @@ impl EpBuffer {
             }
             part.barrier()?;
             match kind {
-                PartKind::Intranode => self.intranode = None,
+                PartKind::Intranode => {
+                    self.intranode = None;
+                    self.internode = None;
+                }
                 PartKind::LowLatency => self.low_latency = None,
             }
         }
@@ -377,6 +428,7 @@ mod tests {
     fn opts(num_nvl_bytes: usize, num_ll_bytes: usize, device_timeout_ns: i64) -> EpBufferOptions {
         EpBufferOptions {
             num_nvl_bytes,
+            num_internode_bytes: 0,
             num_ll_bytes,
             timeout: DEFAULT_TIMEOUT,
             device_timeout_ns,

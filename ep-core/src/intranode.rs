@@ -36,7 +36,7 @@ use comm::channel::MemoryChannel;
 use comm::cuda::{OwnedStream, StreamOrder};
 use comm::error::{CommError, Result};
 use comm::host_memory::HostMemory;
-use comm::{Device, DeviceMemory, Group, StreamHandle, SymmetricRegion};
+use comm::{DeviceMemory, StreamHandle, SymmetricRegion};
 use ep_kernels::intranode::CtxKernel::{
     CombineBarrier, CombineWait, DispatchBarrier, DispatchWait,
 };
@@ -45,13 +45,14 @@ use ep_kernels::intranode::{
     NotifyArgs, RecordLayout, RecvArgs, SendArgs, CTRL_BYTES,
 };
 
-use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PartKind};
+use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase};
 
 /// Largest number of experts per rank (`E / R`) the host-mapped counts hold
 /// (one of the [`limits`](crate::limits)).
 pub use crate::limits::MAX_EXPERTS_PER_RANK;
 const HOST_COUNTS_OFFSET: usize = 64;
-const HOST_BYTES: usize = HOST_COUNTS_OFFSET + 4 * (1 + MAX_EXPERTS_PER_RANK);
+/// Bytes of the host-mapped memory notify writes the counts and epoch into.
+pub(crate) const HOST_BYTES: usize = HOST_COUNTS_OFFSET + 4 * (1 + MAX_EXPERTS_PER_RANK);
 /// Byte offsets in `scratch` of the fused kernels' call counters (u64) and of
 /// the receive-only launches' ticket (u32).
 const DISPATCH_SEND_CALLS_OFFSET: u64 = 16;
@@ -64,6 +65,79 @@ pub const FUSED_ENV: &str = "MOELINK_INTRANODE_FUSED";
 /// Percent of a fused kernel's blocks that receive (1 to 99), dispatch and
 /// combine alike; unset: [`DEFAULT_SHARES`].
 pub const RECV_PERCENT_ENV: &str = "MOELINK_INTRANODE_RECV_PERCENT";
+
+/// Experts per rank of `num_experts` split evenly over `num_ranks` ranks
+/// (at most [`MAX_EXPERTS_PER_RANK`]).
+pub(crate) fn experts_per_rank(num_ranks: usize, num_experts: usize) -> Result<usize> {
+    if num_experts == 0 || num_experts % num_ranks != 0 {
+        return Err(CommError::invalid(
+            "num_experts",
+            format!("{num_experts} experts cannot be split evenly over {num_ranks} ranks"),
+        ));
+    }
+    let e = num_experts / num_ranks;
+    if e > MAX_EXPERTS_PER_RANK {
+        return Err(CommError::invalid(
+            "num_experts",
+            format!("{e} experts per rank; at most {MAX_EXPERTS_PER_RANK}"),
+        ));
+    }
+    Ok(e)
+}
+
+/// The host-mapped counts a notify kernel writes (its epoch word at 0, the
+/// received token count and the per-expert counts at `HOST_COUNTS_OFFSET`).
+pub(crate) struct HostCounts;
+
+impl HostCounts {
+    /// The device address notify writes the counts to.
+    pub(crate) fn counts_ptr(host: &HostMemory) -> u64 {
+        host.device_ptr() + HOST_COUNTS_OFFSET as u64
+    }
+
+    /// Waits (bounded by `timeout`, CPU; the part's device timeouts checked
+    /// on the way) for the counts of the notify of `epoch`: returns the number
+    /// of received tokens and the `epr` per-local-expert counts. `kind` names
+    /// the dispatch in the timeout's message.
+    pub(crate) fn wait(
+        host: &HostMemory,
+        part: &PartBase,
+        epoch: u64,
+        epr: usize,
+        timeout: Duration,
+        kind: &str,
+    ) -> Result<(usize, Vec<i32>)> {
+        let start = Instant::now();
+        let flag = host.atomic_u64(0);
+        let mut spins = 0u64;
+        while flag.load(Ordering::Acquire) < epoch {
+            spins += 1;
+            if spins % 1024 == 0 {
+                part.member().check_device_timeout()?;
+                if start.elapsed() > timeout {
+                    return Err(CommError::Timeout {
+                        rank: part.rank() as i64,
+                        what: format!(
+                            "the {kind} counts of its peers (notify kernel of call {epoch} not \
+                             finished: a peer did not reach this dispatch, or its GPU is stuck)"
+                        ),
+                        waited_ms: start.elapsed().as_millis() as u64,
+                    });
+                }
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+        let base = host.as_ptr() as *const i32;
+        // SAFETY: the counts region lies inside `host`, written before the epoch.
+        let read =
+            |i: usize| unsafe { std::ptr::read_volatile(base.add(HOST_COUNTS_OFFSET / 4 + i)) };
+        let num_recv = read(0);
+        let counts = (0..epr).map(|e| read(1 + e)).collect();
+        Ok((num_recv.max(0) as usize, counts))
+    }
+}
 
 /// Percent of a fused kernel's blocks that receive, per phase.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,15 +306,19 @@ pub struct IntranodeBuffer {
 }
 
 impl IntranodeBuffer {
-    /// *Collective.* The group's next object: allocates `opts.num_nvl_bytes`
-    /// of NVL buffer on `device`, maps every peer's, and builds memory
-    /// channels to every peer, on the group's Communicator (made now if this
-    /// is the group's first object, with `opts.timeout` bounding its host
-    /// waits). `opts.timeout` also bounds [`wait_counts`](Self::wait_counts);
-    /// every device wait is bounded by `opts.device_timeout_ns`.
-    pub(crate) fn new(group: &Group, device: Device, opts: &EpBufferOptions) -> Result<Self> {
+    /// *Collective.* The intranode part over `part` (the group's next object,
+    /// joined by [`EpBuffer::new`](crate::EpBuffer::new); the group has one
+    /// node) and its region `nvl`: memory channels to every peer, on the
+    /// group's Communicator. `opts.timeout` bounds
+    /// [`wait_counts`](Self::wait_counts); every device wait is bounded by
+    /// `opts.device_timeout_ns`.
+    pub(crate) fn over(
+        mut part: PartBase,
+        nvl: SymmetricRegion,
+        opts: &EpBufferOptions,
+    ) -> Result<Self> {
         let fused = fused_mode_from_env()?;
-        let (mut part, nvl) = PartBase::join(group, device, opts, PartKind::Intranode)?;
+        let device = part.device();
         let comm = part.comm().clone();
         let (channels, channel_table) =
             nvl.memory_channel_table(&comm, 1, part.member().device_error())?;
@@ -314,21 +392,7 @@ impl IntranodeBuffer {
     }
 
     fn experts_per_rank(&self, num_experts: usize) -> Result<usize> {
-        let r = self.part.num_ranks();
-        if num_experts == 0 || num_experts % r != 0 {
-            return Err(CommError::invalid(
-                "num_experts",
-                format!("{num_experts} experts cannot be split evenly over {r} ranks"),
-            ));
-        }
-        let e = num_experts / r;
-        if e > MAX_EXPERTS_PER_RANK {
-            return Err(CommError::invalid(
-                "num_experts",
-                format!("{e} experts per rank; at most {MAX_EXPERTS_PER_RANK}"),
-            ));
-        }
-        Ok(e)
+        experts_per_rank(self.part.num_ranks(), num_experts)
     }
 
     fn check_dispatch_fits(&self, shape: &DispatchShape) -> Result<usize> {
@@ -373,7 +437,7 @@ impl IntranodeBuffer {
                 .map_err(|_| CommError::invalid("expert_alignment", "too large"))?,
             rank_prefix_matrix: inp.rank_prefix_matrix,
             send_head: inp.send_head,
-            host_counts: self.host.device_ptr() + HOST_COUNTS_OFFSET as u64,
+            host_counts: HostCounts::counts_ptr(&self.host),
             host_epoch: self.host.device_ptr(),
             epoch_value: epoch,
             topk_idx: if shape.num_topk > 0 { inp.topk_idx } else { 0 },
@@ -510,36 +574,7 @@ impl IntranodeBuffer {
     /// (rounded to the dispatch's `expert_alignment`).
     pub fn wait_counts(&self, epoch: u64, num_experts: usize) -> Result<(usize, Vec<i32>)> {
         let epr = self.experts_per_rank(num_experts)?;
-        let start = Instant::now();
-        let flag = self.host.atomic_u64(0);
-        let mut spins = 0u64;
-        while flag.load(Ordering::Acquire) < epoch {
-            spins += 1;
-            if spins % 1024 == 0 {
-                self.part.member().check_device_timeout()?;
-                if start.elapsed() > self.timeout {
-                    return Err(CommError::Timeout {
-                        rank: self.part.rank() as i64,
-                        what: format!(
-                            "the dispatch counts of its peers (notify kernel of call {epoch} \
-                             not finished: a peer did not reach this dispatch, or its GPU is \
-                             stuck)"
-                        ),
-                        waited_ms: start.elapsed().as_millis() as u64,
-                    });
-                }
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
-        let base = self.host.as_ptr() as *const i32;
-        // SAFETY: the counts region lies inside `host`, written before the epoch.
-        let read =
-            |i: usize| unsafe { std::ptr::read_volatile(base.add(HOST_COUNTS_OFFSET / 4 + i)) };
-        let num_recv = read(0);
-        let counts = (0..epr).map(|e| read(1 + e)).collect();
-        Ok((num_recv.max(0) as usize, counts))
+        HostCounts::wait(&self.host, &self.part, epoch, epr, self.timeout, "dispatch")
     }
 
     /// Launches the receive half of a dispatch (normal or cached): waits for
@@ -694,27 +729,58 @@ impl IntranodeBuffer {
     /// Launches the layout kernel (`get_dispatch_layout`).
     pub fn layout(&self, stream: StreamHandle, c: &LayoutCall) -> Result<()> {
         self.experts_per_rank(c.num_experts)?;
-        // SAFETY: the caller checked every tensor.
-        unsafe {
-            ep_kernels::launch::layout_dispatch(
-                self.part.kernels(),
-                stream,
-                ep_kernels::launch::LayoutParams {
-                    topk_idx: c.topk_idx,
-                    num_tokens_per_rank: c.num_tokens_per_rank,
-                    num_tokens_per_expert: c.num_tokens_per_expert,
-                    is_token_in_rank: c.is_token_in_rank,
-                    partials: c.partials,
-                    ticket: self.scratch.ptr(),
-                    error: self.part.error_ptr(),
-                    num_tokens: c.num_tokens as i32,
-                    num_topk: c.num_topk as i32,
-                    num_experts: c.num_experts as i32,
-                    num_ranks: self.part.num_ranks() as i32,
-                    rank: self.part.rank() as i32,
-                },
-            )
-        }
+        launch_layout(
+            self.part.kernels(),
+            stream,
+            c,
+            self.scratch.ptr(),
+            self.part.error_ptr(),
+            self.part.num_ranks(),
+            self.part.rank(),
+            0,
+            0,
+        )
+    }
+}
+
+/// Launches the layout kernel for `c` (`ticket`: a device u32 left 0 between
+/// kernels); `per_node`, when not 0, receives the tokens per node of
+/// `ranks_per_node` consecutive ranks.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn launch_layout(
+    kernels: &ep_kernels::DeviceKernels,
+    stream: StreamHandle,
+    c: &LayoutCall,
+    ticket: u64,
+    error: u64,
+    num_ranks: usize,
+    rank: usize,
+    per_node: u64,
+    ranks_per_node: usize,
+) -> Result<()> {
+    // SAFETY: the caller checked every tensor.
+    unsafe {
+        ep_kernels::launch::layout_dispatch(
+            kernels,
+            stream,
+            ep_kernels::launch::LayoutParams {
+                topk_idx: c.topk_idx,
+                num_tokens_per_rank: c.num_tokens_per_rank,
+                num_tokens_per_expert: c.num_tokens_per_expert,
+                is_token_in_rank: c.is_token_in_rank,
+                partials: c.partials,
+                ticket,
+                error,
+                num_tokens: c.num_tokens as i32,
+                num_topk: c.num_topk as i32,
+                num_experts: c.num_experts as i32,
+                num_ranks: num_ranks as i32,
+                rank: rank as i32,
+                num_tokens_per_node: per_node,
+                ranks_per_node: ranks_per_node as i32,
+                pad: 0,
+            },
+        )
     }
 }
 

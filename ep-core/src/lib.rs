@@ -7,6 +7,7 @@
 //! | [`diagnostics`] | peer-write check: every GPU stores a pattern into every peer over NVLink |
 //! | [`ep_buffer`] | [`EpBuffer`], the Rust half of one `moelink.Buffer`: its intranode and low-latency parts (either may be absent), each an object of one `comm::Group`, and what they share (joining the group, device-error checks, barrier, destroy order) |
 //! | [`limits`] | every limit of the EP API in one place, and the checks that apply them |
+//! | [`internode`] | the intranode part of an [`EpBuffer`] whose group spans nodes: one region (NVL slots plus cross-node staging), memory channels to this node's ranks, port channels (proxy threads) to the others, dispatch (send, forward, receive) and combine (send, in-node reduce, cross-node sum) launch sequences |
 //! | [`intranode`] | the intranode part of an [`EpBuffer`]: NVL buffer layout, memory channels to every peer, dispatch/combine launch sequences |
 //! | [`low_latency`] | the low-latency part of an [`EpBuffer`]: buffer mapped by every peer and its layout, optional proxy port channels, dispatch/combine launches |
 //! | [`reference`](mod@reference) | CPU reference semantics (the test oracle) of layout, dispatch and combine, any number of ranks |
@@ -15,6 +16,7 @@
 pub mod calls;
 pub mod diagnostics;
 pub mod ep_buffer;
+pub mod internode;
 pub mod intranode;
 pub mod limits;
 pub mod low_latency;

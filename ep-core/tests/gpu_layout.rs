@@ -27,15 +27,30 @@ fn routing(rng: &mut impl Rng, n: usize, k: usize, e: usize) -> Vec<i64> {
     ids
 }
 
+/// Nodes of consecutive ranks a case's layout also counts tokens for: 2
+/// ranks per node where the rank count is even (else none).
+fn ranks_per_node(r: usize) -> usize {
+    if r % 2 == 0 {
+        2
+    } else {
+        0
+    }
+}
+
 /// Outputs of the layout kernel on `ids`: (tokens per rank, tokens per
-/// expert, is_token_in_rank as bytes), and what it recorded in `err`.
+/// expert, is_token_in_rank as bytes, tokens per node of
+/// [`ranks_per_node`]), and what it recorded in `err`.
 fn run_layout(
     dev: Device,
     kernels: &DeviceKernels,
     ids: &[i64],
     (n, k, e, r): (usize, usize, usize, usize),
     err: &DeviceErrorRecord,
-) -> (Vec<i32>, Vec<i32>, Vec<u8>) {
+) -> (Vec<i32>, Vec<i32>, Vec<u8>, Vec<i32>) {
+    let l = ranks_per_node(r);
+    let nodes = r.checked_div(l).unwrap_or(0);
+    let per_node = DeviceMemory::alloc(dev, (nodes * 4).max(4)).unwrap();
+    per_node.fill(0xAB).unwrap();
     let d_ids = DeviceMemory::alloc(dev, (n * k * 8).max(8)).unwrap();
     if n > 0 {
         d_ids.copy_from_host(0, ids).unwrap();
@@ -68,6 +83,9 @@ fn run_layout(
                 num_experts: e as i32,
                 num_ranks: r as i32,
                 rank: 7,
+                num_tokens_per_node: if l > 0 { per_node.ptr() } else { 0 },
+                ranks_per_node: l as i32,
+                pad: 0,
             },
         )
     }
@@ -81,17 +99,28 @@ fn run_layout(
     if n > 0 {
         in_rank.copy_to_host(0, &mut got_in).unwrap();
     }
-    (got_rank, got_expert, got_in)
+    let mut got_node = vec![0i32; nodes];
+    per_node.copy_to_host(0, &mut got_node).unwrap();
+    (got_rank, got_expert, got_in, got_node)
 }
 
 fn check_against_reference(
-    got: (Vec<i32>, Vec<i32>, Vec<u8>),
+    got: (Vec<i32>, Vec<i32>, Vec<u8>, Vec<i32>),
     ids: &[i64],
     shape: (usize, usize, usize, usize),
     case: &str,
 ) {
     let (_, k, e, r) = shape;
     let want = reference::layout(ids, k, e, r).unwrap();
+    let l = ranks_per_node(r);
+    if l > 0 {
+        let want_nodes = reference::layout_internode(ids, k, e, r, l).unwrap();
+        assert_eq!(
+            Some(got.3.clone()),
+            want_nodes.num_tokens_per_rdma_rank,
+            "{case}: tokens per node of {l} ranks"
+        );
+    }
     assert_eq!(got.0, want.num_tokens_per_rank, "{case}: tokens per rank");
     assert_eq!(
         got.1, want.num_tokens_per_expert,

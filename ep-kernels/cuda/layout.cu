@@ -34,7 +34,7 @@ struct Params {
   int* num_tokens_per_rank;     // [R] out
   int* num_tokens_per_expert;   // [E] out
   bool* is_token_in_rank;       // [N, R] out
-  int* partials;                // scratch: [blocks][E + R]
+  int* partials;                // scratch: [blocks][E + 2R]
   unsigned* ticket;             // 0 before and after
   comm::DeviceError* error;     // an id out of range (or null)
   int num_tokens;
@@ -42,8 +42,11 @@ struct Params {
   int num_experts;
   int num_ranks;
   int rank;
+  int* num_tokens_per_node;     // [R / ranks_per_node] out (DeepEP's num_tokens_per_rdma_rank), or null
+  int ranks_per_node;           // nodes of consecutive ranks (used with num_tokens_per_node)
+  int pad;
 };
-static_assert(sizeof(Params) == 80, "mirrored in Rust");
+static_assert(sizeof(Params) == 96, "mirrored in Rust");
 static_assert(offsetof(Params, num_tokens) == 56, "mirrored in Rust");
 static_assert(offsetof(Params, rank) == 72, "mirrored in Rust");
 
@@ -61,9 +64,11 @@ extern "C" __global__ void __launch_bounds__(moelink::layout::kThreads)
   unsigned* __restrict__ ticket = a.ticket;
   comm::DeviceError* error = a.error;
   using namespace moelink::layout;
-  extern __shared__ int counts[];  // [E] per expert, then [R] per rank
+  extern __shared__ int counts[];  // [E] per expert, [R] per rank, [nodes] per node
   __shared__ bool last;
-  const int slots = num_experts + num_ranks;
+  const int L = a.num_tokens_per_node != nullptr ? a.ranks_per_node : 0;
+  const int nodes = L > 0 ? num_ranks / L : 0;
+  const int slots = num_experts + num_ranks + nodes;
   const int experts_per_rank = num_experts / num_ranks;
   for (int i = threadIdx.x; i < slots; i += blockDim.x) counts[i] = 0;
   __syncthreads();
@@ -87,6 +92,10 @@ extern "C" __global__ void __launch_bounds__(moelink::layout::kThreads)
     bool* row = is_token_in_rank + t * num_ranks;
     for (int r = 0; r < num_ranks; ++r) row[r] = (hit >> r) & 1u;
     for (uint32_t m = hit; m; m &= m - 1) atomicAdd(&counts[num_experts + __ffs(m) - 1], 1);
+    for (int n = 0; n < nodes; ++n) {
+      const uint32_t node_bits = (L == 32 ? 0xffffffffu : (1u << L) - 1) << (n * L);
+      if (hit & node_bits) atomicAdd(&counts[num_experts + num_ranks + n], 1);
+    }
   }
   __syncthreads();
   int* mine = partials + int64_t(blockIdx.x) * slots;
@@ -102,7 +111,9 @@ extern "C" __global__ void __launch_bounds__(moelink::layout::kThreads)
     for (unsigned b = 0; b < gridDim.x; ++b) sum += __ldcg(partials + int64_t(b) * slots + i);
     if (i < num_experts)
       num_tokens_per_expert[i] = sum;
-    else
+    else if (i < num_experts + num_ranks)
       num_tokens_per_rank[i - num_experts] = sum;
+    else
+      a.num_tokens_per_node[i - num_experts - num_ranks] = sum;
   }
 }

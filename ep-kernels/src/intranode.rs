@@ -86,7 +86,7 @@ struct NotifyParams {
 /// `moelink::intranode::DispatchSendParams`.
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
-struct DispatchSendParams {
+pub(crate) struct DispatchSendParams {
     c: IntranodeCtx,
     rec: RecordLayout,
     x: u64,
@@ -103,7 +103,7 @@ struct DispatchSendParams {
 /// `moelink::intranode::DispatchRecvParams`.
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
-struct DispatchRecvParams {
+pub(crate) struct DispatchRecvParams {
     c: IntranodeCtx,
     rec: RecordLayout,
     rank_prefix_matrix: u64,
@@ -120,7 +120,7 @@ struct DispatchRecvParams {
 /// `moelink::intranode::CombineSendParams`.
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
-struct CombineSendParams {
+pub(crate) struct CombineSendParams {
     c: IntranodeCtx,
     y: u64,
     row_bytes: i64,
@@ -133,7 +133,7 @@ struct CombineSendParams {
 /// `moelink::intranode::CombineRecvParams`.
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
-struct CombineRecvParams {
+pub(crate) struct CombineRecvParams {
     c: IntranodeCtx,
     send_head: u64,
     record_bytes: i64,
@@ -172,7 +172,7 @@ struct CombineFusedParams {
     pad: i32,
 }
 
-// The same numbers as the static_asserts in intranode.cu (a CPU test reads them there).
+// The same numbers as the static_asserts in intranode.cuh (a CPU test reads them there).
 param_layout!(
     PARAM_LAYOUT = [
         sizeof!(NotifyParams == 168),
@@ -248,7 +248,7 @@ pub fn combine_record_bytes(hidden: usize, num_topk: usize) -> i64 {
 /// the fused kernels after the record, polled by the receiving warp).
 pub const FLAG_BYTES: i64 = 8;
 
-fn check_ctx(c: &IntranodeCtx) -> Result<()> {
+pub(crate) fn check_ctx(c: &IntranodeCtx) -> Result<()> {
     if c.num_ranks <= 0 || c.num_ranks as usize > MAX_RANKS || c.rank < 0 || c.rank >= c.num_ranks {
         return Err(CommError::invalid(
             "rank",
@@ -428,7 +428,7 @@ pub unsafe fn dispatch_send(
 }
 
 /// The send half's argument block (checked).
-fn send_params(ctx: IntranodeCtx, a: &SendArgs) -> Result<DispatchSendParams> {
+pub(crate) fn send_params(ctx: IntranodeCtx, a: &SendArgs) -> Result<DispatchSendParams> {
     check_ctx(&ctx)?;
     if a.num_tokens as i64 > ctx.dispatch_slots {
         return Err(CommError::invalid(
@@ -492,7 +492,7 @@ pub unsafe fn dispatch_recv(
     unsafe { k.launch_params(KernelId::DispatchRecv, (grid, 1), THREADS, 0, stream, p) }
 }
 
-fn recv_params(ctx: IntranodeCtx, a: &RecvArgs) -> DispatchRecvParams {
+pub(crate) fn recv_params(ctx: IntranodeCtx, a: &RecvArgs) -> DispatchRecvParams {
     let o = a.out;
     DispatchRecvParams {
         c: ctx,
@@ -539,7 +539,7 @@ pub unsafe fn combine_send(
     unsafe { k.launch_params(KernelId::CombineSend, (grid, 1), THREADS, 0, stream, p) }
 }
 
-fn combine_send_params(ctx: IntranodeCtx, a: &CombineSendArgs) -> CombineSendParams {
+pub(crate) fn combine_send_params(ctx: IntranodeCtx, a: &CombineSendArgs) -> CombineSendParams {
     CombineSendParams {
         c: ctx,
         y: a.y,
@@ -583,7 +583,10 @@ pub unsafe fn combine_recv(
 }
 
 /// The combine's receive half's argument block (checked).
-fn combine_recv_params(ctx: IntranodeCtx, a: &CombineRecvArgs) -> Result<CombineRecvParams> {
+pub(crate) fn combine_recv_params(
+    ctx: IntranodeCtx,
+    a: &CombineRecvArgs,
+) -> Result<CombineRecvParams> {
     check_ctx(&ctx)?;
     if a.hidden <= 0 || a.hidden % 64 != 0 {
         return Err(CommError::invalid(
@@ -722,7 +725,7 @@ pub unsafe fn dispatch_fused(
 
 impl SendArgs {
     /// No tokens (the send half of a receive-only launch).
-    fn none(rec: RecordLayout) -> Self {
+    pub(crate) fn none(rec: RecordLayout) -> Self {
         SendArgs {
             rec,
             x: 0,
@@ -740,7 +743,7 @@ impl SendArgs {
 
 impl RecvArgs {
     /// No rows (the receive half of a send-only launch).
-    fn none(rec: RecordLayout) -> Self {
+    pub(crate) fn none(rec: RecordLayout) -> Self {
         RecvArgs {
             rec,
             rank_prefix_matrix: 0,
@@ -835,8 +838,8 @@ mod tests {
 
     #[test]
     fn param_blocks_match_the_kernels_static_asserts() {
-        let cu = include_str!("../cuda/intranode.cu");
-        crate::check_static_asserts("intranode.cu", cu, PARAM_LAYOUT);
+        let cu = include_str!("../cuda/intranode.cuh");
+        crate::check_static_asserts("intranode.cuh", cu, PARAM_LAYOUT);
     }
 
     #[test]

@@ -53,6 +53,13 @@ pub struct LayoutParams {
     pub num_ranks: i32,
     /// This rank (named in the error record).
     pub rank: i32,
+    /// Out: `[num_ranks / ranks_per_node]` int32 tokens per node (DeepEP's
+    /// `num_tokens_per_rdma_rank`: a token counts once per node holding any
+    /// of its experts), or 0.
+    pub num_tokens_per_node: u64,
+    /// Consecutive ranks per node (with `num_tokens_per_node`).
+    pub ranks_per_node: i32,
+    pub pad: i32,
 }
 
 // The same numbers as the kernels' static_asserts (a CPU test reads them).
@@ -60,7 +67,7 @@ param_layout!(DIAGNOSTICS_LAYOUT = [sizeof!(DiagnosticsParams == 32)]);
 param_layout!(REDUCE_ROWS_LAYOUT = [sizeof!(ReduceRowsParams == 32)]);
 param_layout!(
     LAYOUT_LAYOUT = [
-        sizeof!(LayoutParams as Params == 80),
+        sizeof!(LayoutParams as Params == 96),
         offsetof!(LayoutParams as Params, num_tokens == 56),
         offsetof!(LayoutParams as Params, rank == 72),
     ]
@@ -151,7 +158,7 @@ const LAYOUT_THREADS: u32 = 256;
 
 /// int32 elements of the `partials` scratch [`layout_dispatch`] needs.
 pub fn layout_scratch_elems(num_tokens: usize, num_experts: usize, num_ranks: usize) -> usize {
-    num_tokens.div_ceil(LAYOUT_THREADS as usize).max(1) * (num_experts + num_ranks)
+    num_tokens.div_ceil(LAYOUT_THREADS as usize).max(1) * (num_experts + 2 * num_ranks)
 }
 
 /// `layout_dispatch`: per-rank and per-expert token counts and
@@ -184,7 +191,13 @@ pub unsafe fn layout_dispatch(
             ),
         ));
     }
-    let smem = 4 * (num_experts as u64 + num_ranks as u64);
+    if p.num_tokens_per_node != 0 && (p.ranks_per_node <= 0 || num_ranks % p.ranks_per_node != 0) {
+        return Err(CommError::invalid(
+            "ranks_per_node",
+            format!("{} does not divide {num_ranks} ranks", p.ranks_per_node),
+        ));
+    }
+    let smem = 4 * (num_experts as u64 + 2 * num_ranks as u64);
     if smem > 48 * 1024 {
         return Err(CommError::invalid(
             "num_experts",

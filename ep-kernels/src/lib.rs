@@ -4,7 +4,7 @@
 //! |---|---|---|
 //! | build | `build.rs` | nvcc compiles every `.cu` under `cuda/` (one unity TU) into a fatbin |
 //! | module | [`module`] | embedded fatbin, [`KernelId`] table, one lazily loaded module per device |
-//! | launchers | [`launch`], [`intranode`], [`low_latency`] | one typed, checked launcher per kernel, on a caller-given raw stream |
+//! | launchers | [`launch`], [`intranode`], [`internode`], [`low_latency`] | one typed, checked launcher per kernel, on a caller-given raw stream |
 //! | limits | [`limits`] | every limit of the EP API (ranks, top-k, experts, tokens, row sizes), defined once |
 
 /// A row of a `param_layout!` table: `(the .cu file's expression, Rust's
@@ -64,6 +64,7 @@ fn check_static_asserts(file: &str, cu: &str, table: &[(&str, usize, usize)]) {
 }
 
 pub mod error;
+pub mod internode;
 pub mod intranode;
 pub mod launch;
 pub mod limits;

@@ -76,11 +76,11 @@ mod tests {
     /// The CUDA sources size their arrays with the same numbers.
     #[test]
     fn cuda_constants_match() {
-        let intranode = include_str!("../cuda/intranode.cu");
+        let intranode = include_str!("../cuda/intranode.cuh");
         let ll = include_str!("../cuda/low_latency.cu");
         for (file, body, text) in [
             (
-                "intranode.cu",
+                "intranode.cuh",
                 intranode,
                 format!("constexpr int kMaxRanks = {MAX_RANKS};"),
             ),

@@ -30,6 +30,10 @@ comm::kernel_table! {
         CombineFused => "combine_fused",
         LlDispatch => "ll_dispatch",
         LlCombine => "ll_combine",
+        InternodeNotify => "internode_notify",
+        InternodeBarrier => "internode_barrier",
+        InternodeDispatch => "internode_dispatch",
+        InternodeCombine => "internode_combine",
     }
 }
 
@@ -85,6 +89,10 @@ mod trap_switch_tests {
         assert!(missing.is_empty(), "not in the fatbin: {missing:?}");
         assert_eq!(super::KernelId::ALL.len(), super::KernelId::NAMES.len());
         assert_eq!(super::KernelId::LlCombine.name(), "ll_combine");
+        assert_eq!(
+            super::KernelId::InternodeCombine.name(),
+            "internode_combine"
+        );
     }
 
     /// MOELINK_TRAP_ON_TIMEOUT finds its switch in this fatbin.

@@ -402,7 +402,7 @@ pub fn buffer_options_plan<'py>(
     let given = [&num_nvl_bytes, &num_rdma_bytes, &num_qps_per_rank];
     let p = calls::buffer_options(&a).map_err(as_given(&given))?;
     let d = PyDict::new(py);
-    set_fields!(d, p; num_nvl_bytes, num_ll_bytes);
+    set_fields!(d, p; num_nvl_bytes, num_ll_bytes, num_internode_bytes);
     Ok(d)
 }
 
@@ -424,11 +424,27 @@ pub fn nvl_buffer_size_hint(
         .map_err(as_given(&[&hidden_bytes, &num_ranks, &max_tokens_per_rank]))
 }
 
-/// `Config.get_rdma_buffer_size_hint` (0; the arguments checked).
+/// `Config.get_rdma_buffer_size_hint`: the internode part's bytes beyond the
+/// NVLink hint (0 within one node).
 #[pyfunction]
-pub fn rdma_buffer_size_hint(hidden_bytes: Int, num_ranks: Int) -> PyResult<i64> {
-    calls::rdma_buffer_size_hint(hidden_bytes.0, num_ranks.0)
-        .map_err(as_given(&[&hidden_bytes, &num_ranks]))
+pub fn rdma_buffer_size_hint(
+    hidden_bytes: Int,
+    num_ranks: Int,
+    max_tokens_per_rank: Int,
+    ranks_per_node: Int,
+) -> PyResult<i64> {
+    calls::rdma_buffer_size_hint(
+        hidden_bytes.0,
+        num_ranks.0,
+        max_tokens_per_rank.0,
+        ranks_per_node.0,
+    )
+    .map_err(as_given(&[
+        &hidden_bytes,
+        &num_ranks,
+        &max_tokens_per_rank,
+        &ranks_per_node,
+    ]))
 }
 
 /// `moelink.config.token_record_bytes` (`num_scales` None: `hidden_bytes // 128`).

@@ -9,6 +9,7 @@
 //! streams as raw `cudaStream_t` ints.
 
 use comm::StreamHandle;
+use ep_core::internode::{InternodeBuffer, XInputs};
 use ep_core::intranode::{
     CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, IntranodeBuffer, LayoutCall,
 };
@@ -73,6 +74,11 @@ impl EpBuffer {
             .ok_or_else(|| absent(destroyed, PartKind::Intranode))
     }
 
+    /// The internode part, if the group spans nodes (else None: intranode).
+    fn internode(&mut self) -> Option<&mut InternodeBuffer> {
+        self.inner.internode_mut()
+    }
+
     fn ll(&self) -> PyResult<&LowLatencyBuffer> {
         self.inner
             .low_latency()
@@ -107,6 +113,21 @@ fn shape(
     }
 }
 
+/// The internode handle tensors `(node_head, xcounts, fwd_meta, meta_slots)`.
+type XArg = Option<(u64, u64, u64, usize)>;
+
+fn x_inputs(x: XArg) -> PyResult<XInputs> {
+    let (node_head, xcounts, fwd_meta, meta_slots) = x.ok_or_else(|| {
+        PyValueError::new_err("a Buffer whose group spans nodes needs the internode handle tensors")
+    })?;
+    Ok(XInputs {
+        node_head,
+        xcounts,
+        fwd_meta,
+        meta_slots,
+    })
+}
+
 fn call_shape(max_tokens: usize, hidden: usize, num_experts: usize, num_topk: usize) -> CallShape {
     CallShape {
         max_tokens,
@@ -136,8 +157,12 @@ impl EpBuffer {
     /// channels when NVLink is not used; none where 0), on CUDA device
     /// `device`. Device waits are bounded by `device_timeout_ns` (intranode)
     /// and `ll_device_timeout_ns` (low-latency), host waits by `timeout_s`.
+    /// `num_internode_bytes`: the cross-node regions added to the intranode
+    /// part where the group spans nodes (needed there; unused within one).
     #[new]
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (group, device, num_nvl_bytes, num_ll_bytes, timeout_s,
+        device_timeout_ns, ll_device_timeout_ns, allow_nvlink, shrink, num_internode_bytes=0))]
     fn new(
         py: Python<'_>,
         group: PyRef<'_, Group>,
@@ -149,9 +174,11 @@ impl EpBuffer {
         ll_device_timeout_ns: i64,
         allow_nvlink: bool,
         shrink: bool,
+        num_internode_bytes: usize,
     ) -> PyResult<Self> {
         let opts = EpBufferOptions {
             num_nvl_bytes,
+            num_internode_bytes,
             num_ll_bytes,
             timeout: timeout_arg("timeout_s", timeout_s)?,
             device_timeout_ns,
@@ -252,7 +279,32 @@ impl EpBuffer {
 
     // ----- intranode ----------------------------------------------------------
 
+    /// `(nodes, ranks per node)` of an internode Buffer, None within one node.
+    fn nodes(&self) -> Option<(usize, usize)> {
+        self.inner
+            .internode()
+            .map(|b| (b.num_nodes(), b.ranks_per_node()))
+    }
+
+    /// Tokens per rank an internode dispatch of these records fits (the
+    /// second dimension of the handle's forwarding records).
+    fn internode_capacity(
+        &mut self,
+        hidden_bytes: usize,
+        num_scales: usize,
+        num_topk: usize,
+    ) -> PyResult<usize> {
+        let b = self.internode().ok_or_else(|| {
+            PyRuntimeError::new_err("the Buffer's group has one node (no internode part)")
+        })?;
+        b.dispatch_capacity(&shape(0, hidden_bytes, num_scales, num_topk, 1))
+            .map_err(to_py)
+    }
+
     #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (stream, topk_idx, num_tokens, num_topk, num_experts,
+        num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, partials,
+        num_tokens_per_node=0))]
     fn layout(
         &mut self,
         stream: usize,
@@ -264,6 +316,7 @@ impl EpBuffer {
         num_tokens_per_expert: u64,
         is_token_in_rank: u64,
         partials: u64,
+        num_tokens_per_node: u64,
     ) -> PyResult<()> {
         let call = LayoutCall {
             topk_idx,
@@ -275,6 +328,11 @@ impl EpBuffer {
             is_token_in_rank,
             partials,
         };
+        if let Some(b) = self.internode() {
+            return b
+                .layout(StreamHandle(stream), &call, num_tokens_per_node)
+                .map_err(to_py);
+        }
         self.intranode()?
             .layout(StreamHandle(stream), &call)
             .map_err(to_py)
@@ -285,7 +343,7 @@ impl EpBuffer {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (stream, cached, num_tokens, hidden_bytes, num_scales, num_topk,
         num_experts, x, scales, scale_strides, topk_idx, topk_weights, is_token_in_rank,
-        num_tokens_per_expert, rank_prefix_matrix, send_head, expert_alignment, num_sms))]
+        num_tokens_per_expert, rank_prefix_matrix, send_head, expert_alignment, num_sms, xnode=None))]
     fn dispatch_send(
         &mut self,
         stream: usize,
@@ -306,6 +364,7 @@ impl EpBuffer {
         send_head: u64,
         expert_alignment: usize,
         num_sms: u32,
+        xnode: XArg,
     ) -> PyResult<u64> {
         let s = shape(num_tokens, hidden_bytes, num_scales, num_topk, num_experts);
         let inp = DispatchInputs {
@@ -319,8 +378,19 @@ impl EpBuffer {
             rank_prefix_matrix,
             send_head,
         };
-        let b = self.intranode()?;
         let st = StreamHandle(stream);
+        if let Some(b) = self.internode() {
+            let xi = x_inputs(xnode)?;
+            if cached {
+                b.cached_dispatch_send(st, &s, &inp, &xi, num_sms)
+                    .map_err(to_py)?;
+                return Ok(0);
+            }
+            return b
+                .dispatch_send(st, &s, &inp, &xi, expert_alignment, num_sms)
+                .map_err(to_py);
+        }
+        let b = self.intranode()?;
         if cached {
             b.cached_dispatch_send(st, &s, &inp, num_sms)
                 .map_err(to_py)?;
@@ -339,6 +409,11 @@ impl EpBuffer {
         epoch: u64,
         num_experts: usize,
     ) -> PyResult<(usize, Vec<i32>)> {
+        if let Some(b) = self.internode() {
+            return py
+                .detach(|| b.wait_counts(epoch, num_experts))
+                .map_err(to_py);
+        }
         let b = self.intranode()?;
         py.detach(|| b.wait_counts(epoch, num_experts))
             .map_err(to_py)
@@ -376,6 +451,11 @@ impl EpBuffer {
             recv_topk_weights,
             recv_src_idx,
         };
+        if let Some(b) = self.internode() {
+            return b
+                .dispatch_recv(StreamHandle(stream), &s, rank_prefix_matrix, &out, num_sms)
+                .map_err(to_py);
+        }
         self.intranode()?
             .dispatch_recv(StreamHandle(stream), &s, rank_prefix_matrix, &out, num_sms)
             .map_err(to_py)
@@ -383,7 +463,8 @@ impl EpBuffer {
 
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (stream, y, num_recv_rows, hidden, topk_weights, num_topk,
-        rank_prefix_matrix, send_head, num_tokens, bias0, bias1, out, out_weights, num_sms))]
+        rank_prefix_matrix, send_head, num_tokens, bias0, bias1, out, out_weights, num_sms,
+        xnode=None, recv_src_idx=0))]
     fn combine(
         &mut self,
         stream: usize,
@@ -400,6 +481,8 @@ impl EpBuffer {
         out: u64,
         out_weights: u64,
         num_sms: u32,
+        xnode: XArg,
+        recv_src_idx: u64,
     ) -> PyResult<()> {
         let a = CombineArgs {
             y,
@@ -414,6 +497,12 @@ impl EpBuffer {
             out,
             out_weights,
         };
+        if let Some(b) = self.internode() {
+            let xi = x_inputs(xnode)?;
+            return b
+                .combine(StreamHandle(stream), &a, &xi, recv_src_idx, num_sms)
+                .map_err(to_py);
+        }
         self.intranode()?
             .combine(StreamHandle(stream), &a, num_sms)
             .map_err(to_py)

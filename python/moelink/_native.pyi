@@ -155,7 +155,9 @@ NVL_COUNTER_BYTES: int
 COMBINE_RECORD_TOPK: int
 
 def nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, max_tokens_per_rank: int) -> int: ...
-def rdma_buffer_size_hint(hidden_bytes: int, num_ranks: int) -> int: ...
+def rdma_buffer_size_hint(
+    hidden_bytes: int, num_ranks: int, max_tokens_per_rank: int, ranks_per_node: int
+) -> int: ...
 def token_record_bytes(hidden_bytes: int, num_topk: int, num_scales: int | None = None) -> int: ...
 def combine_record_bytes(hidden_bytes: int, num_topk: int) -> int: ...
 
@@ -186,7 +188,7 @@ class EpBuffer:
     def __init__(
         self, group: Group, device: int, num_nvl_bytes: int, num_ll_bytes: int,
         timeout_s: float, device_timeout_ns: int, ll_device_timeout_ns: int,
-        allow_nvlink: bool, shrink: bool,
+        allow_nvlink: bool, shrink: bool, num_internode_bytes: int = 0,
     ) -> None: ...  # fmt: skip
     # Both parts.
     @property
@@ -202,17 +204,21 @@ class EpBuffer:
     def check_device_timeout(self, part: str) -> None: ...
     def barrier(self, part: str | None = None) -> None: ...
     def destroy(self, collective: bool = False) -> None: ...
-    # Intranode.
+    # Intranode (the internode part where the group spans nodes: `xnode` is the
+    # handle's (node_head, xcounts, fwd_meta, fwd_meta.shape[1])).
+    def nodes(self) -> tuple[int, int] | None: ...
+    def internode_capacity(self, hidden_bytes: int, num_scales: int, num_topk: int) -> int: ...
     def layout(
         self, stream: int, topk_idx: int, num_tokens: int, num_topk: int, num_experts: int,
         num_tokens_per_rank: int, num_tokens_per_expert: int, is_token_in_rank: int,
-        partials: int,
+        partials: int, num_tokens_per_node: int = 0,
     ) -> None: ...  # fmt: skip
     def dispatch_send(
         self, stream: int, cached: bool, num_tokens: int, hidden_bytes: int, num_scales: int,
         num_topk: int, num_experts: int, x: int, scales: int, scale_strides: tuple[int, int],
         topk_idx: int, topk_weights: int, is_token_in_rank: int, num_tokens_per_expert: int,
         rank_prefix_matrix: int, send_head: int, expert_alignment: int, num_sms: int,
+        xnode: tuple[int, int, int, int] | None = None,
     ) -> int: ...  # fmt: skip
     def wait_counts(self, epoch: int, num_experts: int) -> tuple[int, list[int]]: ...
     def dispatch_recv(
@@ -225,6 +231,7 @@ class EpBuffer:
         self, stream: int, y: int, num_recv_rows: int, hidden: int, topk_weights: int,
         num_topk: int, rank_prefix_matrix: int, send_head: int, num_tokens: int, bias0: int,
         bias1: int, out: int, out_weights: int, num_sms: int,
+        xnode: tuple[int, int, int, int] | None = None, recv_src_idx: int = 0,
     ) -> None: ...  # fmt: skip
     # Low-latency.
     @property

@@ -66,10 +66,13 @@ def _x_sig(x):
 
 
 def _handle_sig(handle):
-    """``tensor_sig`` of the parts of an intranode handle that the checks read."""
-    if type(handle) is not tuple or len(handle) != 6:
+    """``tensor_sig`` of the parts of a handle that the checks read (an intranode
+    6-tuple, or an internode 9-tuple: the 6 plus node heads, counts and forwarding
+    records)."""
+    if type(handle) is not tuple or len(handle) not in (6, 9):
         return _NO_SIG
-    return (_sig(handle[0]), _sig(handle[3]), _sig(handle[4]), _sig(handle[5]))
+    extra = tuple(_sig(t) for t in handle[6:])
+    return (_sig(handle[0]), _sig(handle[3]), _sig(handle[4]), _sig(handle[5]), *extra)
 
 
 def _bias_sig(bias):
@@ -109,9 +112,13 @@ def _x_metas(x):
 
 
 def _handle_metas(handle):
-    """The metas of the entries of an intranode handle that the checks read."""
-    if not isinstance(handle, tuple) or len(handle) != 6:
-        raise ValueError("handle must be the 6-tuple an intranode dispatch returned")
+    """The metas of the entries of a handle that the checks read (its first 6
+    entries: those of an intranode handle)."""
+    if not isinstance(handle, tuple) or len(handle) not in (6, 9):
+        raise ValueError(
+            "handle must be the tuple a dispatch returned (6 entries within one node, 9 "
+            "across nodes)"
+        )
     return (
         tensor_meta("handle[0] (rank_prefix_matrix)", handle[0]),
         tensor_meta("handle[3] (recv_src_idx)", handle[3]),
@@ -154,6 +161,10 @@ class Buffer(LowLatencyMixin):
     #: SMs of dispatch/combine when no config is given (``set_num_sms``).
     num_sms: int = 20
     _num_sms_set = False
+    #: ``(nodes, ranks per node)`` where the group spans nodes (hosts, or
+    #: MOELINK_RANKS_PER_NODE's emulated ones): dispatch and combine then take the
+    #: internode path; None within one node.
+    nodes: tuple[int, int] | None = None
 
     def __init__(
         self,
@@ -179,7 +190,7 @@ class Buffer(LowLatencyMixin):
         # The values (ep_core::calls::buffer_options, the Rust API's checks too): byte
         # counts >= 0 and multiples of 128, num_qps_per_rank positive, enable_shrink
         # only and num_rdma_bytes > 0 exactly in low_latency_mode.
-        _native.buffer_options_plan(
+        parts = _native.buffer_options_plan(
             num_nvl_bytes, num_rdma_bytes, bool(low_latency_mode), num_qps_per_rank,
             bool(enable_shrink),
         )  # fmt: skip
@@ -215,17 +226,23 @@ class Buffer(LowLatencyMixin):
             if low_latency_mode and "MOELINK_LL_TIMEOUT_S" in os.environ
             else device_timeout_ns
         )
+        self.nodes = None
         if num_nvl_bytes > 0 or low_latency_mode:
-            # One native object, both parts (intranode: num_nvl_bytes > 0;
-            # low-latency: num_rdma_bytes, > 0 exactly in low_latency_mode).
+            # One native object, both parts (intranode: num_nvl_bytes > 0, with
+            # num_rdma_bytes of cross-node regions outside low-latency mode, used
+            # where the group spans nodes; low-latency: num_rdma_bytes in
+            # low_latency_mode).
             ep = _native.EpBuffer(
-                native_group, self.device.index, num_nvl_bytes, num_rdma_bytes, timeout,
-                device_timeout_ns, ll_timeout_ns, self.allow_nvlink_for_low_latency_mode,
-                self.enable_shrink,
+                native_group, self.device.index, num_nvl_bytes, parts["num_ll_bytes"],
+                timeout, device_timeout_ns, ll_timeout_ns,
+                self.allow_nvlink_for_low_latency_mode, self.enable_shrink,
+                parts["num_internode_bytes"],
             )  # fmt: skip
             self._native = ep if num_nvl_bytes > 0 else None
             if low_latency_mode:
                 self._ll = ep
+            if self._native is not None:
+                self.nodes = ep.nodes()
         #: This Buffer's handle in the op registry (``torch.ops.moelink.ll_dispatch`` /
         #: ``ll_combine`` take it); it is dropped by ``destroy()`` and when the Buffer
         #: is collected.
@@ -449,6 +466,9 @@ class Buffer(LowLatencyMixin):
         with self._alloc_ctx(allocate_on_comm_stream):
             dev = self.device
             per_rank, per_expert, in_rank, scratch = [empty(s, dev) for s in specs]
+            per_node = None
+            if self.nodes is not None:
+                per_node = torch.empty(self.nodes[0], dtype=torch.int32, device=dev)
         self._enter_comm(compute, previous_event)
         native.layout(
             self._comm_raw,
@@ -460,15 +480,16 @@ class Buffer(LowLatencyMixin):
             _ptr(per_expert),
             _ptr(in_rank),
             _ptr(scratch),
+            _ptr(per_node),
         )
         event = self._epilogue(
             compute,
             async_finish,
             allocate_on_comm_stream,
             (topk_idx, scratch),
-            (per_rank, per_expert, in_rank),
+            (per_rank, per_expert, in_rank, per_node),
         )
-        return per_rank, None, per_expert, in_rank, event
+        return per_rank, per_node, per_expert, in_rank, event
 
     # ----- dispatch ---------------------------------------------------------------
 
@@ -485,7 +506,9 @@ class Buffer(LowLatencyMixin):
             self.group_size, device_index(self.device), data, scales,
             None if handle is None else _handle_metas(handle),
             optional_meta("num_tokens_per_rank", num_tokens_per_rank),
-            num_tokens_per_rdma_rank is not None,
+            # Across nodes it is get_dispatch_layout's count per node (the kernels
+            # count again in notify); within one node it must be None.
+            num_tokens_per_rdma_rank is not None and self.nodes is None,
             optional_meta("is_token_in_rank", is_token_in_rank),
             optional_meta("num_tokens_per_expert", num_tokens_per_expert),
             optional_meta("topk_idx", topk_idx), optional_meta("topk_weights", topk_weights),
@@ -570,6 +593,7 @@ class Buffer(LowLatencyMixin):
                 _ptr(send_head),
                 1,
                 num_sms,
+                **self._x_handle(handle, send_head),
             )
             with self._alloc_ctx(allocate_on_comm_stream):
                 recv_x, recv_scales = empty(specs[2], dev), empty(specs[3], dev)
@@ -603,6 +627,7 @@ class Buffer(LowLatencyMixin):
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
             rpm, send_head = empty(specs[0], dev), empty(specs[1], dev)
+            xt = self._x_tensors(n, hidden_bytes, num_scales, num_topk)
         self._enter_comm(compute, previous_event)
         stream = self._comm_raw
         epoch = native.dispatch_send(
@@ -624,6 +649,7 @@ class Buffer(LowLatencyMixin):
             _ptr(send_head),
             expert_alignment,
             num_sms,
+            **({} if xt is None else {"xnode": (*(_ptr(t) for t in xt), xt[2].shape[1])}),
         )
         recv = specs[2:]
         if num_worst_tokens > 0:
@@ -658,11 +684,78 @@ class Buffer(LowLatencyMixin):
             async_finish,
             allocate_on_comm_stream,
             (data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert),
-            (recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, rpm, send_head),
+            (recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, rpm, send_head, *(xt or ())),
         )
-        handle = (rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head)
+        handle = (rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head, *(xt or ()))
         out_x = recv_x if scales is None else (recv_x, recv_scales)
         return out_x, recv_idx, recv_w, per_expert, handle, event
+
+    def _x_tensors(self, n, hidden_bytes, num_scales, num_topk):
+        """An internode dispatch's handle tensors (None within one node): node heads
+        ``[n, nodes]``, counts ``[2 * nodes]`` and forwarding records ``[nodes, T,
+        1 + ranks per node]`` int32, T the tokens per rank the buffer fits for these
+        records."""
+        if self.nodes is None:
+            return None
+        nodes, per_node = self.nodes
+        key = (hidden_bytes, num_scales, num_topk)
+        caps = self.__dict__.setdefault("_x_capacity", {})
+        cap = caps.get(key)
+        if cap is None:
+            cap = caps[key] = self._native.internode_capacity(*key)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        return (
+            torch.empty((n, nodes), **i32),
+            torch.empty(2 * nodes, **i32),
+            torch.empty((nodes, max(cap, n, 1), 1 + per_node), **i32),
+        )
+
+    def _x_handle(self, handle, send_head, recv_src_idx=False):
+        """The native calls' internode keywords from a handle: ``xnode`` (node heads,
+        counts, forwarding records, their tokens per node) and, for a combine
+        (``recv_src_idx``), the received rows' source tokens; none within one node.
+        A handle of the other kind, or entries of the wrong dtype, device or shape,
+        get ``ValueError`` / ``TypeError`` naming the entry."""
+        if self.nodes is None:
+            if len(handle) != 6:
+                raise ValueError(
+                    f"rank {self.rank}: handle has {len(handle)} entries; a Buffer within one "
+                    "node takes the 6-tuple of an intranode dispatch"
+                )
+            return {}
+        if len(handle) != 9:
+            raise ValueError(
+                f"rank {self.rank}: handle has {len(handle)} entries; a Buffer whose group "
+                f"spans {self.nodes[0]} nodes takes the 9-tuple of an internode dispatch"
+            )
+        nodes, per_node = self.nodes
+        n = send_head.shape[0]
+        want = {6: (n, nodes), 7: (2 * nodes,)}
+        for i, name in ((6, "node_head"), (7, "xcounts"), (8, "fwd_meta")):
+            t = handle[i]
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"handle[{i}] ({name}) must be a torch.Tensor")
+            if t.dtype != torch.int32 or t.device != self.device or not t.is_contiguous():
+                raise ValueError(
+                    f"rank {self.rank}: handle[{i}] ({name}) must be a contiguous int32 tensor "
+                    f"on {self.device}, got {t.dtype} on {t.device}"
+                )
+            shape = tuple(t.shape)
+            ok = (
+                shape == want[i]
+                if i in want
+                else (len(shape) == 3 and shape[0] == nodes and shape[2] == 1 + per_node)
+            )
+            if not ok:
+                raise ValueError(
+                    f"rank {self.rank}: handle[{i}] ({name}) has shape {list(shape)}: not the "
+                    f"one this Buffer's dispatch made ({nodes} nodes of {per_node} ranks, {n} "
+                    "tokens)"
+                )
+        kw = {"xnode": (_ptr(handle[6]), _ptr(handle[7]), _ptr(handle[8]), handle[8].shape[1])}
+        if recv_src_idx:
+            kw["recv_src_idx"] = _ptr(handle[3])
+        return kw
 
     @staticmethod
     def _strides(t) -> tuple:
@@ -726,12 +819,13 @@ class Buffer(LowLatencyMixin):
             _ptr(out),
             _ptr(out_w),
             num_sms,
+            **self._x_handle(handle, send_head, recv_src_idx=True),
         )
         event = self._epilogue(
             compute,
             async_finish,
             allocate_on_comm_stream,
-            (x, topk_weights, b0, b1, rpm, send_head),
+            (x, topk_weights, b0, b1, rpm, send_head, *handle[3:4], *handle[6:]),
             (out, out_w),
         )
         return out, out_w, event

@@ -10,6 +10,8 @@ size hints depend on the number of tokens instead.
 
 from __future__ import annotations
 
+import os
+
 from . import _native
 from .checks import LIMITS, MAX_TOPK, check_int
 
@@ -191,16 +193,35 @@ class Config:
             check_int("max_tokens_per_rank", max_tokens_per_rank),
         )
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of RDMA buffer (``num_rdma_bytes``) a ``Buffer`` needs: always 0
-        for now, because moelink has no internode (multi-node) path yet.
+    def get_rdma_buffer_size_hint(
+        self,
+        hidden_bytes: int,
+        num_ranks: int,
+        *,
+        max_tokens_per_rank: int = DEFAULT_MAX_TOKENS_PER_RANK,
+        ranks_per_node: int | None = None,
+    ) -> int:
+        """Bytes of RDMA buffer (``num_rdma_bytes``) a ``Buffer`` needs for internode
+        dispatch/combine: what the internode part adds to
+        ``get_nvl_buffer_size_hint``'s bytes (the same ``hidden_bytes``,
+        ``num_ranks`` and ``max_tokens_per_rank``) when the ranks span nodes of
+        ``ranks_per_node`` ranks; 0 within one node (DeepEP users call it
+        unconditionally and pass the result to ``Buffer``).
 
-        It returns 0 instead of raising because DeepEP users call it
-        unconditionally and pass the result to ``Buffer``, which needs no RDMA
-        buffer within a node. The arguments are still checked.
+        ``ranks_per_node`` defaults to ``MOELINK_RANKS_PER_NODE`` (emulated nodes),
+        else torchrun's ``LOCAL_WORLD_SIZE``, else 8 (DeepEP's NVLink domain). The
+        formula and its checks are Rust's (``ep_core::calls::rdma_buffer_size_hint``):
+        64 KiB of staging plus two halves of ``max_tokens_per_rank * (num_ranks + 2 *
+        nodes)`` records of the NVLink slot plus ``4 * ranks_per_node + 16`` bytes.
         """
+        if ranks_per_node is None:
+            env = os.environ.get("MOELINK_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE")
+            ranks_per_node = int(env) if env and env.strip().isdigit() else 8
         return _native.rdma_buffer_size_hint(
-            check_int("hidden_bytes", hidden_bytes), check_int("num_ranks", num_ranks)
+            check_int("hidden_bytes", hidden_bytes),
+            check_int("num_ranks", num_ranks),
+            check_int("max_tokens_per_rank", max_tokens_per_rank),
+            check_int("ranks_per_node", ranks_per_node),
         )
 
 

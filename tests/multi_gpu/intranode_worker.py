@@ -1,6 +1,15 @@
 """Run under torchrun: intranode dispatch/combine of ``moelink.Buffer`` against the
 CPU reference (``moelink.reference``), one process per GPU.
 
+With ``MOELINK_RANKS_PER_NODE=L`` below the world size the ranks form emulated
+nodes of ``L`` consecutive ranks, every peer of another node reached only through
+the CPU proxy's port channels: the same scenarios then run the internode path
+(``Buffer`` with ``num_rdma_bytes`` from ``Config.get_rdma_buffer_size_hint``,
+9-tuple handles, ``num_tokens_per_rdma_rank`` from the layout) against the same
+reference, whose dispatch outputs are the single-node ones and whose combine is the
+internode model (``reference.combine(..., ranks_per_node=L)``: per-node partial
+sums rounded to bf16, then summed in node order).
+
 Rank 0 draws a fresh seed (``MOELINK_TEST_SEED`` overrides it, to replay a run) and
 broadcasts it. Every rank then builds EVERY rank's inputs on the CPU from
 generators seeded with ``(seed, case tag, rank)``, so each rank computes the full
@@ -221,6 +230,13 @@ class Ctx:
         return self.generator(tag, 1 << 20)
 
 
+def ranks_per_node(num_ranks: int) -> int | None:
+    """``MOELINK_RANKS_PER_NODE`` where it splits the ranks into several nodes (the
+    internode path), else None."""
+    v = os.environ.get("MOELINK_RANKS_PER_NODE", "").strip()
+    return int(v) if v and int(v) < num_ranks else None
+
+
 def nvl_bytes_for(num_ranks: int, hidden: int, max_tokens: int) -> int:
     """Buffer size for bf16 rows of ``hidden`` (the same buffer serves fp8)."""
     return moelink.Config(num_sms=24).get_nvl_buffer_size_hint(
@@ -228,9 +244,22 @@ def nvl_bytes_for(num_ranks: int, hidden: int, max_tokens: int) -> int:
     )
 
 
+def buffer_bytes(num_ranks: int, hidden: int, max_tokens: int) -> tuple[int, int]:
+    """``(num_nvl_bytes, num_rdma_bytes)`` of a Buffer for bf16 rows of ``hidden``:
+    the RDMA part 0 within one node."""
+    nvl = nvl_bytes_for(num_ranks, hidden, max_tokens)
+    per_node = ranks_per_node(num_ranks)
+    rdma = 0
+    if per_node is not None:
+        rdma = moelink.Config(num_sms=24).get_rdma_buffer_size_hint(
+            hidden * 2, num_ranks, max_tokens_per_rank=max_tokens, ranks_per_node=per_node
+        )
+    return nvl, rdma
+
+
 def new_buffer(ctx: Ctx) -> moelink.Buffer:
     return moelink.Buffer(
-        ctx.group, nvl_bytes_for(ctx.num_ranks, H_MAX, N_MAX), explicitly_destroy=True
+        ctx.group, *buffer_bytes(ctx.num_ranks, H_MAX, N_MAX), explicitly_destroy=True
     )
 
 
@@ -419,7 +448,12 @@ def check_layout(chk: Checker, label: str, got, topk_idx_cpu, num_experts: int, 
     per_rank, per_rdma, per_expert, in_rank, event = got
     want_rank, want_expert, want_in_rank = reference.layout(topk_idx_cpu, num_experts, num_ranks)
     chk.equal(f"{label} num_tokens_per_rank", per_rank, want_rank)
-    chk.expect(per_rdma is None, f"{label}: num_tokens_per_rdma_rank is not None intranode")
+    per_node = ranks_per_node(num_ranks)
+    if per_node is None:
+        chk.expect(per_rdma is None, f"{label}: num_tokens_per_rdma_rank is not None intranode")
+    else:
+        want_rdma = reference.layout(topk_idx_cpu, num_experts, num_ranks, per_node)[1]
+        chk.equal(f"{label} num_tokens_per_rdma_rank", per_rdma, want_rdma)
     chk.equal(f"{label} num_tokens_per_expert", per_expert, want_expert)
     chk.equal(f"{label} is_token_in_rank", in_rank, want_in_rank)
     chk.expect(isinstance(event, moelink.EventOverlap), f"{label}: event is {type(event).__name__}")
@@ -510,11 +544,12 @@ def check_dispatch(
         isinstance(per_expert, list) and per_expert == want_list,
         f"{label}: num_recv_tokens_per_expert_list {per_expert!r}, expected {want_list!r}",
     )
+    entries = 6 if ranks_per_node(ref.num_ranks) is None else 9
     chk.expect(
-        isinstance(handle, tuple) and len(handle) == 6,
-        f"{label}: intranode handle must be a 6-tuple, got {type(handle).__name__}",
+        isinstance(handle, tuple) and len(handle) == entries,
+        f"{label}: the handle must be a {entries}-tuple, got {type(handle).__name__}",
     )
-    if isinstance(handle, tuple) and len(handle) == 6:
+    if isinstance(handle, tuple) and len(handle) == entries:
         chk.equal(f"{label} handle[0] rank_prefix_matrix", handle[0], ref.rank_prefix_matrix)
         src_idx = handle[3]
         chk.expect(
@@ -534,8 +569,11 @@ def check_dispatch(
 
 
 def expected_combine(ref, ys, *, weights: bool, biases=None) -> list:
+    """The reference combine: the intranode model, or across emulated nodes the
+    internode one (per-node partials rounded to bf16, summed in node order)."""
     tw = [o.recv_topk_weights for o in ref.ranks] if weights else None
-    return reference.combine(ref, ys, topk_weights=tw, biases=biases)
+    per_node = ranks_per_node(ref.num_ranks)
+    return reference.combine(ref, ys, topk_weights=tw, biases=biases, ranks_per_node=per_node)
 
 
 @recorded
@@ -1191,7 +1229,7 @@ def scenario_create_destroy(ctx: Ctx) -> None:
     R = ctx.num_ranks
     nbytes = 16 * MIB
     case = Case(256, 8 * R, 4, token_counts(ctx, "create"))
-    need = nvl_bytes_for(R, case.hidden, N_MAX)
+    need, rdma = buffer_bytes(R, case.hidden, N_MAX)
     chk.expect(need <= nbytes, f"16 MiB is below the size hint {need} for the test batch")
     inputs = case.inputs(ctx, "create")
     ref = reference.dispatch(inputs, case.num_experts)
@@ -1201,7 +1239,7 @@ def scenario_create_destroy(ctx: Ctx) -> None:
     shared = ctx.buffer
     try:
         for i in range(100):
-            buf = moelink.Buffer(ctx.group, nbytes, explicitly_destroy=True)
+            buf = moelink.Buffer(ctx.group, nbytes, rdma, explicitly_destroy=True)
             if i == 99:
                 ctx.buffer = buf
                 got = gpu_dispatch(ctx, inputs[ctx.rank], case.num_experts)
@@ -1247,7 +1285,7 @@ def scenario_timeout_poison(ctx: Ctx) -> None:
         os.environ["MOELINK_DEVICE_TIMEOUT_S"] = "2"
         try:
             return moelink.Buffer(
-                ctx.group, nvl_bytes_for(R, case.hidden, N_MAX), explicitly_destroy=True
+                ctx.group, *buffer_bytes(R, case.hidden, N_MAX), explicitly_destroy=True
             )
         finally:
             del os.environ["MOELINK_DEVICE_TIMEOUT_S"]

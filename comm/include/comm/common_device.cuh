@@ -28,6 +28,9 @@ enum : uint32_t {
   kInvalidExpertId = 9, // an expert id outside [-1, E): id = token << 8 | column
   kWaitIntranodeDispatch = 10,  // fused intranode dispatch: a record's flag (slot in id)
   kWaitIntranodeCombine = 11,   // fused intranode combine: a record's flag (slot in id)
+  kWaitInternodeChunk = 12,     // internode: a chunk of a peer's cross-node stream (chunk in id)
+  kWaitInternodeLocal = 13,     // internode: this rank's own warps to fill a chunk (node, chunk in id)
+  kWaitInternodeForward = 14,   // internode combine: a same-node rank's row for the forwarder (token in id)
 };
 
 // Bound of a wait whose caller passes none: 30 s of GPU time (shorter than the

@@ -10,7 +10,9 @@ use crate::limits::{MAX_NUM_SMS, MIN_NUM_SMS};
 pub struct BufferArgs {
     /// Bytes of NVLink buffer (the intranode part; 0: none).
     pub num_nvl_bytes: i64,
-    /// Bytes of low-latency buffer (> 0 exactly in `low_latency_mode`).
+    /// Bytes of low-latency buffer in `low_latency_mode` (> 0 there), else
+    /// of the internode part's cross-node regions (needed where the group
+    /// spans nodes, unused within one).
     pub num_rdma_bytes: i64,
     pub low_latency_mode: bool,
     /// DeepEP's RDMA queue pairs per rank: positive, otherwise unused.
@@ -37,16 +39,19 @@ impl Default for BufferArgs {
 pub struct BufferPlan {
     /// Bytes of the intranode part (0: none).
     pub num_nvl_bytes: u64,
-    /// Bytes of the low-latency part (0: none): `num_rdma_bytes`, which is
-    /// positive exactly in `low_latency_mode`.
+    /// Bytes of the low-latency part (0: none): `num_rdma_bytes` in
+    /// `low_latency_mode` (where it is positive).
     pub num_ll_bytes: u64,
+    /// Bytes the intranode part adds for the cross-node regions where the
+    /// group spans nodes: `num_rdma_bytes` outside `low_latency_mode`.
+    pub num_internode_bytes: u64,
 }
 
 /// Checks a Buffer's arguments, in the order of the Python constructor's:
 /// both byte counts `>= 0`, `num_qps_per_rank` positive, the byte counts
 /// multiples of 128, `enable_shrink` only with `low_latency_mode`,
-/// `num_rdma_bytes > 0` exactly in `low_latency_mode` (moelink has no
-/// internode path for the normal kernels).
+/// `num_rdma_bytes > 0` in `low_latency_mode` (outside it, it sizes the
+/// internode part's cross-node regions, as DeepEP's RDMA buffer does).
 pub fn buffer_options(a: &BufferArgs) -> ArgResult<BufferPlan> {
     let nvl = int_in("num_nvl_bytes", a.num_nvl_bytes, 0, i64::MAX)?;
     let rdma = int_in("num_rdma_bytes", a.num_rdma_bytes, 0, i64::MAX)?;
@@ -66,16 +71,15 @@ pub fn buffer_options(a: &BufferArgs) -> ArgResult<BufferPlan> {
                 .into(),
         );
     }
-    if rdma > 0 && !a.low_latency_mode {
-        return value_err(
-            "num_rdma_bytes must be 0 without low_latency_mode: moelink has no internode (RDMA) \
-             path for normal kernels; Config.get_rdma_buffer_size_hint returns 0"
-                .into(),
-        );
-    }
+    let (ll, internode) = if a.low_latency_mode {
+        (rdma, 0)
+    } else {
+        (0, rdma)
+    };
     Ok(BufferPlan {
         num_nvl_bytes: nvl as u64,
-        num_ll_bytes: rdma as u64,
+        num_ll_bytes: ll as u64,
+        num_internode_bytes: internode as u64,
     })
 }
 
@@ -110,6 +114,7 @@ mod tests {
         let none = BufferPlan {
             num_nvl_bytes: 0,
             num_ll_bytes: 0,
+            num_internode_bytes: 0,
         };
         assert_eq!(buffer_options(&BufferArgs::default()), Ok(none));
         let both = args(|a| {
@@ -123,6 +128,7 @@ mod tests {
             Ok(BufferPlan {
                 num_nvl_bytes: 1 << 20,
                 num_ll_bytes: 1 << 30,
+                num_internode_bytes: 0,
             })
         );
     }
@@ -162,12 +168,9 @@ mod tests {
                 .starts_with("low_latency_mode=True needs num_rdma_bytes > 0"),
             "{e}"
         );
-        let e = args(|a| a.num_rdma_bytes = 128).unwrap_err();
-        assert!(
-            e.message
-                .starts_with("num_rdma_bytes must be 0 without low_latency_mode"),
-            "{e}"
-        );
+        // Outside low-latency mode num_rdma_bytes sizes the internode part.
+        let p = args(|a| a.num_rdma_bytes = 128).unwrap();
+        assert_eq!((p.num_ll_bytes, p.num_internode_bytes), (0, 128));
     }
 
     #[test]

@@ -77,6 +77,27 @@ fn hint_hidden_bytes(hidden_bytes: i64) -> ArgResult<i64> {
     Ok(hidden_bytes)
 }
 
+/// The checked arguments of both size hints: `(num_ranks, max_tokens_per_rank,
+/// the NVLink slot's bytes)`, the slot the larger of a dispatch record with
+/// the most top-k and scales and a combine record.
+fn hint_args(
+    hidden_bytes: i64,
+    num_ranks: i64,
+    max_tokens_per_rank: i64,
+) -> ArgResult<(i64, i64, i64)> {
+    let hidden_bytes = hint_hidden_bytes(hidden_bytes)?;
+    let num_ranks = int_in("num_ranks", num_ranks, 1, lim(MAX_RANKS))?;
+    let max_tokens = int_in(
+        "max_tokens_per_rank",
+        max_tokens_per_rank,
+        1,
+        lim(MAX_TOKENS_PER_RANK),
+    )?;
+    let slot_bytes = token_record_bytes(hidden_bytes, lim(MAX_TOPK), None)?
+        .max(combine_record_bytes(hidden_bytes, COMBINE_RECORD_TOPK)?);
+    Ok((num_ranks, max_tokens, slot_bytes))
+}
+
 /// Bytes of NVLink buffer (`num_nvl_bytes`) for intranode dispatch and
 /// combine of rows of `hidden_bytes` among `num_ranks` ranks, each sending at
 /// most `max_tokens_per_rank` tokens; a multiple of 128:
@@ -95,17 +116,9 @@ pub fn nvl_buffer_size_hint(
     num_ranks: i64,
     max_tokens_per_rank: i64,
 ) -> ArgResult<i64> {
-    let hidden_bytes = hint_hidden_bytes(hidden_bytes)?;
-    let num_ranks = int_in("num_ranks", num_ranks, 1, lim(MAX_RANKS))?;
-    let max_tokens = int_in(
-        "max_tokens_per_rank",
-        max_tokens_per_rank,
-        1,
-        lim(MAX_TOKENS_PER_RANK),
-    )?;
+    let (num_ranks, max_tokens, slot_bytes) =
+        hint_args(hidden_bytes, num_ranks, max_tokens_per_rank)?;
     let slots = num_ranks * max_tokens;
-    let slot_bytes = token_record_bytes(hidden_bytes, lim(MAX_TOPK), None)?
-        .max(combine_record_bytes(hidden_bytes, COMBINE_RECORD_TOPK)?);
     // At most 2 * 2^31 slots of about 2^20 bytes: far within i64.
     Ok(round_up(
         2 * slots * slot_bytes + COUNTER_BYTES,
@@ -113,13 +126,44 @@ pub fn nvl_buffer_size_hint(
     ))
 }
 
-/// Bytes of RDMA buffer (`num_rdma_bytes`) of the normal kernels: 0, since
-/// moelink has no internode path for them. The arguments are checked as the
-/// NVLink hint checks them (DeepEP users call both unconditionally).
-pub fn rdma_buffer_size_hint(hidden_bytes: i64, num_ranks: i64) -> ArgResult<i64> {
-    hint_hidden_bytes(hidden_bytes)?;
-    int_in("num_ranks", num_ranks, 1, lim(MAX_RANKS))?;
-    Ok(0)
+/// Bytes of RDMA buffer (`num_rdma_bytes`) of the normal kernels: what the
+/// internode part adds to [`nvl_buffer_size_hint`]'s bytes when the
+/// `num_ranks` ranks span nodes of `ranks_per_node` (0 within one node:
+/// `num_ranks <= ranks_per_node`), for batches of up to `max_tokens_per_rank`:
+///
+/// - 64 KiB of notify staging rows,
+/// - two equal halves, each `max_tokens_per_rank * (num_ranks + 2 * nodes)`
+///   records of `slot + 4 * ranks_per_node + 16` bytes (`slot` as the NVLink
+///   hint's), which with the NVLink hint's bytes covers the dispatch half
+///   (`R` NVL records and `2N` cross-node records per token, each of those
+///   the NVL record plus `L` slots) and the combine half (`2R + 2N` combine
+///   records per token) of `ep_core::internode`.
+///
+/// The arguments are checked as the NVLink hint checks them;
+/// `ranks_per_node` must divide `num_ranks`.
+pub fn rdma_buffer_size_hint(
+    hidden_bytes: i64,
+    num_ranks: i64,
+    max_tokens_per_rank: i64,
+    ranks_per_node: i64,
+) -> ArgResult<i64> {
+    let (num_ranks, max_tokens, slot_bytes) =
+        hint_args(hidden_bytes, num_ranks, max_tokens_per_rank)?;
+    let l = int_in("ranks_per_node", ranks_per_node, 1, lim(MAX_RANKS))?;
+    if num_ranks <= l {
+        return Ok(0);
+    }
+    if num_ranks % l != 0 {
+        return value_err(format!(
+            "ranks_per_node {l} does not divide num_ranks {num_ranks}"
+        ));
+    }
+    let nodes = num_ranks / l;
+    let record = slot_bytes + 4 * l + 16;
+    Ok(round_up(
+        2 * max_tokens * (num_ranks + 2 * nodes) * record + COUNTER_BYTES,
+        BUFFER_ALIGN,
+    ))
 }
 
 #[cfg(test)]
@@ -202,7 +246,17 @@ mod tests {
         assert_eq!(nvl_buffer_size_hint(384, 3, 7).unwrap() % 128, 0);
         // The largest shape within the limits fits an i64.
         assert!(nvl_buffer_size_hint(1 << 20, 32, lim(MAX_TOKENS_PER_RANK)).unwrap() > 1 << 50);
-        assert_eq!(rdma_buffer_size_hint(14336, 8), Ok(0));
+        // Within one node: 0. Across 2 nodes of 2: 64 KiB + 2 * T * (R + 2N) records.
+        assert_eq!(rdma_buffer_size_hint(14336, 8, 4096, 8), Ok(0));
+        let slot = token_record_bytes(128, 32, None).unwrap().max(272);
+        assert_eq!(
+            rdma_buffer_size_hint(128, 4, 3, 2),
+            Ok(round_up(2 * 3 * (4 + 4) * (slot + 8 + 16) + 65536, 128))
+        );
+        value(
+            rdma_buffer_size_hint(128, 6, 3, 4),
+            "ranks_per_node 4 does not divide num_ranks 6",
+        );
     }
 
     #[test]
@@ -215,7 +269,7 @@ mod tests {
                 ),
             );
             value(
-                rdma_buffer_size_hint(bad, 4),
+                rdma_buffer_size_hint(bad, 4, 16, 2),
                 &format!(
                     "hidden_bytes must be a positive multiple of 128 up to 1048576, got {bad}"
                 ),
@@ -230,7 +284,7 @@ mod tests {
             "num_ranks must be <= 32, got 33",
         );
         value(
-            rdma_buffer_size_hint(1024, 64),
+            rdma_buffer_size_hint(1024, 64, 16, 2),
             "num_ranks must be <= 32, got 64",
         );
         value(

@@ -1,0 +1,813 @@
+//! The internode part of `moelink.Buffer` (issue 17, docs/design-internode.md):
+//! what replaces the intranode part when the group spans more than one node
+//! (hosts, or emulated nodes of `MOELINK_RANKS_PER_NODE` consecutive ranks).
+//! One region per rank (`num_nvl_bytes + num_rdma_bytes`), memory channels to
+//! this node's ranks only, port channels (the CPU proxy, one or more threads:
+//! `MOELINK_PROXY_THREADS`) to every other rank, and the launch sequences of
+//! the kernels of `ep-kernels/cuda/internode.cu`.
+//!
+//! As [`crate::intranode`], all tensors are raw device addresses checked by
+//! the caller, every method launches on the given stream and returns without
+//! waiting except [`InternodeBuffer::wait_counts`], and every rank makes the
+//! same sequence of calls. A dispatch runs its send side (senders, the
+//! coordinators of the cross-node streams, forwarders) on the caller's stream
+//! and the receive side (intranode's receivers: forwarded records land in the
+//! same fixed slots) on the Buffer's side stream at the same time.
+
+use std::time::Duration;
+
+use comm::channel::{MemoryChannel, PortChannel};
+use comm::cuda::{OwnedStream, StreamOrder};
+use comm::error::{CommError, Result};
+use comm::host_memory::HostMemory;
+use comm::proxy_pool::{Placement, ProxyPool};
+use comm::topology::Reach;
+use comm::transport::Transport;
+use comm::{device_table, DeviceMemory, StreamHandle, SymmetricRegion};
+use ep_kernels::internode::{
+    self as x, CombineGrid, SendGrid, XCombineArgs, XCtx, XDispatchArgs, XNotifyArgs,
+    XRecordLayout, MAX_CHUNK, MAX_NODES, STAGE_BYTES,
+};
+use ep_kernels::intranode::{
+    self as k, CombineRecvArgs, CombineSendArgs, FusedGrid, FusedHalves, FusedState, IntranodeCtx,
+    NotifyArgs, RecordLayout, RecvArgs, SendArgs, CTRL_BYTES,
+};
+
+use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase};
+use crate::intranode::{
+    experts_per_rank, fused_mode_from_env, CombineArgs, DispatchInputs, DispatchOutputs,
+    DispatchShape, HostCounts, LayoutCall, HOST_BYTES,
+};
+
+const EPOCH_OFFSET: u64 = 8;
+const DISPATCH_SEND_CALLS_OFFSET: u64 = 16;
+const DISPATCH_RECV_CALLS_OFFSET: u64 = 24;
+const COMBINE_CALLS_OFFSET: u64 = 32;
+const RECV_TICKET_OFFSET: u64 = 40;
+const LANDED_OFFSET: u64 = 64;
+const SCRATCH_BYTES: usize = (LANDED_OFFSET + x::LANDED_BYTES) as usize;
+/// Trigger slots of each proxy thread's FIFO.
+const FIFO_SLOTS: usize = 1024;
+/// Records per port-channel put (`MOELINK_INTERNODE_CHUNK`, 1 to 32).
+pub const CHUNK_ENV: &str = "MOELINK_INTERNODE_CHUNK";
+/// Records per put by default: at hidden 7168 bf16 one put moves ~115 KB.
+pub const DEFAULT_CHUNK: usize = 8;
+/// Forces the cross-node transport (`cuda_ipc` or `ethernet`; unset: the
+/// topology's choice).
+pub const TRANSPORT_ENV: &str = "MOELINK_INTERNODE_TRANSPORT";
+/// Receiving share of a dispatch's and a combine's blocks, percent.
+const RECV_PERCENT: u32 = 50;
+
+/// What an internode dispatch adds to the intranode inputs: device addresses
+/// of the handle's extra tensors.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct XInputs {
+    /// `[N_tok, nodes]` int32: written by notify (normal), read (cached, combine).
+    pub node_head: u64,
+    /// `[2 * nodes]` int32: likewise.
+    pub xcounts: u64,
+    /// `[nodes][meta_slots][1 + L]` int32: written by the forwarders, read by combine.
+    pub fwd_meta: u64,
+    pub meta_slots: usize,
+}
+
+/// Region offsets and slot counts of one dispatch (or combine) geometry.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    slots: usize,
+    first: u64,
+    second: u64,
+    third: u64,
+}
+
+/// The send side of a dispatch whose receive half comes next.
+#[derive(Clone, Copy, Debug)]
+struct PendingRecv {
+    slots: usize,
+}
+
+/// The internode part of an [`EpBuffer`](crate::EpBuffer).
+pub struct InternodeBuffer {
+    // Dropped first: the proxy threads stop before the memory they copy goes.
+    pool: ProxyPool,
+    _ports: Vec<Option<PortChannel>>,
+    ports_table: DeviceMemory,
+    part: PartBase,
+    region: SymmetricRegion,
+    _channels: Vec<Option<MemoryChannel>>,
+    channel_table: DeviceMemory,
+    /// `[0..4)` ticket, `[4..8)` timed-out peers, `[8..16)` notify epoch,
+    /// `[16..40)` dispatch send / dispatch receive / combine calls,
+    /// `[40..44)` receive-only ticket, `[64..)` landed words.
+    scratch: DeviceMemory,
+    side: OwnedStream,
+    after_notify: StreamOrder,
+    after_recv: StreamOrder,
+    pending: Option<PendingRecv>,
+    host: HostMemory,
+    host_epoch: u64,
+    combine_dirty: bool,
+    timeout: Duration,
+    ranks_per_node: usize,
+    num_nodes: usize,
+    chunk: usize,
+    transport: Transport,
+}
+
+/// Where this rank's Ethernet receiver listens, for a Communicator made by an
+/// internode-capable Buffer: `MOELINK_ETHERNET_ADDR` (`host:port`, port 0: any;
+/// an address the other hosts reach), else `127.0.0.1:0` when
+/// `MOELINK_INTERNODE_TRANSPORT=ethernet` (emulated nodes of one host), else
+/// none (CUDA IPC between emulated nodes, IB verbs between hosts).
+pub fn ethernet_receiver() -> Result<Option<std::net::SocketAddr>> {
+    let parse = |name: &str, v: &str| {
+        v.parse().map(Some).map_err(|_| {
+            CommError::invalid(
+                "MOELINK_ETHERNET_ADDR",
+                format!("{name}: {v:?} is not host:port"),
+            )
+        })
+    };
+    if let Ok(v) = std::env::var("MOELINK_ETHERNET_ADDR") {
+        if !v.trim().is_empty() {
+            return parse("MOELINK_ETHERNET_ADDR", v.trim());
+        }
+    }
+    match std::env::var(TRANSPORT_ENV).ok().as_deref().map(str::trim) {
+        Some("ethernet") => parse(TRANSPORT_ENV, "127.0.0.1:0"),
+        _ => Ok(None),
+    }
+}
+
+fn chunk_from_env() -> Result<usize> {
+    match std::env::var(CHUNK_ENV).ok().as_deref().map(str::trim) {
+        None | Some("") => Ok(DEFAULT_CHUNK),
+        Some(v) => match v.parse::<usize>() {
+            Ok(c) if (1..=MAX_CHUNK).contains(&c) => Ok(c),
+            _ => Err(CommError::invalid(
+                CHUNK_ENV,
+                format!("{v:?}: expected an integer from 1 to {MAX_CHUNK}"),
+            )),
+        },
+    }
+}
+
+/// The cross-node transport: `MOELINK_INTERNODE_TRANSPORT`, else the one the
+/// topology gives every rank of another node (they must agree).
+fn transport_of(comm: &comm::Communicator) -> Result<Transport> {
+    match std::env::var(TRANSPORT_ENV).ok().as_deref().map(str::trim) {
+        None | Some("") => {}
+        Some("cuda_ipc") => return Ok(Transport::CudaIpc),
+        Some("ethernet") => return Ok(Transport::Ethernet),
+        Some(v) => {
+            return Err(CommError::invalid(
+                TRANSPORT_ENV,
+                format!("{v:?}: expected cuda_ipc or ethernet"),
+            ))
+        }
+    }
+    let topo = comm.topology();
+    let mut found: Option<Transport> = None;
+    for p in topo.peers() {
+        if p.node == topo.node() {
+            continue;
+        }
+        let Reach::Port(t) = p.reach else {
+            return Err(CommError::invalid(
+                "topology",
+                "a rank of another node is mapped, not reached through the proxy",
+            ));
+        };
+        match found {
+            Some(f) if f != t => {
+                return Err(CommError::invalid(
+                    "topology",
+                    format!("the other nodes are reached by {f:?} and {t:?}: one transport only"),
+                ))
+            }
+            _ => found = Some(t),
+        }
+    }
+    found.ok_or_else(|| CommError::invalid("topology", "the group has one node"))
+}
+
+impl InternodeBuffer {
+    /// *Collective.* Builds the internode part over `part`'s region (joined
+    /// as the intranode part; the group spans more than one node, of equal
+    /// consecutive ranks): memory channels to this node's ranks, port
+    /// channels to every rank over the cross-node transport, the proxy threads.
+    pub(crate) fn new(
+        mut part: PartBase,
+        region: SymmetricRegion,
+        opts: &EpBufferOptions,
+    ) -> Result<Self> {
+        if fused_mode_from_env()?.is_none() {
+            return Err(CommError::invalid(
+                "MOELINK_INTRANODE_FUSED",
+                "0 (separate intranode kernels) cannot serve a group that spans nodes",
+            ));
+        }
+        let comm = part.comm().clone();
+        let topo = comm.topology().clone();
+        let ranks_per_node = topo.uniform_ranks_per_node().ok_or_else(|| {
+            CommError::invalid(
+                "group",
+                "its nodes must hold the same number of consecutive ranks",
+            )
+        })?;
+        let num_nodes = topo.num_nodes();
+        if num_nodes > MAX_NODES {
+            return Err(CommError::invalid(
+                "group",
+                format!("{num_nodes} nodes; the internode kernels handle at most {MAX_NODES}"),
+            ));
+        }
+        if region.len() > u64::from(u32::MAX) {
+            return Err(CommError::invalid(
+                "num_rdma_bytes",
+                "num_nvl_bytes + num_rdma_bytes above 4 GiB: the proxy addresses at most 4 GiB",
+            ));
+        }
+        let chunk = chunk_from_env()?;
+        let transport = transport_of(&comm)?;
+        let device = part.device();
+        let rank = comm.rank();
+        let my_node = topo.node();
+        let error = part.member().device_error();
+        // Memory channels: this node's ranks only (the others are not used,
+        // and over real hosts not mapped).
+        let channels = region.memory_channels(&comm, None)?;
+        let handles = channels
+            .iter()
+            .enumerate()
+            .map(|(p, c)| match c {
+                Some(c) if topo.peer(p).node == my_node => c.device_handle(error).map(Some),
+                _ => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let channel_table = device_table(device, &handles)?;
+        let threads = ProxyPool::threads_from_env()?;
+        let mut pool = ProxyPool::new(
+            rank,
+            Some(device),
+            threads,
+            FIFO_SLOTS,
+            (rank as u64) << 8,
+            Placement::ByPeer,
+        )?;
+        let ports = comm.port_channels_pooled(&pool, region.local(), transport)?;
+        let port_handles: Vec<_> = ports
+            .iter()
+            .enumerate()
+            .map(|(p, c)| {
+                c.as_ref()
+                    .filter(|_| topo.peer(p).node != my_node)
+                    .map(|c| c.device_handle(error))
+            })
+            .collect();
+        let ports_table = device_table(device, &port_handles)?;
+        pool.start()?;
+        let scratch = DeviceMemory::alloc(device, SCRATCH_BYTES)?;
+        scratch.fill(0)?;
+        let host = HostMemory::pinned(device, HOST_BYTES)?;
+        part.ready()?;
+        tracing::debug!(
+            rank,
+            num_nodes,
+            ranks_per_node,
+            ?transport,
+            threads,
+            chunk,
+            "internode buffer"
+        );
+        Ok(Self {
+            pool,
+            _ports: ports,
+            ports_table,
+            part,
+            region,
+            _channels: channels,
+            channel_table,
+            scratch,
+            side: OwnedStream::new(device)?,
+            after_notify: StreamOrder::new(device)?,
+            after_recv: StreamOrder::new(device)?,
+            pending: None,
+            host,
+            host_epoch: 0,
+            combine_dirty: false,
+            timeout: opts.timeout,
+            ranks_per_node,
+            num_nodes,
+            chunk,
+            transport,
+        })
+    }
+
+    pub fn num_nodes(&self) -> usize {
+        self.num_nodes
+    }
+
+    pub fn ranks_per_node(&self) -> usize {
+        self.ranks_per_node
+    }
+
+    /// The transport of the port channels (to the other nodes).
+    pub fn transport(&self) -> Transport {
+        self.transport
+    }
+
+    /// Proxy threads of this buffer.
+    pub fn proxy_threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    /// Blocks of a dispatch's two launches together (or of a combine) besides
+    /// the one coordinating block: `num_sms` capped to this rank's share of
+    /// its GPU, less that block, so that a call uses `num_sms` SMs in all
+    /// and every rank's blocks are resident together with the share's spare
+    /// SMs left free. Where ranks share a GPU the proxy's copies between them
+    /// run as kernels on that GPU: with every SM held by a spinning block
+    /// (measured: 4 ranks x 33 blocks on 132 SMs under MPS) they never start.
+    ///
+    /// Ranks sharing a GPU (emulated nodes) get at most a quarter of its SMs
+    /// between them: measured on one H200 under MPS, 2x2 with 8 SMs per rank
+    /// passed dispatch and combine, while with 16 or 32 per rank the proxy's
+    /// copies stayed in flight (some chunks never landed within the 5 s
+    /// bound) while the ranks' blocks spun.
+    fn sms(&self, num_sms: u32) -> u32 {
+        let share = self.part.device_share();
+        let mut capped = share.cap("internode num_sms", num_sms);
+        if share.ranks_on_device > 1 {
+            let quarter = share.device_sms / (4 * share.ranks_on_device as u32);
+            capped = capped.min(quarter.max(3));
+        }
+        capped.saturating_sub(1).max(2)
+    }
+
+    /// Bytes of each half (dispatch, combine) after control and staging.
+    fn half_bytes(&self) -> u64 {
+        (self.region.len() - CTRL_BYTES - STAGE_BYTES) / 2 / 16 * 16
+    }
+
+    fn records(&self, shape: &DispatchShape) -> Result<(RecordLayout, XRecordLayout)> {
+        let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
+        let xrec = XRecordLayout::new(&rec, self.ranks_per_node)?;
+        Ok((rec, xrec))
+    }
+
+    /// Dispatch geometry: slots per source (and per node), xsend, xrecv.
+    fn dispatch_geometry(&self, rec: &RecordLayout, xrec: &XRecordLayout) -> Geometry {
+        let (r, n) = (self.part.num_ranks() as u64, self.num_nodes as u64);
+        let per_token = r * rec.bytes as u64 + 2 * n * xrec.rec.bytes as u64;
+        let slots = self.half_bytes() / per_token;
+        let first = CTRL_BYTES + STAGE_BYTES;
+        let xsend = first + r * slots * rec.bytes as u64;
+        Geometry {
+            slots: slots as usize,
+            first,
+            second: xsend,
+            third: xsend + n * slots * xrec.rec.bytes as u64,
+        }
+    }
+
+    /// Combine geometry: slots, then fwd, psend, precv offsets.
+    fn combine_geometry(&self, hidden: usize, num_topk: usize) -> (Geometry, u64) {
+        let crec = k::combine_record_bytes(hidden, num_topk) as u64;
+        let (r, n, l) = (
+            self.part.num_ranks() as u64,
+            self.num_nodes as u64,
+            self.ranks_per_node as u64,
+        );
+        let per_token = (r + l * n + 2 * n) * crec;
+        let slots = self.half_bytes() / per_token;
+        let first = CTRL_BYTES + STAGE_BYTES + self.half_bytes();
+        let fwd = first + r * slots * crec;
+        let psend = fwd + l * n * slots * crec;
+        (
+            Geometry {
+                slots: slots as usize,
+                first,
+                second: fwd,
+                third: psend,
+            },
+            psend + n * slots * crec,
+        )
+    }
+
+    /// Tokens per rank a dispatch of `shape` fits (also `fwd_meta`'s second dimension).
+    pub fn dispatch_capacity(&self, shape: &DispatchShape) -> Result<usize> {
+        let (rec, xrec) = self.records(shape)?;
+        Ok(self.dispatch_geometry(&rec, &xrec).slots)
+    }
+
+    /// Tokens per rank a combine of `hidden` bf16 + `num_topk` weights fits.
+    pub fn combine_capacity(&self, hidden: usize, num_topk: usize) -> usize {
+        self.combine_geometry(hidden, num_topk).0.slots
+    }
+
+    fn xctx(&self, c: IntranodeCtx, xslots: usize, meta_slots: usize) -> XCtx {
+        XCtx {
+            c,
+            ports: self.ports_table.ptr(),
+            landed: self.scratch.ptr() + LANDED_OFFSET,
+            stage_offset: CTRL_BYTES,
+            xsend_offset: 0,
+            xrecv_offset: 0,
+            fwd_offset: 0,
+            psend_offset: 0,
+            precv_offset: 0,
+            xslots: xslots as i64,
+            meta_slots: meta_slots as i64,
+            ranks_per_node: self.ranks_per_node as i32,
+            num_nodes: self.num_nodes as i32,
+            chunk: self.chunk as i32,
+            pad: 0,
+        }
+    }
+
+    fn ctx(&self) -> IntranodeCtx {
+        IntranodeCtx {
+            channels: self.channel_table.ptr(),
+            local: self.region.ptr(),
+            ticket: self.scratch.ptr(),
+            epoch: self.scratch.ptr() + EPOCH_OFFSET,
+            dispatch_offset: 0,
+            combine_offset: 0,
+            dispatch_slots: 0,
+            combine_slots: 0,
+            timeout_ns: self.part.device_timeout_ns(),
+            rank: self.part.rank() as i32,
+            num_ranks: self.part.num_ranks() as i32,
+        }
+    }
+
+    /// The dispatch context for records of `shape` (and the slots).
+    fn dispatch_ctx(
+        &self,
+        shape: &DispatchShape,
+        meta_slots: usize,
+    ) -> Result<(XCtx, XRecordLayout)> {
+        let (rec, xrec) = self.records(shape)?;
+        let g = self.dispatch_geometry(&rec, &xrec);
+        if shape.num_tokens > g.slots {
+            return Err(CommError::invalid(
+                "x",
+                format!(
+                    "{} tokens on rank {}, but the buffer of {} bytes holds {} tokens per rank \
+                     for rows of {} bytes across {} nodes; size it with \
+                     Config.get_nvl_buffer_size_hint + get_rdma_buffer_size_hint",
+                    shape.num_tokens,
+                    self.part.rank(),
+                    self.region.len(),
+                    g.slots,
+                    shape.hidden_bytes,
+                    self.num_nodes
+                ),
+            ));
+        }
+        let c = IntranodeCtx {
+            dispatch_offset: g.first,
+            dispatch_slots: g.slots as i64,
+            ..self.ctx()
+        };
+        let mut xc = self.xctx(c, g.slots, meta_slots);
+        xc.xsend_offset = g.second;
+        xc.xrecv_offset = g.third;
+        Ok((xc, xrec))
+    }
+
+    fn experts_per_rank(&self, num_experts: usize) -> Result<usize> {
+        experts_per_rank(self.part.num_ranks(), num_experts)
+    }
+
+    fn check_meta(&self, xi: &XInputs, num_tokens: usize) -> Result<()> {
+        // A rank without tokens has an empty node_head (address 0).
+        if (xi.node_head == 0 && num_tokens > 0) || xi.xcounts == 0 || xi.fwd_meta == 0 {
+            return Err(CommError::invalid(
+                "handle",
+                "an internode dispatch needs its node heads, counts and forwarding records",
+            ));
+        }
+        if xi.meta_slots < num_tokens {
+            return Err(CommError::invalid(
+                "handle",
+                format!(
+                    "its forwarding records hold {} tokens per node, the dispatch sends {}",
+                    xi.meta_slots, num_tokens
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Launches notify and the send side of a normal dispatch on `stream`;
+    /// returns the epoch for [`wait_counts`](Self::wait_counts).
+    pub fn dispatch_send(
+        &mut self,
+        stream: StreamHandle,
+        shape: &DispatchShape,
+        inp: &DispatchInputs,
+        xi: &XInputs,
+        expert_alignment: usize,
+        num_sms: u32,
+    ) -> Result<u64> {
+        let epr = self.experts_per_rank(shape.num_experts)?;
+        let (xc, xrec) = self.dispatch_ctx(shape, xi.meta_slots)?;
+        self.check_meta(xi, shape.num_tokens)?;
+        let epoch = self.host_epoch + 1;
+        let notify = XNotifyArgs {
+            n: NotifyArgs {
+                is_token_in_rank: inp.is_token_in_rank,
+                num_tokens_per_expert: inp.num_tokens_per_expert,
+                num_tokens: shape.num_tokens as i32,
+                experts_per_rank: epr as i32,
+                expert_alignment: i32::try_from(expert_alignment)
+                    .map_err(|_| CommError::invalid("expert_alignment", "too large"))?,
+                rank_prefix_matrix: inp.rank_prefix_matrix,
+                send_head: inp.send_head,
+                host_counts: HostCounts::counts_ptr(&self.host),
+                host_epoch: self.host.device_ptr(),
+                epoch_value: epoch,
+                topk_idx: if shape.num_topk > 0 { inp.topk_idx } else { 0 },
+                num_topk: shape.num_topk as i32,
+                error: self.part.error_ptr(),
+            },
+            node_head: xi.node_head,
+            xcounts: xi.xcounts,
+        };
+        // SAFETY: the caller (the Python layer) checked every tensor.
+        unsafe { x::internode_notify(self.part.kernels(), stream, xc, notify) }?;
+        self.host_epoch = epoch;
+        self.combine_dirty = false;
+        self.launch_send(stream, xc, xrec, shape, inp, xi, epr, num_sms)?;
+        Ok(epoch)
+    }
+
+    /// Launches the send side of a cached dispatch (an earlier dispatch's
+    /// handle), after a barrier.
+    pub fn cached_dispatch_send(
+        &mut self,
+        stream: StreamHandle,
+        shape: &DispatchShape,
+        inp: &DispatchInputs,
+        xi: &XInputs,
+        num_sms: u32,
+    ) -> Result<()> {
+        let shape = DispatchShape {
+            num_topk: 0,
+            ..*shape
+        };
+        let (xc, xrec) = self.dispatch_ctx(&shape, xi.meta_slots)?;
+        self.check_meta(xi, shape.num_tokens)?;
+        // SAFETY: channels are live.
+        unsafe { x::internode_barrier(self.part.kernels(), stream, xc) }?;
+        self.combine_dirty = false;
+        let inp = DispatchInputs {
+            topk_idx: 0,
+            topk_weights: 0,
+            ..*inp
+        };
+        self.launch_send(stream, xc, xrec, &shape, &inp, xi, 1, num_sms)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn launch_send(
+        &mut self,
+        stream: StreamHandle,
+        xc: XCtx,
+        xrec: XRecordLayout,
+        shape: &DispatchShape,
+        inp: &DispatchInputs,
+        xi: &XInputs,
+        experts_per_rank: usize,
+        num_sms: u32,
+    ) -> Result<()> {
+        let num_sms = self.sms(num_sms);
+        let grid = FusedGrid::new(num_sms, RECV_PERCENT).ok_or_else(|| {
+            CommError::invalid("num_sms", "an internode dispatch needs at least 2 SMs")
+        })?;
+        // The receive side (launched by dispatch_recv) waits for notify only.
+        self.after_notify.after(self.side.handle(), stream)?;
+        let send = SendArgs {
+            rec: xrec.rec_nvl(),
+            x: inp.x,
+            scales: inp.scales,
+            scale_strides: inp.scale_strides,
+            topk_idx: inp.topk_idx,
+            topk_weights: inp.topk_weights,
+            send_head: inp.send_head,
+            num_tokens: shape.num_tokens as i32,
+            experts_per_rank: experts_per_rank as i32,
+            num_sms,
+        };
+        let args = XDispatchArgs {
+            send,
+            xrec,
+            node_head: xi.node_head,
+            xcounts: xi.xcounts,
+            fwd_meta: xi.fwd_meta,
+            calls: self.scratch.ptr() + DISPATCH_SEND_CALLS_OFFSET,
+            error: self.part.error_ptr(),
+            grid: SendGrid::new(grid.send_blocks, self.num_nodes as u32),
+        };
+        self.pending = None;
+        // SAFETY: the caller checked every tensor; the peers' regions are
+        // free after notify (or the barrier).
+        unsafe { x::internode_dispatch(self.part.kernels(), stream, xc, args) }?;
+        self.pending = Some(PendingRecv {
+            slots: xc.xslots as usize,
+        });
+        Ok(())
+    }
+
+    /// Waits (bounded, CPU) for the counts of the notify of `epoch`: the
+    /// number of received tokens and the per-local-expert counts.
+    pub fn wait_counts(&self, epoch: u64, num_experts: usize) -> Result<(usize, Vec<i32>)> {
+        let epr = self.experts_per_rank(num_experts)?;
+        HostCounts::wait(
+            &self.host,
+            &self.part,
+            epoch,
+            epr,
+            self.timeout,
+            "internode dispatch",
+        )
+    }
+
+    /// Launches the receive side of a dispatch on the side stream (ordered
+    /// after notify), and orders `stream` after it.
+    pub fn dispatch_recv(
+        &mut self,
+        stream: StreamHandle,
+        shape: &DispatchShape,
+        rank_prefix_matrix: u64,
+        out: &DispatchOutputs,
+        num_sms: u32,
+    ) -> Result<()> {
+        let pending = self.pending.take().ok_or_else(|| {
+            CommError::invalid(
+                "handle",
+                "a dispatch's receive half without its send half (dispatch_send first)",
+            )
+        })?;
+        let num_sms = self.sms(num_sms);
+        let grid = FusedGrid::new(num_sms, RECV_PERCENT).ok_or_else(|| {
+            CommError::invalid("num_sms", "an internode dispatch needs at least 2 SMs")
+        })?;
+        let (xc, xrec) = self.dispatch_ctx(shape, 0)?;
+        if xc.xslots as usize != pending.slots {
+            return Err(CommError::invalid(
+                "x",
+                "the receive half of a dispatch does not match its send half",
+            ));
+        }
+        let recv = RecvArgs {
+            rec: xrec.rec_nvl(),
+            rank_prefix_matrix,
+            out: *out,
+            num_sms,
+        };
+        let state = FusedState {
+            send_calls: self.scratch.ptr() + DISPATCH_SEND_CALLS_OFFSET,
+            recv_calls: self.scratch.ptr() + DISPATCH_RECV_CALLS_OFFSET,
+            recv_ticket: self.scratch.ptr() + RECV_TICKET_OFFSET,
+            error: self.part.error_ptr(),
+        };
+        // SAFETY: the caller checked the outputs, allocated on `stream`, which
+        // waits for the side stream before it goes on.
+        unsafe {
+            k::dispatch_fused(
+                self.part.kernels(),
+                self.side.handle(),
+                xc.c,
+                FusedHalves::Recv,
+                None,
+                Some(recv),
+                state,
+                grid,
+            )
+        }?;
+        self.after_recv.after(stream, self.side.handle())
+    }
+
+    /// Launches a whole combine on `stream`.
+    pub fn combine(
+        &mut self,
+        stream: StreamHandle,
+        a: &CombineArgs,
+        xi: &XInputs,
+        recv_src_idx: u64,
+        num_sms: u32,
+    ) -> Result<()> {
+        let num_sms = self.sms(num_sms);
+        let (g, _) = self.combine_geometry(a.hidden, a.num_topk);
+        if a.num_tokens > g.slots {
+            return Err(CommError::invalid(
+                "handle",
+                format!(
+                    "{} tokens on rank {}, but the buffer of {} bytes holds {} combined tokens \
+                     per rank for hidden {} across {} nodes",
+                    a.num_tokens,
+                    self.part.rank(),
+                    self.region.len(),
+                    g.slots,
+                    a.hidden,
+                    self.num_nodes
+                ),
+            ));
+        }
+        if (xi.node_head == 0 && a.num_tokens > 0)
+            || xi.xcounts == 0
+            || xi.fwd_meta == 0
+            || (recv_src_idx == 0 && a.num_recv_rows > 0)
+        {
+            return Err(CommError::invalid(
+                "handle",
+                "an internode combine needs the dispatch's source indices, node heads, counts \
+                 and forwarding records",
+            ));
+        }
+        let c = IntranodeCtx {
+            combine_offset: g.first,
+            combine_slots: g.slots as i64,
+            ..self.ctx()
+        };
+        let crec = k::combine_record_bytes(a.hidden, a.num_topk) as u64;
+        let mut xc = self.xctx(c, g.slots, xi.meta_slots);
+        xc.fwd_offset = g.second;
+        xc.psend_offset = g.third;
+        xc.precv_offset = g.third + self.num_nodes as u64 * g.slots as u64 * crec;
+        if self.combine_dirty {
+            // SAFETY: channels are live.
+            unsafe { x::internode_barrier(self.part.kernels(), stream, xc) }?;
+        }
+        let args = XCombineArgs {
+            send: CombineSendArgs {
+                y: a.y,
+                hidden: a.hidden as i32,
+                topk_weights: a.topk_weights,
+                num_topk: a.num_topk as i32,
+                rank_prefix_matrix: a.rank_prefix_matrix,
+                num_rows: a.num_recv_rows,
+                num_sms,
+            },
+            recv: CombineRecvArgs {
+                send_head: a.send_head,
+                num_tokens: a.num_tokens as i32,
+                hidden: a.hidden as i32,
+                bias: a.bias,
+                out: a.out,
+                out_weights: a.out_weights,
+                num_topk: a.num_topk as i32,
+                num_sms,
+            },
+            recv_src_idx,
+            node_head: xi.node_head,
+            xcounts: xi.xcounts,
+            fwd_meta: xi.fwd_meta,
+            calls: self.scratch.ptr() + COMBINE_CALLS_OFFSET,
+            error: self.part.error_ptr(),
+            grid: CombineGrid::new(num_sms, RECV_PERCENT, self.num_nodes as u32),
+        };
+        // SAFETY: the caller checked every tensor.
+        unsafe { x::internode_combine(self.part.kernels(), stream, xc, args) }?;
+        self.combine_dirty = true;
+        Ok(())
+    }
+
+    /// Launches the layout kernel (`get_dispatch_layout`), with the tokens
+    /// per node (`num_tokens_per_rdma_rank`).
+    pub fn layout(&self, stream: StreamHandle, c: &LayoutCall, per_node: u64) -> Result<()> {
+        self.experts_per_rank(c.num_experts)?;
+        crate::intranode::launch_layout(
+            self.part.kernels(),
+            stream,
+            c,
+            self.scratch.ptr(),
+            self.part.error_ptr(),
+            self.part.num_ranks(),
+            self.part.rank(),
+            per_node,
+            self.ranks_per_node,
+        )
+    }
+}
+
+impl BufferPart for InternodeBuffer {
+    fn base(&self) -> &PartBase {
+        &self.part
+    }
+
+    fn local_buffer(&self) -> (u64, usize) {
+        (self.region.ptr(), self.region.len() as usize)
+    }
+
+    fn check_transport(&self) -> Result<()> {
+        for s in self.pool.services() {
+            s.fifo().error().check()?;
+            s.check()?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,580 @@
+// Device-side pieces of the intranode kernels (structs mirrored in Rust,
+// record flags, send / receive / reduce helpers), shared by intranode.cu and
+// internode.cu (which forwards into the same fixed slots). The design is
+// described at the top of intranode.cu and in docs/design-intranode.md.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include <comm/copy_device.cuh>
+#include <comm/memory_channel_device.cuh>
+
+namespace moelink::intranode {
+
+constexpr int kMaxRanks = 32;
+constexpr int kNotifyThreads = 1024;
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr uint64_t kCtrlHalfBytes = 32 * 1024;
+// High half of every record flag (the low half is the call number): bytes a
+// user wrote into the buffer (get_local_buffer_tensor) never pass as a flag.
+constexpr uint64_t kFlagMagic = 0x4d4c4e4bull;  // "MLNK"
+// Rows per chunk of the interleaved row orders of the fused kernels (each
+// source's or destination's rows visited chunk by chunk, round robin).
+constexpr int kChunkRows = 16;
+
+// Everything a kernel needs to reach the peers; mirrored in Rust
+// (ep_kernels::launch::IntranodeCtx).
+struct Ctx {
+  comm::MemoryChannelDeviceHandle* channels;  // [R] device array; entry `rank` unused
+  char* local;                                // this rank's NVL buffer
+  uint32_t* ticket;                           // [0]: last-block counter (0 between kernels);
+                                              // [1]: bit p set once a wait for peer p timed out
+  uint64_t* epoch;                            // device counter of notify calls (control-half parity)
+  uint64_t dispatch_offset;                   // byte offset of the dispatch region
+  uint64_t combine_offset;                    // byte offset of the combine region
+  int64_t dispatch_slots;                     // T_d: slots per source block of the dispatch region
+  int64_t combine_slots;                      // T_c: slots per block of the combine region
+  int64_t timeout_ns;                         // bound of every wait, ns of GPU time
+  int32_t rank;
+  int32_t num_ranks;
+};
+static_assert(sizeof(Ctx) == 80, "mirrored in Rust");
+
+// Where fields sit inside a dispatch record (bytes from its start).
+struct RecordLayout {
+  int64_t bytes;         // whole record, a multiple of 16
+  int32_t hidden_bytes;  // row bytes (multiple of 16)
+  int32_t num_scales;    // f32 scales after the row (0: none)
+  int32_t idx_offset;    // K int64 local expert ids (if num_topk > 0)
+  int32_t w_offset;      // K f32 weights (if weights)
+  int32_t src_offset;    // int32 source token index
+  int32_t num_topk;      // K (0: no top-k in the record)
+};
+static_assert(sizeof(RecordLayout) == 32, "mirrored in Rust");
+
+// One argument block per data kernel (passed as `__grid_constant__`), mirrored
+// in Rust (ep_kernels::intranode::*Params); sizes and offsets asserted on both
+// sides with the same numbers.
+struct NotifyParams {
+  Ctx c;
+  const bool* is_token_in_rank;          // [N, R]
+  const int* num_tokens_per_expert;      // [E]
+  int* rank_prefix_matrix;               // [R, R] out
+  int* send_head;                        // [N, R] out
+  int* host_counts;                      // host-mapped counts out
+  unsigned long long* host_epoch;        // host-mapped, written last
+  unsigned long long epoch_value;
+  const int64_t* topk_idx;               // [N, K] or null
+  comm::DeviceError* error;              // an expert id out of range
+  int num_tokens;
+  int experts_per_rank;
+  int expert_alignment;
+  int num_topk;
+};
+static_assert(sizeof(NotifyParams) == 168, "mirrored in Rust");
+static_assert(offsetof(NotifyParams, epoch_value) == 128, "mirrored in Rust");
+static_assert(offsetof(NotifyParams, num_tokens) == 152, "mirrored in Rust");
+
+struct DispatchSendParams {
+  Ctx c;
+  RecordLayout rec;
+  const char* x;                 // [N, hidden_bytes]
+  const float* scales;           // [N, num_scales] with element strides, or null
+  int64_t scale_stride0;
+  int64_t scale_stride1;
+  const int64_t* topk_idx;       // [N, K] or null
+  const float* topk_weights;     // [N, K] or null
+  const int* send_head;          // [N, R]
+  int num_tokens;
+  int experts_per_rank;
+};
+static_assert(sizeof(DispatchSendParams) == 176, "mirrored in Rust");
+static_assert(offsetof(DispatchSendParams, x) == 112, "mirrored in Rust");
+static_assert(offsetof(DispatchSendParams, num_tokens) == 168, "mirrored in Rust");
+
+struct DispatchRecvParams {
+  Ctx c;
+  RecordLayout rec;
+  const int* rank_prefix_matrix;  // [R, R]
+  int64_t num_rows;
+  char* recv_x;
+  float* recv_scales;             // or null
+  int64_t scale_stride0;
+  int64_t scale_stride1;
+  int64_t* recv_topk_idx;         // or null
+  float* recv_topk_weights;       // or null
+  int* recv_src_idx;              // or null
+};
+static_assert(sizeof(DispatchRecvParams) == 184, "mirrored in Rust");
+static_assert(offsetof(DispatchRecvParams, num_rows) == 120, "mirrored in Rust");
+static_assert(offsetof(DispatchRecvParams, recv_src_idx) == 176, "mirrored in Rust");
+
+struct CombineSendParams {
+  Ctx c;
+  const char* y;                   // [rows, hidden] bf16
+  int64_t row_bytes;
+  const float* topk_weights;       // [rows, K] or null
+  int64_t record_bytes;
+  const int* rank_prefix_matrix;   // [R, R]
+  int num_topk;
+};
+static_assert(sizeof(CombineSendParams) == 128, "mirrored in Rust");
+static_assert(offsetof(CombineSendParams, num_topk) == 120, "mirrored in Rust");
+
+struct CombineRecvParams {
+  Ctx c;
+  const int* send_head;            // [N, R]
+  int64_t record_bytes;
+  const __nv_bfloat16* bias0;      // [N, hidden] or null
+  const __nv_bfloat16* bias1;      // [N, hidden] or null
+  __nv_bfloat16* out;              // [N, hidden]
+  float* out_weights;              // [N, K] or null
+  int num_tokens;
+  int hidden;
+  int num_topk;
+};
+static_assert(sizeof(CombineRecvParams) == 144, "mirrored in Rust");
+static_assert(offsetof(CombineRecvParams, num_tokens) == 128, "mirrored in Rust");
+
+// The fused kernels' blocks: [0, num_send_blocks) run the send half, the rest
+// the receive half (dispatch: num_send_blocks == gridDim.x is a send-only
+// launch, 0 a receive-only one; the two then run on two streams at once).
+// Device counters of calls, from which the flags are derived: dispatch keeps one
+// per half (`send_calls`, `recv_calls`: a send-only launch may start after the
+// receive-only one of the same call finished), combine one for both halves.
+// Every launch advances the counters of the halves it ran, from its last
+// block, with `ticket` (the Ctx's, or `recv_ticket` for a receive-only launch,
+// which may run at the same time as the send-only one). `error`: the Buffer's
+// device error record (a record wait that ran out).
+struct DispatchFusedParams {
+  DispatchSendParams send;
+  DispatchRecvParams recv;
+  unsigned long long* send_calls;
+  unsigned long long* recv_calls;
+  unsigned int* recv_ticket;
+  comm::DeviceError* error;
+  int num_send_blocks;
+  int pad;
+};
+static_assert(sizeof(DispatchFusedParams) == 400, "mirrored in Rust");
+static_assert(offsetof(DispatchFusedParams, recv) == 176, "mirrored in Rust");
+static_assert(offsetof(DispatchFusedParams, num_send_blocks) == 392, "mirrored in Rust");
+
+struct CombineFusedParams {
+  CombineSendParams send;
+  CombineRecvParams recv;
+  unsigned long long* calls;
+  comm::DeviceError* error;
+  int num_send_blocks;
+  int pad;
+};
+static_assert(sizeof(CombineFusedParams) == 296, "mirrored in Rust");
+static_assert(offsetof(CombineFusedParams, recv) == 128, "mirrored in Rust");
+static_assert(offsetof(CombineFusedParams, num_send_blocks) == 288, "mirrored in Rust");
+
+__device__ __forceinline__ char* peer_base(const Ctx& c, int p) {
+  return p == c.rank ? c.local : c.channels[p].dst;
+}
+
+using comm::ld_nc;
+using comm::st_na;
+using comm::warp_copy16;
+
+// The last block of a grid to get here (after all its threads' writes are
+// fenced) signals every peer; the counter is reset for the next kernel.
+__device__ __forceinline__ void last_block_signals(const Ctx& c) {
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0 && comm::last_block_ticket(c.ticket)) {
+    __threadfence_system();
+    for (int p = 0; p < c.num_ranks; ++p)
+      if (p != c.rank) c.channels[p].signal();
+  }
+}
+
+// A wait for peer p that ran out of time (the error is recorded by the
+// semaphore) marks p in ticket[1]. The mark stays for the Buffer's life: the
+// ranks are out of step from then on, so the receive kernels poison every row
+// that came from (or depends on) a marked peer instead of passing stale slots
+// as results.
+__device__ __forceinline__ void wait_peer(const Ctx& c, int p) {
+  if (!c.channels[p].wait(c.timeout_ns)) atomicOr(c.ticket + 1, 1u << p);
+}
+
+__device__ __forceinline__ unsigned timed_out_peers(const Ctx& c) {
+  return *reinterpret_cast<volatile uint32_t*>(c.ticket + 1);
+}
+
+// One signal to and one wait for every peer (one thread per peer).
+__device__ __forceinline__ void signal_and_wait_all(const Ctx& c) {
+  const int p = threadIdx.x;
+  if (p < c.num_ranks && p != c.rank) {
+    c.channels[p].signal();
+    wait_peer(c, p);
+  }
+}
+
+// `bits` (the low `n` bits used) rotated right by `k` (0 <= k < n): bit (j + k) % n
+// moves to bit j.
+__device__ __forceinline__ unsigned rotate_right(unsigned bits, int k, int n) {
+  if (k == 0) return bits;
+  const unsigned mask = n == 32 ? 0xffffffffu : (1u << n) - 1;
+  return ((bits >> k) | (bits << (n - k))) & mask;
+}
+
+// Source rank of received row i: the first s with prefix[s] > i, where prefix
+// is column `rank` of rank_prefix_matrix (lane s holds prefix[s]).
+__device__ __forceinline__ void locate(int64_t i, int my_prefix, int lane, int num_ranks,
+                                       int& src, int64_t& slot) {
+  const unsigned above = __ballot_sync(0xffffffffu, lane < num_ranks && i < my_prefix);
+  src = __ffs(above) - 1;
+  const int before = __shfl_sync(0xffffffffu, my_prefix, src > 0 ? src - 1 : 0);
+  slot = i - (src > 0 ? before : 0);
+}
+
+// Block-wide exclusive scan of one int per thread (kNotifyThreads threads).
+__device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < kNotifyThreads / 32 ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += y;
+    }
+    warp_sums[lane] = w;  // inclusive
+  }
+  __syncthreads();
+  total = warp_sums[kNotifyThreads / 32 - 1];
+  const int r = (warp > 0 ? warp_sums[warp - 1] : 0) + x - v;
+  __syncthreads();
+  return r;
+}
+
+}  // namespace moelink::intranode
+
+using moelink::intranode::Ctx;
+using moelink::intranode::RecordLayout;
+
+namespace moelink::intranode {
+
+// The flag word of a record of `bytes` bytes (its last 8).
+__device__ __forceinline__ uint64_t* record_flag(char* record, int64_t bytes) {
+  return reinterpret_cast<uint64_t*>(record + bytes - 8);
+}
+
+// The flag value of the call after `calls` completed calls of a phase.
+__device__ __forceinline__ uint64_t flag_value(uint64_t calls) {
+  return (kFlagMagic << 32) | ((calls + 1) & 0xffffffffull);
+}
+
+__device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
+
+// Waits (the calling thread) until the flag of a record from peer `src`
+// holds `want`, bounded by the context's timeout. A peer already marked as
+// timed out is not waited for again. On timeout: marks `src` in ticket[1],
+// records the failure (kind, rank, src, `id`, want, seen) and returns false.
+__device__ bool wait_record(const Ctx& c, const uint64_t* flag, uint64_t want, int src,
+                            uint32_t kind, uint64_t id, comm::DeviceError* error) {
+  if (timed_out_peers(c) & (1u << src)) return false;
+  comm::WaitClock clock(c.timeout_ns);
+  uint64_t seen = comm::load_acquire_sys(flag);
+  while (seen != want) {
+    if (clock.expired()) {
+      atomicOr(c.ticket + 1, 1u << src);
+      comm::report_error(error, comm::kErrorTimeout, kind, c.rank, src, id, want, seen);
+      return false;
+    }
+    // Another warp found this peer late: stop waiting for it.
+    if ((clock.polls & 1023u) == 0 && (timed_out_peers(c) & (1u << src))) return false;
+    seen = comm::load_acquire_sys(flag);
+  }
+  return true;
+}
+
+// Writes the dispatch record of token t into slot send_head[t][d] of block
+// [rank] of every destination d's dispatch region (the whole warp). With
+// `flag` != 0, the record's flag is then set to `flag` on every destination
+// (after a fence: the record's bytes are visible first). Only destinations
+// whose bit is set in `allowed` are written (internode: this node's ranks).
+__device__ __forceinline__ void send_token(const DispatchSendParams& a, int64_t t, int lane,
+                                           uint64_t flag, unsigned allowed = 0xffffffffu) {
+  const Ctx& c = a.c;
+  const RecordLayout& rec = a.rec;
+  const int R = c.num_ranks, K = rec.num_topk;
+  const int my_slot = lane < R ? a.send_head[t * R + lane] : -1;
+  const bool mine_to_send = my_slot >= 0 && ((allowed >> lane) & 1u);
+  unsigned dests = __ballot_sync(0xffffffffu, mine_to_send);
+  const char* row = a.x + t * rec.hidden_bytes;
+  int64_t my_id = -1;
+  float my_w = 0.f;
+  if (lane < K) {
+    my_id = a.topk_idx[t * K + lane];
+    if (a.topk_weights != nullptr) my_w = a.topk_weights[t * K + lane];
+  }
+  // Destinations in the order rank, rank + 1, ... (mod R): at any moment the
+  // ranks write to different peers instead of all to the lowest one first
+  // (measured: ascending order left peers waiting 60-300 us for the last sender).
+  dests = rotate_right(dests, c.rank, R);
+  while (dests) {
+    const int j = __ffs(dests) - 1;
+    dests &= dests - 1;
+    const int d = j + c.rank < R ? j + c.rank : j + c.rank - R;
+    const int64_t slot = __shfl_sync(0xffffffffu, my_slot, d);
+    char* dst = peer_base(c, d) + c.dispatch_offset +
+                (int64_t(c.rank) * c.dispatch_slots + slot) * rec.bytes;
+    warp_copy16(dst, row, rec.hidden_bytes, lane);
+    float* dst_scales = reinterpret_cast<float*>(dst + rec.hidden_bytes);
+    for (int s = lane; s < rec.num_scales; s += 32)
+      dst_scales[s] = a.scales[t * a.scale_stride0 + s * a.scale_stride1];
+    if (lane < K) {
+      const int64_t first = int64_t(d) * a.experts_per_rank;
+      const bool mine = my_id >= first && my_id < first + a.experts_per_rank;
+      reinterpret_cast<int64_t*>(dst + rec.idx_offset)[lane] = mine ? my_id - first : -1;
+      if (a.topk_weights != nullptr)
+        reinterpret_cast<float*>(dst + rec.w_offset)[lane] = mine ? my_w : 0.f;
+    }
+    if (lane == 0) *reinterpret_cast<int*>(dst + rec.src_offset) = int(t);
+  }
+  if (flag != 0) {
+    // Every lane's stores of the records, then (per destination, by the lane
+    // that holds its slot) a release: fence, then the flag.
+    __syncwarp();
+    if (mine_to_send) {
+      fence_acq_rel_sys();
+      char* dst = peer_base(c, lane) + c.dispatch_offset +
+                  (int64_t(c.rank) * c.dispatch_slots + my_slot) * rec.bytes;
+      comm::store_relaxed_sys(record_flag(dst, rec.bytes), flag);
+    }
+  }
+}
+
+// Poisons received row i (a peer timed out): bytes 0xff (NaN in bf16 and
+// e4m3), NaN scales and weights, top-k id -1 and source index -1.
+__device__ __forceinline__ void poison_row(const DispatchRecvParams& a, int64_t i, int lane) {
+  const RecordLayout& rec = a.rec;
+  const int K = rec.num_topk;
+  int4* row = reinterpret_cast<int4*>(a.recv_x + i * rec.hidden_bytes);
+  for (int j = lane; j < rec.hidden_bytes / 16; j += 32) row[j] = make_int4(-1, -1, -1, -1);
+  for (int j = lane; j < rec.num_scales; j += 32)
+    a.recv_scales[i * a.scale_stride0 + j * a.scale_stride1] = __int_as_float(0x7fffffff);
+  if (a.recv_topk_idx != nullptr && lane < K) a.recv_topk_idx[i * K + lane] = -1;
+  if (a.recv_topk_weights != nullptr && lane < K)
+    a.recv_topk_weights[i * K + lane] = __int_as_float(0x7fffffff);
+  if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[i] = -1;
+}
+
+// Padding row i (num_worst_tokens beyond the received count): id -1, weight 0,
+// source -1; recv_x and scales are left as they are.
+__device__ __forceinline__ void pad_row(const DispatchRecvParams& a, int64_t i, int lane) {
+  const int K = a.rec.num_topk;
+  if (a.recv_topk_idx != nullptr && lane < K) a.recv_topk_idx[i * K + lane] = -1;
+  if (a.recv_topk_weights != nullptr && lane < K) a.recv_topk_weights[i * K + lane] = 0.f;
+  if (a.recv_src_idx != nullptr && lane == 0) a.recv_src_idx[i] = -1;
+}
+
+// Copies record `r` into received row i. `Fresh`: the record arrived during
+// this kernel (read through L2), else it was complete before the kernel.
+template <bool Fresh>
+__device__ __forceinline__ void copy_out_row(const DispatchRecvParams& a, int64_t i, const char* r,
+                                             int lane) {
+  const RecordLayout& rec = a.rec;
+  const int K = rec.num_topk;
+  warp_copy16<Fresh>(a.recv_x + i * rec.hidden_bytes, r, rec.hidden_bytes, lane);
+  const float* sc = reinterpret_cast<const float*>(r + rec.hidden_bytes);
+  for (int j = lane; j < rec.num_scales; j += 32)
+    a.recv_scales[i * a.scale_stride0 + j * a.scale_stride1] = sc[j];
+  if (lane < K) {
+    if (a.recv_topk_idx != nullptr)
+      a.recv_topk_idx[i * K + lane] = reinterpret_cast<const int64_t*>(r + rec.idx_offset)[lane];
+    if (a.recv_topk_weights != nullptr)
+      a.recv_topk_weights[i * K + lane] = reinterpret_cast<const float*>(r + rec.w_offset)[lane];
+  }
+  if (a.recv_src_idx != nullptr && lane == 0)
+    a.recv_src_idx[i] = *reinterpret_cast<const int*>(r + rec.src_offset);
+}
+
+// This rank's received rows in the interleaved order of the fused kernels:
+// unit k (of R * chunks * kChunkRows) is row j of source block b, where the
+// blocks take turns chunk by chunk (b = (first + k / kChunkRows) % R), so every
+// block's rows advance together, as the senders' do. Built by the whole warp
+// from column `rank` of rank_prefix_matrix; row() is called by the whole warp.
+struct InterleavedRows {
+  int R, first;
+  int my_prefix;  // lane s: rows of sources 0..s
+  int my_count;   // lane s: rows of source s
+  int64_t units;  // enough chunks for the largest source block
+
+  __device__ __forceinline__ InterleavedRows(const int* rank_prefix_matrix, int rank, int R_,
+                                             int first_, int lane)
+      : R(R_), first(first_) {
+    my_prefix = lane < R ? rank_prefix_matrix[lane * R + rank] : 0;
+    const int before = __shfl_up_sync(0xffffffffu, my_prefix, 1);
+    my_count = lane < R ? my_prefix - (lane > 0 ? before : 0) : 0;
+    int max_count = my_count;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) max_count = max(max_count, __shfl_xor_sync(0xffffffffu, max_count, o));
+    units = int64_t(R) * ((int64_t(max_count) + kChunkRows - 1) / kChunkRows) * kChunkRows;
+  }
+
+  // Rows received in all.
+  __device__ __forceinline__ int64_t total() const { return __shfl_sync(0xffffffffu, my_prefix, R - 1); }
+
+  // Unit k: block b, its row j and the received row index i; false past b's rows.
+  __device__ __forceinline__ bool row(int64_t k, int& b, int64_t& j, int64_t& i) const {
+    const int turn = int((k / kChunkRows) % R);
+    b = first + turn < R ? first + turn : first + turn - R;
+    j = k / (int64_t(R) * kChunkRows) * kChunkRows + k % kChunkRows;
+    const int count_b = __shfl_sync(0xffffffffu, my_count, b);
+    const int start_b = __shfl_sync(0xffffffffu, my_prefix, b > 0 ? b - 1 : 0);
+    i = (b > 0 ? start_b : 0) + j;
+    return j < count_b;
+  }
+};
+
+// The combine record of token slot `slot` written by rank `from` in `s`'s
+// combine region (as seen through base `base`).
+__device__ __forceinline__ const char* combine_record(const Ctx& c, const char* base, int from,
+                                                      int64_t slot, int64_t record_bytes) {
+  return base + c.combine_offset + (int64_t(from) * c.combine_slots + slot) * record_bytes;
+}
+
+// The combine of token t (one warp): out[t] = bf16((bias0 + bias1) + copy_d0 +
+// copy_d1 + ...) in f32 over the ranks d0 < d1 < ... that received t (the CPU
+// reference's order, so results match it bit for bit); weights likewise from 0.
+// `Fresh`: the copies arrived during this kernel (read through L2).
+template <bool Fresh>
+__device__ __forceinline__ void reduce_token(const CombineRecvParams& a, int64_t t, unsigned srcs,
+                                             const int* my_slots, int my_slot, int lane) {
+  const Ctx& c = a.c;
+  const int hidden = a.hidden, num_topk = a.num_topk;
+  const int64_t record_bytes = a.record_bytes;
+  const int64_t row_bytes = int64_t(hidden) * 2;
+  // kUnroll vectors per lane and two sources per step are loaded before
+  // they are added (memory-level parallelism); the order of the additions
+  // stays bias, then sources in ascending rank order.
+  constexpr int kUnroll = 2;
+  const int nvec = hidden / 8;
+  for (int v0 = lane; v0 < nvec; v0 += 32 * kUnroll) {
+    float acc[kUnroll][8];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + 32 * u;
+      int4 b0 = make_int4(0, 0, 0, 0), b1 = make_int4(0, 0, 0, 0);
+      if (v < nvec && a.bias0 != nullptr) b0 = ld_nc(reinterpret_cast<const int4*>(a.bias0 + t * hidden) + v);
+      if (v < nvec && a.bias1 != nullptr) b1 = ld_nc(reinterpret_cast<const int4*>(a.bias1 + t * hidden) + v);
+      const __nv_bfloat16* p0 = reinterpret_cast<const __nv_bfloat16*>(&b0);
+      const __nv_bfloat16* p1 = reinterpret_cast<const __nv_bfloat16*>(&b1);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) acc[u][k] = __bfloat162float(p0[k]) + __bfloat162float(p1[k]);
+    }
+    unsigned m = srcs;
+    while (m) {
+      const int d0 = __ffs(m) - 1;
+      m &= m - 1;
+      const int d1 = m ? __ffs(m) - 1 : -1;
+      if (m) m &= m - 1;
+      const int4* r0 = reinterpret_cast<const int4*>(combine_record(c, c.local, d0, my_slots[d0], record_bytes));
+      const int4* r1 = d1 < 0 ? nullptr
+                              : reinterpret_cast<const int4*>(
+                                    combine_record(c, c.local, d1, my_slots[d1], record_bytes));
+      int4 w0[kUnroll], w1[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = v0 + 32 * u;
+        if (v < nvec) {
+          w0[u] = comm::ld_vec<Fresh>(r0 + v);
+          if (r1 != nullptr) w1[u] = comm::ld_vec<Fresh>(r1 + v);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w0[u]);
+        const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&w1[u]);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+          acc[u][k] += __bfloat162float(x[k]);
+          if (r1 != nullptr) acc[u][k] += __bfloat162float(y[k]);
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int v = v0 + 32 * u;
+      if (v >= nvec) continue;
+      int4 o;
+      __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+      for (int k = 0; k < 8; ++k) po[k] = __float2bfloat16_rn(acc[u][k]);
+      reinterpret_cast<int4*>(a.out + t * hidden)[v] = o;
+    }
+  }
+  if (a.out_weights != nullptr) {
+    float acc = 0.f;
+    unsigned m = srcs;
+    while (m) {
+      const int d = __ffs(m) - 1;
+      m &= m - 1;
+      const int64_t slot = __shfl_sync(0xffffffffu, my_slot, d);
+      const char* r = combine_record(c, c.local, d, slot, record_bytes);
+      if (lane < num_topk) {
+        const float* w = reinterpret_cast<const float*>(r + row_bytes) + lane;
+        acc += Fresh ? __ldcg(w) : *w;
+      }
+    }
+    if (lane < num_topk) a.out_weights[t * num_topk + lane] = acc;
+  }
+}
+
+// Poisons combined token t (it depends on a peer whose wait timed out).
+__device__ __forceinline__ void poison_token(const CombineRecvParams& a, int64_t t, int lane) {
+  int4* row = reinterpret_cast<int4*>(a.out + t * a.hidden);
+  for (int v = lane; v < a.hidden / 8; v += 32) row[v] = make_int4(-1, -1, -1, -1);
+  if (a.out_weights != nullptr && lane < a.num_topk)
+    a.out_weights[t * a.num_topk + lane] = __int_as_float(0x7fffffff);
+}
+
+// Writes received row i (its expert output row and K weights) into slot `slot`
+// of block [rank] of source rank `src`'s combine region (the whole warp); with
+// `flag` != 0 then sets the record's flag (after a fence).
+__device__ __forceinline__ void send_combine_row(const CombineSendParams& a, int64_t i, int src,
+                                                 int64_t slot, int lane, uint64_t flag) {
+  const Ctx& c = a.c;
+  char* dst = peer_base(c, src) + c.combine_offset +
+              (int64_t(c.rank) * c.combine_slots + slot) * a.record_bytes;
+  warp_copy16(dst, a.y + i * a.row_bytes, a.row_bytes, lane);
+  if (a.topk_weights != nullptr && lane < a.num_topk)
+    reinterpret_cast<float*>(dst + a.row_bytes)[lane] = a.topk_weights[i * a.num_topk + lane];
+  if (flag != 0) {
+    __syncwarp();
+    if (lane == 0) {
+      fence_acq_rel_sys();
+      comm::store_relaxed_sys(record_flag(dst, a.record_bytes), flag);
+    }
+  }
+}
+
+// The end of a fused kernel: the last block (by `ticket`) advances the call
+// counters given (null: not this launch's).
+__device__ __forceinline__ void fused_done(unsigned int* ticket, unsigned long long* calls,
+                                           unsigned long long* more_calls) {
+  __syncthreads();
+  if (threadIdx.x == 0 && comm::last_block_ticket(ticket)) {
+    if (calls != nullptr) *calls += 1;
+    if (more_calls != nullptr) *more_calls += 1;
+  }
+}
+
+}  // namespace moelink::intranode

@@ -1,0 +1,471 @@
+//! Launchers of the internode dispatch/combine kernels (`cuda/internode.cu`,
+//! whose header comment has the design). The receive side of a dispatch is
+//! intranode's `dispatch_fused` (receive-only launch,
+//! [`crate::intranode::dispatch_fused`]): forwarded records land in the same
+//! fixed slots as same-node ones. The host side is `ep_core::internode`.
+
+use comm::error::{CommError, Result};
+use comm::StreamHandle;
+
+use crate::intranode::{
+    self as intra, CombineRecvArgs, CombineRecvParams, CombineSendArgs, CombineSendParams,
+    DispatchSendParams, IntranodeCtx, RecordLayout, SendArgs, THREADS,
+};
+use crate::module::{DeviceKernels, KernelId};
+
+/// Most nodes a group may span (one coordinator warp per node and stream).
+pub const MAX_NODES: usize = 16;
+/// Most records per port-channel put (one polling lane per record).
+pub const MAX_CHUNK: usize = 32;
+/// Bytes of the notify staging rows (two halves, after the control region).
+pub const STAGE_BYTES: u64 = intra::CTRL_BYTES;
+/// Bytes of the `landed` words (`[2][MAX_NODES]` u64).
+pub const LANDED_BYTES: u64 = 2 * MAX_NODES as u64 * 8;
+
+/// `moelink::internode::XCtx`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub struct XCtx {
+    /// The intranode context over the region (memory channels to this node's
+    /// ranks only).
+    pub c: IntranodeCtx,
+    /// Device array of `R` `PortChannelDeviceHandle`s (zeroed for this node's ranks).
+    pub ports: u64,
+    /// `LANDED_BYTES` of device memory.
+    pub landed: u64,
+    pub stage_offset: u64,
+    pub xsend_offset: u64,
+    pub xrecv_offset: u64,
+    pub fwd_offset: u64,
+    pub psend_offset: u64,
+    pub precv_offset: u64,
+    /// Tokens per rank of the x regions.
+    pub xslots: i64,
+    /// Second dimension of `fwd_meta` (the dispatch's tokens per rank).
+    pub meta_slots: i64,
+    pub ranks_per_node: i32,
+    pub num_nodes: i32,
+    /// Records per port-channel put.
+    pub chunk: i32,
+    pub pad: i32,
+}
+
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct XNotifyParams {
+    x: XCtx,
+    is_token_in_rank: u64,
+    num_tokens_per_expert: u64,
+    rank_prefix_matrix: u64,
+    send_head: u64,
+    node_head: u64,
+    xcounts: u64,
+    host_counts: u64,
+    host_epoch: u64,
+    epoch_value: u64,
+    topk_idx: u64,
+    error: u64,
+    num_tokens: i32,
+    experts_per_rank: i32,
+    expert_alignment: i32,
+    num_topk: i32,
+}
+
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct XDispatchParams {
+    x: XCtx,
+    send: DispatchSendParams,
+    xrec: RecordLayout,
+    node_head: u64,
+    xcounts: u64,
+    fwd_meta: u64,
+    calls: u64,
+    error: u64,
+    xslots_offset: i32,
+    num_send_blocks: i32,
+}
+
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct XCombineParams {
+    x: XCtx,
+    send: CombineSendParams,
+    recv: CombineRecvParams,
+    recv_src_idx: u64,
+    node_head: u64,
+    xcounts: u64,
+    fwd_meta: u64,
+    calls: u64,
+    error: u64,
+    num_send_blocks: i32,
+    num_fwd_blocks: i32,
+}
+
+param_layout!(
+    PARAM_LAYOUT = [
+        sizeof!(XCtx == 176),
+        offsetof!(XCtx, xslots == 144),
+        sizeof!(XNotifyParams == 280),
+        offsetof!(XNotifyParams, num_tokens == 264),
+        sizeof!(XDispatchParams == 432),
+        offsetof!(XDispatchParams, send == 176),
+        offsetof!(XDispatchParams, num_send_blocks == 428),
+        sizeof!(XCombineParams == 504),
+        offsetof!(XCombineParams, recv == 304),
+        offsetof!(XCombineParams, num_send_blocks == 496),
+    ]
+);
+
+/// A cross-node dispatch record: the NVL record's fields with global top-k
+/// ids, then the `L` slots of the destination node's ranks, then the flag.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct XRecordLayout {
+    /// The cross-node record (its `bytes` include the slots and the flag).
+    pub rec: RecordLayout,
+    /// The NVL record it becomes at the forwarder.
+    pub nvl: RecordLayout,
+    /// Byte offset of the `L` int32 slots.
+    pub slots_offset: i32,
+}
+
+impl XRecordLayout {
+    /// The NVL record (what the receivers read).
+    pub fn rec_nvl(&self) -> RecordLayout {
+        self.nvl
+    }
+
+    pub fn new(nvl: &RecordLayout, ranks_per_node: usize) -> Result<Self> {
+        let slots = nvl.src_offset as i64 + 4;
+        let bytes = (slots + 4 * ranks_per_node as i64 + intra::FLAG_BYTES + 15) / 16 * 16;
+        Ok(Self {
+            rec: RecordLayout { bytes, ..*nvl },
+            nvl: *nvl,
+            slots_offset: i32::try_from(slots)
+                .map_err(|_| CommError::invalid("hidden_bytes", "too large"))?,
+        })
+    }
+}
+
+fn check_x(x: &XCtx) -> Result<()> {
+    intra::check_ctx(&x.c)?;
+    let (r, l, n) = (
+        x.c.num_ranks as usize,
+        x.ranks_per_node as usize,
+        x.num_nodes as usize,
+    );
+    if l == 0 || n == 0 || l * n != r || n > MAX_NODES {
+        return Err(CommError::invalid(
+            "ranks_per_node",
+            format!("{n} nodes of {l} ranks for {r} ranks (at most {MAX_NODES} nodes)"),
+        ));
+    }
+    if x.chunk < 1 || x.chunk as usize > MAX_CHUNK {
+        return Err(CommError::invalid(
+            "chunk",
+            format!("{} records per put; 1 to {MAX_CHUNK}", x.chunk),
+        ));
+    }
+    if x.ports == 0 || x.landed == 0 {
+        return Err(CommError::invalid(
+            "ports",
+            "the port channels and the landed words are required",
+        ));
+    }
+    Ok(())
+}
+
+/// The call counter and the device error record a data kernel needs.
+fn check_state(calls: u64, error: u64) -> Result<()> {
+    if calls == 0 || error == 0 {
+        return Err(CommError::invalid(
+            "calls",
+            "the call counter and the device error record are required",
+        ));
+    }
+    Ok(())
+}
+
+/// Inputs and outputs of [`internode_notify`] (`intra::NotifyArgs` plus the
+/// node heads and counts).
+#[derive(Clone, Copy, Debug)]
+pub struct XNotifyArgs {
+    pub n: intra::NotifyArgs,
+    /// Out: `[N_tok, nodes]` int32.
+    pub node_head: u64,
+    /// Out: `[2 * nodes]` int32.
+    pub xcounts: u64,
+}
+
+/// # Safety
+/// As [`intra::dispatch_notify`]; `node_head` and `xcounts` valid for their sizes.
+pub unsafe fn internode_notify(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    x: XCtx,
+    a: XNotifyArgs,
+) -> Result<()> {
+    check_x(&x)?;
+    let n = &a.n;
+    let row = (x.c.num_ranks + x.num_nodes + n.experts_per_rank) as u64;
+    if row * x.c.num_ranks as u64 * 4 > intra::CTRL_HALF_BYTES || n.experts_per_rank <= 0 {
+        return Err(CommError::invalid(
+            "num_experts",
+            format!(
+                "{} experts per rank with {} ranks do not fit the control region",
+                n.experts_per_rank, x.c.num_ranks
+            ),
+        ));
+    }
+    if n.expert_alignment < 1 {
+        return Err(CommError::invalid("expert_alignment", "must be at least 1"));
+    }
+    if n.error == 0 {
+        return Err(CommError::invalid(
+            "error",
+            "the device error record is required",
+        ));
+    }
+    let p = XNotifyParams {
+        x,
+        is_token_in_rank: n.is_token_in_rank,
+        num_tokens_per_expert: n.num_tokens_per_expert,
+        rank_prefix_matrix: n.rank_prefix_matrix,
+        send_head: n.send_head,
+        node_head: a.node_head,
+        xcounts: a.xcounts,
+        host_counts: n.host_counts,
+        host_epoch: n.host_epoch,
+        epoch_value: n.epoch_value,
+        topk_idx: n.topk_idx,
+        error: n.error,
+        num_tokens: n.num_tokens,
+        experts_per_rank: n.experts_per_rank,
+        expert_alignment: n.expert_alignment,
+        num_topk: n.num_topk,
+    };
+    // SAFETY: XNotifyParams mirrors the kernel's block; pointers are the caller's contract.
+    unsafe { k.launch_params(KernelId::InternodeNotify, (1, 1), 1024, 0, stream, p) }
+}
+
+/// One signal to and one wait for every peer (memory channels in the node,
+/// port channels across).
+///
+/// # Safety
+/// The context's channels must be live.
+pub unsafe fn internode_barrier(k: &DeviceKernels, stream: StreamHandle, x: XCtx) -> Result<()> {
+    check_x(&x)?;
+    // SAFETY: the kernel takes the XCtx by value.
+    unsafe { k.launch_params(KernelId::InternodeBarrier, (1, 1), 32, 0, stream, x) }
+}
+
+/// The send side's grid: `send` blocks of senders, one coordinating block,
+/// `fwd` blocks of forwarders.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SendGrid {
+    pub send: u32,
+    pub fwd: u32,
+}
+
+impl SendGrid {
+    /// `blocks` (at least 2) split between senders and forwarders: the
+    /// forwarders get the share of the cross-node records, (N - 1) / N.
+    pub fn new(blocks: u32, num_nodes: u32) -> Self {
+        let blocks = blocks.max(2);
+        let fwd = (blocks as u64 * (num_nodes.max(1) as u64 - 1) / num_nodes.max(1) as u64) as u32;
+        let fwd = fwd.clamp(1, blocks - 1);
+        Self {
+            send: blocks - fwd,
+            fwd,
+        }
+    }
+}
+
+/// Arguments of [`internode_dispatch`].
+#[derive(Clone, Copy, Debug)]
+pub struct XDispatchArgs {
+    pub send: SendArgs,
+    pub xrec: XRecordLayout,
+    /// `[N_tok, nodes]` int32.
+    pub node_head: u64,
+    /// `[2 * nodes]` int32.
+    pub xcounts: u64,
+    /// Out: `[nodes][xslots][1 + L]` int32.
+    pub fwd_meta: u64,
+    /// u64 call counter of the dispatch's send side (the receive-only launch
+    /// of `dispatch_fused` has its own).
+    pub calls: u64,
+    pub error: u64,
+    pub grid: SendGrid,
+}
+
+/// Launches the send side of a dispatch: senders, coordinators and forwarders.
+///
+/// # Safety
+/// As [`intra::dispatch_send`]; the x regions of every peer must be free
+/// (after notify or a barrier) and the port channels' proxy running.
+pub unsafe fn internode_dispatch(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    x: XCtx,
+    a: XDispatchArgs,
+) -> Result<()> {
+    check_x(&x)?;
+    check_state(a.calls, a.error)?;
+    if a.send.num_tokens as i64 > x.xslots {
+        return Err(CommError::invalid(
+            "x",
+            format!(
+                "{} tokens do not fit the buffer's {} cross-node slots per node",
+                a.send.num_tokens, x.xslots
+            ),
+        ));
+    }
+    let p = XDispatchParams {
+        x,
+        send: intra::send_params(x.c, &a.send)?,
+        xrec: a.xrec.rec,
+        node_head: a.node_head,
+        xcounts: a.xcounts,
+        fwd_meta: a.fwd_meta,
+        calls: a.calls,
+        error: a.error,
+        xslots_offset: a.xrec.slots_offset,
+        num_send_blocks: a.grid.send as i32,
+    };
+    let blocks = a.grid.send + 1 + a.grid.fwd;
+    // SAFETY: XDispatchParams mirrors the kernel's block; pointers are the caller's contract.
+    unsafe {
+        k.launch_params(
+            KernelId::InternodeDispatch,
+            (blocks, 1),
+            THREADS,
+            0,
+            stream,
+            p,
+        )
+    }
+}
+
+/// The combine's grid: senders, forward reducers, one coordinating block,
+/// receivers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CombineGrid {
+    pub send: u32,
+    pub fwd: u32,
+    pub recv: u32,
+}
+
+impl CombineGrid {
+    /// `blocks` (at least 3) with `recv_percent` % receiving; of the rest,
+    /// the share (N - 1) / N reduces for forwarding.
+    pub fn new(blocks: u32, recv_percent: u32, num_nodes: u32) -> Self {
+        let blocks = blocks.max(3);
+        let recv = (blocks * recv_percent.min(100) / 100).clamp(1, blocks - 2);
+        let rest = SendGrid::new(blocks - recv, num_nodes);
+        Self {
+            send: rest.send,
+            fwd: rest.fwd,
+            recv,
+        }
+    }
+}
+
+/// Arguments of [`internode_combine`].
+#[derive(Clone, Copy, Debug)]
+pub struct XCombineArgs {
+    pub send: CombineSendArgs,
+    pub recv: CombineRecvArgs,
+    /// `[rows]` int32.
+    pub recv_src_idx: u64,
+    pub node_head: u64,
+    pub xcounts: u64,
+    pub fwd_meta: u64,
+    /// u64 combine call counter.
+    pub calls: u64,
+    pub error: u64,
+    pub grid: CombineGrid,
+}
+
+/// Launches a whole combine.
+///
+/// # Safety
+/// As [`intra::combine_fused`]; the combine regions of every peer must be
+/// free and the port channels' proxy running.
+pub unsafe fn internode_combine(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    x: XCtx,
+    a: XCombineArgs,
+) -> Result<()> {
+    check_x(&x)?;
+    check_state(a.calls, a.error)?;
+    if a.recv.num_tokens as i64 > x.xslots {
+        return Err(CommError::invalid(
+            "handle",
+            format!(
+                "{} tokens do not fit the buffer's {} cross-node slots",
+                a.recv.num_tokens, x.xslots
+            ),
+        ));
+    }
+    let p = XCombineParams {
+        x,
+        send: intra::combine_send_params(x.c, &a.send),
+        recv: intra::combine_recv_params(x.c, &a.recv)?,
+        recv_src_idx: a.recv_src_idx,
+        node_head: a.node_head,
+        xcounts: a.xcounts,
+        fwd_meta: a.fwd_meta,
+        calls: a.calls,
+        error: a.error,
+        num_send_blocks: a.grid.send as i32,
+        num_fwd_blocks: a.grid.fwd as i32,
+    };
+    let blocks = a.grid.send + a.grid.fwd + 1 + a.grid.recv;
+    // SAFETY: XCombineParams mirrors the kernel's block; pointers are the caller's contract.
+    unsafe {
+        k.launch_params(
+            KernelId::InternodeCombine,
+            (blocks, 1),
+            THREADS,
+            0,
+            stream,
+            p,
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn param_blocks_match_the_kernels_static_asserts() {
+        let cu = include_str!("../cuda/internode.cu");
+        crate::check_static_asserts("internode.cu", cu, PARAM_LAYOUT);
+    }
+
+    #[test]
+    fn cross_node_records_end_in_slots_and_a_flag() {
+        let nvl = RecordLayout::dispatch(14336, 0, 8).unwrap();
+        let x = XRecordLayout::new(&nvl, 4).unwrap();
+        assert_eq!(x.slots_offset, nvl.src_offset + 4);
+        assert!(x.slots_offset as i64 + 16 + intra::FLAG_BYTES <= x.rec.bytes);
+        assert_eq!(x.rec.bytes % 16, 0);
+        assert_eq!(x.rec.idx_offset, nvl.idx_offset);
+    }
+
+    #[test]
+    fn grids_split_by_node_share() {
+        assert_eq!(SendGrid::new(12, 2), SendGrid { send: 6, fwd: 6 });
+        assert_eq!(SendGrid::new(12, 4), SendGrid { send: 3, fwd: 9 });
+        assert_eq!(SendGrid::new(2, 2), SendGrid { send: 1, fwd: 1 });
+        assert_eq!(SendGrid::new(1, 2), SendGrid { send: 1, fwd: 1 });
+        let g = CombineGrid::new(24, 50, 2);
+        assert_eq!(g.recv, 12);
+        assert_eq!(g.send + g.fwd, 12);
+        let g = CombineGrid::new(3, 50, 2);
+        assert_eq!((g.send, g.fwd, g.recv), (1, 1, 1));
+    }
+}
