@@ -262,7 +262,7 @@ fn main() -> anyhow::Result<()> {
             };
             let d = buffer.low_latency_dispatch(&x, &idx, n, num_experts, &o)?;
             let y = d.recv_x.x.bmm(&local); // [E_local, R*T, H]
-            let (out, _) = buffer.low_latency_combine(
+            let (out, _, _) = buffer.low_latency_combine(
                 &y,
                 &idx,
                 &w,

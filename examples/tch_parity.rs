@@ -196,7 +196,7 @@ fn run(root: &Path) -> anyhow::Result<()> {
     out.put("ll_recv_count", &ll.recv_count)?;
     out.put("ll_src_info", &ll.handle.src_info)?;
     out.put("ll_layout_range", &ll.handle.layout_range)?;
-    let (ll_out, _) = b.low_latency_combine(
+    let (ll_out, _, _) = b.low_latency_combine(
         &ll.recv_x.x,
         &i.topk_idx,
         &i.topk_weights,

@@ -8,6 +8,7 @@
 //! | types | [`dtype`] | element types, operators, accumulation types, kernel variants |
 //! | algorithms | [`algorithm`] | the collection: applicability, default geometry |
 //! | selection | [`select`] | pin / tuned table / size thresholds, checked overrides |
+//! | tuning file | [`tune_file`] | the tuned table's JSON file (`MOELINK_AR_TUNE_FILE`): path, reader, table |
 //! | zero copy | [`registration`] | users' tensors exported by CUDA IPC and mapped by every peer |
 //! | communicator | [`allreduce`] | [`AllReduceComm`]: scratch, channels, counter, launches |
 //!
@@ -22,6 +23,7 @@ pub mod dtype;
 pub mod module;
 pub mod registration;
 pub mod select;
+pub mod tune_file;
 
 pub use algorithm::{Algorithm, Collective, Limits, Request};
 pub use allreduce::{

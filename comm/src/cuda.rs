@@ -397,3 +397,99 @@ impl Drop for StreamOrder {
         }
     }
 }
+
+impl StreamHandle {
+    /// Whether a CUDA-graph capture is active on this stream (what
+    /// `torch.cuda.is_current_stream_capturing()` asks of torch's current
+    /// stream). Legal during a capture.
+    pub fn is_capturing(self) -> Result<bool> {
+        // SAFETY: the caller guarantees the handle is a live stream of the
+        // current context (0: the legacy stream).
+        let status =
+            unsafe { result::stream::is_capturing(self.raw()) }.call("cuStreamIsCapturing")?;
+        Ok(status == sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_ACTIVE)
+    }
+}
+
+/// A CUDA event of one device (no timing), destroyed on drop: what a
+/// `torch.cuda.Event()` is, from the driver, for callers without torch's
+/// Python objects (the Rust API's `EventOverlap`). Recording it inside a
+/// CUDA-graph capture makes it a graph node that a wait joins.
+#[derive(Debug)]
+pub struct Event {
+    device: Device,
+    event: sys::CUevent,
+}
+
+// SAFETY: event handles are context-global and usable from any thread.
+unsafe impl Send for Event {}
+// SAFETY: as above; every method is a single driver call on the handle.
+unsafe impl Sync for Event {}
+
+impl Event {
+    pub fn new(device: Device) -> Result<Self> {
+        device.make_current()?;
+        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
+            .call("cuEventCreate")?;
+        Ok(Self { device, event })
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Captures the work issued to `stream` so far.
+    pub fn record(&self, stream: StreamHandle) -> Result<()> {
+        self.device.make_current()?;
+        // SAFETY: the event lives as long as self; the stream is the caller's
+        // live stream of this device.
+        unsafe { result::event::record(self.event, stream.raw()) }.call("cuEventRecord")
+    }
+
+    /// Work issued to `stream` from now on starts after the recorded work
+    /// (the stream may be of another device: the driver allows it).
+    pub fn wait(&self, stream: StreamHandle) -> Result<()> {
+        // SAFETY: as in record.
+        unsafe {
+            result::stream::wait_event(
+                stream.raw(),
+                self.event,
+                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
+            )
+        }
+        .call("cuStreamWaitEvent")
+    }
+
+    /// Whether the recorded work has completed (never waits).
+    pub fn query(&self) -> Result<bool> {
+        self.device.make_current()?;
+        // SAFETY: the event lives as long as self.
+        match unsafe { sys::cuEventQuery(self.event) } {
+            sys::CUresult::CUDA_SUCCESS => Ok(true),
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            e => Err(CommError::Cuda {
+                call: "cuEventQuery",
+                source: cudarc::driver::DriverError(e),
+            }),
+        }
+    }
+
+    /// Waits on the host for the recorded work.
+    pub fn synchronize(&self) -> Result<()> {
+        self.device.make_current()?;
+        // SAFETY: the event lives as long as self.
+        unsafe { result::event::synchronize(self.event) }.call("cuEventSynchronize")
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        if self.device.make_current().is_ok() {
+            // SAFETY: created in new(), destroyed once; the driver releases a
+            // pending event once its work completes.
+            unsafe {
+                let _ = result::event::destroy(self.event);
+            }
+        }
+    }
+}

@@ -1,14 +1,25 @@
 //! [`AllReduce`]: `moelink.AllReduce` on tch tensors: allreduce and
 //! allgather among the GPUs of one host, with the communicator of crate
-//! `collectives`, on torch's current stream.
+//! `collectives`, on torch's current stream (inside a CUDA-graph capture
+//! too, where the tuned table's graph entries apply, as in Python).
+//!
+//! Tuning: the communicator loads the tuned table that Python's
+//! `moelink.AllReduce.tune()` wrote for this GPU model and world size (the
+//! same file, format and variable: `MOELINK_AR_TUNE_FILE`, else
+//! `~/.cache/moelink/allreduce-<gpu>-<R>gpu.json`; crate `collectives`'
+//! `tune_file` reads it). Rank 0 reads it and every rank takes its entries;
+//! a file of another job is ignored with a warning on stderr. The tuner
+//! itself is Python's.
 
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use collectives::algorithm::Collective;
 use collectives::select::parse_algorithm;
+use collectives::tune_file::{self, TunedEntry};
 pub use collectives::ReduceOp;
 use collectives::{Accum, AllGatherCall, AllReduceCall, AllReduceComm, AllReduceConfig, Choice};
-use comm::Device as CoreDevice;
+use comm::{Bootstrap, Device as CoreDevice};
 use tch::{Device, Tensor};
 
 use crate::buffer::env_device_timeout_ns;
@@ -16,6 +27,20 @@ use crate::checks;
 use crate::error::{Error, Result};
 use crate::group::{env_timeout, Group};
 use crate::stream::current_stream;
+
+/// Which tuning file an [`AllReduce`] loads (Python's `tune_file=`).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub enum TuneFile {
+    /// `tune_file=None`: `MOELINK_AR_TUNE_FILE`, else
+    /// `~/.cache/moelink/allreduce-<gpu>-<R>gpu.json`
+    /// (`collectives::tune_file::default_tune_file`).
+    #[default]
+    Default,
+    /// This file (`~` expanded).
+    Path(PathBuf),
+    /// `tune_file=False`: none (size thresholds until a table is set).
+    Disabled,
+}
 
 /// How to make an [`AllReduce`] (`moelink.AllReduce`'s keywords).
 #[derive(Clone, Debug)]
@@ -30,6 +55,8 @@ pub struct AllReduceOptions {
     pub device_timeout_ns: Option<i64>,
     /// Bound of host waits; None: `MOELINK_TIMEOUT_S`, else 60 s.
     pub timeout: Option<Duration>,
+    /// The tuned table to load (default: Python's default file).
+    pub tune_file: TuneFile,
 }
 
 impl Default for AllReduceOptions {
@@ -44,6 +71,7 @@ impl Default for AllReduceOptions {
             allgather_ll_max_bytes: c.allgather_ll_max_bytes,
             device_timeout_ns: None,
             timeout: None,
+            tune_file: TuneFile::Default,
         }
     }
 }
@@ -67,10 +95,14 @@ pub struct AllReduceArgs<'a> {
 /// same order with the same sizes.
 pub struct AllReduce {
     inner: Option<AllReduceComm>,
+    group: Group,
     device: Device,
     dev: i32,
     core_device: CoreDevice,
     last_choice: Option<Choice>,
+    gpu_name: String,
+    tune_file: Option<PathBuf>,
+    tuning_loaded: bool,
 }
 
 impl std::fmt::Debug for AllReduce {
@@ -110,13 +142,98 @@ impl AllReduce {
             device_timeout_ns,
         };
         let inner = AllReduceComm::new(group.core(), core_device, &config)?;
-        Ok(Self {
+        let mut ar = Self {
             inner: Some(inner),
+            group: group.clone(),
             device,
             dev,
             core_device,
             last_choice: None,
-        })
+            gpu_name: core_device.name()?,
+            tune_file: None,
+            tuning_loaded: false,
+        };
+        let path = match &opts.tune_file {
+            TuneFile::Disabled => None,
+            TuneFile::Default => Some(tune_file::default_tune_file(&ar.gpu_name, group.size())),
+            TuneFile::Path(p) => Some(expand_user(p)),
+        };
+        if let Some(path) = path {
+            ar.tune_file = Some(path.clone());
+            ar.load_tuning(&path)?;
+        }
+        Ok(ar)
+    }
+
+    /// The GPU model (`torch.cuda.get_device_name`), which a tuning file
+    /// must name.
+    pub fn gpu_name(&self) -> &str {
+        &self.gpu_name
+    }
+
+    /// The tuning file this communicator looked for (None with
+    /// [`TuneFile::Disabled`]).
+    pub fn tune_file(&self) -> Option<&Path> {
+        self.tune_file.as_deref()
+    }
+
+    /// Whether the latest [`load_tuning`](Self::load_tuning) (the
+    /// constructor's included) installed a table.
+    pub fn tuning_loaded(&self) -> bool {
+        self.tuning_loaded
+    }
+
+    /// *Collective.* Rank 0 reads `path` (if it exists and was tuned for this
+    /// GPU model and world size: else a warning on stderr) and every rank
+    /// installs its entries (Python's `load_tuning`). Returns whether a
+    /// table was loaded; an entry naming an unknown algorithm is a
+    /// `ValueError`, as Python's `set_tuned` raises it.
+    pub fn load_tuning(&mut self, path: &Path) -> Result<bool> {
+        let world = self.group.size();
+        let payload = if self.group.rank() == 0 {
+            encode_tuning(&read_tuning(path, &self.gpu_name, world))
+        } else {
+            Vec::new()
+        };
+        // Every rank takes rank 0's answer (one exchange on a scope of the
+        // group's bootstrap, as Python broadcasts it over the process group).
+        let boot = self.group.core().scope("allreduce tuning")?;
+        let all = boot.all_gather(&payload)?;
+        let answer = decode_tuning(all.first().map_or(&[][..], Vec::as_slice))?;
+        self.tuning_loaded = false;
+        match answer {
+            Tuning::Absent => Ok(false),
+            Tuning::Ignored(why) => {
+                eprintln!("moelink.AllReduce: ignoring tuning file {why}");
+                Ok(false)
+            }
+            Tuning::Entries(entries) => {
+                let table = tune_file::table_from_entries(&entries)?;
+                self.get()?.set_table(table);
+                self.tuning_loaded = true;
+                Ok(true)
+            }
+        }
+    }
+
+    /// The tuned table as Python's `tuned()` lists it: (collective, graph,
+    /// registered, log2 bytes, algorithm, blocks, threads), sorted.
+    pub fn tuned(&mut self) -> Result<Vec<TunedEntry>> {
+        Ok(self
+            .get()?
+            .table()
+            .entries()
+            .into_iter()
+            .map(|(k, c)| TunedEntry {
+                collective: k.collective.name().into(),
+                graph: k.graph,
+                registered: k.registered,
+                log2_bytes: k.log2_bytes,
+                algorithm: c.algorithm.name().into(),
+                num_blocks: c.num_blocks,
+                num_threads: c.num_threads,
+            })
+            .collect())
     }
 
     fn get(&mut self) -> Result<&mut AllReduceComm> {
@@ -156,6 +273,7 @@ impl AllReduce {
             .map(|a| parse_algorithm(a, Collective::AllReduce))
             .transpose()?;
         let stream = current_stream(self.dev)?;
+        let capturing = stream.is_capturing()?;
         let call = AllReduceCall {
             input: tensor.data_ptr() as u64,
             output: out.data_ptr() as u64,
@@ -166,7 +284,7 @@ impl AllReduce {
             algorithm,
             num_blocks: args.num_blocks.unwrap_or(0),
             num_threads: args.num_threads.unwrap_or(0),
-            capturing: false,
+            capturing,
         };
         self.last_choice = Some(self.get()?.all_reduce(stream, &call)?);
         Ok(out.shallow_clone())
@@ -192,6 +310,7 @@ impl AllReduce {
             .map(|a| parse_algorithm(a, Collective::AllGather))
             .transpose()?;
         let stream = current_stream(self.dev)?;
+        let capturing = stream.is_capturing()?;
         let call = AllGatherCall {
             input: inp.data_ptr() as u64,
             output: out.data_ptr() as u64,
@@ -199,7 +318,7 @@ impl AllReduce {
             algorithm,
             num_blocks: num_blocks.unwrap_or(0),
             num_threads: num_threads.unwrap_or(0),
-            capturing: false,
+            capturing,
         };
         self.last_choice = Some(self.get()?.all_gather(stream, &call)?);
         Ok(out.shallow_clone())
@@ -229,4 +348,117 @@ impl Drop for AllReduce {
             let _ = self.core_device.synchronize();
         }
     }
+}
+
+/// `path` with a leading `~` expanded (Python's `Path.expanduser`).
+fn expand_user(path: &Path) -> PathBuf {
+    match (path.strip_prefix("~"), std::env::var_os("HOME")) {
+        (Ok(rest), Some(home)) => PathBuf::from(home).join(rest),
+        _ => path.to_path_buf(),
+    }
+}
+
+/// What rank 0 found at the tuning file's path.
+#[derive(Debug, PartialEq)]
+enum Tuning {
+    /// No such file: nothing loaded, silently.
+    Absent,
+    /// A file that does not apply (`path: why`): ignored with a warning.
+    Ignored(String),
+    Entries(Vec<TunedEntry>),
+}
+
+/// Rank 0's half of `load_tuning`: the file at `path`, if any, for a job of
+/// `world` x `gpu`.
+fn read_tuning(path: &Path, gpu: &str, world: usize) -> Tuning {
+    if !path.is_file() {
+        return Tuning::Absent;
+    }
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) => return Tuning::Ignored(format!("{}: {e}", path.display())),
+    };
+    match tune_file::parse_tune_file(&text, gpu, world) {
+        Ok(entries) => Tuning::Entries(entries),
+        Err(e) => Tuning::Ignored(format!("{}: {e}", path.display())),
+    }
+}
+
+/// [`Tuning`] as bytes for the exchange: a tag byte, then text (the reason,
+/// or one entry per line, fields separated by spaces; names have none).
+fn encode_tuning(t: &Tuning) -> Vec<u8> {
+    let (tag, body) = match t {
+        Tuning::Absent => (b'0', String::new()),
+        Tuning::Ignored(why) => (b'1', why.clone()),
+        Tuning::Entries(entries) => (
+            b'2',
+            entries
+                .iter()
+                .map(|e| {
+                    format!(
+                        "{} {} {} {} {} {} {}\n",
+                        e.collective,
+                        u8::from(e.graph),
+                        u8::from(e.registered),
+                        e.log2_bytes,
+                        e.algorithm,
+                        e.num_blocks,
+                        e.num_threads
+                    )
+                })
+                .collect(),
+        ),
+    };
+    let mut out = vec![tag];
+    out.extend_from_slice(body.as_bytes());
+    out
+}
+
+fn decode_tuning(bytes: &[u8]) -> Result<Tuning> {
+    let bad = || Error::state("the tuning exchange carried a malformed message");
+    let (&tag, body) = bytes.split_first().ok_or_else(bad)?;
+    let body = std::str::from_utf8(body).map_err(|_| bad())?;
+    Ok(match tag {
+        b'0' => Tuning::Absent,
+        b'1' => Tuning::Ignored(body.to_string()),
+        b'2' => Tuning::Entries(
+            body.lines()
+                .map(|line| {
+                    let f: Vec<&str> = line.split(' ').collect();
+                    let [c, g, r, l, a, b, t] = f.as_slice() else {
+                        return Err(bad());
+                    };
+                    let num = |s: &str| s.parse::<u32>().map_err(|_| bad());
+                    Ok(TunedEntry {
+                        collective: c.to_string(),
+                        graph: *g == "1",
+                        registered: *r == "1",
+                        log2_bytes: num(l)?,
+                        algorithm: a.to_string(),
+                        num_blocks: num(b)?,
+                        num_threads: num(t)?,
+                    })
+                })
+                .collect::<Result<_>>()?,
+        ),
+        _ => return Err(bad()),
+    })
+}
+
+/// Rank 0's reading of a tuning file and the exchange's encoding, without a
+/// GPU (the CPU tests call it): `Ok(None)` for no file, `Err(why)` for a
+/// file that would be ignored with a warning, else the entries after the
+/// round trip every rank gets.
+pub fn read_tune_file(
+    path: &Path,
+    gpu: &str,
+    world_size: usize,
+) -> Result<std::result::Result<Option<Vec<TunedEntry>>, String>> {
+    Ok(
+        match decode_tuning(&encode_tuning(&read_tuning(path, gpu, world_size)))? {
+            Tuning::Absent => Ok(None),
+            Tuning::Ignored(why) => Err(why),
+            Tuning::Entries(e) => Ok(Some(e)),
+        },
+    )
 }

@@ -5,11 +5,16 @@
 //!
 //! Streams: an intranode call (layout, dispatch, combine) runs on the
 //! Buffer's communication stream, which first waits for torch's current
-//! stream on the Buffer's device; that stream then waits for the
-//! communication stream before the call returns (Python's
-//! `async_finish=False`). A low-latency call runs on the current stream.
-//! Outputs are allocated by tch on the current stream, as the Python API
-//! allocates them.
+//! stream on the Buffer's device (or for its `previous_event`); that stream
+//! then waits for the communication stream before the call returns
+//! (`async_finish=False`), or the call returns an [`EventOverlap`] recorded
+//! on the communication stream (`async_finish=True`, see [`StreamArgs`]). A
+//! low-latency call runs on the current stream, or with `async_finish` on
+//! the communication stream after it waited for the current one. Outputs
+//! are allocated by tch on the current stream (with
+//! `allocate_on_comm_stream`, and for an asynchronous low-latency call, on
+//! the communication stream, made torch's current stream meanwhile), as the
+//! Python API allocates them.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -28,8 +33,9 @@ use tch::{Device, Kind, Tensor};
 
 use crate::checks::{self, Target};
 use crate::error::{Error, Result};
+pub use crate::event::{EventOverlap, StreamArgs};
 use crate::group::{env_timeout, Group};
-use crate::stream::current_stream;
+use crate::stream::{current_stream, record_stream, StreamGuard};
 use crate::tensor::{meta, output, ptr, required};
 
 /// SMs of intranode dispatch and combine where neither the Buffer's options
@@ -215,6 +221,9 @@ pub struct DispatchArgs<'a> {
     pub num_worst_tokens: i64,
     /// SMs of this call (the Python `config.num_sms`); None: the Buffer's.
     pub num_sms: Option<u32>,
+    /// `previous_event`, `async_finish`, `allocate_on_comm_stream` (default:
+    /// none of them).
+    pub stream: StreamArgs<'a>,
 }
 
 impl<'a> DispatchArgs<'a> {
@@ -230,6 +239,7 @@ impl<'a> DispatchArgs<'a> {
             expert_alignment: 1,
             num_worst_tokens: 0,
             num_sms: None,
+            stream: StreamArgs::default(),
         }
     }
 }
@@ -246,6 +256,8 @@ pub struct Dispatched {
     /// (empty with `num_worst_tokens`).
     pub num_recv_tokens_per_expert: Vec<i64>,
     pub handle: Handle,
+    /// With `async_finish`: the event marking the call's end (else empty).
+    pub event: EventOverlap,
 }
 
 /// `bias` of [`Buffer::combine`]: none, one bf16 `[N, H]` tensor, or a pair.
@@ -294,6 +306,10 @@ pub struct LlDispatchOptions<'a> {
     pub use_ue8m0: bool,
     /// Only issue the sends; the returned [`RecvHook`] runs the receive half.
     pub return_recv_hook: bool,
+    /// Run on the communication stream (after the current one) and return
+    /// an event instead of ordering the current stream after the call; not
+    /// with `return_recv_hook`.
+    pub async_finish: bool,
 }
 
 impl Default for LlDispatchOptions<'_> {
@@ -305,6 +321,7 @@ impl Default for LlDispatchOptions<'_> {
             round_scale: false,
             use_ue8m0: false,
             return_recv_hook: false,
+            async_finish: false,
         }
     }
 }
@@ -320,6 +337,8 @@ pub struct LlDispatched {
     /// With `return_recv_hook`: the receive half, to run with
     /// [`Buffer::run_recv_hook`] before the outputs are read.
     pub hook: Option<RecvHook>,
+    /// With `async_finish`: the event marking the call's end (else empty).
+    pub event: EventOverlap,
 }
 
 /// The options of [`Buffer::low_latency_combine`].
@@ -335,6 +354,8 @@ pub struct LlCombineOptions<'a> {
     /// int64 `[R]`, accumulates wait cycles per source rank.
     pub combine_wait_recv_cost_stats: Option<&'a Tensor>,
     pub return_recv_hook: bool,
+    /// As [`LlDispatchOptions::async_finish`].
+    pub async_finish: bool,
 }
 
 /// The receive half of a low-latency call made with `return_recv_hook`: run
@@ -578,22 +599,86 @@ impl Buffer {
         current_stream(self.dev)
     }
 
-    /// The communication stream, after it waited for `compute`.
-    fn enter_comm(&self, compute: StreamHandle) -> Result<StreamHandle> {
+    /// An event recorded now on torch's current stream of `device`
+    /// (`Buffer.capture()`): a call's `previous_event`.
+    pub fn capture(device: Device) -> Result<EventOverlap> {
+        EventOverlap::capture(device)
+    }
+
+    /// Whether this call checks expert ids on the host
+    /// ([`checks::set_check_ids`], never under CUDA-graph capture).
+    fn check_ids_now(&self) -> Result<bool> {
+        Ok(checks::check_ids() && !self.compute_stream()?.is_capturing()?)
+    }
+
+    /// While alive (with `on_comm`), torch's current stream is the
+    /// communication stream: tch allocates there.
+    fn alloc_guard(&self, on_comm: bool) -> Result<Option<StreamGuard>> {
+        on_comm
+            .then(|| StreamGuard::new(self.comm_stream.handle(), self.dev))
+            .transpose()
+    }
+
+    /// The communication stream, after it waited for `previous_event` where
+    /// that holds an event, else for `compute` (Python's `_enter_comm`).
+    fn enter_comm(
+        &self,
+        compute: StreamHandle,
+        previous_event: Option<&EventOverlap>,
+    ) -> Result<StreamHandle> {
         let comm = self.comm_stream.handle();
-        self.order.after(comm, compute)?;
+        match previous_event.and_then(EventOverlap::event) {
+            Some(e) => e.wait(comm)?,
+            None => self.order.after(comm, compute)?,
+        }
         Ok(comm)
     }
 
-    /// The end of an intranode call: `compute` waits for the communication
-    /// stream, then a kernel's recorded error (an expert id out of range) is
-    /// raised, after the launches (the ranks stay in step).
-    fn finish(&self, compute: StreamHandle) -> Result<()> {
-        self.order.after(compute, self.comm_stream.handle())?;
+    /// The end of an intranode call (Python's `_epilogue`): outputs made on
+    /// the communication stream are marked used on `compute`; then either
+    /// (`async_finish`) every tensor of the call is marked used on the
+    /// communication stream and kept by an event recorded there, or
+    /// `compute` waits for the communication stream. Last, a kernel's
+    /// recorded error (an expert id out of range) is raised, after the
+    /// launches (the ranks stay in step).
+    fn finish(
+        &self,
+        compute: StreamHandle,
+        s: &StreamArgs<'_>,
+        inputs: &[Option<&Tensor>],
+        outputs: &[Option<&Tensor>],
+    ) -> Result<EventOverlap> {
+        let comm = self.comm_stream.handle();
+        if s.allocate_on_comm_stream {
+            for t in outputs.iter().flatten() {
+                record_stream(t, compute, self.dev)?;
+            }
+        }
+        let event = if s.async_finish {
+            self.finish_async(comm, inputs.iter().chain(outputs).flatten().copied())?
+        } else {
+            self.order.after(compute, comm)?;
+            EventOverlap::none()
+        };
         if let Some(b) = self.inner.intranode() {
             b.check_device()?;
         }
-        Ok(())
+        Ok(event)
+    }
+
+    /// Python's `finish_async`: `tensors` are marked used on `stream` (their
+    /// memory is not handed out again before its work so far is done) and
+    /// kept by the returned event, recorded on `stream`.
+    fn finish_async<'t>(
+        &self,
+        stream: StreamHandle,
+        tensors: impl Iterator<Item = &'t Tensor>,
+    ) -> Result<EventOverlap> {
+        let kept: Vec<Tensor> = tensors.map(Tensor::shallow_clone).collect();
+        for t in &kept {
+            record_stream(t, stream, self.dev)?;
+        }
+        EventOverlap::recorded(self.core_device, stream, kept)
     }
 
     fn call_sms(&self, num_sms: Option<u32>) -> Result<u32> {
@@ -605,15 +690,38 @@ impl Buffer {
     /// `get_dispatch_layout(topk_idx, num_experts)`: per-rank and per-expert
     /// token counts and `is_token_in_rank` of int64 `topk_idx` `[N, K]`.
     pub fn get_dispatch_layout(&mut self, topk_idx: &Tensor, num_experts: i64) -> Result<Layout> {
+        Ok(self
+            .get_dispatch_layout_with(topk_idx, num_experts, &StreamArgs::default())?
+            .0)
+    }
+
+    /// [`get_dispatch_layout`](Self::get_dispatch_layout) with
+    /// `previous_event`, `async_finish` and `allocate_on_comm_stream`;
+    /// returns the layout and the call's event.
+    pub fn get_dispatch_layout_with(
+        &mut self,
+        topk_idx: &Tensor,
+        num_experts: i64,
+        s: &StreamArgs<'_>,
+    ) -> Result<(Layout, EventOverlap)> {
         let device = self.device;
         self.intranode()?;
         let p = checks::layout(&self.target(), topk_idx, num_experts)?;
+        if self.check_ids_now()? {
+            checks::topk_values(topk_idx, p.num_experts)?;
+        }
+        checks::stream_args(s)?;
         let compute = self.compute_stream()?;
-        let per_rank = required(&p.outputs, "num_tokens_per_rank", device)?;
-        let per_expert = required(&p.outputs, "num_tokens_per_expert", device)?;
-        let in_rank = required(&p.outputs, "is_token_in_rank", device)?;
-        let scratch = required(&p.outputs, "layout_scratch", device)?;
-        let comm = self.enter_comm(compute)?;
+        let (per_rank, per_expert, in_rank, scratch) = {
+            let _on_comm = self.alloc_guard(s.allocate_on_comm_stream)?;
+            (
+                required(&p.outputs, "num_tokens_per_rank", device)?,
+                required(&p.outputs, "num_tokens_per_expert", device)?,
+                required(&p.outputs, "is_token_in_rank", device)?,
+                required(&p.outputs, "layout_scratch", device)?,
+            )
+        };
+        let comm = self.enter_comm(compute, s.previous_event)?;
         let call = LayoutCall {
             topk_idx: ptr(Some(topk_idx)),
             num_tokens: p.num_tokens as usize,
@@ -625,13 +733,23 @@ impl Buffer {
             partials: ptr(Some(&scratch)),
         };
         self.intranode_part()?.layout(comm, &call)?;
-        self.finish(compute)?;
-        drop(scratch); // freed on the compute stream, which waited for the kernel
-        Ok(Layout {
-            num_tokens_per_rank: per_rank,
-            num_tokens_per_expert: per_expert,
-            is_token_in_rank: in_rank,
-        })
+        let event = self.finish(
+            compute,
+            s,
+            &[Some(topk_idx), Some(&scratch)],
+            &[Some(&per_rank), Some(&per_expert), Some(&in_rank)],
+        )?;
+        // Freed on the compute stream, which waited for the kernel (or, with
+        // async_finish, marked used on the communication stream).
+        drop(scratch);
+        Ok((
+            Layout {
+                num_tokens_per_rank: per_rank,
+                num_tokens_per_expert: per_expert,
+                is_token_in_rank: in_rank,
+            },
+            event,
+        ))
     }
 
     // ----- dispatch -------------------------------------------------------------
@@ -643,6 +761,13 @@ impl Buffer {
         self.intranode()?;
         let num_sms = self.call_sms(a.num_sms)?;
         let p = checks::dispatch(&self.target(), x, a)?;
+        if let Some(idx) = a.topk_idx {
+            if p.num_worst_tokens == 0 && self.check_ids_now()? {
+                checks::topk_values(idx, p.num_experts)?;
+            }
+        }
+        let s = &a.stream;
+        checks::stream_args(s)?;
         let (data, scales) = x.parts();
         let shape = DispatchShape {
             num_tokens: p.num_tokens as usize,
@@ -652,9 +777,14 @@ impl Buffer {
             num_experts: p.num_experts as usize,
         };
         let compute = self.compute_stream()?;
-        let rpm = required(&p.outputs, "rank_prefix_matrix", device)?;
-        let send_head = required(&p.outputs, "send_head", device)?;
-        let comm = self.enter_comm(compute)?;
+        let (rpm, send_head) = {
+            let _on_comm = self.alloc_guard(s.allocate_on_comm_stream)?;
+            (
+                required(&p.outputs, "rank_prefix_matrix", device)?,
+                required(&p.outputs, "send_head", device)?,
+            )
+        };
+        let comm = self.enter_comm(compute, s.previous_event)?;
         let inp = DispatchInputs {
             x: ptr(Some(data)),
             scales: ptr(scales),
@@ -674,7 +804,8 @@ impl Buffer {
             let (rows, counts) = b.wait_counts(epoch, shape.num_experts)?;
             (rows as i64, counts.into_iter().map(i64::from).collect())
         };
-        let specs: Vec<_> = p.outputs.iter().map(|s| s.resolve(rows)).collect();
+        let specs: Vec<_> = p.outputs.iter().map(|o| o.resolve(rows)).collect();
+        let on_comm = self.alloc_guard(s.allocate_on_comm_stream)?;
         let recv_x = required(&specs, "recv_x", device)?;
         let recv_scales = output(&specs, "recv_x_scales", device)?;
         let recv_idx = output(&specs, "recv_topk_idx", device)?;
@@ -682,6 +813,7 @@ impl Buffer {
         let recv_src_idx = required(&specs, "recv_src_idx", device)?;
         let cpm = required(&specs, "channel_prefix_matrix", device)?;
         let rcpm = required(&specs, "recv_channel_prefix_matrix", device)?;
+        drop(on_comm);
         let out = DispatchOutputs {
             num_rows: rows,
             recv_x: ptr(Some(&recv_x)),
@@ -693,7 +825,27 @@ impl Buffer {
         };
         self.intranode_part()?
             .dispatch_recv(comm, &shape, ptr(Some(&rpm)), &out, num_sms)?;
-        self.finish(compute)?;
+        let event = self.finish(
+            compute,
+            s,
+            &[
+                Some(data),
+                scales,
+                a.topk_idx,
+                a.topk_weights,
+                a.is_token_in_rank,
+                a.num_tokens_per_expert,
+            ],
+            &[
+                Some(&recv_x),
+                recv_scales.as_ref(),
+                recv_idx.as_ref(),
+                recv_w.as_ref(),
+                Some(&recv_src_idx),
+                Some(&rpm),
+                Some(&send_head),
+            ],
+        )?;
         let in_rank = a
             .is_token_in_rank
             .expect("the plan requires is_token_in_rank")
@@ -714,21 +866,39 @@ impl Buffer {
                 is_token_in_rank: in_rank,
                 send_head,
             },
+            event,
         })
     }
 
     /// `dispatch(x, handle=handle)`: a cached dispatch, reusing an earlier
-    /// dispatch's layout (no CPU wait). Returns `recv_x` (and scales).
+    /// dispatch's layout (no CPU wait: CUDA-graph capturable). Returns
+    /// `recv_x` (and scales).
     pub fn dispatch_cached(
         &mut self,
         x: DispatchX<'_>,
         handle: &Handle,
         num_sms: Option<u32>,
     ) -> Result<RecvX> {
+        Ok(self
+            .dispatch_cached_with(x, handle, num_sms, &StreamArgs::default())?
+            .0)
+    }
+
+    /// [`dispatch_cached`](Self::dispatch_cached) with `previous_event`,
+    /// `async_finish` and `allocate_on_comm_stream`; returns `recv_x` and
+    /// the call's event.
+    pub fn dispatch_cached_with(
+        &mut self,
+        x: DispatchX<'_>,
+        handle: &Handle,
+        num_sms: Option<u32>,
+        s: &StreamArgs<'_>,
+    ) -> Result<(RecvX, EventOverlap)> {
         let (r, device) = (self.num_ranks, self.device);
         self.intranode()?;
         let num_sms = self.call_sms(num_sms)?;
         let p = checks::dispatch_cached(&self.target(), x, handle)?;
+        checks::stream_args(s)?;
         let (data, scales) = x.parts();
         let shape = DispatchShape {
             num_tokens: p.num_tokens as usize,
@@ -739,7 +909,7 @@ impl Buffer {
         };
         let (rpm, send_head) = (&handle.rank_prefix_matrix, &handle.send_head);
         let compute = self.compute_stream()?;
-        let comm = self.enter_comm(compute)?;
+        let comm = self.enter_comm(compute, s.previous_event)?;
         let inp = DispatchInputs {
             x: ptr(Some(data)),
             scales: ptr(scales),
@@ -750,8 +920,13 @@ impl Buffer {
         };
         self.intranode_part()?
             .cached_dispatch_send(comm, &shape, &inp, num_sms)?;
-        let recv_x = required(&p.outputs, "recv_x", device)?;
-        let recv_scales = output(&p.outputs, "recv_x_scales", device)?;
+        let (recv_x, recv_scales) = {
+            let _on_comm = self.alloc_guard(s.allocate_on_comm_stream)?;
+            (
+                required(&p.outputs, "recv_x", device)?,
+                output(&p.outputs, "recv_x_scales", device)?,
+            )
+        };
         let out = DispatchOutputs {
             num_rows: p.num_recv_rows,
             recv_x: ptr(Some(&recv_x)),
@@ -763,11 +938,19 @@ impl Buffer {
         };
         self.intranode_part()?
             .dispatch_recv(comm, &shape, ptr(Some(rpm)), &out, num_sms)?;
-        self.finish(compute)?;
-        Ok(RecvX {
-            x: recv_x,
-            scales: recv_scales,
-        })
+        let event = self.finish(
+            compute,
+            s,
+            &[Some(data), scales, Some(rpm), Some(send_head)],
+            &[Some(&recv_x), recv_scales.as_ref()],
+        )?;
+        Ok((
+            RecvX {
+                x: recv_x,
+                scales: recv_scales,
+            },
+            event,
+        ))
     }
 
     // ----- combine ---------------------------------------------------------------
@@ -783,15 +966,44 @@ impl Buffer {
         bias: Bias<'_>,
         num_sms: Option<u32>,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let (out, out_w, _) = self.combine_with(
+            x,
+            handle,
+            topk_weights,
+            bias,
+            num_sms,
+            &StreamArgs::default(),
+        )?;
+        Ok((out, out_w))
+    }
+
+    /// [`combine`](Self::combine) with `previous_event`, `async_finish` and
+    /// `allocate_on_comm_stream`; returns `(combined_x,
+    /// combined_topk_weights, event)` as Python does.
+    pub fn combine_with(
+        &mut self,
+        x: &Tensor,
+        handle: &Handle,
+        topk_weights: Option<&Tensor>,
+        bias: Bias<'_>,
+        num_sms: Option<u32>,
+        s: &StreamArgs<'_>,
+    ) -> Result<(Tensor, Option<Tensor>, EventOverlap)> {
         let device = self.device;
         self.intranode()?;
         let p = checks::combine(&self.target(), x, handle, topk_weights, bias)?;
         let (b0, b1) = checks::bias_pair(bias);
         let num_sms = self.call_sms(num_sms)?;
+        checks::stream_args(s)?;
         let compute = self.compute_stream()?;
-        let out = required(&p.outputs, "combined_x", device)?;
-        let out_w = output(&p.outputs, "combined_topk_weights", device)?;
-        let comm = self.enter_comm(compute)?;
+        let (out, out_w) = {
+            let _on_comm = self.alloc_guard(s.allocate_on_comm_stream)?;
+            (
+                required(&p.outputs, "combined_x", device)?,
+                output(&p.outputs, "combined_topk_weights", device)?,
+            )
+        };
+        let comm = self.enter_comm(compute, s.previous_event)?;
         let a = CoreCombineArgs {
             y: ptr(Some(x)),
             num_recv_rows: p.num_recv_rows,
@@ -806,14 +1018,27 @@ impl Buffer {
             out_weights: ptr(out_w.as_ref()),
         };
         self.intranode_part()?.combine(comm, &a, num_sms)?;
-        self.finish(compute)?;
-        Ok((out, out_w))
+        let event = self.finish(
+            compute,
+            s,
+            &[
+                Some(x),
+                topk_weights,
+                b0,
+                b1,
+                Some(&handle.rank_prefix_matrix),
+                Some(&handle.send_head),
+            ],
+            &[Some(&out), out_w.as_ref()],
+        )?;
+        Ok((out, out_w, event))
     }
 
     // ----- low latency -------------------------------------------------------------
 
-    fn ll_begin(&self) -> Result<&LowLatencyBuffer> {
+    fn ll_begin(&self, async_finish: bool, return_recv_hook: bool) -> Result<&LowLatencyBuffer> {
         let ll = self.ll()?;
+        checks::ll_stream_args(async_finish, return_recv_hook)?;
         if self.ll_pending.is_some() {
             return Err(Error::state(
                 "the receive hook of the previous low-latency call has not run: call it before \
@@ -823,6 +1048,19 @@ impl Buffer {
         // A timed-out wait leaves the ranks out of step: raise before launching.
         ll.check_device_timeout()?;
         Ok(ll)
+    }
+
+    /// The stream of a low-latency call (Python's `_ll_stream`): with
+    /// `async_finish`, the communication stream after it waited for the
+    /// current one, made torch's current stream while the outputs are
+    /// allocated (the guard); else the current stream.
+    fn ll_stream(&self, async_finish: bool) -> Result<(StreamHandle, Option<StreamGuard>)> {
+        let compute = self.compute_stream()?;
+        if !async_finish {
+            return Ok((compute, None));
+        }
+        let comm = self.enter_comm(compute, None)?;
+        Ok((comm, Some(StreamGuard::new(comm, self.dev)?)))
     }
 
     /// `low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
@@ -838,7 +1076,7 @@ impl Buffer {
     ) -> Result<LlDispatched> {
         let device = self.device;
         let target = self.target();
-        let ll = self.ll_begin()?;
+        let ll = self.ll_begin(o.async_finish, o.return_recv_hook)?;
         let p = checks::ll_dispatch(
             &target,
             x,
@@ -848,6 +1086,9 @@ impl Buffer {
             o,
         )?;
         let g = p.geometry;
+        if self.check_ids_now()? {
+            checks::topk_values(topk_idx, g.num_experts)?;
+        }
         let shape = CallShape {
             max_tokens: g.max_tokens as usize,
             hidden: g.hidden as usize,
@@ -857,12 +1098,13 @@ impl Buffer {
         // The buffer must hold this shape: refused before the outputs are
         // allocated (they can be larger than the GPU has free).
         ll.check_shape(&shape)?;
-        let stream = self.compute_stream()?;
+        let (stream, on_comm) = self.ll_stream(o.async_finish)?;
         let recv_x = required(&p.outputs, "recv_x", device)?;
         let scales = output(&p.outputs, "recv_x_scales", device)?;
         let recv_count = required(&p.outputs, "recv_count", device)?;
         let src_info = required(&p.outputs, "src_info", device)?;
         let layout_range = required(&p.outputs, "layout_range", device)?;
+        drop(on_comm);
         let call = DispatchCall {
             shape,
             x: ptr(Some(x)),
@@ -888,26 +1130,31 @@ impl Buffer {
             Phases::Both
         };
         ll.dispatch(stream, &call, phases)?;
+        let keep = [
+            Some(x),
+            Some(topk_idx),
+            Some(&recv_x),
+            scales.as_ref(),
+            Some(&recv_count),
+            Some(&src_info),
+            Some(&layout_range),
+            o.cumulative_local_expert_recv_stats,
+            o.dispatch_wait_recv_cost_stats,
+        ];
+        let event = if o.async_finish {
+            self.finish_async(stream, keep.into_iter().flatten())?
+        } else {
+            EventOverlap::none()
+        };
         let hook = if o.return_recv_hook {
-            let mut keep = vec![x.shallow_clone(), topk_idx.shallow_clone()];
-            keep.extend(
-                [&recv_x, &recv_count, &src_info, &layout_range]
-                    .into_iter()
-                    .map(Tensor::shallow_clone),
-            );
-            keep.extend(scales.iter().map(Tensor::shallow_clone));
-            keep.extend(
-                [
-                    o.cumulative_local_expert_recv_stats,
-                    o.dispatch_wait_recv_cost_stats,
-                ]
+            let keep = keep
                 .into_iter()
                 .flatten()
-                .map(Tensor::shallow_clone),
-            );
+                .map(Tensor::shallow_clone)
+                .collect();
             Some(self.pend(HookLaunch::Dispatch(call), keep))
         } else {
-            ll.check_device()?; // after the launch: the ranks stay in step
+            self.ll()?.check_device()?; // after the launch: the ranks stay in step
             None
         };
         Ok(LlDispatched {
@@ -921,6 +1168,7 @@ impl Buffer {
                 num_experts: g.num_experts,
             },
             hook,
+            event,
         })
     }
 
@@ -959,8 +1207,10 @@ impl Buffer {
 
     /// `low_latency_combine(x, topk_idx, topk_weights, handle, ...)`: every
     /// source token gets `sum_k topk_weights[t, k] * x[expert_k, row]` (f32,
-    /// skipping -1) as bf16 `[N, H]`. Returns it (`out` where given) and the
-    /// receive hook with `return_recv_hook`.
+    /// skipping -1) as bf16 `[N, H]`. Returns `(combined_x, event, hook)` as
+    /// Python does: the result (`out` where given), the event (with
+    /// `async_finish`; else empty) and the receive hook (with
+    /// `return_recv_hook`).
     pub fn low_latency_combine(
         &mut self,
         x: &Tensor,
@@ -968,12 +1218,15 @@ impl Buffer {
         topk_weights: &Tensor,
         handle: &LlHandle,
         o: &LlCombineOptions<'_>,
-    ) -> Result<(Tensor, Option<RecvHook>)> {
+    ) -> Result<(Tensor, EventOverlap, Option<RecvHook>)> {
         let device = self.device;
         let target = self.target();
-        let ll = self.ll_begin()?;
+        let ll = self.ll_begin(o.async_finish, o.return_recv_hook)?;
         let p = checks::ll_combine(&target, x, topk_idx, topk_weights, handle, o)?;
         let g = p.geometry;
+        if self.check_ids_now()? {
+            checks::topk_values(topk_idx, g.num_experts)?;
+        }
         let x_ptr = if o.zero_copy {
             ll.zero_copy_buffer(
                 g.max_tokens as usize,
@@ -984,11 +1237,12 @@ impl Buffer {
         } else {
             ptr(Some(x))
         };
-        let stream = self.compute_stream()?;
+        let (stream, on_comm) = self.ll_stream(o.async_finish)?;
         let out = match o.out {
             Some(out) => out.shallow_clone(),
             None => required(&p.outputs, "combined_x", device)?,
         };
+        drop(on_comm);
         let call = CombineCall {
             shape: CallShape {
                 max_tokens: g.max_tokens as usize,
@@ -1010,25 +1264,32 @@ impl Buffer {
             Phases::Both
         };
         ll.combine(stream, &call, phases)?;
+        let keep = [
+            Some(x),
+            Some(topk_idx),
+            Some(topk_weights),
+            Some(&handle.src_info),
+            Some(&handle.layout_range),
+            Some(&out),
+            o.combine_wait_recv_cost_stats,
+        ];
+        let event = if o.async_finish {
+            self.finish_async(stream, keep.into_iter().flatten())?
+        } else {
+            EventOverlap::none()
+        };
         let hook = if o.return_recv_hook {
-            let mut keep: Vec<Tensor> = [
-                x,
-                topk_idx,
-                topk_weights,
-                &handle.src_info,
-                &handle.layout_range,
-                &out,
-            ]
-            .into_iter()
-            .map(Tensor::shallow_clone)
-            .collect();
-            keep.extend(o.combine_wait_recv_cost_stats.map(Tensor::shallow_clone));
+            let keep = keep
+                .into_iter()
+                .flatten()
+                .map(Tensor::shallow_clone)
+                .collect();
             Some(self.pend(HookLaunch::Combine(call), keep))
         } else {
-            ll.check_device()?;
+            self.ll()?.check_device()?;
             None
         };
-        Ok((out, hook))
+        Ok((out, event, hook))
     }
 
     /// The bf16 `[E_local, R*T, H]` view of the buffer a zero-copy

@@ -8,6 +8,11 @@
 //! Python `check_all_reduce_args` and `check_all_gather_args` run them too;
 //! the communicator of crate `collectives` checks the rest: dtype/op
 //! combinations, algorithms and launch geometry).
+//!
+//! Also here: a call's stream arguments ([`stream_args`], [`ll_stream_args`],
+//! the Python Buffer's `_prologue` and `_ll_begin`), and the host-side
+//! expert-id check ([`topk_values`], Python's `check_topk_values`) with its
+//! switch ([`set_check_ids`], `MOELINK_CHECK_IDS=1`).
 
 use collectives::DType as ArDType;
 use ep_core::calls::{
@@ -19,7 +24,11 @@ use crate::buffer::{
     Bias, DispatchArgs, DispatchX, Handle, LlCombineOptions, LlDispatchOptions, LlHandle,
 };
 use crate::error::{Error, Result};
+use crate::event::StreamArgs;
 use crate::tensor::{device_index, dtype_of, meta, opt_meta};
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 /// Kernels read and write rows with 16-byte vector accesses.
 const ALIGN: u64 = 16;
@@ -284,4 +293,83 @@ pub fn all_gather(
         max_bytes_i64(max_bytes),
     )?;
     Ok(p.nbytes as u64)
+}
+
+// ----- stream arguments ---------------------------------------------------------
+
+/// The stream arguments of an intranode call (the Python Buffer's
+/// `_prologue`): `allocate_on_comm_stream` needs `previous_event` and
+/// `async_finish` (a `ValueError` otherwise).
+pub fn stream_args(s: &StreamArgs<'_>) -> Result<()> {
+    if s.allocate_on_comm_stream && (s.previous_event.is_none() || !s.async_finish) {
+        return Err(Error::value(
+            "allocate_on_comm_stream=True needs previous_event and async_finish=True",
+        ));
+    }
+    Ok(())
+}
+
+/// A low-latency call's `async_finish` and `return_recv_hook` (the Python
+/// `_ll_begin`): not both (a `ValueError`).
+pub fn ll_stream_args(async_finish: bool, return_recv_hook: bool) -> Result<()> {
+    if async_finish && return_recv_hook {
+        return Err(Error::value(
+            "async_finish and return_recv_hook cannot both be True",
+        ));
+    }
+    Ok(())
+}
+
+// ----- the host-side expert-id check ------------------------------------------------
+
+fn check_ids_flag() -> &'static AtomicBool {
+    static FLAG: OnceLock<AtomicBool> = OnceLock::new();
+    FLAG.get_or_init(|| AtomicBool::new(std::env::var("MOELINK_CHECK_IDS").is_ok_and(|v| v == "1")))
+}
+
+/// Turns the host-side expert-id check on or off (Python's
+/// `moelink._buffer_common.set_check_ids`); returns the previous setting.
+/// Its initial setting is `MOELINK_CHECK_IDS=1` in the environment when a
+/// process first asks (Python reads it at import).
+pub fn set_check_ids(enabled: bool) -> bool {
+    check_ids_flag().swap(enabled, Ordering::Relaxed)
+}
+
+/// Whether the host-side expert-id check is on ([`set_check_ids`]). The
+/// Buffer runs it only outside CUDA-graph capture: a debug switch, it costs
+/// a device sync per call. The kernels check every id anyway (the call, or
+/// the next one, or `check()`, raises the `ValueError` naming the rank,
+/// token and column).
+pub fn check_ids() -> bool {
+    check_ids_flag().load(Ordering::Relaxed)
+}
+
+/// Every id of the int64 tensor `topk_idx` is in `[-1, num_experts)`
+/// (Python's `check_topk_values`: one min/max reduction, whose read waits for
+/// the device): a `ValueError` naming the first offending value and its
+/// position otherwise.
+pub fn topk_values(topk_idx: &Tensor, num_experts: i64) -> Result<()> {
+    if !topk_idx.defined() || topk_idx.numel() == 0 {
+        return Ok(());
+    }
+    let (lo, hi) = topk_idx.f_aminmax(None::<i64>, false)?;
+    let (lo, hi) = (lo.f_int64_value(&[])?, hi.f_int64_value(&[])?);
+    let bad = if lo < -1 {
+        lo
+    } else if hi >= num_experts {
+        hi
+    } else {
+        return Ok(());
+    };
+    let at = topk_idx
+        .f_eq(bad)?
+        .f_nonzero()?
+        .f_get(0)?
+        .f_to_device(Device::Cpu)?;
+    let at: Vec<i64> = Vec::try_from(&at)?;
+    let at: Vec<String> = at.iter().map(i64::to_string).collect();
+    Err(Error::value(format!(
+        "topk_idx values must be in [-1, num_experts={num_experts}), got {bad} at [{}]",
+        at.join(", ")
+    )))
 }

@@ -13,11 +13,13 @@
 //! |---|---|
 //! | [`group`] | [`Group`]: the ranks and their shared bootstrap, from torchrun's environment or a unique id |
 //! | [`buffer`] | [`Buffer`]: layout, dispatch (full, cached), combine, low-latency dispatch/combine (with receive hooks) |
-//! | [`allreduce`] | [`AllReduce`]: allreduce and allgather on the current stream |
-//! | [`checks`] | every call's argument checks (ep-core's `calls`, plus the Python layer's), usable without a GPU |
+//! | [`allreduce`] | [`AllReduce`]: allreduce and allgather on the current stream, the tuning file |
+//! | [`checks`] | every call's argument checks (ep-core's `calls`, plus the Python layer's; stream arguments; the host-side expert-id check), usable without a GPU |
 //! | [`reference`] | the CPU reference semantics (ep-core's oracle) on tch tensors |
 //! | [`tensor`] | tch tensors as the core sees them; outputs allocated through tch |
-//! | [`stream`] | torch's current CUDA stream (libtorch's C shim) |
+//! | [`event`] | [`EventOverlap`] (a call's event, `async_finish`) and [`StreamArgs`] (`previous_event`, `async_finish`, `allocate_on_comm_stream`) |
+//! | [`graph`] | [`CudaGraph`]: torch's CUDA graph (capture on a side stream, replay) |
+//! | [`stream`] | torch's current CUDA stream (libtorch's C shim), `record_stream`, capture status |
 //! | [`error`] | [`Error`], with the Python exception class of each failure |
 //!
 //! Layers: this crate sits beside `ep-python` on `ep-core` and `collectives`
@@ -33,6 +35,10 @@ pub mod checks;
 #[cfg(feature = "tch")]
 pub mod error;
 #[cfg(feature = "tch")]
+pub mod event;
+#[cfg(feature = "tch")]
+pub mod graph;
+#[cfg(feature = "tch")]
 pub mod group;
 #[cfg(feature = "tch")]
 pub mod reference;
@@ -42,14 +48,20 @@ pub mod stream;
 pub mod tensor;
 
 #[cfg(feature = "tch")]
-pub use allreduce::{AllReduce, AllReduceArgs, AllReduceOptions, ReduceOp};
+pub use allreduce::{AllReduce, AllReduceArgs, AllReduceOptions, ReduceOp, TuneFile};
 #[cfg(feature = "tch")]
 pub use buffer::{
     Bias, Buffer, BufferOptions, DispatchArgs, DispatchX, Dispatched, Handle, Layout,
     LlCombineOptions, LlDispatchOptions, LlDispatched, LlHandle, RecvHook, RecvX,
 };
 #[cfg(feature = "tch")]
+pub use checks::set_check_ids;
+#[cfg(feature = "tch")]
 pub use error::{Error, Result};
+#[cfg(feature = "tch")]
+pub use event::{EventOverlap, StreamArgs};
+#[cfg(feature = "tch")]
+pub use graph::CudaGraph;
 #[cfg(feature = "tch")]
 pub use group::{local_device, Group};
 #[cfg(feature = "tch")]

@@ -549,3 +549,171 @@ fn reference_low_latency_on_cpu_tensors() {
         assert!(diff.double_value(&[]) <= 2.0, "rank {rank}: {diff:?}"); // one bf16 ulp
     }
 }
+
+// ----- stream arguments, events, graphs ------------------------------------------------
+
+#[test]
+fn stream_arguments_are_checked_as_python_checks_them() {
+    use moelink_tch::{EventOverlap, StreamArgs};
+    assert!(checks::stream_args(&StreamArgs::default()).is_ok());
+    let none = EventOverlap::none();
+    let msg = "allocate_on_comm_stream=True needs previous_event and async_finish=True";
+    // allocate_on_comm_stream without previous_event, or without async_finish.
+    for s in [
+        StreamArgs {
+            allocate_on_comm_stream: true,
+            ..StreamArgs::default()
+        },
+        StreamArgs {
+            allocate_on_comm_stream: true,
+            async_finish: true,
+            ..StreamArgs::default()
+        },
+        StreamArgs {
+            allocate_on_comm_stream: true,
+            previous_event: Some(&none),
+            ..StreamArgs::default()
+        },
+    ] {
+        refused(checks::stream_args(&s), "ValueError", msg);
+    }
+    // EventOverlap(None) counts as a previous_event, as in Python.
+    let ok = StreamArgs {
+        previous_event: Some(&none),
+        async_finish: true,
+        allocate_on_comm_stream: true,
+    };
+    assert!(checks::stream_args(&ok).is_ok());
+    assert!(checks::stream_args(&StreamArgs::asynchronous(None)).is_ok());
+    // Low latency: async_finish and return_recv_hook exclude each other.
+    assert!(checks::ll_stream_args(true, false).is_ok());
+    assert!(checks::ll_stream_args(false, true).is_ok());
+    refused(
+        checks::ll_stream_args(true, true),
+        "ValueError",
+        "async_finish and return_recv_hook cannot both be True",
+    );
+    // The defaults are Python's.
+    let idx = topk(N);
+    let layout = reference::layout(&idx, E, R as i64).unwrap();
+    let a = DispatchArgs::new(&layout, &idx, None);
+    assert!(a.stream.previous_event.is_none());
+    assert!(!a.stream.async_finish && !a.stream.allocate_on_comm_stream);
+    let (d, c) = (LlDispatchOptions::default(), LlCombineOptions::default());
+    assert!(!d.async_finish && !c.async_finish);
+}
+
+#[test]
+fn an_empty_event_waits_for_nothing_and_cpu_devices_are_refused() {
+    use moelink_tch::{CudaGraph, EventOverlap};
+    let e = EventOverlap::default();
+    assert!(!e.has_event() && e.device().is_none() && e.extra_tensors().is_empty());
+    assert!(e.query().unwrap());
+    e.current_stream_wait().unwrap();
+    e.synchronize().unwrap();
+    refused(
+        EventOverlap::capture(Device::Cpu),
+        "RuntimeError",
+        "an event needs a CUDA device, got Cpu",
+    );
+    refused(
+        Buffer::capture(Device::Cpu),
+        "RuntimeError",
+        "an event needs a CUDA device, got Cpu",
+    );
+    let mut ran = false;
+    refused(
+        CudaGraph::capture(Device::Cpu, || {
+            ran = true;
+            Ok(())
+        }),
+        "RuntimeError",
+        "a CUDA graph needs a CUDA device, got Cpu",
+    );
+    assert!(!ran, "nothing is captured for a refused device");
+}
+
+// ----- the host-side expert-id check ------------------------------------------------------
+
+#[test]
+fn expert_ids_are_checked_on_the_host_with_the_python_message() {
+    let idx = topk(N);
+    checks::topk_values(&idx, E).unwrap();
+    checks::topk_values(&cpu(Kind::Int64, &[0, K]), 0).unwrap();
+    let bad = idx.copy();
+    let _ = bad.get(2).get(1).fill_(E);
+    let _ = bad.get(7).get(3).fill_(E + 5);
+    refused(
+        checks::topk_values(&bad, E),
+        "ValueError",
+        "topk_idx values must be in [-1, num_experts=16), got 21 at [7, 3]",
+    );
+    let low = idx.copy();
+    let _ = low.get(5).get(0).fill_(-2);
+    let _ = low.get(9).get(2).fill_(-2);
+    refused(
+        checks::topk_values(&low, E),
+        "ValueError",
+        "topk_idx values must be in [-1, num_experts=16), got -2 at [5, 0]",
+    );
+    // The switch (MOELINK_CHECK_IDS=1, or set at run time) returns the
+    // previous setting.
+    let before = moelink_tch::set_check_ids(true);
+    assert!(checks::check_ids());
+    assert!(moelink_tch::set_check_ids(before));
+    assert_eq!(checks::check_ids(), before);
+}
+
+// ----- the AllReduce tuning file ---------------------------------------------------------
+
+#[test]
+fn the_tuning_file_is_read_as_python_reads_it() {
+    use moelink_tch::allreduce::read_tune_file;
+    let gpu = "NVIDIA H100 80GB HBM3";
+    let dir = std::env::temp_dir().join(format!("moelink-tch-tune-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("t.json");
+    let _ = std::fs::remove_file(&path);
+    // No file: nothing loaded, no warning.
+    assert_eq!(read_tune_file(&path, gpu, 2).unwrap(), Ok(None));
+    let doc = format!(
+        r#"{{"format": "moelink-allreduce-tune/1", "gpu": "{gpu}", "world_size": 2,
+            "entries": [{{"collective": "allreduce", "graph": true, "registered": false,
+            "log2_bytes": 16, "algorithm": "oneshot_ll", "num_blocks": 4, "num_threads": 256}},
+            {{"collective": "allgather", "graph": false, "registered": true,
+            "log2_bytes": 20, "algorithm": "ag_mesh", "num_blocks": 8, "num_threads": 512}}],
+            "measurements": []}}"#
+    );
+    std::fs::write(&path, &doc).unwrap();
+    let entries = read_tune_file(&path, gpu, 2).unwrap().unwrap().unwrap();
+    assert_eq!(entries.len(), 2);
+    assert_eq!(
+        (
+            entries[0].collective.as_str(),
+            entries[0].graph,
+            entries[0].log2_bytes,
+            entries[0].algorithm.as_str(),
+            entries[0].num_blocks,
+            entries[0].num_threads
+        ),
+        ("allreduce", true, 16, "oneshot_ll", 4, 256)
+    );
+    assert!(entries[1].registered && entries[1].algorithm == "ag_mesh");
+    assert!(collectives::tune_file::table_from_entries(&entries).is_ok());
+    // Another job's file: ignored, with the reason.
+    let why = read_tune_file(&path, gpu, 4).unwrap().unwrap_err();
+    assert_eq!(
+        why,
+        format!(
+            "{}: tuned for 2 x {gpu}, this job is 4 x {gpu}",
+            path.display()
+        )
+    );
+    std::fs::write(&path, "not json").unwrap();
+    let why = read_tune_file(&path, gpu, 2).unwrap().unwrap_err();
+    assert!(why.contains("invalid JSON"), "{why}");
+    std::fs::remove_dir_all(&dir).unwrap();
+    // The default file is Python's.
+    let default = AllReduceOptions::default();
+    assert_eq!(default.tune_file, moelink_tch::TuneFile::Default);
+}
