@@ -106,8 +106,8 @@ def test_cpu_simulation_catches_a_wrong_reference(monkeypatch):
 
     real = reference.combine
 
-    def broken(ref, ys, topk_weights=None, biases=None):
-        out = real(ref, ys, topk_weights=topk_weights, biases=biases)
+    def broken(ref, ys, topk_weights=None, biases=None, ranks_per_node=None):
+        out = real(ref, ys, topk_weights=topk_weights, biases=biases, ranks_per_node=ranks_per_node)
         x, w = out[0]
         x = x.clone()
         x[0] += 1.0
@@ -117,6 +117,38 @@ def test_cpu_simulation_catches_a_wrong_reference(monkeypatch):
     result = demo.run_cpu_simulation(2, small_args())
     assert not result["correct"]
     assert any("combine[rank 0]" in c["name"] for c in result["checks"] if not c["ok"])
+
+
+@pytest.mark.parametrize("num_ranks, nodes", [(4, 2), (6, 2), (6, 3)])
+def test_cpu_simulation_across_nodes_is_correct(num_ranks, nodes):
+    """--nodes: the per-node token counts of the layout and the internode combine
+    model (per-node partials rounded to bf16) against a direct computation."""
+    args = small_args(num_experts=4 * num_ranks, nodes=nodes)
+    result = demo.run_cpu_simulation(num_ranks, args)
+    failures = [c for c in result["checks"] if not c["ok"]]
+    assert result["correct"], failures
+    assert result["nodes"] == nodes
+    names = [c["name"] for c in result["checks"]]
+    assert sum("num_tokens_per_rdma_rank" in n for n in names) == num_ranks
+    assert any("sum over nodes of bf16" in n for n in names)
+    assert f"{nodes} emulated nodes" in demo.format_report(result)
+
+
+def test_cpu_simulation_across_nodes_catches_the_single_node_combine(monkeypatch):
+    """The internode check is not vacuous: with 3 ranks per node a token's
+    partial (up to 3 copies) rounds in bf16, so the single-node combine (no
+    per-node rounding) fails it."""
+    from moelink import reference
+
+    real = reference.combine
+
+    def single_node(ref, ys, topk_weights=None, biases=None, ranks_per_node=None):
+        return real(ref, ys, topk_weights=topk_weights, biases=biases)
+
+    monkeypatch.setattr(reference, "combine", single_node)
+    result = demo.run_cpu_simulation(6, small_args(num_experts=24, nodes=2))
+    assert not result["correct"]
+    assert any("sum over nodes" in c["name"] for c in result["checks"] if not c["ok"])
 
 
 def test_format_report_has_the_table():
@@ -310,6 +342,8 @@ BAD_OPTIONS = [
     (["--mps", "always"], 1, "argument --mps: invalid choice"),
     (["--no-such-option"], 0, "unrecognized arguments: --no-such-option"),
     (["--json", "/nonexistent/x.json"], 0, "--json: directory /nonexistent does not exist"),
+    (["--nodes", "3"], 0, "--nodes 3 does not divide the 4 ranks"),
+    (["--nodes", "0"], 0, "--nodes must be in 1..16"),
     # The output path is checked first.
     (["--hidden", "100", "--json", "/nonexistent/x.json"], 1, "--json: directory /nonexistent"),
 ]

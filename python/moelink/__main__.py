@@ -17,6 +17,12 @@ Without a GPU: says so and runs the same workload through the CPU reference
 (``moelink.reference``) with 4 ranks simulated in one process, by default at a
 smaller size, printing the same report (times are the CPU oracle's).
 
+``--nodes N`` splits the ranks into N emulated nodes of consecutive ranks
+(``MOELINK_RANKS_PER_NODE``): the internode path runs, every cross-node byte
+through the CPU proxy, and the checks use the internode reference (per-node
+token counts; combine as per-node bf16 partials summed in node order). On the
+CPU it runs through the reference like the intranode workload.
+
 ``--peer-write`` runs the earlier peer-write diagnostic instead. The exit code is
 1 when any check fails, 2 for an invalid option (one ``error:`` line on stderr,
 before any work).
@@ -144,9 +150,16 @@ def main(argv=None) -> int:
         return 128 + e.signum
 
 
+def _path(args) -> str:
+    """ "intranode", or with --nodes the internode path on emulated nodes."""
+    if args.nodes <= 1:
+        return "intranode"
+    return f"internode ({args.nodes} emulated nodes)"
+
+
 def run_on_cpu(args, ranks: int, t0: float) -> int:
     print(
-        f"No CUDA device here: running the intranode workload through the CPU reference "
+        f"No CUDA device here: running the {_path(args)} workload through the CPU reference "
         f"(moelink.reference), {ranks} ranks simulated in one process, "
         f"{args.num_tokens} tokens per rank"
         + (
@@ -168,7 +181,7 @@ def run_on_gpus(args, ranks: int, num_gpus: int, t0: float) -> int:
             else "one process per GPU"
         )
         print(
-            f"{num_gpus} CUDA device(s): intranode dispatch/combine on {ranks} rank(s), "
+            f"{num_gpus} CUDA device(s): {_path(args)} dispatch/combine on {ranks} rank(s), "
             f"{placement}, SM counts {args.sms}."
         )
         if sharing.shared:

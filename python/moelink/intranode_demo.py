@@ -82,6 +82,8 @@ CPU_MAX_REPEATS = 3
 # inputs on the CPU).
 _LIMITS = {name: value for name, value, _ in _native.limits()}
 MAX_RANKS = _LIMITS["max_ranks"]
+#: --nodes at most (the internode kernels' node limit).
+MAX_NODES = 16
 MAX_EXPERTS_PER_RANK = _LIMITS["max_experts_per_rank"]
 MAX_TOPK = _LIMITS["max_topk"]
 MIN_SMS = _LIMITS["min_num_sms"]
@@ -404,7 +406,9 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
     for turn in range(0, num_ranks, at_once):
         if turn <= rank < turn + at_once:
             try:
-                mine, own = _own_reference(rank, num_ranks, workload, device)
+                mine, own = _own_reference(
+                    rank, num_ranks, workload, device, ranks_per_node(num_ranks, args)
+                )
             except Exception as e:  # noqa: BLE001 - raised after the turns, which every rank takes
                 error = e
         dist.barrier(group=group)
@@ -419,22 +423,32 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
     checks = Checks()
     rows: list = []
     scratch = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=device)
-    num_nvl_bytes = moelink.Config(num_sms=max(sms)).get_nvl_buffer_size_hint(
-        hidden * 2, num_ranks, max_tokens_per_rank=n
-    )
-    _log(rank, f"Buffer of {num_nvl_bytes / 2**20:.1f} MiB per rank")
-    buffer = moelink.Buffer(group, num_nvl_bytes, explicitly_destroy=True)
+    config = moelink.Config(num_sms=max(sms))
+    num_nvl_bytes = config.get_nvl_buffer_size_hint(hidden * 2, num_ranks, max_tokens_per_rank=n)
+    per_node = ranks_per_node(num_ranks, args)
+    num_rdma_bytes = 0
+    if per_node is not None:
+        num_rdma_bytes = config.get_rdma_buffer_size_hint(
+            hidden * 2, num_ranks, max_tokens_per_rank=n, ranks_per_node=per_node
+        )
+    _log(rank, f"Buffer of {(num_nvl_bytes + num_rdma_bytes) / 2**20:.1f} MiB per rank")
+    buffer = moelink.Buffer(group, num_nvl_bytes, num_rdma_bytes, explicitly_destroy=True)
     try:
         # Layout (no SM count: one kernel of its own).
         layout = buffer.get_dispatch_layout(mine["topk_idx"], num_experts)
         num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert = layout[:3]
         is_token_in_rank = layout[3]
         checks.equal("layout.num_tokens_per_rank", num_tokens_per_rank, ref_layout[0])
-        checks.add(
-            "layout.num_tokens_per_rdma_rank is None",
-            num_tokens_per_rdma_rank is None,
-            f"got {_short(num_tokens_per_rdma_rank)}",
-        )
+        if own["per_node"] is None:
+            checks.add(
+                "layout.num_tokens_per_rdma_rank is None",
+                num_tokens_per_rdma_rank is None,
+                f"got {_short(num_tokens_per_rdma_rank)}",
+            )
+        else:
+            checks.equal(
+                "layout.num_tokens_per_rdma_rank", num_tokens_per_rdma_rank, own["per_node"]
+            )
         checks.equal("layout.num_tokens_per_expert", num_tokens_per_expert, ref_layout[1])
         checks.equal("layout.is_token_in_rank", is_token_in_rank, ref_layout[2])
         dist.barrier(group=group)
@@ -552,6 +566,7 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
         "mode": "gpu",
         "rank": rank,
         "num_ranks": num_ranks,
+        "nodes": getattr(args, "nodes", 1),
         "device": torch.cuda.get_device_name(device),
         "num_gpus": gpus["num_gpus"],
         "ranks_per_gpu": gpus["ranks_per_gpu"],
@@ -602,10 +617,14 @@ def _mem_available_bytes() -> int | None:
     return None
 
 
-def _own_reference(rank: int, num_ranks: int, workload: dict, device) -> tuple:
+def _own_reference(
+    rank: int, num_ranks: int, workload: dict, device, per_node: int | None = None
+) -> tuple:
     """Every rank's inputs and the whole CPU reference, of which this rank's
     part is kept (the rest is freed before returning): ``(mine, own)`` with
-    ``mine`` this rank's inputs on ``device``."""
+    ``mine`` this rank's inputs on ``device``; ``per_node``: ranks per emulated
+    node (the combine is then the internode model, the layout has per-node
+    counts)."""
     import torch
 
     from moelink import reference
@@ -619,13 +638,22 @@ def _own_reference(rank: int, num_ranks: int, workload: dict, device) -> tuple:
     ref_fp8 = reference.dispatch(_reference_inputs(inputs, fp8=True), num_experts)
     ys = [ref.ranks[d].recv_x for d in range(num_ranks)]
     weights = [ref.ranks[d].recv_topk_weights for d in range(num_ranks)]
-    combined_x, combined_w = reference.combine(ref, ys, topk_weights=weights)[rank]
+    combined_x, combined_w = reference.combine(
+        ref, ys, topk_weights=weights, ranks_per_node=per_node
+    )[rank]
+    layout = reference.layout(inputs[rank]["topk_idx"], num_experts, num_ranks, per_node)
+    if per_node is not None:  # (per rank, per node, per expert, in rank) -> (rank, expert, in)
+        per_node_counts = layout[1]
+        layout = (layout[0], layout[2], layout[3])
+    else:
+        per_node_counts = None
     own = {
         "want": ref.ranks[rank],
         "want_fp8": ref_fp8.ranks[rank],
         "combined_x": combined_x,
         "combined_w": combined_w,
-        "layout": reference.layout(inputs[rank]["topk_idx"], num_experts, num_ranks),
+        "layout": layout,
+        "per_node": per_node_counts,
         "recv_tokens": [int(ref.ranks[d].num_recv_tokens) for d in range(num_ranks)],
         "rank_prefix": ref.rank_prefix_matrix.to(torch.int64),
     }
@@ -776,6 +804,25 @@ def _expected_exchange(inputs: list, num_experts: int, num_ranks: int) -> dict:
     }
 
 
+def ranks_per_node(num_ranks: int, args) -> int | None:
+    """Ranks per emulated node of ``--nodes`` (None: one node, the intranode path)."""
+    nodes = getattr(args, "nodes", 1)
+    return None if nodes <= 1 else num_ranks // nodes
+
+
+def _node_partials_sum(x, copies_per_node: list):
+    """The internode combine of ``x`` received ``copies_per_node[n]`` times on node
+    ``n``: per node the f32 sum of its copies (exactly ``c * x`` for bf16 ``x`` and
+    few copies) rounded to bf16, then those partials summed in node order, in f32."""
+    import torch
+
+    acc = torch.zeros_like(x, dtype=torch.float32)
+    for c in copies_per_node:
+        partial = (c * x.float()).to(torch.bfloat16).float()
+        acc = torch.where(c > 0, acc + partial, acc)
+    return acc
+
+
 def run_cpu_simulation(num_ranks: int, args) -> dict:
     """The workload without a GPU: all ``num_ranks`` ranks simulated in one
     process through ``moelink.reference`` (the CPU oracle the GPU path checks
@@ -801,14 +848,22 @@ def run_cpu_simulation(num_ranks: int, args) -> dict:
     expected = _expected_exchange(inputs, num_experts, num_ranks)
     checks = Checks()
     rows: list = []
+    per_node = ranks_per_node(num_ranks, args)
 
-    # Layout of every rank.
+    # Layout of every rank (with --nodes: its tokens per node too, once per node
+    # holding any of a token's experts).
     times = []
     for r in range(num_ranks):
         t, got = _time_cpu(
-            lambda r=r: reference.layout(inputs[r]["topk_idx"], num_experts, num_ranks), repeats
+            lambda r=r: reference.layout(inputs[r]["topk_idx"], num_experts, num_ranks, per_node),
+            repeats,
         )
         times += t
+        if per_node is not None:
+            mask = expected["masks"][r]
+            want = mask.view(mask.shape[0], -1, per_node).any(dim=2).sum(dim=0)
+            checks.equal(f"layout[rank {r}].num_tokens_per_rdma_rank", got[1], want.to(torch.int32))
+            got = (got[0], got[2], got[3])
         checks.equal(
             f"layout[rank {r}].num_tokens_per_rank", got[0], expected["num_tokens_per_rank"][r]
         )
@@ -859,16 +914,25 @@ def run_cpu_simulation(num_ranks: int, args) -> dict:
     # Combine of the dispatched rows with their (zeroed non-local) weights.
     ys = [ref.ranks[d].recv_x for d in range(num_ranks)]
     weights = [ref.ranks[d].recv_topk_weights for d in range(num_ranks)]
-    times, combined = _time_cpu(lambda: reference.combine(ref, ys, topk_weights=weights), repeats)
+    times, combined = _time_cpu(
+        lambda: reference.combine(ref, ys, topk_weights=weights, ranks_per_node=per_node),
+        repeats,
+    )
     rows.append(_row(COMBINE_BF16, None, times, bf16_bytes))
     for r in range(num_ranks):
         combined_x, combined_w = combined[r]
-        copies = expected["masks"][r].sum(dim=1, dtype=torch.float32).unsqueeze(1)
-        checks.equal(
-            f"combine[rank {r}].combined_x == destinations * x",
-            combined_x,
-            copies * inputs[r]["x"].float(),
-        )
+        mask = expected["masks"][r]
+        if per_node is None:
+            copies = mask.sum(dim=1, dtype=torch.float32).unsqueeze(1)
+            want_x = copies * inputs[r]["x"].float()
+            what = "destinations * x"
+        else:
+            nodes = mask.view(mask.shape[0], -1, per_node).sum(dim=2, dtype=torch.float32)
+            want_x = _node_partials_sum(
+                inputs[r]["x"], [nodes[:, n : n + 1] for n in range(nodes.shape[1])]
+            )
+            what = "sum over nodes of bf16(destinations on the node * x)"
+        checks.equal(f"combine[rank {r}].combined_x == {what}", combined_x, want_x)
         checks.equal(
             f"combine[rank {r}].combined_topk_weights", combined_w, inputs[r]["topk_weights"]
         )
@@ -891,6 +955,7 @@ def run_cpu_simulation(num_ranks: int, args) -> dict:
         "mode": "cpu-simulation",
         "rank": None,
         "num_ranks": num_ranks,
+        "nodes": getattr(args, "nodes", 1),
         "device": "CPU (moelink.reference; all ranks in one process)",
         "workload": workload,
         "timing": {"clock": "wall clock", "iters": repeats, "warmup": 0, "l2_flush_bytes": 0},
@@ -1068,6 +1133,13 @@ def format_report(results: dict) -> str:
     judged = on_gpu and results.get("ranks_per_gpu", 1) <= 1
     ranks = results["num_ranks"]
     recv = results["recv_tokens"]
+    nodes = results.get("nodes", 1)
+    path = (
+        "intranode"
+        if nodes <= 1
+        else f"internode ({nodes} emulated nodes of {ranks // nodes} ranks, cross-node bytes "
+        "through the proxy)"
+    )
     lines = []
     if on_gpu:
         who = (
@@ -1075,9 +1147,7 @@ def format_report(results: dict) -> str:
             if results.get("ranks_aggregated")
             else f"rank {results['rank']}"
         )
-        lines.append(
-            f"intranode dispatch/combine on {ranks} x {results.get('device', 'GPU')} ({who})"
-        )
+        lines.append(f"{path} dispatch/combine on {ranks} x {results.get('device', 'GPU')} ({who})")
         if results.get("ranks_per_gpu", 1) > 1:
             lines.append(
                 shared_gpu_note(ranks, results.get("num_gpus", 1), bool(results.get("mps")))
@@ -1087,7 +1157,7 @@ def format_report(results: dict) -> str:
                 lines.append(results[key])
     else:
         lines.append(
-            f"intranode dispatch/combine SIMULATED ON THE CPU: {ranks} ranks in one process "
+            f"{path} dispatch/combine SIMULATED ON THE CPU: {ranks} ranks in one process "
             "through moelink.reference; times are the CPU oracle's, not moelink's kernels; "
             "baseline: the same exchange by torch.cat, in place of all_to_all_single"
         )
@@ -1195,6 +1265,13 @@ def add_arguments(
     )
     parser.add_argument("--warmup", type=int, default=5, help="warm-up calls per op (default: 5)")
     parser.add_argument("--seed", type=int, default=0, help="input seed (default: 0)")
+    parser.add_argument(
+        "--nodes",
+        type=int,
+        default=1,
+        help="emulated nodes of consecutive ranks (default: 1): above 1 the internode "
+        "path runs (MOELINK_RANKS_PER_NODE), every cross-node byte through the proxy",
+    )
     if json_option:
         parser.add_argument("--json", help="write the results (every rank and aggregated) here")
     return parser
@@ -1229,6 +1306,13 @@ def check_options(args, num_ranks: int | None = None) -> None:
     ranks = 1 if num_ranks is None else num_ranks
     if num_ranks is not None:
         _in_range("--ranks", num_ranks, 1, MAX_RANKS)
+    nodes = getattr(args, "nodes", 1)
+    _in_range("--nodes", nodes, 1, MAX_NODES)
+    if num_ranks is not None and num_ranks % nodes != 0:
+        raise ValueError(
+            f"--nodes {nodes} does not divide the {num_ranks} ranks (--ranks): nodes hold "
+            "equal runs of consecutive ranks"
+        )
     experts = args.num_experts
     if experts < 1:
         raise ValueError(f"--num-experts must be positive, got {experts}")
@@ -1253,6 +1337,9 @@ def _local_worker(rank: int, num_ranks: int, port: int, args, queue) -> None:
         from .launch import init_distributed
 
         # RANK, LOCAL_WORLD_SIZE, MASTER_PORT, MPS: set by run_on_local_gpus.
+        per_node = ranks_per_node(num_ranks, args)
+        if per_node is not None:
+            os.environ["MOELINK_RANKS_PER_NODE"] = str(per_node)
         init_distributed(timeout_s=float(getattr(args, "timeout", 900.0)))
         try:
             queue.put(run_rank(rank, num_ranks, dist.group.WORLD, args))
