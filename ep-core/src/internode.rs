@@ -80,6 +80,68 @@ struct Geometry {
     third: u64,
 }
 
+/// How one rank's region of `region_len` bytes is split (the same on every
+/// rank): control and notify staging, then a dispatch half and a combine
+/// half whose slot counts follow from the call's record sizes.
+#[derive(Clone, Copy, Debug)]
+struct Split {
+    region_len: u64,
+    ranks: u64,
+    nodes: u64,
+    ranks_per_node: u64,
+}
+
+impl Split {
+    /// Bytes of each half (dispatch, combine) after control and staging.
+    fn half_bytes(&self) -> u64 {
+        self.region_len.saturating_sub(CTRL_BYTES + STAGE_BYTES) / 2 / 16 * 16
+    }
+
+    /// The NVL record of a dispatch of `shape` and its cross-node record.
+    fn records(&self, shape: &DispatchShape) -> Result<(RecordLayout, XRecordLayout)> {
+        let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
+        let xrec = XRecordLayout::new(&rec, self.ranks_per_node as usize)?;
+        Ok((rec, xrec))
+    }
+
+    /// Dispatch geometry: slots per source (and per node); the NVL slots
+    /// `[R][T]`, xsend `[N][T]`, xrecv `[N][T]` offsets.
+    fn dispatch(&self, rec: &RecordLayout, xrec: &XRecordLayout) -> Geometry {
+        let (r, n) = (self.ranks, self.nodes);
+        let per_token = r * rec.bytes as u64 + 2 * n * xrec.rec.bytes as u64;
+        let slots = self.half_bytes() / per_token;
+        let first = CTRL_BYTES + STAGE_BYTES;
+        let xsend = first + r * slots * rec.bytes as u64;
+        Geometry {
+            slots: slots as usize,
+            first,
+            second: xsend,
+            third: xsend + n * slots * xrec.rec.bytes as u64,
+        }
+    }
+
+    /// Combine geometry: slots; the combine slots `[R][T]`, fwd `[L][N][T]`,
+    /// psend `[N][T]` offsets; and where precv `[N][T]` ends.
+    fn combine(&self, hidden: usize, num_topk: usize) -> (Geometry, u64) {
+        let crec = k::combine_record_bytes(hidden, num_topk) as u64;
+        let (r, n, l) = (self.ranks, self.nodes, self.ranks_per_node);
+        let per_token = (r + l * n + 2 * n) * crec;
+        let slots = self.half_bytes() / per_token;
+        let first = CTRL_BYTES + STAGE_BYTES + self.half_bytes();
+        let fwd = first + r * slots * crec;
+        let psend = fwd + l * n * slots * crec;
+        (
+            Geometry {
+                slots: slots as usize,
+                first,
+                second: fwd,
+                third: psend,
+            },
+            psend + n * slots * crec,
+        )
+    }
+}
+
 /// The send side of a dispatch whose receive half comes next.
 #[derive(Clone, Copy, Debug)]
 struct PendingRecv {
@@ -345,54 +407,26 @@ impl InternodeBuffer {
         capped.saturating_sub(1).max(2)
     }
 
-    /// Bytes of each half (dispatch, combine) after control and staging.
-    fn half_bytes(&self) -> u64 {
-        (self.region.len() - CTRL_BYTES - STAGE_BYTES) / 2 / 16 * 16
-    }
-
-    fn records(&self, shape: &DispatchShape) -> Result<(RecordLayout, XRecordLayout)> {
-        let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
-        let xrec = XRecordLayout::new(&rec, self.ranks_per_node)?;
-        Ok((rec, xrec))
-    }
-
-    /// Dispatch geometry: slots per source (and per node), xsend, xrecv.
-    fn dispatch_geometry(&self, rec: &RecordLayout, xrec: &XRecordLayout) -> Geometry {
-        let (r, n) = (self.part.num_ranks() as u64, self.num_nodes as u64);
-        let per_token = r * rec.bytes as u64 + 2 * n * xrec.rec.bytes as u64;
-        let slots = self.half_bytes() / per_token;
-        let first = CTRL_BYTES + STAGE_BYTES;
-        let xsend = first + r * slots * rec.bytes as u64;
-        Geometry {
-            slots: slots as usize,
-            first,
-            second: xsend,
-            third: xsend + n * slots * xrec.rec.bytes as u64,
+    /// The region's split for this group.
+    fn split(&self) -> Split {
+        Split {
+            region_len: self.region.len(),
+            ranks: self.part.num_ranks() as u64,
+            nodes: self.num_nodes as u64,
+            ranks_per_node: self.ranks_per_node as u64,
         }
     }
 
-    /// Combine geometry: slots, then fwd, psend, precv offsets.
+    fn records(&self, shape: &DispatchShape) -> Result<(RecordLayout, XRecordLayout)> {
+        self.split().records(shape)
+    }
+
+    fn dispatch_geometry(&self, rec: &RecordLayout, xrec: &XRecordLayout) -> Geometry {
+        self.split().dispatch(rec, xrec)
+    }
+
     fn combine_geometry(&self, hidden: usize, num_topk: usize) -> (Geometry, u64) {
-        let crec = k::combine_record_bytes(hidden, num_topk) as u64;
-        let (r, n, l) = (
-            self.part.num_ranks() as u64,
-            self.num_nodes as u64,
-            self.ranks_per_node as u64,
-        );
-        let per_token = (r + l * n + 2 * n) * crec;
-        let slots = self.half_bytes() / per_token;
-        let first = CTRL_BYTES + STAGE_BYTES + self.half_bytes();
-        let fwd = first + r * slots * crec;
-        let psend = fwd + l * n * slots * crec;
-        (
-            Geometry {
-                slots: slots as usize,
-                first,
-                second: fwd,
-                third: psend,
-            },
-            psend + n * slots * crec,
-        )
+        self.split().combine(hidden, num_topk)
     }
 
     /// Tokens per rank a dispatch of `shape` fits (also `fwd_meta`'s second dimension).
@@ -809,5 +843,87 @@ impl BufferPart for InternodeBuffer {
             s.check()?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::calls::{nvl_buffer_size_hint, rdma_buffer_size_hint};
+
+    fn shape(hidden_bytes: usize, num_scales: usize, num_topk: usize) -> DispatchShape {
+        DispatchShape {
+            num_tokens: 0,
+            hidden_bytes,
+            num_scales,
+            num_topk,
+            num_experts: 1,
+        }
+    }
+
+    /// A region of `num_nvl_bytes + num_rdma_bytes` from the two size hints
+    /// for `tokens` tokens per rank fits that many tokens in every dispatch
+    /// (bf16 with up to 32 top-k, fp8 with its scales, cached without top-k)
+    /// and combine, and the areas of each half stay inside it, in order.
+    #[test]
+    fn the_size_hints_cover_every_dispatch_and_combine() {
+        for (ranks, per_node) in [(2, 1), (4, 2), (6, 3), (8, 2), (8, 4), (32, 8), (16, 1)] {
+            for hidden in [128usize, 2048, 7168] {
+                for tokens in [1usize, 7, 300, 4096] {
+                    let hb = (2 * hidden) as i64;
+                    let (r, t, l) = (ranks as i64, tokens as i64, per_node as i64);
+                    let bytes = nvl_buffer_size_hint(hb, r, t).unwrap()
+                        + rdma_buffer_size_hint(hb, r, t, l).unwrap();
+                    let split = Split {
+                        region_len: bytes as u64,
+                        ranks: ranks as u64,
+                        nodes: (ranks / per_node) as u64,
+                        ranks_per_node: per_node as u64,
+                    };
+                    let case = format!("R={ranks} L={per_node} hidden={hidden} T={tokens}");
+                    let half_end = CTRL_BYTES + STAGE_BYTES + split.half_bytes();
+                    for s in [
+                        shape(2 * hidden, 0, 32),
+                        shape(2 * hidden, 0, 1),
+                        shape(hidden, hidden / 128, 8),
+                        shape(hidden, hidden / 128, 0),
+                        shape(2 * hidden, 0, 0),
+                    ] {
+                        let (rec, xrec) = split.records(&s).unwrap();
+                        let g = split.dispatch(&rec, &xrec);
+                        assert!(
+                            g.slots >= tokens,
+                            "{case} {s:?}: {} dispatch slots",
+                            g.slots
+                        );
+                        let end = g.third + split.nodes * g.slots as u64 * xrec.rec.bytes as u64;
+                        assert!(g.first <= g.second && g.second <= g.third && end <= half_end);
+                    }
+                    for k in [0, 8, 32] {
+                        let (g, end) = split.combine(hidden, k);
+                        assert!(g.slots >= tokens, "{case} K={k}: {} combine slots", g.slots);
+                        assert!(half_end <= g.first && g.second <= g.third);
+                        assert!(
+                            end <= bytes as u64,
+                            "{case} K={k}: ends at {end} of {bytes}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// A region smaller than control and staging holds no token (no underflow).
+    #[test]
+    fn a_tiny_region_has_no_slots() {
+        let split = Split {
+            region_len: 4096,
+            ranks: 4,
+            nodes: 2,
+            ranks_per_node: 2,
+        };
+        let (rec, xrec) = split.records(&shape(256, 0, 8)).unwrap();
+        assert_eq!(split.dispatch(&rec, &xrec).slots, 0);
+        assert_eq!(split.combine(128, 8).0.slots, 0);
     }
 }
