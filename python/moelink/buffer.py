@@ -148,8 +148,11 @@ class Buffer(LowLatencyMixin):
 
     ``num_nvl_bytes`` is the NVLink buffer each rank allocates and every peer maps;
     size it with ``Config.get_nvl_buffer_size_hint`` (moelink keeps a fixed slot per
-    token, so it depends on the largest batch). ``num_rdma_bytes`` is accepted for
-    compatibility and must be 0 without an internode path. ``low_latency_mode=True``
+    token, so it depends on the largest batch). Outside low-latency mode
+    ``num_rdma_bytes`` sizes the internode part's cross-node regions
+    (``Config.get_rdma_buffer_size_hint``), needed where the group spans nodes
+    (``MOELINK_RANKS_PER_NODE``: dispatch and combine then route to the internode
+    path, with 9-tuple handles). ``low_latency_mode=True``
     allocates ``num_rdma_bytes`` of low-latency buffer (size it with
     ``get_low_latency_rdma_size_hint``); see ``moelink.low_latency``.
 
