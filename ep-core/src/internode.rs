@@ -20,7 +20,8 @@ use comm::channel::{MemoryChannel, PortChannel};
 use comm::cuda::{OwnedStream, StreamOrder};
 use comm::error::{CommError, Result};
 use comm::host_memory::HostMemory;
-use comm::proxy_pool::{Placement, ProxyPool};
+use comm::proxy::ChannelProgress;
+use comm::proxy_pool::{Placement, PooledChannel, ProxyPool};
 use comm::topology::Reach;
 use comm::transport::Transport;
 use comm::{device_table, DeviceMemory, StreamHandle, SymmetricRegion};
@@ -382,6 +383,36 @@ impl InternodeBuffer {
     /// Proxy threads of this buffer.
     pub fn proxy_threads(&self) -> usize {
         self.pool.threads()
+    }
+
+    /// How far the proxy got: triggers performed by all its threads, and per
+    /// rank of another node (None for this node's ranks) its channel's
+    /// triggers performed, whether its copies are still in flight, how long
+    /// since its last trigger and its longest flight. When a wait for a chunk
+    /// times out this tells a trigger the proxy never got (its `handled` is
+    /// short) from a copy that stayed in flight (`busy`, a long flight).
+    pub fn proxy_progress(&self) -> (u64, Vec<Option<ChannelProgress>>) {
+        let my_node = self.part.rank() / self.ranks_per_node;
+        let per_peer = self
+            ._ports
+            .iter()
+            .enumerate()
+            .map(|(p, c)| {
+                let c = c.as_ref().filter(|_| p / self.ranks_per_node != my_node)?;
+                let service = self.pool.service_of_fifo(c.fifo.id)?;
+                self.pool.channel_state(PooledChannel {
+                    service,
+                    channel: c.channel,
+                })
+            })
+            .collect();
+        (self.pool.processed(), per_peer)
+    }
+
+    /// [`proxy_progress`](Self::proxy_progress) as one line for error messages.
+    pub fn proxy_report(&self) -> String {
+        let (processed, peers) = self.proxy_progress();
+        proxy_report(self.part.rank(), processed, &peers)
     }
 
     /// Blocks of a dispatch's two launches together (or of a combine) besides
@@ -828,9 +859,53 @@ impl InternodeBuffer {
     }
 }
 
+/// One line of a proxy's progress: `rank`'s proxy performed `processed`
+/// triggers; per peer with a channel (index = rank) its state.
+fn proxy_report(rank: usize, processed: u64, peers: &[Option<ChannelProgress>]) -> String {
+    let per_peer: Vec<String> = peers
+        .iter()
+        .enumerate()
+        .filter_map(|(p, s)| {
+            let s = s.as_ref()?;
+            Some(format!(
+                "rank {p}: {} triggers, in flight {}, idle {} ms, longest flight {} ms",
+                s.handled,
+                s.busy.map_or("unknown".into(), |b| b.to_string()),
+                s.idle_ms.map_or("-".into(), |v| v.to_string()),
+                s.max_flight_ms
+            ))
+        })
+        .collect();
+    format!(
+        "proxy of rank {rank}: {processed} triggers performed; {}",
+        per_peer.join("; ")
+    )
+}
+
 impl BufferPart for InternodeBuffer {
     fn base(&self) -> &PartBase {
         &self.part
+    }
+
+    /// A device wait that ran out names the proxy's progress too (see
+    /// [`InternodeBuffer::proxy_progress`]).
+    fn check_device_timeout(&self) -> Result<()> {
+        self.part
+            .member()
+            .check_device_timeout()
+            .map_err(|e| match e {
+                CommError::Timeout {
+                    rank,
+                    what,
+                    waited_ms,
+                } => CommError::Timeout {
+                    rank,
+                    what: format!("{what} [{}]", self.proxy_report()),
+                    waited_ms,
+                },
+                other => other,
+            })?;
+        self.check_transport()
     }
 
     fn local_buffer(&self) -> (u64, usize) {
@@ -911,6 +986,25 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn the_proxy_report_names_every_peer_channel() {
+        let state = |handled, busy| {
+            Some(ChannelProgress {
+                handled,
+                busy,
+                idle_ms: Some(12),
+                max_flight_ms: 3,
+            })
+        };
+        let line = proxy_report(1, 40, &[None, None, state(17, Some(true)), state(9, None)]);
+        assert_eq!(
+            line,
+            "proxy of rank 1: 40 triggers performed; rank 2: 17 triggers, in flight true, \
+             idle 12 ms, longest flight 3 ms; rank 3: 9 triggers, in flight unknown, idle 12 \
+             ms, longest flight 3 ms"
+        );
     }
 
     /// A region smaller than control and staging holds no token (no underflow).
