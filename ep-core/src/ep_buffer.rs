@@ -322,13 +322,17 @@ impl EpBuffer {
             let nodes = part.comm().topology().num_nodes();
             if nodes > 1 {
                 if opts.num_internode_bytes == 0 {
+                    let why = if opts.num_ll_bytes > 0 {
+                        "a low_latency_mode Buffer's num_rdma_bytes is its low-latency \
+                         buffer, so its normal dispatch and combine have no cross-node \
+                         regions: pass num_nvl_bytes=0, or make a normal-mode Buffer for them"
+                    } else {
+                        "dispatch and combine need num_rdma_bytes > 0 outside low-latency \
+                         mode (see Config.get_rdma_buffer_size_hint)"
+                    };
                     return Err(CommError::invalid(
                         "num_rdma_bytes",
-                        format!(
-                            "the group spans {nodes} nodes: dispatch and combine need \
-                             num_rdma_bytes > 0 outside low-latency mode (see \
-                             Config.get_rdma_buffer_size_hint)"
-                        ),
+                        format!("the group spans {nodes} nodes: {why}"),
                     ));
                 }
                 internode = Some(InternodeBuffer::new(part, region, opts)?);

@@ -293,6 +293,14 @@ impl InternodeBuffer {
         }
         let chunk = chunk_from_env()?;
         let transport = transport_of(&comm)?;
+        if transport == Transport::Ethernet && !comm.has_ethernet() {
+            return Err(CommError::invalid(
+                "MOELINK_ETHERNET_ADDR",
+                "the other nodes are reached over Ethernet, but this rank's Communicator has \
+                 no Ethernet receiver: set MOELINK_ETHERNET_ADDR=host:port (an address the \
+                 other hosts reach) on every rank before its first Buffer or AllReduce",
+            ));
+        }
         let device = part.device();
         let rank = comm.rank();
         let my_node = topo.node();
