@@ -37,15 +37,15 @@ use ep_kernels::intranode::{
 use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase};
 use crate::intranode::{
     experts_per_rank, fused_mode_from_env, CombineArgs, DispatchInputs, DispatchOutputs,
-    DispatchShape, HostCounts, LayoutCall, HOST_BYTES,
+    DispatchShape, HostCounts, LayoutCall, COMBINE_CALLS_OFFSET, DISPATCH_RECV_CALLS_OFFSET,
+    DISPATCH_SEND_CALLS_OFFSET, HOST_BYTES, RECV_TICKET_OFFSET,
 };
 
+/// The scratch words are the intranode part's (ticket, timed-out peers,
+/// epoch, call counters, receive ticket), then the landed words.
 const EPOCH_OFFSET: u64 = 8;
-const DISPATCH_SEND_CALLS_OFFSET: u64 = 16;
-const DISPATCH_RECV_CALLS_OFFSET: u64 = 24;
-const COMBINE_CALLS_OFFSET: u64 = 32;
-const RECV_TICKET_OFFSET: u64 = 40;
 const LANDED_OFFSET: u64 = 64;
+const _: () = assert!(LANDED_OFFSET as usize >= crate::intranode::SCRATCH_BYTES);
 const SCRATCH_BYTES: usize = (LANDED_OFFSET + x::LANDED_BYTES) as usize;
 /// Trigger slots of each proxy thread's FIFO.
 const FIFO_SLOTS: usize = 1024;

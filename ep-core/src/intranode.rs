@@ -55,11 +55,12 @@ const HOST_COUNTS_OFFSET: usize = 64;
 pub(crate) const HOST_BYTES: usize = HOST_COUNTS_OFFSET + 4 * (1 + MAX_EXPERTS_PER_RANK);
 /// Byte offsets in `scratch` of the fused kernels' call counters (u64) and of
 /// the receive-only launches' ticket (u32).
-const DISPATCH_SEND_CALLS_OFFSET: u64 = 16;
-const DISPATCH_RECV_CALLS_OFFSET: u64 = 24;
-const COMBINE_CALLS_OFFSET: u64 = 32;
-const RECV_TICKET_OFFSET: u64 = 40;
-const SCRATCH_BYTES: usize = 48;
+/// (The internode part's scratch starts with the same words.)
+pub(crate) const DISPATCH_SEND_CALLS_OFFSET: u64 = 16;
+pub(crate) const DISPATCH_RECV_CALLS_OFFSET: u64 = 24;
+pub(crate) const COMBINE_CALLS_OFFSET: u64 = 32;
+pub(crate) const RECV_TICKET_OFFSET: u64 = 40;
+pub(crate) const SCRATCH_BYTES: usize = 48;
 /// Turns the fused kernels off (`0`) or on (`1`, the default).
 pub const FUSED_ENV: &str = "MOELINK_INTRANODE_FUSED";
 /// Percent of a fused kernel's blocks that receive (1 to 99), dispatch and
