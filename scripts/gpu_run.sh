@@ -106,12 +106,16 @@ done
 # The internode path on emulated nodes (ranks sharing GPUs, every cross-node byte
 # through the proxy): GPU_RUN_INTERNODE lists RANKS:RANKS_PER_NODE[:TRANSPORT]
 # splits (e.g. "4:2 8:4 8:2 4:2:ethernet"); each runs the intranode suite, which
-# then takes the internode path (tests/multi_gpu/intranode_worker.py).
+# then takes the internode path (tests/multi_gpu/intranode_worker.py), and the
+# low-latency suite, which then reaches the other nodes' ranks through the proxy
+# and its own node's over NVLink (mixed transports).
 for split in ${GPU_RUN_INTERNODE:-}; do
   IFS=: read -r xn xl xt <<< "$split"
   run "internode-$((xn / xl))x${xl}${xt:+-$xt}" 500 env MOELINK_RANKS_PER_NODE="$xl" \
     ${xt:+MOELINK_INTERNODE_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 480 \
     tests/multi_gpu/intranode_worker.py
+  [ -z "$xt" ] && run "ll-internode-$((xn / xl))x${xl}" 500 env MOELINK_RANKS_PER_NODE="$xl" \
+    $LAUNCH -n "$xn" --timeout 480 tests/multi_gpu/ll_worker.py
 done
 # MOELINK_TRAP_ON_TIMEOUT=1 (2 ranks, no MPS: a trap under MPS takes down every
 # rank on the GPU): a device timeout traps the kernel.

@@ -85,6 +85,8 @@ pub struct LowLatencyBuffer {
     proxy: Option<ProxyService>,
     ports: Vec<Option<PortChannel>>,
     ports_table: Option<DeviceMemory>,
+    /// Bit d: peer d is reached through the proxy (the kernels' `use_proxy`).
+    proxied: u32,
     peers_table: DeviceMemory,
     /// This rank's buffer and every peer's (imported, mapped where reachable).
     mem: SymmetricRegion,
@@ -122,6 +124,21 @@ pub fn size_hint(
     Ok(shape.layout(true).total.div_ceil(128) as usize * 128)
 }
 
+/// The peers (bit per rank) the low-latency kernels reach through the proxy:
+/// every other rank when `all` (forced proxy, or peers not mapped), else the
+/// ranks of other nodes (mixed transports: NVLink inside the node), none
+/// within one node.
+fn proxied_peers(topo: &comm::topology::Topology, all: bool) -> u32 {
+    let me = topo.rank();
+    let mut bits = 0u32;
+    for (p, peer) in topo.peers().iter().enumerate() {
+        if p != me && (all || peer.node != topo.node()) {
+            bits |= 1 << p;
+        }
+    }
+    bits
+}
+
 impl LowLatencyBuffer {
     /// *Collective.* The group's next object: allocates `opts.num_ll_bytes` on
     /// `device`, maps every peer's buffer, and (when the proxy transport is
@@ -134,7 +151,11 @@ impl LowLatencyBuffer {
         let (mut part, region) = PartBase::join(group, device, opts, PartKind::LowLatency)?;
         let comm = part.comm().clone();
         let rank = comm.rank();
-        let use_proxy = !ll.allow_nvlink || !region.all_mapped();
+        // Peers through the proxy: every one (forced, or some not mapped), the
+        // ranks of other nodes (a group that spans nodes: mixed transports),
+        // or none.
+        let proxied = proxied_peers(comm.topology(), !ll.allow_nvlink || !region.all_mapped());
+        let use_proxy = proxied != 0;
         if use_proxy && region.len() > u64::from(u32::MAX) {
             return Err(CommError::invalid(
                 "num_rdma_bytes",
@@ -179,6 +200,7 @@ impl LowLatencyBuffer {
             ports,
             ports_table,
             peers_table,
+            proxied,
             mem: region,
             state,
             mask,
@@ -300,7 +322,7 @@ impl LowLatencyBuffer {
             timeout_ns: self.part.device_timeout_ns() as u64,
             rank: self.part.rank() as i32,
             num_ranks: self.part.num_ranks() as i32,
-            use_proxy: i32::from(self.uses_proxy()),
+            use_proxy: self.proxied as i32,
             shrink: i32::from(self.shrink),
             prof: self.prof.as_ref().map_or(0, |m| m.ptr()),
         }
@@ -456,6 +478,24 @@ impl BufferPart for LowLatencyBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn proxied_peers_are_all_other_nodes_or_everyone() {
+        use comm::topology::Topology;
+        let one_gpu = vec![(7u64, [1u8; 16]); 8];
+        let t = Topology::new(5, &one_gpu, |_| true, Some(4), false).unwrap();
+        assert_eq!(
+            proxied_peers(&t, false),
+            0b0000_1111,
+            "node 0's ranks from rank 5"
+        );
+        assert_eq!(proxied_peers(&t, true), 0b1101_1111, "every rank but 5");
+        let t = Topology::new(2, &one_gpu, |_| true, None, false).unwrap();
+        assert_eq!(proxied_peers(&t, false), 0, "one node: NVLink only");
+        assert_eq!(proxied_peers(&t, true), 0b1111_1011);
+        let t = Topology::new(31, &vec![(7u64, [1u8; 16]); 32], |_| true, Some(16), false).unwrap();
+        assert_eq!(proxied_peers(&t, false), 0x0000_ffff);
+    }
 
     #[test]
     fn size_hint_covers_every_topk_and_both_transports() {

@@ -102,11 +102,18 @@ struct LlCtx {
   uint64_t timeout_ns;                     // bound of every receive wait
   int32_t rank;
   int32_t num_ranks;
-  int32_t use_proxy;                       // 1: peers through port channels
+  int32_t use_proxy;                       // bit d set: peer d through its port channel
+                                           // (the proxy), else direct stores (NVLink)
   int32_t shrink;                          // 1: a silent peer is masked, not an error
   uint64_t* prof;                          // MOELINK_LL_PROFILE stamps (see stamp) or null
 };
 static_assert(sizeof(LlCtx) == 120, "mirrored in Rust");
+
+// Whether peer d is reached through the proxy (never this rank): all peers
+// (forced proxy, unmapped peers), none (NVLink), or across nodes only (mixed).
+__device__ __forceinline__ bool proxied(const LlCtx& c, int d) {
+  return d != c.rank && ((uint32_t(c.use_proxy) >> d) & 1u);
+}
 
 // `state` words (kStateWords, mirrored in Rust as STATE_WORDS): [0, 2) u64
 // receive counter (receive halves done); [2] ticket of the receive half; [3]
@@ -276,19 +283,17 @@ __device__ __forceinline__ bool can_send(const LlCtx& c, int d, const uint32_t* 
 __device__ void publish_release(const LlCtx& c, uint64_t done) {
   const int lane = threadIdx.x % 32;
   const uint64_t v0 = released_calls(done, 0), v1 = released_calls(done, 1);
-  if (!c.use_proxy) {
-    for (int s = lane; s < c.num_ranks; s += 32) {
-      if (s == c.rank || is_masked(c, s)) continue;
-      uint64_t* p = release_ptr(c.peers[s], c.rank, 0);
-      comm::store_relaxed_sys(p, v0);
-      comm::store_relaxed_sys(p + 1, v1);
-    }
-    return;
+  for (int s = lane; s < c.num_ranks; s += 32) {
+    if (s == c.rank || is_masked(c, s) || proxied(c, s)) continue;
+    uint64_t* p = release_ptr(c.peers[s], c.rank, 0);
+    comm::store_relaxed_sys(p, v0);
+    comm::store_relaxed_sys(p + 1, v1);
   }
+  if (c.use_proxy == 0) return;
   volatile uint64_t* last = reinterpret_cast<volatile uint64_t*>(c.state + kStateReleased);
   if (*last == done) return;
   for (int s = lane; s < c.num_ranks; s += 32) {
-    if (s == c.rank || is_masked(c, s)) continue;
+    if (s == c.rank || is_masked(c, s) || !proxied(c, s)) continue;
     volatile uint64_t* out = reinterpret_cast<volatile uint64_t*>(c.local + kOutReleaseOffset) + 2 * s;
     out[0] = v0;
     out[1] = v1;
@@ -375,7 +380,7 @@ __device__ __forceinline__ Start kernel_start(const LlCtx& c, int phases, uint32
 // Where the inbox of peer `d` that this rank writes lies: the peer's recv
 // region (direct stores) or our staging (proxy; put in one piece later).
 __device__ __forceinline__ char* send_inbox(const LlCtx& c, int parity, int d, int64_t inbox_bytes) {
-  const bool direct = !c.use_proxy || d == c.rank;
+  const bool direct = !proxied(c, d);
   if (direct) return c.peers[d] + c.recv_offset[parity] + int64_t(c.rank) * inbox_bytes;
   return c.local + c.stage_offset[parity] + int64_t(d) * inbox_bytes;
 }
@@ -385,7 +390,7 @@ __device__ __forceinline__ char* send_inbox(const LlCtx& c, int parity, int d, i
 __device__ void publish(const LlCtx& c, int parity, int d, int64_t inbox_bytes, int64_t used_bytes,
                         uint64_t seq) {
   __threadfence_system();
-  if (!c.use_proxy || d == c.rank) {
+  if (!proxied(c, d)) {
     comm::store_release_sys(flag_ptr(c.peers[d], parity, c.rank), calls_on_parity(seq));
     return;
   }
@@ -419,7 +424,7 @@ __device__ __forceinline__ void arrive(const LlCtx& c, int parity, int d, uint32
     *done = 0;
     if (used_bytes < 0) {
       used_bytes = 0;
-      if (c.use_proxy && d != c.rank) {
+      if (proxied(c, d)) {
         // Acquire side of the header block's fence + add (which this add
         // follows in the counter's RMW chain): its header stores are visible.
         __threadfence();

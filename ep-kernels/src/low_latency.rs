@@ -72,6 +72,8 @@ pub struct LlCtx {
     pub timeout_ns: u64,
     pub rank: i32,
     pub num_ranks: i32,
+    /// Bit d set: peer d is reached through its port channel (the proxy),
+    /// else by direct stores; 0: NVLink only (this rank's bit is ignored).
     pub use_proxy: i32,
     pub shrink: i32,
     /// Device u64 `[2][PROF_BLOCKS][PROF_SLOTS]` phase stamps, or 0 (off).
