@@ -200,6 +200,11 @@ def main(argv=None) -> int:
 
     info = bench_common.init()
     rank, world = info.rank, info.world_size
+    per_node = demo.ranks_per_node(world, args)
+    if per_node is not None:  # emulated nodes: the Buffer takes the internode path
+        if world % args.nodes != 0:
+            raise SystemExit(f"--nodes {args.nodes} does not divide the {world} ranks")
+        os.environ["MOELINK_RANKS_PER_NODE"] = str(per_node)
 
     def measure() -> dict:
         result = demo.run_rank(rank, world, dist.group.WORLD, args)
@@ -223,7 +228,13 @@ def main(argv=None) -> int:
                 **results["timing"],
             },
             "metric": "bytes received per rank / median time; bf16 and combine: "
-            "recv_x.numel() * 2, fp8: times (1 + 4/128) / 2",
+            "recv_x.numel() * 2, fp8: times (1 + 4/128) / 2"
+            + (
+                "; with --nodes, xnode_GBps: bytes the rank sends to other nodes (each token "
+                "once per destination node) / median time"
+                if per_node is not None
+                else ""
+            ),
             "targets": {
                 op: {
                     "best_gbps_at_most_48_sms": t.best_gbps,

@@ -14,6 +14,8 @@
 #              the same call), DeepEP V1 and UCCL-EP; then peer_table.py.
 #   comm       comm_bench (2 GPUs: round trips and puts), and .gpu/base/comm_bench
 #              (the base build) when present.
+#   internode  intranode_bench.py --nodes 2 (emulated nodes, the proxy between them):
+#              NVLink-side and cross-node GB/s, NCCL all_to_all_single beside it.
 #   detail     ll_bench with phase stamps (MOELINK_LL_PROFILE=1) and
 #              intranode_profile (per-kernel GPU times, fused and separate kernels).
 # Needs: the moelink wheel installed (scripts/gpu_run.sh does it, or PYTHONPATH),
@@ -23,7 +25,7 @@
 # number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?part(s): intranode,ll,comm,detail}
+PART=${1:?part(s): intranode,ll,comm,internode,detail}
 OUT=${2:?output folder}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -83,7 +85,7 @@ for part in ${PART//,/ }; do
       [ -n "$site" ] && step ll-moelink-base 150 env PYTHONPATH="$site" \
         $RUN benches/peer_bench.py --impl moelink --only ll --out "$P/base"
       # UCCL-EP's low-latency mode goes through its CPU proxies (RDMA): bounded.
-      step ll-uccl 90 $RUN benches/peer_bench.py --impl uccl --only ll --out "$P"
+      step ll-uccl 60 $RUN benches/peer_bench.py --impl uccl --only ll --out "$P"
       step ll-table 60 python3 benches/peer_table.py "$P"
       ;;
     comm)
@@ -99,6 +101,19 @@ for part in ${PART//,/ }; do
       for f in 1 0; do
         step "intranode_profile-fused$f" 120 env MOELINK_INTRANODE_FUSED=$f \
           $RUN benches/intranode_profile.py --sms 24 48
+      done
+      ;;
+    internode)
+      # Emulated nodes of consecutive ranks on this host (2 x 2 on 4 GPUs): the
+      # internode kernels, every cross-node byte through the proxy (CUDA IPC copies
+      # over NVLink); GB/s of the NVLink side (bytes received) and of the cross-node
+      # side (bytes sent to the other node). SPEED_INTERNODE_SIGNALS="1 0" adds the
+      # A/B of MOELINK_PORT_HOST_SIGNALS (port-channel counters in host / GPU memory).
+      for sig in ${SPEED_INTERNODE_SIGNALS:-1}; do
+        mkdir -p "$OUT/internode-signals$sig"
+        step "internode-nodes2-signals$sig" 200 env MOELINK_PORT_HOST_SIGNALS="$sig" \
+          MOELINK_DEVICE_TIMEOUT_S=20 $RUN benches/intranode_bench.py --nodes 2 \
+          --sms 24 48 --out "$OUT/internode-signals$sig"
       done
       ;;
     *) echo "unknown part $part" >&2; exit 2 ;;

@@ -322,6 +322,28 @@ def _row(op: str, num_sms, times_us: list, nbytes) -> dict:
     }
 
 
+def _cross_node_bf16_bytes(rank: int, tokens_per_node, ranks_per_node_: int | None, hidden: int):
+    """bf16 bytes of this rank's tokens that cross to other nodes, each token once
+    per destination node (what the proxy carries for it; the forwarder fans it out
+    on that node's NVLink); None on one node. ``tokens_per_node``: the rank's
+    ``num_tokens_per_rdma_rank``."""
+    if ranks_per_node_ is None or tokens_per_node is None:
+        return None
+    own_node = rank // ranks_per_node_
+    tokens = sum(int(c) for n, c in enumerate(tokens_per_node) if n != own_node)
+    return tokens * hidden * 2
+
+
+def _with_cross_node(row: dict, xnode_bf16_bytes, bf16_bytes: int) -> dict:
+    """``row`` plus ``xnode_bytes`` / ``xnode_GBps`` (the cross-node side: bytes
+    this rank sends to other nodes, scaled like the row's bytes for fp8) where
+    the group spans nodes."""
+    if xnode_bf16_bytes is None or row["bytes"] is None or not bf16_bytes:
+        return row
+    xbytes = xnode_bf16_bytes * row["bytes"] / bf16_bytes
+    return {**row, "xnode_bytes": xbytes, "xnode_GBps": xbytes / (row["median_us"] * 1e-6) / 1e9}
+
+
 def _time_gpu(fn, iters: int, warmup: int, scratch) -> list:
     """Microseconds of ``fn()`` per iteration, by CUDA events on the current
     stream, with ``scratch`` overwritten (L2 flushed) before every iteration."""
@@ -426,6 +448,7 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
     config = moelink.Config(num_sms=max(sms))
     num_nvl_bytes = config.get_nvl_buffer_size_hint(hidden * 2, num_ranks, max_tokens_per_rank=n)
     per_node = ranks_per_node(num_ranks, args)
+    xnode_bytes = _cross_node_bf16_bytes(rank, own["per_node"], per_node, hidden)
     num_rdma_bytes = 0
     if per_node is not None:
         num_rdma_bytes = config.get_rdma_buffer_size_hint(
@@ -520,7 +543,8 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
             )
             for op, fn, nbytes in timed:
                 dist.barrier(group=group)
-                rows.append(_row(op, s, _time_gpu(fn, iters, warmup, scratch), nbytes))
+                row = _row(op, s, _time_gpu(fn, iters, warmup, scratch), nbytes)
+                rows.append(_with_cross_node(row, xnode_bytes, bf16_bytes))
             # The uncached dispatch again with the host-side id check (before the
             # device-side check in the notify kernel, every call paid this sync).
             dist.barrier(group=group)
@@ -1002,6 +1026,9 @@ def aggregate(results: list) -> dict:
                 "GBps_per_rank": gbps,
             }
         )
+        if "xnode_GBps" in row:
+            xgbps = [s["xnode_GBps"] for s in same]
+            rows[-1].update({"xnode_GBps": statistics.median(xgbps), "xnode_GBps_per_rank": xgbps})
     checks = []
     for r in results:
         for c in r["checks"]:
@@ -1130,7 +1157,8 @@ def format_report(results: dict) -> str:
     timing = results["timing"]
     on_gpu = results["mode"] == "gpu"
     # Targets are NVLink figures: judged only where every rank has its own GPU.
-    judged = on_gpu and results.get("ranks_per_gpu", 1) <= 1
+    # Targets are NVLink figures of one node: not judged across nodes either.
+    judged = on_gpu and results.get("ranks_per_gpu", 1) <= 1 and results.get("nodes", 1) <= 1
     ranks = results["num_ranks"]
     recv = results["recv_tokens"]
     nodes = results.get("nodes", 1)
@@ -1141,6 +1169,11 @@ def format_report(results: dict) -> str:
         "through the proxy)"
     )
     lines = []
+    if nodes > 1:
+        lines.append(
+            "GB/s: bytes received per rank (the NVLink side); x-node GB/s: bytes the rank "
+            "sends to other nodes, each token once per node (the proxy's side)"
+        )
     if on_gpu:
         who = (
             f"median over {results['ranks_aggregated']} ranks"
@@ -1184,7 +1217,8 @@ def format_report(results: dict) -> str:
         if len(failures) > 20:
             lines.append(f"  ... and {len(failures) - 20} more")
     lines.append("")
-    lines.append(TABLE_HEADER)
+    cross = nodes > 1 and any("xnode_GBps" in r for r in results["rows"])
+    lines.append(TABLE_HEADER + (f" {'x-node GB/s':>11}" if cross else ""))
     baseline = next((r for r in results["rows"] if r["op"] == BASELINE), None)
     base_gbps = baseline["GBps"] if baseline else None
     order = list(OP_LABELS)  # one block per op, SM counts ascending
@@ -1206,6 +1240,7 @@ def format_report(results: dict) -> str:
             f"{label:<22} {sms:>4} {row['median_us']:>10.1f} "
             f"{row['min_us']:>9.1f} {row['max_us']:>9.1f} {gbps:>7}  {target:<20} "
             f"{verdict:<5} {ratio:>6}"
+            + (f" {row['xnode_GBps']:>11.1f}" if cross and "xnode_GBps" in row else "")
         )
     summary = _summary_lines(results["rows"], on_gpu, judged)
     if summary:
