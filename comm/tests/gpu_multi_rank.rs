@@ -545,6 +545,74 @@ fn port_put_signal_flush(
     Ok(())
 }
 
+/// Issue 17's stall, reduced (docs/design-internode.md, "Status"): the proxy's
+/// CUDA IPC copies while two kernels of this rank spin on two streams, as the
+/// internode dispatch's senders and its fused receivers do. On a side stream a
+/// kernel waits for the partner's K signals; on the main stream a kernel pushes
+/// K puts with signals, and a kernel queued behind it waits until the proxy
+/// performed them (flush; `queued_flush == false`: no kernel queued behind the
+/// puts, which tells whether the queued one matters). Every wait is bounded;
+/// the data is checked.
+fn port_cuda_ipc_beside_a_spinning_kernel(c: &Ctx, queued_flush: bool) -> R {
+    let p = port_channels(c, &c.comm, &c.buf, Transport::CudaIpc)?;
+    let h = p.chans[c.partner()]
+        .as_ref()
+        .unwrap()
+        .device_handle(c.comm.device_error());
+    let side = OwnedStream::new(c.device)?;
+    let view = DeviceMemoryView(&c.buf);
+    const SRC: u64 = 0;
+    const DST: u64 = 16 << 20;
+    const K: usize = 512;
+    const N: usize = K * (16 << 10);
+    let seed = |r: usize| (r as u64) << 32 | 0x5717 | 1 << 61;
+    view.write(c.device, DST, &vec![0xA5; N])?;
+    view.write(c.device, SRC, &bytes_of(seed(c.rank), N))?;
+    c.comm.barrier()?;
+    // One thread's port operation, `iters` times, on `stream`.
+    let op = |stream: &OwnedStream, op, dst, src, size, iters| {
+        // SAFETY: ranges inside both ranks' registered buffers.
+        unsafe {
+            testing::portchan_op(
+                c.device,
+                stream.handle(),
+                h,
+                op,
+                dst,
+                src,
+                size,
+                iters,
+                TIMEOUT_NS,
+            )
+        }
+    };
+    op(&side, PortOp::Wait, 0, 0, 0, K as i32)?;
+    op(
+        &c.stream,
+        PortOp::PutWithSignal,
+        DST,
+        SRC,
+        N as u64,
+        K as i32,
+    )?;
+    if queued_flush {
+        op(&c.stream, PortOp::Flush, 0, 0, 0, 1)?;
+    }
+    side.synchronize_bounded(
+        WAIT,
+        c.rank as i64,
+        "the side stream's wait for the partner's signals",
+    )?;
+    c.sync("the puts (and the flush queued behind them)")?;
+    p.proxy.check()?;
+    check_eq(
+        "puts beside a spinning kernel",
+        &view.read(c.device, DST, N)?,
+        &bytes_of(seed(c.partner()), N),
+    )?;
+    c.comm.barrier()
+}
+
 /// Every rank but 0 hammers rank 0's counters with 64- and 32-bit atomic adds
 /// from many GPU threads through its proxy; rank 0 checks exact totals and
 /// that the neighbouring words are untouched.
@@ -1034,6 +1102,12 @@ fn multi_rank_suite() {
         }),
         ("port_cuda_ipc_atomics", |c| {
             port_atomics(c, &c.comm, &c.buf, Transport::CudaIpc)
+        }),
+        ("port_cuda_ipc_beside_a_spinning_kernel", |c| {
+            port_cuda_ipc_beside_a_spinning_kernel(c, false)
+        }),
+        ("port_cuda_ipc_beside_a_spinning_kernel_flush_queued", |c| {
+            port_cuda_ipc_beside_a_spinning_kernel(c, true)
         }),
         ("port_ethernet_put_signal_flush", |c| {
             port_put_signal_flush(c, &c.comm, &c.buf, Transport::Ethernet)
