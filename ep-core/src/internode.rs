@@ -884,11 +884,31 @@ fn proxy_report(rank: usize, processed: u64, peers: &[Option<ChannelProgress>]) 
             ))
         })
         .collect();
+    // Copies still queued on the proxy's stream a second after its last trigger:
+    // the GPU is not running them (what 2 x 2 on 4 GPUs showed; see
+    // docs/design-internode.md, "Status"), not a trigger the proxy never got.
+    let held = peers
+        .iter()
+        .flatten()
+        .filter(|s| s.busy == Some(true))
+        .filter_map(|s| s.idle_ms)
+        .filter(|&ms| ms >= HELD_COPIES_MS)
+        .max();
+    let hint = held.map_or(String::new(), |ms| {
+        format!(
+            " (every trigger was performed and copies have stayed queued on the proxy's \
+             CUDA stream for {ms} ms since the last one: the GPU did not run them while the \
+             kernels waited)"
+        )
+    });
     format!(
-        "proxy of rank {rank}: {processed} triggers performed; {}",
+        "proxy of rank {rank}: {processed} triggers performed; {}{hint}",
         per_peer.join("; ")
     )
 }
+
+/// Idle time after which copies still in flight count as held (see proxy_report).
+const HELD_COPIES_MS: u64 = 1000;
 
 impl BufferPart for InternodeBuffer {
     fn base(&self) -> &PartBase {
@@ -1013,6 +1033,28 @@ mod tests {
              idle 12 ms, longest flight 3 ms; rank 3: 9 triggers, in flight unknown, idle 12 \
              ms, longest flight 3 ms"
         );
+    }
+
+    #[test]
+    fn copies_held_past_a_second_are_named() {
+        let state = |busy, idle_ms| {
+            Some(ChannelProgress {
+                handled: 512,
+                busy,
+                idle_ms: Some(idle_ms),
+                max_flight_ms: 0,
+            })
+        };
+        let held = proxy_report(0, 513, &[None, state(Some(true), 7998)]);
+        assert!(held.ends_with("for 7998 ms since the last one: the GPU did not run them while the kernels waited)"), "{held}");
+        for quiet in [
+            state(Some(false), 7998),
+            state(Some(true), 12),
+            state(None, 9000),
+        ] {
+            let line = proxy_report(0, 513, &[None, quiet]);
+            assert!(!line.contains("stayed queued"), "{line}");
+        }
     }
 
     /// A region smaller than control and staging holds no token (no underflow).
