@@ -322,14 +322,14 @@ def _row(op: str, num_sms, times_us: list, nbytes) -> dict:
     }
 
 
-def _cross_node_bf16_bytes(rank: int, tokens_per_node, ranks_per_node_: int | None, hidden: int):
+def _cross_node_bf16_bytes(rank: int, tokens_per_node, per_node: int | None, hidden: int):
     """bf16 bytes of this rank's tokens that cross to other nodes, each token once
     per destination node (what the proxy carries for it; the forwarder fans it out
     on that node's NVLink); None on one node. ``tokens_per_node``: the rank's
-    ``num_tokens_per_rdma_rank``."""
-    if ranks_per_node_ is None or tokens_per_node is None:
+    ``num_tokens_per_rdma_rank``; ``per_node``: ranks per node."""
+    if per_node is None or tokens_per_node is None:
         return None
-    own_node = rank // ranks_per_node_
+    own_node = rank // per_node
     tokens = sum(int(c) for n, c in enumerate(tokens_per_node) if n != own_node)
     return tokens * hidden * 2
 
@@ -1156,8 +1156,8 @@ def format_report(results: dict) -> str:
     w = results["workload"]
     timing = results["timing"]
     on_gpu = results["mode"] == "gpu"
-    # Targets are NVLink figures: judged only where every rank has its own GPU.
-    # Targets are NVLink figures of one node: not judged across nodes either.
+    # Targets are NVLink figures of one node: judged only where every rank has its
+    # own GPU and the group is one node.
     judged = on_gpu and results.get("ranks_per_gpu", 1) <= 1 and results.get("nodes", 1) <= 1
     ranks = results["num_ranks"]
     recv = results["recv_tokens"]
