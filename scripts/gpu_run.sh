@@ -109,12 +109,17 @@ done
 # then takes the internode path (tests/multi_gpu/intranode_worker.py), and the
 # low-latency suite, which then reaches the other nodes' ranks through the proxy
 # and its own node's over NVLink (mixed transports).
+# Their device waits are bounded by GPU_RUN_INTERNODE_TIMEOUT_S (default 20 s, so
+# that a stalled scenario fails in seconds, not minutes), and
+# GPU_RUN_INTERNODE_SCENARIOS narrows the intranode suite there (default: all).
 for split in ${GPU_RUN_INTERNODE:-}; do
   IFS=: read -r xn xl xt <<< "$split"
-  run "internode-$((xn / xl))x${xl}${xt:+-$xt}" 500 env MOELINK_RANKS_PER_NODE="$xl" \
+  xenv=(MOELINK_RANKS_PER_NODE="$xl" MOELINK_DEVICE_TIMEOUT_S="${GPU_RUN_INTERNODE_TIMEOUT_S:-20}")
+  run "internode-$((xn / xl))x${xl}${xt:+-$xt}" 500 env "${xenv[@]}" \
+    ${GPU_RUN_INTERNODE_SCENARIOS:+MOELINK_INTRANODE_SCENARIOS=$GPU_RUN_INTERNODE_SCENARIOS} \
     ${xt:+MOELINK_INTERNODE_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 480 \
     tests/multi_gpu/intranode_worker.py
-  [ -z "$xt" ] && run "ll-internode-$((xn / xl))x${xl}" 500 env MOELINK_RANKS_PER_NODE="$xl" \
+  [ -z "$xt" ] && run "ll-internode-$((xn / xl))x${xl}" 500 env "${xenv[@]}" \
     $LAUNCH -n "$xn" --timeout 480 tests/multi_gpu/ll_worker.py
 done
 # MOELINK_TRAP_ON_TIMEOUT=1 (2 ranks, no MPS: a trap under MPS takes down every
