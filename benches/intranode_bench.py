@@ -230,8 +230,9 @@ def main(argv=None) -> int:
             "metric": "bytes received per rank / median time; bf16 and combine: "
             "recv_x.numel() * 2, fp8: times (1 + 4/128) / 2"
             + (
-                "; with --nodes, xnode_GBps: bytes the rank sends to other nodes (each token "
-                "once per destination node) / median time"
+                "; with --nodes, rdma_GBps: DeepEP's RDMA side, (token, destination node) "
+                "pairs of the rank, own node included, * hidden * 2 / median time; "
+                "xnode_GBps: the pairs of the other nodes only"
                 if per_node is not None
                 else ""
             ),

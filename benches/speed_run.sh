@@ -15,7 +15,8 @@
 #   comm       comm_bench (2 GPUs: round trips and puts), and .gpu/base/comm_bench
 #              (the base build) when present.
 #   internode  intranode_bench.py --nodes 2 (emulated nodes, the proxy between them):
-#              NVLink-side and cross-node GB/s, NCCL all_to_all_single beside it.
+#              NVLink-side and RDMA-side GB/s (DeepEP's byte formulas) and the bytes
+#              that cross nodes, NCCL all_to_all_single beside it.
 #   detail     ll_bench with phase stamps (MOELINK_LL_PROFILE=1) and
 #              intranode_profile (per-kernel GPU times, fused and separate kernels).
 # Needs: the moelink wheel installed (scripts/gpu_run.sh does it, or PYTHONPATH),
@@ -106,8 +107,8 @@ for part in ${PART//,/ }; do
     internode)
       # Emulated nodes of consecutive ranks on this host (2 x 2 on 4 GPUs): the
       # internode kernels, every cross-node byte through the proxy (CUDA IPC copies
-      # over NVLink); GB/s of the NVLink side (bytes received) and of the cross-node
-      # side (bytes sent to the other node). SPEED_INTERNODE_SIGNALS="1 0" adds the
+      # over NVLink); GB/s of the NVLink side (bytes received) and the RDMA side by
+      # DeepEP's formulas, and of what crosses nodes. SPEED_INTERNODE_SIGNALS="1 0" adds the
       # A/B of MOELINK_PORT_HOST_SIGNALS (port-channel counters in host / GPU memory).
       for sig in ${SPEED_INTERNODE_SIGNALS:-1}; do
         mkdir -p "$OUT/internode-signals$sig"

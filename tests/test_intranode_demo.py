@@ -540,27 +540,31 @@ def test_gpu_placement_gathers_the_host_memory(gloo_world, monkeypatch):
         }
 
 
-def test_cross_node_bytes_count_each_token_once_per_other_node():
+def test_cross_node_bytes_count_each_token_once_per_node():
     # Rank 2 of 4 in 2 nodes of 2 (node 1): its tokens per node are [30, 50].
-    assert demo._cross_node_bf16_bytes(2, torch.tensor([30, 50]), 2, 128) == 30 * 128 * 2
-    assert demo._cross_node_bf16_bytes(1, torch.tensor([30, 50]), 2, 128) == 50 * 128 * 2
+    rdma, xnode = demo._cross_node_bf16_bytes(2, torch.tensor([30, 50]), 2, 128)
+    assert (rdma, xnode) == (80 * 128 * 2, 30 * 128 * 2)  # DeepEP's formula, then other nodes
+    assert demo._cross_node_bf16_bytes(1, torch.tensor([30, 50]), 2, 128)[1] == 50 * 128 * 2
     assert demo._cross_node_bf16_bytes(0, None, None, 128) is None  # one node
     row = demo._row(demo.DISPATCH_FP8, 24, [100.0, 100.0, 100.0], 1000 * demo.FP8_BYTES_FACTOR)
-    x = demo._with_cross_node(row, 400, 1000)  # fp8: scaled like the row's bytes
+    x = demo._with_cross_node(row, (800, 400), 1000)  # fp8: scaled like the row's bytes
+    assert x["rdma_bytes"] == pytest.approx(800 * demo.FP8_BYTES_FACTOR)
     assert x["xnode_bytes"] == pytest.approx(400 * demo.FP8_BYTES_FACTOR)
     assert x["xnode_GBps"] == pytest.approx(400 * demo.FP8_BYTES_FACTOR / 100e-6 / 1e9)
     assert "xnode_GBps" not in demo._with_cross_node(row, None, 1000)
 
 
-def test_report_across_nodes_has_the_cross_node_column():
+def test_report_across_nodes_has_the_cross_node_columns():
     rows = []
     for r in range(4):
         row = demo._row(demo.DISPATCH_BF16, 24, [500.0, 500.0, 500.0], 211e6)
-        rows.append([demo._with_cross_node(row, 100e6 + r * 10e6, 211e6)])
+        rows.append([demo._with_cross_node(row, (150e6, 100e6 + r * 10e6), 211e6)])
     ranks = [_gpu_result(r, rows=rows[r], nodes=2) for r in range(4)]
     agg = demo.aggregate(ranks)
     assert agg["rows"][0]["xnode_GBps"] == pytest.approx(230.0)  # median of 200..260
+    assert agg["rows"][0]["rdma_GBps"] == pytest.approx(300.0)
     text = demo.format_report(agg)
-    assert "x-node GB/s" in text and "2 emulated nodes" in text
+    assert "rdma GB/s" in text and "x-node GB/s" in text and "2 emulated nodes" in text
+    assert "(own node included) * hidden * 2" in text  # the formula is printed
     one_node = demo.aggregate([_gpu_result(r) for r in range(4)])
     assert "x-node GB/s" not in demo.format_report(one_node)

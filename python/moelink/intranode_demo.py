@@ -323,25 +323,33 @@ def _row(op: str, num_sms, times_us: list, nbytes) -> dict:
 
 
 def _cross_node_bf16_bytes(rank: int, tokens_per_node, per_node: int | None, hidden: int):
-    """bf16 bytes of this rank's tokens that cross to other nodes, each token once
-    per destination node (what the proxy carries for it; the forwarder fans it out
-    on that node's NVLink); None on one node. ``tokens_per_node``: the rank's
-    ``num_tokens_per_rdma_rank``; ``per_node``: ranks per node."""
+    """``(rdma, xnode)`` bf16 bytes of this rank's tokens by node, None on one
+    node. ``rdma``: DeepEP's "RDMA send" formula (its test_internode.py): every
+    (token, destination node) pair, this rank's own node included, times
+    ``hidden * 2``; ``xnode``: the pairs of the other nodes only (what the
+    proxy carries; the forwarder fans each out on that node's NVLink).
+    ``tokens_per_node``: the rank's ``num_tokens_per_rdma_rank``; ``per_node``:
+    ranks per node."""
     if per_node is None or tokens_per_node is None:
         return None
     own_node = rank // per_node
-    tokens = sum(int(c) for n, c in enumerate(tokens_per_node) if n != own_node)
-    return tokens * hidden * 2
+    counts = [int(c) for c in tokens_per_node]
+    other = sum(c for n, c in enumerate(counts) if n != own_node)
+    return sum(counts) * hidden * 2, other * hidden * 2
 
 
-def _with_cross_node(row: dict, xnode_bf16_bytes, bf16_bytes: int) -> dict:
-    """``row`` plus ``xnode_bytes`` / ``xnode_GBps`` (the cross-node side: bytes
-    this rank sends to other nodes, scaled like the row's bytes for fp8) where
-    the group spans nodes."""
-    if xnode_bf16_bytes is None or row["bytes"] is None or not bf16_bytes:
+def _with_cross_node(row: dict, node_bf16_bytes, bf16_bytes: int) -> dict:
+    """``row`` plus ``rdma_bytes`` / ``rdma_GBps`` and ``xnode_bytes`` /
+    ``xnode_GBps`` (see :func:`_cross_node_bf16_bytes`; scaled like the row's
+    bytes for fp8, over the same median time) where the group spans nodes."""
+    if node_bf16_bytes is None or row["bytes"] is None or not bf16_bytes:
         return row
-    xbytes = xnode_bf16_bytes * row["bytes"] / bf16_bytes
-    return {**row, "xnode_bytes": xbytes, "xnode_GBps": xbytes / (row["median_us"] * 1e-6) / 1e9}
+    out = dict(row)
+    for key, b in zip(("rdma", "xnode"), node_bf16_bytes):
+        nbytes = b * row["bytes"] / bf16_bytes
+        out[f"{key}_bytes"] = nbytes
+        out[f"{key}_GBps"] = nbytes / (row["median_us"] * 1e-6) / 1e9
+    return out
 
 
 def _time_gpu(fn, iters: int, warmup: int, scratch) -> list:
@@ -448,7 +456,7 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
     config = moelink.Config(num_sms=max(sms))
     num_nvl_bytes = config.get_nvl_buffer_size_hint(hidden * 2, num_ranks, max_tokens_per_rank=n)
     per_node = ranks_per_node(num_ranks, args)
-    xnode_bytes = _cross_node_bf16_bytes(rank, own["per_node"], per_node, hidden)
+    node_bytes = _cross_node_bf16_bytes(rank, own["per_node"], per_node, hidden)
     num_rdma_bytes = 0
     if per_node is not None:
         num_rdma_bytes = config.get_rdma_buffer_size_hint(
@@ -544,7 +552,7 @@ def run_rank(rank: int, num_ranks: int, group, args) -> dict:
             for op, fn, nbytes in timed:
                 dist.barrier(group=group)
                 row = _row(op, s, _time_gpu(fn, iters, warmup, scratch), nbytes)
-                rows.append(_with_cross_node(row, xnode_bytes, bf16_bytes))
+                rows.append(_with_cross_node(row, node_bytes, bf16_bytes))
             # The uncached dispatch again with the host-side id check (before the
             # device-side check in the notify kernel, every call paid this sync).
             dist.barrier(group=group)
@@ -1026,9 +1034,10 @@ def aggregate(results: list) -> dict:
                 "GBps_per_rank": gbps,
             }
         )
-        if "xnode_GBps" in row:
-            xgbps = [s["xnode_GBps"] for s in same]
-            rows[-1].update({"xnode_GBps": statistics.median(xgbps), "xnode_GBps_per_rank": xgbps})
+        for key in ("rdma_GBps", "xnode_GBps"):
+            if key in row:
+                per_rank = [s[key] for s in same]
+                rows[-1].update({key: statistics.median(per_rank), f"{key}_per_rank": per_rank})
     checks = []
     for r in results:
         for c in r["checks"]:
@@ -1171,8 +1180,10 @@ def format_report(results: dict) -> str:
     lines = []
     if nodes > 1:
         lines.append(
-            "GB/s: bytes received per rank (the NVLink side); x-node GB/s: bytes the rank "
-            "sends to other nodes, each token once per node (the proxy's side)"
+            "GB/s: bytes received per rank, recv_x.numel() * 2 (DeepEP's NVL side); "
+            "rdma GB/s: DeepEP's RDMA side, (token, destination node) pairs of the rank "
+            "(own node included) * hidden * 2; x-node GB/s: the same pairs of the other "
+            "nodes only (what the proxy carries); fp8 rows times (1 + 4/128) / 2"
         )
     if on_gpu:
         who = (
@@ -1218,7 +1229,7 @@ def format_report(results: dict) -> str:
             lines.append(f"  ... and {len(failures) - 20} more")
     lines.append("")
     cross = nodes > 1 and any("xnode_GBps" in r for r in results["rows"])
-    lines.append(TABLE_HEADER + (f" {'x-node GB/s':>11}" if cross else ""))
+    lines.append(TABLE_HEADER + (f" {'rdma GB/s':>9} {'x-node GB/s':>11}" if cross else ""))
     baseline = next((r for r in results["rows"] if r["op"] == BASELINE), None)
     base_gbps = baseline["GBps"] if baseline else None
     order = list(OP_LABELS)  # one block per op, SM counts ascending
@@ -1240,7 +1251,11 @@ def format_report(results: dict) -> str:
             f"{label:<22} {sms:>4} {row['median_us']:>10.1f} "
             f"{row['min_us']:>9.1f} {row['max_us']:>9.1f} {gbps:>7}  {target:<20} "
             f"{verdict:<5} {ratio:>6}"
-            + (f" {row['xnode_GBps']:>11.1f}" if cross and "xnode_GBps" in row else "")
+            + (
+                f" {row['rdma_GBps']:>9.1f} {row['xnode_GBps']:>11.1f}"
+                if cross and "xnode_GBps" in row
+                else ""
+            )
         )
     summary = _summary_lines(results["rows"], on_gpu, judged)
     if summary:
