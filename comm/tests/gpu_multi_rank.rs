@@ -545,21 +545,47 @@ fn port_put_signal_flush(
     Ok(())
 }
 
+/// What [`port_cuda_ipc_beside_a_spinning_kernel`] queues behind its spinning kernels.
+#[derive(Clone, Copy, Debug)]
+enum Queued {
+    /// Nothing.
+    Nothing,
+    /// A flush kernel behind the puts on the main stream (it spins until the
+    /// proxy performed them).
+    FlushBehindPuts,
+    /// An empty kernel behind the side stream's waiting one (it can start only
+    /// once that wait is over).
+    KernelBehindWait,
+}
+
 /// Issue 17's stall, reduced (docs/design-internode.md, "Status"): the proxy's
-/// CUDA IPC copies while two kernels of this rank spin on two streams, as the
+/// CUDA IPC copies while kernels of this rank spin on two streams, as the
 /// internode dispatch's senders and its fused receivers do. On a side stream a
 /// kernel waits for the partner's K signals; on the main stream a kernel pushes
-/// K puts with signals, and a kernel queued behind it waits until the proxy
-/// performed them (flush; `queued_flush == false`: no kernel queued behind the
-/// puts, which tells whether the queued one matters). Every wait is bounded;
-/// the data is checked.
-fn port_cuda_ipc_beside_a_spinning_kernel(c: &Ctx, queued_flush: bool) -> R {
+/// K puts with signals; `queued` says what else waits in the streams (the
+/// variants tell which ingredient a stall needs). Every wait is bounded; the
+/// data is checked.
+fn port_cuda_ipc_beside_a_spinning_kernel(c: &Ctx, queued: Queued) -> R {
+    let side = OwnedStream::new(c.device)?;
+    let result = beside_a_spinning_kernel(c, &side, queued);
+    if result.is_err() {
+        // A stall times the kernels out on the GPU: let them end, and clear the
+        // record so that the scenarios after this one start clean.
+        let _ = side.synchronize_bounded(WAIT, c.rank as i64, "the side stream");
+        let _ = c
+            .stream
+            .synchronize_bounded(WAIT, c.rank as i64, "the main stream");
+        c.comm.device_error().reset();
+    }
+    result
+}
+
+fn beside_a_spinning_kernel(c: &Ctx, side: &OwnedStream, queued: Queued) -> R {
     let p = port_channels(c, &c.comm, &c.buf, Transport::CudaIpc)?;
     let h = p.chans[c.partner()]
         .as_ref()
         .unwrap()
         .device_handle(c.comm.device_error());
-    let side = OwnedStream::new(c.device)?;
     let view = DeviceMemoryView(&c.buf);
     const SRC: u64 = 0;
     const DST: u64 = 16 << 20;
@@ -569,7 +595,7 @@ fn port_cuda_ipc_beside_a_spinning_kernel(c: &Ctx, queued_flush: bool) -> R {
     view.write(c.device, DST, &vec![0xA5; N])?;
     view.write(c.device, SRC, &bytes_of(seed(c.rank), N))?;
     c.comm.barrier()?;
-    // One thread's port operation, `iters` times, on `stream`.
+    // One thread's port operation, `iters` times (0: an empty kernel), on `stream`.
     let op = |stream: &OwnedStream, op, dst, src, size, iters| {
         // SAFETY: ranges inside both ranks' registered buffers.
         unsafe {
@@ -586,7 +612,10 @@ fn port_cuda_ipc_beside_a_spinning_kernel(c: &Ctx, queued_flush: bool) -> R {
             )
         }
     };
-    op(&side, PortOp::Wait, 0, 0, 0, K as i32)?;
+    op(side, PortOp::Wait, 0, 0, 0, K as i32)?;
+    if let Queued::KernelBehindWait = queued {
+        op(side, PortOp::Put, 0, 0, 0, 0)?;
+    }
     op(
         &c.stream,
         PortOp::PutWithSignal,
@@ -595,18 +624,18 @@ fn port_cuda_ipc_beside_a_spinning_kernel(c: &Ctx, queued_flush: bool) -> R {
         N as u64,
         K as i32,
     )?;
-    if queued_flush {
+    if let Queued::FlushBehindPuts = queued {
         op(&c.stream, PortOp::Flush, 0, 0, 0, 1)?;
     }
     side.synchronize_bounded(
         WAIT,
         c.rank as i64,
-        "the side stream's wait for the partner's signals",
+        &format!("the side stream's wait for the partner's signals ({queued:?} queued)"),
     )?;
-    c.sync("the puts (and the flush queued behind them)")?;
+    c.sync(&format!("the puts ({queued:?} queued)"))?;
     p.proxy.check()?;
     check_eq(
-        "puts beside a spinning kernel",
+        &format!("puts beside a spinning kernel ({queued:?} queued)"),
         &view.read(c.device, DST, N)?,
         &bytes_of(seed(c.partner()), N),
     )?;
@@ -1104,11 +1133,15 @@ fn multi_rank_suite() {
             port_atomics(c, &c.comm, &c.buf, Transport::CudaIpc)
         }),
         ("port_cuda_ipc_beside_a_spinning_kernel", |c| {
-            port_cuda_ipc_beside_a_spinning_kernel(c, false)
+            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::Nothing)
         }),
         ("port_cuda_ipc_beside_a_spinning_kernel_flush_queued", |c| {
-            port_cuda_ipc_beside_a_spinning_kernel(c, true)
+            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::FlushBehindPuts)
         }),
+        (
+            "port_cuda_ipc_beside_a_spinning_kernel_kernel_queued",
+            |c| port_cuda_ipc_beside_a_spinning_kernel(c, Queued::KernelBehindWait),
+        ),
         ("port_ethernet_put_signal_flush", |c| {
             port_put_signal_flush(c, &c.comm, &c.buf, Transport::Ethernet)
         }),
