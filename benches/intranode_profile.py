@@ -7,7 +7,12 @@
 Runs the PERFORMANCE.md workload (moelink.intranode_demo.make_inputs) and prints,
 on rank 0, the mean GPU time of every moelink kernel (dispatch_notify,
 dispatch_send, dispatch_wait, dispatch_recv, combine_send, ...) per SM count:
-where the time of a dispatch or a combine goes. No correctness check here: the
+where the time of a dispatch or a combine goes. With MOELINK_INTRANODE_PROFILE=1
+it also prints the fused kernels' phase stamps of one cached bf16 dispatch and
+one combine, each alone with the device synchronised (per block, from its
+start: warp 0 past its first row, warp 0 out of its row loop, the block's end;
+median / max over blocks, and the spans and skews between the launches) on
+rank 0. No correctness check here: the
 benchmark (intranode_bench.py) does that. Where ranks share a GPU the times are
 one GPU's memory, not NVLink (said once above the table), and SM counts above a
 rank's share of the GPU are left out, as in the benchmark.
@@ -16,6 +21,7 @@ rank's share of the GPU are left out, as in the benchmark.
 from __future__ import annotations
 
 import argparse
+import os
 
 import bench_common
 import moelink
@@ -24,6 +30,71 @@ import torch.distributed as dist
 from moelink import intranode_demo as demo
 
 NAMES = ("layout", "dispatch", "combine")
+
+#: ep_kernels::intranode::PROF_KINDS / PROF_BLOCKS / PROF_SLOTS.
+PROF_KINDS = ("dispatch (sending launch)", "dispatch (receive-only launch)", "combine")
+PROF_BLOCKS, PROF_SLOTS = 256, 4
+PHASES = ("warp 0 past its first row", "warp 0 out of its row loop", "block end")
+
+
+def stamp_lines(stamps: list, window_ns: int = 5_000_000) -> list:
+    """Lines describing the phase stamps ``[kind][block][slot]`` (globaltimer
+    ns) of the latest launch of each kind: the blocks whose start lies within
+    ``window_ns`` of the kind's latest start (older launches leave stale
+    blocks). Times are microseconds from each block's start (median / max over
+    blocks), then the launch's span and start skew, and, where a dispatch ran
+    as two launches, how the receive-only one lies against the sending one."""
+    import statistics
+
+    lines, spans = [], {}
+    for kind, name in enumerate(PROF_KINDS):
+        blocks = []
+        for b in range(PROF_BLOCKS):
+            base = (kind * PROF_BLOCKS + b) * PROF_SLOTS
+            blocks.append(stamps[base : base + PROF_SLOTS])
+        starts = [blk[0] for blk in blocks if blk[0] > 0]
+        if not starts:
+            continue
+        latest = max(starts)
+        blocks = [blk for blk in blocks if blk[0] > 0 and blk[0] >= latest - window_ns]
+        lines.append(f"  {name}: {len(blocks)} blocks")
+        for slot, phase in enumerate(PHASES, start=1):
+            d = [(blk[slot] - blk[0]) / 1e3 for blk in blocks if blk[slot] >= blk[0]]
+            if d:
+                lines.append(
+                    f"    {phase:<28} {statistics.median(d):9.1f} / {max(d):9.1f} us"
+                    f"  ({len(d)} blocks)"
+                )
+        first = min(blk[0] for blk in blocks)
+        last = max(blk[3] for blk in blocks)
+        spans[kind] = (first, last)
+        lines.append(f"    {'span (first start, last end)':<28} {(last - first) / 1e3:9.1f} us")
+        lines.append(f"    {'start skew':<28} {(latest - first) / 1e3:9.1f} us")
+    if 0 in spans and 1 in spans:
+        (s0, e0), (s1, e1) = spans[0], spans[1]
+        lines.append(
+            f"  receive-only launch: starts {(s1 - s0) / 1e3:.1f} us after the sending one, "
+            f"ends {(e1 - e0) / 1e3:.1f} us after it"
+        )
+    return lines
+
+
+def print_stamps(buf, rank: int, sms: int, x, recv, recv_w, handle, cfg) -> None:
+    """One cached bf16 dispatch, then one combine, each alone with the device
+    synchronised; rank 0 prints the phase stamps of each."""
+    calls = (
+        ("cached bf16 dispatch", lambda: buf.dispatch(x, handle=handle, config=cfg)),
+        ("combine", lambda: buf.combine(recv, handle, topk_weights=recv_w, config=cfg)),
+    )
+    for what, call in calls:
+        torch.cuda.synchronize()
+        dist.barrier()
+        call()
+        torch.cuda.synchronize()
+        stamps = buf._buffer().intranode_profile()
+        if rank == 0:
+            print(f"phase stamps, {sms} SMs, one {what} (rank 0):", flush=True)
+            print("\n".join(stamp_lines(stamps)), flush=True)
 
 
 def main() -> None:
@@ -76,6 +147,8 @@ def main() -> None:
                 if any(n in ev.key for n in NAMES):
                     us = ev.device_time_total / max(ev.count, 1)
                     print(f"{ev.key:24s} count={ev.count:4d} mean={us:9.1f} us", flush=True)
+        if os.environ.get("MOELINK_INTRANODE_PROFILE") == "1":
+            print_stamps(buf, rank, sms, inp["x"], recv, recv_w, handle, cfg)
         dist.barrier()
     buf.destroy()
     dist.destroy_process_group()

@@ -18,7 +18,8 @@
 #              NVLink-side and RDMA-side GB/s (DeepEP's byte formulas) and the bytes
 #              that cross nodes, NCCL all_to_all_single beside it.
 #   detail     ll_bench with phase stamps (MOELINK_LL_PROFILE=1) and
-#              intranode_profile (per-kernel GPU times, fused and separate kernels).
+#              intranode_profile (per-kernel GPU times, fused and separate kernels;
+#              the fused kernels' phase stamps, MOELINK_INTRANODE_PROFILE=1).
 # Needs: the moelink wheel installed (scripts/gpu_run.sh does it, or PYTHONPATH),
 # and for `peers` the peers' builds in .peers/ (benches/README.md says what they are;
 # they are not part of the repository). Every step runs under `timeout`; its log goes
@@ -99,9 +100,10 @@ for part in ${PART//,/ }; do
       mkdir -p "$OUT/llstamps"
       step ll_bench 200 env MOELINK_LL_PROFILE=1 MOELINK_CHECK_IDS=0 \
         $RUN benches/ll_bench.py --no-sweep --out "$OUT/llstamps"
+      # The fused run with phase stamps (MOELINK_INTRANODE_PROFILE=1).
       for f in 1 0; do
         step "intranode_profile-fused$f" 120 env MOELINK_INTRANODE_FUSED=$f \
-          $RUN benches/intranode_profile.py --sms 24 48
+          MOELINK_INTRANODE_PROFILE=$f $RUN benches/intranode_profile.py --sms 24 48
       done
       ;;
     internode)

@@ -800,6 +800,7 @@ impl InternodeBuffer {
             recv_calls: self.scratch.ptr() + DISPATCH_RECV_CALLS_OFFSET,
             recv_ticket: self.scratch.ptr() + RECV_TICKET_OFFSET,
             error: self.part.error_ptr(),
+            prof: 0,
         };
         // SAFETY: the caller checked the outputs, allocated on `stream`, which
         // waits for the side stream before it goes on.

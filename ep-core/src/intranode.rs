@@ -158,6 +158,11 @@ pub const DEFAULT_SHARES: RecvShares = RecvShares {
 
 /// The fused mode from the environment: `None` (separate send and receive
 /// kernels) or the receiver shares.
+/// `MOELINK_INTRANODE_PROFILE=1`: the fused kernels record phase stamps
+/// ([`IntranodeBuffer::profile`]).
+pub const PROFILE_ENV: &str = "MOELINK_INTRANODE_PROFILE";
+const PROF_BYTES: usize = k::PROF_KINDS * k::PROF_BLOCKS * k::PROF_SLOTS * 8;
+
 pub fn fused_mode_from_env() -> Result<Option<RecvShares>> {
     parse_fused_mode(
         std::env::var(FUSED_ENV).ok().as_deref(),
@@ -304,6 +309,8 @@ pub struct IntranodeBuffer {
     host_epoch: u64,
     combine_dirty: bool,
     timeout: Duration,
+    /// Phase stamps of the fused kernels (`MOELINK_INTRANODE_PROFILE=1`), else `None`.
+    prof: Option<DeviceMemory>,
 }
 
 impl IntranodeBuffer {
@@ -326,6 +333,13 @@ impl IntranodeBuffer {
         let scratch = DeviceMemory::alloc(device, SCRATCH_BYTES)?;
         scratch.fill(0)?;
         let host = HostMemory::pinned(device, HOST_BYTES)?;
+        let prof = if std::env::var(PROFILE_ENV).is_ok_and(|v| v == "1") {
+            let m = DeviceMemory::alloc(device, PROF_BYTES)?;
+            m.fill(0)?;
+            Some(m)
+        } else {
+            None
+        };
         // Everybody has mapped everybody's buffer before anyone launches.
         part.ready()?;
         Ok(Self {
@@ -348,7 +362,25 @@ impl IntranodeBuffer {
             host_epoch: 0,
             combine_dirty: false,
             timeout: opts.timeout,
+            prof,
         })
+    }
+
+    /// The fused kernels' phase stamps of the latest launch of each kind,
+    /// `[PROF_KINDS][PROF_BLOCKS][PROF_SLOTS]` globaltimer ns (see
+    /// `ep_kernels::intranode::PROF_KINDS`), after synchronising the device.
+    /// Errors unless the Buffer was created with `MOELINK_INTRANODE_PROFILE=1`.
+    pub fn profile(&self) -> Result<Vec<u64>> {
+        let m = self.prof.as_ref().ok_or_else(|| {
+            CommError::invalid(
+                "profile",
+                "create the Buffer with MOELINK_INTRANODE_PROFILE=1 to record phase stamps",
+            )
+        })?;
+        self.part.device().synchronize()?;
+        let mut v = vec![0u64; PROF_BYTES / 8];
+        m.copy_to_host(0, &mut v)?;
+        Ok(v)
     }
 
     /// `num_sms` of a data kernel, capped to this rank's share of its GPU (so
@@ -558,7 +590,12 @@ impl IntranodeBuffer {
             recv_calls: self.scratch.ptr() + DISPATCH_RECV_CALLS_OFFSET,
             recv_ticket: self.scratch.ptr() + RECV_TICKET_OFFSET,
             error: self.part.error_ptr(),
+            prof: self.prof_ptr(),
         }
+    }
+
+    fn prof_ptr(&self) -> u64 {
+        self.prof.as_ref().map_or(0, |m| m.ptr())
     }
 
     fn combine_state(&self) -> FusedState {
@@ -567,6 +604,7 @@ impl IntranodeBuffer {
             recv_calls: 0,
             recv_ticket: 0,
             error: self.part.error_ptr(),
+            prof: self.prof_ptr(),
         }
     }
 

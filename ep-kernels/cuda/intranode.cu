@@ -212,11 +212,17 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   const int lane = threadIdx.x % 32;
   const int R = c.num_ranks;
   const int nsend = a.num_send_blocks;
+  const int kind = nsend > 0 ? 0 : 1;
+  stamp(a.prof, kind, 0);
   if (int(blockIdx.x) < nsend) {
     const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.send_calls));
     const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
     const int64_t nwarps = int64_t(nsend) * kWarps;
-    for (int64_t t = warp; t < a.send.num_tokens; t += nwarps) send_token(a.send, t, lane, flag);
+    for (int64_t t = warp; t < a.send.num_tokens; t += nwarps) {
+      send_token(a.send, t, lane, flag);
+      if (t == warp) stamp(a.prof, kind, 1);
+    }
+    stamp(a.prof, kind, 2);
   } else {
     const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.recv_calls));
     const DispatchRecvParams& r = a.recv;
@@ -237,17 +243,20 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
       if (lane == 0)
         ok = wait_record(c, record_flag(const_cast<char*>(rec), r.rec.bytes), flag, s,
                          comm::kWaitIntranodeDispatch, uint64_t(j), a.error);
+      if (k == warp) stamp(a.prof, kind, 1);
       if (__shfl_sync(0xffffffffu, ok, 0))
         copy_out_row<true>(r, i, rec, lane);
       else
         poison_row(r, i, lane);
     }
+    stamp(a.prof, kind, 2);
     // num_worst_tokens padding.
     for (int64_t i = num_recv + warp; !poisoned && i < r.num_rows; i += nwarps) pad_row(r, i, lane);
   }
   const bool sends = nsend > 0, receives = nsend < int(gridDim.x);
   fused_done(sends ? c.ticket : a.recv_ticket, sends ? a.send_calls : nullptr,
              receives ? a.recv_calls : nullptr);
+  stamp(a.prof, kind, 3);
 }
 
 // combine_send: a warp per received row i < num_recv: the expert output row
@@ -323,6 +332,7 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.calls));
   const int nsend = a.num_send_blocks;
   __shared__ int slots[kWarps][kMaxRanks];
+  stamp(a.prof, 2, 0);
   if (int(blockIdx.x) < nsend) {
     const CombineSendParams& s = a.send;
     const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -333,7 +343,9 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
       int64_t slot, i;
       if (!rows.row(k, src, slot, i) || slot >= c.combine_slots) continue;
       send_combine_row(s, i, src, slot, lane, flag);
+      if (k == warp) stamp(a.prof, 2, 1);
     }
+    stamp(a.prof, 2, 2);
   } else {
     const CombineRecvParams& r = a.recv;
     const int64_t warp = int64_t(blockIdx.x - nsend) * kWarps + threadIdx.x / 32;
@@ -358,11 +370,14 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
         poison_token(r, t, lane);
         continue;
       }
+      if (t == warp) stamp(a.prof, 2, 1);
       __syncwarp();
       if (lane < R) my_slots[lane] = my_slot;
       __syncwarp();
       reduce_token<true>(r, t, srcs, my_slots, my_slot, lane);
     }
+    stamp(a.prof, 2, 2);
   }
   fused_done(c.ticket, a.calls, nullptr);
+  stamp(a.prof, 2, 3);
 }

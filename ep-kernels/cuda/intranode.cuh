@@ -150,6 +150,7 @@ static_assert(offsetof(CombineRecvParams, num_tokens) == 128, "mirrored in Rust"
 // block, with `ticket` (the Ctx's, or `recv_ticket` for a receive-only launch,
 // which may run at the same time as the send-only one). `error`: the Buffer's
 // device error record (a record wait that ran out).
+// `prof`: MOELINK_INTRANODE_PROFILE phase stamps (see stamp below) or null.
 struct DispatchFusedParams {
   DispatchSendParams send;
   DispatchRecvParams recv;
@@ -157,24 +158,26 @@ struct DispatchFusedParams {
   unsigned long long* recv_calls;
   unsigned int* recv_ticket;
   comm::DeviceError* error;
+  uint64_t* prof;
   int num_send_blocks;
   int pad;
 };
-static_assert(sizeof(DispatchFusedParams) == 400, "mirrored in Rust");
+static_assert(sizeof(DispatchFusedParams) == 408, "mirrored in Rust");
 static_assert(offsetof(DispatchFusedParams, recv) == 176, "mirrored in Rust");
-static_assert(offsetof(DispatchFusedParams, num_send_blocks) == 392, "mirrored in Rust");
+static_assert(offsetof(DispatchFusedParams, num_send_blocks) == 400, "mirrored in Rust");
 
 struct CombineFusedParams {
   CombineSendParams send;
   CombineRecvParams recv;
   unsigned long long* calls;
   comm::DeviceError* error;
+  uint64_t* prof;
   int num_send_blocks;
   int pad;
 };
-static_assert(sizeof(CombineFusedParams) == 296, "mirrored in Rust");
+static_assert(sizeof(CombineFusedParams) == 304, "mirrored in Rust");
 static_assert(offsetof(CombineFusedParams, recv) == 128, "mirrored in Rust");
-static_assert(offsetof(CombineFusedParams, num_send_blocks) == 288, "mirrored in Rust");
+static_assert(offsetof(CombineFusedParams, num_send_blocks) == 296, "mirrored in Rust");
 
 __device__ __forceinline__ char* peer_base(const Ctx& c, int p) {
   return p == c.rank ? c.local : c.channels[p].dst;
@@ -568,6 +571,21 @@ __device__ __forceinline__ void send_combine_row(const CombineSendParams& a, int
 
 // The end of a fused kernel: the last block (by `ticket`) advances the call
 // counters given (null: not this launch's).
+// Optional phase stamps of the fused kernels (MOELINK_INTRANODE_PROFILE=1, read
+// by the Buffer's intranode_profile(); benches/intranode_profile.py names them):
+// prof[kind][block][slot], globaltimer ns written by thread 0 of each block.
+// kind: 0 a dispatch launch that sends (send-only or both halves), 1 a
+// receive-only dispatch launch, 2 combine. Slots: 0 the block starts; 1 its
+// warp 0 is past its first row (a sender: its sends; a receiver: its first
+// record arrived); 2 its warp 0 left its row loop; 3 the block ends (every warp).
+// Stamps of the latest launch of each kind; blocks past kProfBlocks are not kept.
+constexpr int kProfBlocks = 256;
+constexpr int kProfSlots = 4;
+__device__ __forceinline__ void stamp(uint64_t* prof, int kind, int slot) {
+  if (prof != nullptr && threadIdx.x == 0 && blockIdx.x < kProfBlocks)
+    prof[(int64_t(kind) * kProfBlocks + blockIdx.x) * kProfSlots + slot] = comm::now_ns();
+}
+
 __device__ __forceinline__ void fused_done(unsigned int* ticket, unsigned long long* calls,
                                            unsigned long long* more_calls) {
   __syncthreads();

@@ -156,6 +156,7 @@ struct DispatchFusedParams {
     recv_calls: u64,
     recv_ticket: u64,
     error: u64,
+    prof: u64,
     num_send_blocks: i32,
     pad: i32,
 }
@@ -168,6 +169,7 @@ struct CombineFusedParams {
     recv: CombineRecvParams,
     calls: u64,
     error: u64,
+    prof: u64,
     num_send_blocks: i32,
     pad: i32,
 }
@@ -188,12 +190,12 @@ param_layout!(
         offsetof!(CombineSendParams, num_topk == 120),
         sizeof!(CombineRecvParams == 144),
         offsetof!(CombineRecvParams, num_tokens == 128),
-        sizeof!(DispatchFusedParams == 400),
+        sizeof!(DispatchFusedParams == 408),
         offsetof!(DispatchFusedParams, recv == 176),
-        offsetof!(DispatchFusedParams, num_send_blocks == 392),
-        sizeof!(CombineFusedParams == 296),
+        offsetof!(DispatchFusedParams, num_send_blocks == 400),
+        sizeof!(CombineFusedParams == 304),
         offsetof!(CombineFusedParams, recv == 128),
-        offsetof!(CombineFusedParams, num_send_blocks == 288),
+        offsetof!(CombineFusedParams, num_send_blocks == 296),
         sizeof!(IntranodeCtx as Ctx == 80),
     ]
 );
@@ -655,7 +657,18 @@ pub struct FusedState {
     pub recv_ticket: u64,
     /// comm's `DeviceError` record.
     pub error: u64,
+    /// u64 phase stamps `[PROF_KINDS][PROF_BLOCKS][PROF_SLOTS]`
+    /// (`MOELINK_INTRANODE_PROFILE=1`), or 0: none.
+    pub prof: u64,
 }
+
+/// Phase stamps of the fused kernels (intranode.cuh, `stamp`): kinds (0 a
+/// dispatch launch that sends, 1 a receive-only dispatch launch, 2 combine),
+/// blocks kept per kind, and slots per block (globaltimer ns: start, warp 0
+/// past its first row, warp 0 out of its row loop, end).
+pub const PROF_KINDS: usize = 3;
+pub const PROF_BLOCKS: usize = 256;
+pub const PROF_SLOTS: usize = 4;
 
 /// Launches `dispatch_fused` for `halves`: the send half of `send` on the
 /// first `grid.send_blocks` blocks and the receive half of `recv` on the
@@ -716,6 +729,7 @@ pub unsafe fn dispatch_fused(
         recv_calls: state.recv_calls,
         recv_ticket: state.recv_ticket,
         error: state.error,
+        prof: state.prof,
         num_send_blocks: num_send_blocks as i32,
         pad: 0,
     };
@@ -775,6 +789,7 @@ pub unsafe fn combine_fused(
         recv: combine_recv_params(ctx, &recv)?,
         calls: state.send_calls,
         error: state.error,
+        prof: state.prof,
         num_send_blocks: grid.send_blocks as i32,
         pad: 0,
     };

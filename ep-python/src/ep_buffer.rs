@@ -566,6 +566,18 @@ impl EpBuffer {
         py.detach(|| ll.profile()).map_err(to_py)
     }
 
+    /// Phase stamps of the fused intranode kernels' latest launch of each kind
+    /// (`MOELINK_INTRANODE_PROFILE=1` at creation): u64 globaltimer ns
+    /// `[3][256][4]`, see `ep_kernels::intranode::PROF_KINDS`.
+    fn intranode_profile(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
+        let destroyed = self.inner.is_empty();
+        let part = self
+            .inner
+            .intranode()
+            .ok_or_else(|| absent(destroyed, PartKind::Intranode))?;
+        py.detach(|| part.profile()).map_err(to_py)
+    }
+
     /// (triggers popped, [per peer: (triggers of its channel performed, copies
     /// in flight or None, ms since its latest trigger or None, longest ms an
     /// operation took to complete (MOELINK_PROXY_QUERY=1, else 0)) or None]) of
