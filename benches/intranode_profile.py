@@ -11,7 +11,7 @@ where the time of a dispatch or a combine goes. With MOELINK_INTRANODE_PROFILE=1
 it also prints the fused kernels' phase stamps of one cached bf16 dispatch and
 one combine, each alone with the device synchronised (per block, from its
 start: warp 0 past its first row, warp 0 out of its row loop, the block's end;
-median / max over blocks, and the spans and skews between the launches) on
+median / max over blocks, and the spans and skews of senders and receivers) on
 rank 0. No correctness check here: the
 benchmark (intranode_bench.py) does that. Where ranks share a GPU the times are
 one GPU's memory, not NVLink (said once above the table), and SM counts above a
@@ -32,7 +32,7 @@ from moelink import intranode_demo as demo
 NAMES = ("layout", "dispatch", "combine")
 
 #: ep_kernels::intranode::PROF_KINDS / PROF_BLOCKS / PROF_SLOTS.
-PROF_KINDS = ("dispatch (sending launch)", "dispatch (receive-only launch)", "combine")
+PROF_KINDS = ("dispatch senders", "dispatch receivers", "combine")
 PROF_BLOCKS, PROF_SLOTS = 256, 4
 PHASES = ("warp 0 past its first row", "warp 0 out of its row loop", "block end")
 
@@ -42,8 +42,8 @@ def stamp_lines(stamps: list, window_ns: int = 5_000_000) -> list:
     ns) of the latest launch of each kind: the blocks whose start lies within
     ``window_ns`` of the kind's latest start (older launches leave stale
     blocks). Times are microseconds from each block's start (median / max over
-    blocks), then the launch's span and start skew, and, where a dispatch ran
-    as two launches, how the receive-only one lies against the sending one."""
+    blocks), then each kind's span and start skew, and how a dispatch's
+    receivers lie against its senders."""
     import statistics
 
     lines, spans = [], {}
@@ -73,8 +73,8 @@ def stamp_lines(stamps: list, window_ns: int = 5_000_000) -> list:
     if 0 in spans and 1 in spans:
         (s0, e0), (s1, e1) = spans[0], spans[1]
         lines.append(
-            f"  receive-only launch: starts {(s1 - s0) / 1e3:.1f} us after the sending one, "
-            f"ends {(e1 - e0) / 1e3:.1f} us after it"
+            f"  dispatch receivers: start {(s1 - s0) / 1e3:.1f} us after the senders, "
+            f"end {(e1 - e0) / 1e3:.1f} us after them"
         )
     return lines
 

@@ -29,16 +29,16 @@ def test_phases_are_measured_from_each_blocks_start():
         }
     )
     text = " ".join(" ".join(ip.stamp_lines(stamps)).split())  # spacing aside
-    assert "dispatch (sending launch): 2 blocks" in text
-    assert "dispatch (receive-only launch): 1 blocks" in text
+    assert "dispatch senders: 2 blocks" in text
+    assert "dispatch receivers: 1 blocks" in text
     assert "combine" not in text  # no stamps of that kind
     # Sending launch: block end 101 / 201 us from the starts -> median 151, max 201.
     assert "warp 0 past its first row 3.0 / 4.0 us (2 blocks)" in text
     assert "block end 151.0 / 201.0 us" in text
     assert "span (first start, last end) 202.0 us" in text
     assert "start skew 1.0 us" in text
-    assert "block end 301.0 / 301.0 us" in text  # the receive-only launch
-    assert "starts 3.0 us after the sending one, ends 102.0 us after it" in text
+    assert "block end 301.0 / 301.0 us" in text  # the receiver
+    assert "start 3.0 us after the senders, end 102.0 us after them" in text
 
 
 def test_stale_blocks_of_older_launches_are_left_out():

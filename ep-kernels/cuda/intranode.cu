@@ -212,7 +212,7 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   const int lane = threadIdx.x % 32;
   const int R = c.num_ranks;
   const int nsend = a.num_send_blocks;
-  const int kind = nsend > 0 ? 0 : 1;
+  const int kind = int(blockIdx.x) < nsend ? 0 : 1;  // sender or receiver
   stamp(a.prof, kind, 0);
   if (int(blockIdx.x) < nsend) {
     const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.send_calls));

@@ -574,8 +574,9 @@ __device__ __forceinline__ void send_combine_row(const CombineSendParams& a, int
 // Optional phase stamps of the fused kernels (MOELINK_INTRANODE_PROFILE=1, read
 // by the Buffer's intranode_profile(); benches/intranode_profile.py names them):
 // prof[kind][block][slot], globaltimer ns written by thread 0 of each block.
-// kind: 0 a dispatch launch that sends (send-only or both halves), 1 a
-// receive-only dispatch launch, 2 combine. Slots: 0 the block starts; 1 its
+// kind: 0 a dispatch sender block, 1 a dispatch receiver block (of a
+// receive-only launch or of one that runs both halves), 2 a combine block.
+// Slots: 0 the block starts; 1 its
 // warp 0 is past its first row (a sender: its sends; a receiver: its first
 // record arrived); 2 its warp 0 left its row loop; 3 the block ends (every warp).
 // Stamps of the latest launch of each kind; blocks past kProfBlocks are not kept.

@@ -663,7 +663,7 @@ pub struct FusedState {
 }
 
 /// Phase stamps of the fused kernels (intranode.cuh, `stamp`): kinds (0 a
-/// dispatch launch that sends, 1 a receive-only dispatch launch, 2 combine),
+/// dispatch sender block, 1 a dispatch receiver block, 2 a combine block),
 /// blocks kept per kind, and slots per block (globaltimer ns: start, warp 0
 /// past its first row, warp 0 out of its row loop, end).
 pub const PROF_KINDS: usize = 3;
