@@ -156,13 +156,13 @@ pub const DEFAULT_SHARES: RecvShares = RecvShares {
     combine: 50,
 };
 
-/// The fused mode from the environment: `None` (separate send and receive
-/// kernels) or the receiver shares.
 /// `MOELINK_INTRANODE_PROFILE=1`: the fused kernels record phase stamps
 /// ([`IntranodeBuffer::profile`]).
 pub const PROFILE_ENV: &str = "MOELINK_INTRANODE_PROFILE";
 const PROF_BYTES: usize = k::PROF_KINDS * k::PROF_BLOCKS * k::PROF_SLOTS * 8;
 
+/// The fused mode from the environment: `None` (separate send and receive
+/// kernels) or the receiver shares.
 pub fn fused_mode_from_env() -> Result<Option<RecvShares>> {
     parse_fused_mode(
         std::env::var(FUSED_ENV).ok().as_deref(),
