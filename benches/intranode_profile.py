@@ -32,7 +32,7 @@ from moelink import intranode_demo as demo
 NAMES = ("layout", "dispatch", "combine")
 
 #: ep_kernels::intranode::PROF_KINDS / PROF_BLOCKS / PROF_SLOTS.
-PROF_KINDS = ("dispatch senders", "dispatch receivers", "combine")
+PROF_KINDS = ("dispatch senders", "dispatch receivers", "combine senders", "combine receivers")
 PROF_BLOCKS, PROF_SLOTS = 256, 4
 PHASES = ("warp 0 past its first row", "warp 0 out of its row loop", "block end")
 
@@ -70,12 +70,13 @@ def stamp_lines(stamps: list, window_ns: int = 5_000_000) -> list:
         spans[kind] = (first, last)
         lines.append(f"    {'span (first start, last end)':<28} {(last - first) / 1e3:9.1f} us")
         lines.append(f"    {'start skew':<28} {(latest - first) / 1e3:9.1f} us")
-    if 0 in spans and 1 in spans:
-        (s0, e0), (s1, e1) = spans[0], spans[1]
-        lines.append(
-            f"  dispatch receivers: start {(s1 - s0) / 1e3:.1f} us after the senders, "
-            f"end {(e1 - e0) / 1e3:.1f} us after them"
-        )
+    for op, send, recv in (("dispatch", 0, 1), ("combine", 2, 3)):
+        if send in spans and recv in spans:
+            (s0, e0), (s1, e1) = spans[send], spans[recv]
+            lines.append(
+                f"  {op} receivers: start {(s1 - s0) / 1e3:.1f} us after the senders, "
+                f"end {(e1 - e0) / 1e3:.1f} us after them"
+            )
     return lines
 
 

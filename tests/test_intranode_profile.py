@@ -45,9 +45,9 @@ def test_stale_blocks_of_older_launches_are_left_out():
     t = 10_000_000_000
     stamps = _stamps(
         {
-            (2, 0): [t, t + 1_000, t + 2_000, t + 3_000],
-            (2, 5): [t - 50_000_000, t - 49_000_000, t - 48_000_000, t - 47_000_000],
+            (3, 0): [t, t + 1_000, t + 2_000, t + 3_000],
+            (3, 5): [t - 50_000_000, t - 49_000_000, t - 48_000_000, t - 47_000_000],
         }
     )
     text = "\n".join(ip.stamp_lines(stamps))
-    assert "combine: 1 blocks" in text
+    assert "combine receivers: 1 blocks" in text

@@ -332,7 +332,8 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.calls));
   const int nsend = a.num_send_blocks;
   __shared__ int slots[kWarps][kMaxRanks];
-  stamp(a.prof, 2, 0);
+  const int kind = int(blockIdx.x) < nsend ? 2 : 3;  // sender or receiver
+  stamp(a.prof, kind, 0);
   if (int(blockIdx.x) < nsend) {
     const CombineSendParams& s = a.send;
     const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -343,9 +344,9 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
       int64_t slot, i;
       if (!rows.row(k, src, slot, i) || slot >= c.combine_slots) continue;
       send_combine_row(s, i, src, slot, lane, flag);
-      if (k == warp) stamp(a.prof, 2, 1);
+      if (k == warp) stamp(a.prof, kind, 1);
     }
-    stamp(a.prof, 2, 2);
+    stamp(a.prof, kind, 2);
   } else {
     const CombineRecvParams& r = a.recv;
     const int64_t warp = int64_t(blockIdx.x - nsend) * kWarps + threadIdx.x / 32;
@@ -370,14 +371,14 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
         poison_token(r, t, lane);
         continue;
       }
-      if (t == warp) stamp(a.prof, 2, 1);
+      if (t == warp) stamp(a.prof, kind, 1);
       __syncwarp();
       if (lane < R) my_slots[lane] = my_slot;
       __syncwarp();
       reduce_token<true>(r, t, srcs, my_slots, my_slot, lane);
     }
-    stamp(a.prof, 2, 2);
+    stamp(a.prof, kind, 2);
   }
   fused_done(c.ticket, a.calls, nullptr);
-  stamp(a.prof, 2, 3);
+  stamp(a.prof, kind, 3);
 }

@@ -575,7 +575,8 @@ __device__ __forceinline__ void send_combine_row(const CombineSendParams& a, int
 // by the Buffer's intranode_profile(); benches/intranode_profile.py names them):
 // prof[kind][block][slot], globaltimer ns written by thread 0 of each block.
 // kind: 0 a dispatch sender block, 1 a dispatch receiver block (of a
-// receive-only launch or of one that runs both halves), 2 a combine block.
+// receive-only launch or of one that runs both halves), 2 a combine sender
+// block, 3 a combine receiver block.
 // Slots: 0 the block starts; 1 its
 // warp 0 is past its first row (a sender: its sends; a receiver: its first
 // record arrived); 2 its warp 0 left its row loop; 3 the block ends (every warp).

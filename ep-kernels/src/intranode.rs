@@ -662,11 +662,11 @@ pub struct FusedState {
     pub prof: u64,
 }
 
-/// Phase stamps of the fused kernels (intranode.cuh, `stamp`): kinds (0 a
-/// dispatch sender block, 1 a dispatch receiver block, 2 a combine block),
+/// Phase stamps of the fused kernels (intranode.cuh, `stamp`): kinds (0 / 1 a
+/// dispatch sender / receiver block, 2 / 3 a combine sender / receiver block),
 /// blocks kept per kind, and slots per block (globaltimer ns: start, warp 0
 /// past its first row, warp 0 out of its row loop, end).
-pub const PROF_KINDS: usize = 3;
+pub const PROF_KINDS: usize = 4;
 pub const PROF_BLOCKS: usize = 256;
 pub const PROF_SLOTS: usize = 4;
 
