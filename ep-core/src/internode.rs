@@ -31,14 +31,14 @@ use ep_kernels::internode::{
 };
 use ep_kernels::intranode::{
     self as k, CombineRecvArgs, CombineSendArgs, FusedGrid, FusedHalves, FusedState, IntranodeCtx,
-    NotifyArgs, RecordLayout, RecvArgs, SendArgs, CTRL_BYTES,
+    RecordLayout, RecvArgs, SendArgs, CTRL_BYTES,
 };
 
 use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase};
 use crate::intranode::{
-    experts_per_rank, fused_mode_from_env, CombineArgs, DispatchInputs, DispatchOutputs,
-    DispatchShape, HostCounts, LayoutCall, COMBINE_CALLS_OFFSET, DISPATCH_RECV_CALLS_OFFSET,
-    DISPATCH_SEND_CALLS_OFFSET, HOST_BYTES, RECV_TICKET_OFFSET,
+    experts_per_rank, fused_mode_from_env, notify_args, CombineArgs, DispatchInputs,
+    DispatchOutputs, DispatchShape, HostCounts, LayoutCall, COMBINE_CALLS_OFFSET,
+    DISPATCH_RECV_CALLS_OFFSET, DISPATCH_SEND_CALLS_OFFSET, HOST_BYTES, RECV_TICKET_OFFSET,
 };
 
 /// The scratch words are the intranode part's (ticket, timed-out peers,
@@ -599,23 +599,9 @@ impl InternodeBuffer {
         let (xc, xrec) = self.dispatch_ctx(shape, xi.meta_slots)?;
         self.check_meta(xi, shape.num_tokens)?;
         let epoch = self.host_epoch + 1;
+        let err = self.part.error_ptr();
         let notify = XNotifyArgs {
-            n: NotifyArgs {
-                is_token_in_rank: inp.is_token_in_rank,
-                num_tokens_per_expert: inp.num_tokens_per_expert,
-                num_tokens: shape.num_tokens as i32,
-                experts_per_rank: epr as i32,
-                expert_alignment: i32::try_from(expert_alignment)
-                    .map_err(|_| CommError::invalid("expert_alignment", "too large"))?,
-                rank_prefix_matrix: inp.rank_prefix_matrix,
-                send_head: inp.send_head,
-                host_counts: HostCounts::counts_ptr(&self.host),
-                host_epoch: self.host.device_ptr(),
-                epoch_value: epoch,
-                topk_idx: if shape.num_topk > 0 { inp.topk_idx } else { 0 },
-                num_topk: shape.num_topk as i32,
-                error: self.part.error_ptr(),
-            },
+            n: notify_args(shape, inp, epr, expert_alignment, &self.host, epoch, err)?,
             node_head: xi.node_head,
             xcounts: xi.xcounts,
         };

@@ -140,6 +140,36 @@ impl HostCounts {
     }
 }
 
+/// The notify kernel's arguments of a normal dispatch (intranode, and the
+/// internode notify's common part): the counts go to `host` and its epoch
+/// word is set to `epoch` last.
+pub(crate) fn notify_args(
+    shape: &DispatchShape,
+    inp: &DispatchInputs,
+    experts_per_rank: usize,
+    expert_alignment: usize,
+    host: &HostMemory,
+    epoch: u64,
+    error: u64,
+) -> Result<NotifyArgs> {
+    Ok(NotifyArgs {
+        is_token_in_rank: inp.is_token_in_rank,
+        num_tokens_per_expert: inp.num_tokens_per_expert,
+        num_tokens: shape.num_tokens as i32,
+        experts_per_rank: experts_per_rank as i32,
+        expert_alignment: i32::try_from(expert_alignment)
+            .map_err(|_| CommError::invalid("expert_alignment", "too large"))?,
+        rank_prefix_matrix: inp.rank_prefix_matrix,
+        send_head: inp.send_head,
+        host_counts: HostCounts::counts_ptr(host),
+        host_epoch: host.device_ptr(),
+        epoch_value: epoch,
+        topk_idx: if shape.num_topk > 0 { inp.topk_idx } else { 0 },
+        num_topk: shape.num_topk as i32,
+        error,
+    })
+}
+
 /// Percent of a fused kernel's blocks that receive, per phase.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RecvShares {
@@ -461,22 +491,8 @@ impl IntranodeBuffer {
         let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
         let ctx = self.ctx(cap, 0);
         let epoch = self.host_epoch + 1;
-        let notify = NotifyArgs {
-            is_token_in_rank: inp.is_token_in_rank,
-            num_tokens_per_expert: inp.num_tokens_per_expert,
-            num_tokens: shape.num_tokens as i32,
-            experts_per_rank: epr as i32,
-            expert_alignment: i32::try_from(expert_alignment)
-                .map_err(|_| CommError::invalid("expert_alignment", "too large"))?,
-            rank_prefix_matrix: inp.rank_prefix_matrix,
-            send_head: inp.send_head,
-            host_counts: HostCounts::counts_ptr(&self.host),
-            host_epoch: self.host.device_ptr(),
-            epoch_value: epoch,
-            topk_idx: if shape.num_topk > 0 { inp.topk_idx } else { 0 },
-            num_topk: shape.num_topk as i32,
-            error: self.part.error_ptr(),
-        };
+        let err = self.part.error_ptr();
+        let notify = notify_args(shape, inp, epr, expert_alignment, &self.host, epoch, err)?;
         // SAFETY: the caller (the Python layer) checked every tensor.
         unsafe { k::dispatch_notify(self.part.kernels(), stream, ctx, notify) }?;
         self.host_epoch = epoch;
