@@ -18,7 +18,8 @@ use std::time::Duration;
 
 use comm::error::{check_device_timeout_ns, CommError, Result};
 use comm::{
-    Communicator, CommunicatorOptions, Device, DeviceShare, Group, Member, SymmetricRegion,
+    Communicator, CommunicatorOptions, Device, DeviceMemory, DeviceShare, Group, Member,
+    SymmetricRegion,
 };
 use ep_kernels::intranode::CTRL_BYTES;
 use ep_kernels::low_latency::FLAGS_BYTES;
@@ -111,6 +112,49 @@ impl PartKind {
             PartKind::Intranode => ("num_nvl_bytes", "Config.get_nvl_buffer_size_hint"),
             PartKind::LowLatency => ("num_rdma_bytes", "Buffer.get_low_latency_rdma_size_hint"),
         }
+    }
+}
+
+/// Phase stamps of a part's kernels: `words` zeroed u64 of device memory,
+/// allocated only where the environment variable `env` is `1` (else the
+/// kernels get a null pointer and stamp nothing).
+pub(crate) struct PhaseStamps {
+    mem: Option<DeviceMemory>,
+    env: &'static str,
+}
+
+impl PhaseStamps {
+    pub(crate) fn from_env(device: Device, env: &'static str, words: usize) -> Result<Self> {
+        let mem = if std::env::var(env).is_ok_and(|v| v == "1") {
+            let m = DeviceMemory::alloc(device, 8 * words)?;
+            m.fill(0)?;
+            Some(m)
+        } else {
+            None
+        };
+        Ok(Self { mem, env })
+    }
+
+    /// The kernels' stamp pointer (0: none).
+    pub(crate) fn ptr(&self) -> u64 {
+        self.mem.as_ref().map_or(0, |m| m.ptr())
+    }
+
+    /// The stamps, after synchronising `device`; an error unless `env` was set.
+    pub(crate) fn read(&self, device: Device) -> Result<Vec<u64>> {
+        let m = self.mem.as_ref().ok_or_else(|| {
+            CommError::invalid(
+                "profile",
+                format!(
+                    "create the Buffer with {}=1 to record phase stamps",
+                    self.env
+                ),
+            )
+        })?;
+        device.synchronize()?;
+        let mut v = vec![0u64; m.len() / 8];
+        m.copy_to_host(0, &mut v)?;
+        Ok(v)
     }
 }
 

@@ -45,7 +45,7 @@ use ep_kernels::intranode::{
     NotifyArgs, RecordLayout, RecvArgs, SendArgs, CTRL_BYTES,
 };
 
-use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase};
+use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PhaseStamps};
 
 /// Largest number of experts per rank (`E / R`) the host-mapped counts hold
 /// (one of the [`limits`](crate::limits)).
@@ -189,7 +189,7 @@ pub const DEFAULT_SHARES: RecvShares = RecvShares {
 /// `MOELINK_INTRANODE_PROFILE=1`: the fused kernels record phase stamps
 /// ([`IntranodeBuffer::profile`]).
 pub const PROFILE_ENV: &str = "MOELINK_INTRANODE_PROFILE";
-const PROF_BYTES: usize = k::PROF_KINDS * k::PROF_BLOCKS * k::PROF_SLOTS * 8;
+const PROF_WORDS: usize = k::PROF_KINDS * k::PROF_BLOCKS * k::PROF_SLOTS;
 
 /// The fused mode from the environment: `None` (separate send and receive
 /// kernels) or the receiver shares.
@@ -339,8 +339,8 @@ pub struct IntranodeBuffer {
     host_epoch: u64,
     combine_dirty: bool,
     timeout: Duration,
-    /// Phase stamps of the fused kernels (`MOELINK_INTRANODE_PROFILE=1`), else `None`.
-    prof: Option<DeviceMemory>,
+    /// Phase stamps of the fused kernels (`MOELINK_INTRANODE_PROFILE=1`).
+    prof: PhaseStamps,
 }
 
 impl IntranodeBuffer {
@@ -363,13 +363,7 @@ impl IntranodeBuffer {
         let scratch = DeviceMemory::alloc(device, SCRATCH_BYTES)?;
         scratch.fill(0)?;
         let host = HostMemory::pinned(device, HOST_BYTES)?;
-        let prof = if std::env::var(PROFILE_ENV).is_ok_and(|v| v == "1") {
-            let m = DeviceMemory::alloc(device, PROF_BYTES)?;
-            m.fill(0)?;
-            Some(m)
-        } else {
-            None
-        };
+        let prof = PhaseStamps::from_env(device, PROFILE_ENV, PROF_WORDS)?;
         // Everybody has mapped everybody's buffer before anyone launches.
         part.ready()?;
         Ok(Self {
@@ -401,16 +395,7 @@ impl IntranodeBuffer {
     /// `ep_kernels::intranode::PROF_KINDS`), after synchronising the device.
     /// Errors unless the Buffer was created with `MOELINK_INTRANODE_PROFILE=1`.
     pub fn profile(&self) -> Result<Vec<u64>> {
-        let m = self.prof.as_ref().ok_or_else(|| {
-            CommError::invalid(
-                "profile",
-                "create the Buffer with MOELINK_INTRANODE_PROFILE=1 to record phase stamps",
-            )
-        })?;
-        self.part.device().synchronize()?;
-        let mut v = vec![0u64; PROF_BYTES / 8];
-        m.copy_to_host(0, &mut v)?;
-        Ok(v)
+        self.prof.read(self.part.device())
     }
 
     /// `num_sms` of a data kernel, capped to this rank's share of its GPU (so
@@ -606,12 +591,8 @@ impl IntranodeBuffer {
             recv_calls: self.scratch.ptr() + DISPATCH_RECV_CALLS_OFFSET,
             recv_ticket: self.scratch.ptr() + RECV_TICKET_OFFSET,
             error: self.part.error_ptr(),
-            prof: self.prof_ptr(),
+            prof: self.prof.ptr(),
         }
-    }
-
-    fn prof_ptr(&self) -> u64 {
-        self.prof.as_ref().map_or(0, |m| m.ptr())
     }
 
     fn combine_state(&self) -> FusedState {
@@ -620,7 +601,7 @@ impl IntranodeBuffer {
             recv_calls: 0,
             recv_ticket: 0,
             error: self.part.error_ptr(),
-            prof: self.prof_ptr(),
+            prof: self.prof.ptr(),
         }
     }
 

@@ -21,7 +21,7 @@ use ep_kernels::low_latency::{
     self as k, CombineArgs, DispatchArgs, Launch, LlCtx, LlShape, FLAGS_BYTES, STATE_WORDS,
 };
 
-use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PartKind};
+use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PartKind, PhaseStamps};
 
 /// Trigger slots of the proxy's FIFO: per peer and call at most three are
 /// used (the inbox, its flag, the release counts), two calls may be in flight
@@ -92,8 +92,8 @@ pub struct LowLatencyBuffer {
     mem: SymmetricRegion,
     state: DeviceMemory,
     mask: DeviceMemory,
-    /// Phase stamps of every launch (`MOELINK_LL_PROFILE=1`), else `None`.
-    prof: Option<DeviceMemory>,
+    /// Phase stamps of every launch (`MOELINK_LL_PROFILE=1`).
+    prof: PhaseStamps,
     /// The group's Communicator (whose CUDA IPC connections the proxy uses),
     /// this part's scope, device error record and device-wait bound; the
     /// device and its kernels.
@@ -187,13 +187,11 @@ impl LowLatencyBuffer {
         // One block per SM of this rank's share of the GPU: every rank's blocks
         // are resident together, also where ranks share a GPU (under MPS).
         let num_blocks = comm.device_share().sms.max(1);
-        let prof = if std::env::var("MOELINK_LL_PROFILE").is_ok_and(|v| v == "1") {
-            let m = DeviceMemory::alloc(device, 8 * 2 * k::PROF_BLOCKS * k::PROF_SLOTS)?;
-            m.fill(0)?;
-            Some(m)
-        } else {
-            None
-        };
+        let prof = PhaseStamps::from_env(
+            device,
+            "MOELINK_LL_PROFILE",
+            2 * k::PROF_BLOCKS * k::PROF_SLOTS,
+        )?;
         part.ready()?;
         Ok(Self {
             proxy,
@@ -324,7 +322,7 @@ impl LowLatencyBuffer {
             num_ranks: self.part.num_ranks() as i32,
             use_proxy: self.proxied as i32,
             shrink: i32::from(self.shrink),
-            prof: self.prof.as_ref().map_or(0, |m| m.ptr()),
+            prof: self.prof.ptr(),
         }
     }
 
@@ -332,16 +330,7 @@ impl LowLatencyBuffer {
     /// (dispatch, combine), after synchronising the device. Errors unless the
     /// buffer was created with `MOELINK_LL_PROFILE=1`.
     pub fn profile(&self) -> Result<Vec<u64>> {
-        let m = self.prof.as_ref().ok_or_else(|| {
-            CommError::invalid(
-                "profile",
-                "create the Buffer with MOELINK_LL_PROFILE=1 to record phase stamps",
-            )
-        })?;
-        self.part.device().synchronize()?;
-        let mut v = vec![0u64; 2 * k::PROF_BLOCKS * k::PROF_SLOTS];
-        m.copy_to_host(0, &mut v)?;
-        Ok(v)
+        self.prof.read(self.part.device())
     }
 
     /// The launch of a call of shape `s` with `num_tokens` tokens (`arg`
