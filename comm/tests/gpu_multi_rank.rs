@@ -591,6 +591,8 @@ fn beside_a_spinning_kernel(c: &Ctx, side: &OwnedStream, queued: Queued) -> R {
     const DST: u64 = 16 << 20;
     const K: usize = 512;
     const N: usize = K * (16 << 10);
+    // A stall shows in seconds: 8 MiB of CUDA IPC copies take milliseconds.
+    const SPIN_TIMEOUT_NS: i64 = 5_000_000_000;
     let seed = |r: usize| (r as u64) << 32 | 0x5717 | 1 << 61;
     view.write(c.device, DST, &vec![0xA5; N])?;
     view.write(c.device, SRC, &bytes_of(seed(c.rank), N))?;
@@ -608,7 +610,7 @@ fn beside_a_spinning_kernel(c: &Ctx, side: &OwnedStream, queued: Queued) -> R {
                 src,
                 size,
                 iters,
-                TIMEOUT_NS,
+                SPIN_TIMEOUT_NS,
             )
         }
     };
@@ -628,7 +630,7 @@ fn beside_a_spinning_kernel(c: &Ctx, side: &OwnedStream, queued: Queued) -> R {
         op(&c.stream, PortOp::Flush, 0, 0, 0, 1)?;
     }
     side.synchronize_bounded(
-        WAIT,
+        Duration::from_secs(15),
         c.rank as i64,
         &format!("the side stream's wait for the partner's signals ({queued:?} queued)"),
     )?;
