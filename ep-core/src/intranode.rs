@@ -60,6 +60,10 @@ pub(crate) const DISPATCH_SEND_CALLS_OFFSET: u64 = 16;
 pub(crate) const DISPATCH_RECV_CALLS_OFFSET: u64 = 24;
 pub(crate) const COMBINE_CALLS_OFFSET: u64 = 32;
 pub(crate) const RECV_TICKET_OFFSET: u64 = 40;
+/// The fused senders' unit counter (u32, 0 between kernels; `kSendWorkWord`
+/// of intranode.cuh counts u32 words from the ticket at 0).
+pub(crate) const SEND_WORK_OFFSET: u64 = 44;
+const _: () = assert!(SEND_WORK_OFFSET == 4 * 11);
 pub(crate) const SCRATCH_BYTES: usize = 48;
 /// Turns the fused kernels off (`0`) or on (`1`, the default).
 pub const FUSED_ENV: &str = "MOELINK_INTRANODE_FUSED";
@@ -327,7 +331,8 @@ pub struct IntranodeBuffer {
     /// `[4..8)`: peers whose device wait timed out (u32 bit mask, sticky: the
     /// receive kernels poison what came from them), `[8..16)`: notify epoch (u64),
     /// `[16..24)` / `[24..32)` / `[32..40)`: fused dispatch send / dispatch
-    /// receive / combine calls (u64), `[40..44)`: ticket of receive-only launches.
+    /// receive / combine calls (u64), `[40..44)`: ticket of receive-only launches,
+    /// `[44..48)`: the fused senders' unit counter (u32, 0 between kernels).
     scratch: DeviceMemory,
     /// `Some(receiver shares)`: fused kernels.
     fused: Option<RecvShares>,

@@ -214,13 +214,15 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   const int nsend = a.num_send_blocks;
   const int kind = int(blockIdx.x) < nsend ? 0 : 1;  // sender or receiver
   stamp(a.prof, kind, 0);
+  unsigned int* work = c.ticket + kSendWorkWord;
   if (int(blockIdx.x) < nsend) {
     const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.send_calls));
-    const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-    const int64_t nwarps = int64_t(nsend) * kWarps;
-    for (int64_t t = warp; t < a.send.num_tokens; t += nwarps) {
+    // Tokens taken one at a time per warp (kSendWorkWord).
+    bool first = true;
+    for (int64_t t = next_unit(work, lane); t < a.send.num_tokens; t = next_unit(work, lane)) {
       send_token(a.send, t, lane, flag);
-      if (t == warp) stamp(a.prof, kind, 1);
+      if (first) stamp(a.prof, kind, 1);
+      first = false;
     }
     stamp(a.prof, kind, 2);
   } else {
@@ -255,7 +257,7 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   }
   const bool sends = nsend > 0, receives = nsend < int(gridDim.x);
   fused_done(sends ? c.ticket : a.recv_ticket, sends ? a.send_calls : nullptr,
-             receives ? a.recv_calls : nullptr);
+             receives ? a.recv_calls : nullptr, sends ? work : nullptr);
   stamp(a.prof, kind, 3);
 }
 
@@ -334,17 +336,19 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   __shared__ int slots[kWarps][kMaxRanks];
   const int kind = int(blockIdx.x) < nsend ? 2 : 3;  // sender or receiver
   stamp(a.prof, kind, 0);
+  unsigned int* work = c.ticket + kSendWorkWord;
   if (int(blockIdx.x) < nsend) {
     const CombineSendParams& s = a.send;
-    const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-    const int64_t nwarps = int64_t(nsend) * kWarps;
     const InterleavedRows rows(s.rank_prefix_matrix, c.rank, R, c.rank, lane);
-    for (int64_t k = warp; k < rows.units; k += nwarps) {
+    // Units taken one at a time per warp (kSendWorkWord), in the interleaved order.
+    bool first = true;
+    for (int64_t k = next_unit(work, lane); k < rows.units; k = next_unit(work, lane)) {
       int src;
       int64_t slot, i;
       if (!rows.row(k, src, slot, i) || slot >= c.combine_slots) continue;
       send_combine_row(s, i, src, slot, lane, flag);
-      if (k == warp) stamp(a.prof, kind, 1);
+      if (first) stamp(a.prof, kind, 1);
+      first = false;
     }
     stamp(a.prof, kind, 2);
   } else {
@@ -379,6 +383,6 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
     }
     stamp(a.prof, kind, 2);
   }
-  fused_done(c.ticket, a.calls, nullptr);
+  fused_done(c.ticket, a.calls, nullptr, nsend > 0 ? work : nullptr);
   stamp(a.prof, kind, 3);
 }
