@@ -186,8 +186,12 @@ extern "C" __global__ void comm_test_portchan_op(const __grid_constant__ Portcha
         break;
       case 5: h.flush(timeout_ns); break;
       case 6: h.put(d, s, piece); h.flush(timeout_ns); break;
+      case 7: h.put_with_signal(d, s, piece); break;  // then the waits below
     }
   }
+  // 7: the pushing kernel stays, waiting for the partner's `iters` signals.
+  for (int i = 0; a.op == 7 && i < a.iters; ++i)
+    if (!h.wait(timeout_ns)) return;
 }
 
 // Every thread of the grid pushes `per_thread` 64-bit adds of `v64` at dst_off64

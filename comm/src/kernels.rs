@@ -213,6 +213,8 @@ pub mod testing {
         Wait = 4,
         Flush = 5,
         PutThenFlush = 6,
+        /// Puts with signals, then as many waits, in one kernel.
+        PutWithSignalThenWait = 7,
     }
 
     /// # Safety

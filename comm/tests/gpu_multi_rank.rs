@@ -556,6 +556,54 @@ enum Queued {
     /// An empty kernel behind the side stream's waiting one (it can start only
     /// once that wait is over).
     KernelBehindWait,
+    /// Puts of 128 KiB (an internode chunk moves ~115 KB) instead of 16 KiB.
+    BigPuts,
+    /// No side stream: the kernel that pushes the puts then waits for the
+    /// partner's signals (the internode kernels stay after pushing theirs).
+    PusherWaits,
+    /// A 4 KiB device-to-device `cuMemcpyAsync` behind the side stream's
+    /// waiting kernel (a copy that can start only once the wait is over).
+    CopyBehindWait,
+    /// A third stream ordered after the side stream's waiting kernel (an
+    /// event), then a 4 KiB copy on it: what a Buffer's caller does when its
+    /// compute stream waits for the comm stream and then reads a result.
+    CopyAfterWaitElsewhere,
+}
+
+/// A stream of its own, ordered after another by an event.
+struct ThirdStream {
+    stream: OwnedStream,
+    order: comm::cuda::StreamOrder,
+}
+
+impl ThirdStream {
+    fn new(device: Device) -> R<Self> {
+        Ok(Self {
+            stream: OwnedStream::new(device)?,
+            order: comm::cuda::StreamOrder::new(device)?,
+        })
+    }
+
+    /// Work issued to this stream from now on waits for `other`'s so far.
+    fn after(&self, other: &OwnedStream) -> R {
+        self.order.after(self.stream.handle(), other.handle())
+    }
+}
+
+/// A 4 KiB device-to-device copy inside this rank's buffer (56 MiB -> 60 MiB
+/// less 4 KiB: clear of the scenario's data) on `stream`.
+fn local_copy(c: &Ctx, stream: comm::StreamHandle) -> R {
+    const FROM: u64 = 56 << 20;
+    const TO: u64 = (60 << 20) - 4096;
+    let base = c.buf.ptr();
+    c.device.make_current()?;
+    // SAFETY: both ranges lie inside this rank's 64 MiB registration.
+    let r =
+        unsafe { cudarc::driver::sys::cuMemcpyAsync(base + TO, base + FROM, 4096, stream.raw()) };
+    if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+        return Err(CommError::invalid("cuMemcpyAsync", format!("{r:?}")));
+    }
+    Ok(())
 }
 
 /// Issue 17's stall, reduced (docs/design-internode.md, "Status"): the proxy's
@@ -588,14 +636,18 @@ fn beside_a_spinning_kernel(c: &Ctx, side: &OwnedStream, queued: Queued) -> R {
         .device_handle(c.comm.device_error());
     let view = DeviceMemoryView(&c.buf);
     const SRC: u64 = 0;
-    const DST: u64 = 16 << 20;
-    const K: usize = 512;
-    const N: usize = K * (16 << 10);
+    const DST: u64 = 32 << 20;
+    let (k, piece) = match queued {
+        Queued::BigPuts => (256usize, 128usize << 10),
+        _ => (512, 16 << 10),
+    };
+    let n = k * piece;
+    let third = ThirdStream::new(c.device)?;
     // A stall shows in seconds: 8 MiB of CUDA IPC copies take milliseconds.
     const SPIN_TIMEOUT_NS: i64 = 5_000_000_000;
     let seed = |r: usize| (r as u64) << 32 | 0x5717 | 1 << 61;
-    view.write(c.device, DST, &vec![0xA5; N])?;
-    view.write(c.device, SRC, &bytes_of(seed(c.rank), N))?;
+    view.write(c.device, DST, &vec![0xA5; n])?;
+    view.write(c.device, SRC, &bytes_of(seed(c.rank), n))?;
     c.comm.barrier()?;
     // One thread's port operation, `iters` times (0: an empty kernel), on `stream`.
     let op = |stream: &OwnedStream, op, dst, src, size, iters| {
@@ -614,18 +666,35 @@ fn beside_a_spinning_kernel(c: &Ctx, side: &OwnedStream, queued: Queued) -> R {
             )
         }
     };
-    op(side, PortOp::Wait, 0, 0, 0, K as i32)?;
-    if let Queued::KernelBehindWait = queued {
-        op(side, PortOp::Put, 0, 0, 0, 0)?;
+    if let Queued::PusherWaits = queued {
+        op(
+            &c.stream,
+            PortOp::PutWithSignalThenWait,
+            DST,
+            SRC,
+            n as u64,
+            k as i32,
+        )?;
+    } else {
+        op(side, PortOp::Wait, 0, 0, 0, k as i32)?;
+        match queued {
+            Queued::KernelBehindWait => op(side, PortOp::Put, 0, 0, 0, 0)?,
+            Queued::CopyBehindWait => local_copy(c, side.handle())?,
+            Queued::CopyAfterWaitElsewhere => {
+                third.after(side)?;
+                local_copy(c, third.stream.handle())?;
+            }
+            _ => {}
+        }
+        op(
+            &c.stream,
+            PortOp::PutWithSignal,
+            DST,
+            SRC,
+            n as u64,
+            k as i32,
+        )?;
     }
-    op(
-        &c.stream,
-        PortOp::PutWithSignal,
-        DST,
-        SRC,
-        N as u64,
-        K as i32,
-    )?;
     if let Queued::FlushBehindPuts = queued {
         op(&c.stream, PortOp::Flush, 0, 0, 0, 1)?;
     }
@@ -638,8 +707,8 @@ fn beside_a_spinning_kernel(c: &Ctx, side: &OwnedStream, queued: Queued) -> R {
     p.proxy.check()?;
     check_eq(
         &format!("puts beside a spinning kernel ({queued:?} queued)"),
-        &view.read(c.device, DST, N)?,
-        &bytes_of(seed(c.partner()), N),
+        &view.read(c.device, DST, n)?,
+        &bytes_of(seed(c.partner()), n),
     )?;
     c.comm.barrier()
 }
@@ -1144,6 +1213,19 @@ fn multi_rank_suite() {
             "port_cuda_ipc_beside_a_spinning_kernel_kernel_queued",
             |c| port_cuda_ipc_beside_a_spinning_kernel(c, Queued::KernelBehindWait),
         ),
+        ("port_cuda_ipc_beside_a_spinning_kernel_big_puts", |c| {
+            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::BigPuts)
+        }),
+        ("port_cuda_ipc_pusher_waits", |c| {
+            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::PusherWaits)
+        }),
+        ("port_cuda_ipc_beside_a_spinning_kernel_copy_queued", |c| {
+            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::CopyBehindWait)
+        }),
+        (
+            "port_cuda_ipc_beside_a_spinning_kernel_copy_after_it",
+            |c| port_cuda_ipc_beside_a_spinning_kernel(c, Queued::CopyAfterWaitElsewhere),
+        ),
         ("port_ethernet_put_signal_flush", |c| {
             port_put_signal_flush(c, &c.comm, &c.buf, Transport::Ethernet)
         }),
@@ -1165,10 +1247,13 @@ fn multi_rank_suite() {
     // 500 x 1 GiB loop under compute-sanitizer).
     let skip = std::env::var("MOELINK_TEST_SKIP").unwrap_or_default();
     let skip: Vec<&str> = skip.split(',').filter(|s| !s.is_empty()).collect();
+    // MOELINK_TEST_ONLY: comma-separated scenario names to run alone (unset: all).
+    let only = std::env::var("MOELINK_TEST_ONLY").unwrap_or_default();
+    let only: Vec<&str> = only.split(',').filter(|s| !s.is_empty()).collect();
     let mut failed = Vec::new();
     for (name, f) in scenarios {
-        if skip.contains(name) {
-            println!("SKIPPED {name} (MOELINK_TEST_SKIP)");
+        if skip.contains(name) || !(only.is_empty() || only.contains(name)) {
+            println!("SKIPPED {name} (MOELINK_TEST_SKIP / MOELINK_TEST_ONLY)");
             continue;
         }
         let t = Instant::now();

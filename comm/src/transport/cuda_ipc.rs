@@ -72,6 +72,25 @@ impl IssueCount {
     }
 }
 
+/// `MOELINK_IPC_PUT_MODE`: `async` (the default), `query` (a stream query
+/// right after each copy is enqueued) or `sync` (each copy waited for): an
+/// A/B switch for issue 17's stall (docs/design-internode.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PutMode {
+    Async,
+    Query,
+    Sync,
+}
+
+fn put_mode() -> PutMode {
+    static MODE: std::sync::OnceLock<PutMode> = std::sync::OnceLock::new();
+    *MODE.get_or_init(|| match std::env::var("MOELINK_IPC_PUT_MODE").as_deref() {
+        Ok("query") => PutMode::Query,
+        Ok("sync") => PutMode::Sync,
+        _ => PutMode::Async,
+    })
+}
+
 #[derive(Debug)]
 pub struct CudaIpcConnection {
     rank: usize,
@@ -143,6 +162,15 @@ impl Connection for CudaIpcConnection {
             .result()
             .call("cuMemcpyAsync")?;
         self.ops.issued();
+        match put_mode() {
+            PutMode::Async => {}
+            // A/B for the internode stall: ask the stream once (a query may
+            // make the driver submit what it holds).
+            PutMode::Query => {
+                self.busy();
+            }
+            PutMode::Sync => self.flush(Duration::from_secs(30))?,
+        }
         Ok(())
     }
 
