@@ -535,6 +535,11 @@ pub struct EthernetConnection {
     /// IMM records sent so far (held while one is sent, so records go out
     /// in sequence).
     imms: Mutex<u64>,
+    /// Per source device, the non-blocking stream its device-to-host copies
+    /// go on. (A synchronous `cuMemcpyDtoH` runs on the legacy default stream,
+    /// so it waited for every kernel the caller queued there, e.g. an
+    /// internode dispatch spinning until this very copy's data landed.)
+    copy_streams: Mutex<Vec<(i32, Arc<OwnedStream>)>>,
 }
 
 impl std::fmt::Debug for EthernetConnection {
@@ -548,6 +553,21 @@ impl std::fmt::Debug for EthernetConnection {
 }
 
 impl EthernetConnection {
+    /// The non-blocking stream of `dev`'s device-to-host copies (created on
+    /// first use).
+    fn copy_stream(&self, dev: Device) -> Result<Arc<OwnedStream>> {
+        let mut streams = self
+            .copy_streams
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if let Some((_, s)) = streams.iter().find(|(d, _)| *d == dev.ordinal) {
+            return Ok(s.clone());
+        }
+        let s = Arc::new(OwnedStream::new(dev)?);
+        streams.push((dev.ordinal, s.clone()));
+        Ok(s)
+    }
+
     /// Connects to rank `remote_rank`'s receiver at `remote_addr` ("host:port"),
     /// retrying until `timeout` has passed. `device` is the GPU whose memory
     /// this rank writes from (any device memory source also works without it).
@@ -610,6 +630,7 @@ impl EthernetConnection {
             reader: Some(reader),
             mode: SignalMode::Host,
             imms: Mutex::new(0),
+            copy_streams: Mutex::new(Vec::new()),
         };
         conn.send_header(Header::new(OP_HELLO, rank as u64, 0), deadline)?;
         Ok(conn)
@@ -850,12 +871,29 @@ impl Connection for EthernetConnection {
                     Ok(())
                 },
                 Some(dev) => {
+                    let stream = self.copy_stream(dev)?;
                     dev.make_current()?;
                     // SAFETY: as above, in device memory of `dev`, whose
-                    // context is current; `buf` holds n bytes.
-                    unsafe { sys::cuMemcpyDtoH_v2(buf.as_mut_ptr().cast(), from, n) }
-                        .result()
-                        .call("cuMemcpyDtoH")
+                    // context is current; `buf` holds n bytes and outlives the
+                    // bounded synchronisation below.
+                    unsafe {
+                        sys::cuMemcpyDtoHAsync_v2(
+                            buf.as_mut_ptr().cast(),
+                            from,
+                            n,
+                            stream.handle().raw(),
+                        )
+                    }
+                    .result()
+                    .call("cuMemcpyDtoHAsync")?;
+                    stream.synchronize_bounded(
+                        SEND_TIMEOUT,
+                        self.rank as i64,
+                        &format!(
+                            "the copy of a write to rank {} out of GPU memory",
+                            self.remote_rank
+                        ),
+                    )
                 }
             })?;
             done += n as u64;
