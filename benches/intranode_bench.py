@@ -186,6 +186,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_arguments(p, default_sms=BENCH_SMS, json_option=False)
     p.add_argument("--out", type=Path, help="folder for intranode.json and intranode.png")
     p.add_argument("--replot", type=Path, help="only redraw the PNG of this intranode.json")
+    p.add_argument(
+        "--stream",
+        choices=("current", "side"),
+        default="current",
+        help="where the calls run: torch's current stream (default; the legacy default "
+        "stream unless the caller set one) or a new side stream (an A/B for issue 17)",
+    )
+    p.add_argument(
+        "--trace",
+        action="store_true",
+        help="record a CUDA activity trace (torch.profiler) per rank into --out and "
+        "print what its copies and kernels did (gpu_trace.py); use few --iters",
+    )
     return p
 
 
@@ -206,11 +219,24 @@ def main(argv=None) -> int:
             raise SystemExit(f"--nodes {args.nodes} does not divide the {world} ranks")
         os.environ["MOELINK_RANKS_PER_NODE"] = str(per_node)
 
-    def measure() -> dict:
+    def run() -> dict:
         result = demo.run_rank(rank, world, dist.group.WORLD, args)
         if not bench_common.uses_nccl(info):
             result["rows"].append(copy_row(torch, dist, result, args))
         return result
+
+    def on_stream() -> dict:
+        if args.stream == "current":
+            return run()
+        with torch.cuda.stream(torch.cuda.Stream()):
+            return run()
+
+    def measure() -> dict:
+        if not args.trace:
+            return on_stream()
+        import gpu_trace
+
+        return gpu_trace.run_traced(on_stream, args.out / f"trace-rank{rank}.json")
 
     gathered = bench_common.gather_or_exit(rank, world, measure)
     results = demo.aggregate(gathered)

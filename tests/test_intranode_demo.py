@@ -568,3 +568,13 @@ def test_report_across_nodes_has_the_cross_node_columns():
     assert "(own node included) * hidden * 2" in text  # the formula is printed
     one_node = demo.aggregate([_gpu_result(r) for r in range(4)])
     assert "x-node GB/s" not in demo.format_report(one_node)
+
+
+def test_report_of_emulated_nodes_says_why_no_target_is_judged():
+    # One rank per GPU but two emulated nodes: the targets (one node's NVLink
+    # figures) are shown, not judged, and the reason is the nodes, not sharing.
+    split = {"num_gpus": 4, "ranks_per_gpu": 1, "mps": False, "nodes": 2}
+    text = demo.format_report(demo.aggregate([_gpu_result(r, **split) for r in range(4)]))
+    assert "not judged (emulated nodes: the targets are one node's NVLink figures)" in text
+    assert "ranks share a GPU" not in text
+    assert " met" not in text and "MISSED" not in text

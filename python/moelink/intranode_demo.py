@@ -1102,13 +1102,13 @@ def _target_cell(row: dict, judged: bool) -> tuple:
     return text, verdict if judged else "n/a"
 
 
-def _met(ok: bool, judged: bool) -> str:
-    if not judged:
-        return "not judged (ranks share a GPU)"
+def _met(ok: bool, why_not: str | None) -> str:
+    if why_not is not None:
+        return f"not judged ({why_not})"
     return "met" if ok else "MISSED"
 
 
-def _summary_lines(rows: list, on_gpu: bool, judged: bool = True) -> list:
+def _summary_lines(rows: list, on_gpu: bool, why_not: str | None = None) -> list:
     lines = []
     for op, target in TARGETS.items():
         ops = [r for r in rows if r["op"] == op]
@@ -1128,14 +1128,14 @@ def _summary_lines(rows: list, on_gpu: bool, judged: bool = True) -> list:
         eligible = [r for r in ops if r["num_sms"] <= TARGET_MAX_SMS]
         if eligible:
             best = max(eligible, key=lambda r: r["GBps"])
-            met = _met(best["GBps"] >= target.best_gbps, judged)
+            met = _met(best["GBps"] >= target.best_gbps, why_not)
             parts.append(
                 f"best <= {TARGET_MAX_SMS} SMs {best['GBps']:.1f} GB/s ({best['num_sms']} SMs), "
                 f"target {target.best_gbps:g} {met}"
             )
         at = [r for r in ops if r["num_sms"] == COMPARE_SMS]
         if at:
-            met = _met(at[0]["GBps"] >= target.at_compare_sms_gbps, judged)
+            met = _met(at[0]["GBps"] >= target.at_compare_sms_gbps, why_not)
             parts.append(
                 f"{COMPARE_SMS} SMs {at[0]['GBps']:.1f} GB/s, target "
                 f"{target.at_compare_sms_gbps:g} {met}, DeepEP V1 {target.deepep_gbps:g}"
@@ -1145,7 +1145,7 @@ def _summary_lines(rows: list, on_gpu: bool, judged: bool = True) -> list:
         layout = [r for r in rows if r["op"] == op]
         if layout and on_gpu:
             us = layout[0]["median_us"]
-            met = _met(us <= LAYOUT_TARGET_US, judged)
+            met = _met(us <= LAYOUT_TARGET_US, why_not)
             lines.append(
                 f"  {OP_LABELS[op]}: {us:.1f} us, target <= {LAYOUT_TARGET_US:g} us {met}, "
                 f"DeepEP V1 {LAYOUT_DEEPEP_US:g} us"
@@ -1167,7 +1167,13 @@ def format_report(results: dict) -> str:
     on_gpu = results["mode"] == "gpu"
     # Targets are NVLink figures of one node: judged only where every rank has its
     # own GPU and the group is one node.
-    judged = on_gpu and results.get("ranks_per_gpu", 1) <= 1 and results.get("nodes", 1) <= 1
+    if results.get("ranks_per_gpu", 1) > 1:
+        why_not = "ranks share a GPU"
+    elif results.get("nodes", 1) > 1:
+        why_not = "emulated nodes: the targets are one node's NVLink figures"
+    else:
+        why_not = None
+    judged = on_gpu and why_not is None
     ranks = results["num_ranks"]
     recv = results["recv_tokens"]
     nodes = results.get("nodes", 1)
@@ -1257,7 +1263,7 @@ def format_report(results: dict) -> str:
                 else ""
             )
         )
-    summary = _summary_lines(results["rows"], on_gpu, judged)
+    summary = _summary_lines(results["rows"], on_gpu, why_not if on_gpu else None)
     if summary:
         lines.append("")
         lines.append("summary:")
