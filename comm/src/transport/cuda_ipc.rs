@@ -91,6 +91,15 @@ fn put_mode() -> PutMode {
     })
 }
 
+/// `MOELINK_IPC_COPY=kernel`: puts are `comm_copy` kernels on the proxy's
+/// stream (SMs) instead of `cuMemcpyAsync` (copy engines): an A/B switch for
+/// issue 17's stall, where a copy-engine transfer the proxy issued did not
+/// start while the caller's work was queued behind a running dispatch.
+fn copy_with_kernel() -> bool {
+    static KERNEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *KERNEL.get_or_init(|| std::env::var("MOELINK_IPC_COPY").is_ok_and(|v| v == "kernel"))
+}
+
 #[derive(Debug)]
 pub struct CudaIpcConnection {
     rank: usize,
@@ -112,6 +121,12 @@ impl CudaIpcConnection {
     /// `CUDA_DEVICE_MAX_CONNECTIONS=1`) nor lazy kernel loading
     /// (benches/results/2026-11-25_ll-8-proxy-streams).
     pub fn new(rank: usize, remote_rank: usize, stream: Arc<OwnedStream>) -> Self {
+        if copy_with_kernel() {
+            // Best effort: a failure here shows again at the first put.
+            if let Err(e) = crate::kernels::preload(stream.device()) {
+                tracing::warn!("MOELINK_IPC_COPY=kernel: {e}");
+            }
+        }
         Self {
             rank,
             remote_rank,
@@ -157,10 +172,18 @@ impl Connection for CudaIpcConnection {
         let d = self.mapped(dst, "write destination")? + dst_offset;
         let s = self.mapped(src, "write source")? + src_offset;
         self.stream.device().make_current()?;
-        // SAFETY: both ranges were checked against their registrations and are mapped here.
-        unsafe { sys::cuMemcpyAsync(d, s, size as usize, self.stream.handle().raw()) }
-            .result()
-            .call("cuMemcpyAsync")?;
+        if copy_with_kernel() {
+            // SAFETY: as below; the source is this device's memory (the
+            // proxy's puts read its own rank's registration).
+            unsafe {
+                crate::kernels::copy(self.stream.device(), self.stream.handle(), d, s, size)
+            }?;
+        } else {
+            // SAFETY: both ranges were checked against their registrations and are mapped here.
+            unsafe { sys::cuMemcpyAsync(d, s, size as usize, self.stream.handle().raw()) }
+                .result()
+                .call("cuMemcpyAsync")?;
+        }
         self.ops.issued();
         match put_mode() {
             PutMode::Async => {}
