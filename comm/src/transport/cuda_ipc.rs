@@ -27,7 +27,7 @@ use cudarc::driver::sys;
 use super::{AtomicWidth, Connection, Put, Transport};
 use crate::cuda::OwnedStream;
 use crate::error::{CommError, CudaResultExt, Result};
-use crate::registered_memory::RegisteredMemory;
+use crate::registered_memory::{Location, RegisteredMemory};
 
 /// How many stream operations a connection enqueued, and how many of them
 /// are known complete. Operations are counted after they were enqueued; a
@@ -172,7 +172,11 @@ impl Connection for CudaIpcConnection {
         let d = self.mapped(dst, "write destination")? + dst_offset;
         let s = self.mapped(src, "write source")? + src_offset;
         self.stream.device().make_current()?;
-        if copy_with_kernel() {
+        // The SM copy only between GPU memories (a host registration's pointer
+        // may not be addressable from a kernel); anything else stays a copy.
+        let on_gpus = matches!(dst.info().location, Location::Device(_))
+            && src.info().location == Location::Device(self.stream.device().ordinal);
+        if copy_with_kernel() && on_gpus {
             // SAFETY: as below; the source is this device's memory (the
             // proxy's puts read its own rank's registration).
             unsafe {
