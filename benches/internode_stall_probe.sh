@@ -28,18 +28,9 @@ fi
 TR="python3 -m torch.distributed.run --standalone"
 BIN=.gpu/bin
 failed=0
-step() { # name timeout cmd...
-  local name=$1 t=$2; shift 2
-  echo "=== $name: $*"
-  local t0=$SECONDS
-  timeout -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  [ $rc -eq 0 ] || failed=$((failed + 1))
-  grep -E "^(PASS|FAIL)|TimeoutError|GB/s|^trace" "$OUT/$name.log" | cut -c1-300 | head -n 20
-  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
-  tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
-  return $rc
-}
+. benches/step.sh
+step_summary() { grep -E "^(PASS|FAIL)|TimeoutError|GB/s|^trace" "$1" | cut -c1-300 | head -n 20; }
+step_done() { tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
 nvidia-smi -L > "$OUT/machine.txt" 2>&1
 REPROS=port_cuda_ipc_beside_a_spinning_kernel_copy_queued,port_cuda_ipc_beside_a_spinning_kernel_copy_after_it
 SUITE=(--no-python "$BIN/gpu_multi_rank" --include-ignored --test-threads=1 --nocapture)

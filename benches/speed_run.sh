@@ -35,16 +35,9 @@ export PYTHONUNBUFFERED=1
 NGPU=$(nvidia-smi -L | wc -l)
 RUN="python3 -m torch.distributed.run --standalone --nproc-per-node=$NGPU"
 failed=0
-step() { # name timeout cmd...
-  local name=$1 t=$2; shift 2
-  echo "=== $name: $*"
-  local t0=$SECONDS
-  timeout -k 10 "$t" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  [ $rc -eq 0 ] || failed=$((failed + 1))
-  tail -n 25 "$OUT/$name.log"
-  echo "=== $name: rc=$rc ($((SECONDS - t0)) s)"
-}
+. benches/step.sh
+step_summary() { tail -n 25 "$1"; }
+step_done() { :; }
 {
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   nvidia-smi topo -m
