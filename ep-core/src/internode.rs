@@ -143,12 +143,13 @@ impl Split {
     }
 }
 
-/// The send side of a dispatch whose receive half comes next.
+/// The send side of a dispatch, launched with its receive half by
+/// [`InternodeBuffer::dispatch_recv`].
 #[derive(Clone, Copy, Debug)]
 struct PendingRecv {
     slots: usize,
-    /// `send_done` was recorded behind this send side (serial mode, no capture).
-    serial: bool,
+    xc: XCtx,
+    send: XDispatchArgs,
 }
 
 /// The internode part of an [`EpBuffer`](crate::EpBuffer).
@@ -640,6 +641,16 @@ impl InternodeBuffer {
         self.launch_send(stream, xc, xrec, &shape, &inp, xi, 1, num_sms)
     }
 
+    /// Checks the send side of a dispatch and keeps it for
+    /// [`dispatch_recv`](Self::dispatch_recv), which launches it.
+    ///
+    /// The senders are not launched here, ahead of the caller's allocation of
+    /// the outputs: a `cudaMalloc` while a kernel of the process runs holds
+    /// back every CUDA operation issued after it until that kernel ends
+    /// (measured, issue 17: the receivers and the proxy's CUDA IPC copies did
+    /// not start, so senders waiting for them spun out their time bound). The
+    /// outputs are allocated between the two calls; once they are, nothing of
+    /// this dispatch is issued behind an allocation.
     #[allow(clippy::too_many_arguments)]
     fn launch_send(
         &mut self,
@@ -670,7 +681,7 @@ impl InternodeBuffer {
             experts_per_rank: experts_per_rank as i32,
             num_sms,
         };
-        let args = XDispatchArgs {
+        let send = XDispatchArgs {
             send,
             xrec,
             node_head: xi.node_head,
@@ -680,20 +691,10 @@ impl InternodeBuffer {
             error: self.part.error_ptr(),
             grid: SendGrid::new(grid.send_blocks, self.num_nodes as u32),
         };
-        self.pending = None;
-        // SAFETY: the caller checked every tensor; the peers' regions are
-        // free after notify (or the barrier).
-        unsafe { x::internode_dispatch(self.part.kernels(), stream, xc, args) }?;
-        let serial = match &self.send_done {
-            Some(ev) if !stream.is_capturing()? => {
-                ev.record(stream)?;
-                true
-            }
-            _ => false,
-        };
         self.pending = Some(PendingRecv {
             slots: xc.xslots as usize,
-            serial,
+            xc,
+            send,
         });
         Ok(())
     }
@@ -772,7 +773,18 @@ impl InternodeBuffer {
                 "the receive half of a dispatch does not match its send half",
             ));
         }
-        if pending.serial {
+        // SAFETY: the caller checked every tensor (they live until the
+        // receive half is ordered back onto `stream`); the peers' regions are
+        // free after notify (or the barrier).
+        unsafe { x::internode_dispatch(self.part.kernels(), stream, pending.xc, pending.send) }?;
+        let serial = match &self.send_done {
+            Some(ev) if !stream.is_capturing()? => {
+                ev.record(stream)?;
+                true
+            }
+            _ => false,
+        };
+        if serial {
             self.serial_wait()?;
         }
         let recv = RecvArgs {

@@ -575,6 +575,9 @@ class Buffer(LowLatencyMixin):
         if handle is not None:
             rpm, send_head = handle[0], handle[5]
             compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
+            # Allocated before any kernel of the dispatch runs (see below).
+            with self._alloc_ctx(allocate_on_comm_stream):
+                recv_x, recv_scales = empty(specs[2], dev), empty(specs[3], dev)
             self._enter_comm(compute, previous_event)
             stream = self._comm_raw
             native.dispatch_send(
@@ -598,8 +601,6 @@ class Buffer(LowLatencyMixin):
                 num_sms,
                 **self._x_handle(handle, send_head),
             )
-            with self._alloc_ctx(allocate_on_comm_stream):
-                recv_x, recv_scales = empty(specs[2], dev), empty(specs[3], dev)
             native.dispatch_recv(
                 stream,
                 n,
@@ -628,9 +629,15 @@ class Buffer(LowLatencyMixin):
             return out_x, None, None, None, None, event
 
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
+        # Every output is allocated while no kernel of the dispatch runs: a
+        # cudaMalloc beside a running kernel holds back the CUDA work issued
+        # after it (the proxy's copies too) until that kernel ends, which a
+        # kernel waiting for that work never does (issue 17). With
+        # num_worst_tokens the rows are known now; else after notify.
         with self._alloc_ctx(allocate_on_comm_stream):
             rpm, send_head = empty(specs[0], dev), empty(specs[1], dev)
             xt = self._x_tensors(n, hidden_bytes, num_scales, num_topk)
+            outs = [empty(spec, dev) for spec in specs[2:]] if num_worst_tokens > 0 else None
         self._enter_comm(compute, previous_event)
         stream = self._comm_raw
         epoch = native.dispatch_send(
@@ -654,17 +661,16 @@ class Buffer(LowLatencyMixin):
             num_sms,
             **({} if xt is None else {"xnode": (*(_ptr(t) for t in xt), xt[2].shape[1])}),
         )
-        recv = specs[2:]
-        if num_worst_tokens > 0:
-            per_expert = []  # rows: num_worst_tokens, already in the specs
-        else:
+        if outs is None:
+            # notify has ended (its counts are in), so no kernel of this
+            # dispatch runs while the outputs are allocated (see above).
             rows, per_expert = native.wait_counts(epoch, num_experts)
             per_expert = list(per_expert)
-            recv = [at_rows(spec, rows) for spec in recv]
-        with self._alloc_ctx(allocate_on_comm_stream):
-            recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, cpm, rcpm = [
-                empty(spec, dev) for spec in recv
-            ]
+            with self._alloc_ctx(allocate_on_comm_stream):
+                outs = [empty(at_rows(spec, rows), dev) for spec in specs[2:]]
+        else:
+            per_expert = []  # rows: num_worst_tokens, already in the specs
+        recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, cpm, rcpm = outs
         native.dispatch_recv(
             stream,
             n,
