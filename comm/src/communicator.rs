@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use crate::bootstrap::Bootstrap;
 use crate::channel::{HostInbound, MemoryChannel, PortChannel};
-use crate::cuda::{Device, OwnedStream};
+use crate::cuda::Device;
 use crate::device_error::DeviceErrorRecord;
 use crate::device_share::{ranks_on_same_device, DeviceShare};
 use crate::error::{CommError, Result};
@@ -30,7 +30,7 @@ use crate::proxy_pool::ProxyPool;
 use crate::registered_memory::{host_id, IbKey, IpcExport, Location, MemoryInfo, RegisteredMemory};
 use crate::semaphore::{Semaphore, SignalPage, SlotCursor, SLOT_BYTES};
 use crate::topology::{ranks_per_node_from_env, Topology};
-use crate::transport::cuda_ipc::CudaIpcConnection;
+use crate::transport::cuda_ipc::{CudaIpcConnection, IpcStreams};
 use crate::transport::ethernet::{EthernetConnection, EthernetReceiver};
 use crate::transport::ib::config::IbConfig;
 use crate::transport::ib::context::{IbContext, IbRegistration};
@@ -175,7 +175,7 @@ pub struct Communicator {
     timeout: Duration,
     ipc_connections: Mutex<Vec<Option<Arc<dyn Connection>>>>,
     /// The one stream of every CUDA IPC connection (made at the first).
-    ipc_stream: Mutex<Option<Arc<OwnedStream>>>,
+    ipc_stream: Mutex<Option<Arc<IpcStreams>>>,
     /// Our inbound blocks of CUDA IPC port channels (one per `port_channels`
     /// call), kept as long as the Communicator, like the signal pages.
     inbound_blocks: Mutex<Vec<RegisteredMemory>>,
@@ -767,7 +767,7 @@ impl Communicator {
                         let mut shared = self.ipc_stream.lock().unwrap_or_else(|p| p.into_inner());
                         match &*shared {
                             Some(s) => s.clone(),
-                            None => shared.insert(Arc::new(OwnedStream::new(device)?)).clone(),
+                            None => shared.insert(Arc::new(IpcStreams::new(device)?)).clone(),
                         }
                     };
                     Ok(Arc::new(CudaIpcConnection::new(self.rank(), peer, stream)))

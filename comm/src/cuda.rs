@@ -46,6 +46,9 @@ pub fn device_count() -> usize {
 pub struct Device {
     pub ordinal: i32,
     pub(crate) ctx: sys::CUcontext,
+    /// The context is the proxy's own ([`Device::proxy_context`]), not the
+    /// primary one (modules are loaded per context: see `module.rs`).
+    pub(crate) own: bool,
 }
 
 // SAFETY: a CUcontext handle may be made current on any thread.
@@ -79,6 +82,7 @@ impl Device {
             return Ok(Device {
                 ordinal,
                 ctx: *ctx as sys::CUcontext,
+                own: false,
             });
         }
         let cu_dev = result::device::get(ordinal).call("cuDeviceGet")?;
@@ -90,6 +94,47 @@ impl Device {
         Ok(Device {
             ordinal,
             ctx: ctx as sys::CUcontext,
+            own: false,
+        })
+    }
+
+    /// This device with a context of its own for the CUDA IPC proxy's work
+    /// (`MOELINK_IPC_CONTEXT=own`; one per device and process, kept for its
+    /// life), made without changing this thread's current context.
+    ///
+    /// Why: a CUDA call of the process that waits on the GPU while holding the
+    /// primary context's lock (a pageable host-to-device copy on a stream
+    /// ordered after a running kernel syncs that stream first) blocks every
+    /// other thread's call in that context, the proxy's copies included; a
+    /// kernel waiting for those copies then spins out its time bound (issue
+    /// 17). Another context has its own lock. Only memory mapped through the
+    /// VMM API (process-wide mappings) is addressable from both contexts.
+    pub fn proxy_context(&self) -> Result<Device> {
+        static CTXS: [OnceLock<usize>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
+        let slot = &CTXS[self.ordinal as usize];
+        let ctx = match slot.get() {
+            Some(c) => *c,
+            None => {
+                let cu_dev = result::device::get(self.ordinal).call("cuDeviceGet")?;
+                let mut ctx: sys::CUcontext = std::ptr::null_mut();
+                // SAFETY: cu_dev is valid; no creation parameters. The new
+                // context is pushed on this thread's stack and popped below.
+                unsafe { sys::cuCtxCreate_v4(&mut ctx, std::ptr::null_mut(), 0, cu_dev) }
+                    .result()
+                    .call("cuCtxCreate")?;
+                let mut popped: sys::CUcontext = std::ptr::null_mut();
+                // SAFETY: pops the context just pushed (the previous current
+                // context, if any, becomes current again).
+                unsafe { sys::cuCtxPopCurrent_v2(&mut popped) }
+                    .result()
+                    .call("cuCtxPopCurrent")?;
+                *slot.get_or_init(|| ctx as usize)
+            }
+        };
+        Ok(Device {
+            ordinal: self.ordinal,
+            ctx: ctx as sys::CUcontext,
+            own: true,
         })
     }
 

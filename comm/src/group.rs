@@ -715,6 +715,7 @@ mod tests {
             let other = Device {
                 ordinal: 3,
                 ctx: std::ptr::null_mut(),
+                own: false,
             };
             // Refused before the device is touched (it is not a real one).
             let e_dev = g.communicator(Some(other), &opts).unwrap_err();

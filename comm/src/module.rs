@@ -211,7 +211,8 @@ pub struct ModuleCache {
     label: &'static str,
     fatbin: &'static [u8],
     names: &'static [&'static str],
-    loaded: [OnceLock<LoadedModule>; MAX_DEVICES],
+    /// Per device: the primary context's, then the proxy contexts'.
+    loaded: [OnceLock<LoadedModule>; 2 * MAX_DEVICES],
     loading: Mutex<()>,
 }
 
@@ -225,7 +226,7 @@ impl ModuleCache {
             label,
             fatbin,
             names,
-            loaded: [const { OnceLock::new() }; MAX_DEVICES],
+            loaded: [const { OnceLock::new() }; 2 * MAX_DEVICES],
             loading: Mutex::new(()),
         }
     }
@@ -253,7 +254,8 @@ impl ModuleCache {
     pub fn get(&'static self, device: Device) -> Result<&'static LoadedModule> {
         let slot = self
             .loaded
-            .get(device.ordinal as usize)
+            .get(device.ordinal as usize + if device.own { MAX_DEVICES } else { 0 })
+            .filter(|_| (device.ordinal as usize) < MAX_DEVICES)
             .ok_or_else(|| CommError::invalid("device", "device ordinal above 63"))?;
         if let Some(m) = slot.get() {
             return Ok(m);

@@ -568,6 +568,15 @@ enum Queued {
     /// event), then a 4 KiB copy on it: what a Buffer's caller does when its
     /// compute stream waits for the comm stream and then reads a result.
     CopyAfterWaitElsewhere,
+    /// A 256 MiB `cuMemAlloc` between the side stream's waiting kernel and the
+    /// puts (what a Buffer's caller did when it allocated a dispatch's outputs
+    /// between the internode senders and receivers; issue 17's stall).
+    AllocBeforePuts,
+    /// Right after the puts, a 64 MiB upload from pageable host memory on the
+    /// legacy stream, ordered after the side stream's waiting kernel (what
+    /// the bench did: `tensor.to("cuda")` on the compute stream, which waits
+    /// for the dispatch; issue 17's stall after the senders' deferral).
+    PageableUploadAfterIt,
 }
 
 /// A stream of its own, ordered after another by an event.
@@ -604,6 +613,50 @@ fn local_copy(c: &Ctx, stream: comm::StreamHandle) -> R {
         return Err(CommError::invalid("cuMemcpyAsync", format!("{r:?}")));
     }
     Ok(())
+}
+
+/// 64 MiB of pageable host memory and room for it on the GPU, made before
+/// the kernels (allocating takes the host milliseconds: the upload must
+/// follow the puts at once, while the proxy still copies).
+struct PageableUpload {
+    host: Vec<u8>,
+    dst: DeviceMemory,
+    order: comm::cuda::StreamOrder,
+}
+
+impl PageableUpload {
+    const BYTES: usize = 64 << 20;
+
+    fn new(device: Device) -> R<Self> {
+        Ok(Self {
+            host: vec![0x3C; Self::BYTES],
+            dst: DeviceMemory::alloc(device, Self::BYTES)?,
+            order: comm::cuda::StreamOrder::new(device)?,
+        })
+    }
+
+    /// Uploads it on the legacy stream once everything issued to `side` so
+    /// far is done. The call itself may block the host until then (a
+    /// pageable source is staged).
+    fn after(&self, device: Device, side: &OwnedStream) -> R {
+        let legacy = comm::StreamHandle(0);
+        self.order.after(legacy, side.handle())?;
+        device.make_current()?;
+        // SAFETY: `dst` holds BYTES, and so does `host`, which outlives the
+        // call (a pageable source is read before it returns).
+        let r = unsafe {
+            cudarc::driver::sys::cuMemcpyHtoDAsync_v2(
+                self.dst.ptr(),
+                self.host.as_ptr().cast(),
+                Self::BYTES,
+                legacy.raw(),
+            )
+        };
+        if r != cudarc::driver::sys::CUresult::CUDA_SUCCESS {
+            return Err(CommError::invalid("cuMemcpyHtoDAsync", format!("{r:?}")));
+        }
+        Ok(())
+    }
 }
 
 /// Issue 17's stall, reduced (docs/design-internode.md, "Status"): the proxy's
@@ -643,6 +696,11 @@ fn beside_a_spinning_kernel(c: &Ctx, side: &OwnedStream, queued: Queued) -> R {
     };
     let n = k * piece;
     let third = ThirdStream::new(c.device)?;
+    let mut allocated = None;
+    let upload = match queued {
+        Queued::PageableUploadAfterIt => Some(PageableUpload::new(c.device)?),
+        _ => None,
+    };
     // A stall shows in seconds: 8 MiB of CUDA IPC copies take milliseconds.
     const SPIN_TIMEOUT_NS: i64 = 5_000_000_000;
     let seed = |r: usize| (r as u64) << 32 | 0x5717 | 1 << 61;
@@ -684,6 +742,7 @@ fn beside_a_spinning_kernel(c: &Ctx, side: &OwnedStream, queued: Queued) -> R {
                 third.after(side)?;
                 local_copy(c, third.stream.handle())?;
             }
+            Queued::AllocBeforePuts => allocated = Some(DeviceMemory::alloc(c.device, 256 << 20)?),
             _ => {}
         }
         op(
@@ -698,12 +757,17 @@ fn beside_a_spinning_kernel(c: &Ctx, side: &OwnedStream, queued: Queued) -> R {
     if let Queued::FlushBehindPuts = queued {
         op(&c.stream, PortOp::Flush, 0, 0, 0, 1)?;
     }
+    if let Some(u) = &upload {
+        u.after(c.device, side)?;
+    }
     side.synchronize_bounded(
         Duration::from_secs(15),
         c.rank as i64,
         &format!("the side stream's wait for the partner's signals ({queued:?} queued)"),
     )?;
     c.sync(&format!("the puts ({queued:?} queued)"))?;
+    drop(allocated);
+    drop(upload);
     p.proxy.check()?;
     check_eq(
         &format!("puts beside a spinning kernel ({queued:?} queued)"),
@@ -1225,6 +1289,13 @@ fn multi_rank_suite() {
         (
             "port_cuda_ipc_beside_a_spinning_kernel_copy_after_it",
             |c| port_cuda_ipc_beside_a_spinning_kernel(c, Queued::CopyAfterWaitElsewhere),
+        ),
+        ("port_cuda_ipc_beside_a_spinning_kernel_alloc", |c| {
+            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::AllocBeforePuts)
+        }),
+        (
+            "port_cuda_ipc_beside_a_spinning_kernel_pageable_upload",
+            |c| port_cuda_ipc_beside_a_spinning_kernel(c, Queued::PageableUploadAfterIt),
         ),
         ("port_ethernet_put_signal_flush", |c| {
             port_put_signal_flush(c, &c.comm, &c.buf, Transport::Ethernet)

@@ -18,16 +18,16 @@
 //! is in the peer's memory before the stream reports it complete, so a store
 //! made after that report orders after the data, as the stream operation did.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::sys;
 
 use super::{AtomicWidth, Connection, Put, Transport};
-use crate::cuda::OwnedStream;
+use crate::cuda::{Device, OwnedStream};
 use crate::error::{CommError, CudaResultExt, Result};
-use crate::registered_memory::{Location, RegisteredMemory};
+use crate::registered_memory::{IpcExport, Location, RegisteredMemory};
 
 /// How many stream operations a connection enqueued, and how many of them
 /// are known complete. Operations are counted after they were enqueued; a
@@ -100,17 +100,76 @@ fn copy_with_kernel() -> bool {
     *KERNEL.get_or_init(|| std::env::var("MOELINK_IPC_COPY").is_ok_and(|v| v == "kernel"))
 }
 
+/// The streams a Communicator's CUDA IPC connections issue on (shared by all
+/// of them: see [`CudaIpcConnection::new`]).
+///
+/// By default the operations go on a stream of the proxy's own context
+/// ([`Device::proxy_context`]): a CUDA call that waits on the GPU while it
+/// holds the primary context's lock (a pageable host-to-device copy on a
+/// stream ordered after a running kernel syncs that stream first) blocks
+/// every other call made in that context, and kernels spinning for the
+/// proxy's copies then never see them (issue 17: measured with
+/// `port_cuda_ipc_beside_a_spinning_kernel_pageable_upload`, which stalls in
+/// the primary context and passes in the proxy's). The proxy's context
+/// addresses only what is mapped process-wide: cuMem (VMM) allocations and
+/// portable host memory; a connection that meets other memory (a legacy IPC
+/// registration) moves to the primary context's stream for good.
+/// `MOELINK_IPC_CONTEXT=primary` keeps everything in the primary context.
+#[derive(Debug)]
+pub struct IpcStreams {
+    own: Option<OwnedStream>,
+    primary: OwnedStream,
+}
+
+impl IpcStreams {
+    pub fn new(device: Device) -> Result<Self> {
+        let own = if std::env::var("MOELINK_IPC_CONTEXT").is_ok_and(|v| v == "primary") {
+            None
+        } else {
+            match device.proxy_context().and_then(OwnedStream::new) {
+                Ok(s) => Some(s),
+                Err(e) => {
+                    tracing::warn!(
+                        "{e}; the CUDA IPC proxy issues in the primary context (a CUDA call \
+                         of this process that waits on the GPU can then hold its copies back)"
+                    );
+                    None
+                }
+            }
+        };
+        Ok(Self {
+            own,
+            primary: OwnedStream::new(device)?,
+        })
+    }
+
+    /// Whether work issued to either stream has not completed yet.
+    fn is_busy(&self) -> Result<bool> {
+        Ok(self.primary.is_busy()? || self.own.as_ref().map_or(Ok(false), |s| s.is_busy())?)
+    }
+}
+
+/// Whether the proxy's own context can address `m`: cuMem (VMM) memory and
+/// host memory (allocated or registered PORTABLE) are mapped process-wide;
+/// a `cuMemAlloc` allocation (legacy IPC) belongs to the primary context.
+fn process_wide(m: &RegisteredMemory) -> bool {
+    m.info().location == Location::Host || matches!(m.info().ipc, Some(IpcExport::Vmm { .. }))
+}
+
 #[derive(Debug)]
 pub struct CudaIpcConnection {
     rank: usize,
     remote_rank: usize,
-    stream: Arc<OwnedStream>,
+    streams: Arc<IpcStreams>,
+    /// Set once the connection met memory its own context cannot address
+    /// (see [`IpcStreams`]): it issues on the primary stream from then on.
+    primary_only: AtomicBool,
     /// This connection's stream operations (for the CPU-store signal).
     ops: IssueCount,
 }
 
 impl CudaIpcConnection {
-    /// A connection whose operations go on `stream`, which the caller shares
+    /// A connection whose operations go on `streams`, which the caller shares
     /// between all its CUDA IPC connections (as MSCCL++ shares one IPC stream
     /// per context). Measured on one H200 with 8 ranks under MPS: with one
     /// stream per peer (7 per rank), the forced-proxy low-latency round trips
@@ -120,23 +179,54 @@ impl CudaIpcConnection {
     /// it is not the compute work-queue limit (2 ranks pass with
     /// `CUDA_DEVICE_MAX_CONNECTIONS=1`) nor lazy kernel loading
     /// (benches/results/2026-11-25_ll-8-proxy-streams).
-    pub fn new(rank: usize, remote_rank: usize, stream: Arc<OwnedStream>) -> Self {
+    pub fn new(rank: usize, remote_rank: usize, streams: Arc<IpcStreams>) -> Self {
         if copy_with_kernel() {
-            // Best effort: a failure here shows again at the first put.
-            if let Err(e) = crate::kernels::preload(stream.device()) {
-                tracing::warn!("MOELINK_IPC_COPY=kernel: {e}");
+            for s in streams.own.iter().chain([&streams.primary]) {
+                // Best effort: a failure here shows again at the first put.
+                if let Err(e) = crate::kernels::preload(s.device()) {
+                    tracing::warn!("MOELINK_IPC_COPY=kernel: {e}");
+                }
             }
         }
         Self {
             rank,
             remote_rank,
-            stream,
+            streams,
+            primary_only: AtomicBool::new(false),
             ops: IssueCount::default(),
         }
     }
 
-    pub fn stream(&self) -> &OwnedStream {
-        &self.stream
+    /// The stream for an operation on `mems`: the own context's while every
+    /// memory is addressable there, else (for good, after the own stream
+    /// drained, so the order of the connection's operations holds) the
+    /// primary one.
+    fn stream_for(&self, mems: &[&RegisteredMemory]) -> Result<&OwnedStream> {
+        let Some(own) = &self.streams.own else {
+            return Ok(&self.streams.primary);
+        };
+        if self.primary_only.load(Ordering::Acquire) {
+            return Ok(&self.streams.primary);
+        }
+        if mems.iter().all(|m| process_wide(m)) {
+            return Ok(own);
+        }
+        own.synchronize_bounded(
+            Duration::from_secs(30),
+            self.rank as i64,
+            &format!(
+                "CUDA IPC operations to rank {} before it moves to the primary context",
+                self.remote_rank
+            ),
+        )?;
+        self.primary_only.store(true, Ordering::Release);
+        tracing::debug!(
+            rank = self.rank,
+            peer = self.remote_rank,
+            "CUDA IPC connection met memory of the primary context only (legacy IPC): \
+             it issues in the primary context from now on"
+        );
+        Ok(&self.streams.primary)
     }
 
     fn mapped(&self, m: &RegisteredMemory, what: &'static str) -> Result<u64> {
@@ -171,20 +261,19 @@ impl Connection for CudaIpcConnection {
         }
         let d = self.mapped(dst, "write destination")? + dst_offset;
         let s = self.mapped(src, "write source")? + src_offset;
-        self.stream.device().make_current()?;
+        let stream = self.stream_for(&[dst, src])?;
+        stream.device().make_current()?;
         // The SM copy only between GPU memories (a host registration's pointer
         // may not be addressable from a kernel); anything else stays a copy.
         let on_gpus = matches!(dst.info().location, Location::Device(_))
-            && src.info().location == Location::Device(self.stream.device().ordinal);
+            && src.info().location == Location::Device(stream.device().ordinal);
         if copy_with_kernel() && on_gpus {
             // SAFETY: as below; the source is this device's memory (the
             // proxy's puts read its own rank's registration).
-            unsafe {
-                crate::kernels::copy(self.stream.device(), self.stream.handle(), d, s, size)
-            }?;
+            unsafe { crate::kernels::copy(stream.device(), stream.handle(), d, s, size) }?;
         } else {
             // SAFETY: both ranges were checked against their registrations and are mapped here.
-            unsafe { sys::cuMemcpyAsync(d, s, size as usize, self.stream.handle().raw()) }
+            unsafe { sys::cuMemcpyAsync(d, s, size as usize, stream.handle().raw()) }
                 .result()
                 .call("cuMemcpyAsync")?;
         }
@@ -203,7 +292,7 @@ impl Connection for CudaIpcConnection {
 
     fn set(&self, dst: &RegisteredMemory, dst_offset: u64, value: u64) -> Result<()> {
         if let Some(cpu) = dst.host_ptr() {
-            if self.ops.drained(|| self.stream.is_busy())? {
+            if self.ops.drained(|| self.streams.is_busy())? {
                 // SAFETY: the word was checked (in range, 8-byte aligned) against
                 // the peer's shared host memory, which is mapped here (host_ptr)
                 // for as long as `dst` lives.
@@ -213,11 +302,12 @@ impl Connection for CudaIpcConnection {
             }
         }
         let d = self.mapped(dst, "signal destination")? + dst_offset;
-        self.stream.device().make_current()?;
+        let stream = self.stream_for(&[dst])?;
+        stream.device().make_current()?;
         // SAFETY: an aligned u64 inside the peer's mapped registration.
         unsafe {
             sys::cuStreamWriteValue64_v2(
-                self.stream.handle().raw(),
+                stream.handle().raw(),
                 d,
                 value,
                 sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
@@ -237,11 +327,12 @@ impl Connection for CudaIpcConnection {
         width: AtomicWidth,
     ) -> Result<()> {
         let d = self.mapped(dst, "atomic_add destination")? + dst_offset;
+        let stream = self.stream_for(&[dst])?;
         // SAFETY: d is an aligned integer of `width` inside the mapped registration.
         unsafe {
             crate::kernels::atomic_add(
-                self.stream.device(),
-                self.stream.handle(),
+                stream.device(),
+                stream.handle(),
                 d,
                 value,
                 width == AtomicWidth::U64,
@@ -253,7 +344,7 @@ impl Connection for CudaIpcConnection {
 
     fn busy(&self) -> Option<bool> {
         let n = self.ops.snapshot();
-        let busy = self.stream.is_busy().ok()?;
+        let busy = self.streams.is_busy().ok()?;
         if !busy {
             self.ops.saw_idle(n);
         }
@@ -262,14 +353,18 @@ impl Connection for CudaIpcConnection {
 
     fn flush(&self, timeout: Duration) -> Result<()> {
         let n = self.ops.snapshot();
-        self.stream.synchronize_bounded(
-            timeout,
-            self.rank as i64,
-            &format!(
-                "CUDA IPC operations to rank {} (and to the peers sharing its stream) to complete",
-                self.remote_rank
-            ),
-        )?;
+        let start = std::time::Instant::now();
+        for s in self.streams.own.iter().chain([&self.streams.primary]) {
+            s.synchronize_bounded(
+                timeout.saturating_sub(start.elapsed()),
+                self.rank as i64,
+                &format!(
+                    "CUDA IPC operations to rank {} (and to the peers sharing its stream) \
+                     to complete",
+                    self.remote_rank
+                ),
+            )?;
+        }
         self.ops.saw_idle(n);
         Ok(())
     }
