@@ -1,23 +1,30 @@
 #!/bin/bash
-# Issue 17's stall, one device call on 4 GPUs (docs/design-internode.md, "Next"):
-#   bash benches/internode_stall_probe.sh /tmp/probe; cp /tmp/probe.tgz $OUT/
+# Issue 17 on 4 GPUs in one bounded device call (docs/design-internode.md):
+#   bash benches/internode_stall_probe.sh /tmp/probe "$OUT/probe.tgz"
 # (carry: [".gpu"]; scripts/gpu_build.sh made it). Every step runs under `timeout`
 # with short device bounds (a stall fails in seconds); its log goes to
-# DIR/<step>.log and DIR is re-packed into DIR.tgz after every step (a device call
-# brings back at most 8 files; a call cut off still brings the steps so far). Steps:
-#   repro-copy[-kernel]  the comm suite's copy-behind-a-spinning-kernel repros,
-#                        copy engine / MOELINK_IPC_COPY=kernel (2 ranks)
-#   comm-kernel          every comm GPU scenario with MOELINK_IPC_COPY=kernel (the
-#                        SM copy's data checked by the port-channel scenarios)
-#   ethernet             the Ethernet transport's GPU suite (its async read-back)
-#   bench-2x1-trace      2 emulated nodes of 1 rank, a CUDA activity trace per rank
-#   bench-2x1-side       the same on a side stream, no trace
-#   bench-2x1-kernel     the same with MOELINK_IPC_COPY=kernel
-#   bench-2x2-kernel, suite-2x2-kernel   when bench-2x1-kernel passed: 2 x 2 bench and
-#                        the internode + low-latency suites with the switch
+# DIR/<step>.log and DIR is re-packed into TGZ (default DIR.tgz) after every step:
+# a device call brings back at most 8 files, and one cut off at its limit still
+# brings the steps so far when TGZ lies in the call's $OUT.
+# Steps, most telling first:
+#   repro-upload       the comm repro of the stall's cause: a pageable upload on the
+#                      legacy stream, ordered after a kernel that waits for the
+#                      proxy's CUDA IPC puts (2 ranks; passes with the proxy's own
+#                      context, stalls with MOELINK_IPC_CONTEXT=primary)
+#   repro-upload-primary   the same in the primary context (expected to FAIL: it
+#                      shows the cause is still there)
+#   comm               every comm GPU scenario (2 ranks)
+#   suite-2x2          the internode suite at 2 x 2 (4 ranks, one per GPU)
+#   speed-internode    benches/speed_run.sh internode (the emulated 2 x 2 bench)
+#   suite-ll-2x2       the low-latency suite at 2 x 2 (mixed transports)
+#   suite-4x2, suite-2x4   8 ranks, 2 per GPU
+# PROBE_STEPS (a regex of step names) runs some only: the whole list takes more than
+# one call's 10 minutes (measured 4 x H200: the steps to speed-internode ~170 s, the
+# low-latency suite at 2 x 2 over 200 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:?output folder, outside the device call output folder}
+TGZ=${2:-$OUT.tgz}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 MOELINK_DEVICE_TIMEOUT_S=${PROBE_TIMEOUT_S:-8}
@@ -29,29 +36,29 @@ TR="python3 -m torch.distributed.run --standalone"
 BIN=.gpu/bin
 failed=0
 . benches/step.sh
+pstep() { # step, when PROBE_STEPS is unset or matches its name
+  if [ -n "${PROBE_STEPS:-}" ] && ! [[ $1 =~ $PROBE_STEPS ]]; then return 0; fi
+  step "$@"
+}
 step_summary() { grep -E "^(PASS|FAIL)|TimeoutError|GB/s|^trace" "$1" | cut -c1-300 | head -n 20; }
-step_done() { tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
+step_done() { tar czf "$TGZ" -C "$(dirname "$OUT")" "$(basename "$OUT")"; }
 nvidia-smi -L > "$OUT/machine.txt" 2>&1
-REPROS=port_cuda_ipc_beside_a_spinning_kernel_copy_queued,port_cuda_ipc_beside_a_spinning_kernel_copy_after_it
+REPROS=port_cuda_ipc_beside_a_spinning_kernel_pageable_upload
 SUITE=(--no-python "$BIN/gpu_multi_rank" --include-ignored --test-threads=1 --nocapture)
-step repro-copy 60 env MOELINK_TEST_ONLY=$REPROS $TR --nproc-per-node=2 "${SUITE[@]}"
-step repro-copy-kernel 60 env MOELINK_IPC_COPY=kernel MOELINK_TEST_ONLY=$REPROS \
+pstep repro-upload 60 env MOELINK_TEST_ONLY=$REPROS $TR --nproc-per-node=2 "${SUITE[@]}"
+pstep repro-upload-primary 60 env MOELINK_IPC_CONTEXT=primary MOELINK_TEST_ONLY=$REPROS \
   $TR --nproc-per-node=2 "${SUITE[@]}"
-step comm-kernel 150 env MOELINK_IPC_COPY=kernel MOELINK_TEST_SKIP=create_destroy_500x1GiB \
-  $TR --nproc-per-node=2 "${SUITE[@]}"
-step ethernet 120 "$BIN/ethernet" --include-ignored --test-threads=1 --nocapture
-BENCH=(benches/intranode_bench.py --nodes 2 --sms 24)
-step bench-2x1-trace 90 $TR --nproc-per-node=2 "${BENCH[@]}" --iters 2 --warmup 1 --trace \
-  --out "$OUT/bench-2x1-trace"
-step bench-2x1-side 60 $TR --nproc-per-node=2 "${BENCH[@]}" --stream side --out "$OUT/bench-2x1-side"
-if step bench-2x1-kernel 60 env MOELINK_IPC_COPY=kernel $TR --nproc-per-node=2 "${BENCH[@]}" \
-  --out "$OUT/bench-2x1-kernel"; then
-  step bench-2x2-kernel 90 env MOELINK_IPC_COPY=kernel $TR --nproc-per-node=4 \
-    benches/intranode_bench.py --nodes 2 --sms 24 48 --out "$OUT/bench-2x2-kernel"
-  step suite-2x2-kernel 240 env MOELINK_IPC_COPY=kernel GPU_RUN_INTERNODE=4:2 \
-    GPU_RUN_INTERNODE_TIMEOUT_S=10 GPU_RUN_STEPS='^(internode|ll-internode)' \
-    bash scripts/gpu_run.sh "$OUT/suite-2x2-kernel"
-fi
+pstep comm 120 env MOELINK_TEST_SKIP=create_destroy_500x1GiB $TR --nproc-per-node=2 "${SUITE[@]}"
+X=(GPU_RUN_INTERNODE_TIMEOUT_S=10)
+pstep suite-2x2 200 env "${X[@]}" GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^internode' \
+  bash scripts/gpu_run.sh "$OUT/suite-2x2"
+pstep speed-internode 150 bash benches/speed_run.sh internode "$OUT/speed"
+pstep suite-ll-2x2 540 env "${X[@]}" GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^ll-internode' \
+  bash scripts/gpu_run.sh "$OUT/suite-ll-2x2"
+pstep suite-4x2 540 env "${X[@]}" GPU_RUN_INTERNODE=8:2 GPU_RUN_STEPS='^internode' \
+  bash scripts/gpu_run.sh "$OUT/suite-4x2"
+pstep suite-2x4 540 env "${X[@]}" GPU_RUN_INTERNODE=8:4 GPU_RUN_STEPS='^internode' \
+  bash scripts/gpu_run.sh "$OUT/suite-2x4"
 echo "internode_stall_probe: $failed failed step(s)"
-tar czf "$OUT.tgz" -C "$(dirname "$OUT")" "$(basename "$OUT")"
+step_done
 exit $failed
