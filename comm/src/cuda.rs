@@ -102,13 +102,14 @@ impl Device {
     /// (`MOELINK_IPC_CONTEXT=own`; one per device and process, kept for its
     /// life), made without changing this thread's current context.
     ///
-    /// Why: a CUDA call of the process that waits on the GPU while holding the
-    /// primary context's lock (a pageable host-to-device copy on a stream
-    /// ordered after a running kernel syncs that stream first) blocks every
-    /// other thread's call in that context, the proxy's copies included; a
-    /// kernel waiting for those copies then spins out its time bound (issue
-    /// 17). Another context has its own lock. Only memory mapped through the
-    /// VMM API (process-wide mappings) is addressable from both contexts.
+    /// Why: while a CUDA call of the process waits on the GPU inside the
+    /// primary context (a pageable host-to-device copy on a stream ordered
+    /// after a running kernel syncs that stream first), copies and kernels
+    /// other threads issue in that context do not reach the GPU, the proxy's
+    /// included; a kernel waiting for them then spins out its time bound
+    /// (issue 17). Another context's work goes through. Only memory mapped
+    /// through the VMM API and portable host memory are addressable from
+    /// both contexts.
     pub fn proxy_context(&self) -> Result<Device> {
         static CTXS: [OnceLock<usize>; MAX_DEVICES] = [const { OnceLock::new() }; MAX_DEVICES];
         let slot = &CTXS[self.ordinal as usize];

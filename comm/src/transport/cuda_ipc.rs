@@ -104,11 +104,11 @@ fn copy_with_kernel() -> bool {
 /// of them: see [`CudaIpcConnection::new`]).
 ///
 /// By default the operations go on a stream of the proxy's own context
-/// ([`Device::proxy_context`]): a CUDA call that waits on the GPU while it
-/// holds the primary context's lock (a pageable host-to-device copy on a
-/// stream ordered after a running kernel syncs that stream first) blocks
-/// every other call made in that context, and kernels spinning for the
-/// proxy's copies then never see them (issue 17: measured with
+/// ([`Device::proxy_context`]): while a CUDA call of the process waits on the
+/// GPU inside the primary context (a pageable host-to-device copy on a stream
+/// ordered after a running kernel syncs that stream first), the copies and
+/// kernels other threads issue in that context do not reach the GPU, and
+/// kernels spinning for the proxy's copies never see them (issue 17: measured with
 /// `port_cuda_ipc_beside_a_spinning_kernel_pageable_upload`, which stalls in
 /// the primary context and passes in the proxy's). The proxy's context
 /// addresses only what is mapped process-wide: cuMem (VMM) allocations and
@@ -119,6 +119,9 @@ fn copy_with_kernel() -> bool {
 pub struct IpcStreams {
     own: Option<OwnedStream>,
     primary: OwnedStream,
+    /// Whether anything was issued to `primary`: until then the proxy never
+    /// touches it (a query there could wait for the very lock it avoids).
+    primary_used: AtomicBool,
 }
 
 impl IpcStreams {
@@ -137,15 +140,34 @@ impl IpcStreams {
                 }
             }
         };
+        let primary_used = AtomicBool::new(own.is_none());
         Ok(Self {
             own,
             primary: OwnedStream::new(device)?,
+            primary_used,
         })
+    }
+
+    /// The primary context's stream, marked as used from now on.
+    fn primary(&self) -> &OwnedStream {
+        self.primary_used.store(true, Ordering::Release);
+        &self.primary
+    }
+
+    /// The streams anything was issued to (the own context's first).
+    fn used(&self) -> impl Iterator<Item = &OwnedStream> {
+        let primary = self.primary_used.load(Ordering::Acquire);
+        self.own.iter().chain(primary.then_some(&self.primary))
     }
 
     /// Whether work issued to either stream has not completed yet.
     fn is_busy(&self) -> Result<bool> {
-        Ok(self.primary.is_busy()? || self.own.as_ref().map_or(Ok(false), |s| s.is_busy())?)
+        for s in self.used() {
+            if s.is_busy()? {
+                return Ok(true);
+            }
+        }
+        Ok(false)
     }
 }
 
@@ -203,10 +225,10 @@ impl CudaIpcConnection {
     /// primary one.
     fn stream_for(&self, mems: &[&RegisteredMemory]) -> Result<&OwnedStream> {
         let Some(own) = &self.streams.own else {
-            return Ok(&self.streams.primary);
+            return Ok(self.streams.primary());
         };
         if self.primary_only.load(Ordering::Acquire) {
-            return Ok(&self.streams.primary);
+            return Ok(self.streams.primary());
         }
         if mems.iter().all(|m| process_wide(m)) {
             return Ok(own);
@@ -226,7 +248,7 @@ impl CudaIpcConnection {
             "CUDA IPC connection met memory of the primary context only (legacy IPC): \
              it issues in the primary context from now on"
         );
-        Ok(&self.streams.primary)
+        Ok(self.streams.primary())
     }
 
     fn mapped(&self, m: &RegisteredMemory, what: &'static str) -> Result<u64> {
@@ -354,7 +376,7 @@ impl Connection for CudaIpcConnection {
     fn flush(&self, timeout: Duration) -> Result<()> {
         let n = self.ops.snapshot();
         let start = std::time::Instant::now();
-        for s in self.streams.own.iter().chain([&self.streams.primary]) {
+        for s in self.streams.used() {
             s.synchronize_bounded(
                 timeout.saturating_sub(start.elapsed()),
                 self.rank as i64,
