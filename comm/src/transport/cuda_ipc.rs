@@ -394,7 +394,49 @@ impl Connection for CudaIpcConnection {
 
 #[cfg(test)]
 mod tests {
-    use super::IssueCount;
+    use super::{process_wide, IssueCount};
+    use crate::fd_passing::FdAddress;
+    use crate::memory::IpcHandle;
+    use crate::registered_memory::{IpcExport, Location, MemoryInfo, RegisteredMemory};
+
+    fn memory(location: Location, ipc: Option<IpcExport>) -> RegisteredMemory {
+        let info = MemoryInfo {
+            rank: 0,
+            len: 4096,
+            location,
+            host_id: 1,
+            owner_ptr: 0x1000,
+            ipc,
+            ethernet: None,
+            ib: None,
+        };
+        RegisteredMemory::local(info, None)
+    }
+
+    #[test]
+    fn only_vmm_and_host_memory_go_to_the_proxys_own_context() {
+        let server = FdAddress::from_bytes(b"moelink-test").unwrap();
+        let vmm = IpcExport::Vmm {
+            server: server.clone(),
+            key: 1,
+            len: 4096,
+        };
+        let legacy = IpcExport::Legacy(IpcHandle {
+            bytes: [7; 64],
+            len: 4096,
+        });
+        let shared = IpcExport::SharedHost {
+            server,
+            key: 2,
+            len: 4096,
+        };
+        assert!(process_wide(&memory(Location::Device(0), Some(vmm))));
+        assert!(process_wide(&memory(Location::Host, Some(shared))));
+        assert!(process_wide(&memory(Location::Host, None)));
+        // cuMemAlloc memory belongs to the primary context.
+        assert!(!process_wide(&memory(Location::Device(0), Some(legacy))));
+        assert!(!process_wide(&memory(Location::Device(0), None)));
+    }
 
     #[test]
     fn only_an_idle_stream_seen_after_the_last_operation_drains_it() {
