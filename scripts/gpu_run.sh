@@ -95,6 +95,8 @@ for n in $RANKS; do
   [ -n "${GPU_RUN_UNFUSED:-}" ] && run "intranode-unfused-$n" 400 env MOELINK_INTRANODE_FUSED=0 \
     $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
   run "low_latency-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/ll_worker.py
+  # A rank killed mid-dispatch: the others raise TimeoutError naming it, none hangs.
+  run "killed-$n" 150 $LAUNCH -n "$n" --timeout 120 tests/multi_gpu/killed_worker.py
   run "allreduce-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/allreduce_worker.py
   run "ops-$n" 500 $LAUNCH -n "$n" --timeout 480 tests/multi_gpu/ops_worker.py
   run "frameworks-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/frameworks_worker.py
@@ -121,6 +123,9 @@ for split in ${GPU_RUN_INTERNODE:-}; do
     tests/multi_gpu/intranode_worker.py
   [ -z "$xt" ] && run "ll-internode-$((xn / xl))x${xl}" 500 env "${xenv[@]}" \
     $LAUNCH -n "$xn" --timeout 480 tests/multi_gpu/ll_worker.py
+  run "killed-internode-$((xn / xl))x${xl}${xt:+-$xt}" 150 env "${xenv[@]}" \
+    ${xt:+MOELINK_INTERNODE_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 120 \
+    tests/multi_gpu/killed_worker.py
 done
 # MOELINK_TRAP_ON_TIMEOUT=1 (2 ranks, no MPS: a trap under MPS takes down every
 # rank on the GPU): a device timeout traps the kernel.

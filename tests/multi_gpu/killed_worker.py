@@ -1,0 +1,137 @@
+"""A rank killed mid-dispatch: every other rank raises ``moelink.TimeoutError``
+naming it within the device time bound, and no process hangs.
+
+Every rank builds a ``moelink.Buffer`` (``MOELINK_DEVICE_TIMEOUT_S=3``, set here
+before moelink loads) and runs one dispatch and combine. Then the last rank (the
+victim) starts a second dispatch with ``async_finish=True`` and leaves at once with
+``os._exit(0)``: no teardown, its CUDA context dies with the process while its
+kernels run (it exits 0 because the launcher stops every rank on a non-zero exit).
+The others run the same dispatch, then a combine, synchronizing and calling
+``check()`` after each: one of these must raise ``moelink.TimeoutError`` that names
+the victim, within ``BOUND_S`` of the dispatch's start. Across emulated nodes
+(``MOELINK_RANKS_PER_NODE=L``) a rank of another node may instead name the rank
+that forwards the victim's node to it (that node's rank with its own local index),
+which waits for the victim. Each survivor prints ``PASS killed_rank [rank r]`` or
+``FAIL killed_rank [rank r]: ...`` and leaves with ``os._exit`` (a Buffer whose peer
+is gone is not torn down collectively); the exit code is 1 on FAIL.
+
+Run with 2 or more ranks under ``python -m moelink.launch`` (or torchrun).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+DEVICE_TIMEOUT_S = 3
+os.environ["MOELINK_DEVICE_TIMEOUT_S"] = str(DEVICE_TIMEOUT_S)
+
+import moelink  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import worker_driver  # noqa: E402
+
+#: Seconds from the survivors' dispatch to the TimeoutError, at most: the
+#: dispatch's and the combine's device bounds, the host's wait for notify's
+#: counts, and launch and synchronization slack.
+BOUND_S = 4 * DEVICE_TIMEOUT_S + 10
+TOKENS, HIDDEN, TOPK = 128, 2048, 4
+
+
+def ranks_per_node(world: int) -> int:
+    v = os.environ.get("MOELINK_RANKS_PER_NODE", "").strip()
+    return int(v) if v and 0 < int(v) < world else world
+
+
+def buffer_for(group, world: int) -> moelink.Buffer:
+    config = moelink.Config(num_sms=24)
+    nvl = config.get_nvl_buffer_size_hint(HIDDEN * 2, world, max_tokens_per_rank=TOKENS)
+    rdma = 0
+    per_node = ranks_per_node(world)
+    if per_node < world:
+        rdma = config.get_rdma_buffer_size_hint(
+            HIDDEN * 2, world, max_tokens_per_rank=TOKENS, ranks_per_node=per_node
+        )
+    return moelink.Buffer(group, nvl, rdma, explicitly_destroy=True)
+
+
+def inputs(rank: int, world: int, device):
+    g = torch.Generator().manual_seed(1000 + rank)
+    experts = 4 * world
+    scores = torch.rand(TOKENS, experts, generator=g)
+    idx = scores.topk(TOPK, dim=1).indices
+    w = torch.rand(TOKENS, TOPK, generator=g)
+    x = torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16)
+    return x.to(device), idx.to(device), w.to(device), experts
+
+
+def dispatch(buf: moelink.Buffer, x, idx, w, experts: int, **kwargs):
+    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+    return buf.dispatch(
+        x,
+        topk_idx=idx,
+        topk_weights=w,
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        **kwargs,
+    )
+
+
+def settle(buf: moelink.Buffer, device) -> None:
+    """Waits for this rank's kernels (each wait on the GPU is bounded), then
+    raises what they recorded."""
+    torch.cuda.synchronize(device)
+    buf.check()
+
+
+def main() -> int:
+    wg = worker_driver.init_worker(120)
+    rank, world, dev = wg.rank, wg.world, wg.device
+    victim = world - 1
+    per_node = ranks_per_node(world)
+    blamed = {victim}
+    if rank // per_node != victim // per_node:
+        blamed.add(victim // per_node * per_node + rank % per_node)
+    buf = buffer_for(wg.group, world)
+    x, idx, w, experts = inputs(rank, world, dev)
+    # One round that every rank finishes: the Buffer works before the kill.
+    recv_x, _, recv_w, _, handle, _ = dispatch(buf, x, idx, w, experts)
+    buf.combine(recv_x, handle, topk_weights=recv_w)
+    settle(buf, dev)
+    del recv_x, recv_w, handle
+    dist.barrier(group=wg.gloo)
+    if rank == victim:
+        dispatch(buf, x, idx, w, experts, async_finish=True)
+        sys.stdout.flush()
+        os._exit(0)
+    t0 = time.time()
+    error = None
+    try:
+        recv_x, _, recv_w, _, handle, _ = dispatch(buf, x, idx, w, experts)
+        settle(buf, dev)
+        buf.combine(recv_x, handle, topk_weights=recv_w)
+        settle(buf, dev)
+    except moelink.TimeoutError as e:
+        error = e
+    took = time.time() - t0
+    if error is None:
+        why = f"no TimeoutError after the victim (rank {victim}) left ({took:.1f} s)"
+    elif not any(f"from rank {b}" in str(error) for b in blamed):
+        why = f"the TimeoutError names none of ranks {sorted(blamed)}: {str(error)[:300]}"
+    elif took > BOUND_S:
+        why = f"the TimeoutError came after {took:.1f} s (bound {BOUND_S} s)"
+    else:
+        why = None
+    if why is None:
+        print(f"PASS killed_rank [rank {rank}] ({took:.1f} s): {str(error)[:160]}", flush=True)
+    else:
+        print(f"FAIL killed_rank [rank {rank}]: {why}", flush=True)
+    sys.stdout.flush()
+    os._exit(0 if why is None else 1)
+
+
+if __name__ == "__main__":
+    main()
