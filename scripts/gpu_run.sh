@@ -126,6 +126,14 @@ for split in ${GPU_RUN_INTERNODE:-}; do
   run "killed-internode-$((xn / xl))x${xl}${xt:+-$xt}" 150 env "${xenv[@]}" \
     ${xt:+MOELINK_INTERNODE_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 120 \
     tests/multi_gpu/killed_worker.py
+  # GPU_RUN_SANITIZE=1: memcheck over the data scenarios on this split (no MPS;
+  # device bounds of 120 s: the sanitizer slows the kernels many times over).
+  [ -n "${GPU_RUN_SANITIZE:-}" ] && [ -z "$xt" ] &&
+    run "sanitize-memcheck-internode-$((xn / xl))x${xl}" 540 env MOELINK_MPS=off \
+      MOELINK_RANKS_PER_NODE="$xl" MOELINK_DEVICE_TIMEOUT_S=120 \
+      MOELINK_INTRANODE_SCENARIOS=dispatch_bf16,dispatch_fp8,dispatch_cached,worst_tokens,combine \
+      $LAUNCH -n "$xn" --timeout 520 --no-python compute-sanitizer --tool memcheck \
+      --error-exitcode 9 python3 tests/multi_gpu/intranode_worker.py
 done
 # MOELINK_TRAP_ON_TIMEOUT=1 (2 ranks, no MPS: a trap under MPS takes down every
 # rank on the GPU): a device timeout traps the kernel.
