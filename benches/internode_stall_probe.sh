@@ -14,10 +14,14 @@
 #   repro-upload-primary   the same in the primary context (expected to FAIL: it
 #                      shows the cause is still there)
 #   comm               every comm GPU scenario (2 ranks)
-#   suite-2x2          the internode suite at 2 x 2 (4 ranks, one per GPU)
+#   suite-2x2          the internode suite and the killed-rank worker at 2 x 2 (4
+#                      ranks, one per GPU)
 #   speed-internode    benches/speed_run.sh internode (the emulated 2 x 2 bench)
 #   suite-ll-2x2       the low-latency suite at 2 x 2 (mixed transports)
 #   suite-4x2, suite-2x4   8 ranks, 2 per GPU
+#   suite-2x2-ethernet the 2 x 2 suite with the Ethernet transport forced
+#   memcheck-2x2       compute-sanitizer memcheck over the 2 x 2 data scenarios
+#   main-nodes         the main job, python -m moelink --nodes 2 (4 ranks)
 # PROBE_STEPS (a regex of step names) runs some only: the whole list takes more than
 # one call's 10 minutes (measured 4 x H200: the steps to speed-internode ~170 s, the
 # low-latency suite at 2 x 2 over 200 s).
@@ -50,15 +54,20 @@ pstep repro-upload-primary 60 env MOELINK_IPC_CONTEXT=primary MOELINK_TEST_ONLY=
   $TR --nproc-per-node=2 "${SUITE[@]}"
 pstep comm 120 env MOELINK_TEST_SKIP=create_destroy_500x1GiB $TR --nproc-per-node=2 "${SUITE[@]}"
 X=(GPU_RUN_INTERNODE_TIMEOUT_S=10)
-pstep suite-2x2 200 env "${X[@]}" GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^internode' \
+pstep suite-2x2 260 env "${X[@]}" GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^(internode|killed)' \
   bash scripts/gpu_run.sh "$OUT/suite-2x2"
 pstep speed-internode 150 bash benches/speed_run.sh internode "$OUT/speed"
 pstep suite-ll-2x2 540 env "${X[@]}" GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^ll-internode' \
   bash scripts/gpu_run.sh "$OUT/suite-ll-2x2"
-pstep suite-4x2 540 env "${X[@]}" GPU_RUN_INTERNODE=8:2 GPU_RUN_STEPS='^internode' \
+pstep suite-4x2 540 env "${X[@]}" GPU_RUN_INTERNODE=8:2 GPU_RUN_STEPS='^(internode|killed)' \
   bash scripts/gpu_run.sh "$OUT/suite-4x2"
-pstep suite-2x4 540 env "${X[@]}" GPU_RUN_INTERNODE=8:4 GPU_RUN_STEPS='^internode' \
+pstep suite-2x4 540 env "${X[@]}" GPU_RUN_INTERNODE=8:4 GPU_RUN_STEPS='^(internode|killed)' \
   bash scripts/gpu_run.sh "$OUT/suite-2x4"
+pstep suite-2x2-ethernet 540 env "${X[@]}" GPU_RUN_INTERNODE=4:2:ethernet \
+  GPU_RUN_STEPS='^(internode|killed)' bash scripts/gpu_run.sh "$OUT/suite-2x2-ethernet"
+pstep memcheck-2x2 560 env GPU_RUN_SANITIZE=1 GPU_RUN_INTERNODE=4:2 \
+  GPU_RUN_STEPS='^sanitize-memcheck-internode' bash scripts/gpu_run.sh "$OUT/memcheck-2x2"
+pstep main-nodes 300 python3 -m moelink --nodes 2 --ranks 4 --iters 5 --warmup 2 --timeout 280
 echo "internode_stall_probe: $failed failed step(s)"
 step_done
 exit $failed
