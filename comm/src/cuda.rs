@@ -139,9 +139,12 @@ impl Device {
         })
     }
 
-    /// Make this device's primary context current on the calling thread.
+    /// Make this device's context current on the calling thread: the primary
+    /// one, or for a [`proxy_context`](Self::proxy_context) device the
+    /// proxy's (then restore the caller's afterwards: [`RestoreCurrent`]).
     pub fn make_current(&self) -> Result<()> {
-        // SAFETY: ctx is a retained primary context that is never released.
+        // SAFETY: ctx is a retained primary context, or the proxy's, neither
+        // ever released.
         unsafe { result::ctx::set_current(self.ctx) }.call("cuCtxSetCurrent")
     }
 
@@ -289,6 +292,34 @@ impl Device {
 
 /// A raw CUDA stream handle passed in by a caller (torch's `cuda_stream`).
 /// 0 is the legacy default stream.
+/// Puts back, when dropped, the context that was current on the calling
+/// thread when it was made. Work in the proxy's own context
+/// ([`Device::proxy_context`]) done from a caller's thread (creating or
+/// dropping its stream, a hang report's stream query) must not leave that
+/// context current there: torch's next runtime call would issue into it.
+pub struct RestoreCurrent(sys::CUcontext);
+
+impl RestoreCurrent {
+    pub fn new() -> Result<Self> {
+        let mut ctx: sys::CUcontext = std::ptr::null_mut();
+        // SAFETY: writes the calling thread's current context (or null).
+        unsafe { sys::cuCtxGetCurrent(&mut ctx) }
+            .result()
+            .call("cuCtxGetCurrent")?;
+        Ok(Self(ctx))
+    }
+}
+
+impl Drop for RestoreCurrent {
+    fn drop(&mut self) {
+        if !self.0.is_null() {
+            // SAFETY: a context that was current on this thread; moelink never
+            // releases its contexts, and a caller's is alive while current.
+            let _ = unsafe { sys::cuCtxSetCurrent(self.0) };
+        }
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StreamHandle(pub usize);
 

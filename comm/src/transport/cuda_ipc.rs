@@ -25,7 +25,7 @@ use std::time::Duration;
 use cudarc::driver::sys;
 
 use super::{AtomicWidth, Connection, Put, Transport};
-use crate::cuda::{Device, OwnedStream};
+use crate::cuda::{Device, OwnedStream, RestoreCurrent};
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::registered_memory::{IpcExport, Location, RegisteredMemory};
 
@@ -126,6 +126,7 @@ pub struct IpcStreams {
 
 impl IpcStreams {
     pub fn new(device: Device) -> Result<Self> {
+        let _restore = RestoreCurrent::new()?;
         let own = if std::env::var("MOELINK_IPC_CONTEXT").is_ok_and(|v| v == "primary") {
             None
         } else {
@@ -160,14 +161,25 @@ impl IpcStreams {
         self.own.iter().chain(primary.then_some(&self.primary))
     }
 
-    /// Whether work issued to either stream has not completed yet.
+    /// Whether work issued to either stream has not completed yet (from any
+    /// thread: a hang report asks too).
     fn is_busy(&self) -> Result<bool> {
+        let _restore = RestoreCurrent::new()?;
         for s in self.used() {
             if s.is_busy()? {
                 return Ok(true);
             }
         }
         Ok(false)
+    }
+}
+
+impl Drop for IpcStreams {
+    fn drop(&mut self) {
+        // Dropped on a caller's thread (with its Communicator): the own
+        // stream's destruction makes the proxy's context current there.
+        let _restore = RestoreCurrent::new();
+        self.own.take();
     }
 }
 
@@ -203,6 +215,7 @@ impl CudaIpcConnection {
     /// (benches/results/2026-11-25_ll-8-proxy-streams).
     pub fn new(rank: usize, remote_rank: usize, streams: Arc<IpcStreams>) -> Self {
         if copy_with_kernel() {
+            let _restore = RestoreCurrent::new();
             for s in streams.own.iter().chain([&streams.primary]) {
                 // Best effort: a failure here shows again at the first put.
                 if let Err(e) = crate::kernels::preload(s.device()) {
@@ -374,6 +387,7 @@ impl Connection for CudaIpcConnection {
     }
 
     fn flush(&self, timeout: Duration) -> Result<()> {
+        let _restore = RestoreCurrent::new()?;
         let n = self.ops.snapshot();
         let start = std::time::Instant::now();
         for s in self.streams.used() {
