@@ -99,8 +99,9 @@ impl Device {
     }
 
     /// This device with a context of its own for the CUDA IPC proxy's work
-    /// (`MOELINK_IPC_CONTEXT=own`; one per device and process, kept for its
-    /// life), made without changing this thread's current context.
+    /// (the default; `MOELINK_IPC_CONTEXT=primary` does without it): one per
+    /// device and process, kept for its life, made without changing this
+    /// thread's current context.
     ///
     /// Why: while a CUDA call of the process waits on the GPU inside the
     /// primary context (a pageable host-to-device copy on a stream ordered
@@ -129,7 +130,13 @@ impl Device {
                 unsafe { sys::cuCtxPopCurrent_v2(&mut popped) }
                     .result()
                     .call("cuCtxPopCurrent")?;
-                *slot.get_or_init(|| ctx as usize)
+                let kept = *slot.get_or_init(|| ctx as usize);
+                if kept != ctx as usize {
+                    // Another thread made one first: keep one per device.
+                    // SAFETY: ours, never made current nor used.
+                    let _ = unsafe { sys::cuCtxDestroy_v2(ctx) };
+                }
+                kept
             }
         };
         Ok(Device {
@@ -290,8 +297,6 @@ impl Device {
     }
 }
 
-/// A raw CUDA stream handle passed in by a caller (torch's `cuda_stream`).
-/// 0 is the legacy default stream.
 /// Puts back, when dropped, the context that was current on the calling
 /// thread when it was made. Work in the proxy's own context
 /// ([`Device::proxy_context`]) done from a caller's thread (creating or
@@ -320,6 +325,8 @@ impl Drop for RestoreCurrent {
     }
 }
 
+/// A raw CUDA stream handle passed in by a caller (torch's `cuda_stream`).
+/// 0 is the legacy default stream.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct StreamHandle(pub usize);
 
