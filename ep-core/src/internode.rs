@@ -147,7 +147,6 @@ impl Split {
 /// [`InternodeBuffer::dispatch_recv`].
 #[derive(Clone, Copy, Debug)]
 struct PendingRecv {
-    slots: usize,
     xc: XCtx,
     send: XDispatchArgs,
 }
@@ -585,7 +584,8 @@ impl InternodeBuffer {
         Ok(())
     }
 
-    /// Launches notify and the send side of a normal dispatch on `stream`;
+    /// Launches notify on `stream` and prepares the send side of a normal
+    /// dispatch (launched by [`dispatch_recv`](Self::dispatch_recv));
     /// returns the epoch for [`wait_counts`](Self::wait_counts).
     pub fn dispatch_send(
         &mut self,
@@ -610,12 +610,13 @@ impl InternodeBuffer {
         unsafe { x::internode_notify(self.part.kernels(), stream, xc, notify) }?;
         self.host_epoch = epoch;
         self.combine_dirty = false;
-        self.launch_send(stream, xc, xrec, shape, inp, xi, epr, num_sms)?;
+        self.prepare_send(stream, xc, xrec, shape, inp, xi, epr, num_sms)?;
         Ok(epoch)
     }
 
-    /// Launches the send side of a cached dispatch (an earlier dispatch's
-    /// handle), after a barrier.
+    /// Launches the barrier of a cached dispatch (an earlier dispatch's
+    /// handle) and prepares its send side (launched by
+    /// [`dispatch_recv`](Self::dispatch_recv)).
     pub fn cached_dispatch_send(
         &mut self,
         stream: StreamHandle,
@@ -638,7 +639,7 @@ impl InternodeBuffer {
             topk_weights: 0,
             ..*inp
         };
-        self.launch_send(stream, xc, xrec, &shape, &inp, xi, 1, num_sms)
+        self.prepare_send(stream, xc, xrec, &shape, &inp, xi, 1, num_sms)
     }
 
     /// Checks the send side of a dispatch and keeps it for
@@ -652,7 +653,7 @@ impl InternodeBuffer {
     /// outputs are allocated between the two calls; once they are, nothing of
     /// this dispatch is issued behind an allocation.
     #[allow(clippy::too_many_arguments)]
-    fn launch_send(
+    fn prepare_send(
         &mut self,
         stream: StreamHandle,
         xc: XCtx,
@@ -691,11 +692,7 @@ impl InternodeBuffer {
             error: self.part.error_ptr(),
             grid: SendGrid::new(grid.send_blocks, self.num_nodes as u32),
         };
-        self.pending = Some(PendingRecv {
-            slots: xc.xslots as usize,
-            xc,
-            send,
-        });
+        self.pending = Some(PendingRecv { xc, send });
         Ok(())
     }
 
@@ -767,7 +764,7 @@ impl InternodeBuffer {
             CommError::invalid("num_sms", "an internode dispatch needs at least 2 SMs")
         })?;
         let (xc, xrec) = self.dispatch_ctx(shape, 0)?;
-        if xc.xslots as usize != pending.slots {
+        if xc.xslots != pending.xc.xslots {
             return Err(CommError::invalid(
                 "x",
                 "the receive half of a dispatch does not match its send half",

@@ -31,29 +31,13 @@ import moelink  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import worker_driver  # noqa: E402
+from intranode_worker import buffer_bytes, ranks_per_node  # noqa: E402
 
 #: Seconds from the survivors' dispatch to the TimeoutError, at most: the
 #: dispatch's and the combine's device bounds, the host's wait for notify's
 #: counts, and launch and synchronization slack.
 BOUND_S = 4 * DEVICE_TIMEOUT_S + 10
 TOKENS, HIDDEN, TOPK = 128, 2048, 4
-
-
-def ranks_per_node(world: int) -> int:
-    v = os.environ.get("MOELINK_RANKS_PER_NODE", "").strip()
-    return int(v) if v and 0 < int(v) < world else world
-
-
-def buffer_for(group, world: int) -> moelink.Buffer:
-    config = moelink.Config(num_sms=24)
-    nvl = config.get_nvl_buffer_size_hint(HIDDEN * 2, world, max_tokens_per_rank=TOKENS)
-    rdma = 0
-    per_node = ranks_per_node(world)
-    if per_node < world:
-        rdma = config.get_rdma_buffer_size_hint(
-            HIDDEN * 2, world, max_tokens_per_rank=TOKENS, ranks_per_node=per_node
-        )
-    return moelink.Buffer(group, nvl, rdma, explicitly_destroy=True)
 
 
 def inputs(rank: int, world: int, device):
@@ -91,11 +75,11 @@ def main() -> int:
     wg = worker_driver.init_worker(120)
     rank, world, dev = wg.rank, wg.world, wg.device
     victim = world - 1
-    per_node = ranks_per_node(world)
+    per_node = ranks_per_node(world) or world
     blamed = {victim}
     if rank // per_node != victim // per_node:
         blamed.add(victim // per_node * per_node + rank % per_node)
-    buf = buffer_for(wg.group, world)
+    buf = moelink.Buffer(wg.group, *buffer_bytes(world, HIDDEN, TOKENS), explicitly_destroy=True)
     x, idx, w, experts = inputs(rank, world, dev)
     # One round that every rank finishes: the Buffer works before the kill.
     recv_x, _, recv_w, _, handle, _ = dispatch(buf, x, idx, w, experts)
