@@ -208,9 +208,19 @@ __device__ bool put_chunks(const XCtx& x, int p, int64_t count, uint64_t src_off
     bool ok = true;
     if (lane < n) {
       const uint64_t* f = record_flag(c.local + src_offset + (first + lane) * bytes, bytes);
-      comm::WaitClock clock(c.timeout_ns);
+      // This rank's own warps write these records; they stall only behind a
+      // peer (combine: the forwarders wait for the node-mates' copies, then
+      // flag even a NaN partial). Both waits bounded alike, this one fired
+      // first in the killed-rank 2 x 2 run (4 x H200: node-mate rank 3 dead,
+      // the report named rank 0, the stream's peer). So it yields to any
+      // peer's timeout and is bounded by twice a peer wait.
+      comm::WaitClock clock(2 * c.timeout_ns);
       uint64_t v;
       while ((v = comm::load_acquire_sys(f)) != flag) {
+        if ((clock.polls & 1023u) == 0 && timed_out_peers(c) != 0) {
+          ok = false;
+          break;
+        }
         if (clock.expired()) {
           comm::report_error(error, comm::kErrorTimeout, comm::kWaitInternodeLocal, c.rank, p,
                              (uint64_t(node) << 32) | uint64_t(first / C), flag, v);
