@@ -234,3 +234,36 @@ def test_in_step_apart_leaves_each_rank_on_its_own(tmp_path, raise_on):
     assert results[0] == (0, [0, 1])
     want_1 = "ValueError: bad input on rank 1" if raise_on == 1 else 10
     assert results[1] == (want_1, [0, 1])
+
+
+def test_named_rank_reads_the_timeout_message():
+    e = RuntimeError("rank 6 timed out waiting for (on the GPU) a chunk ... from rank 2 (id 11)")
+    assert worker_driver.named_rank(e) == 2
+    assert worker_driver.named_rank(RuntimeError("no peer here")) is None
+    assert worker_driver.named_rank(None) is None
+
+
+def test_chain_fault_follows_the_names_to_the_dead_rank():
+    # 4 x 2 with rank 7 dead, as measured: 6 names 2, 2 names 7 (or 3 names 7).
+    named = {0: 7, 1: 3, 2: 7, 3: 7, 4: 7, 5: 7, 6: 2}
+    assert all(worker_driver.chain_fault(r, named, 7) is None for r in named)
+    assert "cycle" in worker_driver.chain_fault(0, {0: 1, 1: 0}, 7)
+    assert "named no rank" in worker_driver.chain_fault(0, {0: 1, 1: None}, 7)
+    assert "not a survivor" in worker_driver.chain_fault(0, {0: 5}, 7)
+
+
+def test_post_and_collect_shares_the_posts_and_removes_the_folder(tmp_path):
+    folder = tmp_path / "posts"
+    folder.mkdir()
+    (folder / "1.json").write_text('{"named": 7}')
+    (folder / "1.read").write_text("")
+    got = worker_driver.post_and_collect(str(folder), 0, [0, 1], 1)
+    assert got == {0: 1, 1: 7}
+    assert not folder.exists()
+
+
+def test_post_and_collect_returns_what_came_in_time(tmp_path, monkeypatch):
+    monkeypatch.setattr(worker_driver, "POST_WAIT_S", 0.2)
+    got = worker_driver.post_and_collect(str(tmp_path), 1, [0, 1], 7)
+    assert got == {1: 7}
+    assert (tmp_path / "1.read").exists()

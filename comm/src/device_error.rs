@@ -181,6 +181,30 @@ mod tests {
     }
 
     #[test]
+    fn every_wait_kind_has_a_description_and_a_poisoned_partial_names_its_forwarder() {
+        for v in 1..=15 {
+            let k = WaitKind::from_u32(v).unwrap_or_else(|| panic!("kind {v}"));
+            assert_eq!(k as u32, v);
+            assert!(!k.describe().is_empty());
+        }
+        assert_eq!(WaitKind::from_u32(16), None);
+        let flag = (0x4d4c4e4b_u64 << 32) | 9;
+        let r = record_with((
+            ERROR_TIMEOUT,
+            WaitKind::InternodePoisoned,
+            0,
+            6,
+            (3 << 32) | 40,
+            flag,
+            flag | 1 << 63,
+        ));
+        let msg = r.check().unwrap_err().to_string();
+        assert!(msg.contains("rank 0"), "{msg}");
+        assert!(msg.contains("poison") || msg.contains("NaN"), "{msg}");
+        assert!(msg.contains("from rank 6"), "{msg}");
+    }
+
+    #[test]
     fn check_timeout_leaves_a_bad_argument_for_the_full_check() {
         let r = record_with((
             ERROR_INVALID,

@@ -44,6 +44,7 @@ pub enum WaitKind {
     InternodeChunk = 12,
     InternodeLocal = 13,
     InternodeForward = 14,
+    InternodePoisoned = 15,
 }
 
 impl WaitKind {
@@ -63,6 +64,7 @@ impl WaitKind {
             12 => Self::InternodeChunk,
             13 => Self::InternodeLocal,
             14 => Self::InternodeForward,
+            15 => Self::InternodePoisoned,
             _ => return None,
         })
     }
@@ -107,6 +109,12 @@ impl WaitKind {
             Self::InternodeForward => {
                 "an internode combine row for the forwarder (source token in `id`; expected: \
                  the call's flag, observed: the row's flag)"
+            }
+            Self::InternodePoisoned => {
+                "an internode combine partial that its forwarder could complete (it timed out \
+                 waiting for a rank of its node and sent NaN; its own error names that rank) \
+                 (source node << 32 | slot in `id`; expected: the call's flag, observed: the \
+                 partial's flag)"
             }
         }
     }

@@ -155,6 +155,11 @@ __device__ __forceinline__ int64_t ld_cg_i64(const void* p) {
 }
 __device__ __forceinline__ float ld_cg_f32(const void* p) { return __ldcg(reinterpret_cast<const float*>(p)); }
 
+// A combine partial's flag with this bit set: its forwarder timed out waiting
+// for a copy (a rank of its node) and sent NaN; the source names the forwarder.
+// (flag_value's high word is kFlagMagic, below 2^31: the bit is free.)
+constexpr uint64_t kPoisonedBit = 1ull << 63;
+
 // The value `landed` holds once `chunks` chunks of call `calls` landed.
 __device__ __forceinline__ bool has_landed(uint64_t v, uint64_t calls, int64_t chunks) {
   return (v >> 32) == (calls & 0xffffffffull) && int64_t(v & 0xffffffffull) >= chunks;
@@ -216,7 +221,7 @@ __device__ bool put_chunks(const XCtx& x, int p, int64_t count, uint64_t src_off
       // peer's timeout and is bounded by twice a peer wait.
       comm::WaitClock clock(2 * c.timeout_ns);
       uint64_t v;
-      while ((v = comm::load_acquire_sys(f)) != flag) {
+      while (((v = comm::load_acquire_sys(f)) & ~kPoisonedBit) != flag) {
         if ((clock.polls & 1023u) == 0 && timed_out_peers(c) != 0) {
           ok = false;
           break;
@@ -729,7 +734,7 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
       __syncwarp();
       if (lane == 0) {
         fence_acq_rel_sys();
-        comm::store_relaxed_sys(record_flag(out, rb), flag);
+        comm::store_relaxed_sys(record_flag(out, rb), all_ok ? flag : flag | kPoisonedBit);
       }
     }
   } else if (b == nsend + nfwd) {
@@ -760,10 +765,21 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
       // Lane n waits for node n's partial of t.
       if (lane < N && lane != my_node) {
         const int idx = a.node_head[t * N + lane];
+        const int f = lane * L + my_local;
         if (idx >= 0)
-          ok = ok && wait_landed(c, x.landed + kMaxNodes + lane, calls, int64_t(idx) / C + 1,
-                                 lane * L + my_local, a.error, comm::kWaitInternodeChunk,
-                                 uint64_t(idx / C));
+          ok = ok && wait_landed(c, x.landed + kMaxNodes + lane, calls, int64_t(idx) / C + 1, f,
+                                 a.error, comm::kWaitInternodeChunk, uint64_t(idx / C));
+        if (idx >= 0 && ok) {
+          // Landed, but poisoned by its forwarder: NaN here too, and the error
+          // names the forwarder (which names the rank it waited for).
+          char* rec = c.local + x.precv_offset + (int64_t(lane) * x.xslots + idx) * rb;
+          const uint64_t v = uint64_t(ld_cg_i64(record_flag(rec, rb)));
+          if (v != flag) {
+            comm::report_error(a.error, comm::kErrorTimeout, comm::kWaitInternodePoisoned, c.rank,
+                               f, (uint64_t(lane) << 32) | uint64_t(idx), flag, v);
+            ok = false;
+          }
+        }
       }
       if (__ballot_sync(0xffffffffu, !ok) != 0) {
         poison_token(r, t, lane);

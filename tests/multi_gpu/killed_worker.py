@@ -8,20 +8,29 @@ victim) starts a second dispatch with ``async_finish=True`` and leaves at once w
 kernels run (it exits 0 because the launcher stops every rank on a non-zero exit).
 The others run the same dispatch, then a combine, synchronizing and calling
 ``check()`` after each: one of these must raise ``moelink.TimeoutError`` that names
-the victim, within ``BOUND_S`` of the dispatch's start. Across emulated nodes
-(``MOELINK_RANKS_PER_NODE=L``) a rank of another node may instead name the rank
-that forwards the victim's node to it (that node's rank with its own local index),
-which waits for the victim. Each survivor prints ``PASS killed_rank [rank r]`` or
-``FAIL killed_rank [rank r]: ...`` and leaves with ``os._exit`` (a Buffer whose peer
-is gone is not torn down collectively); the exit code is 1 on FAIL.
+a rank ("from rank N"), within ``BOUND_S`` of the dispatch's start.
 
-Run with 2 or more ranks under ``python -m moelink.launch`` (or torchrun).
+The rank named is the one this rank waited for, and a survivor that gave up stops
+too: across emulated nodes (``MOELINK_RANKS_PER_NODE=L``) a rank of another node
+waits for the victim's node through a forwarder (measured, 4 x 2: rank 6, the
+victim's node-mate, waited in its combine for rank 2, which had stopped at its
+dispatch's wait for the victim). So the contract is the chain: following "names"
+from any survivor reaches the victim, without a cycle. The survivors post what
+they named as files in a folder of this host (``MOELINK_KILLED_DIR``, default
+the temporary folder; the emulated nodes share it) and each checks the whole
+chain. Each survivor prints ``PASS killed_rank [rank r]`` or ``FAIL killed_rank
+[rank r]: ...`` and leaves with ``os._exit`` (a Buffer whose peer is gone is not
+torn down collectively); the exit code is 1 on FAIL.
+
+Run with 2 or more ranks under ``python -m moelink.launch`` (or torchrun), all on
+one host.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import tempfile
 import time
 
 DEVICE_TIMEOUT_S = 3
@@ -31,7 +40,7 @@ import moelink  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import worker_driver  # noqa: E402
-from intranode_worker import buffer_bytes, ranks_per_node  # noqa: E402
+from intranode_worker import buffer_bytes  # noqa: E402
 
 #: Seconds from the survivors' dispatch to the TimeoutError, at most: the
 #: dispatch's and the combine's device bounds, the host's wait for notify's
@@ -75,10 +84,7 @@ def main() -> int:
     wg = worker_driver.init_worker(120)
     rank, world, dev = wg.rank, wg.world, wg.device
     victim = world - 1
-    per_node = ranks_per_node(world) or world
-    blamed = {victim}
-    if rank // per_node != victim // per_node:
-        blamed.add(victim // per_node * per_node + rank % per_node)
+    survivors = [r for r in range(world) if r != victim]
     buf = moelink.Buffer(wg.group, *buffer_bytes(world, HIDDEN, TOKENS), explicitly_destroy=True)
     x, idx, w, experts = inputs(rank, world, dev)
     # One round that every rank finishes: the Buffer works before the kill.
@@ -86,6 +92,13 @@ def main() -> int:
     buf.combine(recv_x, handle, topk_weights=recv_w)
     settle(buf, dev)
     del recv_x, recv_w, handle
+    # A folder of this run's posts (rank 0 names it; every rank agrees before the kill).
+    token = [None]
+    if rank == 0:
+        root = os.environ.get("MOELINK_KILLED_DIR") or tempfile.gettempdir()
+        token[0] = tempfile.mkdtemp(prefix="moelink-killed-", dir=root)
+    dist.broadcast_object_list(token, src=0, group=wg.gloo)
+    folder = token[0]
     dist.barrier(group=wg.gloo)
     if rank == victim:
         dispatch(buf, x, idx, w, experts, async_finish=True)
@@ -101,14 +114,17 @@ def main() -> int:
     except moelink.TimeoutError as e:
         error = e
     took = time.time() - t0
+    named = worker_driver.post_and_collect(folder, rank, survivors, worker_driver.named_rank(error))
+    missing = [r for r in survivors if r not in named]
     if error is None:
         why = f"no TimeoutError after the victim (rank {victim}) left ({took:.1f} s)"
-    elif not any(f"from rank {b}" in str(error) for b in blamed):
-        why = f"the TimeoutError names none of ranks {sorted(blamed)}: {str(error)[:300]}"
     elif took > BOUND_S:
         why = f"the TimeoutError came after {took:.1f} s (bound {BOUND_S} s)"
+    elif missing:
+        why = f"ranks {missing} posted nothing in {worker_driver.POST_WAIT_S} s"
     else:
-        why = None
+        fault = worker_driver.chain_fault(rank, named, victim)
+        why = None if fault is None else f"{fault}: {str(error)[:300]}"
     if why is None:
         print(f"PASS killed_rank [rank {rank}] ({took:.1f} s): {str(error)[:160]}", flush=True)
     else:

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import json
 import os
+import re
+import shutil
 import sys
 import threading
 import time
@@ -263,6 +266,68 @@ def worker_main(control_timeout_s: float, run_all) -> int:
     inside ``run_worker``. Returns the exit status."""
     wg = init_worker(control_timeout_s)
     return run_worker(wg, lambda: run_all(wg))
+
+
+# The blame chain of a rank that died (killed_worker.py): every survivor's
+# TimeoutError names the rank it waited for; following the names from any
+# survivor must reach the dead rank. The survivors compare notes through files
+# in a folder of the host (the emulated nodes share it).
+
+#: Seconds a survivor waits for the others' posts.
+POST_WAIT_S = 30
+
+
+def named_rank(error: BaseException | None) -> int | None:
+    """The rank a TimeoutError says this rank waited for ("from rank N")."""
+    m = re.search(r"from rank (\d+)", str(error)) if error is not None else None
+    return int(m.group(1)) if m else None
+
+
+def chain_fault(rank: int, named: dict[int, int | None], dead: int) -> str | None:
+    """Why following the names from ``rank`` (``named``: survivor -> the rank it
+    named, None for none) does not reach ``dead``; None when it does."""
+    seen = [rank]
+    while seen[-1] != dead:
+        nxt = named.get(seen[-1])
+        if nxt is None:
+            return f"rank {seen[-1]} named no rank (chain {seen})"
+        if nxt in seen:
+            return f"the chain {seen + [nxt]} has a cycle"
+        if nxt != dead and nxt not in named:
+            return f"rank {nxt} (chain {seen + [nxt]}) is not a survivor that posted"
+        seen.append(nxt)
+    return None
+
+
+def _wait_for_files(folder: str, names: list[str], deadline: float) -> list[str]:
+    """The files of ``names`` in ``folder`` that appeared before ``deadline``."""
+    while True:
+        there = [n for n in names if os.path.exists(os.path.join(folder, n))]
+        if len(there) == len(names) or time.time() > deadline:
+            return there
+        time.sleep(0.05)
+
+
+def post_and_collect(
+    folder: str, rank: int, survivors: list[int], mine: int | None
+) -> dict[int, int | None]:
+    """Posts the rank this one named (``mine``) into ``folder`` and returns every
+    survivor's post that came within ``POST_WAIT_S``. The lowest survivor then
+    removes the folder, once each survivor has read the posts (bounded alike)."""
+    tmp = os.path.join(folder, f".{rank}.tmp")
+    with open(tmp, "w") as f:
+        json.dump({"named": mine}, f)
+    os.replace(tmp, os.path.join(folder, f"{rank}.json"))
+    deadline = time.time() + POST_WAIT_S
+    posts: dict[int, int | None] = {}
+    for name in _wait_for_files(folder, [f"{r}.json" for r in survivors], deadline):
+        with open(os.path.join(folder, name)) as f:
+            posts[int(name.split(".")[0])] = json.load(f)["named"]
+    open(os.path.join(folder, f"{rank}.read"), "w").close()
+    if rank == min(survivors):
+        _wait_for_files(folder, [f"{r}.read" for r in survivors], time.time() + POST_WAIT_S)
+        shutil.rmtree(folder, ignore_errors=True)
+    return posts
 
 
 def bad_ids_failure(launch, check, device, token: int, column: int) -> str | None:
