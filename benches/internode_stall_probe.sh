@@ -13,6 +13,9 @@
 #                      context, stalls with MOELINK_IPC_CONTEXT=primary)
 #   repro-upload-primary   the same in the primary context (expected to FAIL: it
 #                      shows the cause is still there)
+#   repro-ethernet     the same two repros over the Ethernet transport (its copies
+#                      out of and into GPU memory in the proxies' own context)
+#   repro-ethernet-primary   those in the primary context (MOELINK_IPC_CONTEXT=primary)
 #   comm               every comm GPU scenario (2 ranks)
 #   suite-2x2          the internode suite and the killed-rank worker at 2 x 2 (4
 #                      ranks, one per GPU)
@@ -51,6 +54,10 @@ REPROS=port_cuda_ipc_beside_a_spinning_kernel_pageable_upload
 SUITE=(--no-python "$BIN/gpu_multi_rank" --include-ignored --test-threads=1 --nocapture)
 pstep repro-upload 60 env MOELINK_TEST_ONLY=$REPROS $TR --nproc-per-node=2 "${SUITE[@]}"
 pstep repro-upload-primary 60 env MOELINK_IPC_CONTEXT=primary MOELINK_TEST_ONLY=$REPROS \
+  $TR --nproc-per-node=2 "${SUITE[@]}"
+EREPROS=port_ethernet_beside_a_spinning_kernel,port_ethernet_beside_a_spinning_kernel_pageable_upload
+pstep repro-ethernet 60 env MOELINK_TEST_ONLY=$EREPROS $TR --nproc-per-node=2 "${SUITE[@]}"
+pstep repro-ethernet-primary 60 env MOELINK_IPC_CONTEXT=primary MOELINK_TEST_ONLY=$EREPROS \
   $TR --nproc-per-node=2 "${SUITE[@]}"
 pstep comm 120 env MOELINK_TEST_SKIP=create_destroy_500x1GiB $TR --nproc-per-node=2 "${SUITE[@]}"
 X=(GPU_RUN_INTERNODE_TIMEOUT_S=10)

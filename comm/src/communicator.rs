@@ -591,7 +591,7 @@ impl Communicator {
         let len = memory.len() as u64;
         let ib = self.ib_register(ptr, len, Location::Device(memory.device().ordinal))?;
         let ethernet = self.ethernet.as_ref().map(|rx| {
-            rx.register(ptr, len, Location::Device(memory.device().ordinal));
+            rx.register_process_wide(ptr, len, Location::Device(memory.device().ordinal));
             (rx.clone(), ptr)
         });
         let info = self.memory_info(

@@ -297,6 +297,14 @@ impl Device {
     }
 }
 
+/// Whether the proxies issue their GPU work (CUDA IPC puts, Ethernet's copies
+/// out of and into GPU memory) in a context of their own
+/// ([`Device::proxy_context`], the default) for memory mapped process-wide.
+/// `MOELINK_IPC_CONTEXT=primary` keeps all of it in the primary context.
+pub fn proxy_context_wanted() -> bool {
+    !std::env::var("MOELINK_IPC_CONTEXT").is_ok_and(|v| v == "primary")
+}
+
 /// Puts back, when dropped, the context that was current on the calling
 /// thread when it was made. Work in the proxy's own context
 /// ([`Device::proxy_context`]) done from a caller's thread (creating or

@@ -85,6 +85,16 @@ pub struct MemoryInfo {
 }
 
 impl MemoryInfo {
+    /// Whether a context of this process other than the primary one (the
+    /// proxies' own, [`crate::cuda::Device::proxy_context`]) can address the
+    /// memory: cuMem (VMM) allocations and host memory (allocated or
+    /// registered PORTABLE) are mapped process-wide; a `cuMemAlloc`
+    /// allocation (legacy IPC) or memory of another allocator belongs to the
+    /// primary context.
+    pub fn process_wide(&self) -> bool {
+        self.location == Location::Host || matches!(self.ipc, Some(IpcExport::Vmm { .. }))
+    }
+
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut w = Writer::default();
         w.u32(0x4d454d31) // "MEM1"

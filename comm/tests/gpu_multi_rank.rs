@@ -545,7 +545,7 @@ fn port_put_signal_flush(
     Ok(())
 }
 
-/// What [`port_cuda_ipc_beside_a_spinning_kernel`] queues behind its spinning kernels.
+/// What [`port_beside_a_spinning_kernel`] queues behind its spinning kernels.
 #[derive(Clone, Copy, Debug)]
 enum Queued {
     /// Nothing.
@@ -660,15 +660,16 @@ impl PageableUpload {
 }
 
 /// Issue 17's stall, reduced (docs/design-internode.md, "Status"): the proxy's
-/// CUDA IPC copies while kernels of this rank spin on two streams, as the
+/// copies (`transport`: CUDA IPC's puts, or Ethernet's copies out of and into
+/// GPU memory) while kernels of this rank spin on two streams, as the
 /// internode dispatch's senders and its fused receivers do. On a side stream a
 /// kernel waits for the partner's K signals; on the main stream a kernel pushes
 /// K puts with signals; `queued` says what else waits in the streams (the
 /// variants tell which ingredient a stall needs). Every wait is bounded; the
 /// data is checked.
-fn port_cuda_ipc_beside_a_spinning_kernel(c: &Ctx, queued: Queued) -> R {
+fn port_beside_a_spinning_kernel(c: &Ctx, transport: Transport, queued: Queued) -> R {
     let side = OwnedStream::new(c.device)?;
-    let result = beside_a_spinning_kernel(c, &side, queued);
+    let result = beside_a_spinning_kernel(c, &side, transport, queued);
     if result.is_err() {
         // A stall times the kernels out on the GPU: let them end, and clear the
         // record so that the scenarios after this one start clean.
@@ -681,8 +682,13 @@ fn port_cuda_ipc_beside_a_spinning_kernel(c: &Ctx, queued: Queued) -> R {
     result
 }
 
-fn beside_a_spinning_kernel(c: &Ctx, side: &OwnedStream, queued: Queued) -> R {
-    let p = port_channels(c, &c.comm, &c.buf, Transport::CudaIpc)?;
+fn beside_a_spinning_kernel(
+    c: &Ctx,
+    side: &OwnedStream,
+    transport: Transport,
+    queued: Queued,
+) -> R {
+    let p = port_channels(c, &c.comm, &c.buf, transport)?;
     let h = p.chans[c.partner()]
         .as_ref()
         .unwrap()
@@ -1268,34 +1274,45 @@ fn multi_rank_suite() {
             port_atomics(c, &c.comm, &c.buf, Transport::CudaIpc)
         }),
         ("port_cuda_ipc_beside_a_spinning_kernel", |c| {
-            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::Nothing)
+            port_beside_a_spinning_kernel(c, Transport::CudaIpc, Queued::Nothing)
         }),
         ("port_cuda_ipc_beside_a_spinning_kernel_flush_queued", |c| {
-            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::FlushBehindPuts)
+            port_beside_a_spinning_kernel(c, Transport::CudaIpc, Queued::FlushBehindPuts)
         }),
         (
             "port_cuda_ipc_beside_a_spinning_kernel_kernel_queued",
-            |c| port_cuda_ipc_beside_a_spinning_kernel(c, Queued::KernelBehindWait),
+            |c| port_beside_a_spinning_kernel(c, Transport::CudaIpc, Queued::KernelBehindWait),
         ),
         ("port_cuda_ipc_beside_a_spinning_kernel_big_puts", |c| {
-            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::BigPuts)
+            port_beside_a_spinning_kernel(c, Transport::CudaIpc, Queued::BigPuts)
         }),
         ("port_cuda_ipc_pusher_waits", |c| {
-            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::PusherWaits)
+            port_beside_a_spinning_kernel(c, Transport::CudaIpc, Queued::PusherWaits)
         }),
         ("port_cuda_ipc_beside_a_spinning_kernel_copy_queued", |c| {
-            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::CopyBehindWait)
+            port_beside_a_spinning_kernel(c, Transport::CudaIpc, Queued::CopyBehindWait)
         }),
         (
             "port_cuda_ipc_beside_a_spinning_kernel_copy_after_it",
-            |c| port_cuda_ipc_beside_a_spinning_kernel(c, Queued::CopyAfterWaitElsewhere),
+            |c| {
+                port_beside_a_spinning_kernel(c, Transport::CudaIpc, Queued::CopyAfterWaitElsewhere)
+            },
         ),
         ("port_cuda_ipc_beside_a_spinning_kernel_alloc", |c| {
-            port_cuda_ipc_beside_a_spinning_kernel(c, Queued::AllocBeforePuts)
+            port_beside_a_spinning_kernel(c, Transport::CudaIpc, Queued::AllocBeforePuts)
         }),
         (
             "port_cuda_ipc_beside_a_spinning_kernel_pageable_upload",
-            |c| port_cuda_ipc_beside_a_spinning_kernel(c, Queued::PageableUploadAfterIt),
+            |c| port_beside_a_spinning_kernel(c, Transport::CudaIpc, Queued::PageableUploadAfterIt),
+        ),
+        ("port_ethernet_beside_a_spinning_kernel", |c| {
+            port_beside_a_spinning_kernel(c, Transport::Ethernet, Queued::Nothing)
+        }),
+        (
+            "port_ethernet_beside_a_spinning_kernel_pageable_upload",
+            |c| {
+                port_beside_a_spinning_kernel(c, Transport::Ethernet, Queued::PageableUploadAfterIt)
+            },
         ),
         ("port_ethernet_put_signal_flush", |c| {
             port_put_signal_flush(c, &c.comm, &c.buf, Transport::Ethernet)

@@ -27,7 +27,7 @@ use cudarc::driver::sys;
 use super::{AtomicWidth, Connection, Put, Transport};
 use crate::cuda::{Device, OwnedStream, RestoreCurrent};
 use crate::error::{CommError, CudaResultExt, Result};
-use crate::registered_memory::{IpcExport, Location, RegisteredMemory};
+use crate::registered_memory::{Location, RegisteredMemory};
 
 /// How many stream operations a connection enqueued, and how many of them
 /// are known complete. Operations are counted after they were enqueued; a
@@ -127,7 +127,7 @@ pub struct IpcStreams {
 impl IpcStreams {
     pub fn new(device: Device) -> Result<Self> {
         let _restore = RestoreCurrent::new()?;
-        let own = if std::env::var("MOELINK_IPC_CONTEXT").is_ok_and(|v| v == "primary") {
+        let own = if !crate::cuda::proxy_context_wanted() {
             None
         } else {
             match device.proxy_context().and_then(OwnedStream::new) {
@@ -183,11 +183,11 @@ impl Drop for IpcStreams {
     }
 }
 
-/// Whether the proxy's own context can address `m`: cuMem (VMM) memory and
-/// host memory (allocated or registered PORTABLE) are mapped process-wide;
-/// a `cuMemAlloc` allocation (legacy IPC) belongs to the primary context.
+/// Whether the proxy's own context can address `m` ([`MemoryInfo::process_wide`]).
+///
+/// [`MemoryInfo::process_wide`]: crate::registered_memory::MemoryInfo::process_wide
 fn process_wide(m: &RegisteredMemory) -> bool {
-    m.info().location == Location::Host || matches!(m.info().ipc, Some(IpcExport::Vmm { .. }))
+    m.info().process_wide()
 }
 
 #[derive(Debug)]

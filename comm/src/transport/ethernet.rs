@@ -43,9 +43,9 @@ use cudarc::driver::sys;
 
 use super::ib::config::SignalMode;
 use super::ib::imm::{self, Action, Record};
-use super::inbound::{ApplyError, Op, Regions};
+use super::inbound::{ApplyError, ApplyStreams, Op, Regions};
 use super::{AtomicWidth, Connection, Put, Transport};
-use crate::cuda::{Device, OwnedStream};
+use crate::cuda::{Device, OwnedStream, RestoreCurrent};
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::registered_memory::{Location, RegisteredMemory};
 use crate::wire::{u32_at, u64_at};
@@ -266,6 +266,15 @@ impl EthernetReceiver {
         self.shared.regions.register(ptr, len, location);
     }
 
+    /// [`register`](Self::register) for a cuMem allocation (mapped
+    /// process-wide): peers' operations on it go on the proxies' own context
+    /// ([`super::inbound`]).
+    pub fn register_process_wide(&self, ptr: u64, len: u64, location: Location) {
+        self.shared
+            .regions
+            .register_process_wide(ptr, len, location);
+    }
+
     /// Removes the registration starting at `ptr`. Once this returns, no
     /// operation touches that memory; later ones are rejected.
     pub fn unregister(&self, ptr: u64) {
@@ -357,7 +366,7 @@ fn serve(shared: &Shared, mut sock: TcpStream, mut peer: String) {
     }
     let rank = shared.rank;
     let mut payload = Vec::new();
-    let mut stream: Option<OwnedStream> = None;
+    let mut stream = ApplyStreams::default();
     // The sender's rank (from HELLO) and the IMM records applied so far.
     let (mut peer_rank, mut imms) = (usize::MAX, 0u64);
     let reply = |sock: &mut TcpStream, h: Header, msg: &[u8]| {
@@ -451,7 +460,7 @@ fn apply(
     payload: &[u8],
     imms: &mut u64,
     peer: usize,
-    stream: &mut Option<OwnedStream>,
+    stream: &mut ApplyStreams,
 ) -> std::result::Result<(), OpError> {
     let op = match (h.op, h.flag) {
         (OP_WRITE, _) => Op::Write {
@@ -535,11 +544,15 @@ pub struct EthernetConnection {
     /// IMM records sent so far (held while one is sent, so records go out
     /// in sequence).
     imms: Mutex<u64>,
-    /// Per source device, the non-blocking stream its device-to-host copies
-    /// go on. (A synchronous `cuMemcpyDtoH` runs on the legacy default stream,
-    /// so it waited for every kernel the caller queued there, e.g. an
-    /// internode dispatch spinning until this very copy's data landed.)
-    copy_streams: Mutex<Vec<(i32, Arc<OwnedStream>)>>,
+    /// Per source device and context (the primary one or the proxies' own,
+    /// see [`copy_device`](Self::copy_device)), the non-blocking stream its
+    /// device-to-host copies go on. (A synchronous `cuMemcpyDtoH` runs on the
+    /// legacy default stream, so it waited for every kernel the caller queued
+    /// there, e.g. an internode dispatch spinning until this very copy's data
+    /// landed.)
+    copy_streams: Mutex<Vec<(Device, Arc<OwnedStream>)>>,
+    /// Set once the proxies' own context could not be made here.
+    own_failed: AtomicBool,
 }
 
 impl std::fmt::Debug for EthernetConnection {
@@ -553,18 +566,42 @@ impl std::fmt::Debug for EthernetConnection {
 }
 
 impl EthernetConnection {
-    /// The non-blocking stream of `dev`'s device-to-host copies (created on
-    /// first use).
+    /// The context to copy out of `dev`'s memory in: the proxies' own
+    /// ([`Device::proxy_context`]) for memory mapped process-wide, as CUDA
+    /// IPC's puts (in the primary context a CUDA call of the process that
+    /// waits on the GPU can hold the copy back, issue 17), else the primary.
+    fn copy_device(&self, dev: Device, process_wide: bool) -> Device {
+        if !process_wide
+            || !crate::cuda::proxy_context_wanted()
+            || self.own_failed.load(Ordering::Acquire)
+        {
+            return dev;
+        }
+        match dev.proxy_context() {
+            Ok(own) => own,
+            Err(e) => {
+                tracing::warn!(
+                    "{e}; Ethernet copies out of GPU {} go on the primary context",
+                    dev.ordinal
+                );
+                self.own_failed.store(true, Ordering::Release);
+                dev
+            }
+        }
+    }
+
+    /// The non-blocking stream of `dev`'s device-to-host copies in `dev`'s
+    /// context (created on first use).
     fn copy_stream(&self, dev: Device) -> Result<Arc<OwnedStream>> {
         let mut streams = self
             .copy_streams
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        if let Some((_, s)) = streams.iter().find(|(d, _)| *d == dev.ordinal) {
+        if let Some((_, s)) = streams.iter().find(|(d, _)| d.ctx == dev.ctx) {
             return Ok(s.clone());
         }
         let s = Arc::new(OwnedStream::new(dev)?);
-        streams.push((dev.ordinal, s.clone()));
+        streams.push((dev, s.clone()));
         Ok(s)
     }
 
@@ -631,6 +668,7 @@ impl EthernetConnection {
             mode: SignalMode::Host,
             imms: Mutex::new(0),
             copy_streams: Mutex::new(Vec::new()),
+            own_failed: AtomicBool::new(false),
         };
         conn.send_header(Header::new(OP_HELLO, rank as u64, 0), deadline)?;
         Ok(conn)
@@ -853,11 +891,16 @@ impl Connection for EthernetConnection {
         }
         let device = match src.info().location {
             Location::Host => None,
-            Location::Device(d) => match self.device {
-                Some(dev) if dev.ordinal == d => Some(dev),
-                _ => Some(Device::get(d)?),
-            },
+            Location::Device(d) => {
+                let dev = match self.device {
+                    Some(dev) if dev.ordinal == d => dev,
+                    _ => Device::get(d)?,
+                };
+                Some(self.copy_device(dev, src.info().process_wide()))
+            }
         };
+        // The own context never stays current on a caller's thread.
+        let _restore = device.map(|_| RestoreCurrent::new()).transpose()?;
         let mut done = 0;
         while done < size {
             let n = (size - done).min(CHUNK as u64) as usize;

@@ -3,7 +3,14 @@
 //! write with immediate (a `host-no-atomic` signal, a 32-bit add). Both run
 //! this code: [`Regions`] checks the target against what the owner
 //! registered and applies the operation to host memory (plain copies, real
-//! atomics) or GPU memory (on the caller's stream, bounded wait).
+//! atomics) or GPU memory (on the caller's [`ApplyStreams`], bounded wait).
+//!
+//! GPU operations on memory mapped process-wide (cuMem) go on a stream of the
+//! proxies' own context ([`Device::proxy_context`]), as CUDA IPC's puts do:
+//! in the primary context they can be held back while another call of the
+//! process waits on the GPU there (issue 17), and the kernel waiting for them
+//! spins out its bound. Other device memory (a `cuMemAlloc` registration)
+//! belongs to the primary context and goes on a stream there.
 //!
 //! | operation | host memory | GPU memory |
 //! |---|---|---|
@@ -87,6 +94,48 @@ impl std::fmt::Display for ApplyError {
 struct Region {
     len: u64,
     location: Location,
+    /// Addressable from the proxies' own context (see the module docs).
+    process_wide: bool,
+}
+
+/// The streams one applying thread puts its GPU operations on, each made at
+/// its first use: the proxies' own context's for process-wide memory, the
+/// primary context's for the rest. Every operation completes before `apply`
+/// returns, so the thread's operations land in order across the two.
+#[derive(Debug, Default)]
+pub struct ApplyStreams {
+    own: Option<OwnedStream>,
+    primary: Option<OwnedStream>,
+    /// The own context could not be made: everything goes to the primary one.
+    own_failed: bool,
+}
+
+impl ApplyStreams {
+    fn for_target(&mut self, dev: Device, process_wide: bool) -> Result<&OwnedStream> {
+        if process_wide && !self.own_failed && crate::cuda::proxy_context_wanted() {
+            if self.own.is_none() {
+                match dev.proxy_context().and_then(OwnedStream::new) {
+                    Ok(s) => self.own = Some(s),
+                    Err(e) => {
+                        tracing::warn!(
+                            "{e}; peers' operations on GPU {} go on the primary context \
+                             (a CUDA call of this process that waits on the GPU can then \
+                             hold them back)",
+                            dev.ordinal
+                        );
+                        self.own_failed = true;
+                    }
+                }
+            }
+            if let Some(s) = &self.own {
+                return Ok(s);
+            }
+        }
+        if self.primary.is_none() {
+            self.primary = Some(OwnedStream::new(dev)?);
+        }
+        Ok(self.primary.as_ref().expect("made above"))
+    }
 }
 
 /// The memory an owner lets peers touch, and how it applies their operations.
@@ -118,10 +167,29 @@ impl Regions {
         self.device
     }
 
-    /// Lets peers touch `[ptr, ptr + len)` (replacing a registration at `ptr`).
+    /// Lets peers touch `[ptr, ptr + len)` (replacing a registration at
+    /// `ptr`). Device memory registered here belongs to the primary context;
+    /// cuMem memory goes through [`register_process_wide`](Self::register_process_wide).
     pub fn register(&self, ptr: u64, len: u64, location: Location) {
+        self.insert(ptr, len, location, location == Location::Host);
+    }
+
+    /// [`register`](Self::register) for memory mapped process-wide (a cuMem
+    /// allocation): its GPU operations go on the proxies' own context.
+    pub fn register_process_wide(&self, ptr: u64, len: u64, location: Location) {
+        self.insert(ptr, len, location, true);
+    }
+
+    fn insert(&self, ptr: u64, len: u64, location: Location, process_wide: bool) {
         let mut map = self.map.write().unwrap_or_else(PoisonError::into_inner);
-        map.insert(ptr, Region { len, location });
+        map.insert(
+            ptr,
+            Region {
+                len,
+                location,
+                process_wide,
+            },
+        );
     }
 
     /// Removes the registration at `ptr`; once this returns, nothing lands there.
@@ -139,11 +207,11 @@ impl Regions {
     }
 
     /// Applies `op` if it lies inside a registered region. GPU operations go
-    /// on `stream` (made at the first one) and complete before this returns.
+    /// on one of `streams` and complete before this returns.
     pub fn apply(
         &self,
         op: &Op,
-        stream: &mut Option<OwnedStream>,
+        streams: &mut ApplyStreams,
     ) -> std::result::Result<(), ApplyError> {
         let (what, (ptr, len)) = (op.name(), op.target());
         let rejected = |m: String| ApplyError::Rejected(m);
@@ -180,11 +248,10 @@ impl Regions {
             }
         };
         let failed = |e: CommError| ApplyError::Failed(format!("{what} at {ptr:#x}: {e}"));
-        if stream.is_none() {
-            *stream = Some(OwnedStream::new(dev).map_err(failed)?);
-        }
-        let stream = stream.as_ref().expect("created above");
-        apply_device(op, dev, stream, self.rank).map_err(failed)
+        let stream = streams
+            .for_target(dev, region.process_wide)
+            .map_err(failed)?;
+        apply_device(op, stream, self.rank).map_err(failed)
     }
 }
 
@@ -220,9 +287,10 @@ unsafe fn apply_host(op: &Op) {
     }
 }
 
-/// GPU memory: the operation goes on `stream` and completes (bounded wait)
-/// before this returns, so one caller's operations land in order.
-fn apply_device(op: &Op, dev: Device, stream: &OwnedStream, rank: usize) -> Result<()> {
+/// GPU memory: the operation goes on `stream` (in its context) and completes
+/// (bounded wait) before this returns, so one caller's operations land in order.
+fn apply_device(op: &Op, stream: &OwnedStream, rank: usize) -> Result<()> {
+    let dev = stream.device();
     dev.make_current()?;
     let raw = stream.handle().raw();
     match *op {
@@ -259,7 +327,7 @@ mod tests {
         let base = mem.as_mut_ptr() as u64;
         let r = Regions::new(3, None);
         r.register(base, 64, Location::Host);
-        let mut s = None;
+        let mut s = ApplyStreams::default();
         let data = [7u8; 8];
         r.apply(
             &Op::Write {

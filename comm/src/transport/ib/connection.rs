@@ -34,11 +34,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
-use crate::cuda::OwnedStream;
 use crate::error::{CommError, Result};
 use crate::host_memory::HostMemory;
 use crate::registered_memory::RegisteredMemory;
-use crate::transport::inbound::Regions;
+use crate::transport::inbound::{ApplyStreams, Regions};
 use crate::transport::{AtomicWidth, Connection, Put, Transport};
 
 use super::config::SignalMode;
@@ -406,7 +405,7 @@ impl Link {
         &self,
         q: usize,
         c: &Completion,
-        stream: &mut Option<OwnedStream>,
+        stream: &mut ApplyStreams,
     ) -> Result<()> {
         if c.status != 0 {
             if self.closing.load(Ordering::Acquire) {

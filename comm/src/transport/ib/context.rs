@@ -16,11 +16,11 @@ use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use crate::cuda::{Device, OwnedStream};
+use crate::cuda::Device;
 use crate::error::{CommError, Result};
 use crate::host_memory::HostMemory;
 use crate::registered_memory::{IbKey, Location};
-use crate::transport::inbound::Regions;
+use crate::transport::inbound::{ApplyStreams, Regions};
 use crate::wire::{Reader, Writer};
 
 use super::config::{IbConfig, SignalMode};
@@ -470,7 +470,7 @@ fn receive_loop(shared: &RecvShared) {
             shared.record(&e);
         }
     }
-    let mut stream: Option<OwnedStream> = None;
+    let mut stream = ApplyStreams::default();
     let mut got: Vec<Completion> = Vec::new();
     let mut idle_since: Option<Instant> = None;
     while !shared.stop.load(Ordering::Acquire) {
