@@ -8,11 +8,11 @@ Runs the PERFORMANCE.md workload (moelink.intranode_demo.make_inputs) and prints
 on rank 0, the mean GPU time of every moelink kernel (dispatch_notify,
 dispatch_send, dispatch_wait, dispatch_recv, combine_send, ...) per SM count:
 where the time of a dispatch or a combine goes. With MOELINK_INTRANODE_PROFILE=1
-it also prints the fused kernels' phase stamps of one cached bf16 dispatch and
-one combine, each alone with the device synchronised (per block, from its
-start: warp 0 past its first row, warp 0 out of its row loop, the block's end;
-median / max over blocks, and the spans and skews of senders and receivers) on
-rank 0. No correctness check here: the
+it also prints the fused kernels' phase stamps of one cached bf16 dispatch, one
+cached fp8 dispatch, one full bf16 dispatch and one combine, each alone with the
+device synchronised (per block, from its start: warp 0 past its first row, warp 0
+out of its row loop, the block's end; median / max over blocks, and the spans and
+skews of senders and receivers) on rank 0. No correctness check here: the
 benchmark (intranode_bench.py) does that. Where ranks share a GPU the times are
 one GPU's memory, not NVLink (said once above the table), and SM counts above a
 rank's share of the GPU are left out, as in the benchmark.
@@ -80,11 +80,15 @@ def stamp_lines(stamps: list, window_ns: int = 5_000_000) -> list:
     return lines
 
 
-def print_stamps(buf, rank: int, sms: int, x, recv, recv_w, handle, cfg) -> None:
-    """One cached bf16 dispatch, then one combine, each alone with the device
-    synchronised; rank 0 prints the phase stamps of each."""
+def print_stamps(buf, rank: int, sms: int, x, fp8, layout, recv, recv_w, handle, cfg) -> None:
+    """One cached bf16 dispatch, one cached fp8 dispatch, one full (uncached)
+    bf16 dispatch, then one combine, each alone with the device synchronised;
+    rank 0 prints the phase stamps of each (the fused kernel's; the full call's
+    notify is the profiler's ``dispatch_notify`` above)."""
     calls = (
         ("cached bf16 dispatch", lambda: buf.dispatch(x, handle=handle, config=cfg)),
+        ("cached fp8 dispatch", lambda: buf.dispatch(fp8, handle=handle, config=cfg)),
+        ("full bf16 dispatch", lambda: buf.dispatch(x, config=cfg, **layout)),
         ("combine", lambda: buf.combine(recv, handle, topk_weights=recv_w, config=cfg)),
     )
     for what, call in calls:
@@ -149,7 +153,7 @@ def main() -> None:
                     us = ev.device_time_total / max(ev.count, 1)
                     print(f"{ev.key:24s} count={ev.count:4d} mean={us:9.1f} us", flush=True)
         if os.environ.get("MOELINK_INTRANODE_PROFILE") == "1":
-            print_stamps(buf, rank, sms, inp["x"], recv, recv_w, handle, cfg)
+            print_stamps(buf, rank, sms, inp["x"], fp8, layout, recv, recv_w, handle, cfg)
         dist.barrier()
     buf.destroy()
     dist.destroy_process_group()
