@@ -16,6 +16,14 @@
 //! `MOELINK_FIFO_TAIL_REPLICA=0` to leave the refresh to the producers
 //! (each raises the replica to the host tail it read while waiting).
 //!
+//! `head` and the replica live in a cuMem allocation where the device has
+//! one, and the write goes on a stream of the proxies' own context
+//! ([`Device::proxy_context`]), like CUDA IPC's puts: in the primary context
+//! a CUDA call of the process that waits on the GPU can hold the proxy
+//! thread inside the write (issue 17's second cause; whether stream writes
+//! are held like copies was not measured). A `cuMemAlloc` fallback, or
+//! `MOELINK_IPC_CONTEXT=primary`, keeps it in the primary context.
+//!
 //! The proxy consumes through a [`FifoConsumer`]: it reads triggers in place
 //! and publishes `tail` (clearing the finished slots first) once per batch of
 //! at most [`TAIL_PUBLISH_EVERY`] pops, whenever the ring is found empty, and
@@ -34,19 +42,33 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 
-use crate::cuda::{Device, OwnedStream};
+use crate::cuda::{Device, OwnedStream, RestoreCurrent};
 use crate::device_error::DeviceErrorRecord;
 use crate::device_handles::{FifoDeviceHandle, ProxyTrigger};
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::host_memory::HostMemory;
 use crate::memory::DeviceMemory;
+use crate::vmm::VmmMemory;
 
-/// Where producers' `head` counter lives: GPU memory (GPU producers) or host
-/// memory (host producers only).
+/// Where producers' `head` counter (and the tail replica after it) lives: GPU
+/// memory (GPU producers; cuMem where the device has it, so that the proxies'
+/// own context can write the replica) or host memory (host producers only).
 #[derive(Debug)]
 enum Head {
+    Vmm(VmmMemory),
     Device(DeviceMemory),
     Host(HostMemory),
+}
+
+impl Head {
+    /// The device address of `head` (0 for host memory).
+    fn device_ptr(&self) -> u64 {
+        match self {
+            Head::Vmm(m) => m.ptr(),
+            Head::Device(m) => m.ptr(),
+            Head::Host(_) => 0,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -88,6 +110,9 @@ impl TailReplica {
             return;
         }
         self.sent.store(tail, Ordering::Relaxed);
+        // The proxy thread keeps its own current context (the write may be in
+        // the proxies' own one).
+        let _restore = RestoreCurrent::new();
         if let Err(e) = self.stream.device().make_current() {
             tracing::warn!(
                 "{e}; GPU producers refresh the FIFO tail replica themselves from now on"
@@ -118,6 +143,9 @@ impl TailReplica {
 
 impl Drop for TailReplica {
     fn drop(&mut self) {
+        // Dropped on a caller's thread: the stream's context (maybe the
+        // proxies' own) must not stay current there.
+        let _restore = RestoreCurrent::new();
         // A write still queued must land before the replica's memory is freed.
         if let Err(e) = self.stream.synchronize_bounded(
             Duration::from_secs(10),
@@ -148,12 +176,31 @@ impl Fifo {
         let (ring, head, replica) = match device {
             Some(d) => {
                 // [head, tail_replica]
-                let head = DeviceMemory::alloc(d, 16)?;
-                head.fill(0)?;
+                let own = replica_enabled() && crate::cuda::proxy_context_wanted();
+                let head = match own.then(|| VmmMemory::alloc(d, 16)) {
+                    Some(Ok(m)) => Head::Vmm(m),
+                    Some(Err(e)) => {
+                        tracing::debug!("{e}: the FIFO head goes in cuMemAlloc memory");
+                        Head::Device(DeviceMemory::alloc(d, 16)?)
+                    }
+                    None => Head::Device(DeviceMemory::alloc(d, 16)?),
+                };
+                // SAFETY: the first 16 bytes of the allocation just made.
+                unsafe { d.memset_sync(head.device_ptr(), 16, 0) }?;
                 let replica = if replica_enabled() {
+                    let writer = match &head {
+                        Head::Vmm(_) => d.proxy_context().unwrap_or_else(|e| {
+                            tracing::warn!(
+                                "{e}; the FIFO tail replica is written in the primary context"
+                            );
+                            d
+                        }),
+                        _ => d,
+                    };
+                    let _restore = RestoreCurrent::new()?;
                     Some(TailReplica {
-                        stream: OwnedStream::new(d)?,
-                        ptr: head.ptr() + 8,
+                        stream: OwnedStream::new(writer)?,
+                        ptr: head.device_ptr() + 8,
                         every: (size as u64 / 4).max(1),
                         sent: AtomicU64::new(0),
                         failed: AtomicBool::new(false),
@@ -161,7 +208,7 @@ impl Fifo {
                 } else {
                     None
                 };
-                (HostMemory::pinned(d, bytes)?, Head::Device(head), replica)
+                (HostMemory::pinned(d, bytes)?, head, replica)
             }
             None => (
                 HostMemory::heap(bytes),
@@ -232,10 +279,7 @@ impl Fifo {
     }
 
     pub fn device_handle(&self) -> FifoDeviceHandle {
-        let head = match &self.head {
-            Head::Device(m) => m.ptr(),
-            Head::Host(_) => 0,
-        };
+        let head = self.head.device_ptr();
         FifoDeviceHandle {
             triggers: self.ring.device_ptr(),
             head,
@@ -255,7 +299,7 @@ impl Fifo {
                 fifo: self,
                 head: h.atomic_u64(0),
             }),
-            Head::Device(_) => Err(CommError::invalid(
+            Head::Vmm(_) | Head::Device(_) => Err(CommError::invalid(
                 "fifo",
                 "this FIFO's head counter is in GPU memory: only GPU threads can push",
             )),
