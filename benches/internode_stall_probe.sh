@@ -21,10 +21,14 @@
 #                      ranks, one per GPU)
 #   speed-internode    benches/speed_run.sh internode (the emulated 2 x 2 bench)
 #   suite-ll-2x2       the low-latency suite at 2 x 2 (mixed transports)
+#   suite-ll-2x4       the same at 2 x 4 (8 ranks, 2 per GPU)
 #   suite-4x2, suite-2x4   8 ranks, 2 per GPU
 #   suite-2x2-ethernet the 2 x 2 suite with the Ethernet transport forced
 #   memcheck-2x2       compute-sanitizer memcheck over the 2 x 2 data scenarios
 #   main-nodes         the main job, python -m moelink --nodes 2 (4 ranks)
+#   profile-stamps     issue 21: intranode_profile.py's kernel times and the fused
+#                      kernels' phase stamps (bf16, fp8, full dispatch, combine; 4 ranks)
+# On a one-GPU machine the same steps run every rank on that GPU (MPS).
 # PROBE_STEPS (a regex of step names) runs some only: the whole list takes more than
 # one call's 10 minutes (measured 4 x H200: the steps to speed-internode ~170 s, the
 # low-latency suite at 2 x 2 over 200 s).
@@ -66,6 +70,8 @@ pstep suite-2x2 260 env "${X[@]}" GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^(interno
 pstep speed-internode 150 bash benches/speed_run.sh internode "$OUT/speed"
 pstep suite-ll-2x2 540 env "${X[@]}" GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^ll-internode' \
   bash scripts/gpu_run.sh "$OUT/suite-ll-2x2"
+pstep suite-ll-2x4 540 env "${X[@]}" GPU_RUN_INTERNODE=8:4 GPU_RUN_STEPS='^ll-internode' \
+  bash scripts/gpu_run.sh "$OUT/suite-ll-2x4"
 pstep suite-4x2 540 env "${X[@]}" GPU_RUN_INTERNODE=8:2 GPU_RUN_STEPS='^(internode|killed)' \
   bash scripts/gpu_run.sh "$OUT/suite-4x2"
 pstep suite-2x4 540 env "${X[@]}" GPU_RUN_INTERNODE=8:4 GPU_RUN_STEPS='^(internode|killed)' \
@@ -75,6 +81,8 @@ pstep suite-2x2-ethernet 540 env "${X[@]}" GPU_RUN_INTERNODE=4:2:ethernet \
 pstep memcheck-2x2 560 env GPU_RUN_SANITIZE=1 GPU_RUN_INTERNODE=4:2 \
   GPU_RUN_STEPS='^sanitize-memcheck-internode' bash scripts/gpu_run.sh "$OUT/memcheck-2x2"
 pstep main-nodes 300 python3 -m moelink --nodes 2 --ranks 4 --iters 5 --warmup 2 --timeout 280
+pstep profile-stamps 300 env MOELINK_INTRANODE_PROFILE=1 MOELINK_DEVICE_TIMEOUT_S=30 \
+  $TR --nproc-per-node=4 benches/intranode_profile.py --sms 24 48
 echo "internode_stall_probe: $failed failed step(s)"
 step_done
 exit $failed
