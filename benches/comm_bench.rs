@@ -808,8 +808,10 @@ impl Bench {
 
     /// *Collective.* Signal + wait ping-pong between ranks 0 and 1: one
     /// untimed launch of `warmup` iterations, then `reps` launches of `iters`;
-    /// round trip in microseconds as the initiator measured it.
-    fn pingpong(&self, chan: Chan, cfg: &Config) -> Result<Option<Stats>> {
+    /// round trip in microseconds as the initiator measured it. `floor`
+    /// (memory channel only): the relaxed variant, no release or acquire
+    /// (`memchan_pingpong_floor`: what the link and the polling cost alone).
+    fn pingpong(&self, chan: Chan, floor: bool, cfg: &Config) -> Result<Option<Stats>> {
         let mut samples = Vec::with_capacity(cfg.reps);
         for rep in 0..=cfg.reps {
             let iters = if rep == 0 {
@@ -821,13 +823,13 @@ impl Bench {
             // The responder starts first, so the initiator's clock never runs
             // while the other kernel is still being launched.
             let launched = match self.role {
-                Role::Responder => self.launch_pingpong(chan, iters, false),
+                Role::Responder => self.launch_pingpong(chan, floor, iters, false),
                 _ => Ok(()),
             };
             self.agree(&format!("{what} (responder launch)"), launched)?;
             let done = match self.role {
                 Role::Initiator => self
-                    .launch_pingpong(chan, iters, true)
+                    .launch_pingpong(chan, floor, iters, true)
                     .and_then(|()| self.sync(&what))
                     .and_then(|()| self.read_timer(&what))
                     .map(|ns| {
@@ -847,10 +849,22 @@ impl Bench {
         }
     }
 
-    fn launch_pingpong(&self, chan: Chan, iters: i32, initiator: bool) -> Result<()> {
+    fn launch_pingpong(&self, chan: Chan, floor: bool, iters: i32, initiator: bool) -> Result<()> {
         self.poison_timer()?;
         let (dev, s, t) = (self.device, self.stream.handle(), self.out_ns.ptr());
         match chan {
+            // SAFETY: as below.
+            Chan::Memory if floor => unsafe {
+                testing::memchan_pingpong_floor(
+                    dev,
+                    s,
+                    self.mem()?,
+                    iters,
+                    initiator,
+                    DEVICE_TIMEOUT_NS,
+                    t,
+                )
+            },
             // SAFETY: the handles are valid for this device; out_ns is a device u64.
             Chan::Memory => unsafe {
                 testing::memchan_pingpong(
@@ -1367,7 +1381,7 @@ fn run(args: &Args) -> Result<()> {
     // 2. Latencies.
     let mut metrics = Vec::new();
     log("memory-channel signal + wait round trip");
-    if let Some(s) = b.pingpong(Chan::Memory, &cfg)? {
+    if let Some(s) = b.pingpong(Chan::Memory, false, &cfg)? {
         metrics.push(latency_metric(
             "memchan_signal_wait_rtt_us",
             s,
@@ -1380,7 +1394,7 @@ fn run(args: &Args) -> Result<()> {
         ));
     }
     log("port-channel signal + wait round trip");
-    if let Some(s) = b.pingpong(Chan::Port, &cfg)? {
+    if let Some(s) = b.pingpong(Chan::Port, false, &cfg)? {
         metrics.push(latency_metric(
             "portchan_signal_wait_rtt_us",
             s,
@@ -1406,6 +1420,23 @@ fn run(args: &Args) -> Result<()> {
         ));
     }
 
+    // Issue 21: the memory-channel round trip's floor on the same counters
+    // (relaxed reduction, relaxed polling): what of the round trip is the link.
+    log("memory-channel round trip, relaxed floor");
+    if let Some(stats) = b.pingpong(Chan::Memory, true, &cfg)? {
+        metrics.push(Metric {
+            name: "memchan_relaxed_floor_rtt_us",
+            unit: "us",
+            bytes: None,
+            stats,
+            target: None,
+            note: format!(
+                "{} round trips per launch, relaxed red.add + relaxed polling (no release/acquire)",
+                cfg.pingpong_iters
+            ),
+            extra: vec![],
+        });
+    }
     log("latency breakdown (proxy service, stream write)");
     for (name, stats, note) in b.breakdown(&cfg)? {
         metrics.push(Metric {

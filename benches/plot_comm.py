@@ -26,6 +26,7 @@ LATENCIES = [
     ("portchan_signal_wait_rtt_us", "port channel\nsignal + wait RTT"),
     ("fifo_push_pop_rtt_us", "FIFO push -> pop\nround trip"),
     # breakdown (grey: no target)
+    ("memchan_relaxed_floor_rtt_us", "memory channel\nrelaxed floor"),
     ("fifo_proxy_service_us", "proxy service\nper trigger"),
     ("stream_write_value_us", "cuStreamWrite-\nValue64"),
 ]

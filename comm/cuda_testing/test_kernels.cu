@@ -111,6 +111,37 @@ extern "C" __global__ void comm_test_memchan_pingpong(
   pingpong(a);
 }
 
+// The floor of comm_test_memchan_pingpong (issue 21's breakdown): the same
+// ping-pong on the same counters with a relaxed reduction and relaxed polling,
+// no release or acquire: what two NVLink one-way trips and the polling cost by
+// themselves. Synchronises nothing; for timing only.
+extern "C" __global__ void comm_test_memchan_pingpong_floor(
+    const __grid_constant__ PingpongParams<MemoryChannelDeviceHandle> a) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  SemaphoreDeviceHandle s = a.h.semaphore;
+  uint64_t want = *s.expected_inbound;
+  // Every wait bounded: a lost peer leaves the loop after timeout_ns.
+  auto wait = [&]() {
+    ++want;
+    WaitClock clock(a.timeout_ns);
+    while (load_relaxed_sys(s.inbound) < want)
+      if (clock.expired()) return false;
+    return true;
+  };
+  const uint64_t t0 = now_ns();
+  for (int i = 0; i < a.iters; ++i) {
+    if (a.initiator) {
+      s.relaxed_signal();
+      if (!wait()) break;
+    } else {
+      if (!wait()) break;
+      s.relaxed_signal();
+    }
+  }
+  a.out_ns[0] = now_ns() - t0;
+  *s.expected_inbound = want;
+}
+
 // The same over a port channel (signals through the proxy).
 extern "C" __global__ void comm_test_portchan_pingpong(
     const __grid_constant__ PingpongParams<PortChannelDeviceHandle> a) {

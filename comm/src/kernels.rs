@@ -127,6 +127,7 @@ pub mod testing {
         /// Every kernel entry point of the test fatbin (`extern "C"` names).
         pub enum TestKernelId {
             MemchanPingpong => "comm_test_memchan_pingpong",
+            MemchanPingpongFloor => "comm_test_memchan_pingpong_floor",
             PortchanPingpong => "comm_test_portchan_pingpong",
             MemchanCopy => "comm_test_memchan_copy",
             MemchanWait => "comm_test_memchan_wait",
@@ -304,6 +305,36 @@ pub mod testing {
                 device,
                 stream,
                 TestKernelId::MemchanPingpong,
+                h,
+                iters,
+                initiator,
+                timeout_ns,
+                out_ns,
+            )
+        }
+    }
+
+    /// [`memchan_pingpong`] with a relaxed signal and relaxed polling (no
+    /// release, no acquire): the latency floor of the same round trip, for
+    /// timing only (it orders no data).
+    ///
+    /// # Safety
+    /// As [`memchan_pingpong`].
+    pub unsafe fn memchan_pingpong_floor(
+        device: Device,
+        stream: StreamHandle,
+        h: MemoryChannelDeviceHandle,
+        iters: i32,
+        initiator: bool,
+        timeout_ns: i64,
+        out_ns: u64,
+    ) -> Result<()> {
+        // SAFETY: forwarded from the caller's contract.
+        unsafe {
+            pingpong(
+                device,
+                stream,
+                TestKernelId::MemchanPingpongFloor,
                 h,
                 iters,
                 initiator,
