@@ -853,24 +853,17 @@ impl Bench {
         self.poison_timer()?;
         let (dev, s, t) = (self.device, self.stream.handle(), self.out_ns.ptr());
         match chan {
-            // SAFETY: as below.
-            Chan::Memory if floor => unsafe {
-                testing::memchan_pingpong_floor(
-                    dev,
-                    s,
-                    self.mem()?,
-                    iters,
-                    initiator,
-                    DEVICE_TIMEOUT_NS,
-                    t,
-                )
-            },
             // SAFETY: the handles are valid for this device; out_ns is a device u64.
             Chan::Memory => unsafe {
                 testing::memchan_pingpong(
                     dev,
                     s,
                     self.mem()?,
+                    if floor {
+                        testing::Pingpong::RelaxedFloor
+                    } else {
+                        testing::Pingpong::Ordered
+                    },
                     iters,
                     initiator,
                     DEVICE_TIMEOUT_NS,

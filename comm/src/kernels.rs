@@ -286,62 +286,37 @@ pub mod testing {
         unsafe { launch(device, stream, id, 1, 32, p) }
     }
 
+    /// Which memory-channel ping-pong [`memchan_pingpong`] runs.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum Pingpong {
+        /// The semaphore's own signal (release) and wait (acquire).
+        Ordered,
+        /// A relaxed reduction and relaxed polling on the same counters: the
+        /// round trip's floor, for timing only (it orders no data).
+        RelaxedFloor,
+    }
+
     /// Signal/wait ping-pong; `out_ns` (device u64) receives the elapsed time.
     ///
     /// # Safety
     /// The handle's pointers must be valid for `device`; `out_ns` a device u64.
+    #[allow(clippy::too_many_arguments)]
     pub unsafe fn memchan_pingpong(
         device: Device,
         stream: StreamHandle,
         h: MemoryChannelDeviceHandle,
+        kind: Pingpong,
         iters: i32,
         initiator: bool,
         timeout_ns: i64,
         out_ns: u64,
     ) -> Result<()> {
+        let id = match kind {
+            Pingpong::Ordered => TestKernelId::MemchanPingpong,
+            Pingpong::RelaxedFloor => TestKernelId::MemchanPingpongFloor,
+        };
         // SAFETY: forwarded from the caller's contract.
-        unsafe {
-            pingpong(
-                device,
-                stream,
-                TestKernelId::MemchanPingpong,
-                h,
-                iters,
-                initiator,
-                timeout_ns,
-                out_ns,
-            )
-        }
-    }
-
-    /// [`memchan_pingpong`] with a relaxed signal and relaxed polling (no
-    /// release, no acquire): the latency floor of the same round trip, for
-    /// timing only (it orders no data).
-    ///
-    /// # Safety
-    /// As [`memchan_pingpong`].
-    pub unsafe fn memchan_pingpong_floor(
-        device: Device,
-        stream: StreamHandle,
-        h: MemoryChannelDeviceHandle,
-        iters: i32,
-        initiator: bool,
-        timeout_ns: i64,
-        out_ns: u64,
-    ) -> Result<()> {
-        // SAFETY: forwarded from the caller's contract.
-        unsafe {
-            pingpong(
-                device,
-                stream,
-                TestKernelId::MemchanPingpongFloor,
-                h,
-                iters,
-                initiator,
-                timeout_ns,
-                out_ns,
-            )
-        }
+        unsafe { pingpong(device, stream, id, h, iters, initiator, timeout_ns, out_ns) }
     }
 
     /// # Safety

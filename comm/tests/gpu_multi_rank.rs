@@ -165,6 +165,7 @@ fn memchan_pingpong(c: &Ctx) -> R {
             c.device,
             c.stream.handle(),
             h,
+            testing::Pingpong::Ordered,
             1000,
             c.rank % 2 == 0,
             TIMEOUT_NS,
