@@ -146,6 +146,38 @@ impl Device {
         })
     }
 
+    /// Whether this is a [`proxy_context`](Self::proxy_context) device.
+    pub fn is_proxy_context(&self) -> bool {
+        self.own
+    }
+
+    /// The device to issue a proxy's GPU work on for memory mapped
+    /// process-wide: [`proxy_context`](Self::proxy_context) where wanted
+    /// ([`proxy_context_wanted`]) and it can be made, else this (primary)
+    /// one. A failure is warned about once per device (naming `what` goes
+    /// there) and not retried.
+    pub fn proxy_context_or_primary(&self, what: &str) -> Device {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static FAILED: [AtomicBool; MAX_DEVICES] = [const { AtomicBool::new(false) }; MAX_DEVICES];
+        let failed = &FAILED[self.ordinal as usize];
+        if !proxy_context_wanted() || failed.load(Ordering::Acquire) {
+            return *self;
+        }
+        match self.proxy_context() {
+            Ok(own) => own,
+            Err(e) => {
+                if !failed.swap(true, Ordering::AcqRel) {
+                    tracing::warn!(
+                        "{e}; {what} go on GPU {}'s primary context (a CUDA call of this \
+                         process that waits on the GPU can then hold them back)",
+                        self.ordinal
+                    );
+                }
+                *self
+            }
+        }
+    }
+
     /// Make this device's context current on the calling thread: the primary
     /// one, or for a [`proxy_context`](Self::proxy_context) device the
     /// proxy's (then restore the caller's afterwards: [`RestoreCurrent`]).

@@ -189,12 +189,7 @@ impl Fifo {
                 unsafe { d.memset_sync(head.device_ptr(), 16, 0) }?;
                 let replica = if replica_enabled() {
                     let writer = match &head {
-                        Head::Vmm(_) => d.proxy_context().unwrap_or_else(|e| {
-                            tracing::warn!(
-                                "{e}; the FIFO tail replica is written in the primary context"
-                            );
-                            d
-                        }),
+                        Head::Vmm(_) => d.proxy_context_or_primary("FIFO tail replica writes"),
                         _ => d,
                     };
                     let _restore = RestoreCurrent::new()?;

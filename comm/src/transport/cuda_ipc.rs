@@ -127,10 +127,11 @@ pub struct IpcStreams {
 impl IpcStreams {
     pub fn new(device: Device) -> Result<Self> {
         let _restore = RestoreCurrent::new()?;
-        let own = if !crate::cuda::proxy_context_wanted() {
+        let own_dev = device.proxy_context_or_primary("CUDA IPC puts");
+        let own = if !own_dev.is_proxy_context() {
             None
         } else {
-            match device.proxy_context().and_then(OwnedStream::new) {
+            match OwnedStream::new(own_dev) {
                 Ok(s) => Some(s),
                 Err(e) => {
                     tracing::warn!(

@@ -551,8 +551,6 @@ pub struct EthernetConnection {
     /// there, e.g. an internode dispatch spinning until this very copy's data
     /// landed.)
     copy_streams: Mutex<Vec<(Device, Arc<OwnedStream>)>>,
-    /// Set once the proxies' own context could not be made here.
-    own_failed: AtomicBool,
 }
 
 impl std::fmt::Debug for EthernetConnection {
@@ -570,23 +568,11 @@ impl EthernetConnection {
     /// ([`Device::proxy_context`]) for memory mapped process-wide, as CUDA
     /// IPC's puts (in the primary context a CUDA call of the process that
     /// waits on the GPU can hold the copy back, issue 17), else the primary.
-    fn copy_device(&self, dev: Device, process_wide: bool) -> Device {
-        if !process_wide
-            || !crate::cuda::proxy_context_wanted()
-            || self.own_failed.load(Ordering::Acquire)
-        {
-            return dev;
-        }
-        match dev.proxy_context() {
-            Ok(own) => own,
-            Err(e) => {
-                tracing::warn!(
-                    "{e}; Ethernet copies out of GPU {} go on the primary context",
-                    dev.ordinal
-                );
-                self.own_failed.store(true, Ordering::Release);
-                dev
-            }
+    fn copy_device(dev: Device, process_wide: bool) -> Device {
+        if process_wide {
+            dev.proxy_context_or_primary("Ethernet copies out of GPU memory")
+        } else {
+            dev
         }
     }
 
@@ -668,7 +654,6 @@ impl EthernetConnection {
             mode: SignalMode::Host,
             imms: Mutex::new(0),
             copy_streams: Mutex::new(Vec::new()),
-            own_failed: AtomicBool::new(false),
         };
         conn.send_header(Header::new(OP_HELLO, rank as u64, 0), deadline)?;
         Ok(conn)
@@ -896,7 +881,7 @@ impl Connection for EthernetConnection {
                     Some(dev) if dev.ordinal == d => dev,
                     _ => Device::get(d)?,
                 };
-                Some(self.copy_device(dev, src.info().process_wide()))
+                Some(Self::copy_device(dev, src.info().process_wide()))
             }
         };
         // The own context never stays current on a caller's thread.

@@ -106,35 +106,24 @@ struct Region {
 pub struct ApplyStreams {
     own: Option<OwnedStream>,
     primary: Option<OwnedStream>,
-    /// The own context could not be made: everything goes to the primary one.
-    own_failed: bool,
 }
 
 impl ApplyStreams {
     fn for_target(&mut self, dev: Device, process_wide: bool) -> Result<&OwnedStream> {
-        if process_wide && !self.own_failed && crate::cuda::proxy_context_wanted() {
-            if self.own.is_none() {
-                match dev.proxy_context().and_then(OwnedStream::new) {
-                    Ok(s) => self.own = Some(s),
-                    Err(e) => {
-                        tracing::warn!(
-                            "{e}; peers' operations on GPU {} go on the primary context \
-                             (a CUDA call of this process that waits on the GPU can then \
-                             hold them back)",
-                            dev.ordinal
-                        );
-                        self.own_failed = true;
-                    }
-                }
-            }
-            if let Some(s) = &self.own {
-                return Ok(s);
-            }
+        let dev = if process_wide {
+            dev.proxy_context_or_primary("peers' operations on GPU memory")
+        } else {
+            dev
+        };
+        let slot = if dev.is_proxy_context() {
+            &mut self.own
+        } else {
+            &mut self.primary
+        };
+        if slot.is_none() {
+            *slot = Some(OwnedStream::new(dev)?);
         }
-        if self.primary.is_none() {
-            self.primary = Some(OwnedStream::new(dev)?);
-        }
-        Ok(self.primary.as_ref().expect("made above"))
+        Ok(slot.as_ref().expect("made above"))
     }
 }
 
