@@ -357,11 +357,10 @@ impl RestoreCurrent {
 
 impl Drop for RestoreCurrent {
     fn drop(&mut self) {
-        if !self.0.is_null() {
-            // SAFETY: a context that was current on this thread; moelink never
-            // releases its contexts, and a caller's is alive while current.
-            let _ = unsafe { sys::cuCtxSetCurrent(self.0) };
-        }
+        // SAFETY: a context that was current on this thread (moelink never
+        // releases its contexts, and a caller's is alive while current), or
+        // null: then none is current again, as before.
+        let _ = unsafe { sys::cuCtxSetCurrent(self.0) };
     }
 }
 
