@@ -19,6 +19,8 @@
 #   comm               every comm GPU scenario (2 ranks)
 #   suite-2x2          the internode suite and the killed-rank worker at 2 x 2 (4
 #                      ranks, one per GPU)
+#   suite-2x2-threads2 the internode suite at 2 x 2 with two proxy threads per
+#                      Buffer (MOELINK_PROXY_THREADS=2: channels by peer on a pool)
 #   speed-internode    benches/speed_run.sh internode (the emulated 2 x 2 bench)
 #   suite-ll-2x2       the low-latency suite at 2 x 2 (mixed transports)
 #   suite-ll-2x4       the same at 2 x 4 (8 ranks, 2 per GPU)
@@ -69,6 +71,8 @@ pstep comm 120 env MOELINK_TEST_SKIP=create_destroy_500x1GiB $TR --nproc-per-nod
 X=(GPU_RUN_INTERNODE_TIMEOUT_S=10)
 pstep suite-2x2 260 env "${X[@]}" GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^(internode|killed)' \
   bash scripts/gpu_run.sh "$OUT/suite-2x2"
+pstep suite-2x2-threads2 200 env "${X[@]}" MOELINK_PROXY_THREADS=2 GPU_RUN_INTERNODE=4:2 \
+  GPU_RUN_STEPS='^internode' bash scripts/gpu_run.sh "$OUT/suite-2x2-threads2"
 pstep speed-internode 150 bash benches/speed_run.sh internode "$OUT/speed"
 pstep suite-ll-2x2 540 env "${X[@]}" GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^ll-internode' \
   bash scripts/gpu_run.sh "$OUT/suite-ll-2x2"
