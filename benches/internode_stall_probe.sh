@@ -23,7 +23,8 @@
 #                      Buffer (MOELINK_PROXY_THREADS=2: channels by peer on a pool)
 #   speed-internode    benches/speed_run.sh internode (the emulated 2 x 2 bench)
 #   suite-ll-2x2       the low-latency suite at 2 x 2 (mixed transports)
-#   suite-ll-2x4       the same at 2 x 4 (8 ranks, 2 per GPU)
+#   suite-ll-2x4-a, suite-ll-2x4-b   the same at 2 x 4 (8 ranks, 2 per GPU), in two
+#                      halves (2 x 2 took 254 s on 4 GPUs; 8 ranks may not fit one call)
 #   suite-4x2, suite-2x4   8 ranks, 2 per GPU
 #   suite-2x2-ethernet the 2 x 2 suite with the Ethernet transport forced
 #   memcheck-2x2       compute-sanitizer memcheck over the 2 x 2 data scenarios
@@ -76,8 +77,12 @@ pstep suite-2x2-threads2 200 env "${X[@]}" MOELINK_PROXY_THREADS=2 GPU_RUN_INTER
 pstep speed-internode 150 bash benches/speed_run.sh internode "$OUT/speed"
 pstep suite-ll-2x2 540 env "${X[@]}" GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^ll-internode' \
   bash scripts/gpu_run.sh "$OUT/suite-ll-2x2"
-pstep suite-ll-2x4 540 env "${X[@]}" GPU_RUN_INTERNODE=8:4 GPU_RUN_STEPS='^ll-internode' \
-  bash scripts/gpu_run.sh "$OUT/suite-ll-2x4"
+LL_A=basic,modes,standard_shape,out_and_stats
+LL_B=proxy,proxy_loose,invalid_args,cuda_graph,overlap,masked_rank,timeout_mask,timeout_poison,create_destroy
+pstep suite-ll-2x4-a 540 env "${X[@]}" MOELINK_LL_SCENARIOS=$LL_A GPU_RUN_INTERNODE=8:4 \
+  GPU_RUN_STEPS='^ll-internode' bash scripts/gpu_run.sh "$OUT/suite-ll-2x4-a"
+pstep suite-ll-2x4-b 540 env "${X[@]}" MOELINK_LL_SCENARIOS=$LL_B GPU_RUN_INTERNODE=8:4 \
+  GPU_RUN_STEPS='^ll-internode' bash scripts/gpu_run.sh "$OUT/suite-ll-2x4-b"
 pstep suite-4x2 540 env "${X[@]}" GPU_RUN_INTERNODE=8:2 GPU_RUN_STEPS='^(internode|killed)' \
   bash scripts/gpu_run.sh "$OUT/suite-4x2"
 pstep suite-2x4 540 env "${X[@]}" GPU_RUN_INTERNODE=8:4 GPU_RUN_STEPS='^(internode|killed)' \
