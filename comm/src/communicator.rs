@@ -419,7 +419,8 @@ impl Communicator {
                     self.timeout,
                 )?;
                 let info = page.info();
-                let reg = ctx.register(info.owner_ptr, info.len, info.location)?;
+                let reg =
+                    ctx.register(info.owner_ptr, info.len, info.location, info.process_wide())?;
                 Ok(Some((ctx, reg)))
             });
         let mut w = Writer::default();
@@ -502,9 +503,10 @@ impl Communicator {
         ptr: u64,
         len: u64,
         location: Location,
+        process_wide: bool,
     ) -> Result<Option<IbRegistration>> {
         match &self.ib {
-            Some(ctx) => ctx.register(ptr, len, location).map(Some),
+            Some(ctx) => ctx.register(ptr, len, location, process_wide).map(Some),
             None => Ok(None),
         }
     }
@@ -589,7 +591,7 @@ impl Communicator {
         let fd_key = self.fd_server.offer(memory.export_fd()?);
         let ptr = memory.ptr();
         let len = memory.len() as u64;
-        let ib = self.ib_register(ptr, len, Location::Device(memory.device().ordinal))?;
+        let ib = self.ib_register(ptr, len, Location::Device(memory.device().ordinal), true)?;
         let ethernet = self.ethernet.as_ref().map(|rx| {
             rx.register_process_wide(ptr, len, Location::Device(memory.device().ordinal));
             (rx.clone(), ptr)
@@ -626,7 +628,7 @@ impl Communicator {
             .cloned()
             .ok_or_else(|| CommError::invalid("signal page", "neither GPU nor host memory"))?;
         let (ptr, len) = (page.ptr(), mem.len() as u64);
-        let ib = self.ib_register(ptr, len, Location::Host)?;
+        let ib = self.ib_register(ptr, len, Location::Host, true)?;
         let ethernet = self.ethernet.as_ref().map(|rx| {
             rx.register(ptr, len, Location::Host);
             (rx.clone(), ptr)
@@ -687,7 +689,7 @@ impl Communicator {
         let handle = memory.ipc_handle()?;
         let (ptr, len) = (memory.ptr(), memory.len() as u64);
         let location = Location::Device(memory.device().ordinal);
-        let ib = self.ib_register(ptr, len, location)?;
+        let ib = self.ib_register(ptr, len, location, false)?;
         let ethernet = self.ethernet.as_ref().map(|rx| {
             rx.register(ptr, len, location);
             (rx.clone(), ptr)
@@ -712,7 +714,7 @@ impl Communicator {
         len: u64,
         location: Location,
     ) -> Result<RegisteredMemory> {
-        let ib = self.ib_register(ptr, len, location)?;
+        let ib = self.ib_register(ptr, len, location, false)?;
         if let Some(rx) = &self.ethernet {
             rx.register(ptr, len, location);
         }

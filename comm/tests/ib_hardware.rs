@@ -100,7 +100,7 @@ fn gpu_memory_is_registered_and_written() {
     let gpu = DeviceMemory::alloc(dev, len).unwrap();
     gpu.fill(0).unwrap();
     let reg = b
-        .register(gpu.ptr(), len as u64, Location::Device(0))
+        .register(gpu.ptr(), len as u64, Location::Device(0), false)
         .unwrap();
     println!("GPU memory registered by {}", reg.how);
     let info = MemoryInfo {

@@ -45,7 +45,7 @@ impl HostBuf {
     pub fn new(ctx: &IbContext, rank: u32, len: usize) -> R<Self> {
         let ptr = Vec::leak(vec![0u64; len / 8]).as_mut_ptr() as *mut u8;
         let reg = ctx
-            .register(ptr as u64, len as u64, Location::Host)
+            .register(ptr as u64, len as u64, Location::Host, true)
             .map_err(err)?;
         let info = MemoryInfo {
             rank,

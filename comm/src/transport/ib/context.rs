@@ -224,8 +224,16 @@ impl IbContext {
     /// Registers `[ptr, ptr + len)` of `location` with the device: host
     /// memory directly, GPU memory as a dma-buf where the driver exports
     /// one, else by device pointer (the peer-memory module). Peers' records
-    /// may target it while the registration lives.
-    pub fn register(&self, ptr: u64, len: u64, location: Location) -> Result<IbRegistration> {
+    /// may target it while the registration lives. `process_wide`: the
+    /// memory is a cuMem allocation, so the receiving thread applies records
+    /// to it on the proxies' own context ([`Regions::register_process_wide`]).
+    pub fn register(
+        &self,
+        ptr: u64,
+        len: u64,
+        location: Location,
+        process_wide: bool,
+    ) -> Result<IbRegistration> {
         let (mr, how) = match location {
             Location::Host => (
                 self.device
@@ -234,7 +242,11 @@ impl IbContext {
             ),
             Location::Device(d) => self.register_gpu(d, ptr, len)?,
         };
-        self.regions.register(ptr, len, location);
+        if process_wide {
+            self.regions.register_process_wide(ptr, len, location);
+        } else {
+            self.regions.register(ptr, len, location);
+        }
         Ok(IbRegistration {
             regions: self.regions.clone(),
             ptr,
