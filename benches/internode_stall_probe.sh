@@ -31,6 +31,8 @@
 #   main-nodes         the main job, python -m moelink --nodes 2 (4 ranks)
 #   speed-comm         issue 21: benches/speed_run.sh comm (comm_bench, with the
 #                      memory channel's relaxed floor)
+#   host-overhead      issue 21's eager low-latency figures: host time per call with
+#                      its native / allocation / Python breakdown (4 ranks)
 #   profile-stamps     issue 21: intranode_profile.py's kernel times and the fused
 #                      kernels' phase stamps (bf16, fp8, full dispatch, combine; 4 ranks)
 # On a one-GPU machine the same steps run every rank on that GPU (MPS).
@@ -93,6 +95,8 @@ pstep memcheck-2x2 560 env GPU_RUN_SANITIZE=1 GPU_RUN_INTERNODE=4:2 \
   GPU_RUN_STEPS='^sanitize-memcheck-internode' bash scripts/gpu_run.sh "$OUT/memcheck-2x2"
 pstep main-nodes 300 python3 -m moelink --nodes 2 --ranks 4 --iters 5 --warmup 2 --timeout 280
 pstep speed-comm 200 bash benches/speed_run.sh comm "$OUT/speed-comm"
+pstep host-overhead 200 $TR --nproc-per-node=4 benches/host_overhead.py --iters 300 \
+  --breakdown --out "$OUT/host-overhead"
 pstep profile-stamps 300 env MOELINK_INTRANODE_PROFILE=1 MOELINK_DEVICE_TIMEOUT_S=30 \
   $TR --nproc-per-node=4 benches/intranode_profile.py --sms 24 48
 echo "internode_stall_probe: $failed failed step(s)"
