@@ -219,7 +219,7 @@ __device__ bool put_chunks(const XCtx& x, int p, int64_t count, uint64_t src_off
       // first in the killed-rank 2 x 2 run (4 x H200: node-mate rank 3 dead,
       // the report named rank 0, the stream's peer). So it yields to any
       // peer's timeout and is bounded by twice a peer wait.
-      comm::WaitClock clock(2 * c.timeout_ns);
+      comm::WaitClock clock(c.timeout_ns > INT64_MAX / 2 ? INT64_MAX : 2 * c.timeout_ns);
       uint64_t v;
       while (((v = comm::load_acquire_sys(f)) & ~kPoisonedBit) != flag) {
         if ((clock.polls & 1023u) == 0 && timed_out_peers(c) != 0) {
