@@ -151,16 +151,18 @@ impl Device {
         self.own
     }
 
-    /// The device to issue a proxy's GPU work on for memory mapped
-    /// process-wide: [`proxy_context`](Self::proxy_context) where wanted
-    /// ([`proxy_context_wanted`]) and it can be made, else this (primary)
-    /// one. A failure is warned about once per device (naming `what` goes
-    /// there) and not retried.
-    pub fn proxy_context_or_primary(&self, what: &str) -> Device {
+    /// The device to issue a proxy's GPU work on (`what`, for the warning):
+    /// for memory mapped process-wide (`process_wide`: cuMem or host memory,
+    /// [`MemoryInfo::process_wide`]) the [`proxy_context`](Self::proxy_context)
+    /// where wanted ([`proxy_context_wanted`]) and it can be made; else this
+    /// (primary) one. A failure is warned about once per device and not retried.
+    ///
+    /// [`MemoryInfo::process_wide`]: crate::registered_memory::MemoryInfo::process_wide
+    pub fn proxy_context_or_primary(&self, process_wide: bool, what: &str) -> Device {
         use std::sync::atomic::{AtomicBool, Ordering};
         static FAILED: [AtomicBool; MAX_DEVICES] = [const { AtomicBool::new(false) }; MAX_DEVICES];
         let failed = &FAILED[self.ordinal as usize];
-        if !proxy_context_wanted() || failed.load(Ordering::Acquire) {
+        if !process_wide || !proxy_context_wanted() || failed.load(Ordering::Acquire) {
             return *self;
         }
         match self.proxy_context() {

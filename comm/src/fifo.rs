@@ -188,10 +188,10 @@ impl Fifo {
                 // SAFETY: the first 16 bytes of the allocation just made.
                 unsafe { d.memset_sync(head.device_ptr(), 16, 0) }?;
                 let replica = if replica_enabled() {
-                    let writer = match &head {
-                        Head::Vmm(_) => d.proxy_context_or_primary("FIFO tail replica writes"),
-                        _ => d,
-                    };
+                    let writer = d.proxy_context_or_primary(
+                        matches!(head, Head::Vmm(_)),
+                        "FIFO tail replica writes",
+                    );
                     let _restore = RestoreCurrent::new()?;
                     Some(TailReplica {
                         stream: OwnedStream::new(writer)?,

@@ -127,7 +127,7 @@ pub struct IpcStreams {
 impl IpcStreams {
     pub fn new(device: Device) -> Result<Self> {
         let _restore = RestoreCurrent::new()?;
-        let own_dev = device.proxy_context_or_primary("CUDA IPC puts");
+        let own_dev = device.proxy_context_or_primary(true, "CUDA IPC puts");
         let own = if !own_dev.is_proxy_context() {
             None
         } else {
@@ -184,13 +184,6 @@ impl Drop for IpcStreams {
     }
 }
 
-/// Whether the proxy's own context can address `m` ([`MemoryInfo::process_wide`]).
-///
-/// [`MemoryInfo::process_wide`]: crate::registered_memory::MemoryInfo::process_wide
-fn process_wide(m: &RegisteredMemory) -> bool {
-    m.info().process_wide()
-}
-
 #[derive(Debug)]
 pub struct CudaIpcConnection {
     rank: usize,
@@ -244,7 +237,7 @@ impl CudaIpcConnection {
         if self.primary_only.load(Ordering::Acquire) {
             return Ok(self.streams.primary());
         }
-        if mems.iter().all(|m| process_wide(m)) {
+        if mems.iter().all(|m| m.info().process_wide()) {
             return Ok(own);
         }
         own.synchronize_bounded(
@@ -409,7 +402,7 @@ impl Connection for CudaIpcConnection {
 
 #[cfg(test)]
 mod tests {
-    use super::{process_wide, IssueCount};
+    use super::IssueCount;
     use crate::fd_passing::FdAddress;
     use crate::memory::IpcHandle;
     use crate::registered_memory::{IpcExport, Location, MemoryInfo, RegisteredMemory};
@@ -445,12 +438,14 @@ mod tests {
             key: 2,
             len: 4096,
         };
-        assert!(process_wide(&memory(Location::Device(0), Some(vmm))));
-        assert!(process_wide(&memory(Location::Host, Some(shared))));
-        assert!(process_wide(&memory(Location::Host, None)));
+        assert!(memory(Location::Device(0), Some(vmm)).info().process_wide());
+        assert!(memory(Location::Host, Some(shared)).info().process_wide());
+        assert!(memory(Location::Host, None).info().process_wide());
         // cuMemAlloc memory belongs to the primary context.
-        assert!(!process_wide(&memory(Location::Device(0), Some(legacy))));
-        assert!(!process_wide(&memory(Location::Device(0), None)));
+        assert!(!memory(Location::Device(0), Some(legacy))
+            .info()
+            .process_wide());
+        assert!(!memory(Location::Device(0), None).info().process_wide());
     }
 
     #[test]

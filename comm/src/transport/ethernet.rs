@@ -545,7 +545,7 @@ pub struct EthernetConnection {
     /// in sequence).
     imms: Mutex<u64>,
     /// Per source device and context (the primary one or the proxies' own,
-    /// see [`copy_device`](Self::copy_device)), the non-blocking stream its
+    /// see [`Device::proxy_context_or_primary`]), the non-blocking stream its
     /// device-to-host copies go on. (A synchronous `cuMemcpyDtoH` runs on the
     /// legacy default stream, so it waited for every kernel the caller queued
     /// there, e.g. an internode dispatch spinning until this very copy's data
@@ -564,18 +564,6 @@ impl std::fmt::Debug for EthernetConnection {
 }
 
 impl EthernetConnection {
-    /// The context to copy out of `dev`'s memory in: the proxies' own
-    /// ([`Device::proxy_context`]) for memory mapped process-wide, as CUDA
-    /// IPC's puts (in the primary context a CUDA call of the process that
-    /// waits on the GPU can hold the copy back, issue 17), else the primary.
-    fn copy_device(dev: Device, process_wide: bool) -> Device {
-        if process_wide {
-            dev.proxy_context_or_primary("Ethernet copies out of GPU memory")
-        } else {
-            dev
-        }
-    }
-
     /// The non-blocking stream of `dev`'s device-to-host copies in `dev`'s
     /// context (created on first use).
     fn copy_stream(&self, dev: Device) -> Result<Arc<OwnedStream>> {
@@ -881,7 +869,13 @@ impl Connection for EthernetConnection {
                     Some(dev) if dev.ordinal == d => dev,
                     _ => Device::get(d)?,
                 };
-                Some(Self::copy_device(dev, src.info().process_wide()))
+                // The proxies' own context for memory mapped process-wide, as
+                // CUDA IPC's puts (in the primary context a CUDA call of the
+                // process that waits on the GPU can hold the copy back, issue 17).
+                Some(dev.proxy_context_or_primary(
+                    src.info().process_wide(),
+                    "Ethernet copies out of GPU memory",
+                ))
             }
         };
         // The own context never stays current on a caller's thread.

@@ -110,11 +110,7 @@ pub struct ApplyStreams {
 
 impl ApplyStreams {
     fn for_target(&mut self, dev: Device, process_wide: bool) -> Result<&OwnedStream> {
-        let dev = if process_wide {
-            dev.proxy_context_or_primary("peers' operations on GPU memory")
-        } else {
-            dev
-        };
+        let dev = dev.proxy_context_or_primary(process_wide, "peers' operations on GPU memory");
         let slot = if dev.is_proxy_context() {
             &mut self.own
         } else {
