@@ -127,9 +127,12 @@ for split in ${GPU_RUN_INTERNODE:-}; do
     ${xt:+MOELINK_INTERNODE_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 120 \
     tests/multi_gpu/killed_worker.py
   # GPU_RUN_SANITIZE=1: memcheck over the data scenarios on this split (no MPS;
-  # device bounds of 120 s: the sanitizer slows the kernels many times over).
+  # device bounds of 120 s: the sanitizer slows the kernels many times over). A
+  # gloo group: an NCCL one's start-up probes NCCL's kernels with calls the
+  # sanitizer counts as API errors (benches/results/2026-11-27_seventh-session-h200x4).
   [ -n "${GPU_RUN_SANITIZE:-}" ] && [ -z "$xt" ] &&
     run "sanitize-memcheck-internode-$((xn / xl))x${xl}" 540 env MOELINK_MPS=off \
+      MOELINK_DIST_BACKEND=gloo \
       MOELINK_RANKS_PER_NODE="$xl" MOELINK_DEVICE_TIMEOUT_S=120 \
       MOELINK_INTRANODE_SCENARIOS=dispatch_bf16,dispatch_fp8,dispatch_cached,worst_tokens,combine \
       $LAUNCH -n "$xn" --timeout 520 --no-python compute-sanitizer --tool memcheck \

@@ -677,6 +677,37 @@ def test_init_distributed_picks_device_and_backend(
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"  # the no-multicast policy, before the group
 
 
+def test_init_distributed_backend_from_the_environment(monkeypatch):
+    """$MOELINK_DIST_BACKEND picks gloo on GPUs that would get NCCL (the runs under
+    compute-sanitizer); an unknown name is refused before any group is made; an
+    explicit ``backend`` wins."""
+    import torch.distributed as dist
+
+    init = _Recorder()
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setattr(torch.cuda, "set_device", _Recorder())
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", init)
+    for k, v in {
+        "RANK": "1",
+        "WORLD_SIZE": "4",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+    }.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MOELINK_DIST_BACKEND", "gloo")
+    assert launch.init_distributed().backend == "gloo"
+    ((args, kwargs),) = init.calls
+    assert args == ("gloo",) and "device_id" not in kwargs
+    assert launch.init_distributed(backend="nccl").backend == "nccl"
+    monkeypatch.setenv("MOELINK_DIST_BACKEND", "mpi")
+    with pytest.raises(
+        RuntimeError, match=r"\$MOELINK_DIST_BACKEND must be gloo or nccl, got 'mpi'"
+    ):
+        launch.init_distributed()
+    assert len(init.calls) == 2
+
+
 def test_init_distributed_needs_the_launcher_variables(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         monkeypatch.delenv(k, raising=False)

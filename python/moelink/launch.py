@@ -744,9 +744,12 @@ def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> Di
     The device is ``local_rank % torch.cuda.device_count()``. The backend is gloo
     where the host's ranks outnumber its GPUs (``LOCAL_WORLD_SIZE >
     device_count``: NCCL refuses two ranks on one GPU) or there is no GPU, else
-    NCCL bound to the device (``device_id``); ``backend`` overrides. ``timeout_s``
-    bounds every collective of the group. The no-multicast variables are set
-    before the group is made. Where torch.distributed is already initialised,
+    NCCL bound to the device (``device_id``). ``backend`` overrides, and where it is
+    None so does ``$MOELINK_DIST_BACKEND`` (``gloo`` or ``nccl``: the runs under
+    compute-sanitizer take gloo, whose start-up does not probe NCCL's kernels with
+    calls the sanitizer reports as API errors). ``timeout_s`` bounds every
+    collective of the group. The no-multicast variables are set before the group
+    is made. Where torch.distributed is already initialised,
     only the device is set and the group is described. Returns a
     :class:`DistInfo`.
     """
@@ -765,6 +768,12 @@ def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> Di
             f"init_distributed: rank {rank} of {world}, local rank {local_rank} of "
             f"{local_world} is not a valid placement"
         )
+    if backend is None and env.get("MOELINK_DIST_BACKEND"):
+        backend = env["MOELINK_DIST_BACKEND"]
+        if backend not in ("gloo", "nccl"):
+            raise RuntimeError(
+                f"init_distributed: $MOELINK_DIST_BACKEND must be gloo or nccl, got {backend!r}"
+            )
     os.environ.update(NO_MULTICAST_ENV)
     gpus = torch.cuda.device_count()
     if gpus == 0:
