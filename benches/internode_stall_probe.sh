@@ -35,6 +35,11 @@
 #                      its native / allocation / Python breakdown (4 ranks)
 #   profile-stamps     issue 21: intranode_profile.py's kernel times and the fused
 #                      kernels' phase stamps (bf16, fp8, full dispatch, combine; 4 ranks)
+#   send-unit3-suite, send-unit4-suite   the 4-rank intranode suite with 3 / 4 tokens
+#                      per dispatch sender unit (MOELINK_INTRANODE_SEND_UNIT; 3 leaves
+#                      a short last unit)
+#   send-unitU-bench, send-unitU-stamps  U = 1, 2, 4: peer_bench.py (moelink,
+#                      intranode) and the phase stamps with U tokens per unit
 # On a one-GPU machine the same steps run every rank on that GPU (MPS).
 # PROBE_STEPS (a regex of step names) runs some only: the whole list takes more than
 # one call's 10 minutes (measured 4 x H200: the steps to speed-internode ~170 s, the
@@ -99,6 +104,17 @@ pstep host-overhead 200 $TR --nproc-per-node=4 benches/host_overhead.py --iters 
   --breakdown --out "$OUT/host-overhead"
 pstep profile-stamps 300 env MOELINK_INTRANODE_PROFILE=1 MOELINK_DEVICE_TIMEOUT_S=30 \
   $TR --nproc-per-node=4 benches/intranode_profile.py --sms 24 48
+for u in 3 4; do
+  pstep "send-unit$u-suite" 200 env MOELINK_INTRANODE_SEND_UNIT=$u GPU_RUN_RANKS=4 \
+    GPU_RUN_STEPS='^intranode-4' bash scripts/gpu_run.sh "$OUT/send-unit$u-suite"
+done
+for u in 1 2 4; do
+  pstep "send-unit$u-bench" 120 env MOELINK_INTRANODE_SEND_UNIT=$u \
+    $TR --nproc-per-node=4 benches/peer_bench.py --impl moelink --only intranode \
+    --out "$OUT/send-unit$u-bench"
+  pstep "send-unit$u-stamps" 120 env MOELINK_INTRANODE_SEND_UNIT=$u MOELINK_INTRANODE_PROFILE=1 \
+    MOELINK_DEVICE_TIMEOUT_S=30 $TR --nproc-per-node=4 benches/intranode_profile.py --sms 24 48
+done
 echo "internode_stall_probe: $failed failed step(s)"
 step_done
 exit $failed

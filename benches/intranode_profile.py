@@ -84,13 +84,15 @@ def print_stamps(buf, rank: int, sms: int, x, fp8, layout, recv, recv_w, handle,
     """One cached bf16 dispatch, one cached fp8 dispatch, one full (uncached)
     bf16 dispatch, then one combine, each alone with the device synchronised;
     rank 0 prints the phase stamps of each (the fused kernel's; the full call's
-    notify is the profiler's ``dispatch_notify`` above)."""
+    notify is the profiler's ``dispatch_notify`` above). Each read zeroes the
+    stamps, so each call shows only its own launches."""
     calls = (
         ("cached bf16 dispatch", lambda: buf.dispatch(x, handle=handle, config=cfg)),
         ("cached fp8 dispatch", lambda: buf.dispatch(fp8, handle=handle, config=cfg)),
         ("full bf16 dispatch", lambda: buf.dispatch(x, config=cfg, **layout)),
         ("combine", lambda: buf.combine(recv, handle, topk_weights=recv_w, config=cfg)),
     )
+    buf._buffer().intranode_profile()  # zeroes the stamps of the calls before
     for what, call in calls:
         torch.cuda.synchronize()
         dist.barrier()

@@ -156,6 +156,18 @@ impl PhaseStamps {
         m.copy_to_host(0, &mut v)?;
         Ok(v)
     }
+
+    /// As [`read`](Self::read), then zeroes the stamps: the next read shows only
+    /// the blocks that launches after this one stamped (a launch with fewer
+    /// blocks than an earlier one would otherwise leave the earlier one's
+    /// stamps in its other block rows).
+    pub(crate) fn take(&self, device: Device) -> Result<Vec<u64>> {
+        let v = self.read(device)?;
+        if let Some(m) = &self.mem {
+            m.fill(0)?;
+        }
+        Ok(v)
+    }
 }
 
 /// What each part keeps of its group and device: the group's Communicator

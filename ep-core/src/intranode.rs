@@ -190,6 +190,32 @@ pub const DEFAULT_SHARES: RecvShares = RecvShares {
     combine: 50,
 };
 
+/// Tokens a fused dispatch sender warp takes at a time (1 to
+/// [`k::MAX_SEND_UNIT`]; unset: [`DEFAULT_SEND_UNIT`]): their records, one fence,
+/// their flags (docs/design-intranode.md, "Send unit"). Every rank may choose its own.
+pub const SEND_UNIT_ENV: &str = "MOELINK_INTRANODE_SEND_UNIT";
+/// One token per unit: a fence per token, as measured on 4 x H200
+/// (benches/results/2026-11-26_speed-units-h200x4).
+pub const DEFAULT_SEND_UNIT: u32 = 1;
+
+/// The send unit from the environment ([`SEND_UNIT_ENV`]).
+pub fn send_unit_from_env() -> Result<u32> {
+    parse_send_unit(std::env::var(SEND_UNIT_ENV).ok().as_deref())
+}
+
+fn parse_send_unit(v: Option<&str>) -> Result<u32> {
+    let Some(v) = v.map(str::trim).filter(|v| !v.is_empty()) else {
+        return Ok(DEFAULT_SEND_UNIT);
+    };
+    match v.parse::<u32>() {
+        Ok(u) if (1..=k::MAX_SEND_UNIT).contains(&u) => Ok(u),
+        _ => Err(CommError::invalid(
+            SEND_UNIT_ENV,
+            format!("{v:?}: expected an integer from 1 to {}", k::MAX_SEND_UNIT),
+        )),
+    }
+}
+
 /// `MOELINK_INTRANODE_PROFILE=1`: the fused kernels record phase stamps
 /// ([`IntranodeBuffer::profile`]).
 pub const PROFILE_ENV: &str = "MOELINK_INTRANODE_PROFILE";
@@ -336,6 +362,8 @@ pub struct IntranodeBuffer {
     scratch: DeviceMemory,
     /// `Some(receiver shares)`: fused kernels.
     fused: Option<RecvShares>,
+    /// Tokens per fused dispatch sender unit ([`SEND_UNIT_ENV`]).
+    send_unit: u32,
     /// Fused mode's side stream and its orderings.
     side: Option<SideStream>,
     /// Fused mode: the send half of the dispatch whose receive half comes next.
@@ -361,6 +389,7 @@ impl IntranodeBuffer {
         opts: &EpBufferOptions,
     ) -> Result<Self> {
         let fused = fused_mode_from_env()?;
+        let send_unit = send_unit_from_env()?;
         let device = part.device();
         let comm = part.comm().clone();
         let (channels, channel_table) =
@@ -386,6 +415,7 @@ impl IntranodeBuffer {
                 None => None,
             },
             fused,
+            send_unit,
             pending: None,
             host,
             host_epoch: 0,
@@ -395,12 +425,13 @@ impl IntranodeBuffer {
         })
     }
 
-    /// The fused kernels' phase stamps of the latest launch of each kind,
-    /// `[PROF_KINDS][PROF_BLOCKS][PROF_SLOTS]` globaltimer ns (see
-    /// `ep_kernels::intranode::PROF_KINDS`), after synchronising the device.
-    /// Errors unless the Buffer was created with `MOELINK_INTRANODE_PROFILE=1`.
+    /// The fused kernels' phase stamps of the latest launch of each kind since
+    /// the previous call, `[PROF_KINDS][PROF_BLOCKS][PROF_SLOTS]` globaltimer ns
+    /// (see `ep_kernels::intranode::PROF_KINDS`; 0: not stamped since), after
+    /// synchronising the device; then zeroes them. Errors unless the Buffer was
+    /// created with `MOELINK_INTRANODE_PROFILE=1`.
     pub fn profile(&self) -> Result<Vec<u64>> {
-        self.prof.read(self.part.device())
+        self.prof.take(self.part.device())
     }
 
     /// `num_sms` of a data kernel, capped to this rank's share of its GPU (so
@@ -582,6 +613,7 @@ impl IntranodeBuffer {
     /// off, or fewer than 2 SMs).
     fn fused_grid(&self, num_sms: u32, share: impl Fn(&RecvShares) -> u32) -> Option<FusedGrid> {
         FusedGrid::new(num_sms, share(self.fused.as_ref()?))
+            .map(|g| g.with_send_unit(self.send_unit))
     }
 
     fn side_stream(&self) -> Result<&SideStream> {
@@ -839,6 +871,18 @@ impl BufferPart for IntranodeBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn send_unit_parses() {
+        assert_eq!(parse_send_unit(None).unwrap(), DEFAULT_SEND_UNIT);
+        assert_eq!(parse_send_unit(Some(" ")).unwrap(), DEFAULT_SEND_UNIT);
+        assert_eq!(parse_send_unit(Some(" 3 ")).unwrap(), 3);
+        assert_eq!(parse_send_unit(Some("4")).unwrap(), k::MAX_SEND_UNIT);
+        for v in ["0", "5", "two", "-1"] {
+            let e = parse_send_unit(Some(v)).unwrap_err().to_string();
+            assert!(e.contains(SEND_UNIT_ENV) && e.contains("1 to 4"), "{e}");
+        }
+    }
 
     #[test]
     fn fused_mode_parses_its_two_variables() {

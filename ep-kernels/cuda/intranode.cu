@@ -198,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
 }
 
 // dispatch_fused: blocks [0, num_send_blocks) send as dispatch_send (a warp
-// per token) and set each record's flag (all blocks: a send-only launch); the
+// per unit of `send_unit` tokens) and set each record's flag (all blocks: a send-only launch); the
 // other blocks (all: a receive-only launch) receive: received
 // row (source s, slot j) is copied out once its record's flag shows this
 // call, the rows visited source by source in chunks (interleaved), so they
@@ -217,10 +217,16 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   unsigned int* work = c.ticket + kSendWorkWord;
   if (int(blockIdx.x) < nsend) {
     const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.send_calls));
-    // Tokens taken one at a time per warp (kSendWorkWord).
+    // Tokens taken `send_unit` at a time per warp (kSendWorkWord), one
+    // release per unit (send_tokens).
+    const int unit = a.send_unit < 1 ? 1 : (a.send_unit > kMaxSendUnit ? kMaxSendUnit : a.send_unit);
+    const int64_t n = a.send.num_tokens;
     bool first = true;
-    for (int64_t t = next_unit(work, lane); t < a.send.num_tokens; t = next_unit(work, lane)) {
-      send_token(a.send, t, lane, flag);
+    for (int64_t t = next_unit(work, lane) * unit; t < n; t = next_unit(work, lane) * unit) {
+      if (unit == 1)
+        send_token(a.send, t, lane, flag);
+      else
+        send_tokens(a.send, t, int(n - t < unit ? n - t : unit), lane, flag);
       if (first) stamp(a.prof, kind, 1);
       first = false;
     }

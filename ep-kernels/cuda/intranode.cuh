@@ -161,11 +161,12 @@ struct DispatchFusedParams {
   comm::DeviceError* error;
   uint64_t* prof;
   int num_send_blocks;
-  int pad;
+  int send_unit;  // tokens per sender unit, 1 to kMaxSendUnit (send_tokens)
 };
 static_assert(sizeof(DispatchFusedParams) == 408, "mirrored in Rust");
 static_assert(offsetof(DispatchFusedParams, recv) == 176, "mirrored in Rust");
 static_assert(offsetof(DispatchFusedParams, num_send_blocks) == 400, "mirrored in Rust");
+static_assert(offsetof(DispatchFusedParams, send_unit) == 404, "mirrored in Rust");
 
 struct CombineFusedParams {
   CombineSendParams send;
@@ -323,13 +324,11 @@ __device__ bool wait_record(const Ctx& c, const uint64_t* flag, uint64_t want, i
   return true;
 }
 
-// Writes the dispatch record of token t into slot send_head[t][d] of block
-// [rank] of every destination d's dispatch region (the whole warp). With
-// `flag` != 0, the record's flag is then set to `flag` on every destination
-// (after a fence: the record's bytes are visible first). Only destinations
-// whose bit is set in `allowed` are written (internode: this node's ranks).
-__device__ __forceinline__ void send_token(const DispatchSendParams& a, int64_t t, int lane,
-                                           uint64_t flag, unsigned allowed = 0xffffffffu) {
+// Writes token t's records (row, scales, local top-k ids, weights, source
+// index) into its destinations' slots, no flags. Returns, on lane d, the slot
+// of t's record in rank d (a destination that `allowed` keeps), else -1.
+__device__ __forceinline__ int write_token_records(const DispatchSendParams& a, int64_t t,
+                                                   int lane, unsigned allowed) {
   const Ctx& c = a.c;
   const RecordLayout& rec = a.rec;
   const int R = c.num_ranks, K = rec.num_topk;
@@ -367,16 +366,58 @@ __device__ __forceinline__ void send_token(const DispatchSendParams& a, int64_t 
     }
     if (lane == 0) *reinterpret_cast<int*>(dst + rec.src_offset) = int(t);
   }
+  return mine_to_send ? my_slot : -1;
+}
+
+// The flag of the record in `slot` of rank `lane` (this rank's block there),
+// after a fence that ordered the record's stores before it.
+__device__ __forceinline__ void store_record_flag(const DispatchSendParams& a, int lane,
+                                                  int slot, uint64_t flag) {
+  const Ctx& c = a.c;
+  char* dst = peer_base(c, lane) + c.dispatch_offset +
+              (int64_t(c.rank) * c.dispatch_slots + slot) * a.rec.bytes;
+  comm::store_relaxed_sys(record_flag(dst, a.rec.bytes), flag);
+}
+
+// Writes the dispatch record of token t into slot send_head[t][d] of block
+// [rank] of every destination d's dispatch region (the whole warp). With
+// `flag` != 0, the record's flag is then set to `flag` on every destination
+// (after a fence: the record's bytes are visible first). Only destinations
+// whose bit is set in `allowed` are written (internode: this node's ranks).
+__device__ __forceinline__ void send_token(const DispatchSendParams& a, int64_t t, int lane,
+                                           uint64_t flag, unsigned allowed = 0xffffffffu) {
+  const int slot = write_token_records(a, t, lane, allowed);
   if (flag != 0) {
-    // Every lane's stores of the records, then (per destination, by the lane
-    // that holds its slot) a release: fence, then the flag.
     __syncwarp();
-    if (mine_to_send) {
+    if (slot >= 0) {
       fence_acq_rel_sys();
-      char* dst = peer_base(c, lane) + c.dispatch_offset +
-                  (int64_t(c.rank) * c.dispatch_slots + my_slot) * rec.bytes;
-      comm::store_relaxed_sys(record_flag(dst, rec.bytes), flag);
+      store_record_flag(a, lane, slot, flag);
     }
+  }
+}
+
+// Most tokens one fused sender warp takes per unit (DispatchFusedParams::send_unit).
+constexpr int kMaxSendUnit = 4;
+
+// Tokens [t0, t0 + m) (m <= kMaxSendUnit) as send_token, sharing one release:
+// every record of the m tokens, one fence, then their flags. A warp's fence
+// waits for its stores to land; a unit of several tokens keeps more of its
+// bytes in flight per fence (docs/design-intranode.md, "Send unit").
+__device__ __forceinline__ void send_tokens(const DispatchSendParams& a, int64_t t0, int m,
+                                            int lane, uint64_t flag) {
+  int slots[kMaxSendUnit];
+  bool any = false;
+#pragma unroll
+  for (int i = 0; i < kMaxSendUnit; ++i) {
+    slots[i] = i < m ? write_token_records(a, t0 + i, lane, 0xffffffffu) : -1;
+    any |= slots[i] >= 0;
+  }
+  __syncwarp();
+  if (any) {
+    fence_acq_rel_sys();
+#pragma unroll
+    for (int i = 0; i < kMaxSendUnit; ++i)
+      if (slots[i] >= 0) store_record_flag(a, lane, slots[i], flag);
   }
 }
 

@@ -158,7 +158,7 @@ struct DispatchFusedParams {
     error: u64,
     prof: u64,
     num_send_blocks: i32,
-    pad: i32,
+    send_unit: i32,
 }
 
 /// `moelink::intranode::CombineFusedParams`.
@@ -193,6 +193,7 @@ param_layout!(
         sizeof!(DispatchFusedParams == 408),
         offsetof!(DispatchFusedParams, recv == 176),
         offsetof!(DispatchFusedParams, num_send_blocks == 400),
+        offsetof!(DispatchFusedParams, send_unit == 404),
         sizeof!(CombineFusedParams == 304),
         offsetof!(CombineFusedParams, recv == 128),
         offsetof!(CombineFusedParams, num_send_blocks == 296),
@@ -611,11 +612,17 @@ pub(crate) fn combine_recv_params(
 }
 
 /// Blocks of a fused kernel: `blocks` in all, the first `send_blocks` send.
+/// `send_unit`: tokens a dispatch sender warp takes at a time (1 to
+/// [`MAX_SEND_UNIT`]), their records sharing one fence before their flags.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FusedGrid {
     pub blocks: u32,
     pub send_blocks: u32,
+    pub send_unit: u32,
 }
+
+/// Most tokens per dispatch sender unit (`kMaxSendUnit` of intranode.cuh).
+pub const MAX_SEND_UNIT: u32 = 4;
 
 /// Which halves one `dispatch_fused` launch runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -641,7 +648,17 @@ impl FusedGrid {
         Some(Self {
             blocks: num_sms,
             send_blocks: num_sms - recv,
+            send_unit: 1,
         })
+    }
+
+    /// The same grid with `send_unit` tokens per dispatch sender unit
+    /// (clamped to 1..=[`MAX_SEND_UNIT`]).
+    pub fn with_send_unit(self, send_unit: u32) -> Self {
+        Self {
+            send_unit: send_unit.clamp(1, MAX_SEND_UNIT),
+            ..self
+        }
     }
 }
 
@@ -731,7 +748,7 @@ pub unsafe fn dispatch_fused(
         error: state.error,
         prof: state.prof,
         num_send_blocks: num_send_blocks as i32,
-        pad: 0,
+        send_unit: grid.send_unit.clamp(1, MAX_SEND_UNIT) as i32,
     };
     // SAFETY: DispatchFusedParams mirrors the kernel's block; pointers are the caller's contract.
     unsafe { k.launch_params(KernelId::DispatchFused, (blocks, 1), THREADS, 0, stream, p) }
@@ -855,39 +872,29 @@ mod tests {
     fn param_blocks_match_the_kernels_static_asserts() {
         let cu = include_str!("../cuda/intranode.cuh");
         crate::check_static_asserts("intranode.cuh", cu, PARAM_LAYOUT);
+        let max = format!("constexpr int kMaxSendUnit = {MAX_SEND_UNIT};");
+        assert!(cu.contains(&max), "intranode.cuh must say {max}");
     }
 
     #[test]
     fn fused_grid_splits_senders_and_receivers() {
+        let grid = |blocks, send_blocks| {
+            Some(FusedGrid {
+                blocks,
+                send_blocks,
+                send_unit: 1,
+            })
+        };
         assert_eq!(FusedGrid::new(1, 25), None);
-        assert_eq!(
-            FusedGrid::new(2, 25),
-            Some(FusedGrid {
-                blocks: 2,
-                send_blocks: 1
-            })
-        );
-        assert_eq!(
-            FusedGrid::new(48, 25),
-            Some(FusedGrid {
-                blocks: 48,
-                send_blocks: 36
-            })
-        );
-        assert_eq!(
-            FusedGrid::new(24, 0),
-            Some(FusedGrid {
-                blocks: 24,
-                send_blocks: 23
-            })
-        );
-        assert_eq!(
-            FusedGrid::new(24, 100),
-            Some(FusedGrid {
-                blocks: 24,
-                send_blocks: 1
-            })
-        );
+        assert_eq!(FusedGrid::new(2, 25), grid(2, 1));
+        assert_eq!(FusedGrid::new(48, 25), grid(48, 36));
+        assert_eq!(FusedGrid::new(24, 0), grid(24, 23));
+        assert_eq!(FusedGrid::new(24, 100), grid(24, 1));
+        let g = FusedGrid::new(24, 50).unwrap();
+        assert_eq!(g.with_send_unit(3).send_unit, 3);
+        assert_eq!(g.with_send_unit(0).send_unit, 1);
+        assert_eq!(g.with_send_unit(9).send_unit, MAX_SEND_UNIT);
+        assert_eq!(g.with_send_unit(3).send_blocks, 12);
     }
 
     #[test]

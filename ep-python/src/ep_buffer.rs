@@ -567,8 +567,9 @@ impl EpBuffer {
     }
 
     /// Phase stamps of the fused intranode kernels' latest launch of each kind
-    /// (`MOELINK_INTRANODE_PROFILE=1` at creation): u64 globaltimer ns
-    /// `[4][256][4]`, see `ep_kernels::intranode::PROF_KINDS`.
+    /// since the previous read, which zeroed them (`MOELINK_INTRANODE_PROFILE=1`
+    /// at creation): u64 globaltimer ns `[4][256][4]`, see
+    /// `ep_kernels::intranode::PROF_KINDS`.
     fn intranode_profile(&self, py: Python<'_>) -> PyResult<Vec<u64>> {
         let destroyed = self.inner.is_empty();
         let part = self
