@@ -125,6 +125,33 @@ def test_ll_reference_combine_is_weighted_sum():
     assert torch.all(comb[0][0][0] == 0) == bool((idxs[0][0] < 0).all())
 
 
+def test_ll_reference_combine_reads_the_rows_in_use_only():
+    """The rows of ``ys`` outside the handle's blocks are never read (NaN there
+    changes nothing), and every row inside is (one changed row changes its token)."""
+    r, n, h, e, k, t = 3, 7, 256, 9, 3, 8
+    xs, idxs = _inputs(r, n, h, e, k, seed=5)
+    out = reference.ll_dispatch(xs, idxs, t, e, use_fp8=False)
+    ws = [torch.rand(n, k) for _ in range(r)]
+    handles = [(o["src_info"], o["layout_range"]) for o in out]
+    ys = [o["recv_x"].clone() for o in out]
+    base = reference.ll_combine(ys, idxs, ws, handles, t, e)
+    for o, y in zip(out, ys):
+        for j, c in enumerate(o["recv_count"].tolist()):
+            y[j, c:] = float("nan")
+    again = reference.ll_combine(ys, idxs, ws, handles, t, e)
+    for (a, _), (b, _) in zip(base, again):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    # The last row in use of rank 1's last non-empty expert feeds its source token.
+    j = max(i for i, c in enumerate(out[1]["recv_count"].tolist()) if c > 0)
+    row = int(out[1]["recv_count"][j]) - 1
+    tok = int(out[1]["src_info"][j, row])
+    src = next(s for s, p in enumerate(out[1]["layout_range"][j].tolist())
+               if (p >> 32) <= row < (p >> 32) + (p & 0xFFFFFFFF))  # fmt: skip
+    ys[1][j, row] += 1.0
+    moved = reference.ll_combine(ys, idxs, ws, handles, t, e)
+    assert not torch.equal(moved[src][0][tok], base[src][0][tok])
+
+
 def test_ll_reference_rejects_bad_ids():
     xs, idxs = _inputs(2, 3, 256, 8, 2)
     idxs[0][1, 1] = 8

@@ -4,8 +4,10 @@
 //! column-major receive layout the module documents); the checks and all
 //! semantics live in ep-core, whose errors become `ValueError`.
 
+use ep_core::reference::{bf16_bits_to_f32, f32_to_bf16_bits};
 use ep_core::reference_ll::{
-    self as r, LlCombineInput, LlHandle, LlRankInput, LowLatencyArgs, RecvScales, RecvX,
+    self as r, unpack_layout_range, LlCombineInput, LlHandle, LlRankInput, LowLatencyArgs,
+    RecvScales, RecvX,
 };
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -17,7 +19,7 @@ type Bytes<'py> = Bound<'py, PyBytes>;
 
 /// `low_latency_dispatch` over all ranks. `inputs[r] = (x f32 bytes [T_r, H],
 /// topk_idx int64 bytes [T_r, K])`. Returns one dict per rank: `recv_x`
-/// (f32 bytes for bf16, u8 for fp8), `scales` (f32 or int32 bytes, or None),
+/// (bf16 bytes, rounded to nearest even, for bf16; u8 for fp8), `scales` (f32 or int32 bytes, or None),
 /// `recv_count` (int32), `src_info` (int32), `layout_range` (int64). With
 /// `only_rank`, that rank's dict alone is computed and the others are None.
 #[pyfunction]
@@ -81,7 +83,12 @@ pub fn ref_ll_dispatch<'py>(
         let d = PyDict::new(py);
         match &rank.recv_x {
             RecvX::Bf16(v) => {
-                d.set_item("recv_x", encode(py, v, f32::to_le_bytes)?)?;
+                // bf16 on the wire: half the bytes of f32 (the dense [E_local,
+                // R*T, H] block is most of a low-latency check's host time).
+                d.set_item(
+                    "recv_x",
+                    encode(py, v, |x| f32_to_bf16_bits(x).to_le_bytes())?,
+                )?;
                 d.set_item("scales", py.None())?;
             }
             RecvX::Fp8 { x, scales } => {
@@ -108,8 +115,8 @@ pub fn ref_ll_dispatch<'py>(
     Ok(dicts)
 }
 
-/// `low_latency_combine` over all ranks. `inputs[r] = (y f32 bytes
-/// [E_local, R*T, H] (bf16 values), topk_idx int64 [T_r, K], topk_weights f32
+/// `low_latency_combine` over all ranks. `inputs[r] = (y bf16 bytes
+/// [E_local, R*T, H] (only the rows the handle's blocks cover are read), topk_idx int64 [T_r, K], topk_weights f32
 /// [T_r, K], src_info int32 [E_local, R*T], layout_range int64 [E_local, R])`.
 /// Returns per rank `(combined_x f32 bytes [T_r, H], abs_sum f32 bytes)`.
 #[pyfunction]
@@ -122,14 +129,22 @@ pub fn ref_ll_combine<'py>(
     num_topk: usize,
 ) -> PyResult<Vec<(Bytes<'py>, Bytes<'py>)>> {
     let args = LowLatencyArgs::new(max_tokens, hidden, num_experts, num_topk).bf16();
-    let mut dec = Vec::with_capacity(inputs.len());
+    let num_ranks = inputs.len();
+    let mut dec = Vec::with_capacity(num_ranks);
     for (y, t, w, s, l) in &inputs {
+        let layout_range = decode("layout_range", l.as_bytes(), i64::from_le_bytes)?;
+        let rows = RowsInUse {
+            layout_range: &layout_range,
+            num_ranks,
+            rows_per_expert: num_ranks * max_tokens,
+            hidden,
+        };
         dec.push((
-            decode("y", y.as_bytes(), f32::from_le_bytes)?,
+            rows.decode_y(y.as_bytes())?,
             decode("topk_idx", t.as_bytes(), i64::from_le_bytes)?,
             decode("topk_weights", w.as_bytes(), f32::from_le_bytes)?,
             decode("src_info", s.as_bytes(), i32::from_le_bytes)?,
-            decode("layout_range", l.as_bytes(), i64::from_le_bytes)?,
+            layout_range,
         ));
     }
     let ins: Vec<LlCombineInput<'_>> = dec
@@ -155,4 +170,48 @@ pub fn ref_ll_combine<'py>(
             ))
         })
         .collect()
+}
+
+/// The rows of one rank's `[E_local, R*T, H]` combine input that its handle's
+/// blocks cover: local expert `j`'s first `sum of its blocks' counts` rows
+/// (the blocks tile them; `ep_core::reference_ll` checks that and reads no
+/// other row).
+struct RowsInUse<'a> {
+    layout_range: &'a [i64],
+    num_ranks: usize,
+    rows_per_expert: usize,
+    hidden: usize,
+}
+
+impl RowsInUse<'_> {
+    /// `y`'s bf16 bytes as f32 values, the rows in use decoded and every other
+    /// value 0 (a zeroed allocation the rest of which is never touched: the
+    /// dense block is mostly unused rows, and decoding all of it was most of a
+    /// low-latency check's host time).
+    fn decode_y(&self, y: &[u8]) -> PyResult<Vec<f32>> {
+        if y.len() % 2 != 0 || self.num_ranks == 0 || self.hidden == 0 {
+            // Malformed: decode it all and let ep-core name what is wrong.
+            return decode("y", y, |b| bf16_bits_to_f32(u16::from_le_bytes(b)));
+        }
+        let n = y.len() / 2;
+        let mut v = vec![0.0f32; n];
+        let row = self.rows_per_expert * self.hidden;
+        for (j, ranges) in self.layout_range.chunks_exact(self.num_ranks).enumerate() {
+            let used: usize = ranges
+                .iter()
+                .map(|&p| usize::try_from(unpack_layout_range(p).1).unwrap_or(0))
+                .sum();
+            let begin = j.saturating_mul(row).min(n);
+            let end = begin
+                .saturating_add(used.min(self.rows_per_expert) * self.hidden)
+                .min(n);
+            for (dst, b) in v[begin..end]
+                .iter_mut()
+                .zip(y[2 * begin..2 * end].chunks_exact(2))
+            {
+                *dst = bf16_bits_to_f32(u16::from_le_bytes([b[0], b[1]]));
+            }
+        }
+        Ok(v)
+    }
 }

@@ -494,7 +494,7 @@ def ll_dispatch(
             else:
                 scales = _from_bytes(o["scales"], torch.float32, (el, g, rt)).transpose(1, 2)
         else:
-            recv_x = _from_bytes(o["recv_x"], torch.float32, (el, rt, hidden)).to(torch.bfloat16)
+            recv_x = _from_bytes(o["recv_x"], torch.bfloat16, (el, rt, hidden))
             scales = None
         res.append(
             {
@@ -563,7 +563,7 @@ def ll_combine(
         )
         inputs.append(
             (
-                _to_bytes(ys[i].float()),
+                _to_bytes(ys[i]),
                 _to_bytes(idx),
                 _to_bytes(w),
                 _to_bytes(src_info),
