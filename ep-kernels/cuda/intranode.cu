@@ -198,8 +198,8 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
 }
 
 // dispatch_fused: blocks [0, num_send_blocks) send as dispatch_send (a warp
-// per unit of `send_unit` tokens) and set each record's flag (all blocks: a send-only launch); the
-// other blocks (all: a receive-only launch) receive: received
+// per unit of `send_unit` tokens) and set each record's flag (all blocks: a
+// send-only launch); the other blocks (all: a receive-only launch) receive: received
 // row (source s, slot j) is copied out once its record's flag shows this
 // call, the rows visited source by source in chunks (interleaved), so they
 // are copied while the later rows are still crossing NVLink. No end-of-send
@@ -219,7 +219,7 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
     const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.send_calls));
     // Tokens taken `send_unit` at a time per warp (kSendWorkWord), one
     // release per unit (send_tokens).
-    const int unit = a.send_unit < 1 ? 1 : (a.send_unit > kMaxSendUnit ? kMaxSendUnit : a.send_unit);
+    const int unit = min(max(a.send_unit, 1), kMaxSendUnit);
     const int64_t n = a.send.num_tokens;
     bool first = true;
     for (int64_t t = next_unit(work, lane) * unit; t < n; t = next_unit(work, lane) * unit) {
