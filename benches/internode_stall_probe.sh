@@ -35,6 +35,9 @@
 #                      its native / allocation / Python breakdown (4 ranks)
 #   profile-stamps     issue 21: intranode_profile.py's kernel times and the fused
 #                      kernels' phase stamps (bf16, fp8, full dispatch, combine; 4 ranks)
+#   profile-suite-2x2  the 2 x 2 suite's combine and iterations scenarios with rank 0
+#                      under cProfile (MOELINK_TEST_PROFILE): where a scenario's
+#                      seconds go (~1 s a checked round, intranode too)
 #   send-unit3-suite, send-unit4-suite   the 4-rank intranode suite with 3 / 4 tokens
 #                      per dispatch sender unit (MOELINK_INTRANODE_SEND_UNIT; 3 leaves
 #                      a short last unit)
@@ -104,6 +107,9 @@ pstep host-overhead 200 $TR --nproc-per-node=4 benches/host_overhead.py --iters 
   --breakdown --out "$OUT/host-overhead"
 pstep profile-stamps 300 env MOELINK_INTRANODE_PROFILE=1 MOELINK_DEVICE_TIMEOUT_S=30 \
   $TR --nproc-per-node=4 benches/intranode_profile.py --sms 24 48
+pstep profile-suite-2x2 200 env "${X[@]}" MOELINK_TEST_PROFILE=20 \
+  GPU_RUN_INTERNODE_SCENARIOS=combine,iterations GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^internode' \
+  bash scripts/gpu_run.sh "$OUT/profile-suite-2x2"
 for u in 3 4; do
   pstep "send-unit$u-suite" 200 env MOELINK_INTRANODE_SEND_UNIT=$u GPU_RUN_RANKS=4 \
     GPU_RUN_STEPS='^intranode-4' bash scripts/gpu_run.sh "$OUT/send-unit$u-suite"

@@ -75,6 +75,26 @@ def test_run_scenario_pass(gloo_world, capsys):
     assert "FAIL" not in out
 
 
+def test_run_scenario_profile(gloo_world, capsys, monkeypatch):
+    """$MOELINK_TEST_PROFILE=N: rank 0 prints where the scenario's time went."""
+
+    def busy_scenario_body():
+        sum(i * i for i in range(20000))
+
+    monkeypatch.setenv(worker_driver.PROFILE_ENV, "5")
+    assert run(gloo_world, "timed", busy_scenario_body, [])
+    out = capsys.readouterr().out
+    assert "PASS timed (" in out
+    assert "profile timed (rank 0, by own time):" in out
+    assert "busy_scenario_body" in out
+    monkeypatch.setenv(worker_driver.PROFILE_ENV, "")
+    assert run(gloo_world, "plain", busy_scenario_body, [])
+    assert "profile" not in capsys.readouterr().out
+    monkeypatch.setenv(worker_driver.PROFILE_ENV, "many")
+    with pytest.raises(ValueError, match=r"MOELINK_TEST_PROFILE must be a number of lines"):
+        run(gloo_world, "bad", busy_scenario_body, [])
+
+
 def test_run_scenario_fail(gloo_world, capsys):
     calls = []
 

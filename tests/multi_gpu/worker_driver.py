@@ -11,10 +11,13 @@ this module by its bare name from their own folder.
 
 from __future__ import annotations
 
+import cProfile
 import faulthandler
 import functools
+import io
 import json
 import os
+import pstats
 import re
 import shutil
 import sys
@@ -179,19 +182,42 @@ def shared_seed(env: str, rank: int, gloo) -> int:
     return seed[0]
 
 
+#: ``MOELINK_TEST_PROFILE=N``: rank 0 runs each scenario under cProfile and prints
+#: the N functions with the most own time after its verdict (where a scenario's
+#: seconds go: the GPU waits, the references, the checks).
+PROFILE_ENV = "MOELINK_TEST_PROFILE"
+
+
+def _profile_top() -> int:
+    raw = os.environ.get(PROFILE_ENV, "").strip()
+    try:
+        return max(int(raw), 0) if raw else 0
+    except ValueError:
+        raise ValueError(f"${PROFILE_ENV} must be a number of lines, got {raw!r}") from None
+
+
 def run_scenario(
     name: str, fn, *, rank: int, world: int, gloo, timeout_s: float, sync, on_failure
 ) -> bool:
     """Runs ``fn()`` then ``sync()`` under a watchdog; a raise is this rank's FAIL
     line. The ranks agree on the verdict over ``gloo``; rank 0 prints PASS / FAIL
-    with the failed ranks; if any rank failed, ``on_failure()`` replaces what the
-    scenario may have left broken. Returns True if every rank passed."""
+    with the failed ranks (then, with ``$MOELINK_TEST_PROFILE``, its profile); if
+    any rank failed, ``on_failure()`` replaces what the scenario may have left
+    broken. Returns True if every rank passed."""
+    top = _profile_top() if rank == 0 else 0
+    prof = cProfile.Profile() if top else None
     start = time.perf_counter()
     ok = True
     with Watchdog(name, rank, timeout_s):
         try:
-            fn()
-            sync()
+            if prof is not None:
+                prof.enable()
+            try:
+                fn()
+                sync()
+            finally:
+                if prof is not None:
+                    prof.disable()
         except Exception as e:  # noqa: BLE001 - every failure becomes a FAIL line
             ok = False
             print(f"FAIL {name} [rank {rank}]: {type(e).__name__}: {e}", flush=True)
@@ -205,6 +231,10 @@ def run_scenario(
                 print(f"FAIL {name}: failed on ranks {failed} ({seconds:.1f} s)", flush=True)
             else:
                 print(f"PASS {name} ({seconds:.1f} s)", flush=True)
+        if prof is not None:
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(top)
+            print(f"profile {name} (rank 0, by own time):\n{text.getvalue()}", flush=True)
         if failed:
             on_failure()
     return not failed
