@@ -136,7 +136,7 @@ pub fn ref_ll_combine<'py>(
         let rows = RowsInUse {
             layout_range: &layout_range,
             num_ranks,
-            rows_per_expert: num_ranks * max_tokens,
+            rows_per_expert: num_ranks.saturating_mul(max_tokens),
             hidden,
         };
         dec.push((
@@ -195,7 +195,7 @@ impl RowsInUse<'_> {
         }
         let n = y.len() / 2;
         let mut v = vec![0.0f32; n];
-        let row = self.rows_per_expert * self.hidden;
+        let row = self.rows_per_expert.saturating_mul(self.hidden);
         for (j, ranges) in self.layout_range.chunks_exact(self.num_ranks).enumerate() {
             let used: usize = ranges
                 .iter()
@@ -203,7 +203,7 @@ impl RowsInUse<'_> {
                 .sum();
             let begin = j.saturating_mul(row).min(n);
             let end = begin
-                .saturating_add(used.min(self.rows_per_expert) * self.hidden)
+                .saturating_add(used.min(self.rows_per_expert).saturating_mul(self.hidden))
                 .min(n);
             for (dst, b) in v[begin..end]
                 .iter_mut()
