@@ -114,6 +114,10 @@ done
 # Their device waits are bounded by GPU_RUN_INTERNODE_TIMEOUT_S (default 20 s, so
 # that a stalled scenario fails in seconds, not minutes), and
 # GPU_RUN_INTERNODE_SCENARIOS narrows the intranode suite there (default: all).
+# The Python workers under compute-sanitizer: no MPS, and a gloo group (an NCCL
+# group's start-up probes NCCL's kernels with calls the sanitizer counts as API
+# errors: benches/results/2026-11-27_seventh-session-h200x4).
+SAN_ENV=(MOELINK_MPS=off MOELINK_DIST_BACKEND=gloo)
 for split in ${GPU_RUN_INTERNODE:-}; do
   IFS=: read -r xn xl xt <<< "$split"
   xenv=(MOELINK_RANKS_PER_NODE="$xl" MOELINK_DEVICE_TIMEOUT_S="${GPU_RUN_INTERNODE_TIMEOUT_S:-20}")
@@ -127,12 +131,9 @@ for split in ${GPU_RUN_INTERNODE:-}; do
     ${xt:+MOELINK_INTERNODE_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 120 \
     tests/multi_gpu/killed_worker.py
   # GPU_RUN_SANITIZE=1: memcheck over the data scenarios on this split (no MPS;
-  # device bounds of 120 s: the sanitizer slows the kernels many times over). A
-  # gloo group: an NCCL one's start-up probes NCCL's kernels with calls the
-  # sanitizer counts as API errors (benches/results/2026-11-27_seventh-session-h200x4).
+  # device bounds of 120 s: the sanitizer slows the kernels many times over).
   [ -n "${GPU_RUN_SANITIZE:-}" ] && [ -z "$xt" ] &&
-    run "sanitize-memcheck-internode-$((xn / xl))x${xl}" 540 env MOELINK_MPS=off \
-      MOELINK_DIST_BACKEND=gloo \
+    run "sanitize-memcheck-internode-$((xn / xl))x${xl}" 540 env "${SAN_ENV[@]}" \
       MOELINK_RANKS_PER_NODE="$xl" MOELINK_DEVICE_TIMEOUT_S=120 \
       MOELINK_INTRANODE_SCENARIOS=dispatch_bf16,dispatch_fp8,dispatch_cached,worst_tokens,combine \
       $LAUNCH -n "$xn" --timeout 520 --no-python compute-sanitizer --tool memcheck \
@@ -161,7 +162,7 @@ if [ -n "${GPU_RUN_SANITIZE:-}" ]; then
   # are fewer than 2; run without MPS, so they time-slice), memcheck + racecheck
   # over comm's 2-rank suite and over the single-GPU kernel tests.
   for w in intranode ll; do
-    run "sanitize-memcheck-$w-2" 500 env MOELINK_MPS=off $LAUNCH -n 2 --timeout 480 \
+    run "sanitize-memcheck-$w-2" 500 env "${SAN_ENV[@]}" $LAUNCH -n 2 --timeout 480 \
       --no-python compute-sanitizer --tool memcheck --error-exitcode 9 \
       python3 "tests/multi_gpu/${w}_worker.py"
   done
