@@ -26,6 +26,24 @@ def test_selected_scenarios(monkeypatch):
         worker_driver.selected_scenarios(ENV, KNOWN)
 
 
+def test_cpu_threads(monkeypatch):
+    """Each worker gets its share of the host's CPUs (torchrun's OMP_NUM_THREADS=1
+    left the inputs and references on one core); $MOELINK_TEST_THREADS overrides."""
+    monkeypatch.delenv(worker_driver.THREADS_ENV, raising=False)
+    monkeypatch.setattr(worker_driver.os, "sched_getaffinity", lambda pid: set(range(64)))
+    assert worker_driver.cpu_threads(4) == worker_driver.MAX_TEST_THREADS
+    assert worker_driver.cpu_threads(8) == 8
+    monkeypatch.setattr(worker_driver.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert worker_driver.cpu_threads(8) == 2
+    assert worker_driver.cpu_threads(32) == 1
+    monkeypatch.setenv(worker_driver.THREADS_ENV, "3")
+    assert worker_driver.cpu_threads(8) == 3
+    for bad in ("0", "many"):
+        monkeypatch.setenv(worker_driver.THREADS_ENV, bad)
+        with pytest.raises(ValueError, match=r"MOELINK_TEST_THREADS must be a positive"):
+            worker_driver.cpu_threads(8)
+
+
 def test_watchdog_is_cancelled_on_exit():
     with worker_driver.Watchdog("quick", 0, 60) as w:
         assert w.timer.is_alive()

@@ -52,9 +52,36 @@ class WorkerGroup:
         return self.ranks_per_gpu > 1
 
 
+#: ``MOELINK_TEST_THREADS=N``: CPU threads per worker for the inputs and the
+#: references (default: the CPUs this process may run on, shared among the
+#: host's ranks, at most ``MAX_TEST_THREADS``).
+THREADS_ENV = "MOELINK_TEST_THREADS"
+MAX_TEST_THREADS = 16
+
+
+def cpu_threads(local_world: int) -> int:
+    """CPU threads for one of ``local_world`` workers on this host. torchrun sets
+    ``OMP_NUM_THREADS=1``, which left every worker building its inputs and the
+    references on one core (most of a checked round's second, measured by
+    ``$MOELINK_TEST_PROFILE``); ``$MOELINK_TEST_THREADS`` overrides."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw:
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"${THREADS_ENV} must be a positive number of threads, got {raw!r}")
+        return n
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(MAX_TEST_THREADS, (cpus or 1) // max(1, local_world)))
+
+
 def init_worker(control_timeout_s: float) -> WorkerGroup:
     """Process group and device of a worker started by torchrun or
-    ``python -m moelink.launch``: device ``local_rank % device_count``."""
+    ``python -m moelink.launch``: device ``local_rank % device_count``; CPU
+    threads from ``cpu_threads``."""
+    torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     d = init_distributed(timeout_s=control_timeout_s)
     if d.backend == "gloo":
         gloo = dist.group.WORLD
