@@ -31,6 +31,22 @@ pub(crate) fn warn_if_failed(call: &str, result: std::result::Result<(), DriverE
     }
 }
 
+/// Lets the calling thread make CUDA calls while another thread of the process
+/// captures a CUDA graph in the global mode (torch's default). The library's own
+/// threads (proxies, transport receivers) never capture, and their calls touch
+/// only their own streams and memory; in the default mode the driver refuses
+/// them during such a capture (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, e.g. a
+/// receiver's `cuStreamQuery`) and invalidates the user's capture. Every thread
+/// that the library starts and that calls CUDA runs this first.
+pub fn relax_capture_mode() -> Result<()> {
+    init_driver()?;
+    let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+    // SAFETY: `mode` is a valid in/out pointer for the call's duration.
+    unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }
+        .result()
+        .call("cuThreadExchangeStreamCaptureMode")
+}
+
 /// Number of visible CUDA devices; 0 when there is no driver or no device.
 pub fn device_count() -> usize {
     if init_driver().is_err() {

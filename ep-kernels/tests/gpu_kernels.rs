@@ -81,3 +81,77 @@ fn reduce_rows_bf16_matches_cpu() {
         reduce_case(rows, cols, off, seed);
     }
 }
+
+/// Begins a global-mode capture (torch's default) on a fresh stream, runs
+/// `other` on another thread while it is active, and ends it. Returns what
+/// `other` returned and the `cuStreamEndCapture` result.
+fn during_a_global_capture<T: Send + 'static>(
+    dev: Device,
+    other: impl FnOnce() -> T + Send + 'static,
+) -> (T, cudarc::driver::sys::CUresult) {
+    use cudarc::driver::sys;
+    dev.make_current().unwrap();
+    let user = comm::OwnedStream::new(dev).unwrap();
+    let raw = user.handle().raw();
+    let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+    // SAFETY: `raw` is a live stream of the current context.
+    unsafe { sys::cuStreamBeginCapture_v2(raw, mode) }
+        .result()
+        .unwrap();
+    let got = std::thread::spawn(other).join().unwrap();
+    let mut graph: sys::CUgraph = std::ptr::null_mut();
+    // SAFETY: the capture was begun on `raw` by this thread; `graph` is an out pointer.
+    let end = unsafe { sys::cuStreamEndCapture(raw, &mut graph) };
+    if !graph.is_null() {
+        // SAFETY: the graph was made by the capture above and is used no more.
+        unsafe { sys::cuGraphDestroy(graph) };
+    }
+    (got, end)
+}
+
+/// The library's own threads (proxies, transport receivers) query their own
+/// streams while a user thread captures a CUDA graph. In the default capture
+/// mode the driver refuses such a query and invalidates the user's capture
+/// (what failed the 2 x 2 Ethernet `cuda_graph` scenario with every rank on one
+/// GPU); after `relax_capture_mode` the query works and the capture ends in a graph.
+#[test]
+#[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
+fn library_threads_may_call_cuda_during_a_global_capture() {
+    use cudarc::driver::sys::CUresult;
+    let dev = device();
+    for relax in [true, false] {
+        let own = comm::OwnedStream::new(dev).unwrap();
+        // The stream comes back to be destroyed after the capture.
+        let ((own, queried), end) = during_a_global_capture(dev, move || {
+            let q = dev.make_current().and_then(|()| {
+                if relax {
+                    comm::cuda::relax_capture_mode()?;
+                }
+                own.is_busy()
+            });
+            (own, q)
+        });
+        drop(own);
+        if relax {
+            assert!(
+                !queried.expect("relaxed thread's query"),
+                "idle stream busy"
+            );
+            assert_eq!(
+                end,
+                CUresult::CUDA_SUCCESS,
+                "capture beside a relaxed thread"
+            );
+        } else {
+            match queried {
+                Err(comm::CommError::Cuda { source, .. }) => assert_eq!(
+                    source.0,
+                    CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+                    "default-mode query"
+                ),
+                other => panic!("default-mode query during a global capture: {other:?}"),
+            }
+            assert_eq!(end, CUresult::CUDA_ERROR_STREAM_CAPTURE_INVALIDATED);
+        }
+    }
+}

@@ -478,7 +478,10 @@ impl Drop for IbContext {
 /// 50 us at a time.
 fn receive_loop(shared: &RecvShared) {
     if let Some(d) = shared.device {
-        if let Err(e) = d.make_current() {
+        if let Err(e) = d
+            .make_current()
+            .and_then(|()| crate::cuda::relax_capture_mode())
+        {
             shared.record(&e);
         }
     }
