@@ -47,6 +47,15 @@ pub fn relax_capture_mode() -> Result<()> {
         .call("cuThreadExchangeStreamCaptureMode")
 }
 
+/// [`relax_capture_mode`] for a library thread's start: a failure is logged,
+/// not raised (the thread still works; only a user's concurrent capture may
+/// then be refused).
+pub fn relax_capture_mode_or_warn(thread: &str) {
+    if let Err(e) = relax_capture_mode() {
+        tracing::warn!("{thread}: cannot relax the stream-capture mode: {e}");
+    }
+}
+
 /// Number of visible CUDA devices; 0 when there is no driver or no device.
 pub fn device_count() -> usize {
     if init_driver().is_err() {
