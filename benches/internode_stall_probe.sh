@@ -38,6 +38,13 @@
 #   profile-suite-2x2  the 2 x 2 suite's combine and iterations scenarios with rank 0
 #                      under cProfile (MOELINK_TEST_PROFILE): where a scenario's
 #                      seconds go (~1 s a checked round, intranode too)
+#   capture-test       gpu_kernels' test of the library threads' relaxed capture mode
+#                      (a thread's CUDA call during a user's global-mode capture)
+#   killed-ethernet-mps, -timeslice, -gpu-signals   the killed-rank worker at 2 x 2 over Ethernet three
+#                      ways: as the suite runs it, without MPS (MOELINK_MPS=off: a
+#                      fault stays in its own context) and with the inbound counters
+#                      in GPU memory (MOELINK_PORT_HOST_SIGNALS=0); on one GPU the
+#                      first gave the survivors an illegal memory access (2026-11-27)
 #   send-unit3-suite, send-unit4-suite   the 4-rank intranode suite with 3 / 4 tokens
 #                      per dispatch sender unit (MOELINK_INTRANODE_SEND_UNIT; 3 leaves
 #                      a short last unit)
@@ -110,6 +117,13 @@ pstep profile-stamps 300 env MOELINK_INTRANODE_PROFILE=1 MOELINK_DEVICE_TIMEOUT_
 pstep profile-suite-2x2 200 env "${X[@]}" MOELINK_TEST_PROFILE=20 \
   GPU_RUN_INTERNODE_SCENARIOS=combine,iterations GPU_RUN_INTERNODE=4:2 GPU_RUN_STEPS='^internode' \
   bash scripts/gpu_run.sh "$OUT/profile-suite-2x2"
+pstep capture-test 60 $BIN/gpu_kernels --include-ignored --test-threads=1 --nocapture \
+  library_threads_may_call_cuda_during_a_global_capture
+KX=(MOELINK_RANKS_PER_NODE=2 MOELINK_INTERNODE_TRANSPORT=ethernet MOELINK_DEVICE_TIMEOUT_S=10)
+KW=(python3 -m moelink.launch -n 4 --timeout 50 tests/multi_gpu/killed_worker.py)
+pstep killed-ethernet-mps 60 env "${KX[@]}" "${KW[@]}"
+pstep killed-ethernet-timeslice 60 env "${KX[@]}" MOELINK_MPS=off "${KW[@]}"
+pstep killed-ethernet-gpu-signals 60 env "${KX[@]}" MOELINK_PORT_HOST_SIGNALS=0 "${KW[@]}"
 for u in 3 4; do
   pstep "send-unit$u-suite" 200 env MOELINK_INTRANODE_SEND_UNIT=$u GPU_RUN_RANKS=4 \
     GPU_RUN_STEPS='^intranode-4' bash scripts/gpu_run.sh "$OUT/send-unit$u-suite"
