@@ -5,6 +5,8 @@
 #   .gpu/bin/<test binary>      Rust test executables that hold GPU tests
 #   .gpu/BUILD_INFO             commit, date, dirty flag: results cite it
 # Then: the device tool runs `bash scripts/gpu_run.sh` with carry [".gpu"].
+# GPU_BUILD_BINS="comm_bench ..." keeps only those binaries in .gpu/bin (a call that
+# also carries .peers for benches/speed_run.sh must fit its 64 MiB tree).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null
@@ -30,6 +32,14 @@ if [ -f benches/Cargo.toml ]; then
   cp target/release/comm_bench .gpu/bin/
 fi
 strip .gpu/bin/* 2>/dev/null || true
+if [ -n "${GPU_BUILD_BINS:-}" ]; then
+  for exe in .gpu/bin/*; do
+    [[ " $GPU_BUILD_BINS " == *" $(basename "$exe") "* ]] || rm -f "$exe"
+  done
+  for want in $GPU_BUILD_BINS; do
+    [ -e ".gpu/bin/$want" ] || { echo "gpu_build: no binary $want (GPU_BUILD_BINS)" >&2; exit 1; }
+  done
+fi
 
 {
   echo "commit=$(git rev-parse HEAD 2>/dev/null || echo none)"
