@@ -37,7 +37,8 @@ pub(crate) fn warn_if_failed(call: &str, result: std::result::Result<(), DriverE
 /// only their own streams and memory; in the default mode the driver refuses
 /// them during such a capture (`CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, e.g. a
 /// receiver's `cuStreamQuery`) and invalidates the user's capture. Every thread
-/// that the library starts and that calls CUDA runs this first.
+/// that the library starts and that calls CUDA runs this first
+/// ([`Device::bind_library_thread`]).
 pub fn relax_capture_mode() -> Result<()> {
     init_driver()?;
     let mut mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
@@ -45,15 +46,6 @@ pub fn relax_capture_mode() -> Result<()> {
     unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut mode) }
         .result()
         .call("cuThreadExchangeStreamCaptureMode")
-}
-
-/// [`relax_capture_mode`] for a library thread's start: a failure is logged,
-/// not raised (the thread still works; only a user's concurrent capture may
-/// then be refused).
-pub fn relax_capture_mode_or_warn(thread: &str) {
-    if let Err(e) = relax_capture_mode() {
-        tracing::warn!("{thread}: cannot relax the stream-capture mode: {e}");
-    }
 }
 
 /// Number of visible CUDA devices; 0 when there is no driver or no device.
@@ -203,6 +195,19 @@ impl Device {
                 *self
             }
         }
+    }
+
+    /// The start of a thread the library owns that calls CUDA (a proxy, a
+    /// transport's receiver): makes this device's context current and relaxes
+    /// the thread's stream-capture mode ([`relax_capture_mode`]; its failure is
+    /// logged, not raised: the thread still works, only a user's concurrent
+    /// capture may then be refused). Returns `make_current`'s result.
+    pub fn bind_library_thread(&self, thread: &str) -> Result<()> {
+        let bound = self.make_current();
+        if let Err(e) = relax_capture_mode() {
+            tracing::warn!("{thread}: cannot relax the stream-capture mode: {e}");
+        }
+        bound
     }
 
     /// Make this device's context current on the calling thread: the primary

@@ -173,10 +173,9 @@ impl ProxyService {
                 // Bind before anything else: no CUDA call of this thread may
                 // create or use a context on another device.
                 if let Some(d) = device {
-                    if let Err(e) = d.make_current() {
+                    if let Err(e) = d.bind_library_thread("proxy thread") {
                         shared.record(e);
                     }
-                    crate::cuda::relax_capture_mode_or_warn("proxy thread");
                 }
                 run(&fifo, &shared, flush_timeout);
             })

@@ -113,7 +113,8 @@ fn during_a_global_capture<T: Send + 'static>(
 /// streams while a user thread captures a CUDA graph. In the default capture
 /// mode the driver refuses such a query and invalidates the user's capture
 /// (what failed the 2 x 2 Ethernet `cuda_graph` scenario with every rank on one
-/// GPU); after `relax_capture_mode` the query works and the capture ends in a graph.
+/// GPU); after `Device::bind_library_thread` (which relaxes the mode) the query
+/// works and the capture ends in a graph.
 #[test]
 #[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
 fn library_threads_may_call_cuda_during_a_global_capture() {
@@ -123,12 +124,13 @@ fn library_threads_may_call_cuda_during_a_global_capture() {
         let own = comm::OwnedStream::new(dev).unwrap();
         // The stream comes back to be destroyed after the capture.
         let ((own, queried), end) = during_a_global_capture(dev, move || {
-            let q = dev.make_current().and_then(|()| {
-                if relax {
-                    comm::cuda::relax_capture_mode()?;
-                }
-                own.is_busy()
-            });
+            // What every library thread starts with, or only the binding.
+            let bound = if relax {
+                dev.bind_library_thread("test thread")
+            } else {
+                dev.make_current()
+            };
+            let q = bound.and_then(|()| own.is_busy());
             (own, q)
         });
         drop(own);

@@ -357,13 +357,12 @@ struct OpError(u8, String);
 /// Applies one connection's frames, in order, until it closes or the receiver stops.
 fn serve(shared: &Shared, mut sock: TcpStream, mut peer: String) {
     if let Some(dev) = shared.regions.device() {
-        if let Err(e) = dev.make_current() {
+        if let Err(e) = dev.bind_library_thread("Ethernet receiver") {
             tracing::warn!(
                 "rank {}: Ethernet receiver cannot bind device: {e}",
                 shared.rank
             );
         }
-        crate::cuda::relax_capture_mode_or_warn("Ethernet receiver");
     }
     let rank = shared.rank;
     let mut payload = Vec::new();

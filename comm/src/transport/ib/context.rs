@@ -478,10 +478,9 @@ impl Drop for IbContext {
 /// 50 us at a time.
 fn receive_loop(shared: &RecvShared) {
     if let Some(d) = shared.device {
-        if let Err(e) = d.make_current() {
+        if let Err(e) = d.bind_library_thread("IB receive loop") {
             shared.record(&e);
         }
-        crate::cuda::relax_capture_mode_or_warn("IB receive loop");
     }
     let mut stream = ApplyStreams::default();
     let mut got: Vec<Completion> = Vec::new();
