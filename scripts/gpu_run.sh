@@ -96,7 +96,10 @@ for n in $RANKS; do
     $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
   run "low_latency-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/ll_worker.py
   # A rank killed mid-dispatch: the others raise TimeoutError naming it, none hangs.
-  run "killed-$n" 150 $LAUNCH -n "$n" --timeout 120 tests/multi_gpu/killed_worker.py
+  # Never under MPS: an MPS client that exits while its kernel runs faults every
+  # other client of the GPU (benches/mps_kill_probe.py, no moelink involved).
+  run "killed-$n" 150 env MOELINK_MPS=off $LAUNCH -n "$n" --timeout 120 \
+    tests/multi_gpu/killed_worker.py
   run "allreduce-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/allreduce_worker.py
   run "ops-$n" 500 $LAUNCH -n "$n" --timeout 480 tests/multi_gpu/ops_worker.py
   run "frameworks-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/frameworks_worker.py
@@ -127,7 +130,7 @@ for split in ${GPU_RUN_INTERNODE:-}; do
     tests/multi_gpu/intranode_worker.py
   [ -z "$xt" ] && run "ll-internode-$((xn / xl))x${xl}" 500 env "${xenv[@]}" \
     $LAUNCH -n "$xn" --timeout 480 tests/multi_gpu/ll_worker.py
-  run "killed-internode-$((xn / xl))x${xl}${xt:+-$xt}" 150 env "${xenv[@]}" \
+  run "killed-internode-$((xn / xl))x${xl}${xt:+-$xt}" 150 env "${xenv[@]}" MOELINK_MPS=off \
     ${xt:+MOELINK_INTERNODE_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 120 \
     tests/multi_gpu/killed_worker.py
   # GPU_RUN_SANITIZE=1: memcheck over the data scenarios on this split (no MPS;
@@ -166,6 +169,12 @@ if [ -n "${GPU_RUN_SANITIZE:-}" ]; then
       --no-python compute-sanitizer --tool memcheck --error-exitcode 9 \
       python3 "tests/multi_gpu/${w}_worker.py"
   done
+  # racecheck (shared-memory hazards) over the intranode kernels: the data scenarios
+  # only (racecheck slows a kernel far more than memcheck), device bounds of 120 s.
+  run "sanitize-racecheck-intranode-2" 540 env "${SAN_ENV[@]}" MOELINK_DEVICE_TIMEOUT_S=120 \
+    MOELINK_INTRANODE_SCENARIOS=layout,dispatch_bf16,dispatch_fp8,dispatch_cached,combine \
+    $LAUNCH -n 2 --timeout 520 --no-python compute-sanitizer --tool racecheck --error-exitcode 9 \
+    python3 tests/multi_gpu/intranode_worker.py
   for tool in memcheck racecheck; do
     # Left out under the sanitizer: scenarios that launch thousands of tiny
     # kernels from proxy threads (atomics, Ethernet), which it slows past the

@@ -23,7 +23,10 @@ chain. Each survivor prints ``PASS killed_rank [rank r]`` or ``FAIL killed_rank
 torn down collectively); the exit code is 1 on FAIL.
 
 Run with 2 or more ranks under ``python -m moelink.launch`` (or torchrun), all on
-one host.
+one host; where ranks share a GPU, without MPS (``--mps off``): under MPS a client
+that exits while its kernel runs faults every other client of the GPU
+(``benches/mps_kill_probe.py``), so the survivors would get an illegal memory access
+instead of the TimeoutError this test asks for.
 """
 
 from __future__ import annotations
@@ -84,6 +87,8 @@ def main() -> int:
     wg = worker_driver.init_worker(120)
     rank, world, dev = wg.rank, wg.world, wg.device
     victim = world - 1
+    # A fault under MPS is logged by the server with the client's PID: name it.
+    print(f"killed_worker: rank {rank} pid {os.getpid()}", flush=True)
     survivors = [r for r in range(world) if r != victim]
     buf = moelink.Buffer(wg.group, *buffer_bytes(world, HIDDEN, TOKENS), explicitly_destroy=True)
     x, idx, w, experts = inputs(rank, world, dev)
