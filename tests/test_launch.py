@@ -232,8 +232,8 @@ ENV_KEYS = (
 
 # A rank: prints its environment as JSON, spawns a child that would outlive it,
 # writes its pids, then acts on $RANK_ACT_<rank>: "exit:N" (once every rank
-# wrote its pids), "sleep", "stubborn" (sleeps and ignores SIGTERM); default:
-# exit 0.
+# wrote its pids), "late:N" (the same, a second later), "sleep", "stubborn"
+# (sleeps and ignores SIGTERM); default: exit 0.
 RANK_SCRIPT = f"""
 import json, os, signal, subprocess, sys, time
 keys = {ENV_KEYS!r}
@@ -246,7 +246,7 @@ if out:
     with open(os.path.join(out, rank), "w") as f:
         f.write(f"{{os.getpid()}} {{child.pid}}")
 act = os.environ.get("RANK_ACT_" + rank, "")
-if act.startswith("exit:"):
+if act.startswith(("exit:", "late:")):
     # Leave only once every rank has written its pids (bounded): else, on a
     # loaded machine, the launcher stops ranks that have not started their
     # child yet, and the test cannot count what it cleaned up.
@@ -254,6 +254,8 @@ if act.startswith("exit:"):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     while out and len(os.listdir(out)) < world and time.time() < deadline:
         time.sleep(0.01)
+    if act.startswith("late:"):
+        time.sleep(1)
     sys.exit(int(act[5:]))
 if act == "stubborn":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -448,6 +450,45 @@ def test_mps_daemon_stopped_when_a_rank_fails_and_the_others_are_killed(sandbox)
     pids = sandbox.rank_pids()
     assert len(pids) == 6  # every rank and the child it left behind
     assert _wait_gone(pids) == []
+
+
+@pytest.mark.parametrize("mps", ["on", "off"])
+def test_under_mps_a_failure_names_the_rank_that_left_before(sandbox, mps):
+    """Under MPS a rank that exits while its kernels run faults the others; the
+    launcher names it beside the rank that failed. Without MPS it does not."""
+    code, _, err, _ = sandbox.run(
+        sandbox.command("--mps", mps),
+        RANK_ACT_0="sleep",
+        RANK_ACT_1="late:3",
+        RANK_ACT_2="exit:0",
+    )
+    assert code == 3, err
+    assert "rank 1 exited with code 3; stopping the other ranks" in err
+    hint = [line for line in err.splitlines() if "under MPS" in line]
+    if mps == "on":
+        assert len(hint) == 1 and "look first at rank 2 (exited 0, " in hint[0], err
+    else:
+        assert hint == [], err
+
+
+def test_failures_are_described_signal_first_with_the_mps_suspects():
+    ok = launch.describe_failures([None, 0, None], {1: 5.0}, 6.0, mps=True)
+    assert ok == (0, [])
+    # Two failures seen at one poll: the signal comes first and gives the code.
+    code, lines = launch.describe_failures([1, None, -9, None], {}, 10.0, mps=False)
+    assert code == 128 + 9
+    assert lines == [
+        "rank 2 was killed by SIGKILL, rank 0 exited with code 1; stopping the other ranks"
+    ]
+    code, lines = launch.describe_failures([1, -9, None, 0, 0], {3: 10.5, 4: 1.0}, 40.0, mps=True)
+    assert code == 137 and len(lines) == 2
+    # Rank 4 left 39 s before: past the window, not named.
+    assert (
+        "look first at rank 1 (was killed by SIGKILL), rank 3 (exited 0, 29.5 s before)" in lines[1]
+    )
+    assert "rank 4" not in lines[1]
+    code, lines = launch.describe_failures([None, 2], {}, 1.0, mps=True)
+    assert (code, len(lines)) == (2, 1)  # nothing to suspect: no hint
 
 
 def test_a_rank_killed_by_a_signal_gives_128_plus_the_signal(sandbox):

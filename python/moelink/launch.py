@@ -58,9 +58,11 @@ ranks passed, one failed, the run timed out, or the launcher got SIGINT / SIGTER
 ``/dev/null``, stdout and stderr shared with the launcher). When a rank exits
 non-zero, the others get SIGTERM, then SIGKILL after ``--kill-grace`` seconds
 (default 5), and the launcher exits with that rank's code (128 + signal where a
-signal ended it). ``--timeout S`` bounds the whole run: the ranks are killed the
-same way and the launcher exits 124. On SIGINT / SIGTERM / SIGHUP it stops the
-ranks and exits 128 + the signal number. Whatever a rank left running in its
+signal ended it; :func:`describe_failures` says which rank where several failed,
+and under MPS which rank's exit may have faulted the others). ``--timeout S``
+bounds the whole run: the ranks are killed the same way and the launcher exits
+124. On SIGINT / SIGTERM / SIGHUP it stops the ranks and exits 128 + the signal
+number. Whatever a rank left running in its
 process group is killed at the end.
 
 For tests only: ``MOELINK_LAUNCH_GPUS_OVERRIDE=G`` makes the launcher plan for
@@ -98,6 +100,7 @@ __all__ = [
     "MpsPlan",
     "Placement",
     "decide_mps",
+    "describe_failures",
     "gpu_sharing",
     "init_distributed",
     "main",
@@ -126,6 +129,10 @@ MPS_COMMAND_TIMEOUT_S = 30.0
 MPS_PIPE_WAIT_S = 10.0
 EXIT_TIMEOUT = 124
 EXIT_USAGE = 2
+#: Under MPS, a rank that exited 0 this many seconds or less before another rank
+#: failed is named as the likely cause (an MPS client that exits while its
+#: kernels run faults the other clients' kernels: docs/one-gpu.md).
+MPS_EXIT_WINDOW_S = 30.0
 
 _PREFIX = "[moelink.launch]"
 
@@ -651,20 +658,54 @@ def stop_ranks(procs: list, grace_s: float) -> None:
             p.wait(timeout=10)
 
 
+def describe_failures(codes: list, exited_at: dict, now: float, mps: bool) -> tuple:
+    """What the launcher says when ranks failed: ``(exit_code, lines)``.
+
+    ``codes``: each rank's return code as ``Popen.poll`` gives it (None: running);
+    ``exited_at``: rank -> monotonic time it was first seen exiting 0 while
+    others ran; ``mps``: whether the ranks share GPUs under MPS. Every rank that
+    failed is named (several can be seen at one poll); a rank killed by a signal
+    comes first and gives the exit code, being the likelier cause. Under MPS the
+    lines add which rank's exit may have faulted the others: one killed by a
+    signal, or one that exited 0 within ``MPS_EXIT_WINDOW_S`` before."""
+    failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+    if not failed:
+        return 0, []
+    failed.sort(key=lambda rc: (rc[1] >= 0, rc[0]))  # signals first, then by rank
+    said = ", ".join(f"rank {r} {_describe_exit(c)}" for r, c in failed)
+    lines = [f"{said}; stopping the other ranks"]
+    if mps:
+        killed = [f"rank {r} ({_describe_exit(c)})" for r, c in failed if c < 0]
+        early = sorted((now - t, r) for r, t in exited_at.items() if now - t <= MPS_EXIT_WINDOW_S)
+        causes = killed + [f"rank {r} (exited 0, {ago:.1f} s before)" for ago, r in early]
+        if causes:
+            lines.append(
+                "under MPS a rank that exits while its kernels run faults the kernels of "
+                "every other rank on its GPU (they report an illegal memory access): "
+                f"look first at {', '.join(causes)}; run with --mps off to keep each "
+                "rank's faults its own (docs/one-gpu.md)"
+            )
+    return exit_code_of(failed[0][1]), lines
+
+
 def supervise(
     commands: list,
     envs: list,
     *,
     timeout_s: float | None,
     grace_s: float = DEFAULT_KILL_GRACE_S,
+    mps: bool = False,
     log=_log,
 ) -> int:
     """Runs ``commands[r]`` with environment ``envs[r]`` for every rank ``r``,
     each in a process group of its own, until all exit 0 (returns 0), one exits
-    non-zero (the others are stopped; returns its exit code), or ``timeout_s``
-    passes (all are stopped; returns 124). Every rank's group is killed before
-    it returns, also when it is interrupted."""
+    non-zero (the others are stopped; returns its exit code, see
+    :func:`describe_failures`), or ``timeout_s`` passes (all are stopped; returns
+    124). Every rank's group is killed before it returns, also when it is
+    interrupted. ``mps``: the ranks share GPUs under MPS (the failure message then
+    names a rank whose exit may have faulted the others)."""
     procs: list = []
+    exited_at: dict = {}
     try:
         for r, (cmd, env) in enumerate(zip(commands, envs)):
             try:
@@ -676,12 +717,17 @@ def supervise(
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while True:
             codes = [p.poll() for p in procs]
-            for r, code in enumerate(codes):
-                if code not in (None, 0):
-                    log(f"rank {r} {_describe_exit(code)}; stopping the other ranks")
-                    return exit_code_of(code)
+            now = time.monotonic()
+            exit_code, lines = describe_failures(codes, exited_at, now, mps)
+            if lines:
+                for line in lines:
+                    log(line)
+                return exit_code
             if all(code == 0 for code in codes):
                 return 0
+            for r, code in enumerate(codes):
+                if code == 0:
+                    exited_at.setdefault(r, now)
             if deadline is not None and time.monotonic() > deadline:
                 left = [r for r, code in enumerate(codes) if code is None]
                 print(
@@ -901,7 +947,11 @@ def main(argv=None) -> int:
                 port = free_port()
                 envs = [{**os.environ, **sharing.variables(r, port)} for r in range(args.nproc)]
                 code = supervise(
-                    [command] * args.nproc, envs, timeout_s=args.timeout, grace_s=args.kill_grace
+                    [command] * args.nproc,
+                    envs,
+                    timeout_s=args.timeout,
+                    grace_s=args.kill_grace,
+                    mps=sharing.uses_mps,
                 )
         except LaunchError as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
