@@ -662,12 +662,12 @@ def describe_failures(codes: list, exited_at: dict, now: float, mps: bool) -> tu
     """What the launcher says when ranks failed: ``(exit_code, lines)``.
 
     ``codes``: each rank's return code as ``Popen.poll`` gives it (None: running);
-    ``exited_at``: rank -> monotonic time it was first seen exiting 0 while
-    others ran; ``mps``: whether the ranks share GPUs under MPS. Every rank that
-    failed is named (several can be seen at one poll); a rank killed by a signal
-    comes first and gives the exit code, being the likelier cause. Under MPS the
-    lines add which rank's exit may have faulted the others: one killed by a
-    signal, or one that exited 0 within ``MPS_EXIT_WINDOW_S`` before."""
+    ``exited_at``: rank -> monotonic time it was first seen exited with 0;
+    ``mps``: whether the ranks share GPUs under MPS. Every rank that failed is
+    named (several can be seen at one poll); a rank killed by a signal comes first
+    and gives the exit code, being the likelier cause. Under MPS the lines add
+    which rank's exit may have faulted the others: one killed by a signal, or one
+    that exited 0 within ``MPS_EXIT_WINDOW_S`` before."""
     failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
     if not failed:
         return 0, []
@@ -718,6 +718,11 @@ def supervise(
         while True:
             codes = [p.poll() for p in procs]
             now = time.monotonic()
+            # Before the failures: a rank seen leaving at the same poll as a
+            # failure is a suspect too.
+            for r, code in enumerate(codes):
+                if code == 0:
+                    exited_at.setdefault(r, now)
             exit_code, lines = describe_failures(codes, exited_at, now, mps)
             if lines:
                 for line in lines:
@@ -725,9 +730,6 @@ def supervise(
                 return exit_code
             if all(code == 0 for code in codes):
                 return 0
-            for r, code in enumerate(codes):
-                if code == 0:
-                    exited_at.setdefault(r, now)
             if deadline is not None and time.monotonic() > deadline:
                 left = [r for r, code in enumerate(codes) if code is None]
                 print(
