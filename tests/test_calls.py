@@ -468,8 +468,16 @@ def test_buffer_arguments_are_refused_before_any_cuda_use(kwargs, exc, match):
 
 
 def test_buffer_options_plan():
+    # Low-latency mode with NVLink bytes: num_rdma_bytes sizes both the low-latency
+    # part and the cross-node regions (one Buffer for both modes across nodes).
     plan = _native.buffer_options_plan(1 << 20, 1 << 30, True, 24, True)
-    assert plan == {"num_nvl_bytes": 1 << 20, "num_ll_bytes": 1 << 30, "num_internode_bytes": 0}
+    assert plan == {
+        "num_nvl_bytes": 1 << 20,
+        "num_ll_bytes": 1 << 30,
+        "num_internode_bytes": 1 << 30,
+    }
+    plan = _native.buffer_options_plan(0, 1 << 30, True, 24, True)
+    assert plan == {"num_nvl_bytes": 0, "num_ll_bytes": 1 << 30, "num_internode_bytes": 0}
     assert _native.buffer_options_plan(0, 0, False, 1, False) == {
         "num_nvl_bytes": 0,
         "num_ll_bytes": 0,

@@ -68,11 +68,17 @@ impl PartKind {
     }
 
     /// (bytes of the part's region, bound of its device waits) that `opts`
-    /// ask for.
-    fn args(self, opts: &EpBufferOptions) -> (usize, i64) {
+    /// ask for on a group of `nodes` nodes: the intranode part adds the
+    /// cross-node regions only where the group spans nodes.
+    fn args(self, opts: &EpBufferOptions, nodes: usize) -> (usize, i64) {
         match self {
             PartKind::Intranode => (
-                opts.num_nvl_bytes + opts.num_internode_bytes,
+                opts.num_nvl_bytes
+                    + if nodes > 1 {
+                        opts.num_internode_bytes
+                    } else {
+                        0
+                    },
                 opts.device_timeout_ns,
             ),
             PartKind::LowLatency => (opts.num_ll_bytes, opts.low_latency.device_timeout_ns),
@@ -93,7 +99,7 @@ impl PartKind {
                 ),
             ));
         }
-        let (bytes, device_timeout_ns) = self.args(opts);
+        let (bytes, device_timeout_ns) = self.args(opts, 1);
         let (_, least) = self.region_bounds();
         if bytes < least as usize || bytes % 128 != 0 {
             let (arg, hint) = self.bytes_arg();
@@ -195,7 +201,6 @@ impl PartBase {
         opts: &EpBufferOptions,
         kind: PartKind,
     ) -> Result<(Self, SymmetricRegion)> {
-        let (bytes, device_timeout_ns) = kind.args(opts);
         kind.check_args(group.size(), opts)?;
         let copts = CommunicatorOptions {
             timeout: opts.timeout,
@@ -208,6 +213,8 @@ impl PartBase {
             ..CommunicatorOptions::default()
         };
         let mut member = group.join(&format!("{} buffer", kind.name()), Some(device), &copts)?;
+        let nodes = member.comm().topology().num_nodes();
+        let (bytes, device_timeout_ns) = kind.args(opts, nodes);
         member.set_device_timeout_ns(device_timeout_ns)?;
         member
             .comm()
@@ -350,6 +357,43 @@ pub struct EpBufferOptions {
     pub low_latency: LowLatencyOptions,
 }
 
+/// `InvalidArgument` naming the byte count that the device of rank `rank`
+/// (`total` bytes of memory) cannot hold: `num_nvl_bytes`, `num_rdma_bytes`
+/// (each part's share of it), or the two together where both parts are
+/// certain to be allocated. Checked before the Buffer's first collective
+/// step, so that such a Buffer fails at once with a clear error instead of
+/// an out-of-memory error from the allocator.
+pub fn check_fits_device(rank: usize, opts: &EpBufferOptions, total: usize) -> Result<()> {
+    let gb = |b: usize| b as f64 / 1e9;
+    let too_big = |name: &'static str, what: String| {
+        Err(CommError::invalid(
+            name,
+            format!(
+                "rank {rank}: {what} is more than the device's {:.1} GB of memory",
+                gb(total)
+            ),
+        ))
+    };
+    let rdma = opts.num_ll_bytes.max(opts.num_internode_bytes);
+    if opts.num_nvl_bytes > total {
+        return too_big("num_nvl_bytes", format!("{} bytes", opts.num_nvl_bytes));
+    }
+    if rdma > total {
+        return too_big("num_rdma_bytes", format!("{rdma} bytes"));
+    }
+    let both = opts.num_nvl_bytes.saturating_add(opts.num_ll_bytes);
+    if both > total {
+        return too_big(
+            "num_rdma_bytes",
+            format!(
+                "num_nvl_bytes + num_rdma_bytes ({} + {} bytes)",
+                opts.num_nvl_bytes, opts.num_ll_bytes
+            ),
+        );
+    }
+    Ok(())
+}
+
 /// One `moelink.Buffer`'s intranode and low-latency parts (either may be
 /// absent), made on one group. Dropping it frees the parts, intranode first,
 /// without a barrier.
@@ -372,23 +416,20 @@ impl EpBuffer {
     /// the intranode part first (each the group's next object); a part that
     /// fails frees what was made before it.
     pub fn new(group: &Group, device: Device, opts: &EpBufferOptions) -> Result<Self> {
+        let (_, total) = device.mem_info()?;
+        check_fits_device(group.rank(), opts, total)?;
         let (mut intranode, mut internode) = (None, None);
         if opts.num_nvl_bytes > 0 {
             let (part, region) = PartBase::join(group, device, opts, PartKind::Intranode)?;
             let nodes = part.comm().topology().num_nodes();
             if nodes > 1 {
                 if opts.num_internode_bytes == 0 {
-                    let why = if opts.num_ll_bytes > 0 {
-                        "a low_latency_mode Buffer's num_rdma_bytes is its low-latency \
-                         buffer, so its normal dispatch and combine have no cross-node \
-                         regions: pass num_nvl_bytes=0, or make a normal-mode Buffer for them"
-                    } else {
-                        "dispatch and combine need num_rdma_bytes > 0 outside low-latency \
-                         mode (see Config.get_rdma_buffer_size_hint)"
-                    };
                     return Err(CommError::invalid(
                         "num_rdma_bytes",
-                        format!("the group spans {nodes} nodes: {why}"),
+                        format!(
+                            "the group spans {nodes} nodes: dispatch and combine need \
+                             num_rdma_bytes > 0 (see Config.get_rdma_buffer_size_hint)"
+                        ),
                     ));
                 }
                 internode = Some(InternodeBuffer::new(part, region, opts)?);
@@ -505,6 +546,30 @@ mod tests {
             Err(CommError::InvalidArgument { name, reason }) => (name, reason),
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn byte_counts_beyond_the_device_are_refused_by_name() {
+        let gb = 1usize << 30;
+        let fits = opts(gb, gb, 1);
+        assert!(check_fits_device(0, &fits, 80 * gb).is_ok());
+        let (name, why) = message(check_fits_device(3, &opts(1 << 50, 0, 1), 80 * gb));
+        assert_eq!(name, "num_nvl_bytes");
+        assert!(
+            why.starts_with("rank 3: 1125899906842624 bytes is more than"),
+            "{why}"
+        );
+        let (name, _) = message(check_fits_device(0, &opts(0, 81 * gb, 1), 80 * gb));
+        assert_eq!(name, "num_rdma_bytes");
+        let internode = EpBufferOptions {
+            num_internode_bytes: 81 * gb,
+            ..fits
+        };
+        let (name, _) = message(check_fits_device(0, &internode, 80 * gb));
+        assert_eq!(name, "num_rdma_bytes");
+        let (name, why) = message(check_fits_device(1, &opts(50 * gb, 40 * gb, 1), 80 * gb));
+        assert_eq!(name, "num_rdma_bytes");
+        assert!(why.contains("num_nvl_bytes + num_rdma_bytes"), "{why}");
     }
 
     #[test]

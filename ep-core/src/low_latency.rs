@@ -121,7 +121,42 @@ pub fn size_hint(
     shape.check()?;
     // A shape whose blocks cannot hold their shared memory never runs.
     shape.check_smem()?;
-    Ok(shape.layout(true).total.div_ceil(128) as usize * 128)
+    Ok(hint_bytes(&shape) as usize)
+}
+
+/// The size hint of `shape`'s (T, hidden, ranks, experts): its layout with
+/// the proxy's staging regions at the largest top-k, in multiples of 128.
+fn hint_bytes(shape: &LlShape) -> u64 {
+    let worst = LlShape {
+        num_topk: k::MAX_TOPK,
+        ..*shape
+    };
+    worst.layout(true).total.div_ceil(128) * 128
+}
+
+/// The most experts (a multiple of the rank count, 0 if none) that a call of
+/// `shape`'s other dimensions fits into `bytes` of low-latency buffer (the
+/// size hint's layout).
+fn max_experts_fitting(shape: &LlShape, bytes: u64) -> usize {
+    let r = shape.num_ranks.max(1);
+    let fits = |e: usize| {
+        hint_bytes(&LlShape {
+            num_experts: e,
+            ..*shape
+        }) <= bytes
+    };
+    // The layout grows with the experts: the largest count of experts per
+    // rank that fits, by bisection.
+    let (mut lo, mut hi) = (0usize, shape.num_experts / r + 1);
+    while lo + 1 < hi {
+        let mid = (lo + hi) / 2;
+        if fits(mid * r) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    lo * r
 }
 
 /// The peers (bit per rank) the low-latency kernels reach through the proxy:
@@ -263,12 +298,25 @@ impl LowLatencyBuffer {
         };
         shape.check()?;
         shape.check_smem()?;
-        let need = shape.layout(self.uses_proxy()).total;
+        // What the size hint asks for this (T, hidden, experts), whatever
+        // this buffer's transport and the call's top-k: a Buffer takes the
+        // calls that the hint it was sized by covers, as DeepEP's does, not
+        // more experts or tokens because NVLink or a small top-k needs less.
+        let need = hint_bytes(&shape);
         if need > self.mem.len() {
+            let most = max_experts_fitting(&shape, self.mem.len());
+            let (name, most) = if most < num_experts {
+                (
+                    "num_experts",
+                    format!(" (at most {most} experts at this size)"),
+                )
+            } else {
+                ("num_rdma_bytes", String::new())
+            };
             return Err(CommError::invalid(
-                "num_rdma_bytes",
+                name,
                 format!(
-                    "rank {}: the low-latency buffer has {} bytes, this call needs {need} \
+                    "rank {}: the low-latency buffer has {} bytes{most}, this call needs {need} \
                      (T={max_tokens}, hidden={hidden}, experts={num_experts}, top-k={num_topk}); \
                      size it with Buffer.get_low_latency_rdma_size_hint",
                     self.part.rank(),
@@ -484,6 +532,25 @@ mod tests {
         assert_eq!(proxied_peers(&t, true), 0b1111_1011);
         let t = Topology::new(31, &vec![(7u64, [1u8; 16]); 32], |_| true, Some(16), false).unwrap();
         assert_eq!(proxied_peers(&t, false), 0x0000_ffff);
+    }
+
+    #[test]
+    fn the_experts_a_hinted_buffer_fits_are_the_hinted_ones() {
+        let hint = size_hint(128, 7168, 4, 288).unwrap() as u64;
+        let s = LlShape {
+            num_ranks: 4,
+            max_tokens: 128,
+            hidden: 7168,
+            num_experts: 576,
+            num_topk: 8,
+        };
+        // Twice the experts: the call's own layout (top-k 8, NVLink) would
+        // fit, but the hint for 576 experts is more than the buffer has.
+        assert!(s.layout(false).total <= hint);
+        assert!(hint_bytes(&s) > hint);
+        assert_eq!(max_experts_fitting(&s, hint), 288);
+        assert_eq!(max_experts_fitting(&s, hint - 128), 284);
+        assert_eq!(max_experts_fitting(&s, 0), 0);
     }
 
     #[test]

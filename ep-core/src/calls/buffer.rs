@@ -43,15 +43,22 @@ pub struct BufferPlan {
     /// `low_latency_mode` (where it is positive).
     pub num_ll_bytes: u64,
     /// Bytes the intranode part adds for the cross-node regions where the
-    /// group spans nodes: `num_rdma_bytes` outside `low_latency_mode`.
+    /// group spans nodes: `num_rdma_bytes` whenever there is an intranode
+    /// part (outside `low_latency_mode`, and in it with `num_nvl_bytes > 0`:
+    /// one Buffer serving normal and low-latency calls across nodes, as
+    /// SGLang's auto mode makes it; the two parts then have `num_rdma_bytes`
+    /// each, apart, so that neither's calls disturb the other's memory).
     pub num_internode_bytes: u64,
 }
 
 /// Checks a Buffer's arguments, in the order of the Python constructor's:
 /// both byte counts `>= 0`, `num_qps_per_rank` positive, the byte counts
 /// multiples of 128, `enable_shrink` only with `low_latency_mode`,
-/// `num_rdma_bytes > 0` in `low_latency_mode` (outside it, it sizes the
-/// internode part's cross-node regions, as DeepEP's RDMA buffer does).
+/// `num_rdma_bytes > 0` in `low_latency_mode`. `num_rdma_bytes` sizes the
+/// low-latency part in `low_latency_mode` and the internode part's
+/// cross-node regions wherever there is an intranode part (as DeepEP's RDMA
+/// buffer serves both): a `low_latency_mode` Buffer with `num_nvl_bytes > 0`
+/// gets both.
 pub fn buffer_options(a: &BufferArgs) -> ArgResult<BufferPlan> {
     let nvl = int_in("num_nvl_bytes", a.num_nvl_bytes, 0, i64::MAX)?;
     let rdma = int_in("num_rdma_bytes", a.num_rdma_bytes, 0, i64::MAX)?;
@@ -71,10 +78,11 @@ pub fn buffer_options(a: &BufferArgs) -> ArgResult<BufferPlan> {
                 .into(),
         );
     }
-    let (ll, internode) = if a.low_latency_mode {
-        (rdma, 0)
+    let ll = if a.low_latency_mode { rdma } else { 0 };
+    let internode = if !a.low_latency_mode || nvl > 0 {
+        rdma
     } else {
-        (0, rdma)
+        0
     };
     Ok(BufferPlan {
         num_nvl_bytes: nvl as u64,
@@ -127,6 +135,19 @@ mod tests {
             both,
             Ok(BufferPlan {
                 num_nvl_bytes: 1 << 20,
+                num_ll_bytes: 1 << 30,
+                num_internode_bytes: 1 << 30,
+            })
+        );
+        // Low-latency mode alone: no intranode part, so no cross-node regions.
+        let ll_only = args(|a| {
+            a.num_rdma_bytes = 1 << 30;
+            a.low_latency_mode = true;
+        });
+        assert_eq!(
+            ll_only,
+            Ok(BufferPlan {
+                num_nvl_bytes: 0,
                 num_ll_bytes: 1 << 30,
                 num_internode_bytes: 0,
             })
