@@ -1,5 +1,12 @@
 //! Embedded fatbins loaded lazily, once per device, with every named kernel
 //! resolved up front. Shared by comm's own kernels and by ep-kernels.
+//!
+//! A kernel is named either by its `extern "C"` symbol (`comm_copy`) or by
+//! its C++ qualified name (`moelink::ll::dispatch`), which is what profilers
+//! show. A qualified name is resolved once per process, on the CPU, to the one
+//! mangled symbol of the fatbin that starts with its Itanium prefix
+//! (`_ZN7moelink2ll8dispatchE`; the parameter types follow), and that symbol
+//! is what `cuModuleGetFunction` gets.
 
 use std::ffi::{c_void, CString};
 use std::sync::{Mutex, OnceLock};
@@ -120,9 +127,9 @@ pub fn kernel_arg<T>(v: &mut T) -> *mut std::ffi::c_void {
 }
 
 /// Declares a crate's kernel table: a `#[repr(usize)]` enum whose variants are
-/// the indices, in declaration order, of the `extern "C"` names a
-/// [`ModuleCache`] resolves (`NAMES`), so that launchers name a kernel, never a
-/// literal index. Every crate with a fatbin declares its table this way (or
+/// the indices, in declaration order, of the kernel names a [`ModuleCache`]
+/// resolves (`NAMES`: `extern "C"` names or C++ qualified names, see the
+/// module docs), so that launchers name a kernel, never a literal index. Every crate with a fatbin declares its table this way (or
 /// computes its indices from one, as collectives' variant families do).
 ///
 /// ```ignore
@@ -143,10 +150,10 @@ macro_rules! kernel_table {
         impl $table {
             /// Every kernel, in index order.
             pub const ALL: &'static [$table] = &[$($table::$variant),*];
-            /// The `extern "C"` names, in index order (what the module cache resolves).
+            /// The kernel names, in index order (what the module cache resolves).
             pub const NAMES: &'static [&'static str] = &[$($name),*];
 
-            /// The kernel's `extern "C"` name.
+            /// The kernel's name (`extern "C"`, or C++ qualified).
             pub fn name(self) -> &'static str {
                 Self::NAMES[self as usize]
             }
@@ -159,19 +166,121 @@ macro_rules! kernel_table {
     };
 }
 
-/// The names of `names` that `fatbin` does not hold as a C symbol (a table
-/// entry with no kernel behind it fails at module load on a GPU; this finds it
-/// on any machine).
+/// The names of `names` that `fatbin` does not hold as a kernel symbol: a C
+/// name absent from its string tables, or a qualified name that does not
+/// resolve to exactly one mangled symbol ([`resolve_symbols`]). A table entry
+/// with no kernel behind it fails at module load on a GPU; this finds it on
+/// any machine.
 pub fn names_missing_from_fatbin<'a>(fatbin: &[u8], names: &[&'a str]) -> Vec<&'a str> {
+    let mangled = MangledSymbols::scan(fatbin);
     names
         .iter()
         .copied()
-        .filter(|name| {
-            let n = name.as_bytes();
-            // A C symbol in the ELF string table: NUL before and after it.
-            !fatbin
-                .windows(n.len() + 2)
-                .any(|w| w[0] == 0 && w[n.len() + 1] == 0 && &w[1..=n.len()] == n)
+        .filter(|name| match mangled_prefix(name) {
+            Some(prefix) => mangled.starting_with(&prefix).len() != 1,
+            None => !has_c_symbol(fatbin, name),
+        })
+        .collect()
+}
+
+/// Whether `fatbin` holds `name` as a NUL-terminated string after a NUL (a C
+/// symbol in an ELF string table).
+fn has_c_symbol(fatbin: &[u8], name: &str) -> bool {
+    let n = name.as_bytes();
+    fatbin
+        .windows(n.len() + 2)
+        .any(|w| w[0] == 0 && w[n.len() + 1] == 0 && &w[1..=n.len()] == n)
+}
+
+/// The Itanium-mangled prefix of a C++ qualified function name, up to its
+/// parameter types: `moelink::ll::dispatch` gives `_ZN7moelink2ll8dispatchE`.
+/// `None` for a name without `::` (an `extern "C"` name) or with a component
+/// that is not a plain identifier (templates and operators are not supported).
+pub fn mangled_prefix(qualified: &str) -> Option<String> {
+    if !qualified.contains("::") {
+        return None;
+    }
+    let mut out = String::from("_ZN");
+    for part in qualified.split("::") {
+        let ident = part
+            .bytes()
+            .enumerate()
+            .all(|(i, b)| b == b'_' || b.is_ascii_alphabetic() || (i > 0 && b.is_ascii_digit()));
+        if part.is_empty() || !ident {
+            return None;
+        }
+        out.push_str(&format!("{}{part}", part.len()));
+    }
+    out.push('E');
+    Some(out)
+}
+
+/// Every distinct `_ZN...` symbol of a fatbin's ELF string tables: a string of
+/// symbol characters after a NUL or a `.` (section names such as
+/// `.text.<symbol>` share a string table with symbols) and up to a NUL.
+struct MangledSymbols(std::collections::BTreeSet<String>);
+
+impl MangledSymbols {
+    fn scan(fatbin: &[u8]) -> Self {
+        let mut set = std::collections::BTreeSet::new();
+        let symbol_byte = |b: u8| b == b'_' || b == b'$' || b.is_ascii_alphanumeric();
+        let mut i = 1;
+        while i + 3 <= fatbin.len() {
+            if &fatbin[i..i + 3] == b"_ZN" && matches!(fatbin[i - 1], 0 | b'.') {
+                let len = fatbin[i..].iter().position(|&b| b == 0);
+                if let Some(len) = len {
+                    let s = &fatbin[i..i + len];
+                    if s.iter().all(|&b| symbol_byte(b)) {
+                        set.insert(String::from_utf8_lossy(s).into_owned());
+                    }
+                    i += len;
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        Self(set)
+    }
+
+    fn starting_with(&self, prefix: &str) -> Vec<&str> {
+        self.0
+            .range(prefix.to_string()..)
+            .take_while(|s| s.starts_with(prefix))
+            .map(String::as_str)
+            .collect()
+    }
+}
+
+/// The symbol `cuModuleGetFunction` gets for each of `names`: a C name as it
+/// is; a qualified name ([`mangled_prefix`]) as the one symbol of `fatbin`
+/// that starts with its mangled prefix. An error names the kernel when none
+/// or several match.
+pub fn resolve_symbols(fatbin: &[u8], names: &[&str]) -> std::result::Result<Vec<String>, String> {
+    let mut mangled = None;
+    names
+        .iter()
+        .map(|name| {
+            let Some(prefix) = mangled_prefix(name) else {
+                if name.contains("::") {
+                    return Err(format!(
+                        "kernel `{name}`: not a plain qualified name (identifiers joined by ::)"
+                    ));
+                }
+                return Ok(name.to_string());
+            };
+            let symbols = mangled.get_or_insert_with(|| MangledSymbols::scan(fatbin));
+            match symbols.starting_with(&prefix).as_slice() {
+                [one] => Ok(one.to_string()),
+                [] => Err(format!(
+                    "kernel `{name}`: no symbol starting with {prefix} in the fatbin"
+                )),
+                several => Err(format!(
+                    "kernel `{name}`: {} symbols start with {prefix} in the fatbin ({}); \
+                     overloads of a kernel are not supported",
+                    several.len(),
+                    several.join(", ")
+                )),
+            }
         })
         .collect()
 }
@@ -211,6 +320,8 @@ pub struct ModuleCache {
     label: &'static str,
     fatbin: &'static [u8],
     names: &'static [&'static str],
+    /// The symbols of `names` in this fatbin, resolved once per process.
+    symbols: OnceLock<std::result::Result<Vec<CString>, String>>,
     /// Per device: the primary context's, then the proxy contexts'.
     loaded: [OnceLock<LoadedModule>; 2 * MAX_DEVICES],
     loading: Mutex<()>,
@@ -226,6 +337,7 @@ impl ModuleCache {
             label,
             fatbin,
             names,
+            symbols: OnceLock::new(),
             loaded: [const { OnceLock::new() }; 2 * MAX_DEVICES],
             loading: Mutex::new(()),
         }
@@ -268,7 +380,31 @@ impl ModuleCache {
         Ok(slot.get_or_init(|| loaded))
     }
 
+    /// The symbols of the kernel names (resolved on first use; an error names
+    /// the kernel that has none, or several, in the fatbin).
+    pub fn symbols(&self) -> Result<&[CString]> {
+        let resolved = self.symbols.get_or_init(|| {
+            resolve_symbols(self.fatbin, self.names).map(|symbols| {
+                symbols
+                    .into_iter()
+                    .map(|s| CString::new(s).expect("symbols have no NUL"))
+                    .collect()
+            })
+        });
+        match resolved {
+            Ok(symbols) => Ok(symbols),
+            Err(e) => {
+                tracing::error!("the {} fatbin: {e}", self.label);
+                Err(CommError::invalid(
+                    "kernel",
+                    format!("the {} fatbin: {e}", self.label),
+                ))
+            }
+        }
+    }
+
     fn load(&self, device: Device) -> Result<LoadedModule> {
+        let symbols = self.symbols()?;
         device.make_current()?;
         // SAFETY: the fatbin was produced by nvcc at build time (build-utils).
         let module = unsafe { result::module::load_data(self.fatbin.as_ptr().cast()) }
@@ -282,11 +418,13 @@ impl ModuleCache {
                 )
             })?;
         let mut functions = Vec::with_capacity(self.names.len());
-        for name in self.names {
-            let cname = CString::new(*name).expect("kernel names have no NUL");
+        for (name, symbol) in self.names.iter().zip(symbols) {
             // SAFETY: module was just loaded and is never unloaded.
-            let f = unsafe { result::module::get_function(module, cname) }
-                .call("cuModuleGetFunction")?;
+            let f = unsafe { result::module::get_function(module, symbol.clone()) }
+                .call("cuModuleGetFunction")
+                .inspect_err(|_| {
+                    tracing::error!("kernel {name} ({symbol:?}) of the {} fatbin", self.label)
+                })?;
             functions.push(f);
         }
         if trap_on_timeout() {
@@ -323,5 +461,81 @@ impl ModuleCache {
             _module: module,
             functions,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qualified_names_mangle_to_their_itanium_prefix() {
+        assert_eq!(
+            mangled_prefix("moelink::ll::dispatch").as_deref(),
+            Some("_ZN7moelink2ll8dispatchE")
+        );
+        assert_eq!(
+            mangled_prefix("moelink::internode::cached_notify").as_deref(),
+            Some("_ZN7moelink9internode13cached_notifyE")
+        );
+        assert_eq!(mangled_prefix("comm_copy"), None);
+        assert_eq!(mangled_prefix("moelink::"), None);
+        assert_eq!(mangled_prefix("a::f<int>"), None);
+        assert_eq!(mangled_prefix("a::9f"), None);
+    }
+
+    /// A string table as nvcc lays it out: symbols after NULs, section names
+    /// (`.text.<symbol>`) holding the same symbols after a `.`.
+    const STRTAB: &[u8] = b"\0.text._ZN7moelink2ll8dispatchENS0_16LlDispatchParamsE\0\
+        _ZN7moelink2ll8dispatchENS0_16LlDispatchParamsE\0\
+        _ZN7moelink2ll7combineENS0_15LlCombineParamsE\0\
+        _ZN7moelink9intranode8dispatchENS0_19DispatchFusedParamsE\0\
+        _ZN7moelink9intranode13dispatch_sendENS0_18DispatchSendParamsE\0\
+        _ZN7moelink1x1fEi\0_ZN7moelink1x1fEl\0\
+        _ZZN7moelink2ll7barrierEvE7blocked\0comm_copy\0";
+
+    #[test]
+    fn qualified_names_resolve_to_their_one_symbol() {
+        let names = [
+            "moelink::ll::dispatch",
+            "moelink::intranode::dispatch",
+            "moelink::intranode::dispatch_send",
+            "comm_copy",
+        ];
+        let got = resolve_symbols(STRTAB, &names).unwrap();
+        assert_eq!(
+            got,
+            [
+                "_ZN7moelink2ll8dispatchENS0_16LlDispatchParamsE",
+                "_ZN7moelink9intranode8dispatchENS0_19DispatchFusedParamsE",
+                "_ZN7moelink9intranode13dispatch_sendENS0_18DispatchSendParamsE",
+                "comm_copy",
+            ]
+        );
+        assert!(names_missing_from_fatbin(STRTAB, &names).is_empty());
+    }
+
+    #[test]
+    fn missing_and_ambiguous_names_are_errors_naming_the_kernel() {
+        let e = resolve_symbols(STRTAB, &["moelink::ll::notify"]).unwrap_err();
+        assert!(
+            e.contains("moelink::ll::notify") && e.contains("no symbol"),
+            "{e}"
+        );
+        let e = resolve_symbols(STRTAB, &["moelink::x::f"]).unwrap_err();
+        assert!(
+            e.contains("moelink::x::f") && e.contains("2 symbols"),
+            "{e}"
+        );
+        // A static local of a kernel (`_ZZ...`) is no kernel.
+        assert!(resolve_symbols(STRTAB, &["moelink::ll::barrier"]).is_err());
+        assert!(resolve_symbols(STRTAB, &["moelink::ll::f<int>"]).is_err());
+        assert_eq!(
+            names_missing_from_fatbin(
+                STRTAB,
+                &["moelink::ll::combine", "moelink::x::f", "comm_absent"]
+            ),
+            ["moelink::x::f", "comm_absent"]
+        );
     }
 }

@@ -30,8 +30,8 @@ use ep_kernels::internode::{
     XRecordLayout, MAX_CHUNK, MAX_NODES, STAGE_BYTES,
 };
 use ep_kernels::intranode::{
-    self as k, CombineRecvArgs, CombineSendArgs, FusedGrid, FusedHalves, FusedState, IntranodeCtx,
-    RecordLayout, RecvArgs, SendArgs, CTRL_BYTES,
+    self as k, CombineRecvArgs, CombineSendArgs, FusedGrid, FusedState, IntranodeCtx, RecordLayout,
+    RecvArgs, SendArgs, CTRL_BYTES,
 };
 
 use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase};
@@ -70,6 +70,10 @@ pub struct XInputs {
     /// `[nodes][meta_slots][1 + L]` int32: written by the forwarders, read by combine.
     pub fwd_meta: u64,
     pub meta_slots: usize,
+    /// `[nodes]` int32 written by notify (normal dispatch), or 0 (none):
+    /// DeepEP's `recv_rdma_rank_prefix_sum`, see
+    /// [`ep_kernels::internode::XNotifyArgs::recv_rdma_rank_prefix_sum`].
+    pub recv_rdma_rank_prefix_sum: u64,
 }
 
 /// Region offsets and slot counts of one dispatch (or combine) geometry.
@@ -605,6 +609,7 @@ impl InternodeBuffer {
             n: notify_args(shape, inp, epr, expert_alignment, &self.host, epoch, err)?,
             node_head: xi.node_head,
             xcounts: xi.xcounts,
+            recv_rdma_rank_prefix_sum: xi.recv_rdma_rank_prefix_sum,
         };
         // SAFETY: the caller (the Python layer) checked every tensor.
         unsafe { x::internode_notify(self.part.kernels(), stream, xc, notify) }?;
@@ -800,13 +805,11 @@ impl InternodeBuffer {
         // SAFETY: the caller checked the outputs, allocated on `stream`, which
         // waits for the side stream before it goes on.
         unsafe {
-            k::dispatch_fused(
+            x::internode_dispatch_recv(
                 self.part.kernels(),
                 self.side.handle(),
                 xc.c,
-                FusedHalves::Recv,
-                None,
-                Some(recv),
+                recv,
                 state,
                 grid,
             )

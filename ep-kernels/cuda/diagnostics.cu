@@ -5,6 +5,8 @@
 
 #include "pattern.cuh"
 
+namespace moelink::diagnostics {
+
 // peers[p] is rank p's buffer as mapped here (peers[rank] is our own buffer).
 // Each buffer holds nranks slots of `words` 64-bit words; rank r writes slot r.
 // Grid: blockIdx.y selects the peer, blockIdx.x/threadIdx.x stride over words.
@@ -18,7 +20,7 @@ struct DiagnosticsParams {
 };
 static_assert(sizeof(DiagnosticsParams) == 32, "mirrored in Rust");
 
-extern "C" __global__ void diagnostics_write_peers(const __grid_constant__ DiagnosticsParams a) {
+__global__ void write_peers(const __grid_constant__ DiagnosticsParams a) {
   const uint64_t* const* peers = a.peers;
   const int nranks = a.nranks, rank = a.rank;
   const uint64_t words = a.words, seed = a.seed;
@@ -31,3 +33,5 @@ extern "C" __global__ void diagnostics_write_peers(const __grid_constant__ Diagn
     return moelink::pattern_word(seed, uint32_t(rank), uint32_t(dst), i);
   });
 }
+
+}  // namespace moelink::diagnostics

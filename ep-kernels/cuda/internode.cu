@@ -27,7 +27,8 @@
 //     its forward warps then store each record into the slot of every rank of node n
 //     that receives it (local ids for that rank, flag after): the same record, in the
 //     same slot, as a same-node sender would have written.
-//   - every rank's receivers are intranode's (dispatch_fused, receive-only launch).
+//   - every rank's receivers are intranode's (the fused dispatch's receive half, run_dispatch
+//     of intranode.cuh): a receive-only launch of this file's dispatch kernel.
 // Combine of token t of source s:
 //   - a rank of s's node stores its row into s's combine slots (as intranode);
 //   - a rank d of another node n stores its row into the forwarder f = n*L + l's
@@ -40,6 +41,12 @@
 // Flags and call counters are intranode's (records never reset, CUDA graphs
 // replay). Chunks are ordered by the port channel: signal j means chunks
 // 0..j-1 landed. Every wait is bounded and names the peer.
+//
+// Kernels (namespace moelink::internode, the names a profiler shows): notify
+// (normal dispatch), cached_notify (the barrier of a cached dispatch and of a
+// combine after a combine), dispatch (two concurrent launches per call: the
+// send side, and the receive half on a side stream; XDispatchLaunch says
+// which), combine.
 #include <comm/port_channel_device.cuh>
 
 #include "intranode.cuh"
@@ -85,6 +92,9 @@ struct XNotifyParams {
   int* send_head;                        // [N_tok, R] out
   int* node_head;                        // [N_tok, nodes] out
   int* xcounts;                          // [2 * nodes] out: tokens to each node, records from each
+  int* recv_rdma_rank_prefix_sum;        // [nodes] out, or null: inclusive prefix sum over source
+                                         // nodes m of the tokens rank (m, this local rank) sends
+                                         // to this node (m = this node: this rank's own tokens)
   int* host_counts;                      // host-mapped counts out
   unsigned long long* host_epoch;        // host-mapped, written last
   unsigned long long epoch_value;
@@ -95,8 +105,9 @@ struct XNotifyParams {
   int expert_alignment;
   int num_topk;
 };
-static_assert(sizeof(XNotifyParams) == 280, "mirrored in Rust");
-static_assert(offsetof(XNotifyParams, num_tokens) == 264, "mirrored in Rust");
+static_assert(sizeof(XNotifyParams) == 288, "mirrored in Rust");
+static_assert(offsetof(XNotifyParams, recv_rdma_rank_prefix_sum) == 224, "mirrored in Rust");
+static_assert(offsetof(XNotifyParams, num_tokens) == 272, "mirrored in Rust");
 
 struct XDispatchParams {
   XCtx x;
@@ -113,6 +124,22 @@ struct XDispatchParams {
 static_assert(sizeof(XDispatchParams) == 432, "mirrored in Rust");
 static_assert(offsetof(XDispatchParams, send) == 176, "mirrored in Rust");
 static_assert(offsetof(XDispatchParams, num_send_blocks) == 428, "mirrored in Rust");
+
+// The one parameter of the dispatch kernel: its two launches per call run one
+// role each, with that role's argument block.
+constexpr int32_t kDispatchSendSide = 0;  // XDispatchParams: senders, coordinator, forwarders
+constexpr int32_t kDispatchRecvHalf = 1;  // DispatchFusedParams: the fused receive half alone
+union XDispatchRoleArgs {
+  XDispatchParams send;
+  intranode::DispatchFusedParams recv;
+};
+struct XDispatchLaunch {
+  int32_t role;
+  int32_t pad;
+  XDispatchRoleArgs args;
+};
+static_assert(sizeof(XDispatchLaunch) == 440, "mirrored in Rust");
+static_assert(offsetof(XDispatchLaunch, args) == 8, "mirrored in Rust");
 
 struct XCombineParams {
   XCtx x;
@@ -275,26 +302,22 @@ struct ForwardUnits {
   }
 };
 
-}  // namespace moelink::internode
-
-using moelink::internode::XCtx;
-
-// internode_notify: one block. As dispatch_notify (intranode.cu), plus:
+// notify: one block. As intranode's notify (intranode.cu), plus:
 // node_head[t][n] (the token's index in this rank's cross-node stream to node
 // n, -1 for this node and for nodes it does not go to), the count rows
 // carrying the tokens per node, rows to other nodes staged and put through
 // the port channels (a signal each: the barrier), and xcounts: [n] tokens to
-// node n, [N + m] records this rank forwards from source node m.
-extern "C" __global__ void __launch_bounds__(moelink::intranode::kNotifyThreads)
-    internode_notify(const __grid_constant__ moelink::internode::XNotifyParams a) {
-  using namespace moelink::intranode;
-  using namespace moelink::internode;
+// node n, [N + m] records this rank forwards from source node m; and, if
+// asked for, recv_rdma_rank_prefix_sum.
+__global__ void __launch_bounds__(intranode::kNotifyThreads) notify(const __grid_constant__ XNotifyParams a) {
+  using namespace intranode;
   const XCtx& x = a.x;
   const Ctx& c = x.c;
   const int num_tokens = a.num_tokens, epr = a.experts_per_rank, K = a.num_topk;
   __shared__ int warp_sums[32];
   __shared__ int sent[kMaxRanks];
   __shared__ int sent_node[kMaxNodes];
+  __shared__ int sent_own;  // tokens to this rank's own node (recv_rdma_rank_prefix_sum)
   __shared__ uint64_t parity_s;
   const int R = c.num_ranks, rank = c.rank, N = x.num_nodes, L = x.ranks_per_node;
   const int my_node = rank / L, my_local = rank % L;
@@ -338,6 +361,17 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kNotifyThreads)
     int idx = block_exclusive_scan(count, warp_sums, total);
     for (int t = t0; t < t1; ++t) a.node_head[int64_t(t) * N + n] = goes(t) ? idx++ : -1;
     if (threadIdx.x == 0) sent_node[n] = total;
+  }
+  if (a.recv_rdma_rank_prefix_sum != nullptr) {  // the same on every thread
+    int count = 0;
+    for (int t = t0; t < t1; ++t) {
+      bool any = false;
+      for (int l = 0; l < L; ++l) any = any || in_rank[int64_t(t) * R + my_node * L + l];
+      count += any ? 1 : 0;
+    }
+    int total;
+    block_exclusive_scan(count, warp_sums, total);
+    if (threadIdx.x == 0) sent_own = total;
   }
   __syncthreads();
   const uint64_t half = parity_s * kCtrlHalfBytes;
@@ -389,6 +423,15 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kNotifyThreads)
     a.xcounts[n] = sent_node[n];
     a.xcounts[N + n] = n == my_node ? 0 : __ldcg(ctrl + (n * L + my_local) * row_len + R + my_node);
   }
+  if (a.recv_rdma_rank_prefix_sum != nullptr && threadIdx.x == 0) {
+    // Inclusive, over source nodes m: xcounts[N + m]'s value, this rank's own
+    // tokens to its node for m = my_node.
+    int acc = 0;
+    for (int m = 0; m < N; ++m) {
+      acc += m == my_node ? sent_own : __ldcg(ctrl + (m * L + my_local) * row_len + R + my_node);
+      a.recv_rdma_rank_prefix_sum[m] = acc;
+    }
+  }
   __threadfence_system();
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -398,33 +441,34 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kNotifyThreads)
   }
 }
 
-// internode_barrier: one signal to and one wait for every peer (memory
-// channels inside the node, port channels across).
-extern "C" __global__ void internode_barrier(const __grid_constant__ XCtx x) {
+// cached_notify: one signal to and one wait for every peer (memory channels
+// inside the node, port channels across): the barrier before a cached
+// dispatch and before a combine that follows a combine (DeepEP's kernel in
+// that place is its cached_notify, so profiles of both read alike).
+__global__ void cached_notify(const __grid_constant__ XCtx x) {
   const Ctx& c = x.c;
   const int p = threadIdx.x, L = x.ranks_per_node;
   if (p >= c.num_ranks || p == c.rank) return;
   if (p / L == c.rank / L) {
     c.channels[p].signal();
-    if (!c.channels[p].wait(c.timeout_ns)) moelink::internode::mark_peer(c, p);
+    if (!c.channels[p].wait(c.timeout_ns)) mark_peer(c, p);
   } else {
     x.ports[p].signal();
-    if (!x.ports[p].wait(c.timeout_ns)) moelink::internode::mark_peer(c, p);
+    if (!x.ports[p].wait(c.timeout_ns)) mark_peer(c, p);
   }
 }
 
-// internode_dispatch: the send side of a dispatch (the receive side is
-// intranode's dispatch_fused, receive-only). Blocks [0, num_send_blocks): a warp
+// The send side of a dispatch (the receive side is intranode's fused receive
+// half, run_dispatch). Blocks [0, num_send_blocks): a warp
 // per token: the NVL records to this node's ranks, one cross-node record per
 // other node (flag after, in this rank's xsend). Block num_send_blocks: warp n
 // puts node n's stream in chunks (put_chunks); warp N + m counts source node
 // m's chunks (count_chunks). The other blocks forward: each landed cross-node
 // record into the slots of this node's ranks that receive it, and its source
-// token and slots into fwd_meta (for combine).
-extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    internode_dispatch(const __grid_constant__ moelink::internode::XDispatchParams a) {
-  using namespace moelink::intranode;
-  using namespace moelink::internode;
+// token and slots into fwd_meta (for combine). `a` is a field of the
+// launch's __grid_constant__ parameter.
+__device__ __forceinline__ void send_side(const XDispatchParams& a) {
+  using namespace intranode;
   const XCtx& x = a.x;
   const Ctx& c = x.c;
   const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
@@ -536,7 +580,15 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   fused_done(c.ticket, a.calls, nullptr);
 }
 
-namespace moelink::internode {
+// dispatch: one kernel for both launches of a dispatch, the send side on the
+// caller's stream and the receive half on a side stream, at once (so a
+// profiler shows one name, moelink::internode::dispatch, twice per call).
+__global__ void __launch_bounds__(intranode::kThreads) dispatch(const __grid_constant__ XDispatchLaunch a) {
+  if (a.role == kDispatchSendSide)
+    send_side(a.args.send);
+  else if (a.role == kDispatchRecvHalf)
+    intranode::run_dispatch(a.args.recv);
+}
 
 // Adds the bf16 row at `p` (vector v of 8) to acc.
 template <bool Fresh>
@@ -625,9 +677,7 @@ __device__ void reduce_token_x(const XCombineParams& a, int64_t t, unsigned own_
   }
 }
 
-}  // namespace moelink::internode
-
-// internode_combine: one launch. Blocks [0, num_send_blocks) send every
+// combine: one launch. Blocks [0, num_send_blocks) send every
 // received row: to its source's combine slots if the source is on this node,
 // else to the forwarder's fwd region (by source node and token). Blocks
 // [num_send_blocks, + num_fwd_blocks) reduce, per record this rank forwarded
@@ -635,10 +685,8 @@ __device__ void reduce_token_x(const XCombineParams& a, int64_t t, unsigned own_
 // partial (psend). The next block: warp m puts source node m's partials in
 // chunks; warp N + n counts node n's partial chunks. The rest: a warp per
 // token of this rank (reduce_token_x) once its copies and partials are in.
-extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    internode_combine(const __grid_constant__ moelink::internode::XCombineParams a) {
-  using namespace moelink::intranode;
-  using namespace moelink::internode;
+__global__ void __launch_bounds__(intranode::kThreads) combine(const __grid_constant__ XCombineParams a) {
+  using namespace intranode;
   const XCtx& x = a.x;
   const Ctx& c = x.c;
   const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
@@ -793,3 +841,5 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   }
   fused_done(c.ticket, a.calls, nullptr);
 }
+
+}  // namespace moelink::internode

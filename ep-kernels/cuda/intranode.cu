@@ -12,9 +12,13 @@
 // send_head[t][d] of block [d] of s's combine region. So no flow control and
 // one signal per peer and phase:
 //
-//   dispatch:  dispatch_notify (barrier + counts) -> dispatch_send -> dispatch_wait -> dispatch_recv
-//   cached:    dispatch_barrier -> dispatch_send -> dispatch_wait -> dispatch_recv
-//   combine:   [combine_barrier] -> combine_send -> combine_wait -> combine_recv
+//   dispatch:  notify (barrier + counts) -> dispatch_send -> wait_peers -> dispatch_recv
+//   cached:    barrier -> dispatch_send -> wait_peers -> dispatch_recv
+//   combine:   [barrier] -> combine_send -> wait_peers -> combine_recv
+//
+// (Kernel names are those of namespace moelink::intranode, which is what a
+// profiler shows: moelink::intranode::notify, ...; docs/api-notes.md, "Profiler
+// names".)
 //
 // Every phase does exactly one signal and one wait per peer pair, in the same
 // order on every rank, on the one device-to-device semaphore per pair.
@@ -23,8 +27,8 @@
 // the receive of a phase at once, on disjoint blocks, so the local pass runs
 // while the bytes are still crossing NVLink instead of after them:
 //
-//   dispatch:  dispatch_notify | dispatch_barrier -> dispatch_fused
-//   combine:   [combine_barrier] -> combine_fused
+//   dispatch:  notify | barrier -> dispatch
+//   combine:   [barrier] -> combine
 //
 // Every record ends in an 8-byte flag: the sender stores (kFlagMagic << 32 |
 // call number) into it after the record's bytes (one fence.acq_rel.sys per
@@ -37,7 +41,9 @@
 // because both are left out together.
 #include "intranode.cuh"
 
-// dispatch_notify: one block. (0) every expert id of topk_idx (if given) must
+namespace moelink::intranode {
+
+// notify: one block. (0) every expert id of topk_idx (if given) must
 // lie in [-1, E): the first one outside is recorded in `error` (naming token
 // and column) before the host epoch is written, so the host, which waits on
 // that epoch, raises it at the end of the call without another sync.
@@ -49,8 +55,7 @@
 // regions are free); (4) rank_prefix_matrix, the received token count and the
 // per-expert counts (rounded up to `expert_alignment`) to device and
 // host-mapped memory, the host epoch last.
-extern "C" __global__ void __launch_bounds__(moelink::intranode::kNotifyThreads)
-    dispatch_notify(const __grid_constant__ moelink::intranode::NotifyParams a) {
+__global__ void __launch_bounds__(kNotifyThreads) notify(const __grid_constant__ NotifyParams a) {
   const Ctx& c = a.c;
   const bool* __restrict__ is_token_in_rank = a.is_token_in_rank;
   const int* __restrict__ num_tokens_per_expert = a.num_tokens_per_expert;
@@ -63,7 +68,6 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kNotifyThreads)
   const unsigned long long epoch_value = a.epoch_value;
   const int64_t* __restrict__ topk_idx = a.topk_idx;
   comm::DeviceError* error = a.error;
-  using namespace moelink::intranode;
   __shared__ int warp_sums[32];
   __shared__ int sent[kMaxRanks];
   __shared__ uint64_t parity_s;
@@ -135,27 +139,23 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kNotifyThreads)
   }
 }
 
-// dispatch_barrier / combine_barrier: one signal and one wait per peer, so no
-// rank writes into a region a peer may still be reading.
-extern "C" __global__ void dispatch_barrier(Ctx c) { moelink::intranode::signal_and_wait_all(c); }
-extern "C" __global__ void combine_barrier(Ctx c) { moelink::intranode::signal_and_wait_all(c); }
+// barrier (before a cached dispatch or a combine): one signal and one wait
+// per peer, so no rank writes into a region a peer may still be reading.
+__global__ void barrier(Ctx c) { signal_and_wait_all(c); }
 
-// dispatch_wait / combine_wait: one wait per peer for its end-of-send signal.
-__device__ __forceinline__ void wait_all(const Ctx& c) {
+// wait_peers (separate kernels only, after dispatch_send or combine_send): one
+// wait per peer for its end-of-send signal.
+__global__ void wait_peers(Ctx c) {
   const int p = threadIdx.x;
-  if (p < c.num_ranks && p != c.rank) moelink::intranode::wait_peer(c, p);
+  if (p < c.num_ranks && p != c.rank) wait_peer(c, p);
 }
-extern "C" __global__ void dispatch_wait(Ctx c) { wait_all(c); }
-extern "C" __global__ void combine_wait(Ctx c) { wait_all(c); }
 
 
 // dispatch_send: a warp per token; for each destination d of the token, the
 // record (row, scales, local top-k ids, weights, source index) goes into slot
 // send_head[t][d] of block [rank] of d's dispatch region. The last block
 // signals every peer.
-extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    dispatch_send(const __grid_constant__ moelink::intranode::DispatchSendParams a) {
-  using namespace moelink::intranode;
+__global__ void __launch_bounds__(kThreads) dispatch_send(const __grid_constant__ DispatchSendParams a) {
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
@@ -169,10 +169,8 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
 // weight 0 and source index -1. Once any wait of this Buffer timed out, the
 // counts (rank_prefix_matrix) themselves may be a peer's stale row, so every
 // row is poisoned, not copied (poison_row).
-extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    dispatch_recv(const __grid_constant__ moelink::intranode::DispatchRecvParams a) {
+__global__ void __launch_bounds__(kThreads) dispatch_recv(const __grid_constant__ DispatchRecvParams a) {
   const Ctx& c = a.c;
-  using namespace moelink::intranode;
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
@@ -197,84 +195,18 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   }
 }
 
-// dispatch_fused: blocks [0, num_send_blocks) send as dispatch_send (a warp
-// per unit of `send_unit` tokens) and set each record's flag (all blocks: a
-// send-only launch); the other blocks (all: a receive-only launch) receive: received
-// row (source s, slot j) is copied out once its record's flag shows this
-// call, the rows visited source by source in chunks (interleaved), so they
-// are copied while the later rows are still crossing NVLink. No end-of-send
-// signal, no wait kernel. A wait that runs out marks the peer (its rows are
-// poisoned, not waited for again) and records the error.
-extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    dispatch_fused(const __grid_constant__ moelink::intranode::DispatchFusedParams a) {
-  using namespace moelink::intranode;
-  const Ctx& c = a.send.c;
-  const int lane = threadIdx.x % 32;
-  const int R = c.num_ranks;
-  const int nsend = a.num_send_blocks;
-  const int kind = int(blockIdx.x) < nsend ? 0 : 1;  // sender or receiver
-  stamp(a.prof, kind, 0);
-  unsigned int* work = c.ticket + kSendWorkWord;
-  if (int(blockIdx.x) < nsend) {
-    const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.send_calls));
-    // Tokens taken `send_unit` at a time per warp (kSendWorkWord), one
-    // release per unit (send_tokens).
-    const int unit = min(max(a.send_unit, 1), kMaxSendUnit);
-    const int64_t n = a.send.num_tokens;
-    bool first = true;
-    for (int64_t t = next_unit(work, lane) * unit; t < n; t = next_unit(work, lane) * unit) {
-      if (unit == 1)
-        send_token(a.send, t, lane, flag);
-      else
-        send_tokens(a.send, t, int(n - t < unit ? n - t : unit), lane, flag);
-      if (first) stamp(a.prof, kind, 1);
-      first = false;
-    }
-    stamp(a.prof, kind, 2);
-  } else {
-    const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.recv_calls));
-    const DispatchRecvParams& r = a.recv;
-    const int64_t warp = int64_t(blockIdx.x - nsend) * kWarps + threadIdx.x / 32;
-    const int64_t nwarps = int64_t(gridDim.x - nsend) * kWarps;
-    const InterleavedRows rows(r.rank_prefix_matrix, c.rank, R, 0, lane);
-    const int64_t num_recv = rows.total();
-    // Once any wait of this Buffer timed out, the counts themselves may be a
-    // peer's stale row: every row is poisoned, none copied (as dispatch_recv).
-    const bool poisoned = timed_out_peers(c) != 0;
-    for (int64_t i = warp; poisoned && i < r.num_rows; i += nwarps) poison_row(r, i, lane);
-    for (int64_t k = warp; !poisoned && k < rows.units; k += nwarps) {
-      int s;
-      int64_t j, i;
-      if (!rows.row(k, s, j, i) || i >= r.num_rows) continue;
-      const char* rec = c.local + c.dispatch_offset + (int64_t(s) * c.dispatch_slots + j) * r.rec.bytes;
-      bool ok = true;
-      if (lane == 0)
-        ok = wait_record(c, record_flag(const_cast<char*>(rec), r.rec.bytes), flag, s,
-                         comm::kWaitIntranodeDispatch, uint64_t(j), a.error);
-      if (k == warp) stamp(a.prof, kind, 1);
-      if (__shfl_sync(0xffffffffu, ok, 0))
-        copy_out_row<true>(r, i, rec, lane);
-      else
-        poison_row(r, i, lane);
-    }
-    stamp(a.prof, kind, 2);
-    // num_worst_tokens padding.
-    for (int64_t i = num_recv + warp; !poisoned && i < r.num_rows; i += nwarps) pad_row(r, i, lane);
-  }
-  const bool sends = nsend > 0, receives = nsend < int(gridDim.x);
-  fused_done(sends ? c.ticket : a.recv_ticket, sends ? a.send_calls : nullptr,
-             receives ? a.recv_calls : nullptr, sends ? work : nullptr);
-  stamp(a.prof, kind, 3);
+// dispatch (fused): run_dispatch of intranode.cuh, whose comment has what the
+// blocks do (internode's dispatch kernel runs its receive-only launches too).
+__global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ DispatchFusedParams a) {
+  run_dispatch(a);
 }
 
 // combine_send: a warp per received row i < num_recv: the expert output row
 // (and K weights) goes into slot `slot` of block [rank] of source rank `src`'s
 // combine region. Slots beyond the region (the source rank refused the call)
 // are skipped. The last block signals every peer.
-extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    combine_send(const __grid_constant__ moelink::intranode::CombineSendParams a) {
+__global__ void __launch_bounds__(kThreads) combine_send(const __grid_constant__ CombineSendParams a) {
   const Ctx& c = a.c;
-  using namespace moelink::intranode;
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
@@ -298,10 +230,8 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
 // combine_recv: a warp per token t (reduce_token). A token that one of the
 // ranks whose wait timed out received is NaN (row and weights), not a partial
 // sum.
-extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    combine_recv(const __grid_constant__ moelink::intranode::CombineRecvParams a) {
+__global__ void __launch_bounds__(kThreads) combine_recv(const __grid_constant__ CombineRecvParams a) {
   const Ctx& c = a.c;
-  using namespace moelink::intranode;
   const int lane = threadIdx.x % 32;
   const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
@@ -325,15 +255,13 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   }
 }
 
-// combine_fused: blocks [0, num_send_blocks) send as combine_send and set each
+// combine (fused): blocks [0, num_send_blocks) send as combine_send and set each
 // record's flag, the rows visited source block by source block in chunks
 // (interleaved, starting at this rank's own block) so that every source's
 // slots fill at the same pace; the other blocks reduce token after token as
 // soon as every copy of the token shows this call's flag. No end-of-send
 // signal, no wait kernel.
-extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
-    combine_fused(const __grid_constant__ moelink::intranode::CombineFusedParams a) {
-  using namespace moelink::intranode;
+__global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ CombineFusedParams a) {
   const Ctx& c = a.send.c;
   const int lane = threadIdx.x % 32;
   const int R = c.num_ranks;
@@ -392,3 +320,5 @@ extern "C" __global__ void __launch_bounds__(moelink::intranode::kThreads)
   fused_done(c.ticket, a.calls, nullptr, nsend > 0 ? work : nullptr);
   stamp(a.prof, kind, 3);
 }
+
+}  // namespace moelink::intranode

@@ -658,4 +658,75 @@ __device__ __forceinline__ void fused_done(unsigned int* ticket, unsigned long l
   }
 }
 
+// The fused dispatch (kernel moelink::intranode::dispatch, and the
+// receive-only launches of moelink::internode::dispatch): blocks
+// [0, num_send_blocks) send as dispatch_send (a warp per unit of `send_unit`
+// tokens) and set each record's flag (all blocks: a send-only launch); the
+// other blocks (all: a receive-only launch) receive: received row (source s,
+// slot j) is copied out once its record's flag shows this call, the rows
+// visited source by source in chunks (interleaved), so they are copied while
+// the later rows are still crossing NVLink. No end-of-send signal, no wait
+// kernel. A wait that runs out marks the peer (its rows are poisoned, not
+// waited for again) and records the error. `a` is the launch's
+// __grid_constant__ parameter; the kernels' __launch_bounds__ is kThreads.
+__device__ __forceinline__ void run_dispatch(const DispatchFusedParams& a) {
+  const Ctx& c = a.send.c;
+  const int lane = threadIdx.x % 32;
+  const int R = c.num_ranks;
+  const int nsend = a.num_send_blocks;
+  const int kind = int(blockIdx.x) < nsend ? 0 : 1;  // sender or receiver
+  stamp(a.prof, kind, 0);
+  unsigned int* work = c.ticket + kSendWorkWord;
+  if (int(blockIdx.x) < nsend) {
+    const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.send_calls));
+    // Tokens taken `send_unit` at a time per warp (kSendWorkWord), one
+    // release per unit (send_tokens).
+    const int unit = min(max(a.send_unit, 1), kMaxSendUnit);
+    const int64_t n = a.send.num_tokens;
+    bool first = true;
+    for (int64_t t = next_unit(work, lane) * unit; t < n; t = next_unit(work, lane) * unit) {
+      if (unit == 1)
+        send_token(a.send, t, lane, flag);
+      else
+        send_tokens(a.send, t, int(n - t < unit ? n - t : unit), lane, flag);
+      if (first) stamp(a.prof, kind, 1);
+      first = false;
+    }
+    stamp(a.prof, kind, 2);
+  } else {
+    const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.recv_calls));
+    const DispatchRecvParams& r = a.recv;
+    const int64_t warp = int64_t(blockIdx.x - nsend) * kWarps + threadIdx.x / 32;
+    const int64_t nwarps = int64_t(gridDim.x - nsend) * kWarps;
+    const InterleavedRows rows(r.rank_prefix_matrix, c.rank, R, 0, lane);
+    const int64_t num_recv = rows.total();
+    // Once any wait of this Buffer timed out, the counts themselves may be a
+    // peer's stale row: every row is poisoned, none copied (as dispatch_recv).
+    const bool poisoned = timed_out_peers(c) != 0;
+    for (int64_t i = warp; poisoned && i < r.num_rows; i += nwarps) poison_row(r, i, lane);
+    for (int64_t k = warp; !poisoned && k < rows.units; k += nwarps) {
+      int s;
+      int64_t j, i;
+      if (!rows.row(k, s, j, i) || i >= r.num_rows) continue;
+      const char* rec = c.local + c.dispatch_offset + (int64_t(s) * c.dispatch_slots + j) * r.rec.bytes;
+      bool ok = true;
+      if (lane == 0)
+        ok = wait_record(c, record_flag(const_cast<char*>(rec), r.rec.bytes), flag, s,
+                         comm::kWaitIntranodeDispatch, uint64_t(j), a.error);
+      if (k == warp) stamp(a.prof, kind, 1);
+      if (__shfl_sync(0xffffffffu, ok, 0))
+        copy_out_row<true>(r, i, rec, lane);
+      else
+        poison_row(r, i, lane);
+    }
+    stamp(a.prof, kind, 2);
+    // num_worst_tokens padding.
+    for (int64_t i = num_recv + warp; !poisoned && i < r.num_rows; i += nwarps) pad_row(r, i, lane);
+  }
+  const bool sends = nsend > 0, receives = nsend < int(gridDim.x);
+  fused_done(sends ? c.ticket : a.recv_ticket, sends ? a.send_calls : nullptr,
+             receives ? a.recv_calls : nullptr, sends ? work : nullptr);
+  stamp(a.prof, kind, 3);
+}
+
 }  // namespace moelink::intranode

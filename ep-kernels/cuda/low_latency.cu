@@ -1074,8 +1074,9 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
   stamp(c, 0, 9);
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1)
-    ll_dispatch(const __grid_constant__ LlDispatchParams p) {
+// dispatch (moelink::ll::dispatch): the send phase, the receive phase, or
+// both (a.phases).
+__global__ void __launch_bounds__(kThreads, 1) dispatch(const __grid_constant__ LlDispatchParams p) {
   const LlCtx& c = p.c;
   const DispatchArgs& a = p.a;
   extern __shared__ __align__(16) char smem[];
@@ -1262,8 +1263,8 @@ __device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq,
   stamp(c, 1, 6);
 }
 
-extern "C" __global__ void __launch_bounds__(kThreads, 1)
-    ll_combine(const __grid_constant__ LlCombineParams p) {
+// combine (moelink::ll::combine): likewise.
+__global__ void __launch_bounds__(kThreads, 1) combine(const __grid_constant__ LlCombineParams p) {
   const LlCtx& c = p.c;
   const CombineArgs& a = p.a;
   extern __shared__ __align__(16) char smem[];

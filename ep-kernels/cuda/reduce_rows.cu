@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+namespace moelink {
+
 // out[c] = bf16( sum_r float(in[r * cols + c]) ). Each thread owns 8 columns
 // (one 16-byte vector) when cols is a multiple of 8 and both pointers are 16-byte
 // aligned, else single columns.
@@ -16,7 +18,7 @@ struct ReduceRowsParams {
 };
 static_assert(sizeof(ReduceRowsParams) == 32, "mirrored in Rust");
 
-extern "C" __global__ void reduce_rows_bf16(const __grid_constant__ ReduceRowsParams a) {
+__global__ void reduce_rows_bf16(const __grid_constant__ ReduceRowsParams a) {
   const __nv_bfloat16* __restrict__ in = a.in;
   __nv_bfloat16* __restrict__ out = a.out;
   const int64_t rows = a.rows, cols = a.cols;
@@ -51,3 +53,5 @@ extern "C" __global__ void reduce_rows_bf16(const __grid_constant__ ReduceRowsPa
     }
   }
 }
+
+}  // namespace moelink

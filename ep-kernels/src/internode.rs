@@ -1,15 +1,18 @@
 //! Launchers of the internode dispatch/combine kernels (`cuda/internode.cu`,
-//! whose header comment has the design). The receive side of a dispatch is
-//! intranode's `dispatch_fused` (receive-only launch,
-//! [`crate::intranode::dispatch_fused`]): forwarded records land in the same
-//! fixed slots as same-node ones. The host side is `ep_core::internode`.
+//! whose header comment has the design; namespace `moelink::internode`). The
+//! receive side of a dispatch is intranode's fused receive half, run by a
+//! receive-only launch of the same kernel as the send side
+//! (`moelink::internode::dispatch`, [`internode_dispatch_recv`]): forwarded
+//! records land in the same fixed slots as same-node ones. The host side is
+//! `ep_core::internode`.
 
 use comm::error::{CommError, Result};
 use comm::StreamHandle;
 
 use crate::intranode::{
     self as intra, CombineRecvArgs, CombineRecvParams, CombineSendArgs, CombineSendParams,
-    DispatchSendParams, IntranodeCtx, RecordLayout, SendArgs, THREADS,
+    DispatchFusedParams, DispatchSendParams, FusedGrid, FusedHalves, FusedState, IntranodeCtx,
+    RecordLayout, RecvArgs, SendArgs, THREADS,
 };
 use crate::module::{DeviceKernels, KernelId};
 
@@ -60,6 +63,7 @@ struct XNotifyParams {
     send_head: u64,
     node_head: u64,
     xcounts: u64,
+    recv_rdma_rank_prefix_sum: u64,
     host_counts: u64,
     host_epoch: u64,
     epoch_value: u64,
@@ -86,6 +90,30 @@ struct XDispatchParams {
     num_send_blocks: i32,
 }
 
+/// `moelink::internode::XDispatchLaunch`: the one parameter of the dispatch
+/// kernel, whose two launches per call play one role each.
+#[derive(Clone, Copy)]
+#[repr(C)]
+struct XDispatchLaunch {
+    /// [`ROLE_SEND_SIDE`] or [`ROLE_RECV_HALF`].
+    role: i32,
+    pad: i32,
+    args: XDispatchRoleArgs,
+}
+
+/// The argument block of the launch's role.
+#[derive(Clone, Copy)]
+#[repr(C)]
+union XDispatchRoleArgs {
+    send: XDispatchParams,
+    recv: DispatchFusedParams,
+}
+
+/// `kDispatchSendSide`: senders, coordinator and forwarders.
+const ROLE_SEND_SIDE: i32 = 0;
+/// `kDispatchRecvHalf`: the fused dispatch's receive half alone.
+const ROLE_RECV_HALF: i32 = 1;
+
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
 struct XCombineParams {
@@ -106,11 +134,14 @@ param_layout!(
     PARAM_LAYOUT = [
         sizeof!(XCtx == 176),
         offsetof!(XCtx, xslots == 144),
-        sizeof!(XNotifyParams == 280),
-        offsetof!(XNotifyParams, num_tokens == 264),
+        sizeof!(XNotifyParams == 288),
+        offsetof!(XNotifyParams, recv_rdma_rank_prefix_sum == 224),
+        offsetof!(XNotifyParams, num_tokens == 272),
         sizeof!(XDispatchParams == 432),
         offsetof!(XDispatchParams, send == 176),
         offsetof!(XDispatchParams, num_send_blocks == 428),
+        sizeof!(XDispatchLaunch == 440),
+        offsetof!(XDispatchLaunch, args == 8),
         sizeof!(XCombineParams == 504),
         offsetof!(XCombineParams, recv == 304),
         offsetof!(XCombineParams, num_send_blocks == 496),
@@ -195,10 +226,19 @@ pub struct XNotifyArgs {
     pub node_head: u64,
     /// Out: `[2 * nodes]` int32.
     pub xcounts: u64,
+    /// Out: `[nodes]` int32, or 0 (not written): entry m is the inclusive
+    /// prefix sum over source nodes m' <= m of the tokens rank
+    /// (m', this local rank) sends to this rank's node (`xcounts[nodes + m']`;
+    /// for m' = this node, this rank's own tokens to its node). DeepEP's
+    /// `recv_rdma_rank_prefix_sum`.
+    pub recv_rdma_rank_prefix_sum: u64,
 }
 
+/// Launches `moelink::internode::notify`.
+///
 /// # Safety
-/// As [`intra::dispatch_notify`]; `node_head` and `xcounts` valid for their sizes.
+/// As [`intra::dispatch_notify`]; `node_head`, `xcounts` and
+/// `recv_rdma_rank_prefix_sum` (if not 0) valid for their sizes.
 pub unsafe fn internode_notify(
     k: &DeviceKernels,
     stream: StreamHandle,
@@ -234,6 +274,7 @@ pub unsafe fn internode_notify(
         send_head: n.send_head,
         node_head: a.node_head,
         xcounts: a.xcounts,
+        recv_rdma_rank_prefix_sum: a.recv_rdma_rank_prefix_sum,
         host_counts: n.host_counts,
         host_epoch: n.host_epoch,
         epoch_value: n.epoch_value,
@@ -249,14 +290,15 @@ pub unsafe fn internode_notify(
 }
 
 /// One signal to and one wait for every peer (memory channels in the node,
-/// port channels across).
+/// port channels across): `moelink::internode::cached_notify`, before a
+/// cached dispatch and before a combine that follows a combine.
 ///
 /// # Safety
 /// The context's channels must be live.
 pub unsafe fn internode_barrier(k: &DeviceKernels, stream: StreamHandle, x: XCtx) -> Result<()> {
     check_x(&x)?;
     // SAFETY: the kernel takes the XCtx by value.
-    unsafe { k.launch_params(KernelId::InternodeBarrier, (1, 1), 32, 0, stream, x) }
+    unsafe { k.launch_params(KernelId::InternodeCachedNotify, (1, 1), 32, 0, stream, x) }
 }
 
 /// The send side's grid: `send` blocks of senders, one coordinating block,
@@ -292,14 +334,15 @@ pub struct XDispatchArgs {
     pub xcounts: u64,
     /// Out: `[nodes][xslots][1 + L]` int32.
     pub fwd_meta: u64,
-    /// u64 call counter of the dispatch's send side (the receive-only launch
-    /// of `dispatch_fused` has its own).
+    /// u64 call counter of the dispatch's send side (the receive half,
+    /// [`internode_dispatch_recv`], has its own).
     pub calls: u64,
     pub error: u64,
     pub grid: SendGrid,
 }
 
-/// Launches the send side of a dispatch: senders, coordinators and forwarders.
+/// Launches the send side of a dispatch: senders, coordinators and forwarders
+/// (`moelink::internode::dispatch` in its send role).
 ///
 /// # Safety
 /// As [`intra::dispatch_send`]; the x regions of every peer must be free
@@ -321,7 +364,7 @@ pub unsafe fn internode_dispatch(
             ),
         ));
     }
-    let p = XDispatchParams {
+    let send = XDispatchParams {
         x,
         send: intra::send_params(x.c, &a.send)?,
         xrec: a.xrec.rec,
@@ -334,7 +377,49 @@ pub unsafe fn internode_dispatch(
         num_send_blocks: a.grid.send as i32,
     };
     let blocks = a.grid.send + 1 + a.grid.fwd;
-    // SAFETY: XDispatchParams mirrors the kernel's block; pointers are the caller's contract.
+    let p = XDispatchLaunch {
+        role: ROLE_SEND_SIDE,
+        pad: 0,
+        args: XDispatchRoleArgs { send },
+    };
+    // SAFETY: XDispatchLaunch mirrors the kernel's parameter (its role says
+    // which member the kernel reads); pointers are the caller's contract.
+    unsafe {
+        k.launch_params(
+            KernelId::InternodeDispatch,
+            (blocks, 1),
+            THREADS,
+            0,
+            stream,
+            p,
+        )
+    }
+}
+
+/// Launches the receive half of a dispatch: `moelink::internode::dispatch`
+/// in its receive role, which runs intranode's fused receive half alone on the
+/// grid's receiving blocks (what a receive-only launch of
+/// [`intra::dispatch_fused`] runs), usually on a side stream while the send
+/// side runs.
+///
+/// # Safety
+/// As [`intra::dispatch_fused`] with [`FusedHalves::Recv`].
+pub unsafe fn internode_dispatch_recv(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    recv: RecvArgs,
+    state: FusedState,
+    grid: FusedGrid,
+) -> Result<()> {
+    let (blocks, recv) =
+        intra::dispatch_fused_params(ctx, FusedHalves::Recv, None, Some(recv), state, grid)?;
+    let p = XDispatchLaunch {
+        role: ROLE_RECV_HALF,
+        pad: 0,
+        args: XDispatchRoleArgs { recv },
+    };
+    // SAFETY: as above.
     unsafe {
         k.launch_params(
             KernelId::InternodeDispatch,
@@ -387,7 +472,7 @@ pub struct XCombineArgs {
     pub grid: CombineGrid,
 }
 
-/// Launches a whole combine.
+/// Launches a whole combine (`moelink::internode::combine`).
 ///
 /// # Safety
 /// As [`intra::combine_fused`]; the combine regions of every peer must be
@@ -444,6 +529,12 @@ mod tests {
     fn param_blocks_match_the_kernels_static_asserts() {
         let cu = include_str!("../cuda/internode.cu");
         crate::check_static_asserts("internode.cu", cu, PARAM_LAYOUT);
+        for line in [
+            format!("constexpr int32_t kDispatchSendSide = {ROLE_SEND_SIDE};"),
+            format!("constexpr int32_t kDispatchRecvHalf = {ROLE_RECV_HALF};"),
+        ] {
+            assert!(cu.contains(&line), "internode.cu lacks `{line}`");
+        }
     }
 
     #[test]

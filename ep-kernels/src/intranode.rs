@@ -63,7 +63,8 @@ const _: () = {
     assert!(size_of::<RecordLayout>() == 32);
 };
 
-/// `moelink::intranode::NotifyParams`: `dispatch_notify`'s argument block.
+/// `moelink::intranode::NotifyParams`: the argument block of the notify
+/// kernel (`moelink::intranode::notify`), launched by [`dispatch_notify`].
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
 struct NotifyParams {
@@ -149,7 +150,7 @@ pub(crate) struct CombineRecvParams {
 /// `moelink::intranode::DispatchFusedParams`.
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
-struct DispatchFusedParams {
+pub(crate) struct DispatchFusedParams {
     send: DispatchSendParams,
     recv: DispatchRecvParams,
     send_calls: u64,
@@ -352,7 +353,7 @@ pub unsafe fn dispatch_notify(
     // SAFETY: NotifyParams mirrors the kernel's block; pointers are the caller's contract.
     unsafe {
         k.launch_params(
-            KernelId::DispatchNotify,
+            KernelId::IntranodeNotify,
             (1, 1),
             NOTIFY_THREADS,
             0,
@@ -365,13 +366,15 @@ pub unsafe fn dispatch_notify(
 /// The kernels that take only the [`IntranodeCtx`] (one warp).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CtxKernel {
-    /// One signal and one wait per peer pair (`dispatch_barrier`).
+    /// One signal and one wait per peer pair, before a cached dispatch
+    /// (`moelink::intranode::barrier`).
     DispatchBarrier,
-    /// As `DispatchBarrier`, before a combine (`combine_barrier`).
+    /// The same kernel before a combine.
     CombineBarrier,
-    /// One wait per peer for its end-of-send signal (`dispatch_wait`).
+    /// One wait per peer for its end-of-send signal, after the separate
+    /// dispatch send (`moelink::intranode::wait_peers`).
     DispatchWait,
-    /// As `DispatchWait`, for the combine's send (`combine_wait`).
+    /// The same kernel after the separate combine send.
     CombineWait,
 }
 
@@ -387,10 +390,8 @@ pub unsafe fn ctx_kernel(
 ) -> Result<()> {
     check_ctx(&ctx)?;
     let id = match kernel {
-        CtxKernel::DispatchBarrier => KernelId::DispatchBarrier,
-        CtxKernel::CombineBarrier => KernelId::CombineBarrier,
-        CtxKernel::DispatchWait => KernelId::DispatchWait,
-        CtxKernel::CombineWait => KernelId::CombineWait,
+        CtxKernel::DispatchBarrier | CtxKernel::CombineBarrier => KernelId::IntranodeBarrier,
+        CtxKernel::DispatchWait | CtxKernel::CombineWait => KernelId::IntranodeWaitPeers,
     };
     // SAFETY: the kernel takes the Ctx by value; its channels are live.
     unsafe { k.launch_params(id, (1, 1), 32, 0, stream, ctx) }
@@ -624,7 +625,10 @@ pub struct FusedGrid {
 /// Most tokens per dispatch sender unit (`kMaxSendUnit` of intranode.cuh).
 pub const MAX_SEND_UNIT: u32 = 4;
 
-/// Which halves one `dispatch_fused` launch runs.
+/// Which halves one launch of the fused dispatch runs
+/// (`moelink::intranode::dispatch`; a receive-only half of an internode
+/// dispatch is a launch of `moelink::internode::dispatch`, see
+/// [`crate::internode::internode_dispatch_recv`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FusedHalves {
     /// Both, on the grid's split (one launch).
@@ -687,7 +691,8 @@ pub const PROF_KINDS: usize = 4;
 pub const PROF_BLOCKS: usize = 256;
 pub const PROF_SLOTS: usize = 4;
 
-/// Launches `dispatch_fused` for `halves`: the send half of `send` on the
+/// Launches the fused dispatch (`moelink::intranode::dispatch`) for
+/// `halves`: the send half of `send` on the
 /// first `grid.send_blocks` blocks and the receive half of `recv` on the
 /// others, at once (each received row copied out when its record's flag shows
 /// this call), or one half alone on its share of the grid. The arguments of
@@ -709,6 +714,30 @@ pub unsafe fn dispatch_fused(
     state: FusedState,
     grid: FusedGrid,
 ) -> Result<()> {
+    let (blocks, p) = dispatch_fused_params(ctx, halves, send, recv, state, grid)?;
+    // SAFETY: DispatchFusedParams mirrors the kernel's block; pointers are the caller's contract.
+    unsafe {
+        k.launch_params(
+            KernelId::IntranodeDispatch,
+            (blocks, 1),
+            THREADS,
+            0,
+            stream,
+            p,
+        )
+    }
+}
+
+/// The checked argument block of one fused dispatch launch running `halves`,
+/// and its number of blocks.
+pub(crate) fn dispatch_fused_params(
+    ctx: IntranodeCtx,
+    halves: FusedHalves,
+    send: Option<SendArgs>,
+    recv: Option<RecvArgs>,
+    state: FusedState,
+    grid: FusedGrid,
+) -> Result<(u32, DispatchFusedParams)> {
     check_fused(&state, grid)?;
     if state.recv_calls == 0 || state.recv_ticket == 0 {
         return Err(CommError::invalid(
@@ -750,8 +779,7 @@ pub unsafe fn dispatch_fused(
         num_send_blocks: num_send_blocks as i32,
         send_unit: grid.send_unit.clamp(1, MAX_SEND_UNIT) as i32,
     };
-    // SAFETY: DispatchFusedParams mirrors the kernel's block; pointers are the caller's contract.
-    unsafe { k.launch_params(KernelId::DispatchFused, (blocks, 1), THREADS, 0, stream, p) }
+    Ok((blocks, p))
 }
 
 impl SendArgs {
@@ -784,7 +812,7 @@ impl RecvArgs {
     }
 }
 
-/// Launches `combine_fused`: the send half of `send` and the reduction of
+/// Launches the fused combine (`moelink::intranode::combine`): the send half of `send` and the reduction of
 /// `recv` at once (each token reduced when the flags of all its copies show
 /// this call).
 ///
@@ -814,7 +842,7 @@ pub unsafe fn combine_fused(
     // SAFETY: CombineFusedParams mirrors the kernel's block; pointers are the caller's contract.
     unsafe {
         k.launch_params(
-            KernelId::CombineFused,
+            KernelId::IntranodeCombine,
             (grid.blocks, 1),
             THREADS,
             0,

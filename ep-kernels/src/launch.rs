@@ -7,7 +7,7 @@ use comm::{Device, StreamHandle};
 
 use crate::module::{DeviceKernels, KernelId};
 
-/// `DiagnosticsParams` of diagnostics.cu.
+/// `DiagnosticsParams` of diagnostics.cu (kernel `moelink::diagnostics::write_peers`).
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
 struct DiagnosticsParams {
@@ -18,7 +18,7 @@ struct DiagnosticsParams {
     rank: i32,
 }
 
-/// `ReduceRowsParams` of reduce_rows.cu.
+/// `ReduceRowsParams` of reduce_rows.cu (kernel `moelink::reduce_rows_bf16`).
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
 struct ReduceRowsParams {
@@ -28,8 +28,9 @@ struct ReduceRowsParams {
     cols: i64,
 }
 
-/// `layout_dispatch`'s argument block (`moelink::layout::Params` of
-/// layout.cu): device addresses and sizes, see [`layout_dispatch`].
+/// The layout kernel's argument block (`moelink::layout::Params` of
+/// layout.cu, kernel `moelink::layout::count_tokens`): device addresses and
+/// sizes, see [`layout_dispatch`].
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
 pub struct LayoutParams {
@@ -73,7 +74,7 @@ param_layout!(
     ]
 );
 
-/// `diagnostics_write_peers`: rank `rank` writes its pattern into slot `rank`
+/// `moelink::diagnostics::write_peers`: rank `rank` writes its pattern into slot `rank`
 /// of every peer buffer. `peer_table` is a device array of `nranks` pointers
 /// (`peer_table[p]` = rank p's buffer as mapped here), each buffer at least
 /// `nranks * words * 8` bytes.
@@ -119,7 +120,7 @@ pub unsafe fn diagnostics_write_peers(
     }
 }
 
-/// `reduce_rows_bf16`: `out[c] = bf16(sum_r float(input[r, c]))` for a
+/// `moelink::reduce_rows_bf16`: `out[c] = bf16(sum_r float(input[r, c]))` for a
 /// row-major `[rows, cols]` bf16 matrix at `input` on `device`; `out` holds
 /// `cols` values (a test helper of the Python package: `moelink._testing`).
 ///
@@ -153,7 +154,7 @@ pub unsafe fn reduce_rows_bf16(
     unsafe { k.launch_params(KernelId::ReduceRowsBf16, (blocks, 1), threads, 0, stream, p) }
 }
 
-/// Threads (tokens) per block of `layout_dispatch`.
+/// Threads (tokens) per block of the layout kernel.
 const LAYOUT_THREADS: u32 = 256;
 
 /// int32 elements of the `partials` scratch [`layout_dispatch`] needs.
@@ -161,7 +162,8 @@ pub fn layout_scratch_elems(num_tokens: usize, num_experts: usize, num_ranks: us
     num_tokens.div_ceil(LAYOUT_THREADS as usize).max(1) * (num_experts + 2 * num_ranks)
 }
 
-/// `layout_dispatch`: per-rank and per-expert token counts and
+/// The layout kernel (`moelink::layout::count_tokens`): per-rank and
+/// per-expert token counts and
 /// `is_token_in_rank` from `topk_idx`, with the semantics of
 /// `ep_core::reference::layout`. Every output element is written. An id
 /// outside `[-1, num_experts)` counts nowhere and is recorded (rank, token,
@@ -217,7 +219,7 @@ pub unsafe fn layout_dispatch(
     // SAFETY: LayoutParams mirrors the kernel's block; pointer validity is the caller's contract.
     unsafe {
         k.launch_params(
-            KernelId::LayoutDispatch,
+            KernelId::LayoutCountTokens,
             (blocks, 1),
             LAYOUT_THREADS,
             smem as u32,
