@@ -254,10 +254,9 @@ def _check_config_ranks(num_ranks) -> int:
     if num_ranks > limit:
         raise ValueError(
             f"num_ranks must be <= {limit}, got {num_ranks}: moelink has no dispatch/combine "
-            f"config for {num_ranks} ranks because its normal kernels run among the GPUs of "
-            f"one host, at most {limit} ranks (moelink.checks.LIMITS['max_ranks']); "
-            f"{num_ranks} ranks would need an internode (multi-node) path, which moelink "
-            "does not have yet"
+            f"config for {num_ranks} ranks because a moelink Buffer serves at most {limit} "
+            "ranks in all (moelink.checks.LIMITS['max_ranks']), whether they sit on one host "
+            "or span nodes through the internode path"
         )
     return num_ranks
 
@@ -275,8 +274,10 @@ def get_dispatch_config(num_ranks: int, *, num_sms: int | None = None) -> Config
     Rank counts 2, 4 and 8 have their own entries, any other count from 1 to
     ``max_ranks`` (32) a generic default. ``num_sms`` is the tuned value (48, from
     the 4-rank sweep on 4 x H200; see the comment above ``_TUNED_NUM_SMS``) unless
-    given, as ``Buffer.set_num_sms`` does. Above 32 ranks (vLLM asks up to 160):
-    ``ValueError`` naming the count and why (no internode path); below 1 too;
+    given, as ``Buffer.set_num_sms`` does. A group spanning nodes (the internode
+    path) takes the same configs: ``num_ranks`` counts every rank of the group.
+    Above 32 ranks (vLLM asks up to 160): ``ValueError`` naming the count and why (a
+    Buffer serves at most 32 ranks, on one host or across nodes); below 1 too;
     ``TypeError`` for a non-integer.
     """
     return _config_for(_DISPATCH_CONFIGS, num_ranks, num_sms)
