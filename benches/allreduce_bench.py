@@ -1,4 +1,4 @@
-"""Allreduce benchmark (PERFORMANCE.md, "Allreduce"): moelink.AllReduce next to NCCL.
+"""Allreduce benchmark (docs/performance.md, "Allreduce"): moelink.AllReduce next to NCCL.
 
     python -m torch.distributed.run --standalone --nproc-per-node=4 \\
         benches/allreduce_bench.py --out DIR [--min-bytes 1024] [--max-bytes 1073741824] \\
@@ -22,7 +22,7 @@ and the targets (NVLink figures) are not judged:
   replay time / ops.
 
 Bus bandwidth = 2 (R - 1) / R x bytes / time. Numbers are medians over ranks of
-the per-rank medians (per-rank values in the JSON). PERFORMANCE.md targets: the
+the per-rank medians (per-rank values in the JSON). docs/performance.md targets: the
 latency targets (<= 16 MiB) are compared with the graph times (where no CPU
 overhead hides the kernels) and, from 64 MiB, the bus bandwidth must reach NCCL's
 in the same mode of the same run.
@@ -49,7 +49,7 @@ from pathlib import Path
 import bench_common
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
-#: PERFORMANCE.md latency targets (us) by size, for 4 ranks.
+#: docs/performance.md latency targets (us) by size, for 4 ranks.
 TARGET_US = {
     1 * KIB: 7.0,
     4 * KIB: 8.0,
@@ -63,7 +63,7 @@ TARGET_US = {
 }
 #: From this size on the target is NCCL's bus bandwidth (same run, same mode).
 BW_TARGET_FROM = 64 * MIB
-#: NCCL 2.28 on the reference machine (PERFORMANCE.md, measured 2026-11-21): us.
+#: NCCL 2.28 on the reference machine (docs/performance.md, measured 2026-11-21): us.
 NCCL_REFERENCE_US = {
     1 * KIB: (32.6, 14.1),
     1 * MIB: (38.1, 22.5),
@@ -426,7 +426,7 @@ def plot(data: dict, path: Path) -> None:
         "k*",
         markersize=10,
         linestyle="none",
-        label="PERFORMANCE.md target" + (" (NVLink, not judged)" if note else ""),
+        label="target (docs/performance.md)" + (" (NVLink, not judged)" if note else ""),
     )
     for ax in (ax_lat, ax_bw):
         ax.set_xscale("log", base=2)

@@ -1,5 +1,5 @@
 //! `comm_bench`: latency and bandwidth of comm's communication primitives
-//! between two GPUs of one host (targets: `PERFORMANCE.md`, "Communication
+//! between two GPUs of one host (targets: `docs/performance.md`, "Communication
 //! primitives (2 GPUs)").
 //!
 //! Run one process per GPU under torchrun (`LOCAL_RANK` picks the device):

@@ -1,4 +1,4 @@
-"""Intranode dispatch/combine benchmark (PERFORMANCE.md, "Intranode high-throughput").
+"""Intranode dispatch/combine benchmark (docs/performance.md, "Intranode high-throughput").
 
     python -m torch.distributed.run --standalone --nproc-per-node=4 \\
         benches/intranode_bench.py --out DIR [--sms 8 16 24 ...] [--iters 30]

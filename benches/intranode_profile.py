@@ -4,7 +4,7 @@
         benches/intranode_profile.py [--sms 24 48] [--iters 10]
     python -m moelink.launch -n 4 benches/intranode_profile.py   # any GPU count
 
-Runs the PERFORMANCE.md workload (moelink.intranode_demo.make_inputs) and prints,
+Runs the docs/performance.md workload (moelink.intranode_demo.make_inputs) and prints,
 on rank 0, the mean GPU time of every moelink kernel (dispatch_notify,
 dispatch_send, dispatch_wait, dispatch_recv, combine_send, ...) per SM count:
 where the time of a dispatch or a combine goes. With MOELINK_INTRANODE_PROFILE=1

@@ -1,4 +1,4 @@
-"""Low-latency dispatch/combine benchmark (PERFORMANCE.md, "Low-latency dispatch / combine").
+"""Low-latency dispatch/combine benchmark (docs/performance.md, "Low-latency dispatch / combine").
 
     python -m torch.distributed.run --standalone --nproc-per-node=4 \\
         benches/ll_bench.py --out DIR [--iters 200] [--no-sweep] [--no-proxy]

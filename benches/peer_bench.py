@@ -16,7 +16,7 @@ picks the library behind the DeepEP Python API (``Buffer``, ``set_num_sms``,
 - ``moelink``: ``moelink.Buffer``.
 
 The workloads, timing and byte formulas are ``intranode_bench.py``'s and
-``ll_bench.py``'s (PERFORMANCE.md):
+``ll_bench.py``'s (docs/performance.md):
 
 - intranode (``--only intranode``): 4096 tokens per rank, hidden 7168, top-8 of
   256 experts. ``Buffer(group, num_nvl_bytes, 0)``; for every ``--sms`` count (24
@@ -491,7 +491,7 @@ def run_intranode(impl: Impl, rank: int, world: int, group, args) -> dict:
             [int(v) for v in want.num_recv_tokens_per_expert],
         )
         if isinstance(handle, (tuple, list)) and len(handle) > impl.src_idx_pos:
-            # The handle is opaque to users (API.md): a peer's own encoding of the
+            # The handle is opaque to users (docs/api.md): a peer's own encoding of the
             # prefix matrix is a note, moelink's is checked.
             rpm = handle[0].to(torch.int32).cpu()
             if args.impl == "moelink":

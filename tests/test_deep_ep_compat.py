@@ -30,7 +30,7 @@ DEEP_EP_V1_PARAMS = [
 ]
 
 LL_BYTES = 1 << 30
-#: How the frameworks construct a Buffer (docs: ../shared/design/ECOSYSTEM.md).
+#: How the frameworks construct a Buffer (Megatron-Core, SGLang, vLLM).
 FRAMEWORK_CALLS = {
     "vllm high-throughput": (
         (None, 1 << 30, 0),

@@ -2,7 +2,7 @@
 //! dispatch layout, dispatch and combine, for any number of ranks simulated in
 //! one process. This module is the test oracle: every GPU test of these
 //! operations compares its results with the functions here, so their docs are
-//! the exact contract (the Python-level contract is `design/API.md`, sections
+//! the exact contract (the Python-level contract is `docs/api.md`, sections
 //! "Layout", "dispatch" and "combine"; low latency is not covered here).
 //!
 //! Every size is checked against [`crate::limits`] (the GPU path's limits)

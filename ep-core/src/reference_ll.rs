@@ -3,7 +3,7 @@
 //! ranks simulated in one process. Like [`reference`](super::reference) for
 //! the normal path, this module is the test oracle: every GPU test of the
 //! low-latency kernels compares its results with the functions here, so their
-//! docs are the exact contract (the Python-level contract is `design/API.md`,
+//! docs are the exact contract (the Python-level contract is `docs/api.md`,
 //! section "Low latency").
 //!
 //! # Model

@@ -1,6 +1,6 @@
 """``python -m moelink``: the main job.
 
-With CUDA GPUs: the intranode dispatch/combine workload of PERFORMANCE.md (4096
+With CUDA GPUs: the intranode dispatch/combine workload of docs/performance.md (4096
 tokens per rank, hidden 7168, top-8 of 256 experts) on the local GPUs, one
 process per rank, by default one rank per GPU. Every output is checked against
 the CPU reference, then the bandwidth table is printed, with NCCL's

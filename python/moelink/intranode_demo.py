@@ -1,4 +1,4 @@
-"""The intranode high-throughput workload of PERFORMANCE.md, as a library.
+"""The intranode high-throughput workload of docs/performance.md, as a library.
 
 DeepEP's standard workload: every rank routes ``num_tokens`` tokens of ``hidden``
 bf16 channels to the top-``num_topk`` of ``num_experts`` experts (top-k of random
@@ -21,7 +21,7 @@ scores), experts spread evenly over the ranks. ``python -m moelink`` and
 - :func:`aggregate` (per-rank results -> one result) and :func:`format_report`
   (the correctness verdict and one table).
 
-The metric (PERFORMANCE.md): bytes received per rank over the kernel time;
+The metric (docs/performance.md): bytes received per rank over the kernel time;
 ``recv_x.numel() * 2`` for bf16 dispatch and for combine, times ``(1 + 4/128) / 2``
 for fp8 dispatch with its scales. The rank's own tokens count too, as in DeepEP.
 Timed dispatches are cached (the layout handle passed back), as DeepEP times
@@ -116,7 +116,7 @@ OP_LABELS = {
 
 @dataclass(frozen=True)
 class Target:
-    """PERFORMANCE.md's targets for one operation (GB/s), and DeepEP's figure."""
+    """docs/performance.md's targets for one operation (GB/s), and DeepEP's figure."""
 
     best_gbps: float  # the best configuration with at most TARGET_MAX_SMS SMs
     at_compare_sms_gbps: float  # with exactly COMPARE_SMS SMs
@@ -1158,7 +1158,7 @@ def format_report(results: dict) -> str:
     :func:`run_rank`, :func:`aggregate` or :func:`run_cpu_simulation`).
 
     Columns: op, SMs (``-`` where the op takes none), median / min / max
-    microseconds, GB/s (the metric above, at the median), the PERFORMANCE.md
+    microseconds, GB/s (the metric above, at the median), the docs/performance.md
     target of that row with a verdict (``n/a`` on the CPU), and the ratio to the
     ``all_to_all_single`` baseline of the same run. A summary per op follows.
     """

@@ -452,7 +452,7 @@ class MpsDaemon:
 
 
 # ----------------------------------------------------------------------------
-# GPU sharing: the MPS plan carried out, for the launcher and the main job
+# GPU sharing: the MPS plan put into effect, for the launcher and the main job
 
 
 @dataclass

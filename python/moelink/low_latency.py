@@ -246,7 +246,7 @@ class LowLatencyMixin:
     ):
         """Sends every (token, selected expert) to the expert's rank, casting to fp8
         on the fly when ``use_fp8``. Returns ``(recv_x or (recv_x, scales), recv_count,
-        handle, event, hook)``; see ``design/API.md`` ("Low latency")."""
+        handle, event, hook)``; see ``docs/api.md`` ("Low latency")."""
         ll = self._ll_begin(async_finish, return_recv_hook)
         key = (
             "dispatch", _sig(x), _sig(topk_idx), _sig(cumulative_local_expert_recv_stats),
