@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# GPU loop, step 1 (here, no GPU needed): build everything the GPU machine runs into
-# the ignored folder .gpu/ (must stay under 64 MiB):
+# GPU tests, step 1 (any machine with Rust; no GPU needed): build everything the GPU
+# tests run into the ignored folder .gpu/, kept under 64 MiB so that it is quick to
+# copy to a GPU machine without a Rust toolchain (docs/gpu-tests.md):
 #   .gpu/wheels/moelink-*.whl   the package (abi3, sm_90a SASS embedded)
 #   .gpu/bin/<test binary>      Rust test executables that hold GPU tests
 #   .gpu/BUILD_INFO             commit, date, dirty flag: results cite it
-# Then: the device tool runs `bash scripts/gpu_run.sh` with carry [".gpu"].
-# GPU_BUILD_BINS="comm_bench ..." keeps only those binaries in .gpu/bin (a call that
-# also carries .peers for benches/speed_run.sh must fit its 64 MiB tree).
+# Then, on the GPU machine (repository root, with .gpu/): `bash scripts/gpu_run.sh`.
+# GPU_BUILD_BINS="comm_bench ..." keeps only those binaries in .gpu/bin (to keep the
+# folder small when other files, such as benches/speed_run.sh's peers, go along).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh >/dev/null

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# GPU loop, step 2 (on the GPU machine, repository root, .gpu/ carried along):
+# GPU tests, step 2 (on the GPU machine, repository root, with the .gpu/ folder that
+# scripts/gpu_build.sh made; docs/gpu-tests.md):
 #   bash scripts/gpu_run.sh [LOG_DIR] [-- extra commands are not taken; use GPU_RUN_EXTRA]
 # Installs the wheel into a temporary target, sets the no-multicast policy, runs the
 # GPU tests (Rust GPU tests with --include-ignored; the multi-rank suites at each
 # rank count of GPU_RUN_RANKS through `python -m moelink.launch`, ranks sharing GPUs
 # where they outnumber them; pytest -m gpu), each under `timeout`, with per-step wall
 # times, and writes logs + summary.json into LOG_DIR (default $OUT,
-# else ./gpu-logs): per-step logs are re-packed into steps.tgz after every step (the device
-# tool brings back at most 8 files), next to machine.txt and summary.json.
+# else ./gpu-logs): per-step logs are re-packed into one archive, steps.tgz, after
+# every step (a few files are easy to collect), next to machine.txt and summary.json.
 # GPU_RUN_PYTEST_ARGS narrows pytest (e.g. "-k peer");
 # GPU_RUN_EXTRA is a command run last (benchmarks), its output logged as extra.log.
 # GPU_RUN_INTERNODE="4:2 8:4 ..." adds the internode splits (RANKS:RANKS_PER_NODE).
