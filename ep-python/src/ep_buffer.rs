@@ -114,17 +114,23 @@ fn shape(
 }
 
 /// The internode handle tensors `(node_head, xcounts, fwd_meta, meta_slots)`.
-type XArg = Option<(u64, u64, u64, usize)>;
+/// An internode call's handle tensors: node heads, counts, forwarding records,
+/// their tokens per node, and `recv_rdma_rank_prefix_sum` (0: not written).
+type XArg = Option<(u64, u64, u64, usize, u64)>;
 
 fn x_inputs(x: XArg) -> PyResult<XInputs> {
-    let (node_head, xcounts, fwd_meta, meta_slots) = x.ok_or_else(|| {
-        PyValueError::new_err("a Buffer whose group spans nodes needs the internode handle tensors")
-    })?;
+    let (node_head, xcounts, fwd_meta, meta_slots, recv_rdma_rank_prefix_sum) =
+        x.ok_or_else(|| {
+            PyValueError::new_err(
+                "a Buffer whose group spans nodes needs the internode handle tensors",
+            )
+        })?;
     Ok(XInputs {
         node_head,
         xcounts,
         fwd_meta,
         meta_slots,
+        recv_rdma_rank_prefix_sum,
     })
 }
 

@@ -205,7 +205,8 @@ class EpBuffer:
     def barrier(self, part: str | None = None) -> None: ...
     def destroy(self, collective: bool = False) -> None: ...
     # Intranode (the internode part where the group spans nodes: `xnode` is the
-    # handle's (node_head, xcounts, fwd_meta, fwd_meta.shape[1])).
+    # handle's (node_head, xcounts, fwd_meta, fwd_meta.shape[1], recv_rdma_rank_prefix_sum
+    # or 0)).
     def nodes(self) -> tuple[int, int] | None: ...
     def internode_capacity(self, hidden_bytes: int, num_scales: int, num_topk: int) -> int: ...
     def layout(
@@ -218,7 +219,7 @@ class EpBuffer:
         num_topk: int, num_experts: int, x: int, scales: int, scale_strides: tuple[int, int],
         topk_idx: int, topk_weights: int, is_token_in_rank: int, num_tokens_per_expert: int,
         rank_prefix_matrix: int, send_head: int, expert_alignment: int, num_sms: int,
-        xnode: tuple[int, int, int, int] | None = None,
+        xnode: tuple[int, int, int, int, int] | None = None,
     ) -> int: ...  # fmt: skip
     def wait_counts(self, epoch: int, num_experts: int) -> tuple[int, list[int]]: ...
     def dispatch_recv(
@@ -231,7 +232,7 @@ class EpBuffer:
         self, stream: int, y: int, num_recv_rows: int, hidden: int, topk_weights: int,
         num_topk: int, rank_prefix_matrix: int, send_head: int, num_tokens: int, bias0: int,
         bias1: int, out: int, out_weights: int, num_sms: int,
-        xnode: tuple[int, int, int, int] | None = None, recv_src_idx: int = 0,
+        xnode: tuple[int, int, int, int, int] | None = None, recv_src_idx: int = 0,
     ) -> None: ...  # fmt: skip
     # Low-latency.
     @property

@@ -65,14 +65,54 @@ def _x_sig(x):
     return _sig(x)
 
 
+#: Where a handle keeps what the checks and kernels read, by its length: an
+#: intranode 6-tuple in DeepEP's order ``(rank_prefix_matrix, channel_prefix_matrix,
+#: recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)``, or an
+#: internode 10-tuple in DeepEP's order ``(is_token_in_rank,
+#: rdma_channel_prefix_matrix, gbl_channel_prefix_matrix,
+#: recv_rdma_channel_prefix_matrix, recv_rdma_rank_prefix_sum,
+#: recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta,
+#: send_rdma_head, send_nvl_head)``. Entries whose meaning does not depend on
+#: DeepEP's channels hold DeepEP's values (``is_token_in_rank``, the inclusive
+#: prefix sums over source nodes and ranks, the source token indices); the
+#: channel positions carry moelink's own state: the rank prefix matrix, the
+#: per-node counts (``xcounts``), the forwarding records (``fwd_meta``), the node
+#: heads and the send heads. Each entry: (position, DeepEP's name, what it holds).
+_HANDLE_LAYOUT = {
+    6: {
+        "rank_prefix_matrix": (0, "rank_prefix_matrix"),
+        "recv_src_idx": (3, "recv_src_idx"),
+        "is_token_in_rank": (4, "is_token_in_rank"),
+        "send_head": (5, "send_head"),
+    },
+    10: {
+        "is_token_in_rank": (0, "is_token_in_rank"),
+        "xcounts": (1, "rdma_channel_prefix_matrix: node counts"),
+        "rank_prefix_matrix": (2, "gbl_channel_prefix_matrix: rank_prefix_matrix"),
+        "fwd_meta": (3, "recv_rdma_channel_prefix_matrix: forwarding records"),
+        "recv_src_idx": (7, "recv_src_meta: recv_src_idx"),
+        "node_head": (8, "send_rdma_head: node heads"),
+        "send_head": (9, "send_nvl_head: send_head"),
+    },
+}
+#: The entries the checks read (``_native.dispatch_plan`` / ``combine_plan``), in their order.
+_CHECKED = ("rank_prefix_matrix", "recv_src_idx", "is_token_in_rank", "send_head")
+#: The internode entries the kernels read besides those.
+_X_ENTRIES = ("node_head", "xcounts", "fwd_meta")
+
+
+def _entry(handle, name: str):
+    """Entry ``name`` of a handle of either kind (its length is already checked)."""
+    return handle[_HANDLE_LAYOUT[len(handle)][name][0]]
+
+
 def _handle_sig(handle):
-    """``tensor_sig`` of the parts of a handle that the checks read (an intranode
-    6-tuple, or an internode 9-tuple: the 6 plus node heads, counts and forwarding
-    records)."""
-    if type(handle) is not tuple or len(handle) not in (6, 9):
+    """``tensor_sig`` of the entries of a handle that the checks and kernels read
+    (an intranode 6-tuple or an internode 10-tuple)."""
+    if type(handle) is not tuple or len(handle) not in _HANDLE_LAYOUT:
         return _NO_SIG
-    extra = tuple(_sig(t) for t in handle[6:])
-    return (_sig(handle[0]), _sig(handle[3]), _sig(handle[4]), _sig(handle[5]), *extra)
+    names = _CHECKED if len(handle) == 6 else _CHECKED + _X_ENTRIES
+    return (len(handle), *(_sig(_entry(handle, n)) for n in names))
 
 
 def _bias_sig(bias):
@@ -112,19 +152,19 @@ def _x_metas(x):
 
 
 def _handle_metas(handle):
-    """The metas of the entries of a handle that the checks read (its first 6
-    entries: those of an intranode handle)."""
-    if not isinstance(handle, tuple) or len(handle) not in (6, 9):
+    """The metas of the entries of a handle that the checks read (those of an
+    intranode handle, wherever the handle's kind keeps them)."""
+    if not isinstance(handle, tuple) or len(handle) not in _HANDLE_LAYOUT:
         raise ValueError(
-            "handle must be the tuple a dispatch returned (6 entries within one node, 9 "
+            "handle must be the tuple a dispatch returned (6 entries within one node, 10 "
             "across nodes)"
         )
-    return (
-        tensor_meta("handle[0] (rank_prefix_matrix)", handle[0]),
-        tensor_meta("handle[3] (recv_src_idx)", handle[3]),
-        tensor_meta("handle[4] (is_token_in_rank)", handle[4]),
-        tensor_meta("handle[5] (send_head)", handle[5]),
-    )
+    layout = _HANDLE_LAYOUT[len(handle)]
+    metas = []
+    for name in _CHECKED:
+        i, label = layout[name]
+        metas.append(tensor_meta(f"handle[{i}] ({label})", handle[i]))
+    return tuple(metas)
 
 
 def _bias_metas(bias):
@@ -144,17 +184,20 @@ def _bias_metas(bias):
 
 class Buffer(LowLatencyMixin):
     """Communication buffer for MoE dispatch and combine among the ranks of ``group``
-    (one GPU per rank, all on one host). Call-compatible with ``deep_ep.Buffer``.
+    (one GPU per rank). Call-compatible with ``deep_ep.Buffer``.
 
-    ``num_nvl_bytes`` is the NVLink buffer each rank allocates and every peer maps;
-    size it with ``Config.get_nvl_buffer_size_hint`` (moelink keeps a fixed slot per
-    token, so it depends on the largest batch). Outside low-latency mode
-    ``num_rdma_bytes`` sizes the internode part's cross-node regions
-    (``Config.get_rdma_buffer_size_hint``), needed where the group spans nodes
-    (``MOELINK_RANKS_PER_NODE``: dispatch and combine then route to the internode
-    path, with 9-tuple handles). ``low_latency_mode=True``
-    allocates ``num_rdma_bytes`` of low-latency buffer (size it with
-    ``get_low_latency_rdma_size_hint``); see ``moelink.low_latency``.
+    ``num_nvl_bytes`` is the NVLink buffer each rank allocates and every peer of its
+    node maps; size it with ``Config.get_nvl_buffer_size_hint`` (moelink keeps a
+    fixed slot per token, so it depends on the largest batch). Where the group spans
+    nodes (hosts, or ``MOELINK_RANKS_PER_NODE``'s emulated ones) dispatch and combine
+    take the internode path, with DeepEP's internode 10-tuple handles, and
+    ``num_rdma_bytes`` sizes its cross-node regions
+    (``Config.get_rdma_buffer_size_hint``). ``low_latency_mode=True`` allocates
+    ``num_rdma_bytes`` of low-latency buffer (``get_low_latency_rdma_size_hint``; see
+    ``moelink.low_latency``); with ``num_nvl_bytes > 0`` too, the same Buffer also
+    serves normal dispatch and combine, across nodes as well (SGLang's auto mode:
+    give it the larger of both hints; the two modes get ``num_rdma_bytes`` each, in
+    separate allocations, so one mode's calls never disturb the other's buffer).
 
     Every intranode device wait is bounded by ``MOELINK_DEVICE_TIMEOUT_S`` seconds of
     GPU time (default 30, read at creation; positive, else ``ValueError``); a wait
@@ -573,7 +616,7 @@ class Buffer(LowLatencyMixin):
         dev = self.device
 
         if handle is not None:
-            rpm, send_head = handle[0], handle[5]
+            rpm, send_head = _entry(handle, "rank_prefix_matrix"), _entry(handle, "send_head")
             compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
             # Allocated before any kernel of the dispatch runs (see below).
             with self._alloc_ctx(allocate_on_comm_stream):
@@ -622,7 +665,7 @@ class Buffer(LowLatencyMixin):
                 compute,
                 async_finish,
                 allocate_on_comm_stream,
-                (data, scales, rpm, send_head),
+                (data, scales, *handle),
                 (recv_x, recv_scales),
             )
             out_x = recv_x if scales is None else (recv_x, recv_scales)
@@ -659,7 +702,7 @@ class Buffer(LowLatencyMixin):
             _ptr(send_head),
             expert_alignment,
             num_sms,
-            **({} if xt is None else {"xnode": (*(_ptr(t) for t in xt), xt[2].shape[1])}),
+            **({} if xt is None else {"xnode": self._xnode(*xt)}),
         )
         if outs is None:
             # notify has ended (its counts are in), so no kernel of this
@@ -695,15 +738,23 @@ class Buffer(LowLatencyMixin):
             (data, scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert),
             (recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, rpm, send_head, *(xt or ())),
         )
-        handle = (rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head, *(xt or ()))
+        if xt is None:
+            handle = (rpm, cpm, rcpm, recv_src_idx, is_token_in_rank, send_head)
+        else:
+            node_head, xcounts, fwd_meta, rdma_prefix = xt
+            # DeepEP's recv_gbl_rank_prefix_sum: the tokens received from ranks
+            # 0..s (inclusive), the rank prefix matrix's column of this rank.
+            gbl_prefix = rpm[:, self.rank]
+            handle = (is_token_in_rank, xcounts, rpm, fwd_meta, rdma_prefix, cpm, gbl_prefix,
+                      recv_src_idx, node_head, send_head)  # fmt: skip
         out_x = recv_x if scales is None else (recv_x, recv_scales)
         return out_x, recv_idx, recv_w, per_expert, handle, event
 
     def _x_tensors(self, n, hidden_bytes, num_scales, num_topk):
         """An internode dispatch's handle tensors (None within one node): node heads
-        ``[n, nodes]``, counts ``[2 * nodes]`` and forwarding records ``[nodes, T,
-        1 + ranks per node]`` int32, T the tokens per rank the buffer fits for these
-        records."""
+        ``[n, nodes]``, counts ``[2 * nodes]``, forwarding records ``[nodes, T,
+        1 + ranks per node]`` (T the tokens per rank the buffer fits for these
+        records) and DeepEP's ``recv_rdma_rank_prefix_sum`` ``[nodes]``, int32."""
         if self.nodes is None:
             return None
         nodes, per_node = self.nodes
@@ -717,14 +768,22 @@ class Buffer(LowLatencyMixin):
             torch.empty((n, nodes), **i32),
             torch.empty(2 * nodes, **i32),
             torch.empty((nodes, max(cap, n, 1), 1 + per_node), **i32),
+            torch.empty(nodes, **i32),
         )
 
+    @staticmethod
+    def _xnode(node_head, xcounts, fwd_meta, rdma_prefix=None):
+        """The native calls' ``xnode`` argument: the addresses of the node heads,
+        counts, forwarding records (and their tokens per node), and of
+        ``recv_rdma_rank_prefix_sum`` (0: not written; a normal dispatch writes it)."""
+        return (_ptr(node_head), _ptr(xcounts), _ptr(fwd_meta), fwd_meta.shape[1],
+                _ptr(rdma_prefix))  # fmt: skip
+
     def _x_handle(self, handle, send_head, recv_src_idx=False):
-        """The native calls' internode keywords from a handle: ``xnode`` (node heads,
-        counts, forwarding records, their tokens per node) and, for a combine
-        (``recv_src_idx``), the received rows' source tokens; none within one node.
-        A handle of the other kind, or entries of the wrong dtype, device or shape,
-        get ``ValueError`` / ``TypeError`` naming the entry."""
+        """The native calls' internode keywords from a handle: ``xnode`` and, for a
+        combine (``recv_src_idx``), the received rows' source tokens; none within one
+        node. A handle of the other kind, or entries of the wrong dtype, device or
+        shape, get ``ValueError`` / ``TypeError`` naming the entry."""
         if self.nodes is None:
             if len(handle) != 6:
                 raise ValueError(
@@ -732,38 +791,40 @@ class Buffer(LowLatencyMixin):
                     "node takes the 6-tuple of an intranode dispatch"
                 )
             return {}
-        if len(handle) != 9:
+        if len(handle) != 10:
             raise ValueError(
                 f"rank {self.rank}: handle has {len(handle)} entries; a Buffer whose group "
-                f"spans {self.nodes[0]} nodes takes the 9-tuple of an internode dispatch"
+                f"spans {self.nodes[0]} nodes takes the 10-tuple of an internode dispatch"
             )
         nodes, per_node = self.nodes
         n = send_head.shape[0]
-        want = {6: (n, nodes), 7: (2 * nodes,)}
-        for i, name in ((6, "node_head"), (7, "xcounts"), (8, "fwd_meta")):
+        want = {"node_head": (n, nodes), "xcounts": (2 * nodes,)}
+        layout = _HANDLE_LAYOUT[10]
+        for name in _X_ENTRIES:
+            i, label = layout[name]
             t = handle[i]
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"handle[{i}] ({name}) must be a torch.Tensor")
+                raise TypeError(f"handle[{i}] ({label}) must be a torch.Tensor")
             if t.dtype != torch.int32 or t.device != self.device or not t.is_contiguous():
                 raise ValueError(
-                    f"rank {self.rank}: handle[{i}] ({name}) must be a contiguous int32 tensor "
+                    f"rank {self.rank}: handle[{i}] ({label}) must be a contiguous int32 tensor "
                     f"on {self.device}, got {t.dtype} on {t.device}"
                 )
             shape = tuple(t.shape)
             ok = (
-                shape == want[i]
-                if i in want
+                shape == want[name]
+                if name in want
                 else (len(shape) == 3 and shape[0] == nodes and shape[2] == 1 + per_node)
             )
             if not ok:
                 raise ValueError(
-                    f"rank {self.rank}: handle[{i}] ({name}) has shape {list(shape)}: not the "
+                    f"rank {self.rank}: handle[{i}] ({label}) has shape {list(shape)}: not the "
                     f"one this Buffer's dispatch made ({nodes} nodes of {per_node} ranks, {n} "
                     "tokens)"
                 )
-        kw = {"xnode": (_ptr(handle[6]), _ptr(handle[7]), _ptr(handle[8]), handle[8].shape[1])}
+        kw = {"xnode": self._xnode(*(_entry(handle, name) for name in _X_ENTRIES))}
         if recv_src_idx:
-            kw["recv_src_idx"] = _ptr(handle[3])
+            kw["recv_src_idx"] = _ptr(_entry(handle, "recv_src_idx"))
         return kw
 
     @staticmethod
@@ -804,7 +865,7 @@ class Buffer(LowLatencyMixin):
             plan = self._combine_plan(x, handle, topk_weights, bias)
             self._plans.put(key, plan)
         rows, hidden, n, num_topk, specs = plan
-        rpm, send_head = handle[0], handle[5]
+        rpm, send_head = _entry(handle, "rank_prefix_matrix"), _entry(handle, "send_head")
         b0, b1 = _bias_pair(bias)
         for name, t in (("x", x), ("bias[0]", b0), ("bias[1]", b1)):
             _check_aligned(name, t)
@@ -834,7 +895,7 @@ class Buffer(LowLatencyMixin):
             compute,
             async_finish,
             allocate_on_comm_stream,
-            (x, topk_weights, b0, b1, rpm, send_head, *handle[3:4], *handle[6:]),
+            (x, topk_weights, b0, b1, *handle),
             (out, out_w),
         )
         return out, out_w, event

@@ -5,7 +5,7 @@ With ``MOELINK_RANKS_PER_NODE=L`` below the world size the ranks form emulated
 nodes of ``L`` consecutive ranks, every peer of another node reached only through
 the CPU proxy's port channels: the same scenarios then run the internode path
 (``Buffer`` with ``num_rdma_bytes`` from ``Config.get_rdma_buffer_size_hint``,
-9-tuple handles, ``num_tokens_per_rdma_rank`` from the layout) against the same
+DeepEP's internode 10-tuple handles, ``num_tokens_per_rdma_rank`` from the layout) against the same
 reference, whose dispatch outputs are the single-node ones and whose combine is the
 internode model (``reference.combine(..., ranks_per_node=L)``: per-node partial
 sums rounded to bf16, then summed in node order).
@@ -567,28 +567,75 @@ def check_dispatch(
         isinstance(per_expert, list) and per_expert == want_list,
         f"{label}: num_recv_tokens_per_expert_list {per_expert!r}, expected {want_list!r}",
     )
-    entries = 6 if ranks_per_node(ref.num_ranks) is None else 9
+    check_handle(chk, label, ref, rank, handle, n)
+    chk.expect(isinstance(event, moelink.EventOverlap), f"{label}: event is {type(event).__name__}")
+
+
+def rdma_rank_prefix_sum(ref, rank: int, per_node: int) -> torch.Tensor:
+    """DeepEP's ``recv_rdma_rank_prefix_sum`` of ``rank``: over source nodes m, the
+    inclusive prefix sum of the tokens that rank (m, this local rank) sends to any
+    rank of this rank's node."""
+    nodes = ref.num_ranks // per_node
+    node, local = divmod(rank, per_node)
+    mine = slice(node * per_node, (node + 1) * per_node)
+    counts = [
+        int(ref.is_token_in_rank(m * per_node + local)[:, mine].any(dim=1).sum())
+        for m in range(nodes)
+    ]
+    return torch.tensor(counts, dtype=torch.int32).cumsum(0).to(torch.int32)
+
+
+def check_handle(chk, label: str, ref, rank: int, handle, n: int) -> None:
+    """A normal dispatch's handle: DeepEP's intranode 6-tuple, or across nodes its
+    internode 10-tuple, whose entries that do not depend on DeepEP's channels hold
+    DeepEP's values, dtypes and shapes (the others are moelink's own state)."""
+    per_node = ranks_per_node(ref.num_ranks)
+    entries = 6 if per_node is None else 10
     chk.expect(
         isinstance(handle, tuple) and len(handle) == entries,
         f"{label}: the handle must be a {entries}-tuple, got {type(handle).__name__}",
     )
-    if isinstance(handle, tuple) and len(handle) == entries:
-        chk.equal(f"{label} handle[0] rank_prefix_matrix", handle[0], ref.rank_prefix_matrix)
-        src_idx = handle[3]
-        chk.expect(
-            src_idx.dim() == 1 and src_idx.shape[0] >= n,
-            f"{label}: handle[3] recv_src_idx shape {list(src_idx.shape)}, {n} rows received",
-        )
-        chk.equal(f"{label} handle[3] recv_src_idx", src_idx[:n], want.recv_src_idx[:n])
-        chk.equal(f"{label} handle[4] is_token_in_rank", handle[4], ref.is_token_in_rank(rank))
-        send_head = handle[5]
-        want_shape = [ref.num_tokens(rank), ref.num_ranks]
-        chk.expect(
-            send_head.dtype == torch.int32 and list(send_head.shape) == want_shape,
-            f"{label}: handle[5] send_head {send_head.dtype} {list(send_head.shape)}, "
-            f"expected int32 {want_shape}",
-        )
-    chk.expect(isinstance(event, moelink.EventOverlap), f"{label}: event is {type(event).__name__}")
+    if not (isinstance(handle, tuple) and len(handle) == entries):
+        return
+    R, N = ref.num_ranks, ref.num_tokens(rank)
+
+    def typed(i: int, name: str, dtype, shape) -> torch.Tensor | None:
+        t = handle[i]
+        ok = isinstance(t, torch.Tensor) and t.dtype == dtype and list(t.shape) == list(shape)
+        got = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+        chk.expect(ok, f"{label}: handle[{i}] {name} is {got}, expected {dtype} {list(shape)}")
+        return t if ok else None
+
+    if per_node is None:
+        rpm, src, in_rank = 0, 3, 4
+        typed(5, "send_head", torch.int32, (N, R))
+    else:
+        in_rank, rpm, src = 0, 2, 7
+        nodes = R // per_node
+        prefix = typed(4, "recv_rdma_rank_prefix_sum", torch.int32, (nodes,))
+        if prefix is not None:
+            want = rdma_rank_prefix_sum(ref, rank, per_node)
+            chk.equal(f"{label} handle[4] recv_rdma_rank_prefix_sum", prefix, want)
+        gbl = typed(6, "recv_gbl_rank_prefix_sum", torch.int32, (R,))
+        if gbl is not None:
+            want = ref.rank_prefix_matrix[:, rank].contiguous()
+            chk.equal(f"{label} handle[6] recv_gbl_rank_prefix_sum", gbl, want)
+        typed(8, "send_rdma_head (node heads)", torch.int32, (N, nodes))
+        typed(9, "send_nvl_head (send heads)", torch.int32, (N, R))
+    if typed(rpm, "rank_prefix_matrix", torch.int32, (R, R)) is not None:
+        chk.equal(f"{label} handle[{rpm}] rank_prefix_matrix", handle[rpm], ref.rank_prefix_matrix)
+    src_idx = handle[src]
+    ok = (
+        isinstance(src_idx, torch.Tensor) and src_idx.dtype == torch.int32
+        and src_idx.dim() == 1 and src_idx.shape[0] >= n
+    )  # fmt: skip
+    chk.expect(ok, f"{label}: handle[{src}] recv_src_idx is not int32 [>= {n} rows]")
+    if ok:
+        want_src = ref.ranks[rank].recv_src_idx[:n]
+        chk.equal(f"{label} handle[{src}] recv_src_idx", src_idx[:n], want_src)
+    if typed(in_rank, "is_token_in_rank", torch.bool, (N, R)) is not None:
+        chk.equal(f"{label} handle[{in_rank}] is_token_in_rank", handle[in_rank],
+                  ref.is_token_in_rank(rank))  # fmt: skip
 
 
 def expected_combine(ref, ys, *, weights: bool, biases=None) -> list:
