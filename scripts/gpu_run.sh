@@ -120,7 +120,7 @@ done
 # GPU_RUN_INTERNODE_SCENARIOS narrows the intranode suite there (default: all).
 # The Python workers under compute-sanitizer: no MPS, and a gloo group (an NCCL
 # group's start-up probes NCCL's kernels with calls the sanitizer counts as API
-# errors: benches/results/2026-11-27_seventh-session-h200x4).
+# errors: benches/results/2026-11-27_h200x4_internode-suites-memcheck).
 SAN_ENV=(MOELINK_MPS=off MOELINK_DIST_BACKEND=gloo)
 for split in ${GPU_RUN_INTERNODE:-}; do
   IFS=: read -r xn xl xt <<< "$split"

@@ -292,7 +292,7 @@ def test_default_configs(get):
     for ranks in range(1, 9):
         c = get(ranks)
         assert isinstance(c, Config)
-        assert c.num_sms == 48  # the tuned SM count (benches/results/*intranode-bench*)
+        assert c.num_sms == 48  # the tuned SM count (benches/results/README.md)
         assert c.num_max_nvl_chunked_send_tokens < c.num_max_nvl_chunked_recv_tokens
         assert c.num_max_rdma_chunked_send_tokens < c.num_max_rdma_chunked_recv_tokens
         assert c.get_nvl_buffer_size_hint(7168 * 2, ranks) > 0

@@ -182,7 +182,7 @@ pub struct RecvShares {
 }
 
 /// The defaults: on 2 x H100 (NVLink, 4096 tokens of hidden 7168, top-8 of
-/// 256, 24 and 48 SMs; benches/results/2026-11-26_fused-intranode-h100x2), 50 %
+/// 256, 24 and 48 SMs; benches/results/2026-11-26_h100x2_speed-intranode-ll-comm), 50 %
 /// was the best of 25 / 40 / 50 / 60 for dispatch (bf16 and fp8) and combine.
 /// Unmeasured on 4 or 8 GPUs, where more of the bytes cross NVLink.
 pub const DEFAULT_SHARES: RecvShares = RecvShares {
@@ -195,7 +195,7 @@ pub const DEFAULT_SHARES: RecvShares = RecvShares {
 /// their flags (docs/design-intranode.md, "Send unit"). Every rank may choose its own.
 pub const SEND_UNIT_ENV: &str = "MOELINK_INTRANODE_SEND_UNIT";
 /// One token per unit: a fence per token, as measured on 4 x H200
-/// (benches/results/2026-11-26_speed-units-h200x4).
+/// (benches/results/2026-11-27_h200x4_speed-intranode-ll-comm-internode).
 pub const DEFAULT_SEND_UNIT: u32 = 1;
 
 /// The send unit from the environment ([`SEND_UNIT_ENV`]).

@@ -433,7 +433,7 @@ def scenario_proxy_loose(ctx: Ctx, buf) -> None:
     scenario's round trips timed out in every run at 8 ranks on one H200 with
     one proxy stream per peer (7 a rank), while lock-step calls passed; one
     stream for all of a rank's CUDA IPC connections fixed it
-    (benches/results/2026-11-25_ll-8-proxy-streams)."""
+    (benches/results/2026-11-25_h200_ll-proxy-streams-8-ranks)."""
     with own_buffer(ctx, allow_nvlink_for_low_latency_mode=False) as pbuf:
         e = 8 * ctx.size
         for i, (fp8, hook) in enumerate(((True, False), (False, True), (True, True))):

@@ -206,7 +206,7 @@ impl CudaIpcConnection {
     /// passed in every run with one stream. The driver-side cause is not known:
     /// it is not the compute work-queue limit (2 ranks pass with
     /// `CUDA_DEVICE_MAX_CONNECTIONS=1`) nor lazy kernel loading
-    /// (benches/results/2026-11-25_ll-8-proxy-streams).
+    /// (benches/results/2026-11-25_h200_ll-proxy-streams-8-ranks).
     pub fn new(rank: usize, remote_rank: usize, streams: Arc<IpcStreams>) -> Self {
         if copy_with_kernel() {
             let _restore = RestoreCurrent::new();
