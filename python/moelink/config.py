@@ -227,7 +227,7 @@ class Config:
 
 # Chunk sizes mirror DeepEP's tuned tables so printed configs look familiar; they do
 # not affect moelink's fixed-slot kernels. The SM count is what matters: the sweep on
-# 4 x H200 (benches/results/2026-11-21_intranode-bench-h200x4) gets faster with every
+# 4 x H200 (2026-11-21, benches/results/README.md's history) gets faster with every
 # SM added for dispatch and combine alike, so the defaults take the most the targets
 # allow, 48. Only 4 ranks were measured; 2 and 8 use the same until measured.
 _TUNED_NUM_SMS = {2: 48, 4: 48, 8: 48}
@@ -255,8 +255,8 @@ def _check_config_ranks(num_ranks) -> int:
         raise ValueError(
             f"num_ranks must be <= {limit}, got {num_ranks}: moelink has no dispatch/combine "
             f"config for {num_ranks} ranks because a moelink Buffer serves at most {limit} "
-            "ranks in all (moelink.checks.LIMITS['max_ranks']), whether they sit on one host "
-            "or span nodes through the internode path"
+            "ranks in all (moelink.checks.LIMITS['max_ranks']), on one host, as one node or "
+            "split into nodes for the internode path"
         )
     return num_ranks
 
@@ -277,7 +277,7 @@ def get_dispatch_config(num_ranks: int, *, num_sms: int | None = None) -> Config
     given, as ``Buffer.set_num_sms`` does. A group spanning nodes (the internode
     path) takes the same configs: ``num_ranks`` counts every rank of the group.
     Above 32 ranks (vLLM asks up to 160): ``ValueError`` naming the count and why (a
-    Buffer serves at most 32 ranks, on one host or across nodes); below 1 too;
+    Buffer serves at most 32 ranks in all, split into nodes or not); below 1 too;
     ``TypeError`` for a non-integer.
     """
     return _config_for(_DISPATCH_CONFIGS, num_ranks, num_sms)
