@@ -105,6 +105,8 @@ for n in $RANKS; do
   run "ops-$n" 500 $LAUNCH -n "$n" --timeout 480 tests/multi_gpu/ops_worker.py
   run "frameworks-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/frameworks_worker.py
   run "deep_ep_script-$n" 200 $LAUNCH -n "$n" --timeout 180 tests/multi_gpu/deep_ep_script.py
+  # Profiler names: what DeepEP's bench_kineto reads of each call under torch.profiler.
+  run "profiler-$n" 300 $LAUNCH -n "$n" --timeout 280 tests/multi_gpu/profiler_worker.py
   # The Rust tch API (moelink-tch/scripts/gpu_build.sh put its binaries in .gpu/tch):
   # the MoE-layer example and the bit-for-bit parity test against the Python API.
   [ -x .gpu/tch/moe_layer ] && run "tch-$n" 400 bash moelink-tch/scripts/gpu_run.sh "$n"
@@ -149,6 +151,11 @@ for split in ${GPU_RUN_INTERNODE:-}; do
       $LAUNCH -n "$xn" --timeout 520 --no-python compute-sanitizer --tool memcheck \
       --error-exitcode 9 python3 tests/multi_gpu/intranode_worker.py
 done
+# Profiler names of the internode calls (notify, cached_notify, the two launches of
+# one dispatch kernel, combine) on 2 emulated nodes of 2 ranks.
+run "profiler-internode" 400 env MOELINK_RANKS_PER_NODE=2 \
+  MOELINK_DEVICE_TIMEOUT_S="${GPU_RUN_INTERNODE_TIMEOUT_S:-20}" $LAUNCH -n 4 --timeout 380 \
+  tests/multi_gpu/profiler_worker.py
 # MOELINK_TRAP_ON_TIMEOUT=1 (2 ranks, no MPS: a trap under MPS takes down every
 # rank on the GPU): a device timeout traps the kernel.
 run "trap-2" 120 env MOELINK_MPS=off $LAUNCH -n 2 --timeout 100 tests/multi_gpu/trap_worker.py
