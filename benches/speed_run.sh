@@ -39,7 +39,8 @@ failed=0
 . benches/step.sh
 step_summary() { tail -n 25 "$1"; }
 step_done() { :; }
-{
+{ # what scripts/record_gpu_run.py reads: GPUs, build (commit=, dirty=) and date=
+  echo "date=$(date -u +%Y-%m-%dT%H:%M:%SZ)"
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader
   nvidia-smi topo -m
   python3 -m pip show nvidia-nvshmem-cu13 2>/dev/null | grep -E "^(Name|Version)"
