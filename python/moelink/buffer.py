@@ -184,12 +184,12 @@ def _bias_metas(bias):
 
 class Buffer(LowLatencyMixin):
     """Communication buffer for MoE dispatch and combine among the ranks of ``group``
-    (one GPU per rank). Call-compatible with ``deep_ep.Buffer``.
+    (one GPU per rank, all on one host). Call-compatible with ``deep_ep.Buffer``.
 
     ``num_nvl_bytes`` is the NVLink buffer each rank allocates and every peer of its
     node maps; size it with ``Config.get_nvl_buffer_size_hint`` (moelink keeps a
     fixed slot per token, so it depends on the largest batch). Where the group spans
-    nodes (hosts, or ``MOELINK_RANKS_PER_NODE``'s emulated ones) dispatch and combine
+    nodes (``MOELINK_RANKS_PER_NODE``'s emulated ones) dispatch and combine
     take the internode path, with DeepEP's internode 10-tuple handles, and
     ``num_rdma_bytes`` sizes its cross-node regions
     (``Config.get_rdma_buffer_size_hint``). ``low_latency_mode=True`` allocates
