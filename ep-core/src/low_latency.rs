@@ -20,6 +20,8 @@ pub use ep_kernels::low_latency::Phases;
 use ep_kernels::low_latency::{
     self as k, CombineArgs, DispatchArgs, Launch, LlCtx, LlShape, FLAGS_BYTES, STATE_WORDS,
 };
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
 
 use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PartKind, PhaseStamps};
 
@@ -28,6 +30,17 @@ use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PartKind, PhaseSta
 /// (a receive hook pending): 6 x 32 peers is well within.
 const FIFO_SLOTS: usize = 1024;
 const _: () = assert!(6 * k::MAX_RANKS <= FIFO_SLOTS);
+
+/// Byte offset in the flags region of the words of the shrink `clean`'s rank
+/// barrier: u32 `[R]`, entry `s` the latest barrier epoch rank `s` entered
+/// (written by `s` from its host, read by this rank's host). They lie between
+/// the data flags (`[2][32]` u64 at 0) and the release counts, where no
+/// kernel reads or writes, and `clean` leaves them as they are.
+pub const SYNC_OFFSET: u64 = 512;
+/// End of the barrier words.
+const SYNC_END: u64 = SYNC_OFFSET + 4 * k::MAX_RANKS as u64;
+const _: () = assert!(2 * 8 * k::MAX_RANKS as u64 <= SYNC_OFFSET);
+const _: () = assert!(SYNC_END <= k::RELEASE_OFFSET);
 
 /// How the buffer reaches its peers and how long a receive may wait.
 #[derive(Clone, Copy, Debug)]
@@ -100,6 +113,8 @@ pub struct LowLatencyBuffer {
     part: PartBase,
     shrink: bool,
     num_blocks: u32,
+    /// Epoch of this rank's latest shrink-`clean` barrier.
+    sync_epoch: AtomicU32,
 }
 
 /// Bytes a buffer needs for calls up to this shape (any top-k), including the
@@ -241,6 +256,7 @@ impl LowLatencyBuffer {
             part,
             shrink: ll.shrink,
             num_blocks,
+            sync_epoch: AtomicU32::new(0),
         })
     }
 
@@ -473,22 +489,207 @@ impl LowLatencyBuffer {
     /// no low-latency kernel runs, no receive hook is pending) and
     /// forgets a recorded device error (a timeout): the ranks are in step again.
     /// The rank mask is kept.
+    ///
+    /// With shrink, the two barriers around the reset are rank-mask aware
+    /// ([`masked_barrier`]): masked ranks are not waited for, and a rank that
+    /// does not enter within the device-wait bound is masked; the clean then
+    /// completes for the others. Without shrink they are the bootstrap's
+    /// barriers (bounded by the host timeout, an error when a rank is missing).
     pub fn clean(&self) -> Result<()> {
         self.part.device().synchronize()?;
-        self.barrier()?;
+        self.clean_barrier()?;
         let device = self.part.device();
-        // SAFETY: both ranges are ours and idle.
+        // SAFETY: the ranges are ours and idle (the barrier words stay).
         unsafe {
-            device.memset_sync(self.mem.ptr(), FLAGS_BYTES as usize, 0)?;
+            device.memset_sync(self.mem.ptr(), SYNC_OFFSET as usize, 0)?;
+            device.memset_sync(
+                self.mem.ptr() + SYNC_END,
+                (FLAGS_BYTES - SYNC_END) as usize,
+                0,
+            )?;
             device.memset_sync(self.state.ptr(), 4 * STATE_WORDS, 0)?;
         }
         self.part.member().device_error().reset();
-        self.barrier()
+        self.clean_barrier()
+    }
+
+    /// A barrier of `clean`: rank-mask aware with shrink, else the bootstrap's.
+    fn clean_barrier(&self) -> Result<()> {
+        if !self.shrink {
+            return self.barrier();
+        }
+        let epoch = self
+            .sync_epoch
+            .fetch_add(1, Ordering::Relaxed)
+            .wrapping_add(1);
+        let bound = self.device_bound();
+        let masked = masked_barrier(&BufferSync(self), epoch, bound)?;
+        for p in masked {
+            tracing::warn!(
+                "rank {}: rank {p} did not enter clean_low_latency_buffer within {bound:?} \
+                 (the low-latency device-wait bound): masked",
+                self.part.rank()
+            );
+        }
+        Ok(())
+    }
+
+    /// The device-wait bound of this part as a host duration: how long a
+    /// shrink `clean` waits for a rank, and a shrink `destroy` for the proxy.
+    fn device_bound(&self) -> Duration {
+        Duration::from_nanos(self.part.device_timeout_ns().max(1) as u64)
+    }
+
+    /// Whether the buffer was made with shrink (a silent peer is masked).
+    pub fn shrink(&self) -> bool {
+        self.shrink
+    }
+
+    /// Waits until the proxy (if any) has performed every trigger the
+    /// kernels pushed and has no copy in flight, at most the device-wait
+    /// bound: a shrink `destroy` frees the part without a barrier, and the
+    /// proxy's queued triggers (the last call's sends to its peers) must not
+    /// go with it. The caller synchronised the device (no kernel pushes any
+    /// more). `Ok(false)`: not drained within the bound.
+    pub fn drain_proxy(&self) -> Result<bool> {
+        let Some(proxy) = &self.proxy else {
+            return Ok(true);
+        };
+        let mut head = [0u64];
+        let head_ptr = proxy.fifo_handle().head;
+        if head_ptr != 0 {
+            // SAFETY: the FIFO's head word, device memory of this process.
+            unsafe { k::host::read(self.part.device(), head_ptr, &mut head) }?;
+        }
+        let (start, bound) = (Instant::now(), self.device_bound());
+        loop {
+            proxy.check()?;
+            let idle = self.ports.iter().flatten().all(|c| {
+                proxy
+                    .channel_state(c.channel)
+                    .is_none_or(|state| state.busy != Some(true))
+            });
+            if idle && proxy.processed() >= head[0] {
+                return Ok(true);
+            }
+            if start.elapsed() >= bound {
+                return Ok(false);
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
     }
 
     /// Clears the rank mask (synchronously).
     pub fn clean_mask(&self) -> Result<()> {
         self.mask.fill(0)
+    }
+}
+
+/// One rank's view of a rank barrier whose ranks signal each other through
+/// words of each other's memory (the shrink `clean`'s: [`masked_barrier`]).
+pub(crate) trait RankSync {
+    fn rank(&self) -> usize;
+    fn num_ranks(&self) -> usize;
+    /// Writes `epoch` into peer `peer`'s word for this rank.
+    fn post(&self, peer: usize, epoch: u32) -> Result<()>;
+    /// This rank's words: entry `s`, the latest epoch rank `s` posted here.
+    fn words(&self, out: &mut [u32]) -> Result<()>;
+    /// The rank mask (non-zero: masked).
+    fn mask(&self, out: &mut [i32]) -> Result<()>;
+    /// Masks rank `peer`.
+    fn set_masked(&self, peer: usize) -> Result<()>;
+}
+
+/// Whether a word shows epoch `epoch` entered (or a later one: the peer
+/// left this barrier and entered the next), with wrap-around.
+fn reached(word: u32, epoch: u32) -> bool {
+    (word.wrapping_sub(epoch) as i32) >= 0
+}
+
+/// A rank-mask aware barrier, DeepEP's shrink barrier done by the host: this
+/// rank posts `epoch` to every other rank (masked ones too: a peer that
+/// masked nobody does not wait in vain), then waits until every rank that is
+/// not masked here posted `epoch` (or later) to it; the ranks still missing
+/// after `bound` are masked. Returns those. The ranks that enter take the
+/// same epochs as long as none of them skipped a barrier: a rank that missed
+/// one (it was masked) is masked again at the next, so that a failed rank
+/// stays out until the Buffer is made anew.
+pub(crate) fn masked_barrier(
+    sync: &impl RankSync,
+    epoch: u32,
+    bound: Duration,
+) -> Result<Vec<usize>> {
+    let (me, n) = (sync.rank(), sync.num_ranks());
+    for p in (0..n).filter(|&p| p != me) {
+        sync.post(p, epoch)?;
+    }
+    let mut mask = vec![0i32; n];
+    sync.mask(&mut mask)?;
+    let mut waiting: Vec<usize> = (0..n).filter(|&p| p != me && mask[p] == 0).collect();
+    let mut words = vec![0u32; n];
+    let start = Instant::now();
+    let mut pause = Duration::from_micros(10);
+    loop {
+        if waiting.is_empty() {
+            return Ok(Vec::new());
+        }
+        sync.words(&mut words)?;
+        waiting.retain(|&p| !reached(words[p], epoch));
+        if waiting.is_empty() {
+            return Ok(Vec::new());
+        }
+        if start.elapsed() >= bound {
+            for &p in &waiting {
+                sync.set_masked(p)?;
+            }
+            return Ok(waiting);
+        }
+        std::thread::sleep(pause);
+        pause = (pause * 2).min(Duration::from_micros(200));
+    }
+}
+
+/// [`RankSync`] over a low-latency buffer: the words at [`SYNC_OFFSET`] of
+/// every rank's buffer (peers' as mapped here), the device rank mask.
+struct BufferSync<'a>(&'a LowLatencyBuffer);
+
+impl RankSync for BufferSync<'_> {
+    fn rank(&self) -> usize {
+        self.0.part.rank()
+    }
+
+    fn num_ranks(&self) -> usize {
+        self.0.part.num_ranks()
+    }
+
+    fn post(&self, peer: usize, epoch: u32) -> Result<()> {
+        let base = self.0.mem.bases()[peer].ok_or_else(|| {
+            CommError::invalid(
+                "enable_shrink",
+                format!(
+                    "rank {}: rank {peer}'s low-latency buffer is not mapped here; a shrink \
+                     clean needs every peer's buffer mapped (one host)",
+                    self.rank()
+                ),
+            )
+        })?;
+        let ptr = base + SYNC_OFFSET + 4 * self.rank() as u64;
+        // SAFETY: our word in peer's buffer, mapped here (a peer that freed
+        // its buffer early: our mapping keeps the memory); no kernel uses it.
+        unsafe { k::host::write(self.0.part.device(), ptr, &[epoch]) }
+    }
+
+    fn words(&self, out: &mut [u32]) -> Result<()> {
+        // SAFETY: R words of our own buffer.
+        unsafe { k::host::read(self.0.part.device(), self.0.mem.ptr() + SYNC_OFFSET, out) }
+    }
+
+    fn mask(&self, out: &mut [i32]) -> Result<()> {
+        self.0.mask.copy_to_host(0, out)
+    }
+
+    fn set_masked(&self, peer: usize) -> Result<()> {
+        self.0.mask.copy_from_host(4 * peer, &[1i32])
     }
 }
 
@@ -515,6 +716,175 @@ impl BufferPart for LowLatencyBuffer {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    mod rank_sync {
+        use super::super::{masked_barrier, reached, RankSync};
+        use comm::error::Result;
+        use std::sync::atomic::{AtomicI32, AtomicU32, Ordering};
+        use std::sync::Arc;
+        use std::time::{Duration, Instant};
+
+        /// Every rank's barrier words and rank mask, in host memory.
+        struct Shared {
+            words: Vec<Vec<AtomicU32>>,
+            masks: Vec<Vec<AtomicI32>>,
+        }
+
+        fn shared(n: usize) -> Arc<Shared> {
+            fn grid<T: Default>(n: usize) -> Vec<Vec<T>> {
+                (0..n)
+                    .map(|_| (0..n).map(|_| T::default()).collect())
+                    .collect()
+            }
+            Arc::new(Shared {
+                words: grid(n),
+                masks: grid(n),
+            })
+        }
+
+        struct Fake {
+            rank: usize,
+            s: Arc<Shared>,
+        }
+
+        impl RankSync for Fake {
+            fn rank(&self) -> usize {
+                self.rank
+            }
+            fn num_ranks(&self) -> usize {
+                self.s.words.len()
+            }
+            fn post(&self, peer: usize, epoch: u32) -> Result<()> {
+                self.s.words[peer][self.rank].store(epoch, Ordering::Release);
+                Ok(())
+            }
+            fn words(&self, out: &mut [u32]) -> Result<()> {
+                for (o, w) in out.iter_mut().zip(&self.s.words[self.rank]) {
+                    *o = w.load(Ordering::Acquire);
+                }
+                Ok(())
+            }
+            fn mask(&self, out: &mut [i32]) -> Result<()> {
+                for (o, m) in out.iter_mut().zip(&self.s.masks[self.rank]) {
+                    *o = m.load(Ordering::Acquire);
+                }
+                Ok(())
+            }
+            fn set_masked(&self, peer: usize) -> Result<()> {
+                self.s.masks[self.rank][peer].store(1, Ordering::Release);
+                Ok(())
+            }
+        }
+
+        fn masked(s: &Shared, rank: usize) -> Vec<usize> {
+            (0..s.masks.len())
+                .filter(|&p| s.masks[rank][p].load(Ordering::Acquire) != 0)
+                .collect()
+        }
+
+        /// Runs `f(rank, sync)` on every rank of `n` but `absent`, in threads.
+        fn on_ranks<T: Send + 'static>(
+            s: &Arc<Shared>,
+            absent: &[usize],
+            f: impl Fn(usize, &Fake) -> T + Send + Sync + 'static,
+        ) -> Vec<(usize, T)> {
+            let f = Arc::new(f);
+            let threads: Vec<_> = (0..s.words.len())
+                .filter(|r| !absent.contains(r))
+                .map(|rank| {
+                    let (s, f) = (s.clone(), f.clone());
+                    std::thread::spawn(move || (rank, f(rank, &Fake { rank, s })))
+                })
+                .collect();
+            threads.into_iter().map(|t| t.join().unwrap()).collect()
+        }
+
+        const BOUND: Duration = Duration::from_millis(400);
+
+        #[test]
+        fn epochs_compare_across_wrap_around() {
+            assert!(reached(5, 5) && reached(6, 5) && !reached(4, 5));
+            assert!(reached(0, u32::MAX) && reached(1, u32::MAX));
+            assert!(!reached(u32::MAX, 0));
+        }
+
+        #[test]
+        fn ranks_that_enter_late_within_the_bound_meet_and_nobody_is_masked() {
+            let s = shared(4);
+            let got = on_ranks(&s, &[], |rank, sync| {
+                let mut out = Vec::new();
+                for epoch in 1..=3 {
+                    // Staggered arrivals, well within the bound.
+                    std::thread::sleep(Duration::from_millis(20 * rank as u64));
+                    out.extend(masked_barrier(sync, epoch, BOUND).unwrap());
+                }
+                out
+            });
+            assert!(got.iter().all(|(_, m)| m.is_empty()), "{got:?}");
+            assert!((0..4).all(|r| masked(&s, r).is_empty()));
+        }
+
+        #[test]
+        fn a_rank_that_never_enters_is_masked_by_the_others_after_the_bound() {
+            let s = shared(4);
+            let got = on_ranks(&s, &[2], |_, sync| {
+                let t0 = Instant::now();
+                let newly = masked_barrier(sync, 1, BOUND).unwrap();
+                // The next barrier no longer waits for it.
+                let t1 = Instant::now();
+                let again = masked_barrier(sync, 2, BOUND).unwrap();
+                (newly, again, t0.elapsed() - t1.elapsed(), t1.elapsed())
+            });
+            for (rank, (newly, again, first, second)) in got {
+                assert_eq!(newly, vec![2], "rank {rank}");
+                assert!(again.is_empty(), "rank {rank}");
+                assert!(
+                    first >= BOUND && first < BOUND * 5,
+                    "rank {rank}: {first:?}"
+                );
+                assert!(second < BOUND / 2, "rank {rank}: {second:?}");
+                assert_eq!(masked(&s, rank), vec![2]);
+            }
+        }
+
+        #[test]
+        fn masked_ranks_are_not_waited_for_but_are_still_told() {
+            let s = shared(3);
+            // Rank 0 masked rank 1 (a timeout of its own); rank 1 masked nobody.
+            s.masks[0][1].store(1, Ordering::Release);
+            // Rank 2 is gone and masked everywhere.
+            s.masks[0][2].store(1, Ordering::Release);
+            s.masks[1][2].store(1, Ordering::Release);
+            let got = on_ranks(&s, &[2], |rank, sync| {
+                if rank == 1 {
+                    std::thread::sleep(BOUND / 4);
+                }
+                let t0 = Instant::now();
+                (masked_barrier(sync, 1, BOUND).unwrap(), t0.elapsed())
+            });
+            for (rank, (newly, took)) in got {
+                assert!(newly.is_empty(), "rank {rank}: {newly:?}");
+                assert!(took < BOUND, "rank {rank}: {took:?}");
+            }
+            // Rank 1 met rank 0 (which posted to it though it masked it).
+            assert_eq!(masked(&s, 1), vec![2]);
+        }
+
+        #[test]
+        fn a_rank_that_skipped_a_barrier_is_masked_again_at_the_next() {
+            let s = shared(2);
+            // Rank 1 misses epoch 1: rank 0 masks it.
+            let got = on_ranks(&s, &[1], |_, sync| masked_barrier(sync, 1, BOUND).unwrap());
+            assert_eq!(got[0].1, vec![1]);
+            // Everything unmasked; rank 1 comes back at its epoch 1, rank 0 is at 2.
+            s.masks[0][1].store(0, Ordering::Release);
+            let got = on_ranks(&s, &[], |rank, sync| {
+                masked_barrier(sync, if rank == 0 { 2 } else { 1 }, BOUND).unwrap()
+            });
+            assert_eq!(got[0].1, vec![1], "rank 0 masks the rank behind it");
+            assert!(got[1].1.is_empty(), "rank 1 sees epoch 2 >= 1");
+        }
+    }
 
     #[test]
     fn proxied_peers_are_all_other_nodes_or_everyone() {

@@ -427,6 +427,59 @@ pub unsafe fn combine(l: &Launch<'_>, a: CombineArgs) -> Result<()> {
     unsafe { l.run(KernelId::LlCombine, p, l.shape.combine_smem()) }
 }
 
+/// Host access to words of low-latency buffers, for what the host does
+/// between calls (the rank barrier of a shrink `clean`, draining the proxy
+/// before a shrink `destroy`): synchronous copies through the driver.
+pub mod host {
+    use comm::error::{CudaResultExt, Result};
+    use comm::Device;
+    use cudarc::driver::{result, sys};
+
+    /// Copies `out.len()` values from device address `ptr` (synchronous).
+    ///
+    /// # Safety
+    /// `ptr..ptr + size_of_val(out)` must be device memory mapped in this
+    /// process for `device` (its own allocation or a peer's mapped one).
+    pub unsafe fn read<T: Copy>(device: Device, ptr: u64, out: &mut [T]) -> Result<()> {
+        device.make_current()?;
+        // SAFETY: the caller's contract.
+        unsafe { result::memcpy_dtoh_sync(out, ptr) }.call("cuMemcpyDtoH")
+    }
+
+    /// Copies `src` to device address `ptr` (the copy is issued on return; it
+    /// lands before any later copy of this thread to the same memory).
+    ///
+    /// # Safety
+    /// As [`read`], for `size_of_val(src)` bytes; nothing else may own the
+    /// bytes written (they are words the host keeps for itself).
+    pub unsafe fn write<T: Copy>(device: Device, ptr: u64, src: &[T]) -> Result<()> {
+        device.make_current()?;
+        // SAFETY: the caller's contract.
+        unsafe { result::memcpy_htod_sync(ptr, src) }.call("cuMemcpyHtoD")
+    }
+
+    /// Whether device address `ptr` lies in a CUDA virtual-memory (cuMem)
+    /// allocation mapped in this process, as opposed to `cuMemAlloc` memory:
+    /// a peer that mapped a cuMem allocation keeps its physical memory alive
+    /// until it unmaps it, whoever frees it first.
+    pub fn is_vmm(device: Device, ptr: u64) -> Result<bool> {
+        device.make_current()?;
+        let mut handle: sys::CUmemGenericAllocationHandle = 0;
+        // SAFETY: a query on an address; the handle it returns (if any) is
+        // released below.
+        let r =
+            unsafe { sys::cuMemRetainAllocationHandle(&mut handle, ptr as *mut std::ffi::c_void) };
+        if r != sys::CUresult::CUDA_SUCCESS {
+            return Ok(false);
+        }
+        // SAFETY: retained above, released once.
+        unsafe { sys::cuMemRelease(handle) }
+            .result()
+            .call("cuMemRelease")?;
+        Ok(true)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
