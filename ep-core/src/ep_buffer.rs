@@ -500,7 +500,20 @@ impl EpBuffer {
     /// call) is returned after both parts are freed, so that no rank's
     /// destroy is left waiting and nothing stays allocated; a barrier that
     /// fails returns its error at once, leaving its part and the later one.
+    ///
+    /// A Buffer made with shrink (its low-latency part masks silent peers) is
+    /// destroyed without any barrier: its ranks reach destroy at any time
+    /// (a failed rank at once, the others after the timeouts that mask it).
+    /// Each part is freed as [`free_mode`] says: at once where its region is
+    /// a cuMem allocation (peers that mapped it keep its memory until they
+    /// unmap it, so their late stores land in memory nobody else gets), kept
+    /// until the process exits where it is legacy CUDA IPC memory (which a
+    /// peer could still write after a free). The low-latency proxy first
+    /// performs what the kernels queued (at most the device-wait bound).
     pub fn destroy(&mut self) -> Result<()> {
+        if self.shrink() {
+            return self.destroy_local();
+        }
         let mut error = None;
         for kind in PartKind::ALL {
             let Some(part) = self.part(kind) else {
@@ -522,9 +535,118 @@ impl EpBuffer {
     }
 }
 
+/// How [`EpBuffer::destroy`] frees a part.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreeMode {
+    /// After a barrier of the part's ranks, when no peer uses it any more
+    /// (a Buffer without shrink).
+    AfterBarrier,
+    /// At once, without waiting for any peer: a shrink Buffer's part whose
+    /// region is a cuMem (virtual memory) allocation, which peers that
+    /// mapped it keep alive until they unmap it.
+    Now,
+    /// Kept until the process exits: a shrink Buffer's part whose region is
+    /// a `cuMemAlloc` allocation shared by legacy CUDA IPC (the fallback where
+    /// cuMem is not available), which a peer could still write after a free
+    /// and which nobody may be handed in the meantime.
+    KeptUntilExit,
+}
+
+/// How a part of a Buffer made with (`shrink`) or without shrink, whose
+/// region is (`vmm`) or is not a cuMem allocation, is freed by destroy.
+pub fn free_mode(shrink: bool, vmm: bool) -> FreeMode {
+    match (shrink, vmm) {
+        (false, _) => FreeMode::AfterBarrier,
+        (true, true) => FreeMode::Now,
+        (true, false) => FreeMode::KeptUntilExit,
+    }
+}
+
+/// Parts kept until the process exits ([`FreeMode::KeptUntilExit`]): never
+/// dropped (statics are not), so their memory is never handed out again.
+static KEPT_UNTIL_EXIT: std::sync::Mutex<Vec<Box<dyn std::any::Any + Send>>> =
+    std::sync::Mutex::new(Vec::new());
+
+impl EpBuffer {
+    /// Whether the Buffer was made with shrink (its low-latency part is).
+    pub fn shrink(&self) -> bool {
+        self.low_latency.as_ref().is_some_and(|b| b.shrink())
+    }
+
+    /// [`destroy`](Self::destroy) of a shrink Buffer: per part, intranode
+    /// first, no barrier; the first device error after both are gone.
+    fn destroy_local(&mut self) -> Result<()> {
+        let mut error = None;
+        for kind in PartKind::ALL {
+            let Some(part) = self.part(kind) else {
+                continue;
+            };
+            let base = part.base();
+            let rank = base.rank();
+            if let Some(ll) = self
+                .low_latency
+                .as_ref()
+                .filter(|_| kind == PartKind::LowLatency)
+            {
+                match ll.drain_proxy() {
+                    Ok(true) => {}
+                    Ok(false) => tracing::warn!(
+                        "rank {rank}: the low-latency proxy still had work queued after the \
+                         device-wait bound; destroying it (peers waiting for it mask this rank)"
+                    ),
+                    Err(e) => {
+                        error.get_or_insert(e);
+                    }
+                }
+            }
+            if let Err(e) = part.check_device() {
+                error.get_or_insert(e);
+            }
+            let (ptr, _) = part.local_buffer();
+            let vmm = ep_kernels::low_latency::host::is_vmm(base.device(), ptr).unwrap_or(false);
+            let taken: Box<dyn std::any::Any + Send> = match kind {
+                PartKind::Intranode => Box::new((self.intranode.take(), self.internode.take())),
+                PartKind::LowLatency => Box::new(self.low_latency.take()),
+            };
+            match free_mode(true, vmm) {
+                FreeMode::KeptUntilExit => {
+                    tracing::warn!(
+                        "rank {rank}: the {} buffer is legacy CUDA IPC memory, which peers may \
+                         still write: destroy() keeps it until the process exits",
+                        kind.name()
+                    );
+                    KEPT_UNTIL_EXIT
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .push(taken);
+                }
+                FreeMode::Now | FreeMode::AfterBarrier => drop(taken),
+            }
+        }
+        error.map_or(Ok(()), Err)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_shrink_buffer_frees_without_a_barrier_and_keeps_legacy_memory() {
+        assert_eq!(free_mode(false, true), FreeMode::AfterBarrier);
+        assert_eq!(free_mode(false, false), FreeMode::AfterBarrier);
+        assert_eq!(free_mode(true, true), FreeMode::Now);
+        assert_eq!(free_mode(true, false), FreeMode::KeptUntilExit);
+    }
+
+    #[test]
+    fn an_empty_buffer_destroys_to_nothing_either_way() {
+        let mut b = EpBuffer::default();
+        assert!(!b.shrink());
+        assert!(b.destroy().is_ok());
+        assert!(b.destroy_local().is_ok());
+        assert!(b.is_empty());
+    }
 
     fn opts(num_nvl_bytes: usize, num_ll_bytes: usize, device_timeout_ns: i64) -> EpBufferOptions {
         EpBufferOptions {
