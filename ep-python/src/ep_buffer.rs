@@ -266,8 +266,10 @@ impl EpBuffer {
     /// Frees both parts (idempotent), intranode first. With `collective`
     /// (every rank calls it): per part, reads its device error, meets the
     /// other ranks in a barrier, and frees it; raises the first device error
-    /// after both are freed. The caller synchronised the streams that used
-    /// the buffer. The GIL is released.
+    /// after both are freed. A shrink Buffer meets nobody: each rank frees
+    /// its parts when it gets there (`ep_core::EpBuffer::destroy`). The
+    /// caller synchronised the streams that used the buffer. The GIL is
+    /// released.
     #[pyo3(signature = (collective=false))]
     fn destroy(&mut self, py: Python<'_>, collective: bool) -> PyResult<()> {
         if collective {
@@ -685,7 +687,8 @@ impl EpBuffer {
     }
 
     /// *Collective.* Resets the low-latency flags and call counters
-    /// (device-synchronous).
+    /// (device-synchronous). With shrink, masked ranks are not waited for and
+    /// a rank that does not come within the device-wait bound is masked.
     fn clean(&self, py: Python<'_>) -> PyResult<()> {
         let ll = self.ll()?;
         py.detach(|| ll.clean()).map_err(to_py)

@@ -383,7 +383,13 @@ class Buffer(LowLatencyMixin):
         return t[: size.numel()].view(size)
 
     def destroy(self) -> None:
-        """Frees the buffer (collective: every rank calls it). Needs ``explicitly_destroy=True``."""
+        """Frees the buffer (every rank calls it). Needs ``explicitly_destroy=True``.
+
+        Without ``enable_shrink`` it is collective: per part a barrier of the ranks,
+        then the free. With ``enable_shrink`` no rank waits for another: a rank that
+        stopped communicating (masked by the others) may destroy long before them, and
+        each rank frees its buffers when it gets here (peers that mapped them keep the
+        memory until they free theirs; see ``docs/api-notes.md``, "Shrink")."""
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs a Buffer created with explicitly_destroy=True")
         _registry.unregister(self)

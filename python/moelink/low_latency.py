@@ -407,7 +407,10 @@ class LowLatencyMixin:
     ) -> None:
         """*Collective.* Resets the low-latency flags and call counters on every rank
         (waits for this device first). Needed before low-latency use of a buffer whose
-        low-latency calls were interrupted (a timeout)."""
+        low-latency calls were interrupted (a timeout). With ``enable_shrink`` the ranks
+        masked here are not waited for, and a rank that does not call it within the
+        low-latency device-wait bound (``MOELINK_LL_TIMEOUT_S``) is masked: the others
+        complete it."""
         ll = self._ll_native()
         _ll_geometry(self.group_size, num_max_dispatch_tokens_per_rank, hidden, num_experts,
                      "group size")  # fmt: skip
