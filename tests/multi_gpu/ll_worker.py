@@ -48,6 +48,7 @@ SCENARIO_NAMES = (
     "masked_rank",
     "timeout_mask",
     "timeout_poison",
+    "shrink_destroy",
     "create_destroy",
 )
 SCENARIOS_ENV = "MOELINK_LL_SCENARIOS"
@@ -976,6 +977,127 @@ def scenario_timeout_poison(ctx: Ctx, buf) -> None:
         recover()
         inputs = make_inputs(ctx, "after-poison", 48, 2048, e, 4)
         round_trip(ctx, tbuf, "after the timeouts", inputs, 48, e)
+
+
+def shrink_failures(size: int) -> dict:
+    """DeepEP's shrink test at ``size`` ranks: which rank fails (stays alive, stops
+    calling moelink) at its first call of each API."""
+    fail = {"dispatch": 1}
+    if size > 2:
+        fail["combine"] = size - 1
+    if size >= 4:
+        fail["clean"] = size // 2
+    return fail
+
+
+def scenario_shrink_destroy(ctx: Ctx, buf) -> None:
+    """DeepEP's shrink flow (``enable_shrink=True``, a 2 s receive bound): rank 1 stops
+    at its dispatch, rank R-1 at its combine, rank R/2 (R >= 4) at its clean; a failed
+    rank stays alive and goes straight to ``destroy()``. The others' calls return,
+    mask exactly the failed ranks (the mask query after each step) and match the
+    reference without them; then they destroy too, long after the failed ranks. Every
+    rank's destroy returns without error; then every rank meets in a torch barrier."""
+    r, size, dev = ctx.rank, ctx.size, ctx.device
+    t, h, e, k = 48, 2048, 8 * ctx.size, 4
+    el = e // size
+    fail = shrink_failures(size)
+    dead_at_combine = {fail["dispatch"], fail.get("combine", fail["dispatch"])}
+    # Control groups of the ranks still calling at each step (made by every rank now).
+    order = ("dispatch", "combine", "clean")
+    live = {}
+    for i, api in enumerate(order):
+        gone = {fail[a] for a in order[: i + 1] if a in fail}
+        live[api] = [q for q in range(size) if q not in gone]
+    groups = {api: dist.new_group(ranks, backend="gloo") for api, ranks in live.items()}
+    inputs = make_inputs(ctx, "shrink", t, h, e, k, zero_rank=False)
+    os.environ["MOELINK_LL_TIMEOUT_S"] = "2"
+    try:
+        sbuf = new_ll_buffer(ctx, enable_shrink=True)
+    finally:
+        del os.environ["MOELINK_LL_TIMEOUT_S"]
+    expected: set = set()
+
+    def failed_at(api: str) -> bool:
+        """This rank stops here (or stopped before); the expected mask grows."""
+        if api in fail:
+            expected.add(fail[api])
+        return r in expected
+
+    def check_mask(step: str) -> None:
+        mask = queried_mask(ctx, sbuf)
+        want = [1 if q in expected else 0 for q in range(size)]
+        if mask != want:
+            ctx.fail(f"shrink: mask after {step} {mask}, expected {want}")
+
+    try:
+        x, idx, w = (a.to(dev) for a in inputs[r])
+        if not failed_at("dispatch"):
+            dist.barrier(group=groups["dispatch"])
+            t0 = time.time()
+            recv, count, handle, _, _ = sbuf.low_latency_dispatch(x, idx, t, e, use_fp8=False)
+            torch.cuda.synchronize(dev)
+            took = time.time() - t0
+            check_mask(f"dispatch ({took:.1f} s)")
+            ref_in = without_rank(inputs, fail["dispatch"], experts_per_rank=el)
+            ref = reference.ll_dispatch([i[0] for i in ref_in], [i[1] for i in ref_in], t, e,
+                                        False, rank=r)  # fmt: skip
+            check_dispatch(ctx, "shrink dispatch", ((recv, None), count, handle), ref[r], r,
+                           False, False)  # fmt: skip
+            if not failed_at("combine"):
+                dist.barrier(group=groups["combine"])
+                comb, _, _ = sbuf.low_latency_combine(recv, idx, w, handle)
+                torch.cuda.synchronize(dev)
+                check_mask("combine")
+                _check_live_combine(
+                    ctx, comb, recv, handle, inputs, dead_at_combine, fail["dispatch"],
+                    groups["combine"], live["combine"], t, e,
+                )  # fmt: skip
+                if not failed_at("clean"):
+                    dist.barrier(group=groups["clean"])
+                    t0 = time.time()
+                    sbuf.clean_low_latency_buffer(t, h, e)
+                    check_mask(f"clean ({time.time() - t0:.1f} s)")
+        torch.cuda.synchronize(dev)
+    finally:
+        # Every rank, failed or not, whenever it gets here: no rank waits for
+        # another (a failed rank's destroy returns while the others still work).
+        t0 = time.time()
+        try:
+            sbuf.destroy()
+        except Exception as ex:  # noqa: BLE001
+            ctx.fail(f"shrink: destroy() raised {type(ex).__name__}: {ex}")
+        if time.time() - t0 > 10:
+            ctx.fail(f"shrink: destroy() took {time.time() - t0:.1f} s (waited for a rank?)")
+        dist.barrier(group=ctx.gloo)
+
+
+def _check_live_combine(ctx, comb, recv, handle, inputs, dead: set, no_dispatch: int, group,
+                        live: list, t: int, e: int) -> None:  # fmt: skip
+    """A survivor's combine against the reference of the live ranks: the experts of
+    the ``dead`` ranks dropped, rank ``no_dispatch`` sent nothing (identity experts:
+    each live rank's y is what it received; gathered over ``group``, ranks ``live``)."""
+    el = e // ctx.size
+    ys = [None] * len(live)
+    dist.all_gather_object(ys, (recv.cpu(), handle[0].cpu(), handle[1].cpu()), group=group)
+    got = dict(zip(live, ys))
+    full_ys, hs, ref_in = [], [], []
+    for q, (x, idx, w) in enumerate(inputs):
+        if q in got:
+            y_, s_, l_ = got[q]
+            full_ys.append(y_)
+            hs.append((s_, l_))
+        else:
+            full_ys.append(torch.zeros(el, ctx.size * t, x.shape[1], dtype=torch.bfloat16))
+            hs.append((torch.zeros(el, ctx.size * t, dtype=torch.int32),
+                       torch.zeros(el, ctx.size, dtype=torch.int64)))  # fmt: skip
+        idx = idx.clone()
+        for d in dead:
+            idx[idx // el == d] = -1
+        ref_in.append((x[:0], idx[:0], w[:0]) if q == no_dispatch else (x, idx, w))
+    want = reference.ll_combine(full_ys, [i[1] for i in ref_in], [i[2] for i in ref_in], hs, t,
+                                e)  # fmt: skip
+    if not torch.equal(comb.cpu().view(torch.int16), want[ctx.rank][0].view(torch.int16)):
+        ctx.fail(f"shrink combine differs from the reference without ranks {sorted(dead)}")
 
 
 def scenario_create_destroy(ctx: Ctx, buf) -> None:
