@@ -234,7 +234,11 @@ def expect_combine(ctx: Ctx, label: str, ref, y, got_x, *, w=None, got_w=None) -
     ys = gathered(ctx, rows_for_reference(ctx, label + " y", y, rows))
     ws = None if w is None else gathered(ctx, rows_for_reference(ctx, label + " w", w, rows))
     try:
-        want_x, want_w = reference.combine(ref, ys, topk_weights=ws)[ctx.rank]
+        # Across emulated nodes, the internode model (per-node bf16 partials).
+        per_node = iw.ranks_per_node(ctx.world)
+        want_x, want_w = reference.combine(ref, ys, topk_weights=ws, ranks_per_node=per_node)[
+            ctx.rank
+        ]
     except Exception as e:  # noqa: BLE001 - a failed check, not an abort
         ctx.chk.expect(False, f"{label}: the reference refused the gathered inputs: {e}")
         return

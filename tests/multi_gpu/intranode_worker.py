@@ -571,6 +571,12 @@ def check_dispatch(
     chk.expect(isinstance(event, moelink.EventOverlap), f"{label}: event is {type(event).__name__}")
 
 
+def recv_src_idx_of(handle) -> torch.Tensor:
+    """A dispatch handle's source token per received row: entry 3 of the intranode
+    6-tuple, entry 7 (``recv_src_meta``) of the internode 10-tuple."""
+    return handle[3] if len(handle) == 6 else handle[7]
+
+
 def rdma_rank_prefix_sum(ref, rank: int, per_node: int) -> torch.Tensor:
     """DeepEP's ``recv_rdma_rank_prefix_sum`` of ``rank``: over source nodes m, the
     inclusive prefix sum of the tokens that rank (m, this local rank) sends to any
@@ -1440,7 +1446,7 @@ def scenario_timeout_poison(ctx: Ctx) -> None:
                     "worst-tokens dispatch: recv_x rows are not all NaN",
                 )
                 chk.expect(
-                    bool((handle[3] == -1).all()) and bool((recv_idx == -1).all()),
+                    bool((recv_src_idx_of(handle) == -1).all()) and bool((recv_idx == -1).all()),
                     "worst-tokens dispatch: recv_src_idx / recv_topk_idx not all -1",
                 )
                 chk.expect(bool(torch.isnan(recv_w).all()), "worst-tokens dispatch: weights")
