@@ -29,7 +29,9 @@ import torch
 import torch.distributed as dist
 from moelink import intranode_demo as demo
 
-NAMES = ("layout", "dispatch", "combine")
+#: Substrings of the kernels' profiler names (moelink::layout::count_tokens,
+#: moelink::intranode::notify / barrier / dispatch / combine, ...).
+NAMES = ("layout", "notify", "barrier", "dispatch", "combine")
 
 #: ep_kernels::intranode::PROF_KINDS / PROF_BLOCKS / PROF_SLOTS.
 PROF_KINDS = ("dispatch senders", "dispatch receivers", "combine senders", "combine receivers")

@@ -51,6 +51,10 @@ NCCL_LABEL = "NCCL all_to_all_single"
 BASELINE_PREFIX = {"nccl": "a2a", bench_common.COPY_BASELINE: "copy"}
 
 
+#: The low-latency kernels as the profiler names them (within the demangled name).
+LL_KERNELS = ("moelink::ll::dispatch", "moelink::ll::combine")
+
+
 def calc_diff(x, y) -> float:
     x, y = x.double(), y.double()
     denom = (x * x + y * y).sum()
@@ -147,10 +151,11 @@ class Bench:
                     torch.cuda._sleep(self.args.sleep_cycles)
                     c[2]()
             torch.cuda.synchronize()
-        kern = sorted((ev_ for ev_ in prof.events() if ev_.name in ("ll_dispatch", "ll_combine")),
+        # The kernels' profiler names: moelink::ll::dispatch(...) / ::combine(...).
+        kern = sorted((ev_ for ev_ in prof.events() if any(k in ev_.name for k in LL_KERNELS)),
                       key=lambda ev_: ev_.time_range.start)  # fmt: skip
-        kd = [ev_.time_range.elapsed_us() for ev_ in kern if ev_.name == "ll_dispatch"]
-        kc = [ev_.time_range.elapsed_us() for ev_ in kern if ev_.name == "ll_combine"]
+        kd = [ev_.time_range.elapsed_us() for ev_ in kern if LL_KERNELS[0] in ev_.name]
+        kc = [ev_.time_range.elapsed_us() for ev_ in kern if LL_KERNELS[1] in ev_.name]
         res = {
             "dispatch": statistics.median(kd[:iters]),
             "combine": statistics.median(kc[:iters]),
