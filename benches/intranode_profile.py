@@ -5,8 +5,8 @@
     python -m moelink.launch -n 4 benches/intranode_profile.py   # any GPU count
 
 Runs the docs/performance.md workload (moelink.intranode_demo.make_inputs) and prints,
-on rank 0, the mean GPU time of every moelink kernel (dispatch_notify,
-dispatch_send, dispatch_wait, dispatch_recv, combine_send, ...) per SM count:
+on rank 0, the mean GPU time of every moelink kernel (moelink::intranode::notify,
+::dispatch, ::combine, ::barrier, ...) per SM count:
 where the time of a dispatch or a combine goes. With MOELINK_INTRANODE_PROFILE=1
 it also prints the fused kernels' phase stamps of one cached bf16 dispatch, one
 cached fp8 dispatch, one full bf16 dispatch and one combine, each alone with the
@@ -86,7 +86,7 @@ def print_stamps(buf, rank: int, sms: int, x, fp8, layout, recv, recv_w, handle,
     """One cached bf16 dispatch, one cached fp8 dispatch, one full (uncached)
     bf16 dispatch, then one combine, each alone with the device synchronised;
     rank 0 prints the phase stamps of each (the fused kernel's; the full call's
-    notify is the profiler's ``dispatch_notify`` above). Each read zeroes the
+    notify is the profiler's ``moelink::intranode::notify`` above). Each read zeroes the
     stamps, so each call shows only its own launches."""
     calls = (
         ("cached bf16 dispatch", lambda: buf.dispatch(x, handle=handle, config=cfg)),
