@@ -377,11 +377,32 @@ pub unsafe fn internode_dispatch(
         num_send_blocks: a.grid.send as i32,
     };
     let blocks = a.grid.send + 1 + a.grid.fwd;
-    let p = XDispatchLaunch {
-        role: ROLE_SEND_SIDE,
-        pad: 0,
-        args: XDispatchRoleArgs { send },
-    };
+    // SAFETY: forwarded from the caller's contract.
+    unsafe {
+        launch_dispatch(
+            k,
+            stream,
+            blocks,
+            ROLE_SEND_SIDE,
+            XDispatchRoleArgs { send },
+        )
+    }
+}
+
+/// Launches `moelink::internode::dispatch` on `blocks` blocks in `role`,
+/// whose argument block is `args`' member of that role.
+///
+/// # Safety
+/// `args` holds the member `role` names, checked, with pointers valid for
+/// what that role's code does.
+unsafe fn launch_dispatch(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    blocks: u32,
+    role: i32,
+    args: XDispatchRoleArgs,
+) -> Result<()> {
+    let p = XDispatchLaunch { role, pad: 0, args };
     // SAFETY: XDispatchLaunch mirrors the kernel's parameter (its role says
     // which member the kernel reads); pointers are the caller's contract.
     unsafe {
@@ -414,20 +435,14 @@ pub unsafe fn internode_dispatch_recv(
 ) -> Result<()> {
     let (blocks, recv) =
         intra::dispatch_fused_params(ctx, FusedHalves::Recv, None, Some(recv), state, grid)?;
-    let p = XDispatchLaunch {
-        role: ROLE_RECV_HALF,
-        pad: 0,
-        args: XDispatchRoleArgs { recv },
-    };
-    // SAFETY: as above.
+    // SAFETY: forwarded from the caller's contract.
     unsafe {
-        k.launch_params(
-            KernelId::InternodeDispatch,
-            (blocks, 1),
-            THREADS,
-            0,
+        launch_dispatch(
+            k,
             stream,
-            p,
+            blocks,
+            ROLE_RECV_HALF,
+            XDispatchRoleArgs { recv },
         )
     }
 }
