@@ -88,7 +88,13 @@ NPROC=4
   nvidia-smi -L 2>&1
   "$PY" -c 'import deep_ep; print("deep_ep:", deep_ep.__file__, "backend:", getattr(deep_ep, "BACKEND", "deepep"))' 2>&1 | tail -n 3
   "$PY" -c 'import torch; print("torch:", torch.__version__, "cuda:", torch.version.cuda)' 2>&1 | tail -n 1
-  git -C "$REPO" rev-parse HEAD 2>/dev/null | sed 's/^/moelink commit: /'
+  # The build that runs: .gpu/BUILD_INFO where scripts/gpu_build.sh made it (a copy of
+  # the tree may carry an older .git), else the checkout's HEAD.
+  if [ -f "$REPO/.gpu/BUILD_INFO" ]; then
+    sed 's/^/moelink build: /' "$REPO/.gpu/BUILD_INFO"
+  else
+    git -C "$REPO" rev-parse HEAD 2>/dev/null | sed 's/^/moelink commit: /'
+  fi
 } > "$OUT/env.txt"
 cat "$OUT/env.txt"
 [ "$NGPU" -lt 4 ] && echo "NOTE: $NGPU GPU(s), fewer than 4: single-node steps run on $NPROC ranks, internode steps are skipped"
