@@ -1120,6 +1120,18 @@ def scenario_invalid_args(ctx: Ctx) -> None:
     ]
     for name, exc, fn in calls:
         chk.raises(name, exc, fn)
+    # Byte counts the device cannot hold: ValueError naming the argument and the
+    # rank when the Buffer is made, before any allocation (the same on every rank).
+    for arg, kw in (
+        ("num_nvl_bytes", dict(num_nvl_bytes=10**15)),
+        ("num_rdma_bytes", dict(num_nvl_bytes=1 << 20, num_rdma_bytes=10**15)),
+    ):
+        try:
+            moelink.Buffer(ctx.group, **kw)
+            chk.expect(False, f"Buffer({arg}=10**15): no exception raised")
+        except ValueError as e:
+            named = arg in str(e) and f"rank {ctx.rank}" in str(e)
+            chk.expect(named, f"Buffer({arg}=10**15): the error names neither: {e}")
     torch.cuda.synchronize()
 
     # Expert ids out of range: the kernels flag them (no host sync); the call runs

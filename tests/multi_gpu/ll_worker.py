@@ -501,6 +501,17 @@ def scenario_invalid_args(ctx: Ctx, buf) -> None:
     ]  # fmt: skip
     for label, exc, fn in bad:
         expect_raise(ctx, label, exc, fn)
+    # Twice the experts the Buffer was sized for (new_ll_buffer: T_MAX, H_MAX,
+    # std_experts): refused by name, although NVLink's layout at top-4 would fit.
+    e2 = 2 * std_experts(ctx.size)
+    xh = torch.randn(16, H_MAX, device=dev).to(torch.bfloat16)
+    idx2 = torch.randint(0, e2, (16, 4), device=dev)
+    try:
+        buf.low_latency_dispatch(xh, idx2, T_MAX, e2)
+        ctx.fail(f"dispatch with {e2} experts on a Buffer sized for {e2 // 2}: no error")
+    except ValueError as err:
+        if "num_experts" not in str(err):
+            ctx.fail(f"dispatch with {e2} experts: the error does not name num_experts: {err}")
     # Expert ids out of range: the dispatch kernel flags them (no host sync); the
     # call runs on every rank and ValueError names the token and column, at the end
     # of the call, of its hook, or from check().
