@@ -589,7 +589,7 @@ impl EpBuffer {
 
     /// (triggers popped, [per peer: (triggers of its channel performed, copies
     /// in flight or None, ms since its latest trigger or None, longest ms an
-    /// operation took to complete (MOELINK_PROXY_QUERY=1, else 0)) or None]) of
+    /// operation took to complete (0 where the transport cannot tell)) or None]) of
     /// the proxy, or None where peers are reached over NVLink (diagnostics).
     #[allow(clippy::type_complexity)]
     fn proxy_progress(
