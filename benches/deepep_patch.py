@@ -15,6 +15,12 @@ applies exactly these edits, nothing else:
   ``local_rank``; it picks the global rank ``node_rank * num_local_ranks +
   local_rank`` modulo the visible GPU count instead, so that the two emulated nodes
   of one host use GPUs 0,1 and 2,3 rather than both 0,1.
+* ``shrink-clean-rank``: ``test_low_latency.simulate_failure_and_skip`` fails rank 1
+  at its first dispatch, rank 3 at its first combine and rank 5 at its first
+  ``clean_low_latency_buffer``; below 6 ranks rank 5 does not exist, so the mask
+  check after the clean expects a rank no library can report. There the clean's
+  failing rank becomes 2 (still one failure per API: ranks 1, 3 and 2 at 4 ranks);
+  from 6 ranks on it stays 5.
 
 Each edit is a targeted regular expression and must apply at least once, else the
 run fails naming the edit (a changed DeepEP fails loudly rather than running an
@@ -99,6 +105,14 @@ EDITS = (
         what="`torch.cuda.set_device(local_rank)` in init_dist",
         scope="init_dist",
         requires=(r"^\s*node_rank\s*=", r"\bnum_local_ranks\b"),
+    ),
+    Edit(
+        name="shrink-clean-rank",
+        file="test_low_latency.py",
+        pattern=rf"(?P<key>(?P<q>['\"])clean(?P=q){_S}:{_S})5\b",
+        repl=r"\g<key>5 if torch.distributed.get_world_size() > 5 else 2",
+        what="`'clean': 5` in simulate_failure_and_skip",
+        scope="simulate_failure_and_skip",
     ),
 )
 

@@ -8,12 +8,14 @@
 #   repository: benches/deepep_patch.py copies utils.py, test_intranode.py,
 #   test_low_latency.py and test_internode.py to a temporary folder and applies only
 #   its allowed edits there (8-ranks-per-node asserts; each rank's GPU is its global
-#   rank modulo the GPU count); OUT/PATCH.diff shows them.
+#   rank modulo the GPU count; below 6 ranks the shrink test's clean fails rank 2,
+#   not the absent rank 5); OUT/PATCH.diff shows them.
 # STEPS (comma list, default all):
 #   intranode     test_intranode.py --num-processes 4
 #   low_latency   test_low_latency.py --num-processes 4
 #   shrink        test_low_latency.py --num-processes 4 --shrink-test, MOELINK_LL_TIMEOUT_S=5
 #                 (a short device bound, so that masking a failed rank takes seconds)
+#   shrink_2x2    the same on two emulated nodes of 2 ranks (as internode below)
 #   internode     two emulated nodes of 2 ranks (GPUs 0,1 and 2,3): two concurrent
 #                 `WORLD_SIZE=2 RANK=<node> MOELINK_RANKS_PER_NODE=2 test_internode.py
 #                 --num-processes 2`; logs OUT/internode.node0.log and .node1.log
@@ -34,7 +36,7 @@ set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 SRC=${1:?DeepEP V1 tests folder (a checkout at 567632d, its tests/)}
 OUT=${2:?output folder}
-STEPS=${3:-intranode,low_latency,shrink,internode,internode_ll}
+STEPS=${3:-intranode,low_latency,shrink,shrink_2x2,internode,internode_ll}
 T_STEP=${DEEPEP_TESTS_TIMEOUT_S:-240}
 T_INTER=${DEEPEP_TESTS_INTERNODE_TIMEOUT_S:-420}
 GRACE=${DEEPEP_TESTS_PEER_GRACE_S:-30}
@@ -44,8 +46,8 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 for s in ${STEPS//,/ }; do
   case "$s" in
-    intranode | low_latency | shrink | internode | internode_ll) ;;
-    *) echo "unknown step '$s' (intranode,low_latency,shrink,internode,internode_ll)" >&2; exit 64 ;;
+    intranode | low_latency | shrink | shrink_2x2 | internode | internode_ll) ;;
+    *) echo "unknown step '$s' (intranode,low_latency,shrink,shrink_2x2,internode,internode_ll)" >&2; exit 64 ;;
   esac
 done
 
@@ -220,9 +222,14 @@ for s in ${STEPS//,/ }; do
       single_node "$s" env MOELINK_LL_TIMEOUT_S=5 \
         "$PY" test_low_latency.py --num-processes "$NPROC" --shrink-test
       ;;
-    internode | internode_ll)
+    shrink_2x2 | internode | internode_ll)
       if [ "$NGPU" -lt 4 ]; then
         skip "$s" "two nodes of 2 ranks need 4 GPUs, found $NGPU"
+        continue
+      fi
+      if [ "$s" = shrink_2x2 ]; then
+        internode "$s" env MOELINK_LL_TIMEOUT_S=5 \
+          "$PY" test_low_latency.py --num-processes 2 --shrink-test
         continue
       fi
       extra=()

@@ -62,14 +62,34 @@ def unrelated(num_local_ranks, num_ranks):
     assert num_local_ranks == 8 and num_ranks > 8
 """
 
+LOW_LATENCY = """import torch
+
+
+def simulate_failure_and_skip(rank, api, expected_masked_ranks):
+    failed_api_ranks = {
+        'dispatch': 1,
+        'combine': 3,
+        'clean': 5
+    }
+    return failed_api_ranks[api] == rank
+
+
+def test_loop(local_rank, num_local_ranks, args):
+    table = {'clean': 5}
+"""
+
 OTHERS = {
     "test_intranode.py": "def test_loop(local_rank, num_local_ranks, args):\n    pass\n",
-    "test_low_latency.py": "def test_loop(local_rank, num_local_ranks, args):\n    pass\n",
 }
 
 
 def _texts(**overrides):
-    texts = {"utils.py": UTILS, "test_internode.py": INTERNODE, **OTHERS}
+    texts = {
+        "utils.py": UTILS,
+        "test_internode.py": INTERNODE,
+        "test_low_latency.py": LOW_LATENCY,
+        **OTHERS,
+    }
     texts.update({k.replace("__", "."): v for k, v in overrides.items()})
     return texts
 
@@ -96,6 +116,11 @@ EXPECTED = {
         "    torch.cuda.set_device(local_rank)",
         "    torch.cuda.set_device(" + GPU + ")",
     ),
+    "shrink-clean-rank": (
+        "test_low_latency.py",
+        "        'clean': 5",
+        "        'clean': 5 if torch.distributed.get_world_size() > 5 else 2",
+    ),
 }
 
 
@@ -105,7 +130,7 @@ def _changed_lines(before: str, after: str) -> list:
     return [(x, y) for x, y in zip(a, b) if x != y]
 
 
-def test_the_edits_are_the_four_allowed_ones():
+def test_the_edits_are_the_five_allowed_ones():
     assert [e.name for e in deepep_patch.EDITS] == list(EXPECTED)
     assert GPU == "(node_rank * num_local_ranks + local_rank) % torch.cuda.device_count()"
 
@@ -128,12 +153,13 @@ def test_nothing_else_changes():
     for f in OTHERS:
         assert after[f] == before[f]
     changed = set()
-    for f in ("utils.py", "test_internode.py"):
+    for f in ("utils.py", "test_internode.py", "test_low_latency.py"):
         changed.update((f, x, y) for x, y in _changed_lines(before[f], after[f]))
     assert changed == set(EXPECTED.values())
     # The look-alikes outside the edits' functions are untouched.
     assert after["utils.py"].endswith(UTILS[UTILS.index("def other") :])
     assert after["test_internode.py"].endswith(INTERNODE[INTERNODE.index("def unrelated") :])
+    assert after["test_low_latency.py"].endswith(LOW_LATENCY[LOW_LATENCY.index("def test_loop") :])
 
 
 @pytest.mark.parametrize("name", list(EXPECTED))
@@ -187,7 +213,7 @@ def test_cli_copies_patches_and_writes_the_diff(tmp_path):
     diff = (dst / "PATCH.diff").read_text()
     minus = [x for x in diff.splitlines() if x.startswith("-") and not x.startswith("---")]
     plus = [x for x in diff.splitlines() if x.startswith("+") and not x.startswith("+++")]
-    assert len(minus) == len(plus) == 4
+    assert len(minus) == len(plus) == len(EXPECTED) == 5
     assert "--- a/tests/utils.py" in diff and "+++ b/tests/test_internode.py" in diff
     assert "test_intranode" not in diff
 
@@ -230,6 +256,12 @@ if __name__ == '__main__':
         time.sleep(600)
     print('[tuning] Best dispatch: 1.0 GB/s')
 """
+_FAKE_LOW_LATENCY_MAIN = """
+if __name__ == '__main__':
+    import os, sys
+    print('ll node', os.environ.get('RANK'), os.environ.get('MOELINK_RANKS_PER_NODE'),
+          os.environ.get('MOELINK_LL_TIMEOUT_S'), sys.argv[1:], flush=True)
+"""
 
 
 def _fake_gpus(tmp_path: Path, n: int) -> dict:
@@ -256,6 +288,9 @@ def _run_script(tmp_path, steps, n_gpus):
     texts = _texts()
     texts["test_intranode.py"] += _FAKE_INTRANODE
     texts["test_internode.py"] += _FAKE_INTERNODE_MAIN
+    # The stand-in must run without torch: its import becomes a no-op.
+    ll = texts["test_low_latency.py"].replace("import torch", "torch = None")
+    texts["test_low_latency.py"] = ll + _FAKE_LOW_LATENCY_MAIN
     src = _write(tmp_path / "src", texts)
     out = tmp_path / "out"
     p = subprocess.run(
@@ -269,8 +304,11 @@ def _run_script(tmp_path, steps, n_gpus):
 
 
 def test_runner_runs_steps_and_counts_failures(tmp_path):
-    p, out = _run_script(tmp_path, "intranode,internode,internode_ll", 4)
+    p, out = _run_script(tmp_path, "intranode,shrink_2x2,internode,internode_ll", 4)
     assert p.returncode == 1, p.stdout + p.stderr
+    assert "shrink_2x2: PASS rc=0 (node0 rc=0, node1 rc=0)" in p.stdout
+    shrink = (out / "shrink_2x2.node1.log").read_text()
+    assert "ll node 1 2 5 ['--num-processes', '2', '--shrink-test']" in shrink
     assert "intranode: PASS rc=0" in p.stdout
     assert "internode: PASS rc=0 (node0 rc=0, node1 rc=0)" in p.stdout
     assert "internode_ll: FAIL" in p.stdout and "node1 rc=3" in p.stdout
@@ -278,10 +316,11 @@ def test_runner_runs_steps_and_counts_failures(tmp_path):
     node1 = (out / "internode.node1.log").read_text()
     assert "node 1 2 2 ['--num-processes', '2']" in node1
     assert "--test-ll-compatibility" in (out / "internode_ll.node0.log").read_text()
-    assert (out / "PATCH.diff").read_text().count("\n+ ") == 4
+    assert (out / "PATCH.diff").read_text().count("\n+ ") == 5
     table = (out / "summary.txt").read_text().splitlines()
     assert [row.split()[:2] for row in table[1:]] == [
         ["intranode", "PASS"],
+        ["shrink_2x2", "PASS"],
         ["internode", "PASS"],
         ["internode_ll", "FAIL"],
     ]
