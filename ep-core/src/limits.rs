@@ -102,12 +102,6 @@ pub const TABLE: &[Limit] = &[
     ),
 ];
 
-/// Default of [`reference_max_bytes`]: 16 GiB.
-pub const DEFAULT_REFERENCE_MAX_BYTES: usize = 16 << 30;
-
-/// Environment variable that overrides [`DEFAULT_REFERENCE_MAX_BYTES`].
-pub const REFERENCE_MAX_BYTES_ENV: &str = "MOELINK_REFERENCE_MAX_BYTES";
-
 /// Bytes the outputs of one CPU reference call may take:
 /// `$MOELINK_REFERENCE_MAX_BYTES` when it is a number, else
 /// [`DEFAULT_REFERENCE_MAX_BYTES`]. The reference is a test oracle; a call

@@ -9,6 +9,11 @@
 //! arrays (`kMaxRanks`, `kMaxTopk`); a test below reads them back from the
 //! `.cu` text.
 //!
+//! One number here is not the kernels': the CPU reference's output budget
+//! ([`DEFAULT_REFERENCE_MAX_BYTES`]), kept with the others so that the table
+//! of every limit (`ep_core::limits::TABLE`) and the reference read the same
+//! one.
+//!
 //! The allreduce communicator has its own limits (`collectives::args`).
 
 /// Ranks of one intranode or low-latency `Buffer` (one warp lane, and one
@@ -68,6 +73,13 @@ pub const MIN_NUM_SMS: usize = 2;
 /// Largest `num_sms` (more than any GPU has; a call uses at most the SMs of
 /// the rank's share of its GPU).
 pub const MAX_NUM_SMS: usize = 1024;
+
+/// Default of the bytes the outputs of one CPU reference call may take
+/// (`ep_core::limits::reference_max_bytes`): 16 GiB.
+pub const DEFAULT_REFERENCE_MAX_BYTES: usize = 16 << 30;
+
+/// Environment variable that overrides [`DEFAULT_REFERENCE_MAX_BYTES`].
+pub const REFERENCE_MAX_BYTES_ENV: &str = "MOELINK_REFERENCE_MAX_BYTES";
 
 #[cfg(test)]
 mod tests {
