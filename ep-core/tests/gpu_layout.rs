@@ -4,8 +4,8 @@
 
 use comm::device_error::DeviceErrorRecord;
 use comm::{Device, DeviceMemory, StreamHandle};
-use ep_core::reference;
 use ep_kernels::{launch, DeviceKernels};
+use ep_reference::normal;
 use rand::seq::IndexedRandom;
 use rand::{Rng, SeedableRng};
 
@@ -111,10 +111,10 @@ fn check_against_reference(
     case: &str,
 ) {
     let (_, k, e, r) = shape;
-    let want = reference::layout(ids, k, e, r).unwrap();
+    let want = normal::layout(ids, k, e, r).unwrap();
     let l = ranks_per_node(r);
     if l > 0 {
-        let want_nodes = reference::layout_internode(ids, k, e, r, l).unwrap();
+        let want_nodes = normal::layout_internode(ids, k, e, r, l).unwrap();
         assert_eq!(
             Some(got.3.clone()),
             want_nodes.num_tokens_per_rdma_rank,

@@ -2,10 +2,11 @@
 //!
 //! The kernels impose these limits (array sizes, one warp lane per rank or
 //! top-k column, int32 counts and offsets), so they live in the crate that
-//! launches them; everything above (`ep_core::limits`, which re-exports this
-//! module, the CPU reference, the size hints, the `Buffer`, the Python checks
-//! through `moelink._native.limits()`, and the table in `docs/api-notes.md`)
-//! reads them from here. The CUDA sources repeat the few that size device
+//! launches them; everything above (`ep_core::limits` and
+//! `ep_reference::limits`, which re-export this module, the CPU reference,
+//! the size hints, the `Buffer`, the Python checks through
+//! `moelink._native.limits()`, and the table in `docs/api-notes.md`) reads
+//! them from here. The CUDA sources repeat the few that size device
 //! arrays (`kMaxRanks`, `kMaxTopk`); a test below reads them back from the
 //! `.cu` text.
 //!
@@ -75,7 +76,7 @@ pub const MIN_NUM_SMS: usize = 2;
 pub const MAX_NUM_SMS: usize = 1024;
 
 /// Default of the bytes the outputs of one CPU reference call may take
-/// (`ep_core::limits::reference_max_bytes`): 16 GiB.
+/// (`ep_reference::limits::reference_max_bytes`): 16 GiB.
 pub const DEFAULT_REFERENCE_MAX_BYTES: usize = 16 << 30;
 
 /// Environment variable that overrides [`DEFAULT_REFERENCE_MAX_BYTES`].

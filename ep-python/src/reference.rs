@@ -1,12 +1,14 @@
 //! Bindings of the CPU reference of intranode and internode layout /
-//! dispatch / combine (`ep_core::reference`), the oracle behind
+//! dispatch / combine (`ep_reference::normal`), the oracle behind
 //! `moelink.reference`.
 //!
 //! Thin on purpose: every array crosses as raw little-endian bytes, row-major,
 //! with its shape passed (or implied) alongside; the checks and all semantics
-//! live in ep-core, whose `InvalidArgument` errors become `ValueError`.
+//! live in ep-reference, whose `InvalidArgument` errors become `ValueError`.
 
-use ep_core::reference::{self, CombineInput, DispatchArgs, Dispatched, RankInput, TokenData};
+use ep_reference::normal::{
+    self as reference, CombineInput, DispatchArgs, Dispatched, RankInput, TokenData,
+};
 use pyo3::exceptions::{PyIndexError, PyMemoryError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -100,7 +102,7 @@ fn bool_bytes<'py>(py: Python<'py>, v: &[bool]) -> PyResult<Bytes<'py>> {
     encode(py, v, |b| [u8::from(b)])
 }
 
-/// `ep_core::reference::layout` of one rank's int64 `topk_idx` `[N, num_topk]`
+/// `ep_reference::normal::layout` of one rank's int64 `topk_idx` `[N, num_topk]`
 /// (`layout_internode` when `ranks_per_node` is given). Returns
 /// `(num_tokens_per_rank int32 [R], num_tokens_per_rdma_rank int32 [R /
 /// ranks_per_node] or None without ranks_per_node, num_tokens_per_expert int32
@@ -132,7 +134,7 @@ fn reference_layout<'py>(
     ))
 }
 
-/// `ep_core::reference::dispatch` over all ranks. `inputs[r]` is rank `r`'s
+/// `ep_reference::normal::dispatch` over all ranks. `inputs[r]` is rank `r`'s
 /// `(topk_idx int64 [N, K], topk_weights f32 [N, K] or None, x [N,
 /// hidden_bytes] raw bytes, scales f32 [N, num_scales] or None)`.
 #[pyfunction]
@@ -177,7 +179,7 @@ fn reference_dispatch(
     Ok(RefDispatched { inner })
 }
 
-/// `ep_core::reference::dispatch_cached`: `inputs[r]` is rank `r`'s `(x [N,
+/// `ep_reference::normal::dispatch_cached`: `inputs[r]` is rank `r`'s `(x [N,
 /// hidden_bytes] raw bytes, scales f32 [N, num_scales] or None)`. Returns
 /// `(recv_x, recv_scales or None)` bytes per destination rank.
 #[pyfunction]
@@ -212,7 +214,7 @@ fn reference_dispatch_cached<'py>(
         .collect()
 }
 
-/// `ep_core::reference::combine` (`combine_internode` when `ranks_per_node`
+/// `ep_reference::normal::combine` (`combine_internode` when `ranks_per_node`
 /// is given): `inputs[r]` is rank `r`'s `(y f32 [rows, hidden], topk_weights
 /// f32 [rows, K] or None, bias0 f32 [N, hidden] or None, bias1 likewise)`.
 /// Returns `(combined_x f32 [N, hidden], combined_topk_weights f32 [N, K] or
@@ -325,7 +327,7 @@ impl RefDispatched {
     }
 
     /// What destination rank `rank` receives, as a dict of the fields of
-    /// `ep_core::reference::RankOutput` (arrays as bytes) plus `num_rows`.
+    /// `ep_reference::normal::RankOutput` (arrays as bytes) plus `num_rows`.
     fn rank_output<'py>(&self, py: Python<'py>, rank: usize) -> PyResult<Bound<'py, PyDict>> {
         self.check_rank(rank)?;
         let o = &self.inner.ranks[rank];

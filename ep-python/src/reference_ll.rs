@@ -1,14 +1,14 @@
 //! Bindings of the CPU reference of low-latency dispatch / combine
-//! (`ep_core::reference_ll`), the oracle behind `moelink.reference.ll_*`.
+//! (`ep_reference::low_latency`), the oracle behind `moelink.reference.ll_*`.
 //! Arrays cross as raw little-endian bytes, row-major (the scales in the
 //! column-major receive layout the module documents); the checks and all
-//! semantics live in ep-core, whose errors become `ValueError`.
+//! semantics live in ep-reference, whose errors become `ValueError`.
 
-use ep_core::reference::{bf16_bits_to_f32, f32_to_bf16_bits};
-use ep_core::reference_ll::{
+use ep_reference::low_latency::{
     self as r, unpack_layout_range, LlCombineInput, LlHandle, LlRankInput, LowLatencyArgs,
     RecvScales, RecvX,
 };
+use ep_reference::normal::{bf16_bits_to_f32, f32_to_bf16_bits};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -174,7 +174,7 @@ pub fn ref_ll_combine<'py>(
 
 /// The rows of one rank's `[E_local, R*T, H]` combine input that its handle's
 /// blocks cover: local expert `j`'s first `sum of its blocks' counts` rows
-/// (the blocks tile them; `ep_core::reference_ll` checks that and reads no
+/// (the blocks tile them; `ep_reference::low_latency` checks that and reads no
 /// other row).
 struct RowsInUse<'a> {
     layout_range: &'a [i64],
@@ -190,7 +190,7 @@ impl RowsInUse<'_> {
     /// low-latency check's host time).
     fn decode_y(&self, y: &[u8]) -> PyResult<Vec<f32>> {
         if y.len() % 2 != 0 || self.num_ranks == 0 || self.hidden == 0 {
-            // Malformed: decode it all and let ep-core name what is wrong.
+            // Malformed: decode it all and let ep-reference name what is wrong.
             return decode("y", y, |b| bf16_bits_to_f32(u16::from_le_bytes(b)));
         }
         let n = y.len() / 2;

@@ -15,7 +15,7 @@
 //! | [`buffer`] | [`Buffer`]: layout, dispatch (full, cached), combine, low-latency dispatch/combine (with receive hooks) |
 //! | [`allreduce`] | [`AllReduce`]: allreduce and allgather on the current stream, the tuning file |
 //! | [`checks`] | every call's argument checks (ep-core's `calls`, plus the Python layer's; stream arguments; the host-side expert-id check), usable without a GPU |
-//! | [`reference`] | the CPU reference semantics (ep-core's oracle) on tch tensors |
+//! | [`reference`] | the CPU reference semantics (`ep-reference`, the oracle) on tch tensors |
 //! | [`tensor`] | tch tensors as the core sees them; outputs allocated through tch |
 //! | [`event`] | [`EventOverlap`] (a call's event, `async_finish`) and [`StreamArgs`] (`previous_event`, `async_finish`, `allocate_on_comm_stream`) |
 //! | [`graph`] | [`CudaGraph`]: torch's CUDA graph (capture on a side stream, replay) |
@@ -23,8 +23,8 @@
 //! | [`error`] | [`Error`], with the Python exception class of each failure |
 //!
 //! Layers: this crate sits beside `ep-python` on `ep-core` and `collectives`
-//! (docs/architecture.md); it calls them as the Python package does, through
-//! the same checks and launches.
+//! (docs/architecture.md), and on `ep-reference` for [`reference`]; it calls
+//! them as the Python package does, through the same checks and launches.
 
 #[cfg(feature = "tch")]
 pub mod allreduce;

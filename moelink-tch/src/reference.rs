@@ -1,14 +1,14 @@
-//! The CPU reference semantics (`ep_core::reference`, `ep_core::reference_ll`:
-//! the oracle of every GPU test) on tch tensors, as `moelink.reference` is in
-//! Python: inputs of any device (copied to the CPU), every result a fresh CPU
-//! tensor. The semantics, the value checks and their messages are the core's;
-//! this module checks only what describing a tensor to it needs (its dtype
-//! and rank), with the Python module's messages.
+//! The CPU reference semantics (`ep_reference::normal`,
+//! `ep_reference::low_latency`: the oracle of every GPU test) on tch tensors,
+//! as `moelink.reference` is in Python: inputs of any device (copied to the
+//! CPU), every result a fresh CPU tensor. The semantics, the value checks and
+//! their messages are the core's; this module checks only what describing a
+//! tensor to it needs (its dtype and rank), with the Python module's messages.
 
-use ep_core::reference::{self as r, CombineInput, DispatchArgs, RankInput};
-use ep_core::reference_ll::{
+use ep_reference::low_latency::{
     self as rl, LlCombineInput, LlHandle as RefLlHandle, LlRankInput, LowLatencyArgs, RecvScales,
 };
+use ep_reference::normal::{self as r, CombineInput, DispatchArgs, RankInput};
 use tch::{Device, Kind, Tensor};
 
 use crate::buffer::{Bias, DispatchX, Layout, RecvX};

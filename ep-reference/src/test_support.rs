@@ -2,11 +2,9 @@
 
 use std::panic::{catch_unwind, resume_unwind, AssertUnwindSafe};
 
-use comm::CommError;
+use comm::{CommError, Result};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-
-use crate::Result;
 
 /// Runs `f` with an rng seeded from the base seed (`MOELINK_REFERENCE_SEED`,
 /// else `default_base`) plus `offset`; on a failure prints how to reproduce it.

@@ -1,6 +1,6 @@
 //! CPU reference semantics of the low-latency path: `low_latency_dispatch`
 //! (with its on-the-fly fp8 cast) and `low_latency_combine`, for any number of
-//! ranks simulated in one process. Like [`reference`](super::reference) for
+//! ranks simulated in one process. Like [`normal`](super::normal) for
 //! the normal path, this module is the test oracle: every GPU test of the
 //! low-latency kernels compares its results with the functions here, so their
 //! docs are the exact contract (the Python-level contract is `docs/api.md`,
@@ -21,7 +21,7 @@
 //!
 //! **bf16 data is passed as f32 values that are exactly bf16**: an f32 whose
 //! low 16 bits are zero, i.e.
-//! [`bf16_bits_to_f32`](crate::reference::bf16_bits_to_f32) of the bf16 bits (torch:
+//! [`bf16_bits_to_f32`](crate::normal::bf16_bits_to_f32) of the bf16 bits (torch:
 //! `t.float()`). This holds for `x` of dispatch, `recv_x` of a bf16 dispatch,
 //! and the expert outputs `x` of combine; anything else is rejected (round
 //! with [`round_to_bf16`] first). Bit for bit, the f32 and the bf16 carry the
@@ -173,7 +173,7 @@
 //! (`cumulative_local_expert_recv_stats` gains `recv_count`).
 
 use crate::limits::{self, check_budget, zeroed};
-use crate::reference::{check_len, round_to_bf16};
+use crate::normal::{check_len, round_to_bf16};
 use comm::error::{CommError, Result};
 use ep_kernels::low_latency::LlShape;
 
@@ -1488,7 +1488,7 @@ fn check_bf16_row(rank: usize, row_index: usize, y: &[f32]) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reference::{bf16_bits_to_f32, f32_to_bf16_bits};
+    use crate::normal::{bf16_bits_to_f32, f32_to_bf16_bits};
     use crate::test_support::assert_invalid;
     use rand::rngs::StdRng;
     use rand::seq::SliceRandom;
