@@ -37,7 +37,7 @@
 //     coordinator puts the chunks into s's precv[n], a signal per chunk;
 //   - s: out = bf16((bias0 + bias1) + partial(node 0) + partial(node 1) + ...), its own
 //     node's partial computed from its slots and rounded alike
-//     (ep_core::reference::combine_internode, bit for bit).
+//     (ep_reference::normal::combine_internode, bit for bit).
 // Flags and call counters are intranode's (records never reset, CUDA graphs
 // replay). Chunks are ordered by the port channel: signal j means chunks
 // 0..j-1 landed. Every wait is bounded and names the peer.

@@ -1,6 +1,6 @@
 // get_dispatch_layout: from top-k expert ids, the tokens each rank and each
 // expert receives, and which ranks each token goes to. Semantics:
-// ep_core::reference::layout (a token counts once per rank hosting any of its
+// ep_reference::normal::layout (a token counts once per rank hosting any of its
 // experts, once per expert even if the id repeats in its top-k; -1 = none).
 //
 // Token-parallel: a thread per token writes its is_token_in_rank row and counts

@@ -165,7 +165,7 @@ pub fn layout_scratch_elems(num_tokens: usize, num_experts: usize, num_ranks: us
 /// The layout kernel (`moelink::layout::count_tokens`): per-rank and
 /// per-expert token counts and
 /// `is_token_in_rank` from `topk_idx`, with the semantics of
-/// `ep_core::reference::layout`. Every output element is written. An id
+/// `ep_reference::normal::layout`. Every output element is written. An id
 /// outside `[-1, num_experts)` counts nowhere and is recorded (rank, token,
 /// column and value) in the device error record.
 ///

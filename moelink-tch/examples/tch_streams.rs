@@ -1,7 +1,7 @@
 //! GPU checks of the tch API's stream arguments, events, CUDA graphs,
 //! AllReduce tuning file and host-side expert-id check (issue 20), every
 //! output compared exactly with the CPU reference (`moelink_tch::reference`,
-//! ep-core's oracle) on fresh random data per round, outputs poisoned first
+//! `ep-reference`'s oracle) on fresh random data per round, outputs poisoned first
 //! (graph outputs and `out=` tensors filled with NaN / -1 before each call;
 //! for outputs a call allocates, blocks of their sizes are filled with 0xff
 //! and freed first on the stream it allocates on, so a call that wrote

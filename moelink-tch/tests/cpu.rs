@@ -1,7 +1,7 @@
 //! CPU tests of the tch API (CI, no GPU): a CPU tensor gets a clear error,
 //! wrong dtypes and shapes are refused with the Python API's messages and
 //! error kinds, outputs are planned and allocated through tch, and the CPU
-//! reference (ep-core's oracle) runs on tch CPU tensors.
+//! reference (`ep-reference`, the oracle) runs on tch CPU tensors.
 
 #![cfg(feature = "tch")]
 

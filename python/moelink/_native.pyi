@@ -25,7 +25,7 @@ class PeerWriteCheck:
     def write(self, stream: int, seed: int) -> None: ...
     def verify(self, seed: int) -> list[tuple[int, int, int, int, int]]: ...
 
-# CPU reference of dispatch / combine (ep_core::reference); wrapped by moelink.reference.
+# CPU reference of dispatch / combine (ep_reference::normal); wrapped by moelink.reference.
 # Arrays are raw little-endian row-major bytes; bools are 0 / 1 bytes.
 
 class RefDispatched:

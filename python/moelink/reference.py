@@ -1,7 +1,7 @@
 """CPU reference of dispatch and combine (intranode and internode): the oracle of
 the GPU tests.
 
-A torch wrapper of the Rust reference ``ep_core::reference`` (through
+A torch wrapper of the Rust reference ``ep_reference::normal`` (through
 ``moelink._native``); its docs are the exact contract. In short, with ``R`` ranks
 (``len(inputs)``) and ``E`` experts (a multiple of ``R``), rank ``d`` hosts experts
 ``d * E / R .. (d + 1) * E / R``:
@@ -438,7 +438,7 @@ def ll_dispatch(
     use_ue8m0: bool = False,
     rank: int | None = None,
 ) -> list:
-    """``low_latency_dispatch`` of every rank at once (``ep_core::reference_ll``):
+    """``low_latency_dispatch`` of every rank at once (``ep_reference::low_latency``):
     ``xs[r]`` bf16 ``[T_r, H]``, ``topk_idxs[r]`` int64 ``[T_r, K]``. Returns one dict
     per rank with CPU tensors ``recv_x`` (bf16 or float8_e4m3fn ``[E_local, R*T, H]``),
     ``scales`` (None, float32 ``[E_local, R*T, G]`` or int32 ``[E_local, R*T, W]``, last
