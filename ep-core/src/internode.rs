@@ -34,12 +34,12 @@ use ep_kernels::intranode::{
     RecvArgs, SendArgs, CTRL_BYTES,
 };
 
-use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase};
 use crate::intranode::{
     experts_per_rank, fused_mode_from_env, notify_args, CombineArgs, DispatchInputs,
     DispatchOutputs, DispatchShape, HostCounts, LayoutCall, COMBINE_CALLS_OFFSET,
     DISPATCH_RECV_CALLS_OFFSET, DISPATCH_SEND_CALLS_OFFSET, HOST_BYTES, RECV_TICKET_OFFSET,
 };
+use crate::part::{BufferPart, EpBufferOptions, PartBase};
 
 /// The scratch words are the intranode part's (ticket, timed-out peers,
 /// epoch, call counters, receive ticket), then the landed words.

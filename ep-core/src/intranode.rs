@@ -45,7 +45,7 @@ use ep_kernels::intranode::{
     NotifyArgs, RecordLayout, RecvArgs, SendArgs, CTRL_BYTES,
 };
 
-use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PhaseStamps};
+use crate::part::{BufferPart, EpBufferOptions, PartBase, PhaseStamps};
 
 /// Largest number of experts per rank (`E / R`) the host-mapped counts hold
 /// (one of the [`limits`](crate::limits)).

@@ -23,7 +23,7 @@ use ep_kernels::low_latency::{
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::ep_buffer::{BufferPart, EpBufferOptions, PartBase, PartKind, PhaseStamps};
+use crate::part::{BufferPart, EpBufferOptions, PartBase, PartKind, PhaseStamps};
 
 /// Trigger slots of the proxy's FIFO: per peer and call at most three are
 /// used (the inbox, its flag, the release counts), two calls may be in flight
@@ -41,19 +41,6 @@ pub const SYNC_OFFSET: u64 = 512;
 const SYNC_END: u64 = SYNC_OFFSET + 4 * k::MAX_RANKS as u64;
 const _: () = assert!(2 * 8 * k::MAX_RANKS as u64 <= SYNC_OFFSET);
 const _: () = assert!(SYNC_END <= k::RELEASE_OFFSET);
-
-/// How the buffer reaches its peers and how long a receive may wait.
-#[derive(Clone, Copy, Debug)]
-pub struct LowLatencyOptions {
-    /// Peers mapped over NVLink get direct stores; `false` forces the proxy
-    /// (port channels) for every peer, as across nodes without GPU-initiated RDMA.
-    pub allow_nvlink: bool,
-    /// A peer silent for `device_timeout_ns` is masked instead of reported.
-    pub shrink: bool,
-    /// Bound of every device-side receive wait, nanoseconds of GPU time
-    /// (positive).
-    pub device_timeout_ns: i64,
-}
 
 /// The shape of a low-latency call (what its handle carries):
 /// `num_max_dispatch_tokens_per_rank`, hidden, experts and top-k.
@@ -198,7 +185,8 @@ impl LowLatencyBuffer {
     /// IPC ones: the Communicator needs no Ethernet receiver.
     pub(crate) fn new(group: &Group, device: Device, opts: &EpBufferOptions) -> Result<Self> {
         let ll = &opts.low_latency;
-        let (mut part, region) = PartBase::join(group, device, opts, PartKind::LowLatency)?;
+        let (mut part, region) =
+            PartBase::join(group, device, opts, PartKind::LowLatency, || Ok(None))?;
         let comm = part.comm().clone();
         let rank = comm.rank();
         // Peers through the proxy: every one (forced, or some not mapped), the

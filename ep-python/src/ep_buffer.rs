@@ -15,9 +15,9 @@ use ep_core::intranode::{
 };
 use ep_core::low_latency::{
     size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs,
-    LowLatencyBuffer, LowLatencyOptions, Phases,
+    LowLatencyBuffer, Phases,
 };
-use ep_core::{BufferPart, EpBuffer as Inner, EpBufferOptions, PartKind};
+use ep_core::{BufferPart, EpBuffer as Inner, EpBufferOptions, LowLatencyOptions, PartKind};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 

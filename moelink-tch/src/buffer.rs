@@ -26,9 +26,9 @@ use ep_core::intranode::{
 };
 use ep_core::low_latency::{
     size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs,
-    LowLatencyBuffer, LowLatencyOptions, Phases,
+    LowLatencyBuffer, Phases,
 };
-use ep_core::{BufferPart, EpBuffer, EpBufferOptions, PartKind};
+use ep_core::{BufferPart, EpBuffer, EpBufferOptions, LowLatencyOptions, PartKind};
 use tch::{Device, Kind, Tensor};
 
 use crate::checks::{self, Target};
