@@ -19,7 +19,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use comm::{Device as CoreDevice, OwnedStream, StreamHandle};
-use ep_core::calls::{self, IntranodeHandle, LlHandle as CoreLlHandle};
+use ep_core::calls;
 use ep_core::intranode::{
     CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape,
     IntranodeBuffer, LayoutCall,
@@ -31,12 +31,16 @@ use ep_core::low_latency::{
 use ep_core::{BufferPart, EpBuffer, EpBufferOptions, LowLatencyOptions, PartKind};
 use tch::{Device, Kind, Tensor};
 
+use crate::args::{
+    Bias, DispatchArgs, DispatchX, Handle, Layout, LlCombineOptions, LlDispatchOptions, LlHandle,
+    RecvX,
+};
 use crate::checks::{self, Target};
 use crate::error::{Error, Result};
 pub use crate::event::{EventOverlap, StreamArgs};
 use crate::group::{env_timeout, Group};
 use crate::stream::{current_stream, record_stream, StreamGuard};
-use crate::tensor::{meta, output, ptr, required};
+use crate::tensor::{output, ptr, required};
 
 /// SMs of intranode dispatch and combine where neither the Buffer's options
 /// nor the call name them: the Python API's default config
@@ -139,111 +143,6 @@ fn check_options(o: &BufferOptions) -> Result<calls::BufferPlan> {
     Ok(plan)
 }
 
-/// `x` of a dispatch: bf16 `[N, H]`, or fp8 data with its f32 scales
-/// `[N, H / 128]` (any strided view; they come back in the same layout).
-#[derive(Clone, Copy, Debug)]
-pub enum DispatchX<'a> {
-    Bf16(&'a Tensor),
-    Fp8(&'a Tensor, &'a Tensor),
-}
-
-impl<'a> DispatchX<'a> {
-    pub(crate) fn parts(self) -> (&'a Tensor, Option<&'a Tensor>) {
-        match self {
-            DispatchX::Bf16(x) => (x, None),
-            DispatchX::Fp8(x, s) => (x, Some(s)),
-        }
-    }
-}
-
-/// What a dispatch received: `recv_x` (and its scales for fp8), as the
-/// first element of `Buffer.dispatch`'s tuple.
-#[derive(Debug)]
-pub struct RecvX {
-    pub x: Tensor,
-    pub scales: Option<Tensor>,
-}
-
-/// `get_dispatch_layout`'s outputs (`num_tokens_per_rdma_rank` is always
-/// None within one node, so it is left out).
-#[derive(Debug)]
-pub struct Layout {
-    /// int32 `[R]`.
-    pub num_tokens_per_rank: Tensor,
-    /// int32 `[E]`.
-    pub num_tokens_per_expert: Tensor,
-    /// bool `[N, R]`.
-    pub is_token_in_rank: Tensor,
-}
-
-/// The intranode handle of a dispatch (DeepEP's 6-tuple): pass it to
-/// [`Buffer::combine`] and to a cached [`Buffer::dispatch_cached`].
-#[derive(Debug)]
-pub struct Handle {
-    /// int32 `[R, R]`: cumulative tokens from ranks `0..=i` to rank `j`.
-    pub rank_prefix_matrix: Tensor,
-    /// int32 `[R, 1]` zeros (kept for DeepEP's shape).
-    pub channel_prefix_matrix: Tensor,
-    /// int32 `[R, 1]` zeros.
-    pub recv_channel_prefix_matrix: Tensor,
-    /// int32 `[rows]`: each received row's index on its source rank.
-    pub recv_src_idx: Tensor,
-    /// bool `[N, R]` (the layout's).
-    pub is_token_in_rank: Tensor,
-    /// int32 `[N, R]`.
-    pub send_head: Tensor,
-}
-
-impl Handle {
-    pub(crate) fn metas(&self) -> IntranodeHandle {
-        IntranodeHandle {
-            rank_prefix_matrix: meta(&self.rank_prefix_matrix),
-            recv_src_idx: meta(&self.recv_src_idx),
-            is_token_in_rank: meta(&self.is_token_in_rank),
-            send_head: meta(&self.send_head),
-        }
-    }
-}
-
-/// The optional arguments of [`Buffer::dispatch`] (a dispatch without a
-/// handle): the layout's tensors (from [`Buffer::get_dispatch_layout`]), the
-/// routing, and the scalars, with Python's defaults.
-#[derive(Clone, Copy, Debug)]
-pub struct DispatchArgs<'a> {
-    pub num_tokens_per_rank: Option<&'a Tensor>,
-    pub is_token_in_rank: Option<&'a Tensor>,
-    pub num_tokens_per_expert: Option<&'a Tensor>,
-    pub topk_idx: Option<&'a Tensor>,
-    pub topk_weights: Option<&'a Tensor>,
-    /// Rounds each per-expert count up to a multiple (default 1).
-    pub expert_alignment: i64,
-    /// `> 0`: no CPU wait; outputs padded to this many rows (default 0).
-    pub num_worst_tokens: i64,
-    /// SMs of this call (the Python `config.num_sms`); None: the Buffer's.
-    pub num_sms: Option<u32>,
-    /// `previous_event`, `async_finish`, `allocate_on_comm_stream` (default:
-    /// none of them).
-    pub stream: StreamArgs<'a>,
-}
-
-impl<'a> DispatchArgs<'a> {
-    /// A dispatch of `layout`'s routing with `topk_idx` and `topk_weights`,
-    /// Python's defaults otherwise.
-    pub fn new(layout: &'a Layout, topk_idx: &'a Tensor, topk_weights: Option<&'a Tensor>) -> Self {
-        DispatchArgs {
-            num_tokens_per_rank: Some(&layout.num_tokens_per_rank),
-            is_token_in_rank: Some(&layout.is_token_in_rank),
-            num_tokens_per_expert: Some(&layout.num_tokens_per_expert),
-            topk_idx: Some(topk_idx),
-            topk_weights,
-            expert_alignment: 1,
-            num_worst_tokens: 0,
-            num_sms: None,
-            stream: StreamArgs::default(),
-        }
-    }
-}
-
 /// What [`Buffer::dispatch`] returns: `Buffer.dispatch`'s tuple.
 #[derive(Debug)]
 pub struct Dispatched {
@@ -260,72 +159,6 @@ pub struct Dispatched {
     pub event: EventOverlap,
 }
 
-/// `bias` of [`Buffer::combine`]: none, one bf16 `[N, H]` tensor, or a pair.
-#[derive(Clone, Copy, Debug, Default)]
-pub enum Bias<'a> {
-    #[default]
-    None,
-    One(&'a Tensor),
-    Pair(Option<&'a Tensor>, Option<&'a Tensor>),
-}
-
-/// A low-latency handle (`(src_info, layout_range, T, H, E)` in Python).
-#[derive(Debug)]
-pub struct LlHandle {
-    /// int32 `[E_local, R*T]`: each received row's token index on its source.
-    pub src_info: Tensor,
-    /// int64 `[E_local, R]`: `(begin << 32) | count` of each source's block.
-    pub layout_range: Tensor,
-    pub num_max_dispatch_tokens_per_rank: i64,
-    pub hidden: i64,
-    pub num_experts: i64,
-}
-
-impl LlHandle {
-    pub(crate) fn metas(&self) -> CoreLlHandle {
-        CoreLlHandle {
-            src_info: meta(&self.src_info),
-            layout_range: meta(&self.layout_range),
-            num_max_dispatch_tokens_per_rank: self.num_max_dispatch_tokens_per_rank,
-            hidden: self.hidden,
-            num_experts: self.num_experts,
-        }
-    }
-}
-
-/// The options of [`Buffer::low_latency_dispatch`] (Python's defaults:
-/// fp8 with f32 scales).
-#[derive(Clone, Copy, Debug)]
-pub struct LlDispatchOptions<'a> {
-    /// int32 `[E_local]`, accumulates received tokens per local expert.
-    pub cumulative_local_expert_recv_stats: Option<&'a Tensor>,
-    /// int64 `[R]`, accumulates wait cycles per source rank.
-    pub dispatch_wait_recv_cost_stats: Option<&'a Tensor>,
-    pub use_fp8: bool,
-    pub round_scale: bool,
-    pub use_ue8m0: bool,
-    /// Only issue the sends; the returned [`RecvHook`] runs the receive half.
-    pub return_recv_hook: bool,
-    /// Run on the communication stream (after the current one) and return
-    /// an event instead of ordering the current stream after the call; not
-    /// with `return_recv_hook`.
-    pub async_finish: bool,
-}
-
-impl Default for LlDispatchOptions<'_> {
-    fn default() -> Self {
-        Self {
-            cumulative_local_expert_recv_stats: None,
-            dispatch_wait_recv_cost_stats: None,
-            use_fp8: true,
-            round_scale: false,
-            use_ue8m0: false,
-            return_recv_hook: false,
-            async_finish: false,
-        }
-    }
-}
-
 /// What [`Buffer::low_latency_dispatch`] returns.
 #[derive(Debug)]
 pub struct LlDispatched {
@@ -339,23 +172,6 @@ pub struct LlDispatched {
     pub hook: Option<RecvHook>,
     /// With `async_finish`: the event marking the call's end (else empty).
     pub event: EventOverlap,
-}
-
-/// The options of [`Buffer::low_latency_combine`].
-#[derive(Debug, Default)]
-pub struct LlCombineOptions<'a> {
-    /// The caller wrote `x` into the combine buffer
-    /// ([`Buffer::get_next_low_latency_combine_buffer`]); `x` is not read.
-    pub zero_copy: bool,
-    /// Not supported by moelink (bf16 combine only): refused.
-    pub use_logfmt: bool,
-    /// bf16 `[N, H]` to write the result into.
-    pub out: Option<&'a Tensor>,
-    /// int64 `[R]`, accumulates wait cycles per source rank.
-    pub combine_wait_recv_cost_stats: Option<&'a Tensor>,
-    pub return_recv_hook: bool,
-    /// As [`LlDispatchOptions::async_finish`].
-    pub async_finish: bool,
 }
 
 /// The receive half of a low-latency call made with `return_recv_hook`: run

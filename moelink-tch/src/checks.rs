@@ -20,7 +20,7 @@ use ep_core::calls::{
 };
 use tch::{Device, Kind, Tensor};
 
-use crate::buffer::{
+use crate::args::{
     Bias, DispatchArgs, DispatchX, Handle, LlCombineOptions, LlDispatchOptions, LlHandle,
 };
 use crate::error::{Error, Result};

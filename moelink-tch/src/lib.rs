@@ -13,6 +13,7 @@
 //! |---|---|
 //! | [`group`] | [`Group`]: the ranks and their shared bootstrap, from torchrun's environment or a unique id |
 //! | [`buffer`] | [`Buffer`]: layout, dispatch (full, cached), combine, low-latency dispatch/combine (with receive hooks) |
+//! | [`args`] | the call argument types that [`buffer`], [`checks`] and [`reference`](mod@reference) share: [`DispatchX`], [`DispatchArgs`] (from a [`Layout`]), [`Handle`], [`Bias`], [`LlHandle`], [`LlDispatchOptions`], [`LlCombineOptions`], [`RecvX`]; `checks` and `reference` import it, never `buffer` |
 //! | [`allreduce`] | [`AllReduce`]: allreduce and allgather on the current stream, the tuning file |
 //! | [`checks`] | every call's argument checks (ep-core's `calls`, plus the Python layer's; stream arguments; the host-side expert-id check), usable without a GPU |
 //! | [`reference`] | the CPU reference semantics (`ep-reference`, the oracle) on tch tensors |
@@ -28,6 +29,8 @@
 
 #[cfg(feature = "tch")]
 pub mod allreduce;
+#[cfg(feature = "tch")]
+pub mod args;
 #[cfg(feature = "tch")]
 pub mod buffer;
 #[cfg(feature = "tch")]
@@ -50,10 +53,12 @@ pub mod tensor;
 #[cfg(feature = "tch")]
 pub use allreduce::{AllReduce, AllReduceArgs, AllReduceOptions, ReduceOp, TuneFile};
 #[cfg(feature = "tch")]
-pub use buffer::{
-    Bias, Buffer, BufferOptions, DispatchArgs, DispatchX, Dispatched, Handle, Layout,
-    LlCombineOptions, LlDispatchOptions, LlDispatched, LlHandle, RecvHook, RecvX,
+pub use args::{
+    Bias, DispatchArgs, DispatchX, Handle, Layout, LlCombineOptions, LlDispatchOptions, LlHandle,
+    RecvX,
 };
+#[cfg(feature = "tch")]
+pub use buffer::{Buffer, BufferOptions, Dispatched, LlDispatched, RecvHook};
 #[cfg(feature = "tch")]
 pub use checks::set_check_ids;
 #[cfg(feature = "tch")]

@@ -11,7 +11,7 @@ use ep_reference::low_latency::{
 use ep_reference::normal::{self as r, CombineInput, DispatchArgs, RankInput};
 use tch::{Device, Kind, Tensor};
 
-use crate::buffer::{Bias, DispatchX, Layout, RecvX};
+use crate::args::{Bias, DispatchX, Layout, RecvX};
 use crate::checks::bias_pair;
 use crate::error::{Error, Result};
 use crate::tensor::dtype_of;
