@@ -24,6 +24,7 @@ pub mod cuda;
 pub mod device_error;
 pub mod device_handles;
 pub mod device_share;
+pub mod env;
 pub mod error;
 pub mod fd_passing;
 pub mod fifo;
