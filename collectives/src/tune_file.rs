@@ -77,7 +77,7 @@ fn expand_user(path: &str, home: Option<&Path>) -> PathBuf {
 /// (`~` expanded), else `~/.cache/moelink/allreduce-<gpu_slug>-<R>gpu.json`.
 pub fn default_tune_file(gpu_name: &str, world_size: usize) -> PathBuf {
     let home = std::env::var_os("HOME").map(PathBuf::from);
-    let env = std::env::var(TUNE_FILE_ENV).ok();
+    let env = comm::env::var(TUNE_FILE_ENV);
     tune_file_path(env.as_deref(), home.as_deref(), gpu_name, world_size)
 }
 

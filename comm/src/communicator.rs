@@ -1030,9 +1030,7 @@ impl Communicator {
             // MOELINK_PORT_HOST_SIGNALS=0: this rank's inbound counters stay in
             // its GPU signal page (peers' proxies signal them with a stream
             // write behind their copies, as before the shared-host path).
-            Some(_)
-                if !port_host_signals(std::env::var(PORT_HOST_SIGNALS_ENV).ok().as_deref())? =>
-            {
+            Some(_) if !port_host_signals(crate::env::var(PORT_HOST_SIGNALS_ENV).as_deref())? => {
                 None
             }
             Some(d) => match HostMemory::shared(Some(d), bytes as usize) {

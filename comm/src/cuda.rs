@@ -366,7 +366,7 @@ impl Device {
 /// ([`Device::proxy_context`], the default) for memory mapped process-wide.
 /// `MOELINK_IPC_CONTEXT=primary` keeps all of it in the primary context.
 pub fn proxy_context_wanted() -> bool {
-    !std::env::var("MOELINK_IPC_CONTEXT").is_ok_and(|v| v == "primary")
+    crate::env::var("MOELINK_IPC_CONTEXT").is_none_or(|v| v != "primary")
 }
 
 /// Puts back, when dropped, the context that was current on the calling

@@ -94,9 +94,9 @@ impl CommError {
 /// Environment variable `name` as a whole number >= 1 of `unit`s; `None` when
 /// unset, `InvalidArgument` naming the variable when it is anything else.
 pub fn env_count(name: &'static str, unit: &str) -> Result<Option<u64>> {
-    match std::env::var(name) {
-        Err(_) => Ok(None),
-        Ok(v) => match v.trim().parse::<u64>() {
+    match crate::env::var(name) {
+        None => Ok(None),
+        Some(v) => match v.trim().parse::<u64>() {
             Ok(n) if n >= 1 => Ok(Some(n)),
             _ => Err(CommError::invalid(
                 name,

@@ -160,7 +160,7 @@ impl Drop for TailReplica {
 /// Whether the consumer refreshes the GPU tail replica
 /// (`MOELINK_FIFO_TAIL_REPLICA`, default on).
 fn replica_enabled() -> bool {
-    std::env::var("MOELINK_FIFO_TAIL_REPLICA").map_or(true, |v| v != "0")
+    crate::env::var("MOELINK_FIFO_TAIL_REPLICA").is_none_or(|v| v != "0")
 }
 
 impl Fifo {

@@ -289,15 +289,14 @@ pub fn resolve_symbols(fatbin: &[u8], names: &[&str]) -> std::result::Result<Vec
 /// (the context is lost, as with DeepEP's timeout) after recording what it
 /// waited for, for users who prefer a crash to an error on the next call.
 pub fn trap_on_timeout() -> bool {
-    std::env::var("MOELINK_TRAP_ON_TIMEOUT").is_ok_and(|v| v == "1")
+    crate::env::var("MOELINK_TRAP_ON_TIMEOUT").is_some_and(|v| v == "1")
 }
 
 /// `MOELINK_SPIN_BACKOFF_NS=N`: every device wait sleeps N ns after each
 /// failed poll once its clock started (an A/B switch for polling pressure;
 /// unset or 0: waits spin).
 pub fn spin_backoff_ns() -> i32 {
-    std::env::var("MOELINK_SPIN_BACKOFF_NS")
-        .ok()
+    crate::env::var("MOELINK_SPIN_BACKOFF_NS")
         .and_then(|v| v.parse::<i32>().ok())
         .map_or(0, |n| n.clamp(0, 1_000_000))
 }

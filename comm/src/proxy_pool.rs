@@ -84,7 +84,7 @@ impl ProxyPool {
     /// `MOELINK_PROXY_THREADS` (unset or empty: 1); anything but an integer
     /// in 1..=[`MAX_PROXY_THREADS`] is refused naming the variable.
     pub fn threads_from_env() -> Result<usize> {
-        parse_threads(std::env::var(PROXY_THREADS_ENV).ok().as_deref())
+        parse_threads(crate::env::var(PROXY_THREADS_ENV).as_deref())
     }
 
     /// How many services (threads) the pool has.

@@ -151,7 +151,7 @@ fn two_rank_port_channel_suite() {
         println!("PASS port channels over ib (rank {rank})");
         return;
     }
-    if std::env::var("MOELINK_RANKS_PER_NODE").is_err() {
+    if comm::env::var("MOELINK_RANKS_PER_NODE").is_none() {
         // One host: two emulated nodes of one rank each.
         std::env::set_var("MOELINK_RANKS_PER_NODE", "1");
     }

@@ -200,19 +200,19 @@ pub fn ethernet_receiver() -> Result<Option<std::net::SocketAddr>> {
             )
         })
     };
-    if let Ok(v) = std::env::var("MOELINK_ETHERNET_ADDR") {
+    if let Some(v) = comm::env::var("MOELINK_ETHERNET_ADDR") {
         if !v.trim().is_empty() {
             return parse("MOELINK_ETHERNET_ADDR", v.trim());
         }
     }
-    match std::env::var(TRANSPORT_ENV).ok().as_deref().map(str::trim) {
+    match comm::env::var(TRANSPORT_ENV).as_deref().map(str::trim) {
         Some("ethernet") => parse(TRANSPORT_ENV, "127.0.0.1:0"),
         _ => Ok(None),
     }
 }
 
 fn chunk_from_env() -> Result<usize> {
-    match std::env::var(CHUNK_ENV).ok().as_deref().map(str::trim) {
+    match comm::env::var(CHUNK_ENV).as_deref().map(str::trim) {
         None | Some("") => Ok(DEFAULT_CHUNK),
         Some(v) => match v.parse::<usize>() {
             Ok(c) if (1..=MAX_CHUNK).contains(&c) => Ok(c),
@@ -227,7 +227,7 @@ fn chunk_from_env() -> Result<usize> {
 /// The cross-node transport: `MOELINK_INTERNODE_TRANSPORT`, else the one the
 /// topology gives every rank of another node (they must agree).
 fn transport_of(comm: &comm::Communicator) -> Result<Transport> {
-    match std::env::var(TRANSPORT_ENV).ok().as_deref().map(str::trim) {
+    match comm::env::var(TRANSPORT_ENV).as_deref().map(str::trim) {
         None | Some("") => {}
         Some("cuda_ipc") => return Ok(Transport::CudaIpc),
         Some("ethernet") => return Ok(Transport::Ethernet),
@@ -963,7 +963,7 @@ fn proxy_report(rank: usize, processed: u64, peers: &[Option<ChannelProgress>]) 
 /// `MOELINK_INTERNODE_SERIAL=1`: the receive half of a dispatch is launched
 /// only once its send side finished (see `InternodeBuffer::serial_wait`).
 fn serial_from_env() -> bool {
-    std::env::var("MOELINK_INTERNODE_SERIAL").is_ok_and(|v| v == "1")
+    comm::env::var("MOELINK_INTERNODE_SERIAL").is_some_and(|v| v == "1")
 }
 
 /// Idle time after which copies still in flight count as held (see proxy_report).

@@ -200,7 +200,7 @@ pub const DEFAULT_SEND_UNIT: u32 = 1;
 
 /// The send unit from the environment ([`SEND_UNIT_ENV`]).
 pub fn send_unit_from_env() -> Result<u32> {
-    parse_send_unit(std::env::var(SEND_UNIT_ENV).ok().as_deref())
+    parse_send_unit(comm::env::var(SEND_UNIT_ENV).as_deref())
 }
 
 fn parse_send_unit(v: Option<&str>) -> Result<u32> {
@@ -225,8 +225,8 @@ const PROF_WORDS: usize = k::PROF_KINDS * k::PROF_BLOCKS * k::PROF_SLOTS;
 /// kernels) or the receiver shares.
 pub fn fused_mode_from_env() -> Result<Option<RecvShares>> {
     parse_fused_mode(
-        std::env::var(FUSED_ENV).ok().as_deref(),
-        std::env::var(RECV_PERCENT_ENV).ok().as_deref(),
+        comm::env::var(FUSED_ENV).as_deref(),
+        comm::env::var(RECV_PERCENT_ENV).as_deref(),
     )
 }
 

@@ -127,7 +127,7 @@ pub(crate) struct PhaseStamps {
 
 impl PhaseStamps {
     pub(crate) fn from_env(device: Device, env: &'static str, words: usize) -> Result<Self> {
-        let mem = if std::env::var(env).is_ok_and(|v| v == "1") {
+        let mem = if comm::env::var(env).is_some_and(|v| v == "1") {
             let m = DeviceMemory::alloc(device, 8 * words)?;
             m.fill(0)?;
             Some(m)

@@ -21,8 +21,7 @@ use comm::error::{CommError, Result};
 /// [`DEFAULT_REFERENCE_MAX_BYTES`]. The reference is a test oracle; a call
 /// whose outputs would be larger is refused instead of exhausting memory.
 pub fn reference_max_bytes() -> usize {
-    std::env::var(REFERENCE_MAX_BYTES_ENV)
-        .ok()
+    comm::env::var(REFERENCE_MAX_BYTES_ENV)
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(DEFAULT_REFERENCE_MAX_BYTES)
 }

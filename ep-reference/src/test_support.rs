@@ -9,8 +9,7 @@ use rand::{Rng, SeedableRng};
 /// Runs `f` with an rng seeded from the base seed (`MOELINK_REFERENCE_SEED`,
 /// else `default_base`) plus `offset`; on a failure prints how to reproduce it.
 pub(crate) fn with_seed(what: &str, default_base: u64, offset: u64, f: impl FnOnce(&mut StdRng)) {
-    let base = std::env::var("MOELINK_REFERENCE_SEED")
-        .ok()
+    let base = comm::env::var("MOELINK_REFERENCE_SEED")
         .and_then(|s| s.parse().ok())
         .unwrap_or(default_base);
     let mut rng = StdRng::seed_from_u64(base.wrapping_add(offset));

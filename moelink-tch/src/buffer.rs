@@ -54,9 +54,14 @@ pub const DEFAULT_DEVICE_TIMEOUT_S: f64 = 30.0;
 /// The bound environment variable `env` sets (seconds), else the default, in
 /// nanoseconds (`moelink._device_timeout.env_device_timeout_ns`).
 pub fn env_device_timeout_ns(env: &str) -> Result<i64> {
-    let seconds = match std::env::var(env) {
-        Err(_) => DEFAULT_DEVICE_TIMEOUT_S,
-        Ok(raw) => raw
+    device_timeout_ns_of(env, comm::env::var(env))
+}
+
+/// [`env_device_timeout_ns`] of the value `raw` of variable `env` (None: unset).
+fn device_timeout_ns_of(env: &str, raw: Option<String>) -> Result<i64> {
+    let seconds = match raw {
+        None => DEFAULT_DEVICE_TIMEOUT_S,
+        Some(raw) => raw
             .trim()
             .parse::<f64>()
             .map_err(|_| Error::value(format!("{env} must be a number of seconds, got {raw:?}")))?,
@@ -237,7 +242,7 @@ impl Buffer {
         };
         let ll_device_timeout_ns = match opts.ll_device_timeout_ns {
             Some(ns) => ns,
-            None if opts.low_latency_mode && std::env::var_os("MOELINK_LL_TIMEOUT_S").is_some() => {
+            None if opts.low_latency_mode && comm::env::is_set("MOELINK_LL_TIMEOUT_S") => {
                 env_device_timeout_ns("MOELINK_LL_TIMEOUT_S")?
             }
             None => device_timeout_ns,
@@ -1334,18 +1339,19 @@ mod tests {
 
     #[test]
     fn device_timeouts_from_the_environment() {
-        // A variable nothing else reads.
-        let env = "MOELINK_TCH_TEST_TIMEOUT_S";
-        assert_eq!(env_device_timeout_ns(env).unwrap(), 30_000_000_000);
-        std::env::set_var(env, "0.5");
-        assert_eq!(env_device_timeout_ns(env).unwrap(), 500_000_000);
+        // The values as read, not the process's environment, which other
+        // tests read (every MOELINK_* read is of a registered switch).
+        let env = "MOELINK_DEVICE_TIMEOUT_S";
+        assert_eq!(device_timeout_ns_of(env, None).unwrap(), 30_000_000_000);
+        assert_eq!(
+            device_timeout_ns_of(env, Some("0.5".into())).unwrap(),
+            500_000_000
+        );
         for bad in ["0", "-1", "inf", "x"] {
-            std::env::set_var(env, bad);
-            let e = env_device_timeout_ns(env).unwrap_err();
+            let e = device_timeout_ns_of(env, Some(bad.into())).unwrap_err();
             assert_eq!(e.python_class(), "ValueError");
             assert!(e.to_string().starts_with(env), "{e}");
         }
-        std::env::remove_var(env);
     }
 
     #[test]

@@ -324,7 +324,9 @@ pub fn ll_stream_args(async_finish: bool, return_recv_hook: bool) -> Result<()> 
 
 fn check_ids_flag() -> &'static AtomicBool {
     static FLAG: OnceLock<AtomicBool> = OnceLock::new();
-    FLAG.get_or_init(|| AtomicBool::new(std::env::var("MOELINK_CHECK_IDS").is_ok_and(|v| v == "1")))
+    FLAG.get_or_init(|| {
+        AtomicBool::new(comm::env::var("MOELINK_CHECK_IDS").is_some_and(|v| v == "1"))
+    })
 }
 
 /// Turns the host-side expert-id check on or off (Python's

@@ -19,9 +19,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
 /// `MOELINK_TIMEOUT_S` (seconds, positive), else [`DEFAULT_TIMEOUT`]: the
 /// bound of host waits, as the Python API reads it.
 pub fn env_timeout() -> Result<Duration> {
-    match std::env::var("MOELINK_TIMEOUT_S") {
-        Err(_) => Ok(DEFAULT_TIMEOUT),
-        Ok(raw) => match raw.trim().parse::<f64>() {
+    match comm::env::var("MOELINK_TIMEOUT_S") {
+        None => Ok(DEFAULT_TIMEOUT),
+        Some(raw) => match raw.trim().parse::<f64>() {
             Ok(s) if s.is_finite() && s > 0.0 => Ok(Duration::from_secs_f64(s)),
             _ => Err(Error::value(format!(
                 "MOELINK_TIMEOUT_S must be a positive number of seconds, got {raw:?}"

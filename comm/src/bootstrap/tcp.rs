@@ -197,7 +197,7 @@ impl UniqueId {
     /// address.
     pub fn from_env() -> Result<UniqueId> {
         let host = env_var("MASTER_ADDR")?;
-        let port = match std::env::var("MOELINK_BOOTSTRAP_PORT") {
+        let port = match crate::env::var_result("MOELINK_BOOTSTRAP_PORT") {
             Ok(p) => parse_port("MOELINK_BOOTSTRAP_PORT", &p)?,
             Err(std::env::VarError::NotUnicode(_)) => {
                 return Err(CommError::invalid(

@@ -84,11 +84,13 @@ enum PutMode {
 
 fn put_mode() -> PutMode {
     static MODE: std::sync::OnceLock<PutMode> = std::sync::OnceLock::new();
-    *MODE.get_or_init(|| match std::env::var("MOELINK_IPC_PUT_MODE").as_deref() {
-        Ok("query") => PutMode::Query,
-        Ok("sync") => PutMode::Sync,
-        _ => PutMode::Async,
-    })
+    *MODE.get_or_init(
+        || match crate::env::var("MOELINK_IPC_PUT_MODE").as_deref() {
+            Some("query") => PutMode::Query,
+            Some("sync") => PutMode::Sync,
+            _ => PutMode::Async,
+        },
+    )
 }
 
 /// `MOELINK_IPC_COPY=kernel`: puts are `comm_copy` kernels on the proxy's
@@ -97,7 +99,7 @@ fn put_mode() -> PutMode {
 /// start while the caller's work was queued behind a running dispatch.
 fn copy_with_kernel() -> bool {
     static KERNEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *KERNEL.get_or_init(|| std::env::var("MOELINK_IPC_COPY").is_ok_and(|v| v == "kernel"))
+    *KERNEL.get_or_init(|| crate::env::var("MOELINK_IPC_COPY").is_some_and(|v| v == "kernel"))
 }
 
 /// The streams a Communicator's CUDA IPC connections issue on (shared by all

@@ -181,7 +181,7 @@ impl CrossNode {
     /// `MOELINK_TRANSPORT`: `auto` (or unset / empty), `ib`, `ethernet`
     /// (case-insensitive); anything else is refused naming the variable.
     pub fn from_env() -> Result<Self> {
-        Self::parse(&std::env::var(TRANSPORT_ENV).unwrap_or_default())
+        Self::parse(&crate::env::var(TRANSPORT_ENV).unwrap_or_default())
     }
 
     pub fn parse(text: &str) -> Result<Self> {

@@ -233,7 +233,7 @@ impl IbConfig {
     }
 
     pub fn from_env() -> Result<Self> {
-        Self::from_lookup(|k| std::env::var(k).ok())
+        Self::from_lookup(crate::env::var)
     }
 
     /// The verbs encoding of the path MTU (`enum ibv_mtu`: 1 = 256 .. 5 = 4096).
