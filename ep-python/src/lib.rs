@@ -27,8 +27,9 @@ pub(crate) fn drop_detached<T: Send>(py: Python<'_>, value: T) {
 fn init_logging() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        let filter = tracing_subscriber::EnvFilter::try_from_env("MOELINK_LOG")
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+        let filter = comm::env::var("MOELINK_LOG")
+            .and_then(|v| tracing_subscriber::EnvFilter::try_new(v).ok())
+            .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("warn"));
         let _ = tracing_subscriber::fmt()
             .with_env_filter(filter)
             .with_writer(std::io::stderr)
@@ -95,6 +96,17 @@ fn limits() -> Vec<(&'static str, u64, &'static str)> {
         .collect()
 }
 
+/// Every environment switch as `(name, kind, default, meaning)`, sorted by
+/// name: `comm::env::SWITCHES`. `moelink._env` checks the names it reads
+/// against it; docs/environment.md is its table.
+#[pyfunction]
+fn env_switches() -> Vec<(&'static str, &'static str, &'static str, &'static str)> {
+    comm::env::SWITCHES
+        .iter()
+        .map(|s| (s.name, s.kind.as_str(), s.default, s.meaning))
+        .collect()
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     init_logging();
@@ -108,6 +120,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(diagnostics::reduce_rows_bf16, m)?)?;
     m.add_function(wrap_pyfunction!(diagnostics::pattern_word, m)?)?;
     m.add_function(wrap_pyfunction!(limits, m)?)?;
+    m.add_function(wrap_pyfunction!(env_switches, m)?)?;
     m.add_class::<diagnostics::PeerWriteCheck>()?;
     m.add_class::<allreduce::AllReduceComm>()?;
     reference::register(m)?;

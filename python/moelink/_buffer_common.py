@@ -5,11 +5,9 @@ native plan. A module of its own so the two do not import each other."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from . import _native
+from . import _env, _native
 
 #: A dimension or stride of an output spec that is the rows a dispatch receives
 #: (``ep_core::calls::RECV_ROWS``), known once its counts arrive.
@@ -37,7 +35,7 @@ def _capturing() -> bool:
 #: ``MOELINK_CHECK_IDS=1`` as read when moelink was imported (``set_check_ids``
 #: changes it at run time): a module flag, since reading the environment on every
 #: call costs about a microsecond.
-_CHECK_IDS = os.environ.get("MOELINK_CHECK_IDS", "0") == "1"
+_CHECK_IDS = _env.get("MOELINK_CHECK_IDS", "0") == "1"
 
 
 def set_check_ids(enabled: bool) -> bool:

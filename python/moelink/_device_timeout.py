@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
+
+from . import _env
 
 #: Seconds a device wait may take when nothing sets it: shorter than the host-side
 #: bounds (``MOELINK_TIMEOUT_S``, 60 s), so that the device's error, which names the
@@ -33,7 +34,7 @@ def device_timeout_ns(name: str, seconds) -> int:
 def env_device_timeout_ns(env: str) -> int:
     """The bound environment variable ``env`` sets (seconds), else the default, in
     nanoseconds; ``ValueError`` naming ``env`` for a value that is not one."""
-    raw = os.environ.get(env)
+    raw = _env.get(env)
     if raw is None:
         return device_timeout_ns(env, DEFAULT_DEVICE_TIMEOUT_S)
     try:

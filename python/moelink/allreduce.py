@@ -37,7 +37,6 @@ import contextlib
 import datetime
 import json
 import math
-import os
 import re
 import warnings
 import weakref
@@ -46,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from . import _native, _registry
+from . import _env, _native, _registry
 from ._buffer_common import PlanCache
 from ._device_timeout import device_timeout_ns, env_device_timeout_ns
 from ._group import native_group
@@ -300,7 +299,7 @@ def _bucket(nbytes: int) -> int:
 
 def default_tune_file(gpu_name: str, world_size: int) -> Path:
     """``$MOELINK_AR_TUNE_FILE``, else ``~/.cache/moelink/allreduce-<gpu>-<R>gpu.json``."""
-    env = os.environ.get(TUNE_FILE_ENV)
+    env = _env.get(TUNE_FILE_ENV)
     if env:
         return Path(env).expanduser()
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu_name).strip("-").lower() or "gpu"
@@ -386,7 +385,7 @@ class AllReduce:
         else:
             timeout_ns = device_timeout_ns("device_timeout_s", device_timeout_s)
         if timeout_s is None:
-            timeout_s = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
+            timeout_s = float(_env.get("MOELINK_TIMEOUT_S", "60"))
         if not torch.cuda.is_available():
             raise RuntimeError("moelink.AllReduce needs a CUDA device")
         if not dist.is_initialized():

@@ -12,12 +12,11 @@ the layers. Differences from DeepEP are listed in ``docs/api-notes.md``.
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import torch.distributed as dist
 
-from . import _native, _registry
+from . import _env, _native, _registry
 from ._buffer_common import PlanCache, _check_ids, _CudaMemory, at_rows, empty, output_specs
 from ._device_timeout import env_device_timeout_ns
 from ._group import native_group as _native_group
@@ -263,13 +262,13 @@ class Buffer(LowLatencyMixin):
         self._comm_raw = self._comm_stream.cuda_stream
         # Orders the communication stream after the caller's and back (one event).
         self._order = _native.StreamOrder(self.device.index)
-        timeout = float(os.environ.get("MOELINK_TIMEOUT_S", "60"))
+        timeout = float(_env.get("MOELINK_TIMEOUT_S", "60"))
         # Bound of every low-latency receive: MOELINK_LL_TIMEOUT_S, else the
         # intranode one (30 s unless set), under the host bound so that the
         # device's error (naming the peer and counter) is the one raised.
         ll_timeout_ns = (
             env_device_timeout_ns("MOELINK_LL_TIMEOUT_S")
-            if low_latency_mode and "MOELINK_LL_TIMEOUT_S" in os.environ
+            if low_latency_mode and _env.get("MOELINK_LL_TIMEOUT_S") is not None
             else device_timeout_ns
         )
         self.nodes = None

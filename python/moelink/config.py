@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from . import _native
+from . import _env, _native
 from .checks import LIMITS, MAX_TOPK, check_int
 
 __all__ = [
@@ -215,7 +215,7 @@ class Config:
         nodes)`` records of the NVLink slot plus ``4 * ranks_per_node + 16`` bytes.
         """
         if ranks_per_node is None:
-            env = os.environ.get("MOELINK_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE")
+            env = _env.get("MOELINK_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE")
             ranks_per_node = int(env) if env and env.strip().isdigit() else 8
         return _native.rdma_buffer_size_hint(
             check_int("hidden_bytes", hidden_bytes),

@@ -43,7 +43,7 @@ import time
 import traceback
 from dataclasses import dataclass
 
-from . import _native
+from . import _env, _native
 from .launch import NO_MULTICAST_ENV
 
 __all__ = [
@@ -706,7 +706,7 @@ def _gpu_placement(group, device) -> dict:
     from moelink import _native
 
     uuid = str(torch.cuda.get_device_properties(device).uuid)
-    mps = os.environ.get("MOELINK_LAUNCH_MPS") == "1"
+    mps = _env.get("MOELINK_LAUNCH_MPS") == "1"
     device_sms, context_sms = _native.local_sm_counts(device.index)
     everyone: list = [None] * dist.get_world_size(group)
     mine = (uuid, mps, device_sms, context_sms, _mem_available_bytes())
@@ -1395,7 +1395,7 @@ def _local_worker(rank: int, num_ranks: int, port: int, args, queue) -> None:
         # RANK, LOCAL_WORLD_SIZE, MASTER_PORT, MPS: set by run_on_local_gpus.
         per_node = ranks_per_node(num_ranks, args)
         if per_node is not None:
-            os.environ["MOELINK_RANKS_PER_NODE"] = str(per_node)
+            os.environ[_env.name("MOELINK_RANKS_PER_NODE")] = str(per_node)
         init_distributed(timeout_s=float(getattr(args, "timeout", 900.0)))
         try:
             queue.put(run_rank(rank, num_ranks, dist.group.WORLD, args))

@@ -69,7 +69,8 @@ For tests only: ``MOELINK_LAUNCH_GPUS_OVERRIDE=G`` makes the launcher plan for
 ``G`` GPUs without asking the driver.
 
 The launcher's messages go to stderr, prefixed ``[moelink.launch]``. This module
-imports only the standard library (torch where :func:`init_distributed` runs);
+imports only the standard library and ``moelink._env``, which checks switch names
+against the native module's registry (torch where :func:`init_distributed` runs);
 the launcher process never initialises CUDA itself (it counts GPUs in a short
 child process), so it can start an MPS daemon after counting them.
 """
@@ -90,6 +91,8 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+
+from . import _env
 
 __all__ = [
     "NO_MULTICAST_ENV",
@@ -201,7 +204,7 @@ def rank_env(rank: int, num_ranks: int, port: int, num_gpus: int) -> dict:
         "LOCAL_WORLD_SIZE": str(num_ranks),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(port),
-        "MOELINK_LAUNCH_GPUS": str(num_gpus),
+        _env.name("MOELINK_LAUNCH_GPUS"): str(num_gpus),
         **NO_MULTICAST_ENV,
     }
 
@@ -230,8 +233,7 @@ def local_gpu_count(env=None) -> int:
     driver. Asked in a short child process, so that this process never
     initialises CUDA (it may start an MPS daemon afterwards).
     ``$MOELINK_LAUNCH_GPUS_OVERRIDE`` answers instead where it is set (tests)."""
-    env = os.environ if env is None else env
-    override = env.get(GPUS_OVERRIDE_ENV)
+    override = _env.get(GPUS_OVERRIDE_ENV, environ=env)
     if override is not None:
         try:
             n = int(override)
@@ -280,10 +282,9 @@ class MpsPlan:
 def mps_mode(value: str | None, env=None) -> str:
     """The MPS mode: ``value`` (the ``--mps`` option) if given, else
     ``$MOELINK_MPS``, else ``auto``; LaunchError for anything else."""
-    env = os.environ if env is None else env
     source = "--mps"
     if value is None:
-        value, source = env.get(MPS_MODE_ENV) or "auto", MPS_MODE_ENV
+        value, source = _env.get(MPS_MODE_ENV, environ=env) or "auto", MPS_MODE_ENV
     mode = value.strip().lower()
     if mode not in MPS_MODES:
         raise LaunchError(f"{source} must be one of {', '.join(MPS_MODES)}, got {value!r}")
@@ -294,10 +295,12 @@ def mps_percentage(value: str | None, env=None) -> str:
     """The MPS thread percentage: ``value`` (``--mps-percentage``) if given, else
     ``$MOELINK_MPS_PERCENTAGE``, else ``none``: ``none``, ``auto`` or a whole
     number 1 to 100 (as a string); LaunchError for anything else."""
-    env = os.environ if env is None else env
     source = "--mps-percentage"
     if value is None:
-        value, source = env.get(MPS_PERCENTAGE_ENV) or "none", MPS_PERCENTAGE_ENV
+        value, source = (
+            _env.get(MPS_PERCENTAGE_ENV, environ=env) or "none",
+            MPS_PERCENTAGE_ENV,
+        )
     v = value.strip().lower()
     if v in ("none", "auto"):
         return v
@@ -491,7 +494,7 @@ class GpuSharing:
         pct = self.thread_percentage(rank)
         if pct is not None:
             out["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(pct)
-        out["MOELINK_LAUNCH_MPS"] = "1" if self.uses_mps else "0"
+        out[_env.name("MOELINK_LAUNCH_MPS")] = "1" if self.uses_mps else "0"
         return out
 
     def variables(self, rank: int, port: int) -> dict:
@@ -816,8 +819,8 @@ def init_distributed(timeout_s: float = 600.0, backend: str | None = None) -> Di
             f"init_distributed: rank {rank} of {world}, local rank {local_rank} of "
             f"{local_world} is not a valid placement"
         )
-    if backend is None and env.get("MOELINK_DIST_BACKEND"):
-        backend = env["MOELINK_DIST_BACKEND"]
+    if backend is None and _env.get("MOELINK_DIST_BACKEND"):
+        backend = _env.get("MOELINK_DIST_BACKEND")
         if backend not in ("gloo", "nccl"):
             raise RuntimeError(
                 f"init_distributed: $MOELINK_DIST_BACKEND must be gloo or nccl, got {backend!r}"
