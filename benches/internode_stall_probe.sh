@@ -40,16 +40,12 @@
 #                      seconds go (~1 s a checked round, intranode too)
 #   capture-test       gpu_kernels' test of the library threads' relaxed capture mode
 #                      (a thread's CUDA call during a user's global-mode capture)
+#   send-stamps        the fused kernels' phase stamps at 24 and 48 SMs (intranode_profile.py)
 #   killed-ethernet-mps, -timeslice, -gpu-signals   the killed-rank worker at 2 x 2 over Ethernet three
 #                      ways: as the suite runs it, without MPS (MOELINK_MPS=off: a
 #                      fault stays in its own context) and with the inbound counters
 #                      in GPU memory (MOELINK_PORT_HOST_SIGNALS=0); on one GPU the
 #                      first gave the survivors an illegal memory access (2026-11-27)
-#   send-unit3-suite, send-unit4-suite   the 4-rank intranode suite with 3 / 4 tokens
-#                      per dispatch sender unit (MOELINK_INTRANODE_SEND_UNIT; 3 leaves
-#                      a short last unit)
-#   send-unitU-bench, send-unitU-stamps  U = 1, 2, 4: peer_bench.py (moelink,
-#                      intranode) and the phase stamps with U tokens per unit
 # On a one-GPU machine the same steps run every rank on that GPU (MPS).
 # PROBE_STEPS (a regex of step names) runs some only: the whole list takes more than
 # one call's 10 minutes (measured 4 x H200: the steps to speed-internode ~170 s, the
@@ -124,17 +120,8 @@ KW=(python3 -m moelink.launch -n 4 --timeout 50 tests/multi_gpu/killed_worker.py
 pstep killed-ethernet-mps 60 env "${KX[@]}" "${KW[@]}"
 pstep killed-ethernet-timeslice 60 env "${KX[@]}" MOELINK_MPS=off "${KW[@]}"
 pstep killed-ethernet-gpu-signals 60 env "${KX[@]}" MOELINK_PORT_HOST_SIGNALS=0 "${KW[@]}"
-for u in 3 4; do
-  pstep "send-unit$u-suite" 200 env MOELINK_INTRANODE_SEND_UNIT=$u GPU_RUN_RANKS=4 \
-    GPU_RUN_STEPS='^intranode-4' bash scripts/gpu_run.sh "$OUT/send-unit$u-suite"
-done
-for u in 1 2 4; do
-  pstep "send-unit$u-bench" 120 env MOELINK_INTRANODE_SEND_UNIT=$u \
-    $TR --nproc-per-node=4 benches/peer_bench.py --impl moelink --only intranode \
-    --out "$OUT/send-unit$u-bench"
-  pstep "send-unit$u-stamps" 120 env MOELINK_INTRANODE_SEND_UNIT=$u MOELINK_INTRANODE_PROFILE=1 \
-    MOELINK_DEVICE_TIMEOUT_S=30 $TR --nproc-per-node=4 benches/intranode_profile.py --sms 24 48
-done
+pstep send-stamps 120 env MOELINK_INTRANODE_PROFILE=1 MOELINK_DEVICE_TIMEOUT_S=30 \
+  $TR --nproc-per-node=4 benches/intranode_profile.py --sms 24 48
 echo "internode_stall_probe: $failed failed step(s)"
 step_done
 exit $failed

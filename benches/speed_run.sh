@@ -6,10 +6,8 @@
 # PART (one or several, comma separated):
 #   intranode  peer_bench.py --only intranode (the same code, workload and byte
 #              formula for every library) for moelink (fused kernels, the default),
-#              moelink on the separate kernels (MOELINK_INTRANODE_FUSED=0), moelink
-#              with SPEED_RECV_PERCENTS receiver shares (default "50"), with
-#              SPEED_SEND_UNITS tokens per dispatch sender unit (default "2 4";
-#              MOELINK_INTRANODE_SEND_UNIT), DeepEP V1 and UCCL-EP; then peer_table.py. NCCL all_to_all_single is the baseline row.
+#              moelink on the separate kernels (MOELINK_INTRANODE_FUSED=0), DeepEP V1
+#              and UCCL-EP; then peer_table.py. NCCL all_to_all_single is the baseline row.
 #   ll         peer_bench.py --only ll for moelink, moelink's base build (when
 #              .gpu/base/wheels holds one: the kernels before a change, measured in
 #              the same call), DeepEP V1 and UCCL-EP; then peer_table.py.
@@ -65,17 +63,6 @@ for part in ${PART//,/ }; do
       done
       step intranode-moelink-unfused 120 env MOELINK_INTRANODE_FUSED=0 \
         $RUN benches/peer_bench.py --impl moelink --only intranode --out "$P/unfused"
-      for pct in ${SPEED_RECV_PERCENTS:-50}; do
-        mkdir -p "$P/recv$pct"
-        step "intranode-moelink-recv$pct" 120 env MOELINK_INTRANODE_RECV_PERCENT="$pct" \
-          $RUN benches/peer_bench.py --impl moelink --only intranode --out "$P/recv$pct"
-      done
-      # Tokens per fused dispatch sender unit (one fence per unit; default 1).
-      for u in ${SPEED_SEND_UNITS:-2 4}; do
-        mkdir -p "$P/unit$u"
-        step "intranode-moelink-unit$u" 120 env MOELINK_INTRANODE_SEND_UNIT="$u" \
-          $RUN benches/peer_bench.py --impl moelink --only intranode --out "$P/unit$u"
-      done
       step intranode-table 60 python3 benches/peer_table.py "$P"
       ;;
     ll)

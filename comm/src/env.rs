@@ -186,20 +186,6 @@ pub static SWITCHES: &[Switch] = &[
         "`1` at Buffer creation: the fused intranode kernels record phase stamps.",
     ),
     s(
-        "MOELINK_INTRANODE_RECV_PERCENT",
-        Experiment,
-        "50",
-        "Percent of a fused intranode kernel's blocks that receive, 1 to 99 (dispatch and \
-         combine alike).",
-    ),
-    s(
-        "MOELINK_INTRANODE_SEND_UNIT",
-        Experiment,
-        "1",
-        "Tokens a fused dispatch sender warp takes at a time (their records, one fence, their \
-         flags), 1 to 4.",
-    ),
-    s(
         "MOELINK_IPC_CONTEXT",
         Experiment,
         "unset: the proxy's own context",

@@ -25,9 +25,8 @@
 //! and [`IntranodeBuffer::dispatch_recv`] the receive half on the Buffer's side
 //! stream, which waits for notify only and which the caller's stream then waits
 //! for. A cached dispatch keeps the send's arguments and launches both halves
-//! as one kernel; so does a combine. The share of receiver blocks is
-//! `MOELINK_INTRANODE_RECV_PERCENT` (default [`DEFAULT_SHARES`]: 50 %, the best of
-//! 25 / 40 / 50 / 60 measured on 2 x H100).
+//! as one kernel; so does a combine. Half of the blocks receive
+//! ([`DEFAULT_SHARES`], the best split measured).
 
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -67,9 +66,6 @@ const _: () = assert!(SEND_WORK_OFFSET == 4 * 11);
 pub(crate) const SCRATCH_BYTES: usize = 48;
 /// Turns the fused kernels off (`0`) or on (`1`, the default).
 pub const FUSED_ENV: &str = "MOELINK_INTRANODE_FUSED";
-/// Percent of a fused kernel's blocks that receive (1 to 99), dispatch and
-/// combine alike; unset: [`DEFAULT_SHARES`].
-pub const RECV_PERCENT_ENV: &str = "MOELINK_INTRANODE_RECV_PERCENT";
 
 /// Experts per rank of `num_experts` split evenly over `num_ranks` ranks
 /// (at most [`MAX_EXPERTS_PER_RANK`]).
@@ -181,40 +177,16 @@ pub struct RecvShares {
     pub combine: u32,
 }
 
-/// The defaults: on 2 x H100 (NVLink, 4096 tokens of hidden 7168, top-8 of
-/// 256, 24 and 48 SMs; benches/results/2026-11-26_h100x2_speed-intranode-ll-comm), 50 %
-/// was the best of 25 / 40 / 50 / 60 for dispatch (bf16 and fp8) and combine.
-/// Unmeasured on 4 or 8 GPUs, where more of the bytes cross NVLink.
+/// The split: half of the blocks receive, dispatch and combine alike. Both
+/// halves move about 40 GB/s per SM, so the bandwidth is the smaller half's SMs
+/// times that: on 2 x H200 (4096 tokens of hidden 7168, top-8 of 256) 50 % was
+/// the best of 25 / 34 / 50 / 67 at 4, 8, 16 and 24 SMs
+/// (benches/results/2026-11-27_h200x4-h200x2_bulk-copy-dispatch), as it was of
+/// 25 / 40 / 50 / 60 on 2 x H100 at 24 and 48 SMs.
 pub const DEFAULT_SHARES: RecvShares = RecvShares {
     dispatch: 50,
     combine: 50,
 };
-
-/// Tokens a fused dispatch sender warp takes at a time (1 to
-/// [`k::MAX_SEND_UNIT`]; unset: [`DEFAULT_SEND_UNIT`]): their records, one fence,
-/// their flags (docs/design-intranode.md, "Send unit"). Every rank may choose its own.
-pub const SEND_UNIT_ENV: &str = "MOELINK_INTRANODE_SEND_UNIT";
-/// One token per unit: a fence per token, as measured on 4 x H200
-/// (benches/results/2026-11-27_h200x4_speed-intranode-ll-comm-internode).
-pub const DEFAULT_SEND_UNIT: u32 = 1;
-
-/// The send unit from the environment ([`SEND_UNIT_ENV`]).
-pub fn send_unit_from_env() -> Result<u32> {
-    parse_send_unit(comm::env::var(SEND_UNIT_ENV).as_deref())
-}
-
-fn parse_send_unit(v: Option<&str>) -> Result<u32> {
-    let Some(v) = v.map(str::trim).filter(|v| !v.is_empty()) else {
-        return Ok(DEFAULT_SEND_UNIT);
-    };
-    match v.parse::<u32>() {
-        Ok(u) if (1..=k::MAX_SEND_UNIT).contains(&u) => Ok(u),
-        _ => Err(CommError::invalid(
-            SEND_UNIT_ENV,
-            format!("{v:?}: expected an integer from 1 to {}", k::MAX_SEND_UNIT),
-        )),
-    }
-}
 
 /// `MOELINK_INTRANODE_PROFILE=1`: the fused kernels record phase stamps
 /// ([`IntranodeBuffer::profile`]).
@@ -224,34 +196,16 @@ const PROF_WORDS: usize = k::PROF_KINDS * k::PROF_BLOCKS * k::PROF_SLOTS;
 /// The fused mode from the environment: `None` (separate send and receive
 /// kernels) or the receiver shares.
 pub fn fused_mode_from_env() -> Result<Option<RecvShares>> {
-    parse_fused_mode(
-        comm::env::var(FUSED_ENV).as_deref(),
-        comm::env::var(RECV_PERCENT_ENV).as_deref(),
-    )
+    parse_fused_mode(comm::env::var(FUSED_ENV).as_deref())
 }
 
-fn parse_fused_mode(fused: Option<&str>, percent: Option<&str>) -> Result<Option<RecvShares>> {
+fn parse_fused_mode(fused: Option<&str>) -> Result<Option<RecvShares>> {
     match fused.map(str::trim) {
-        None | Some("") | Some("1") => {}
-        Some("0") => return Ok(None),
-        Some(v) => {
-            return Err(CommError::invalid(
-                FUSED_ENV,
-                format!("{v:?}: expected 0 or 1"),
-            ))
-        }
-    }
-    let Some(p) = percent.map(str::trim).filter(|p| !p.is_empty()) else {
-        return Ok(Some(DEFAULT_SHARES));
-    };
-    match p.parse::<u32>() {
-        Ok(v) if (1..=99).contains(&v) => Ok(Some(RecvShares {
-            dispatch: v,
-            combine: v,
-        })),
-        _ => Err(CommError::invalid(
-            RECV_PERCENT_ENV,
-            format!("{p:?}: expected an integer from 1 to 99"),
+        None | Some("") | Some("1") => Ok(Some(DEFAULT_SHARES)),
+        Some("0") => Ok(None),
+        Some(v) => Err(CommError::invalid(
+            FUSED_ENV,
+            format!("{v:?}: expected 0 or 1"),
         )),
     }
 }
@@ -362,8 +316,6 @@ pub struct IntranodeBuffer {
     scratch: DeviceMemory,
     /// `Some(receiver shares)`: fused kernels.
     fused: Option<RecvShares>,
-    /// Tokens per fused dispatch sender unit ([`SEND_UNIT_ENV`]).
-    send_unit: u32,
     /// Fused mode's side stream and its orderings.
     side: Option<SideStream>,
     /// Fused mode: the send half of the dispatch whose receive half comes next.
@@ -389,7 +341,6 @@ impl IntranodeBuffer {
         opts: &EpBufferOptions,
     ) -> Result<Self> {
         let fused = fused_mode_from_env()?;
-        let send_unit = send_unit_from_env()?;
         let device = part.device();
         let comm = part.comm().clone();
         let (channels, channel_table) =
@@ -415,7 +366,6 @@ impl IntranodeBuffer {
                 None => None,
             },
             fused,
-            send_unit,
             pending: None,
             host,
             host_epoch: 0,
@@ -613,7 +563,6 @@ impl IntranodeBuffer {
     /// off, or fewer than 2 SMs).
     fn fused_grid(&self, num_sms: u32, share: impl Fn(&RecvShares) -> u32) -> Option<FusedGrid> {
         FusedGrid::new(num_sms, share(self.fused.as_ref()?))
-            .map(|g| g.with_send_unit(self.send_unit))
     }
 
     fn side_stream(&self) -> Result<&SideStream> {
@@ -873,37 +822,16 @@ mod tests {
     use super::*;
 
     #[test]
-    fn send_unit_parses() {
-        assert_eq!(parse_send_unit(None).unwrap(), DEFAULT_SEND_UNIT);
-        assert_eq!(parse_send_unit(Some(" ")).unwrap(), DEFAULT_SEND_UNIT);
-        assert_eq!(parse_send_unit(Some(" 3 ")).unwrap(), 3);
-        assert_eq!(parse_send_unit(Some("4")).unwrap(), k::MAX_SEND_UNIT);
-        for v in ["0", "5", "two", "-1"] {
-            let e = parse_send_unit(Some(v)).unwrap_err().to_string();
-            assert!(e.contains(SEND_UNIT_ENV) && e.contains("1 to 4"), "{e}");
+    fn fused_mode_parses() {
+        assert_eq!(parse_fused_mode(None).unwrap(), Some(DEFAULT_SHARES));
+        assert_eq!(parse_fused_mode(Some("1")).unwrap(), Some(DEFAULT_SHARES));
+        assert_eq!(parse_fused_mode(Some(" ")).unwrap(), Some(DEFAULT_SHARES));
+        assert_eq!(parse_fused_mode(Some("0")).unwrap(), None);
+        for v in ["yes", "2", "x"] {
+            let e = parse_fused_mode(Some(v)).unwrap_err().to_string();
+            assert!(e.contains(FUSED_ENV) && e.contains("0 or 1"), "{e}");
         }
-    }
-
-    #[test]
-    fn fused_mode_parses_its_two_variables() {
-        let both = |v| {
-            Some(RecvShares {
-                dispatch: v,
-                combine: v,
-            })
-        };
-        assert_eq!(parse_fused_mode(None, None).unwrap(), Some(DEFAULT_SHARES));
-        assert_eq!(parse_fused_mode(Some("1"), Some("40")).unwrap(), both(40));
-        assert_eq!(parse_fused_mode(Some(""), Some(" 10 ")).unwrap(), both(10));
-        assert_eq!(parse_fused_mode(Some("0"), Some("not read")).unwrap(), None);
-        for (f, p) in [
-            (Some("yes"), None),
-            (None, Some("0")),
-            (None, Some("100")),
-            (None, Some("x")),
-        ] {
-            let e = parse_fused_mode(f, p).unwrap_err().to_string();
-            assert!(e.contains("MOELINK_INTRANODE"), "{e}");
-        }
+        assert_eq!(DEFAULT_SHARES.dispatch, 50);
+        assert_eq!(DEFAULT_SHARES.combine, 50);
     }
 }

@@ -161,12 +161,11 @@ struct DispatchFusedParams {
   comm::DeviceError* error;
   uint64_t* prof;
   int num_send_blocks;
-  int send_unit;  // tokens per sender unit, 1 to kMaxSendUnit (send_tokens)
+  int pad;
 };
 static_assert(sizeof(DispatchFusedParams) == 408, "mirrored in Rust");
 static_assert(offsetof(DispatchFusedParams, recv) == 176, "mirrored in Rust");
 static_assert(offsetof(DispatchFusedParams, num_send_blocks) == 400, "mirrored in Rust");
-static_assert(offsetof(DispatchFusedParams, send_unit) == 404, "mirrored in Rust");
 
 struct CombineFusedParams {
   CombineSendParams send;
@@ -393,31 +392,6 @@ __device__ __forceinline__ void send_token(const DispatchSendParams& a, int64_t 
       fence_acq_rel_sys();
       store_record_flag(a, lane, slot, flag);
     }
-  }
-}
-
-// Most tokens one fused sender warp takes per unit (DispatchFusedParams::send_unit).
-constexpr int kMaxSendUnit = 4;
-
-// Tokens [t0, t0 + m) (m <= kMaxSendUnit) as send_token, sharing one release:
-// every record of the m tokens, one fence, then their flags. A warp's fence
-// waits for its stores to land; a unit of several tokens keeps more of its
-// bytes in flight per fence (docs/design-intranode.md, "Send unit").
-__device__ __forceinline__ void send_tokens(const DispatchSendParams& a, int64_t t0, int m,
-                                            int lane, uint64_t flag) {
-  int slots[kMaxSendUnit];
-  bool any = false;
-#pragma unroll
-  for (int i = 0; i < kMaxSendUnit; ++i) {
-    slots[i] = i < m ? write_token_records(a, t0 + i, lane, 0xffffffffu) : -1;
-    any |= slots[i] >= 0;
-  }
-  __syncwarp();
-  if (any) {
-    fence_acq_rel_sys();
-#pragma unroll
-    for (int i = 0; i < kMaxSendUnit; ++i)
-      if (slots[i] >= 0) store_record_flag(a, lane, slots[i], flag);
   }
 }
 
@@ -660,10 +634,10 @@ __device__ __forceinline__ void fused_done(unsigned int* ticket, unsigned long l
 
 // The fused dispatch (kernel moelink::intranode::dispatch, and the
 // receive-only launches of moelink::internode::dispatch): blocks
-// [0, num_send_blocks) send as dispatch_send (a warp per unit of `send_unit`
-// tokens) and set each record's flag (all blocks: a send-only launch); the
-// other blocks (all: a receive-only launch) receive: received row (source s,
-// slot j) is copied out once its record's flag shows this call, the rows
+// [0, num_send_blocks) send as dispatch_send (a warp per token at a time)
+// and set each record's flag (all blocks: a send-only launch); the other
+// blocks (all: a receive-only launch) receive: received row (source s, slot
+// j) is copied out once its record's flag shows this call, the rows
 // visited source by source in chunks (interleaved), so they are copied while
 // the later rows are still crossing NVLink. No end-of-send signal, no wait
 // kernel. A wait that runs out marks the peer (its rows are poisoned, not
@@ -679,16 +653,12 @@ __device__ __forceinline__ void run_dispatch(const DispatchFusedParams& a) {
   unsigned int* work = c.ticket + kSendWorkWord;
   if (int(blockIdx.x) < nsend) {
     const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.send_calls));
-    // Tokens taken `send_unit` at a time per warp (kSendWorkWord), one
-    // release per unit (send_tokens).
-    const int unit = min(max(a.send_unit, 1), kMaxSendUnit);
-    const int64_t n = a.send.num_tokens;
+    // Tokens taken one at a time per warp (kSendWorkWord), one release each.
+    // (Units of 2 and 4 tokens sharing one release were measured slower on
+    // 4 x H200; docs/design-intranode.md, "Send unit".)
     bool first = true;
-    for (int64_t t = next_unit(work, lane) * unit; t < n; t = next_unit(work, lane) * unit) {
-      if (unit == 1)
-        send_token(a.send, t, lane, flag);
-      else
-        send_tokens(a.send, t, int(n - t < unit ? n - t : unit), lane, flag);
+    for (int64_t t = next_unit(work, lane); t < a.send.num_tokens; t = next_unit(work, lane)) {
+      send_token(a.send, t, lane, flag);
       if (first) stamp(a.prof, kind, 1);
       first = false;
     }

@@ -159,7 +159,7 @@ pub(crate) struct DispatchFusedParams {
     error: u64,
     prof: u64,
     num_send_blocks: i32,
-    send_unit: i32,
+    pad: i32,
 }
 
 /// `moelink::intranode::CombineFusedParams`.
@@ -194,7 +194,6 @@ param_layout!(
         sizeof!(DispatchFusedParams == 408),
         offsetof!(DispatchFusedParams, recv == 176),
         offsetof!(DispatchFusedParams, num_send_blocks == 400),
-        offsetof!(DispatchFusedParams, send_unit == 404),
         sizeof!(CombineFusedParams == 304),
         offsetof!(CombineFusedParams, recv == 128),
         offsetof!(CombineFusedParams, num_send_blocks == 296),
@@ -613,17 +612,11 @@ pub(crate) fn combine_recv_params(
 }
 
 /// Blocks of a fused kernel: `blocks` in all, the first `send_blocks` send.
-/// `send_unit`: tokens a dispatch sender warp takes at a time (1 to
-/// [`MAX_SEND_UNIT`]), their records sharing one fence before their flags.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FusedGrid {
     pub blocks: u32,
     pub send_blocks: u32,
-    pub send_unit: u32,
 }
-
-/// Most tokens per dispatch sender unit (`kMaxSendUnit` of intranode.cuh).
-pub const MAX_SEND_UNIT: u32 = 4;
 
 /// Which halves one launch of the fused dispatch runs
 /// (`moelink::intranode::dispatch`; a receive-only half of an internode
@@ -652,17 +645,7 @@ impl FusedGrid {
         Some(Self {
             blocks: num_sms,
             send_blocks: num_sms - recv,
-            send_unit: 1,
         })
-    }
-
-    /// The same grid with `send_unit` tokens per dispatch sender unit
-    /// (clamped to 1..=[`MAX_SEND_UNIT`]).
-    pub fn with_send_unit(self, send_unit: u32) -> Self {
-        Self {
-            send_unit: send_unit.clamp(1, MAX_SEND_UNIT),
-            ..self
-        }
     }
 }
 
@@ -777,7 +760,7 @@ pub(crate) fn dispatch_fused_params(
         error: state.error,
         prof: state.prof,
         num_send_blocks: num_send_blocks as i32,
-        send_unit: grid.send_unit.clamp(1, MAX_SEND_UNIT) as i32,
+        pad: 0,
     };
     Ok((blocks, p))
 }
@@ -900,8 +883,6 @@ mod tests {
     fn param_blocks_match_the_kernels_static_asserts() {
         let cu = include_str!("../cuda/intranode.cuh");
         crate::check_static_asserts("intranode.cuh", cu, PARAM_LAYOUT);
-        let max = format!("constexpr int kMaxSendUnit = {MAX_SEND_UNIT};");
-        assert!(cu.contains(&max), "intranode.cuh must say {max}");
     }
 
     #[test]
@@ -910,7 +891,6 @@ mod tests {
             Some(FusedGrid {
                 blocks,
                 send_blocks,
-                send_unit: 1,
             })
         };
         assert_eq!(FusedGrid::new(1, 25), None);
@@ -918,11 +898,7 @@ mod tests {
         assert_eq!(FusedGrid::new(48, 25), grid(48, 36));
         assert_eq!(FusedGrid::new(24, 0), grid(24, 23));
         assert_eq!(FusedGrid::new(24, 100), grid(24, 1));
-        let g = FusedGrid::new(24, 50).unwrap();
-        assert_eq!(g.with_send_unit(3).send_unit, 3);
-        assert_eq!(g.with_send_unit(0).send_unit, 1);
-        assert_eq!(g.with_send_unit(9).send_unit, MAX_SEND_UNIT);
-        assert_eq!(g.with_send_unit(3).send_blocks, 12);
+        assert_eq!(FusedGrid::new(24, 50), grid(24, 12));
     }
 
     #[test]
