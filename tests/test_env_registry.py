@@ -1,4 +1,4 @@
-"""The registry of environment switches (comm::env, issue 44): the table in
+"""The registry of environment switches (comm::env): the table in
 docs/environment.md is ``_native.env_switches()``; the library's code names no
 ``MOELINK_*`` variable outside it and reads them in one place per language
 (comm/src/env.rs, python/moelink/_env.py). Runs on the CPU."""

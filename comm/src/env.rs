@@ -1,5 +1,5 @@
 //! The library's environment switches (`MOELINK_*`): one registry, read in one
-//! place (issue 44).
+//! place.
 //!
 //! [`SWITCHES`] lists every `MOELINK_*` variable the library understands (run
 //! time, and the build-time ones its build scripts read), with its kind,
