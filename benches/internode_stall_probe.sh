@@ -29,11 +29,11 @@
 #   suite-2x2-ethernet the 2 x 2 suite with the Ethernet transport forced
 #   memcheck-2x2       compute-sanitizer memcheck over the 2 x 2 data scenarios
 #   main-nodes         the main job, python -m moelink --nodes 2 (4 ranks)
-#   speed-comm         issue 21: benches/speed_run.sh comm (comm_bench, with the
+#   speed-comm         benches/speed_run.sh comm (comm_bench, with the
 #                      memory channel's relaxed floor)
-#   host-overhead      issue 21's eager low-latency figures: host time per call with
+#   host-overhead      the eager low-latency figures: host time per call with
 #                      its native / allocation / Python breakdown (4 ranks)
-#   profile-stamps     issue 21: intranode_profile.py's kernel times and the fused
+#   profile-stamps     intranode_profile.py's kernel times and the fused
 #                      kernels' phase stamps (bf16, fp8, full dispatch, combine; 4 ranks)
 #   profile-suite-2x2  the 2 x 2 suite's combine and iterations scenarios with rank 0
 #                      under cProfile (MOELINK_TEST_PROFILE): where a scenario's

@@ -191,7 +191,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=("current", "side"),
         default="current",
         help="where the calls run: torch's current stream (default; the legacy default "
-        "stream unless the caller set one) or a new side stream (an A/B for issue 17)",
+        "stream unless the caller set one) or a new side stream (an A/B for the internode stall)",
     )
     p.add_argument(
         "--trace",

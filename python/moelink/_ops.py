@@ -1,4 +1,4 @@
-"""moelink's collectives as torch ops: ``torch.ops.moelink.*`` (issue 19).
+"""moelink's collectives as torch ops: ``torch.ops.moelink.*``.
 
 Registered with ``torch.library`` when moelink is imported, so that
 ``torch.compile(fullgraph=True)`` traces through them (each op is one opaque node

@@ -680,7 +680,7 @@ class Buffer(LowLatencyMixin):
         # Every output is allocated while no kernel of the dispatch runs: a
         # cudaMalloc beside a running kernel holds back the CUDA work issued
         # after it (the proxy's copies too) until that kernel ends, which a
-        # kernel waiting for that work never does (issue 17). With
+        # kernel waiting for that work never does (docs/design-internode.md). With
         # num_worst_tokens the rows are known now; else after notify.
         with self._alloc_ctx(allocate_on_comm_stream):
             rpm, send_head = empty(specs[0], dev), empty(specs[1], dev)
