@@ -572,8 +572,9 @@ pub struct DispatchArgs<'a> {
     /// A cached dispatch's handle (then no top-k arguments).
     pub handle: Option<&'a IntranodeHandle>,
     pub num_tokens_per_rank: Option<&'a TensorMeta>,
-    /// Whether `num_tokens_per_rdma_rank` was given: it must not be (no
-    /// internode path).
+    /// Whether `num_tokens_per_rdma_rank` was given: it must not be within one
+    /// node (a group that spans nodes passes it to the internode path, whose
+    /// checks are its own).
     pub num_tokens_per_rdma_rank: bool,
     pub is_token_in_rank: Option<&'a TensorMeta>,
     pub num_tokens_per_expert: Option<&'a TensorMeta>,

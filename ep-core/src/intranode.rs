@@ -3,9 +3,10 @@
 //! dispatch and combine (docs/design-intranode.md has the design; the kernels
 //! are `ep-kernels/cuda/intranode.cu`).
 //!
-//! All tensors are passed as raw device addresses: the Python layer checks
-//! dtypes, shapes, devices and contiguity before calling in, and allocates
-//! the outputs; the buffer's capacity for a call is checked here, before any
+//! All tensors are passed as raw device addresses: `crate::calls` checks
+//! dtypes, shapes, devices and contiguity first (the call's plan, which the
+//! front ends make before calling in), and the front end allocates the
+//! outputs; the buffer's capacity for a call is checked here, before any
 //! launch. Every method launches on the stream it is given and returns
 //! without waiting, except [`IntranodeBuffer::wait_counts`] (bounded).
 //!
@@ -464,7 +465,7 @@ impl IntranodeBuffer {
         let epoch = self.host_epoch + 1;
         let err = self.part.error_ptr();
         let notify = notify_args(shape, inp, epr, expert_alignment, &self.host, epoch, err)?;
-        // SAFETY: the caller (the Python layer) checked every tensor.
+        // SAFETY: the caller checked every tensor (crate::calls' plan).
         unsafe { k::dispatch_notify(self.part.kernels(), stream, ctx, notify) }?;
         self.host_epoch = epoch;
         self.combine_dirty = false;
@@ -653,8 +654,9 @@ impl IntranodeBuffer {
             // half runs beside it on the side stream (ordered after notify),
             // and `stream` continues after it.
             let side = self.side_stream()?;
-            // SAFETY: as above; the outputs were allocated on `stream`, which
-            // waits for the side stream before it goes on.
+            // SAFETY: as above; the outputs were allocated before this launch
+            // (on the caller's stream, which `stream` follows, or on `stream`
+            // itself), and `stream` waits for the side stream before it goes on.
             unsafe {
                 k::dispatch_fused(
                     self.part.kernels(),

@@ -27,7 +27,7 @@ constexpr uint64_t kFlagMagic = 0x4d4c4e4bull;  // "MLNK"
 constexpr int kChunkRows = 16;
 
 // Everything a kernel needs to reach the peers; mirrored in Rust
-// (ep_kernels::launch::IntranodeCtx).
+// (ep_kernels::intranode::IntranodeCtx).
 struct Ctx {
   comm::MemoryChannelDeviceHandle* channels;  // [R] device array; entry `rank` unused
   char* local;                                // this rank's NVL buffer

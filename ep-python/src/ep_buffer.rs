@@ -113,7 +113,6 @@ fn shape(
     }
 }
 
-/// The internode handle tensors `(node_head, xcounts, fwd_meta, meta_slots)`.
 /// An internode call's handle tensors: node heads, counts, forwarding records,
 /// their tokens per node, and `recv_rdma_rank_prefix_sum` (0: not written).
 type XArg = Option<(u64, u64, u64, usize, u64)>;

@@ -144,7 +144,7 @@ def ll_combine_plan(
 ) -> _Plan: ...  # fmt: skip
 
 # The Buffer's constructor and a Config's SMs (ep_core::calls::buffer_options,
-# num_sms): buffer_options_plan -> {"num_nvl_bytes", "num_ll_bytes"}.
+# num_sms): buffer_options_plan -> {"num_nvl_bytes", "num_ll_bytes", "num_internode_bytes"}.
 def buffer_options_plan(
     num_nvl_bytes: int, num_rdma_bytes: int, low_latency_mode: bool, num_qps_per_rank: int,
     enable_shrink: bool,

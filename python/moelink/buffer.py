@@ -711,7 +711,9 @@ class Buffer(LowLatencyMixin):
         )
         if outs is None:
             # notify has ended (its counts are in), so no kernel of this
-            # dispatch runs while the outputs are allocated (see above).
+            # dispatch that waits on other work runs while the outputs are
+            # allocated (see above; within one node the send half, launched
+            # right after notify, may still run, but it waits on nothing).
             rows, per_expert = native.wait_counts(epoch, num_experts)
             per_expert = list(per_expert)
             with self._alloc_ctx(allocate_on_comm_stream):
