@@ -128,3 +128,41 @@ def test_env_get_checks_the_name(monkeypatch):
             _env.get(bad)
         with pytest.raises(KeyError, match=bad):
             _env.name(bad)
+
+
+@pytest.mark.parametrize("raw, want", [(None, 60.0), ("", 60.0), (" 12.5 ", 12.5), ("1e-3", 1e-3)])
+def test_host_timeout_takes_a_positive_number(monkeypatch, raw, want):
+    if raw is None:
+        monkeypatch.delenv("MOELINK_TIMEOUT_S", raising=False)
+    else:
+        monkeypatch.setenv("MOELINK_TIMEOUT_S", raw)
+    assert _env.host_timeout_s() == want
+
+
+@pytest.mark.parametrize("raw", ["0", "-5", "inf", "nan", "ten", "1s"])
+def test_host_timeout_refuses_what_would_hang_or_fail_every_wait(monkeypatch, raw):
+    monkeypatch.setenv("MOELINK_TIMEOUT_S", raw)
+    with pytest.raises(ValueError, match="MOELINK_TIMEOUT_S"):
+        _env.host_timeout_s()
+
+
+def test_ranks_per_node_is_a_positive_integer_or_unset(monkeypatch):
+    monkeypatch.delenv("MOELINK_RANKS_PER_NODE", raising=False)
+    assert _env.ranks_per_node() is None
+    monkeypatch.setenv("MOELINK_RANKS_PER_NODE", " 2 ")
+    assert _env.ranks_per_node() == 2
+    for raw in ["0", "-2", "two", "2.5"]:
+        monkeypatch.setenv("MOELINK_RANKS_PER_NODE", raw)
+        with pytest.raises(ValueError, match="MOELINK_RANKS_PER_NODE"):
+            _env.ranks_per_node()
+
+
+def test_the_rdma_size_hint_names_a_bad_ranks_per_node(monkeypatch):
+    from moelink import Config
+
+    config = Config(24, 6, 256, 6, 256)
+    monkeypatch.setenv("MOELINK_RANKS_PER_NODE", "2")
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 8) > 0
+    monkeypatch.setenv("MOELINK_RANKS_PER_NODE", "x")
+    with pytest.raises(ValueError, match="MOELINK_RANKS_PER_NODE"):
+        config.get_rdma_buffer_size_hint(7168 * 2, 8)

@@ -64,7 +64,7 @@ def native_group(group, what: str):
     rank = dist.get_rank(group)
     uid = [_native.bootstrap_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
-    timeout = float(_env.get("MOELINK_TIMEOUT_S", "60"))
+    timeout = _env.host_timeout_s()
     native = _native.Group(uid[0], rank, dist.get_world_size(group), timeout)
     _GROUPS[group] = (group, native)
     return native

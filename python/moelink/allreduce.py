@@ -385,7 +385,7 @@ class AllReduce:
         else:
             timeout_ns = device_timeout_ns("device_timeout_s", device_timeout_s)
         if timeout_s is None:
-            timeout_s = float(_env.get("MOELINK_TIMEOUT_S", "60"))
+            timeout_s = _env.host_timeout_s()
         if not torch.cuda.is_available():
             raise RuntimeError("moelink.AllReduce needs a CUDA device")
         if not dist.is_initialized():

@@ -262,7 +262,7 @@ class Buffer(LowLatencyMixin):
         self._comm_raw = self._comm_stream.cuda_stream
         # Orders the communication stream after the caller's and back (one event).
         self._order = _native.StreamOrder(self.device.index)
-        timeout = float(_env.get("MOELINK_TIMEOUT_S", "60"))
+        timeout = _env.host_timeout_s()
         # Bound of every low-latency receive: MOELINK_LL_TIMEOUT_S, else the
         # intranode one (30 s unless set), under the host bound so that the
         # device's error (naming the peer and counter) is the one raised.

@@ -215,8 +215,10 @@ class Config:
         nodes)`` records of the NVLink slot plus ``4 * ranks_per_node + 16`` bytes.
         """
         if ranks_per_node is None:
-            env = _env.get("MOELINK_RANKS_PER_NODE") or os.environ.get("LOCAL_WORLD_SIZE")
-            ranks_per_node = int(env) if env and env.strip().isdigit() else 8
+            ranks_per_node = _env.ranks_per_node()
+        if ranks_per_node is None:
+            local = os.environ.get("LOCAL_WORLD_SIZE", "")
+            ranks_per_node = int(local) if local.strip().isdigit() else 8
         return _native.rdma_buffer_size_hint(
             check_int("hidden_bytes", hidden_bytes),
             check_int("num_ranks", num_ranks),
