@@ -130,31 +130,39 @@ def test_env_get_checks_the_name(monkeypatch):
             _env.name(bad)
 
 
-@pytest.mark.parametrize("raw, want", [(None, 60.0), ("", 60.0), (" 12.5 ", 12.5), ("1e-3", 1e-3)])
+@pytest.mark.parametrize("raw, want", [(None, 60.0), (" 12.5 ", 12.5), ("1e-3", 1e-3)])
 def test_host_timeout_takes_a_positive_number(monkeypatch, raw, want):
+    from moelink._device_timeout import env_host_timeout_s
+
     if raw is None:
         monkeypatch.delenv("MOELINK_TIMEOUT_S", raising=False)
     else:
         monkeypatch.setenv("MOELINK_TIMEOUT_S", raw)
-    assert _env.host_timeout_s() == want
+    assert env_host_timeout_s() == want
 
 
-@pytest.mark.parametrize("raw", ["0", "-5", "inf", "nan", "ten", "1s"])
+# "" too: set but empty is not a number of seconds (as MOELINK_DEVICE_TIMEOUT_S,
+# and as the Rust API reads MOELINK_TIMEOUT_S).
+@pytest.mark.parametrize("raw", ["", "0", "-5", "inf", "nan", "ten", "1s"])
 def test_host_timeout_refuses_what_would_hang_or_fail_every_wait(monkeypatch, raw):
+    from moelink._device_timeout import env_host_timeout_s
+
     monkeypatch.setenv("MOELINK_TIMEOUT_S", raw)
     with pytest.raises(ValueError, match="MOELINK_TIMEOUT_S"):
-        _env.host_timeout_s()
+        env_host_timeout_s()
 
 
 def test_ranks_per_node_is_a_positive_integer_or_unset(monkeypatch):
+    from moelink.config import _env_ranks_per_node
+
     monkeypatch.delenv("MOELINK_RANKS_PER_NODE", raising=False)
-    assert _env.ranks_per_node() is None
+    assert _env_ranks_per_node() is None
     monkeypatch.setenv("MOELINK_RANKS_PER_NODE", " 2 ")
-    assert _env.ranks_per_node() == 2
+    assert _env_ranks_per_node() == 2
     for raw in ["0", "-2", "two", "2.5"]:
         monkeypatch.setenv("MOELINK_RANKS_PER_NODE", raw)
         with pytest.raises(ValueError, match="MOELINK_RANKS_PER_NODE"):
-            _env.ranks_per_node()
+            _env_ranks_per_node()
 
 
 def test_the_rdma_size_hint_names_a_bad_ranks_per_node(monkeypatch):

@@ -14,6 +14,8 @@ from . import _env
 #: bounds (``MOELINK_TIMEOUT_S``, 60 s), so that the device's error, which names the
 #: rank, the peer and the counter, is the one the user sees.
 DEFAULT_DEVICE_TIMEOUT_S = 30.0
+#: Seconds a host wait may take when ``MOELINK_TIMEOUT_S`` does not set it.
+DEFAULT_HOST_TIMEOUT_S = 60.0
 _MAX_NS = (1 << 63) - 1
 
 
@@ -31,14 +33,28 @@ def device_timeout_ns(name: str, seconds) -> int:
     return ns
 
 
-def env_device_timeout_ns(env: str) -> int:
-    """The bound environment variable ``env`` sets (seconds), else the default, in
-    nanoseconds; ``ValueError`` naming ``env`` for a value that is not one."""
+def env_seconds(env: str, default: float) -> float:
+    """The bound environment variable ``env`` sets (seconds, positive and finite,
+    as :func:`device_timeout_ns` checks), else ``default``; ``ValueError`` naming
+    ``env`` for a value that is not one."""
     raw = _env.get(env)
     if raw is None:
-        return device_timeout_ns(env, DEFAULT_DEVICE_TIMEOUT_S)
+        return default
     try:
         seconds = float(raw)
     except ValueError:
         raise ValueError(f"{env} must be a number of seconds, got {raw!r}") from None
-    return device_timeout_ns(env, seconds)
+    device_timeout_ns(env, seconds)
+    return seconds
+
+
+def env_device_timeout_ns(env: str) -> int:
+    """The device-wait bound ``env`` sets, else the default, in nanoseconds."""
+    return device_timeout_ns(env, env_seconds(env, DEFAULT_DEVICE_TIMEOUT_S))
+
+
+def env_host_timeout_s() -> float:
+    """``MOELINK_TIMEOUT_S``, the bound of host waits in seconds (default 60),
+    checked as the device bounds are and as the Rust API does: a bound of inf
+    or 0 would hang or fail every wait."""
+    return env_seconds("MOELINK_TIMEOUT_S", DEFAULT_HOST_TIMEOUT_S)

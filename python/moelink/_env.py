@@ -9,7 +9,6 @@ that import only the standard library (the launcher) may import this one."""
 from __future__ import annotations
 
 import functools
-import math
 import os
 from collections.abc import Mapping
 
@@ -35,32 +34,3 @@ def get(var: str, default: str | None = None, environ: Mapping[str, str] | None 
     ``default``; ``KeyError`` where ``var`` is not registered."""
     name(var)
     return (os.environ if environ is None else environ).get(var, default)
-
-
-def host_timeout_s() -> float:
-    """``MOELINK_TIMEOUT_S``, the bound of host waits in seconds (default 60): a
-    positive, finite number, as the Rust API requires; anything else raises
-    ``ValueError`` naming the variable (a bound of inf or 0 would hang or fail
-    every wait)."""
-    raw = get("MOELINK_TIMEOUT_S")
-    if raw is None or not raw.strip():
-        return 60.0
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise ValueError(f"MOELINK_TIMEOUT_S must be a positive number of seconds, got {raw!r}")
-    return value
-
-
-def ranks_per_node() -> int | None:
-    """``MOELINK_RANKS_PER_NODE`` (emulated nodes of that many consecutive ranks),
-    or None where unset or empty; anything but a positive integer raises
-    ``ValueError`` naming the variable, as the native side does."""
-    raw = get("MOELINK_RANKS_PER_NODE")
-    if raw is None or not raw.strip():
-        return None
-    if not raw.strip().isdigit() or int(raw) <= 0:
-        raise ValueError(f"MOELINK_RANKS_PER_NODE must be a positive integer, got {raw!r}")
-    return int(raw)

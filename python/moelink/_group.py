@@ -12,7 +12,8 @@ import socket
 import torch
 import torch.distributed as dist
 
-from . import _env, _native
+from . import _native
+from ._device_timeout import env_host_timeout_s
 
 #: torch process group -> its native Group (the group object is kept alive
 #: with it, so that its id is never reused by another group).
@@ -64,7 +65,7 @@ def native_group(group, what: str):
     rank = dist.get_rank(group)
     uid = [_native.bootstrap_unique_id() if rank == 0 else None]
     dist.broadcast_object_list(uid, src=dist.get_global_rank(group, 0), group=group)
-    timeout = _env.host_timeout_s()
+    timeout = env_host_timeout_s()
     native = _native.Group(uid[0], rank, dist.get_world_size(group), timeout)
     _GROUPS[group] = (group, native)
     return native

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from . import _env, _native, _registry
 from ._buffer_common import PlanCache
-from ._device_timeout import device_timeout_ns, env_device_timeout_ns
+from ._device_timeout import device_timeout_ns, env_device_timeout_ns, env_host_timeout_s
 from ._group import native_group
 from ._streams import current_raw_stream
 from .checks import (
@@ -385,7 +385,7 @@ class AllReduce:
         else:
             timeout_ns = device_timeout_ns("device_timeout_s", device_timeout_s)
         if timeout_s is None:
-            timeout_s = _env.host_timeout_s()
+            timeout_s = env_host_timeout_s()
         if not torch.cuda.is_available():
             raise RuntimeError("moelink.AllReduce needs a CUDA device")
         if not dist.is_initialized():

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from . import _env, _native, _registry
 from ._buffer_common import PlanCache, _check_ids, _CudaMemory, at_rows, empty, output_specs
-from ._device_timeout import env_device_timeout_ns
+from ._device_timeout import env_device_timeout_ns, env_host_timeout_s
 from ._group import native_group as _native_group
 from ._streams import (
     NO_STREAM_SWITCH,
@@ -262,7 +262,7 @@ class Buffer(LowLatencyMixin):
         self._comm_raw = self._comm_stream.cuda_stream
         # Orders the communication stream after the caller's and back (one event).
         self._order = _native.StreamOrder(self.device.index)
-        timeout = _env.host_timeout_s()
+        timeout = env_host_timeout_s()
         # Bound of every low-latency receive: MOELINK_LL_TIMEOUT_S, else the
         # intranode one (30 s unless set), under the host bound so that the
         # device's error (naming the peer and counter) is the one raised.

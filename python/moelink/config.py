@@ -215,7 +215,7 @@ class Config:
         nodes)`` records of the NVLink slot plus ``4 * ranks_per_node + 16`` bytes.
         """
         if ranks_per_node is None:
-            ranks_per_node = _env.ranks_per_node()
+            ranks_per_node = _env_ranks_per_node()
         if ranks_per_node is None:
             local = os.environ.get("LOCAL_WORLD_SIZE", "")
             ranks_per_node = int(local) if local.strip().isdigit() else 8
@@ -225,6 +225,18 @@ class Config:
             check_int("max_tokens_per_rank", max_tokens_per_rank),
             check_int("ranks_per_node", ranks_per_node),
         )
+
+
+def _env_ranks_per_node() -> int | None:
+    """``MOELINK_RANKS_PER_NODE`` (emulated nodes of that many consecutive ranks),
+    or None where unset or empty; anything but a positive integer raises
+    ``ValueError`` naming the variable, as the native side does."""
+    raw = _env.get("MOELINK_RANKS_PER_NODE")
+    if raw is None or not raw.strip():
+        return None
+    if not raw.strip().isdigit() or int(raw) <= 0:
+        raise ValueError(f"MOELINK_RANKS_PER_NODE must be a positive integer, got {raw!r}")
+    return int(raw)
 
 
 # Chunk sizes mirror DeepEP's tuned tables so printed configs look familiar; they do
