@@ -95,6 +95,9 @@ for n in $RANKS; do
   # kernels (MOELINK_INTRANODE_FUSED=0; the fused ones are the default).
   [ -n "${GPU_RUN_UNFUSED:-}" ] && run "intranode-unfused-$n" 400 env MOELINK_INTRANODE_FUSED=0 \
     $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
+  # The intranode suite again on the packed dispatch (MOELINK_INTRANODE_RECV=packed).
+  run "intranode-packed-$n" 400 env MOELINK_INTRANODE_RECV=packed \
+    $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
   run "low_latency-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/ll_worker.py
   # A rank killed mid-dispatch: the others raise TimeoutError naming it, none hangs.
   # Never under MPS: an MPS client that exits while its kernel runs faults every

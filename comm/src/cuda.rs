@@ -410,6 +410,19 @@ impl StreamHandle {
         // SAFETY: the caller guarantees the handle is a live stream of the current context.
         unsafe { result::stream::synchronize(self.raw()) }.call("cuStreamSynchronize")
     }
+    /// Enqueues a copy of `len` bytes from device address `src` to `dst` on
+    /// the stream (`cuMemcpyAsync`: the copy engines, no SM); a copy node when
+    /// the stream is capturing.
+    ///
+    /// # Safety
+    /// Both ranges are device memory mapped in the stream's context, live
+    /// until the copy ran, and do not overlap.
+    pub unsafe fn copy_async(self, dst: u64, src: u64, len: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuMemcpyAsync(dst, src, len, self.raw()) }
+            .result()
+            .call("cuMemcpyAsync")
+    }
 }
 
 /// A CUDA stream this crate created (non-blocking w.r.t. the legacy stream),

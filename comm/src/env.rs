@@ -186,6 +186,15 @@ pub static SWITCHES: &[Switch] = &[
         "`1` at Buffer creation: the fused intranode kernels record phase stamps.",
     ),
     s(
+        "MOELINK_INTRANODE_RECV",
+        User,
+        "kernels",
+        "At Buffer creation: how an intranode dispatch receives. `packed`: every SM of the call \
+         sends, straight to the received rows, and one device copy per output receives (faster \
+         on an otherwise idle GPU at up to 16 SMs; the copy takes the whole GPU for about 100 us \
+         after the sends).",
+    ),
+    s(
         "MOELINK_IPC_CONTEXT",
         Experiment,
         "unset: the proxy's own context",

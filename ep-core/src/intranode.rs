@@ -42,7 +42,7 @@ use ep_kernels::intranode::CtxKernel::{
 };
 use ep_kernels::intranode::{
     self as k, CombineRecvArgs, CombineSendArgs, FusedGrid, FusedHalves, FusedState, IntranodeCtx,
-    NotifyArgs, RecordLayout, RecvArgs, SendArgs, CTRL_BYTES,
+    NotifyArgs, PackedLayout, RecordLayout, RecvArgs, SendArgs, CTRL_BYTES,
 };
 
 use crate::part::{BufferPart, EpBufferOptions, PartBase, PhaseStamps};
@@ -211,14 +211,57 @@ fn parse_fused_mode(fused: Option<&str>) -> Result<Option<RecvShares>> {
     }
 }
 
-/// Fused mode: a dispatch whose receive half comes next.
+/// How a dispatch receives (`MOELINK_INTRANODE_RECV`, read at Buffer
+/// creation; every rank must make the same choice).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecvPolicy {
+    /// The receive kernels (fused beside the send, or separate): the default.
+    Kernels,
+    /// Packed: every SM of the call sends, each copy of a token straight to
+    /// its received row on the destination, and one contiguous device copy
+    /// per output field receives. Every SM that stores moves at most about 47
+    /// GB/s (benches/probe/local_copy_probe.cu on H200: 16-byte stores and
+    /// bulk copies alike), and the receive kernels store every received byte
+    /// once more, so giving all SMs to the senders nearly doubles the
+    /// bandwidth at 4-12 SMs. But the driver runs a same-device copy on SMs,
+    /// with or without its prefer-copy-engine hint (it waited for a kernel
+    /// that held every SM): it needs about 100 us of the whole GPU after the
+    /// sends, and it waits for a persistent kernel beside it to end. Hence
+    /// opt-in, for a GPU that does nothing else during the dispatch.
+    Packed,
+}
+
+/// Selects how an intranode dispatch receives: `kernels` (the default) or `packed`.
+pub const RECV_ENV: &str = "MOELINK_INTRANODE_RECV";
+
+impl RecvPolicy {
+    pub fn from_env() -> Result<RecvPolicy> {
+        Self::parse(comm::env::var(RECV_ENV).as_deref())
+    }
+
+    fn parse(v: Option<&str>) -> Result<RecvPolicy> {
+        match v.map(str::trim) {
+            None | Some("") | Some("kernels") => Ok(RecvPolicy::Kernels),
+            Some("packed") => Ok(RecvPolicy::Packed),
+            Some(v) => Err(CommError::invalid(
+                RECV_ENV,
+                format!("{v:?}: expected kernels or packed"),
+            )),
+        }
+    }
+}
+
+/// A dispatch whose receive half comes next (fused mode, or packed).
 #[derive(Clone, Copy, Debug)]
 struct PendingSend {
     send: SendArgs,
     dispatch_slots: usize,
     /// The send half is running (normal dispatch: the receive half follows on
-    /// the side stream), else it waits to be launched with the receive half.
+    /// the side stream; packed: always), else it waits to be launched with
+    /// the receive half.
     launched: bool,
+    /// Packed (`dispatch_send_packed` ran): the copy engines receive.
+    packed: bool,
 }
 
 /// Fused mode's streams: the receive half of a normal dispatch runs on `side`
@@ -317,6 +360,8 @@ pub struct IntranodeBuffer {
     scratch: DeviceMemory,
     /// `Some(receiver shares)`: fused kernels.
     fused: Option<RecvShares>,
+    /// When a dispatch is packed (copy-engine receive).
+    recv_policy: RecvPolicy,
     /// Fused mode's side stream and its orderings.
     side: Option<SideStream>,
     /// Fused mode: the send half of the dispatch whose receive half comes next.
@@ -342,6 +387,7 @@ impl IntranodeBuffer {
         opts: &EpBufferOptions,
     ) -> Result<Self> {
         let fused = fused_mode_from_env()?;
+        let recv_policy = RecvPolicy::from_env()?;
         let device = part.device();
         let comm = part.comm().clone();
         let (channels, channel_table) =
@@ -367,6 +413,7 @@ impl IntranodeBuffer {
                 None => None,
             },
             fused,
+            recv_policy,
             pending: None,
             host,
             host_epoch: 0,
@@ -530,6 +577,28 @@ impl IntranodeBuffer {
             num_sms,
         };
         self.pending = None;
+        if self.recv_policy == RecvPolicy::Packed {
+            let packed = self.packed_layout(&ctx, &rec);
+            // SAFETY: as above; rank_prefix_matrix is notify's (written before
+            // this launch on the same stream) or the handle's.
+            unsafe {
+                k::dispatch_send_packed(
+                    self.part.kernels(),
+                    stream,
+                    ctx,
+                    send,
+                    packed,
+                    inp.rank_prefix_matrix,
+                )
+            }?;
+            self.pending = Some(PendingSend {
+                send,
+                dispatch_slots: ctx.dispatch_slots as usize,
+                launched: true,
+                packed: true,
+            });
+            return Ok(());
+        }
         let Some(grid) = self.fused_grid(num_sms, |s| s.dispatch) else {
             // SAFETY: as above.
             return unsafe { k::dispatch_send(self.part.kernels(), stream, ctx, send) };
@@ -555,6 +624,7 @@ impl IntranodeBuffer {
             send,
             dispatch_slots: ctx.dispatch_slots as usize,
             launched: early,
+            packed: false,
         });
         Ok(())
     }
@@ -621,6 +691,15 @@ impl IntranodeBuffer {
             num_sms,
         };
         if let Some(pending) = self.pending.take() {
+            if pending.packed {
+                if pending.dispatch_slots != cap {
+                    return Err(CommError::invalid(
+                        "x",
+                        "the receive half of a dispatch does not match its send half",
+                    ));
+                }
+                return self.packed_recv(stream, ctx, recv);
+            }
             let grid = self.fused_grid(num_sms, |s| s.dispatch).ok_or_else(|| {
                 CommError::invalid(
                     "num_sms",
@@ -682,6 +761,53 @@ impl IntranodeBuffer {
         // SAFETY: as above.
         unsafe { k::dispatch_recv(self.part.kernels(), stream, ctx, recv) }?;
         Ok(())
+    }
+
+    /// The packed arrays of a dispatch of records `rec` in `ctx`'s dispatch region.
+    fn packed_layout(&self, ctx: &IntranodeCtx, rec: &RecordLayout) -> PackedLayout {
+        PackedLayout::new(
+            rec,
+            ctx.dispatch_offset,
+            self.part.num_ranks(),
+            ctx.dispatch_slots as usize,
+        )
+    }
+
+    /// The receive of a packed dispatch: wait for every peer's send, copy
+    /// each wanted packed array into its output with the copy engines (one
+    /// contiguous range each: the senders wrote received-row order), then
+    /// `finish_rows` (padding, poisoning, strided scales; nothing otherwise).
+    fn packed_recv(&self, stream: StreamHandle, ctx: IntranodeCtx, recv: RecvArgs) -> Result<()> {
+        let rec = recv.rec;
+        let packed = self.packed_layout(&ctx, &rec);
+        // SAFETY: channels are live.
+        unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchWait) }?;
+        let o = recv.out;
+        // Rows past the arrays are padding (num_worst_tokens): finish_rows writes them.
+        let rows = o.num_rows.clamp(0, packed.capacity) as usize;
+        let base = self.nvl.ptr();
+        let copy = |dst: u64, offset: i64, row_bytes: usize| -> Result<()> {
+            if dst == 0 || row_bytes == 0 || rows == 0 {
+                return Ok(());
+            }
+            // SAFETY: the output holds `num_rows` rows of `row_bytes` (the
+            // caller checked it); the array holds `capacity` rows, in this
+            // rank's NVL buffer, complete once the wait above returned.
+            unsafe { stream.copy_async(dst, base + offset as u64, rows * row_bytes) }
+        };
+        let s = rec.num_scales as usize;
+        let topk = rec.num_topk as usize;
+        copy(o.recv_x, packed.rows, rec.hidden_bytes as usize)?;
+        let scales_packed = o.scale_strides == (s as i64, 1);
+        if scales_packed {
+            copy(o.recv_scales, packed.scales, 4 * s)?;
+        }
+        copy(o.recv_topk_idx, packed.idx, 8 * topk)?;
+        copy(o.recv_topk_weights, packed.w, 4 * topk)?;
+        copy(o.recv_src_idx, packed.src, 4)?;
+        let copy_scales = s > 0 && o.recv_scales != 0 && !scales_packed;
+        // SAFETY: as above.
+        unsafe { k::finish_rows(self.part.kernels(), stream, ctx, recv, packed, copy_scales) }
     }
 
     /// Launches a whole combine on `stream`.
@@ -835,5 +961,26 @@ mod tests {
         }
         assert_eq!(DEFAULT_SHARES.dispatch, 50);
         assert_eq!(DEFAULT_SHARES.combine, 50);
+    }
+
+    #[test]
+    fn recv_policy_parses() {
+        assert_eq!(RecvPolicy::parse(None).unwrap(), RecvPolicy::Kernels);
+        assert_eq!(RecvPolicy::parse(Some("")).unwrap(), RecvPolicy::Kernels);
+        assert_eq!(
+            RecvPolicy::parse(Some(" kernels ")).unwrap(),
+            RecvPolicy::Kernels
+        );
+        assert_eq!(
+            RecvPolicy::parse(Some("packed")).unwrap(),
+            RecvPolicy::Packed
+        );
+        for v in ["1", "auto", "Packed", "copy"] {
+            let e = RecvPolicy::parse(Some(v)).unwrap_err().to_string();
+            assert!(
+                e.contains(RECV_ENV) && e.contains("kernels or packed"),
+                "{e}"
+            );
+        }
     }
 }

@@ -195,6 +195,54 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv(const __grid_constant_
   }
 }
 
+// dispatch_send_packed (packed dispatch): dispatch_send with every copy of a
+// token written to its received row on the destination (PackedDst): rows
+// [prefix, prefix + count) of each destination's packed arrays come from
+// this rank. The last block signals every peer; wait_peers, the copy engines
+// and finish_rows follow on the receiving side.
+__global__ void __launch_bounds__(kThreads) dispatch_send_packed(const __grid_constant__ DispatchPackedParams a) {
+  const Ctx& c = a.send.c;
+  const int lane = threadIdx.x % 32;
+  const int R = c.num_ranks;
+  const int my_prefix = lane < R && c.rank > 0 ? a.rank_prefix_matrix[(c.rank - 1) * R + lane] : 0;
+  const PackedDst dst{c, a.send.rec, a.packed, my_prefix};
+  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  for (int64_t t = warp; t < a.send.num_tokens; t += nwarps) write_token(a.send, t, lane, 0xffffffffu, dst);
+  last_block_signals(c);
+}
+
+// finish_rows (packed dispatch, after the copy engines moved the packed
+// arrays into the outputs): a warp per output row, and only where there is
+// something left to do: every row is poisoned once any wait of this Buffer
+// timed out (as dispatch_recv), rows past the received count (num_worst_tokens)
+// are padded, and a strided recv_scales gets its scales here. Otherwise every
+// block returns at once.
+__global__ void __launch_bounds__(kThreads) finish_rows(const __grid_constant__ FinishRowsParams a) {
+  const DispatchRecvParams& r = a.recv;
+  const Ctx& c = r.c;
+  const int lane = threadIdx.x % 32;
+  const int R = c.num_ranks;
+  const int my_prefix = lane < R ? r.rank_prefix_matrix[lane * R + c.rank] : 0;
+  const int64_t num_recv = __shfl_sync(0xffffffffu, my_prefix, R - 1);
+  const bool poisoned = timed_out_peers(c) != 0;
+  if (!poisoned && !a.copy_scales && r.num_rows <= num_recv) return;
+  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const int S = r.rec.num_scales;
+  const float* scales = reinterpret_cast<const float*>(c.local + a.packed.scales);
+  for (int64_t i = warp; i < r.num_rows; i += nwarps) {
+    if (poisoned) {
+      poison_row(r, i, lane);
+    } else if (i >= num_recv) {
+      pad_row(r, i, lane);
+    } else if (a.copy_scales) {
+      for (int j = lane; j < S; j += 32)
+        r.recv_scales[i * r.scale_stride0 + j * r.scale_stride1] = scales[i * S + j];
+    }
+  }
+}
+
 // dispatch (fused): run_dispatch of intranode.cuh, whose comment has what the
 // blocks do (internode's dispatch kernel runs its receive-only launches too).
 __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ DispatchFusedParams a) {

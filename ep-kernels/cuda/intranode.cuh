@@ -114,6 +114,42 @@ static_assert(sizeof(DispatchRecvParams) == 184, "mirrored in Rust");
 static_assert(offsetof(DispatchRecvParams, num_rows) == 120, "mirrored in Rust");
 static_assert(offsetof(DispatchRecvParams, recv_src_idx) == 176, "mirrored in Rust");
 
+// The packed dispatch (copy-engine receive; ep-core's PackedPolicy picks it):
+// the senders write every copy of a token straight to its received row on the
+// destination, into arrays of the destination's dispatch region, so each
+// received field is one contiguous range that copy engines move into the
+// output with no SM. Byte offsets in every rank's NVL buffer, each array
+// `capacity` rows long; mirrored in Rust (ep_kernels::intranode::PackedLayout).
+struct PackedLayout {
+  int64_t rows;      // [capacity][hidden_bytes]
+  int64_t scales;    // [capacity][num_scales] f32
+  int64_t idx;       // [capacity][K] int64 local expert ids (-1 elsewhere)
+  int64_t w;         // [capacity][K] f32 weights (0 elsewhere)
+  int64_t src;       // [capacity] int32 source token index
+  int64_t capacity;  // rows of each array
+};
+static_assert(sizeof(PackedLayout) == 48, "mirrored in Rust");
+
+struct DispatchPackedParams {
+  DispatchSendParams send;
+  PackedLayout packed;
+  const int* rank_prefix_matrix;  // [R, R]: a token's row on d is prefix + its slot
+};
+static_assert(sizeof(DispatchPackedParams) == 232, "mirrored in Rust");
+static_assert(offsetof(DispatchPackedParams, rank_prefix_matrix) == 224, "mirrored in Rust");
+
+// What the copy engines leave to a kernel after a packed dispatch: padding
+// rows (num_worst_tokens), poisoned rows (a peer timed out) and scales into a
+// strided recv_scales (`copy_scales`).
+struct FinishRowsParams {
+  DispatchRecvParams recv;
+  PackedLayout packed;
+  int copy_scales;
+  int pad;
+};
+static_assert(sizeof(FinishRowsParams) == 240, "mirrored in Rust");
+static_assert(offsetof(FinishRowsParams, copy_scales) == 232, "mirrored in Rust");
+
 struct CombineSendParams {
   Ctx c;
   const char* y;                   // [rows, hidden] bf16
@@ -323,11 +359,35 @@ __device__ bool wait_record(const Ctx& c, const uint64_t* flag, uint64_t want, i
   return true;
 }
 
-// Writes token t's records (row, scales, local top-k ids, weights, source
-// index) into its destinations' slots, no flags. Returns, on lane d, the slot
-// of t's record in rank d (a destination that `allowed` keeps), else -1.
-__device__ __forceinline__ int write_token_records(const DispatchSendParams& a, int64_t t,
-                                                   int lane, unsigned allowed) {
+// Where one destination's copy of a token goes: its row, scales, local top-k
+// ids, weights and source index.
+struct TokenDst {
+  char* row;
+  float* scales;
+  int64_t* idx;
+  float* w;
+  int* src;
+};
+
+// Token t's copy for rank d in slot `slot` of block [rank] of d's dispatch
+// region (one record: the fixed-slot layout).
+struct RecordDst {
+  const Ctx& c;
+  const RecordLayout& rec;
+  __device__ __forceinline__ TokenDst operator()(int d, int64_t slot, int /*lane*/) const {
+    char* r = peer_base(c, d) + c.dispatch_offset + (int64_t(c.rank) * c.dispatch_slots + slot) * rec.bytes;
+    return {r, reinterpret_cast<float*>(r + rec.hidden_bytes),
+            reinterpret_cast<int64_t*>(r + rec.idx_offset), reinterpret_cast<float*>(r + rec.w_offset),
+            reinterpret_cast<int*>(r + rec.src_offset)};
+  }
+};
+
+// Writes token t's copies (row, scales, local top-k ids, weights, source
+// index) for its destinations where `dst` puts them, no flags. Returns, on
+// lane d, the slot of t on rank d (a destination that `allowed` keeps), else -1.
+template <class Dst>
+__device__ __forceinline__ int write_token(const DispatchSendParams& a, int64_t t, int lane,
+                                           unsigned allowed, const Dst& dst_of) {
   const Ctx& c = a.c;
   const RecordLayout& rec = a.rec;
   const int R = c.num_ranks, K = rec.num_topk;
@@ -350,22 +410,47 @@ __device__ __forceinline__ int write_token_records(const DispatchSendParams& a, 
     dests &= dests - 1;
     const int d = j + c.rank < R ? j + c.rank : j + c.rank - R;
     const int64_t slot = __shfl_sync(0xffffffffu, my_slot, d);
-    char* dst = peer_base(c, d) + c.dispatch_offset +
-                (int64_t(c.rank) * c.dispatch_slots + slot) * rec.bytes;
-    warp_copy16(dst, row, rec.hidden_bytes, lane);
-    float* dst_scales = reinterpret_cast<float*>(dst + rec.hidden_bytes);
+    const TokenDst dst = dst_of(d, slot, lane);
+    if (dst.row == nullptr) continue;
+    warp_copy16(dst.row, row, rec.hidden_bytes, lane);
     for (int s = lane; s < rec.num_scales; s += 32)
-      dst_scales[s] = a.scales[t * a.scale_stride0 + s * a.scale_stride1];
+      dst.scales[s] = a.scales[t * a.scale_stride0 + s * a.scale_stride1];
     if (lane < K) {
       const int64_t first = int64_t(d) * a.experts_per_rank;
       const bool mine = my_id >= first && my_id < first + a.experts_per_rank;
-      reinterpret_cast<int64_t*>(dst + rec.idx_offset)[lane] = mine ? my_id - first : -1;
-      if (a.topk_weights != nullptr)
-        reinterpret_cast<float*>(dst + rec.w_offset)[lane] = mine ? my_w : 0.f;
+      dst.idx[lane] = mine ? my_id - first : -1;
+      if (a.topk_weights != nullptr) dst.w[lane] = mine ? my_w : 0.f;
     }
-    if (lane == 0) *reinterpret_cast<int*>(dst + rec.src_offset) = int(t);
+    if (lane == 0) *dst.src = int(t);
   }
   return mine_to_send ? my_slot : -1;
+}
+
+// Token t's copy for rank d in a packed dispatch: row `prefix + slot` of d's
+// packed arrays, where lane d's `my_prefix` is the tokens d receives from the
+// ranks before this one. A row past the arrays (stale counts after a timeout)
+// is skipped (row null).
+struct PackedDst {
+  const Ctx& c;
+  const RecordLayout& rec;
+  const PackedLayout& L;
+  int my_prefix;
+  __device__ __forceinline__ TokenDst operator()(int d, int64_t slot, int /*lane*/) const {
+    const int64_t i = int64_t(__shfl_sync(0xffffffffu, my_prefix, d)) + slot;
+    if (i >= L.capacity) return {nullptr, nullptr, nullptr, nullptr, nullptr};
+    char* b = peer_base(c, d);
+    const int K = rec.num_topk;
+    return {b + L.rows + i * rec.hidden_bytes,
+            reinterpret_cast<float*>(b + L.scales) + i * rec.num_scales,
+            reinterpret_cast<int64_t*>(b + L.idx) + i * K, reinterpret_cast<float*>(b + L.w) + i * K,
+            reinterpret_cast<int*>(b + L.src) + i};
+  }
+};
+
+// The fixed-slot records of token t (write_token into RecordDst).
+__device__ __forceinline__ int write_token_records(const DispatchSendParams& a, int64_t t,
+                                                   int lane, unsigned allowed) {
+  return write_token(a, t, lane, allowed, RecordDst{a.c, a.rec});
 }
 
 // The flag of the record in `slot` of rank `lane` (this rank's block there),

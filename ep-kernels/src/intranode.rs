@@ -163,6 +163,37 @@ pub(crate) struct DispatchFusedParams {
 }
 
 /// `moelink::intranode::CombineFusedParams`.
+/// `moelink::intranode::PackedLayout`: the packed dispatch's arrays (byte
+/// offsets in every rank's NVL buffer, `capacity` rows each), which the
+/// senders fill in received-row order and copy engines move into the outputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct PackedLayout {
+    pub rows: i64,
+    pub scales: i64,
+    pub idx: i64,
+    pub w: i64,
+    pub src: i64,
+    pub capacity: i64,
+}
+
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct DispatchPackedParams {
+    send: DispatchSendParams,
+    packed: PackedLayout,
+    rank_prefix_matrix: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct FinishRowsParams {
+    recv: DispatchRecvParams,
+    packed: PackedLayout,
+    copy_scales: i32,
+    pad: i32,
+}
+
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
 struct CombineFusedParams {
@@ -198,6 +229,11 @@ param_layout!(
         offsetof!(CombineFusedParams, recv == 128),
         offsetof!(CombineFusedParams, num_send_blocks == 296),
         sizeof!(IntranodeCtx as Ctx == 80),
+        sizeof!(PackedLayout == 48),
+        sizeof!(DispatchPackedParams == 232),
+        offsetof!(DispatchPackedParams, rank_prefix_matrix == 224),
+        sizeof!(FinishRowsParams == 240),
+        offsetof!(FinishRowsParams, copy_scales == 232),
     ]
 );
 
@@ -243,6 +279,36 @@ impl RecordLayout {
 
 /// Bytes of a combine record: a bf16 row of `hidden` plus `num_topk` f32
 /// weights, padded so that it ends in an 8-byte flag at a multiple of 16 bytes.
+impl PackedLayout {
+    /// The arrays of a packed dispatch of records `rec` in a dispatch region
+    /// of `slots` records per source rank at byte `offset` (the fixed-slot
+    /// layout's region: `ranks * slots` rows of each array fit in it, since a
+    /// record holds every field and more). The rows start 16-byte aligned (a
+    /// multiple of 128 bytes each), the ids 8-byte aligned, the rest 4.
+    pub fn new(rec: &RecordLayout, offset: u64, ranks: usize, slots: usize) -> PackedLayout {
+        let capacity = (ranks * slots) as i64;
+        let k = rec.num_topk as i64;
+        let rows = offset as i64;
+        let scales = rows + capacity * rec.hidden_bytes as i64;
+        let idx = round_up(scales + capacity * 4 * rec.num_scales as i64, 8);
+        let w = idx + capacity * 8 * k;
+        let src = w + capacity * 4 * k;
+        PackedLayout {
+            rows,
+            scales,
+            idx,
+            w,
+            src,
+            capacity,
+        }
+    }
+
+    /// One past the last byte the arrays use.
+    pub fn end(&self) -> i64 {
+        self.src + 4 * self.capacity
+    }
+}
+
 pub fn combine_record_bytes(hidden: usize, num_topk: usize) -> i64 {
     round_up(2 * hidden as i64 + 4 * num_topk as i64 + FLAG_BYTES, 16)
 }
@@ -431,6 +497,66 @@ pub unsafe fn dispatch_send(
 }
 
 /// The send half's argument block (checked).
+/// Launches `dispatch_send_packed`: [`dispatch_send`] with every copy of a
+/// token written to its received row of the destination's packed arrays
+/// (`rank_prefix_matrix` `[R, R]` int32 on the device: notify's, or the
+/// handle's for a cached dispatch).
+///
+/// # Safety
+/// As [`dispatch_send`]; `packed` lies in every rank's dispatch region.
+pub unsafe fn dispatch_send_packed(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    a: SendArgs,
+    packed: PackedLayout,
+    rank_prefix_matrix: u64,
+) -> Result<()> {
+    let grid = data_grid(a.num_sms, a.num_tokens as i64);
+    let p = DispatchPackedParams {
+        send: send_params(ctx, &a)?,
+        packed,
+        rank_prefix_matrix,
+    };
+    // SAFETY: as above.
+    unsafe {
+        k.launch_params(
+            KernelId::DispatchSendPacked,
+            (grid, 1),
+            THREADS,
+            0,
+            stream,
+            p,
+        )
+    }
+}
+
+/// Launches `finish_rows` after the copy engines moved a packed dispatch's
+/// arrays into the outputs: padding rows, poisoned rows after a timeout, and
+/// the scales when `copy_scales` (a strided `recv_scales`).
+///
+/// # Safety
+/// As [`dispatch_recv`].
+pub unsafe fn finish_rows(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    a: RecvArgs,
+    packed: PackedLayout,
+    copy_scales: bool,
+) -> Result<()> {
+    check_ctx(&ctx)?;
+    let grid = data_grid(a.num_sms, a.out.num_rows);
+    let p = FinishRowsParams {
+        recv: recv_params(ctx, &a),
+        packed,
+        copy_scales: copy_scales as i32,
+        pad: 0,
+    };
+    // SAFETY: as above.
+    unsafe { k.launch_params(KernelId::FinishRows, (grid, 1), THREADS, 0, stream, p) }
+}
+
 pub(crate) fn send_params(ctx: IntranodeCtx, a: &SendArgs) -> Result<DispatchSendParams> {
     check_ctx(&ctx)?;
     if a.num_tokens as i64 > ctx.dispatch_slots {
@@ -877,6 +1003,50 @@ mod tests {
         assert!(RecordLayout::dispatch(128, 0, 33).is_err());
         assert_eq!(combine_record_bytes(7168, 8), 14384);
         assert_eq!(combine_record_bytes(64, 0), 144);
+    }
+
+    /// The packed arrays lie in the fixed-slot dispatch region they replace
+    /// (records of every field plus a flag), aligned for their element and disjoint.
+    #[test]
+    fn packed_arrays_fit_the_dispatch_region() {
+        for (h, s, k) in [
+            (14336, 0, 8),
+            (7168, 56, 8),
+            (128, 1, 0),
+            (256, 3, 1),
+            (7168, 0, 0),
+        ] {
+            let rec = RecordLayout::dispatch(h, s, k).unwrap();
+            for (ranks, slots) in [(1, 1), (2, 3), (4, 4096), (8, 777), (32, 5)] {
+                let offset = CTRL_BYTES;
+                let p = PackedLayout::new(&rec, offset, ranks, slots);
+                let cap = (ranks * slots) as i64;
+                assert_eq!(p.capacity, cap);
+                assert_eq!(p.rows, offset as i64);
+                let arrays = [
+                    (p.rows, cap * h as i64),
+                    (p.scales, cap * 4 * s as i64),
+                    (p.idx, cap * 8 * k as i64),
+                    (p.w, cap * 4 * k as i64),
+                    (p.src, cap * 4),
+                ];
+                for w in arrays.windows(2) {
+                    assert!(
+                        w[0].0 + w[0].1 <= w[1].0,
+                        "{rec:?} {ranks}x{slots}: overlap"
+                    );
+                }
+                for ((start, _), align) in arrays.iter().zip([16, 4, 8, 4, 4]) {
+                    assert_eq!(start % align, 0, "{rec:?}: unaligned array");
+                }
+                assert_eq!(p.end(), p.src + 4 * cap);
+                assert!(
+                    p.end() <= offset as i64 + cap * rec.bytes,
+                    "{rec:?} {ranks}x{slots}: {} past the region",
+                    p.end()
+                );
+            }
+        }
     }
 
     #[test]

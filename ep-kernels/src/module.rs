@@ -25,6 +25,8 @@ comm::kernel_table! {
         IntranodeWaitPeers => "moelink::intranode::wait_peers",
         DispatchSend => "moelink::intranode::dispatch_send",
         DispatchRecv => "moelink::intranode::dispatch_recv",
+        DispatchSendPacked => "moelink::intranode::dispatch_send_packed",
+        FinishRows => "moelink::intranode::finish_rows",
         CombineSend => "moelink::intranode::combine_send",
         CombineRecv => "moelink::intranode::combine_recv",
         IntranodeDispatch => "moelink::intranode::dispatch",
@@ -126,9 +128,8 @@ mod profiler_name_tests {
 
     fn side(k: KernelId) -> Side {
         match k {
-            DispatchSend | DispatchRecv | IntranodeDispatch | LlDispatch | InternodeDispatch => {
-                Side::Dispatch
-            }
+            DispatchSend | DispatchRecv | DispatchSendPacked | IntranodeDispatch | LlDispatch
+            | InternodeDispatch => Side::Dispatch,
             CombineSend | CombineRecv | IntranodeCombine | LlCombine | InternodeCombine => {
                 Side::Combine
             }
@@ -138,6 +139,7 @@ mod profiler_name_tests {
             | IntranodeNotify
             | IntranodeBarrier
             | IntranodeWaitPeers
+            | FinishRows
             | InternodeNotify
             | InternodeCachedNotify => Side::Other,
         }
@@ -209,6 +211,24 @@ mod profiler_name_tests {
                 DispatchSend,
                 IntranodeWaitPeers,
                 DispatchRecv,
+            ],
+        ),
+        (
+            "intranode dispatch, packed",
+            &[
+                IntranodeNotify,
+                DispatchSendPacked,
+                IntranodeWaitPeers,
+                FinishRows,
+            ],
+        ),
+        (
+            "intranode cached dispatch, packed",
+            &[
+                IntranodeBarrier,
+                DispatchSendPacked,
+                IntranodeWaitPeers,
+                FinishRows,
             ],
         ),
         (
