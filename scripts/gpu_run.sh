@@ -194,6 +194,15 @@ if [ -n "${GPU_RUN_SANITIZE:-}" ]; then
     MOELINK_INTRANODE_SCENARIOS=layout,dispatch_bf16,dispatch_fp8,dispatch_cached,combine \
     $LAUNCH -n 2 --timeout 520 --no-python compute-sanitizer --tool racecheck --error-exitcode 9 \
     python3 tests/multi_gpu/intranode_worker.py
+  # The packed dispatch's kernels (MOELINK_INTRANODE_RECV=packed) under both tools,
+  # over the dispatch scenarios (worst tokens too: its padding rows).
+  for tool in memcheck racecheck; do
+    run "sanitize-$tool-intranode-packed-2" 540 env "${SAN_ENV[@]}" MOELINK_DEVICE_TIMEOUT_S=120 \
+      MOELINK_INTRANODE_RECV=packed \
+      MOELINK_INTRANODE_SCENARIOS=dispatch_bf16,dispatch_fp8,dispatch_cached,worst_tokens \
+      $LAUNCH -n 2 --timeout 520 --no-python compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      python3 tests/multi_gpu/intranode_worker.py
+  done
   for tool in memcheck racecheck; do
     # Left out under the sanitizer: scenarios that launch thousands of tiny
     # kernels from proxy threads (atomics, Ethernet), which it slows past the

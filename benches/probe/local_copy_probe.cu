@@ -34,14 +34,8 @@
 #include <cstring>
 #include <vector>
 
-#define CK(x)                                                                         \
-  do {                                                                                \
-    cudaError_t e_ = (x);                                                             \
-    if (e_ != cudaSuccess) {                                                          \
-      fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));      \
-      exit(1);                                                                        \
-    }                                                                                 \
-  } while (0)
+#include "probe_common.cuh"
+
 
 struct Shape {
   int ranks;
@@ -79,10 +73,6 @@ __global__ void sm_copy(const char* __restrict__ buf, char* __restrict__ out, Sh
   }
 }
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
 // Dynamic shared memory: [warps][stages] rows of row_bytes, then
 // [warps][stages] mbarriers.
 __global__ void tma_copy(const char* __restrict__ buf, char* __restrict__ out, Shape s,
@@ -118,12 +108,7 @@ __global__ void tma_copy(const char* __restrict__ buf, char* __restrict__ out, S
   for (int64_t j = 0; j < mine; j++) {
     const int k = int(j % stages);
     const uint32_t parity = (phase_bits >> k) & 1;
-    asm volatile(
-        "{\n.reg .pred p;\nwait_%=:\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-        "@!p bra wait_%=;\n}" ::"r"(smem_u32(&bars[k])),
-        "r"(parity)
-        : "memory");
+    mbarrier_wait(&bars[k], parity);
     phase_bits ^= 1u << k;
     const int64_t i = first + j * step;
     asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(
@@ -138,20 +123,6 @@ __global__ void tma_copy(const char* __restrict__ buf, char* __restrict__ out, S
     }
   }
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-}
-
-// Holds its SM until `ns` of GPU time passed since its start.
-__global__ void spin(long long ns) {
-  long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < ns);
-}
-
-static float median(std::vector<float> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
 }
 
 int main(int argc, char** argv) {
@@ -222,17 +193,7 @@ int main(int argc, char** argv) {
     CK(cudaMemcpy(b.data(), ref, out_bytes, cudaMemcpyDeviceToHost));
     const bool ok = memcmp(a.data(), b.data(), out_bytes) == 0;
     if (!ok) failures++;
-    std::vector<float> t;
-    for (int it = 0; it < 23; it++) {
-      CK(cudaEventRecord(e0, st));
-      launch();
-      CK(cudaEventRecord(e1, st));
-      CK(cudaEventSynchronize(e1));
-      float ms;
-      CK(cudaEventElapsedTime(&ms, e0, e1));
-      if (it >= 3) t.push_back(ms);
-    }
-    const float us = median(t) * 1000.f;
+    const float us = median_us(st, launch);
     printf("{\"mode\": \"%s\", \"blocks\": %d, \"warps\": %d, \"stages\": %d, \"us\": %.1f, "
            "\"GBps\": %.1f, \"checked\": %s}\n",
            mode, blocks, warps, stages, us, out_bytes / (us * 1e3), ok ? "true" : "false");

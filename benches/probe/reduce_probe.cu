@@ -1,0 +1,280 @@
+// The receive pass of an intranode combine, alone on one GPU: each token's
+// output row is the f32 sum, in ascending source order, of its copies from up
+// to R source blocks ([R][T] records of `record` bytes, the bf16 row first),
+// stored as bf16. How many bytes per second can one SM read this way, and does
+// loading more copies or more vectors before adding raise it?
+//
+//   plain S U T   T threads per block; each lane loads U 16-byte vectors of S
+//                 copies before it adds them (S = 2, U = 2 is the combine
+//                 kernel's reduce_token today)
+//   tma K         a block per token at a time: one thread bulk-loads (TMA) all
+//                 copies of the block's token K tokens ahead into K stages of
+//                 shared memory, and the whole block sums each stage
+//
+// Every variant's output is checked against a host reference (bit for bit,
+// poisoned first). One JSON object per line: {"mode", "srcs", "unroll",
+// "threads", "blocks", "us", "read_GBps", "read_GBps_per_sm"}, with read bytes =
+// the copies' row bytes (median of 20 runs after 3 warm-ups).
+//
+//   nvcc -O3 -arch=sm_90a -std=c++17 -o reduce_probe benches/probe/reduce_probe.cu
+//   ./reduce_probe [ranks=4] [tokens=4096] [hidden=7168]
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "probe_common.cuh"
+
+
+constexpr int kMaxRanks = 8;
+
+struct Args {
+  const char* buf;      // [R][T] records
+  const int* slots;     // [N][R]: slot of token t's copy in source block d, or -1
+  __nv_bfloat16* out;   // [N][hidden]
+  int64_t record;       // bytes per record
+  int tokens, hidden, ranks, slots_per_source;
+};
+
+// One warp per token; lanes own 16-byte vectors (8 bf16). S copies x U vectors
+// are loaded before they are added; the sum runs in ascending source order.
+template <int S, int U, int kThreads>
+__global__ void __launch_bounds__(kThreads) reduce_plain(const Args a) {
+  const int lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  const int nvec = a.hidden / 8;
+  for (int64_t t = int64_t(blockIdx.x) * warps + threadIdx.x / 32; t < a.tokens;
+       t += int64_t(gridDim.x) * warps) {
+    const int my_slot = lane < a.ranks ? a.slots[t * a.ranks + lane] : -1;
+    const unsigned srcs = __ballot_sync(0xffffffffu, my_slot >= 0);
+    int slot_of[kMaxRanks];
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) slot_of[d] = __shfl_sync(0xffffffffu, my_slot, d);
+    for (int v0 = lane; v0 < nvec; v0 += 32 * U) {
+      float acc[U][8];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[u][k] = 0.f;
+      unsigned m = srcs;
+      while (m) {
+        int d[S];
+#pragma unroll
+        for (int s = 0; s < S; ++s) {
+          d[s] = m ? __ffs(m) - 1 : -1;
+          if (m) m &= m - 1;
+        }
+        int4 w[S][U];
+#pragma unroll
+        for (int s = 0; s < S; ++s)
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int v = v0 + 32 * u;
+            if (d[s] >= 0 && v < nvec) {
+              const int4* r = reinterpret_cast<const int4*>(
+                  a.buf + (int64_t(d[s]) * a.slots_per_source + slot_of[d[s]]) * a.record);
+              w[s][u] = __ldcg(r + v);
+            }
+          }
+#pragma unroll
+        for (int s = 0; s < S; ++s)
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            if (d[s] < 0) continue;
+            const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w[s][u]);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) acc[u][k] += __bfloat162float(x[k]);
+          }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int v = v0 + 32 * u;
+        if (v >= nvec) continue;
+        int4 o;
+        __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) po[k] = __float2bfloat16_rn(acc[u][k]);
+        reinterpret_cast<int4*>(a.out + t * a.hidden)[v] = o;
+      }
+    }
+  }
+}
+
+// Dynamic shared memory: K stages of [R][hidden] bf16, then K mbarriers.
+template <int K>
+__global__ void __launch_bounds__(1024) reduce_tma(const Args a) {
+  extern __shared__ __align__(128) char smem[];
+  const int64_t row_bytes = int64_t(a.hidden) * 2;
+  const int64_t stage_bytes = int64_t(a.ranks) * row_bytes;
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + K * stage_bytes);
+  __shared__ unsigned present[K];
+  const int nvec = a.hidden / 8;
+  const int64_t first = blockIdx.x, step = gridDim.x;
+  const int64_t mine = first < a.tokens ? (a.tokens - first + step - 1) / step : 0;
+  if (threadIdx.x == 0) {
+    for (int k = 0; k < K; ++k)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(&bars[k])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  __syncthreads();
+  // Thread 0: the copies of the block's j-th token into stage j % K.
+  auto load = [&](int64_t j) {
+    const int k = int(j % K);
+    const int64_t t = first + j * step;
+    unsigned m = 0;
+    uint32_t bytes = 0;
+    for (int d = 0; d < a.ranks; ++d)
+      if (a.slots[t * a.ranks + d] >= 0) m |= 1u << d, bytes += uint32_t(row_bytes);
+    present[k] = m;
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(&bars[k])),
+                 "r"(bytes)
+                 : "memory");
+    for (int d = 0; d < a.ranks; ++d) {
+      const int s = a.slots[t * a.ranks + d];
+      if (s < 0) continue;
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+              "r"(smem_u32(smem + k * stage_bytes + d * row_bytes)),
+          "l"(a.buf + (int64_t(d) * a.slots_per_source + s) * a.record), "r"(uint32_t(row_bytes)),
+          "r"(smem_u32(&bars[k]))
+          : "memory");
+    }
+  };
+  if (threadIdx.x == 0)
+    for (int64_t j = 0; j < K && j < mine; ++j) load(j);
+  for (int64_t j = 0; j < mine; ++j) {
+    const int k = int(j % K);
+    const uint32_t parity = uint32_t((j / K) & 1);
+    mbarrier_wait(&bars[k], parity);
+    const unsigned m0 = present[k];
+    const int64_t t = first + j * step;
+    const char* stage = smem + k * stage_bytes;
+    for (int v = threadIdx.x; v < nvec; v += blockDim.x) {
+      float acc[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) acc[q] = 0.f;
+      for (unsigned m = m0; m; m &= m - 1) {
+        const int d = __ffs(m) - 1;
+        const int4 w = reinterpret_cast<const int4*>(stage + d * row_bytes)[v];
+        const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
+#pragma unroll
+        for (int q = 0; q < 8; ++q) acc[q] += __bfloat162float(x[q]);
+      }
+      int4 o;
+      __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+      for (int q = 0; q < 8; ++q) po[q] = __float2bfloat16_rn(acc[q]);
+      reinterpret_cast<int4*>(a.out + t * a.hidden)[v] = o;
+    }
+    __syncthreads();  // the stage is read out; present[k] may change
+    if (threadIdx.x == 0 && j + K < mine) load(j + K);
+  }
+}
+
+static float bf2f(uint16_t b) {
+  uint32_t u = uint32_t(b) << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+static uint16_t f2bf(float f) {  // round to nearest even, finite inputs
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  u += 0x7fff + ((u >> 16) & 1);
+  return uint16_t(u >> 16);
+}
+
+int main(int argc, char** argv) {
+  const int R = argc > 1 ? atoi(argv[1]) : 4;
+  const int N = argc > 2 ? atoi(argv[2]) : 4096;
+  const int H = argc > 3 ? atoi(argv[3]) : 7168;
+  if (R < 1 || R > kMaxRanks || H % 8 || N < 1) {
+    fprintf(stderr, "bad shape\n");
+    return 2;
+  }
+  const int64_t record = (int64_t(H) * 2 + 32 + 8 + 15) / 16 * 16;  // row, 8 weights, flag
+  // Routing: each token reaches each rank with probability 0.9 (top-8 of 256
+  // over 4 ranks reaches about 3.6 of them), at least one.
+  std::vector<int> slots(int64_t(N) * R, -1), count(R, 0);
+  uint64_t x = 0x2545F4914F6CDD1Dull;
+  auto rnd = [&] {
+    x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+    return x;
+  };
+  int64_t copies = 0;
+  for (int t = 0; t < N; ++t) {
+    bool any = false;
+    for (int d = 0; d < R; ++d)
+      if (rnd() % 10 != 0) slots[int64_t(t) * R + d] = count[d]++, any = true, copies++;
+    if (!any) slots[int64_t(t) * R] = count[0]++, copies++;
+  }
+  const int T = N;
+  const int64_t buf_bytes = int64_t(R) * T * record;
+  std::vector<uint16_t> hbuf(buf_bytes / 2);
+  for (auto& v : hbuf) v = f2bf(float(int64_t(rnd() % 2001) - 1000) / 256.f);
+  std::vector<uint16_t> want(int64_t(N) * H);
+  for (int t = 0; t < N; ++t)
+    for (int h = 0; h < H; ++h) {
+      float acc = 0.f;
+      for (int d = 0; d < R; ++d) {
+        const int s = slots[int64_t(t) * R + d];
+        if (s >= 0) acc += bf2f(hbuf[((int64_t(d) * T + s) * record) / 2 + h]);
+      }
+      want[int64_t(t) * H + h] = f2bf(acc);
+    }
+  Args a;
+  char* buf;
+  int* dslots;
+  __nv_bfloat16* out;
+  CK(cudaMalloc(&buf, buf_bytes));
+  CK(cudaMalloc(&dslots, slots.size() * 4));
+  CK(cudaMalloc(&out, int64_t(N) * H * 2));
+  CK(cudaMemcpy(buf, hbuf.data(), buf_bytes, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(dslots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+  a.buf = buf, a.slots = dslots, a.out = out, a.record = record;
+  a.tokens = N, a.hidden = H, a.ranks = R, a.slots_per_source = T;
+  const double read_bytes = double(copies) * H * 2;
+  printf("{\"shape\": {\"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"copies\": %lld, "
+         "\"read_bytes\": %.0f}}\n",
+         R, N, H, (long long)copies, read_bytes);
+  int failures = 0;
+  std::vector<uint16_t> got(int64_t(N) * H);
+  auto run = [&](const char* mode, int s, int u, int threads, int blocks, size_t smem,
+                 auto kernel) {
+    CK(cudaMemset(out, 0xff, int64_t(N) * H * 2));
+    kernel<<<blocks, threads, smem>>>(a);
+    CK(cudaGetLastError());
+    CK(cudaDeviceSynchronize());
+    CK(cudaMemcpy(got.data(), out, got.size() * 2, cudaMemcpyDeviceToHost));
+    const bool ok = got == want;
+    if (!ok) failures++;
+    const float us = median_us(0, [&] { kernel<<<blocks, threads, smem>>>(a); });
+    printf("{\"mode\": \"%s\", \"srcs\": %d, \"unroll\": %d, \"threads\": %d, \"blocks\": %d, "
+           "\"us\": %.1f, \"read_GBps\": %.1f, \"read_GBps_per_sm\": %.1f, \"checked\": %s}\n",
+           mode, s, u, threads, blocks, us, read_bytes / (us * 1e3), read_bytes / (us * 1e3) / blocks,
+           ok ? "true" : "false");
+    fflush(stdout);
+  };
+  for (int blocks : {1, 2, 4, 8}) {
+    run("plain", 2, 2, 1024, blocks, 0, reduce_plain<2, 2, 1024>);
+    run("plain", 4, 2, 1024, blocks, 0, reduce_plain<4, 2, 1024>);
+    run("plain", 4, 4, 512, blocks, 0, reduce_plain<4, 4, 512>);
+    const size_t stage = size_t(R) * H * 2;
+    for (int k : {1, 2, 3}) {
+      const size_t smem = k * stage + 64;
+      if (smem > 227 * 1024) continue;
+      auto kern = k == 1 ? reduce_tma<1> : k == 2 ? reduce_tma<2> : reduce_tma<3>;
+      CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      for (int threads : {256, 1024}) run("tma", R, k, threads, blocks, smem, kern);
+    }
+  }
+  if (failures) fprintf(stderr, "%d variants wrote a wrong output\n", failures);
+  return failures ? 1 : 0;
+}
