@@ -161,13 +161,6 @@ pub static SWITCHES: &[Switch] = &[
         "Records per internode port-channel put, 1 to 32.",
     ),
     s(
-        "MOELINK_INTERNODE_SERIAL",
-        Experiment,
-        "0",
-        "`1`: the receive half of an internode dispatch is launched behind the send half \
-         instead of beside it.",
-    ),
-    s(
         "MOELINK_INTERNODE_TRANSPORT",
         User,
         "unset: the topology's choice",

@@ -14,10 +14,10 @@
 //! and the receive side (intranode's receivers: forwarded records land in the
 //! same fixed slots) on the Buffer's side stream at the same time.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use comm::channel::{MemoryChannel, PortChannel};
-use comm::cuda::{Event, OwnedStream, StreamOrder};
+use comm::cuda::{OwnedStream, StreamOrder};
 use comm::error::{CommError, Result};
 use comm::host_memory::HostMemory;
 use comm::proxy::ChannelProgress;
@@ -172,9 +172,6 @@ pub struct InternodeBuffer {
     side: OwnedStream,
     after_notify: StreamOrder,
     after_recv: StreamOrder,
-    /// `MOELINK_INTERNODE_SERIAL=1`: recorded behind the send side, which the
-    /// host waits for before it launches the receive half (see `serial_wait`).
-    send_done: Option<Event>,
     pending: Option<PendingRecv>,
     host: HostMemory,
     host_epoch: u64,
@@ -372,11 +369,6 @@ impl InternodeBuffer {
             side: OwnedStream::new(device)?,
             after_notify: StreamOrder::new(device)?,
             after_recv: StreamOrder::new(device)?,
-            send_done: if serial_from_env() {
-                Some(Event::new(device)?)
-            } else {
-                None
-            },
             pending: None,
             host,
             host_epoch: 0,
@@ -701,39 +693,6 @@ impl InternodeBuffer {
         Ok(())
     }
 
-    /// Serial mode: waits (bounded, polling the event, no blocking driver call)
-    /// until the send side of this dispatch finished, so that the receive half
-    /// is launched only then and no two internode kernels of this rank spin at
-    /// once (an A/B switch for the stall of docs/design-internode.md: the
-    /// forwarders store every record into its slot, so the send side never
-    /// waits for the receivers).
-    fn serial_wait(&self) -> Result<()> {
-        let Some(ev) = &self.send_done else {
-            return Ok(());
-        };
-        let start = Instant::now();
-        let mut polls = 0u64;
-        while !ev.query()? {
-            polls += 1;
-            if polls % 256 == 0 {
-                self.check_device_timeout()?;
-                if start.elapsed() > self.timeout {
-                    return Err(CommError::Timeout {
-                        rank: self.part.rank() as i64,
-                        what: format!(
-                            "the send side of its internode dispatch to finish \
-                             (MOELINK_INTERNODE_SERIAL=1) [{}]",
-                            self.proxy_report()
-                        ),
-                        waited_ms: start.elapsed().as_millis() as u64,
-                    });
-                }
-            }
-            std::thread::yield_now();
-        }
-        Ok(())
-    }
-
     /// Waits (bounded, CPU) for the counts of the notify of `epoch`: the
     /// number of received tokens and the per-local-expert counts.
     pub fn wait_counts(&self, epoch: u64, num_experts: usize) -> Result<(usize, Vec<i32>)> {
@@ -779,16 +738,6 @@ impl InternodeBuffer {
         // receive half is ordered back onto `stream`); the peers' regions are
         // free after notify (or the barrier).
         unsafe { x::internode_dispatch(self.part.kernels(), stream, pending.xc, pending.send) }?;
-        let serial = match &self.send_done {
-            Some(ev) if !stream.is_capturing()? => {
-                ev.record(stream)?;
-                true
-            }
-            _ => false,
-        };
-        if serial {
-            self.serial_wait()?;
-        }
         let recv = RecvArgs {
             rec: xrec.rec_nvl(),
             rank_prefix_matrix,
@@ -958,12 +907,6 @@ fn proxy_report(rank: usize, processed: u64, peers: &[Option<ChannelProgress>]) 
         "proxy of rank {rank}: {processed} triggers performed; {}{hint}",
         per_peer.join("; ")
     )
-}
-
-/// `MOELINK_INTERNODE_SERIAL=1`: the receive half of a dispatch is launched
-/// only once its send side finished (see `InternodeBuffer::serial_wait`).
-fn serial_from_env() -> bool {
-    comm::env::var("MOELINK_INTERNODE_SERIAL").is_some_and(|v| v == "1")
 }
 
 /// Idle time after which copies still in flight count as held (see proxy_report).
