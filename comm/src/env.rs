@@ -195,19 +195,6 @@ pub static SWITCHES: &[Switch] = &[
          primary context.",
     ),
     s(
-        "MOELINK_IPC_COPY",
-        Experiment,
-        "unset: `cuMemcpyAsync` (copy engines)",
-        "`kernel`: CUDA IPC puts are `comm_copy` kernels on the proxy's stream.",
-    ),
-    s(
-        "MOELINK_IPC_PUT_MODE",
-        Experiment,
-        "`async`",
-        "CUDA IPC puts: `async`, `query` (a stream query after each copy is enqueued) or \
-         `sync` (each copy waited for).",
-    ),
-    s(
         "MOELINK_LAUNCH_GPUS",
         User,
         "set by the launcher",
@@ -308,13 +295,6 @@ pub static SWITCHES: &[Switch] = &[
         "At most this many SMs per rank's grids (>= 1), below the context's (MPS) limit.",
     ),
     s(
-        "MOELINK_SPIN_BACKOFF_NS",
-        Experiment,
-        "0",
-        "Every device wait sleeps this many ns after each failed poll (0: spin; at most \
-         1000000).",
-    ),
-    s(
         "MOELINK_TIMEOUT_S",
         User,
         "60",
@@ -409,8 +389,8 @@ mod tests {
         assert!(switch(UNREGISTERED).is_none());
         // A registered name nothing sets in the test process.
         assert_eq!(
-            var("MOELINK_IPC_PUT_MODE").is_some(),
-            is_set("MOELINK_IPC_PUT_MODE")
+            var("MOELINK_INTRANODE_PROFILE").is_some(),
+            is_set("MOELINK_INTRANODE_PROFILE")
         );
     }
 

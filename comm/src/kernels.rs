@@ -12,7 +12,6 @@ crate::kernel_table! {
     pub enum KernelId {
         AtomicAdd64 => "comm_atomic_add64",
         AtomicAdd32 => "comm_atomic_add32",
-        Copy => "comm_copy",
         LayoutProbe => "comm_layout_probe",
     }
 }
@@ -40,49 +39,6 @@ pub unsafe fn atomic_add(
     // SAFETY: AtomicParams mirrors the kernels' block; target validity is the caller's.
     unsafe { MODULES.launch_params(device, id.index(), 1, 1, stream, p) }
 }
-
-/// Copies `bytes` from `src` (this device's memory) to `dst` (device or
-/// peer-mapped) with SMs, on `stream` (`comm_copy`: 512-thread blocks, one per
-/// 64 KiB, 1 to 64 of them).
-///
-/// # Safety
-/// Both ranges must be valid for `device` and stay alive until the copy ran.
-pub unsafe fn copy(
-    device: Device,
-    stream: StreamHandle,
-    dst: u64,
-    src: u64,
-    bytes: u64,
-) -> Result<()> {
-    if bytes == 0 {
-        return Ok(());
-    }
-    let blocks = copy_blocks(bytes);
-    let p = CopyParams { dst, src, bytes };
-    // SAFETY: CopyParams mirrors the kernel's block; the ranges are the caller's.
-    unsafe { MODULES.launch_params(device, KernelId::Copy.index(), blocks, 512, stream, p) }
-}
-
-/// Loads comm's kernels on `device` now (a module load may wait for the
-/// device, so the proxy does it before kernels that spin can be running).
-pub fn preload(device: Device) -> Result<()> {
-    MODULES.get(device).map(|_| ())
-}
-
-/// Blocks of a `comm_copy` of `bytes` (at least 1 byte): one per 64 KiB, 1 to 64.
-fn copy_blocks(bytes: u64) -> u32 {
-    bytes.div_ceil(64 << 10).clamp(1, 64) as u32
-}
-
-/// The argument block of `comm_copy`.
-#[derive(Clone, Copy, Debug)]
-#[repr(C)]
-struct CopyParams {
-    dst: u64,
-    src: u64,
-    bytes: u64,
-}
-const _: () = assert!(std::mem::size_of::<CopyParams>() == 24);
 
 /// The argument block of `comm_atomic_add64` / `comm_atomic_add32` (the latter
 /// reads `value`'s low 32 bits).
@@ -586,15 +542,6 @@ mod tests {
             TestKernelId::FifoPushOnly.name(),
             "comm_test_fifo_push_only"
         );
-    }
-
-    #[test]
-    fn a_copy_gets_a_block_per_64_kib_up_to_64() {
-        assert_eq!(copy_blocks(1), 1);
-        assert_eq!(copy_blocks(64 << 10), 1);
-        assert_eq!(copy_blocks((64 << 10) + 1), 2);
-        assert_eq!(copy_blocks(115_000), 2);
-        assert_eq!(copy_blocks(64 << 20), 64);
     }
 
     #[test]

@@ -292,15 +292,6 @@ pub fn trap_on_timeout() -> bool {
     crate::env::var("MOELINK_TRAP_ON_TIMEOUT").is_some_and(|v| v == "1")
 }
 
-/// `MOELINK_SPIN_BACKOFF_NS=N`: every device wait sleeps N ns after each
-/// failed poll once its clock started (an A/B switch for polling pressure;
-/// unset or 0: waits spin).
-pub fn spin_backoff_ns() -> i32 {
-    crate::env::var("MOELINK_SPIN_BACKOFF_NS")
-        .and_then(|v| v.parse::<i32>().ok())
-        .map_or(0, |n| n.clamp(0, 1_000_000))
-}
-
 /// Whether `fatbin` defines the trap switch under its C name (what
 /// [`ModuleCache`] looks up), not only a C++-mangled one
 /// (`_ZN4comm20comm_trap_on_timeoutE`), which the lookup would miss.
@@ -441,17 +432,6 @@ impl ModuleCache {
                      its waits report timeouts without trapping",
                     self.label
                 ),
-            }
-        }
-        let backoff = spin_backoff_ns();
-        if backoff > 0 {
-            // SAFETY: module is loaded; the symbol, where the module has it, is
-            // the 4-byte `comm_spin_backoff_ns` of common_device.cuh.
-            if let Ok((ptr, 4)) = unsafe {
-                result::module::get_global(module, CString::from(c"comm_spin_backoff_ns"))
-            } {
-                // SAFETY: a 4-byte device global of this module, in this context.
-                unsafe { result::memcpy_htod_sync(ptr, &[backoff]) }.call("cuMemcpyHtoD")?;
             }
         }
         tracing::debug!("loaded {} kernels on device {}", self.label, device.ordinal);

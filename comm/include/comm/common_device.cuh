@@ -65,10 +65,6 @@ static_assert(offsetof(DeviceError, id) == 16, "DeviceError layout is mirrored i
 // the namespace a C++ name would be mangled and the switch never found.
 extern "C" {
 __device__ int comm_trap_on_timeout;
-// Set by the host at module load from MOELINK_SPIN_BACKOFF_NS (comm::module):
-// nanoseconds a wait sleeps (__nanosleep) after each failed poll once its
-// clock started; 0 (the default): it spins.
-__device__ int comm_spin_backoff_ns;
 }
 
 __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* p) {
@@ -145,12 +141,10 @@ struct WaitClock {
   uint64_t start = 0;
   uint32_t polls = 0;
   bool started = false;
-  int backoff_ns = comm_spin_backoff_ns;
 
   __device__ __forceinline__ explicit WaitClock(int64_t timeout) : timeout_ns(timeout) {}
 
   __device__ __forceinline__ bool expired() {
-    if (backoff_ns > 0 && started) __nanosleep(unsigned(backoff_ns));
     if (polls++ % kPollsPerClockRead != 0) return false;
     const uint64_t t = now_ns();
     if (!started) {

@@ -27,7 +27,7 @@ use cudarc::driver::sys;
 use super::{AtomicWidth, Connection, Put, Transport};
 use crate::cuda::{Device, OwnedStream, RestoreCurrent};
 use crate::error::{CommError, CudaResultExt, Result};
-use crate::registered_memory::{Location, RegisteredMemory};
+use crate::registered_memory::RegisteredMemory;
 
 /// How many stream operations a connection enqueued, and how many of them
 /// are known complete. Operations are counted after they were enqueued; a
@@ -70,36 +70,6 @@ impl IssueCount {
         self.saw_idle(n);
         Ok(true)
     }
-}
-
-/// `MOELINK_IPC_PUT_MODE`: `async` (the default), `query` (a stream query
-/// right after each copy is enqueued) or `sync` (each copy waited for): an
-/// A/B switch for issue 17's stall (docs/design-internode.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum PutMode {
-    Async,
-    Query,
-    Sync,
-}
-
-fn put_mode() -> PutMode {
-    static MODE: std::sync::OnceLock<PutMode> = std::sync::OnceLock::new();
-    *MODE.get_or_init(
-        || match crate::env::var("MOELINK_IPC_PUT_MODE").as_deref() {
-            Some("query") => PutMode::Query,
-            Some("sync") => PutMode::Sync,
-            _ => PutMode::Async,
-        },
-    )
-}
-
-/// `MOELINK_IPC_COPY=kernel`: puts are `comm_copy` kernels on the proxy's
-/// stream (SMs) instead of `cuMemcpyAsync` (copy engines): an A/B switch for
-/// issue 17's stall, where a copy-engine transfer the proxy issued did not
-/// start while the caller's work was queued behind a running dispatch.
-fn copy_with_kernel() -> bool {
-    static KERNEL: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *KERNEL.get_or_init(|| crate::env::var("MOELINK_IPC_COPY").is_some_and(|v| v == "kernel"))
 }
 
 /// The streams a Communicator's CUDA IPC connections issue on (shared by all
@@ -210,15 +180,6 @@ impl CudaIpcConnection {
     /// `CUDA_DEVICE_MAX_CONNECTIONS=1`) nor lazy kernel loading
     /// (benches/results/2026-11-25_h200_ll-proxy-streams-8-ranks).
     pub fn new(rank: usize, remote_rank: usize, streams: Arc<IpcStreams>) -> Self {
-        if copy_with_kernel() {
-            let _restore = RestoreCurrent::new();
-            for s in streams.own.iter().chain([&streams.primary]) {
-                // Best effort: a failure here shows again at the first put.
-                if let Err(e) = crate::kernels::preload(s.device()) {
-                    tracing::warn!("MOELINK_IPC_COPY=kernel: {e}");
-                }
-            }
-        }
         Self {
             rank,
             remote_rank,
@@ -294,30 +255,11 @@ impl Connection for CudaIpcConnection {
         let s = self.mapped(src, "write source")? + src_offset;
         let stream = self.stream_for(&[dst, src])?;
         stream.device().make_current()?;
-        // The SM copy only between GPU memories (a host registration's pointer
-        // may not be addressable from a kernel); anything else stays a copy.
-        let on_gpus = matches!(dst.info().location, Location::Device(_))
-            && src.info().location == Location::Device(stream.device().ordinal);
-        if copy_with_kernel() && on_gpus {
-            // SAFETY: as below; the source is this device's memory (the
-            // proxy's puts read its own rank's registration).
-            unsafe { crate::kernels::copy(stream.device(), stream.handle(), d, s, size) }?;
-        } else {
-            // SAFETY: both ranges were checked against their registrations and are mapped here.
-            unsafe { sys::cuMemcpyAsync(d, s, size as usize, stream.handle().raw()) }
-                .result()
-                .call("cuMemcpyAsync")?;
-        }
+        // SAFETY: both ranges were checked against their registrations and are mapped here.
+        unsafe { sys::cuMemcpyAsync(d, s, size as usize, stream.handle().raw()) }
+            .result()
+            .call("cuMemcpyAsync")?;
         self.ops.issued();
-        match put_mode() {
-            PutMode::Async => {}
-            // A/B for the internode stall: ask the stream once (a query may
-            // make the driver submit what it holds).
-            PutMode::Query => {
-                self.busy();
-            }
-            PutMode::Sync => self.flush(Duration::from_secs(30))?,
-        }
         Ok(())
     }
 
