@@ -110,12 +110,6 @@ pub static SWITCHES: &[Switch] = &[
          the other hosts reach.",
     ),
     s(
-        "MOELINK_FIFO_TAIL_REPLICA",
-        Experiment,
-        "on",
-        "`0`: the proxy FIFO's consumer leaves the GPU tail replica's refresh to the producers.",
-    ),
-    s(
         "MOELINK_IB_GID_INDEX",
         User,
         "0",
@@ -189,10 +183,11 @@ pub static SWITCHES: &[Switch] = &[
     ),
     s(
         "MOELINK_IPC_CONTEXT",
-        Experiment,
+        Diagnostic,
         "unset: the proxy's own context",
         "`primary`: proxies issue their GPU work (CUDA IPC puts, Ethernet copies) in the \
-         primary context.",
+         primary context, which reproduces the internode stall that their own context \
+         avoids (docs/design-internode.md).",
     ),
     s(
         "MOELINK_LAUNCH_GPUS",

@@ -12,9 +12,9 @@
 //! `tail` in GPU memory (device side: `fifo_device.cuh`). The consumer
 //! refreshes it ([`TailReplica`]) with one `cuStreamWriteValue64` of the new
 //! tail every quarter ring it pops: a posted write into GPU memory, so a push
-//! reads host memory over PCIe only while the ring looks full. Set
-//! `MOELINK_FIFO_TAIL_REPLICA=0` to leave the refresh to the producers
-//! (each raises the replica to the host tail it read while waiting).
+//! reads host memory over PCIe only while the ring looks full (producers also
+//! raise the replica to the host tail they read while waiting, so progress
+//! never depends on the refresh).
 //!
 //! `head` and the replica live in a cuMem allocation where the device has
 //! one, and the write goes on a stream of the proxies' own context
@@ -157,12 +157,6 @@ impl Drop for TailReplica {
     }
 }
 
-/// Whether the consumer refreshes the GPU tail replica
-/// (`MOELINK_FIFO_TAIL_REPLICA`, default on).
-fn replica_enabled() -> bool {
-    crate::env::var("MOELINK_FIFO_TAIL_REPLICA").is_none_or(|v| v != "0")
-}
-
 impl Fifo {
     /// A FIFO of `size` slots for producers on `device` (None: host producers only).
     pub fn new(device: Option<Device>, size: usize, rank: i32, id: u64) -> Result<Self> {
@@ -176,7 +170,7 @@ impl Fifo {
         let (ring, head, replica) = match device {
             Some(d) => {
                 // [head, tail_replica]
-                let own = replica_enabled() && crate::cuda::proxy_context_wanted();
+                let own = crate::cuda::proxy_context_wanted();
                 let head = match own.then(|| VmmMemory::alloc(d, 16)) {
                     Some(Ok(m)) => Head::Vmm(m),
                     Some(Err(e)) => {
@@ -187,22 +181,18 @@ impl Fifo {
                 };
                 // SAFETY: the first 16 bytes of the allocation just made.
                 unsafe { d.memset_sync(head.device_ptr(), 16, 0) }?;
-                let replica = if replica_enabled() {
-                    let writer = d.proxy_context_or_primary(
-                        matches!(head, Head::Vmm(_)),
-                        "FIFO tail replica writes",
-                    );
-                    let _restore = RestoreCurrent::new()?;
-                    Some(TailReplica {
-                        stream: OwnedStream::new(writer)?,
-                        ptr: head.device_ptr() + 8,
-                        every: (size as u64 / 4).max(1),
-                        sent: AtomicU64::new(0),
-                        failed: AtomicBool::new(false),
-                    })
-                } else {
-                    None
-                };
+                let writer = d.proxy_context_or_primary(
+                    matches!(head, Head::Vmm(_)),
+                    "FIFO tail replica writes",
+                );
+                let _restore = RestoreCurrent::new()?;
+                let replica = Some(TailReplica {
+                    stream: OwnedStream::new(writer)?,
+                    ptr: head.device_ptr() + 8,
+                    every: (size as u64 / 4).max(1),
+                    sent: AtomicU64::new(0),
+                    failed: AtomicBool::new(false),
+                });
                 (HostMemory::pinned(d, bytes)?, head, replica)
             }
             None => (
