@@ -19,7 +19,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use comm::{Device as CoreDevice, OwnedStream, StreamHandle};
-use ep_core::calls;
+use ep_core::calls::{self, LlGeometry};
 use ep_core::intranode::{
     CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape,
     IntranodeBuffer, LayoutCall,
@@ -199,7 +199,27 @@ enum HookLaunch {
     Combine(CombineCall),
 }
 
+impl HookLaunch {
+    fn run(&self, ll: &LowLatencyBuffer, stream: StreamHandle, phases: Phases) -> Result<()> {
+        match self {
+            HookLaunch::Dispatch(c) => ll.dispatch(stream, c, phases)?,
+            HookLaunch::Combine(c) => ll.combine(stream, c, phases)?,
+        }
+        Ok(())
+    }
+}
+
 static NEXT_HOOK: AtomicU64 = AtomicU64::new(1);
+
+/// The launch shape of a checked low-latency call of `num_topk` experts a token.
+fn ll_call_shape(g: &LlGeometry, num_topk: i64) -> CallShape {
+    CallShape {
+        max_tokens: g.max_tokens as usize,
+        hidden: g.hidden as usize,
+        num_experts: g.num_experts as usize,
+        num_topk: num_topk as usize,
+    }
+}
 
 /// DeepEP's Buffer (intranode and low-latency parts) on tch tensors, made on
 /// a [`Group`]: every rank makes the same Buffers and calls in the same order.
@@ -910,12 +930,7 @@ impl Buffer {
         if self.check_ids_now()? {
             checks::topk_values(topk_idx, g.num_experts)?;
         }
-        let shape = CallShape {
-            max_tokens: g.max_tokens as usize,
-            hidden: g.hidden as usize,
-            num_experts: g.num_experts as usize,
-            num_topk: p.num_topk as usize,
-        };
+        let shape = ll_call_shape(&g, p.num_topk);
         // The buffer must hold this shape: refused before the outputs are
         // allocated (they can be larger than the GPU has free).
         ll.check_shape(&shape)?;
@@ -945,12 +960,6 @@ impl Buffer {
                 stats_wait: ptr(o.dispatch_wait_recv_cost_stats),
             },
         };
-        let phases = if o.return_recv_hook {
-            Phases::Send
-        } else {
-            Phases::Both
-        };
-        ll.dispatch(stream, &call, phases)?;
         let keep = [
             Some(x),
             Some(topk_idx),
@@ -962,22 +971,13 @@ impl Buffer {
             o.cumulative_local_expert_recv_stats,
             o.dispatch_wait_recv_cost_stats,
         ];
-        let event = if o.async_finish {
-            self.finish_async(stream, keep.into_iter().flatten())?
-        } else {
-            EventOverlap::none()
-        };
-        let hook = if o.return_recv_hook {
-            let keep = keep
-                .into_iter()
-                .flatten()
-                .map(Tensor::shallow_clone)
-                .collect();
-            Some(self.pend(HookLaunch::Dispatch(call), keep))
-        } else {
-            self.ll()?.check_device()?; // after the launch: the ranks stay in step
-            None
-        };
+        let (event, hook) = self.ll_launch(
+            stream,
+            HookLaunch::Dispatch(call),
+            &keep,
+            o.async_finish,
+            o.return_recv_hook,
+        )?;
         Ok(LlDispatched {
             recv_x: RecvX { x: recv_x, scales },
             recv_count,
@@ -993,14 +993,43 @@ impl Buffer {
         })
     }
 
-    fn pend(&mut self, launch: HookLaunch, keep: Vec<Tensor>) -> RecvHook {
-        let id = NEXT_HOOK.fetch_add(1, Ordering::Relaxed);
-        self.ll_pending = Some(id);
-        RecvHook {
-            id,
-            launch,
-            _keep: keep,
-        }
+    /// Launches a low-latency call on `stream`: its send half only with
+    /// `return_recv_hook` (the returned hook keeps `keep` and runs the
+    /// receive half), else both. With `async_finish`, `keep` is also kept by
+    /// the returned event, recorded on `stream`.
+    fn ll_launch(
+        &mut self,
+        stream: StreamHandle,
+        launch: HookLaunch,
+        keep: &[Option<&Tensor>],
+        async_finish: bool,
+        return_recv_hook: bool,
+    ) -> Result<(EventOverlap, Option<RecvHook>)> {
+        let phases = if return_recv_hook {
+            Phases::Send
+        } else {
+            Phases::Both
+        };
+        launch.run(self.ll()?, stream, phases)?;
+        let keep = keep.iter().flatten().copied();
+        let event = if async_finish {
+            self.finish_async(stream, keep.clone())?
+        } else {
+            EventOverlap::none()
+        };
+        let hook = if return_recv_hook {
+            let id = NEXT_HOOK.fetch_add(1, Ordering::Relaxed);
+            self.ll_pending = Some(id);
+            Some(RecvHook {
+                id,
+                launch,
+                _keep: keep.map(Tensor::shallow_clone).collect(),
+            })
+        } else {
+            self.ll()?.check_device()?; // after the launch: the ranks stay in step
+            None
+        };
+        Ok((event, hook))
     }
 
     /// Runs the receive half of the low-latency call that returned `hook`, on
@@ -1014,10 +1043,7 @@ impl Buffer {
         let ll = self.ll()?;
         ll.check_device_timeout()?;
         let stream = self.compute_stream()?;
-        match &hook.launch {
-            HookLaunch::Dispatch(c) => ll.dispatch(stream, c, Phases::Recv)?,
-            HookLaunch::Combine(c) => ll.combine(stream, c, Phases::Recv)?,
-        }
+        hook.launch.run(ll, stream, Phases::Recv)?;
         self.ll_pending = None;
         let ll = self.ll()?;
         // The kept tensors are freed on the current stream, after the launch.
@@ -1065,12 +1091,7 @@ impl Buffer {
         };
         drop(on_comm);
         let call = CombineCall {
-            shape: CallShape {
-                max_tokens: g.max_tokens as usize,
-                hidden: g.hidden as usize,
-                num_experts: g.num_experts as usize,
-                num_topk: p.num_topk as usize,
-            },
+            shape: ll_call_shape(&g, p.num_topk),
             x: x_ptr,
             layout_range: ptr(Some(&handle.layout_range)),
             topk_idx: ptr(Some(topk_idx)),
@@ -1079,12 +1100,6 @@ impl Buffer {
             out: ptr(Some(&out)),
             stats_wait: ptr(o.combine_wait_recv_cost_stats),
         };
-        let phases = if o.return_recv_hook {
-            Phases::Send
-        } else {
-            Phases::Both
-        };
-        ll.combine(stream, &call, phases)?;
         let keep = [
             Some(x),
             Some(topk_idx),
@@ -1094,22 +1109,13 @@ impl Buffer {
             Some(&out),
             o.combine_wait_recv_cost_stats,
         ];
-        let event = if o.async_finish {
-            self.finish_async(stream, keep.into_iter().flatten())?
-        } else {
-            EventOverlap::none()
-        };
-        let hook = if o.return_recv_hook {
-            let keep = keep
-                .into_iter()
-                .flatten()
-                .map(Tensor::shallow_clone)
-                .collect();
-            Some(self.pend(HookLaunch::Combine(call), keep))
-        } else {
-            self.ll()?.check_device()?;
-            None
-        };
+        let (event, hook) = self.ll_launch(
+            stream,
+            HookLaunch::Combine(call),
+            &keep,
+            o.async_finish,
+            o.return_recv_hook,
+        )?;
         Ok((out, event, hook))
     }
 
