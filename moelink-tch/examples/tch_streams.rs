@@ -57,6 +57,17 @@ struct Tokens {
     w: Tensor,
 }
 
+impl Tokens {
+    /// `(x, idx, w)` copied to `device`.
+    fn to_device(&self, device: Device) -> (Tensor, Tensor, Tensor) {
+        (
+            self.x.to_device(device),
+            self.idx.to_device(device),
+            self.w.to_device(device),
+        )
+    }
+}
+
 fn tokens(seed: i64, rank: usize, size: usize) -> Tokens {
     tch::manual_seed(seed * 1000 + rank as i64);
     let cpu = Device::Cpu;
@@ -228,9 +239,7 @@ fn check_async(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result
         // Made on the current stream: the calls must wait for them through
         // previous_event (the communication stream does not wait for the
         // current stream when an event is given).
-        let x = ins[rank].x.to_device(device);
-        let idx = ins[rank].idx.to_device(device);
-        let w = ins[rank].w.to_device(device);
+        let (x, idx, w) = ins[rank].to_device(device);
         let ev0 = Buffer::capture(device)?;
         poison_outputs(
             b,
@@ -397,9 +406,7 @@ fn check_ll_async(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Res
         let tag = format!("ll_async round {round}");
         let ins = all_tokens(100 + round, size);
         let (want, want_c) = reference_ll(&ins, e)?;
-        let x = ins[rank].x.to_device(device);
-        let idx = ins[rank].idx.to_device(device);
-        let w = ins[rank].w.to_device(device);
+        let (x, idx, w) = ins[rank].to_device(device);
         let o = LlDispatchOptions {
             use_fp8: false,
             async_finish: true,
@@ -444,9 +451,7 @@ fn check_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result
     let (rank, device) = (b.rank(), b.device());
     let e = EL * size as i64;
     let routing = all_tokens(300, size);
-    let idx = routing[rank].idx.to_device(device);
-    let w = routing[rank].w.to_device(device);
-    let x_s = routing[rank].x.to_device(device);
+    let (x_s, idx, w) = routing[rank].to_device(device);
     // The handle, from an eager dispatch; a warm-up of the captured calls.
     let layout = b.get_dispatch_layout(&idx, e)?;
     let d = b.dispatch(
@@ -499,9 +504,7 @@ fn check_ll_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Res
     let (rank, device) = (b.rank(), b.device());
     let e = EL * size as i64;
     let routing = all_tokens(500, size);
-    let idx = routing[rank].idx.to_device(device);
-    let w = routing[rank].w.to_device(device);
-    let x_s = routing[rank].x.to_device(device);
+    let (x_s, idx, w) = routing[rank].to_device(device);
     let o = LlDispatchOptions {
         use_fp8: false,
         ..LlDispatchOptions::default()
