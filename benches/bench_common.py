@@ -172,6 +172,20 @@ def event_times_us(torch, fn, iters: int, warmup: int = 0, before=None, ready=No
     return [a.elapsed_time(b) * 1e3 for a, b in pairs]
 
 
+def ll_calls(buf, x, idx, w, y, t: int, e: int, handle) -> dict:
+    """The three low-latency calls a benchmark times, by name: ``dispatch`` of
+    ``x`` / ``idx`` (``t`` tokens a rank at most, ``e`` experts), ``combine`` of
+    ``y`` / ``idx`` / ``w`` along ``handle``, and ``both`` (a dispatch whose
+    handle the combine takes)."""
+    return {
+        "dispatch": lambda: buf.low_latency_dispatch(x, idx, t, e),
+        "combine": lambda: buf.low_latency_combine(y, idx, w, handle),
+        "both": lambda: buf.low_latency_combine(
+            y, idx, w, buf.low_latency_dispatch(x, idx, t, e)[2]
+        ),
+    }
+
+
 def replay_times_us(torch, graph, reps: int, ops: int, stream=None) -> list:
     """``reps`` back-to-back replays of ``graph`` (``ops`` calls each) between
     events on ``stream`` (default: the current stream); per replay, us per call."""

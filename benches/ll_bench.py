@@ -189,21 +189,16 @@ class Bench:
             y = self.dequant(recv, True).clone()
             buf.low_latency_combine(y, idx, w, handle)
             torch.cuda.synchronize(self.device)
-            bodies = {
-                "graph_dispatch": lambda: buf.low_latency_dispatch(x, idx, t, e),
-                "graph_combine": lambda: buf.low_latency_combine(y, idx, w, handle),
-                "graph_both": lambda: buf.low_latency_combine(
-                    y, idx, w, buf.low_latency_dispatch(x, idx, t, e)[2]
-                ),
-            }
-            for name, body in bodies.items():
+            bodies = bench_common.ll_calls(buf, x, idx, w, y, t, e, handle)
+            for op, body in bodies.items():
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, stream=s):
                     for _ in range(n):
                         body()
                 g.replay()
                 torch.cuda.synchronize(self.device)
-                out[name] = statistics.median(bench_common.replay_times_us(torch, g, reps, n, s))
+                times = bench_common.replay_times_us(torch, g, reps, n, s)
+                out[f"graph_{op}"] = statistics.median(times)
                 del g
         torch.cuda.current_stream(self.device).wait_stream(s)
         return out

@@ -946,13 +946,7 @@ def run_ll(impl: Impl, rank: int, world: int, group, args) -> dict:
             y = bench.dequant(recv, True).contiguous()
             times.update(ll_eager(torch, buf, x, idx, w, y, t, e, args))
         with stage(name, rank, "ll kernel timing"):
-            calls = {
-                "dispatch": lambda: buf.low_latency_dispatch(x, idx, t, e),
-                "combine": lambda: buf.low_latency_combine(y, idx, w, handle),
-                "both": lambda: buf.low_latency_combine(
-                    y, idx, w, buf.low_latency_dispatch(x, idx, t, e)[2]
-                ),
-            }
+            calls = bench_common.ll_calls(buf, x, idx, w, y, t, e, handle)
             for op, fn in calls.items():
                 dist.barrier(group=group)
                 times[f"kernel_{op}"], kernel_names[op] = kernel_us(torch, fn, args.ll_iters)
