@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import traceback
@@ -183,6 +184,33 @@ def ll_calls(buf, x, idx, w, y, t: int, e: int, handle) -> dict:
         "both": lambda: buf.low_latency_combine(
             y, idx, w, buf.low_latency_dispatch(x, idx, t, e)[2]
         ),
+    }
+
+
+def ll_round_trips(torch, buf, x, idx, w, y, t: int, e: int, iters: int) -> list:
+    """``iters`` low-latency dispatch + combine pairs back to back (the arguments of
+    ``ll_calls``, the combine along each dispatch's handle), three CUDA events
+    around each pair's Python calls: before the dispatch, between, after the
+    combine. Read them with ``ll_eager_us`` once the device has synchronised."""
+    ev = []
+    for _ in range(iters):
+        q = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        q[0].record()
+        hh = buf.low_latency_dispatch(x, idx, t, e)[2]
+        q[1].record()
+        buf.low_latency_combine(y, idx, w, hh)
+        q[2].record()
+        ev.append(q)
+    return ev
+
+
+def ll_eager_us(ev: list) -> dict:
+    """Medians in us of ``ll_round_trips``' events: ``eager_dispatch``,
+    ``eager_combine`` and ``eager_both`` (launch and Python overhead included)."""
+    return {
+        "eager_dispatch": statistics.median(a.elapsed_time(b) * 1e3 for a, b, _ in ev),
+        "eager_combine": statistics.median(b.elapsed_time(c) * 1e3 for _, b, c in ev),
+        "eager_both": statistics.median(a.elapsed_time(c) * 1e3 for a, _, c in ev),
     }
 
 
