@@ -6,7 +6,7 @@
 //! tensor to it needs (its dtype and rank), with the Python module's messages.
 
 use ep_reference::low_latency::{
-    self as rl, LlCombineInput, LlHandle as RefLlHandle, LlRankInput, LowLatencyArgs, RecvScales,
+    self as rl, LlCombineInput, LlRankInput, LowLatencyArgs, RecvScales,
 };
 use ep_reference::normal::{self as r, CombineInput, DispatchArgs, RankInput};
 use tch::{Device, Kind, Tensor};
@@ -448,15 +448,7 @@ pub fn ll_combine(
     }
     let ins: Vec<LlCombineInput<'_>> = data
         .iter()
-        .map(|(y, t, w, s, l)| LlCombineInput {
-            x: y,
-            topk_idx: t,
-            topk_weights: w,
-            handle: RefLlHandle {
-                src_info: s,
-                layout_range: l,
-            },
-        })
+        .map(|(y, t, w, s, l)| LlCombineInput::new(y, t, w, s, l))
         .collect();
     let args = LowLatencyArgs::new(
         num_max_dispatch_tokens_per_rank.max(0) as usize,
