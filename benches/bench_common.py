@@ -214,6 +214,21 @@ def ll_eager_us(ev: list) -> dict:
     }
 
 
+def capture_graph(torch, fn, ops: int, stream=None, ready=None):
+    """``ops`` calls of ``fn`` captured in one CUDA graph (on ``stream``; default:
+    torch's own capture stream), replayed once and the device synchronised; then
+    ``ready()`` (a barrier) where given. Returns the graph."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(ops):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    if ready is not None:
+        ready()
+    return graph
+
+
 def replay_times_us(torch, graph, reps: int, ops: int, stream=None) -> list:
     """``reps`` back-to-back replays of ``graph`` (``ops`` calls each) between
     events on ``stream`` (default: the current stream); per replay, us per call."""
