@@ -272,6 +272,15 @@ def dispatch_inputs(ctx: Ctx, buf: moelink.Buffer, inp: dict) -> dict:
     )
 
 
+def normal_dispatch(ctx: Ctx, tag: str) -> tuple:
+    """A normal Buffer, the reference dispatch of every rank's ``tag`` inputs and
+    this rank's dispatch arguments."""
+    buf = normal_buffer(ctx)
+    inputs = normal_inputs(ctx, tag)
+    ref = reference.dispatch(inputs, EXPERTS_PER_RANK * ctx.num_ranks)
+    return buf, ref, dispatch_inputs(ctx, buf, inputs[ctx.rank])
+
+
 def check_dispatched(ctx: Ctx, label: str, got, ref) -> None:
     recv_x, recv_idx, recv_w, per_expert, _handle, _event = got
     want = ref.ranks[ctx.rank]
@@ -327,10 +336,7 @@ def scenario_layout(ctx: Ctx) -> None:
 def scenario_dispatch_combine(ctx: Ctx) -> None:
     """A normal dispatch, then combines: DeepEP times the combine with
     ('combine', 'notify') across nodes."""
-    buf = normal_buffer(ctx)
-    inputs = normal_inputs(ctx, "normal")
-    ref = reference.dispatch(inputs, EXPERTS_PER_RANK * ctx.num_ranks)
-    args = dispatch_inputs(ctx, buf, inputs[ctx.rank])
+    buf, ref, args = normal_dispatch(ctx, "normal")
     p, dispatched = profile_warm(ctx, lambda: buf.dispatch(**args))
     path = "internode" if ctx.internode else "intranode"
     check_profile(ctx, f"{path} dispatch", p, {"dispatch": 1, "combine": 0, "notify": 1})
@@ -357,10 +363,7 @@ def scenario_dispatch_combine(ctx: Ctx) -> None:
 def scenario_cached_dispatch(ctx: Ctx) -> None:
     """A cached dispatch (an earlier dispatch's handle): DeepEP times it with
     ('dispatch', 'notify') across nodes."""
-    buf = normal_buffer(ctx)
-    inputs = normal_inputs(ctx, "cached")
-    ref = reference.dispatch(inputs, EXPERTS_PER_RANK * ctx.num_ranks)
-    args = dispatch_inputs(ctx, buf, inputs[ctx.rank])
+    buf, ref, args = normal_dispatch(ctx, "cached")
     handle = buf.dispatch(**args)[4]
     xs = [
         random_bf16(ctx.generator("cached/x2", r), ref.num_tokens(r), HIDDEN)
