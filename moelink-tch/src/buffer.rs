@@ -18,7 +18,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use comm::{Device as CoreDevice, OwnedStream, StreamHandle};
+use comm::{OwnedStream, StreamHandle};
 use ep_core::calls::{self, LlGeometry};
 use ep_core::intranode::{
     CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape,
@@ -38,7 +38,7 @@ use crate::args::{
 use crate::checks::{self, Target};
 use crate::error::{Error, Result};
 pub use crate::event::{EventOverlap, StreamArgs};
-use crate::group::{env_timeout, Group};
+use crate::group::{timeout_or_env, CudaDevice, Group};
 use crate::stream::{current_stream, record_stream, StreamGuard};
 use crate::tensor::{output, ptr, required};
 
@@ -226,9 +226,7 @@ fn ll_call_shape(g: &LlGeometry, num_topk: i64) -> CallShape {
 pub struct Buffer {
     // Dropped after Drop::drop synchronised the device.
     inner: EpBuffer,
-    device: Device,
-    dev: i32,
-    core_device: CoreDevice,
+    cuda: CudaDevice,
     num_ranks: i64,
     rank: usize,
     num_sms: u32,
@@ -243,7 +241,7 @@ impl std::fmt::Debug for Buffer {
         f.debug_struct("Buffer")
             .field("rank", &self.rank)
             .field("num_ranks", &self.num_ranks)
-            .field("device", &self.device)
+            .field("device", &self.cuda.device)
             .field("parts", &self.inner)
             .finish()
     }
@@ -267,17 +265,8 @@ impl Buffer {
             }
             None => device_timeout_ns,
         };
-        let timeout = match opts.timeout {
-            Some(t) => t,
-            None => env_timeout()?,
-        };
-        let Device::Cuda(index) = device else {
-            return Err(Error::state(format!(
-                "moelink.Buffer needs a CUDA device, got {device:?}"
-            )));
-        };
-        let dev = index as i32;
-        let core_device = CoreDevice::bind(dev)?;
+        let timeout = timeout_or_env(opts.timeout)?;
+        let cuda = CudaDevice::bind(device, "moelink.Buffer")?;
         let eopts = EpBufferOptions {
             num_nvl_bytes: parts.num_nvl_bytes as usize,
             num_internode_bytes: 0,
@@ -290,14 +279,12 @@ impl Buffer {
                 device_timeout_ns: ll_device_timeout_ns,
             },
         };
-        let comm_stream = OwnedStream::new(core_device)?;
-        let order = comm::cuda::StreamOrder::new(core_device)?;
-        let inner = EpBuffer::new(group.core(), core_device, &eopts)?;
+        let comm_stream = OwnedStream::new(cuda.core)?;
+        let order = comm::cuda::StreamOrder::new(cuda.core)?;
+        let inner = EpBuffer::new(group.core(), cuda.core, &eopts)?;
         Ok(Self {
             inner,
-            device,
-            dev,
-            core_device,
+            cuda,
             num_ranks: group.size() as i64,
             rank: group.rank(),
             num_sms: opts.num_sms.unwrap_or(DEFAULT_NUM_SMS),
@@ -317,14 +304,14 @@ impl Buffer {
     }
 
     pub fn device(&self) -> Device {
-        self.device
+        self.cuda.device
     }
 
     /// What this Buffer's calls are checked against ([`checks`]).
     pub fn target(&self) -> Target {
         Target {
             num_ranks: self.num_ranks,
-            device: self.device,
+            device: self.cuda.device,
         }
     }
 
@@ -437,7 +424,7 @@ impl Buffer {
 
     /// torch's current stream on this Buffer's device.
     fn compute_stream(&self) -> Result<StreamHandle> {
-        current_stream(self.dev)
+        current_stream(self.cuda.index)
     }
 
     /// An event recorded now on torch's current stream of `device`
@@ -456,7 +443,7 @@ impl Buffer {
     /// communication stream: tch allocates there.
     fn alloc_guard(&self, on_comm: bool) -> Result<Option<StreamGuard>> {
         on_comm
-            .then(|| StreamGuard::new(self.comm_stream.handle(), self.dev))
+            .then(|| StreamGuard::new(self.comm_stream.handle(), self.cuda.index))
             .transpose()
     }
 
@@ -492,7 +479,7 @@ impl Buffer {
         let comm = self.comm_stream.handle();
         if s.allocate_on_comm_stream {
             for t in outputs.iter().flatten() {
-                record_stream(t, compute, self.dev)?;
+                record_stream(t, compute, self.cuda.index)?;
             }
         }
         let event = if s.async_finish {
@@ -517,9 +504,9 @@ impl Buffer {
     ) -> Result<EventOverlap> {
         let kept: Vec<Tensor> = tensors.map(Tensor::shallow_clone).collect();
         for t in &kept {
-            record_stream(t, stream, self.dev)?;
+            record_stream(t, stream, self.cuda.index)?;
         }
-        EventOverlap::recorded(self.core_device, stream, kept)
+        EventOverlap::recorded(self.cuda.core, stream, kept)
     }
 
     fn call_sms(&self, num_sms: Option<u32>) -> Result<u32> {
@@ -545,7 +532,7 @@ impl Buffer {
         num_experts: i64,
         s: &StreamArgs<'_>,
     ) -> Result<(Layout, EventOverlap)> {
-        let device = self.device;
+        let device = self.cuda.device;
         self.intranode()?;
         let p = checks::layout(&self.target(), topk_idx, num_experts)?;
         if self.check_ids_now()? {
@@ -598,7 +585,7 @@ impl Buffer {
     /// `dispatch(x, ...)` without a handle: sends each token to every rank
     /// hosting one of its experts.
     pub fn dispatch(&mut self, x: DispatchX<'_>, a: &DispatchArgs<'_>) -> Result<Dispatched> {
-        let device = self.device;
+        let device = self.cuda.device;
         self.intranode()?;
         let num_sms = self.call_sms(a.num_sms)?;
         let p = checks::dispatch(&self.target(), x, a)?;
@@ -735,7 +722,7 @@ impl Buffer {
         num_sms: Option<u32>,
         s: &StreamArgs<'_>,
     ) -> Result<(RecvX, EventOverlap)> {
-        let (r, device) = (self.num_ranks, self.device);
+        let (r, device) = (self.num_ranks, self.cuda.device);
         self.intranode()?;
         let num_sms = self.call_sms(num_sms)?;
         let p = checks::dispatch_cached(&self.target(), x, handle)?;
@@ -830,7 +817,7 @@ impl Buffer {
         num_sms: Option<u32>,
         s: &StreamArgs<'_>,
     ) -> Result<(Tensor, Option<Tensor>, EventOverlap)> {
-        let device = self.device;
+        let device = self.cuda.device;
         self.intranode()?;
         let p = checks::combine(&self.target(), x, handle, topk_weights, bias)?;
         let (b0, b1) = checks::bias_pair(bias);
@@ -901,7 +888,7 @@ impl Buffer {
             return Ok((compute, None));
         }
         let comm = self.enter_comm(compute, None)?;
-        Ok((comm, Some(StreamGuard::new(comm, self.dev)?)))
+        Ok((comm, Some(StreamGuard::new(comm, self.cuda.index)?)))
     }
 
     /// `low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
@@ -915,7 +902,7 @@ impl Buffer {
         num_experts: i64,
         o: &LlDispatchOptions<'_>,
     ) -> Result<LlDispatched> {
-        let device = self.device;
+        let device = self.cuda.device;
         let target = self.target();
         let ll = self.ll_begin(o.async_finish, o.return_recv_hook)?;
         let p = checks::ll_dispatch(
@@ -1066,7 +1053,7 @@ impl Buffer {
         handle: &LlHandle,
         o: &LlCombineOptions<'_>,
     ) -> Result<(Tensor, EventOverlap, Option<RecvHook>)> {
-        let device = self.device;
+        let device = self.cuda.device;
         let target = self.target();
         let ll = self.ll_begin(o.async_finish, o.return_recv_hook)?;
         let p = checks::ll_combine(&target, x, topk_idx, topk_weights, handle, o)?;
@@ -1129,7 +1116,7 @@ impl Buffer {
     /// be used after the Buffer is destroyed or dropped.
     pub unsafe fn get_next_low_latency_combine_buffer(&self, handle: &LlHandle) -> Result<Tensor> {
         let ll = self.ll()?;
-        let p = calls::ll_handle(self.num_ranks, self.dev, &handle.metas())?;
+        let p = calls::ll_handle(self.num_ranks, self.cuda.index, &handle.metas())?;
         let g = p.geometry;
         let spec = ep_core::calls::output(&p.outputs, "combine_buffer")
             .ok_or_else(|| Error::state("the handle's plan has no combine_buffer"))?;
@@ -1146,7 +1133,7 @@ impl Buffer {
                 &spec.shape,
                 &spec.strides,
                 Kind::BFloat16,
-                self.device,
+                self.cuda.device,
             )
         }?)
     }
@@ -1173,7 +1160,7 @@ impl Buffer {
                 "a low-latency receive hook is pending: call it first",
             ));
         }
-        self.core_device.synchronize()?;
+        self.cuda.core.synchronize()?;
         Ok(ll.clean()?)
     }
 
@@ -1218,10 +1205,10 @@ impl Buffer {
                 mask_status.size()
             )));
         }
-        if mask_status.device() != self.device {
+        if mask_status.device() != self.cuda.device {
             return Err(Error::value(format!(
                 "mask_status must be on {:?}, got {:?}",
-                self.device,
+                self.cuda.device,
                 mask_status.device()
             )));
         }
@@ -1245,7 +1232,7 @@ impl Buffer {
                 &shape,
                 &[1],
                 Kind::Int,
-                self.device,
+                self.cuda.device,
             )
         }?)
     }
@@ -1259,7 +1246,7 @@ impl Buffer {
         if self.inner.is_empty() {
             return Ok(());
         }
-        self.core_device.synchronize()?;
+        self.cuda.core.synchronize()?;
         Ok(self.inner.destroy()?)
     }
 }
@@ -1269,7 +1256,7 @@ impl Drop for Buffer {
     /// after the device finished what used them.
     fn drop(&mut self) {
         if !self.inner.is_empty() {
-            let _ = self.core_device.synchronize();
+            let _ = self.cuda.core.synchronize();
         }
     }
 }
