@@ -14,12 +14,12 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use collectives::algorithm::Collective;
+use collectives::algorithm::{Algorithm, Collective};
 use collectives::select::parse_algorithm;
 use collectives::tune_file::{self, TunedEntry};
 pub use collectives::ReduceOp;
 use collectives::{Accum, AllGatherCall, AllReduceCall, AllReduceComm, AllReduceConfig, Choice};
-use comm::Bootstrap;
+use comm::{Bootstrap, StreamHandle};
 use tch::{Device, Tensor};
 
 use crate::buffer::env_device_timeout_ns;
@@ -244,6 +244,20 @@ impl AllReduce {
         self.last_choice
     }
 
+    /// What a launch of collective `c` takes besides its buffers: the
+    /// algorithm `algorithm` names (None: the selection's), the current stream
+    /// and whether it is capturing a CUDA graph.
+    fn launch_on(
+        &self,
+        algorithm: Option<&str>,
+        c: Collective,
+    ) -> Result<(Option<Algorithm>, StreamHandle, bool)> {
+        let algorithm = algorithm.map(|a| parse_algorithm(a, c)).transpose()?;
+        let stream = current_stream(self.cuda.index)?;
+        let capturing = stream.is_capturing()?;
+        Ok((algorithm, stream, capturing))
+    }
+
     /// Reduces `tensor` over every rank with `op` into `args.out` (default:
     /// `tensor`, in place) on the current stream; returns the result tensor.
     pub fn all_reduce(
@@ -255,12 +269,7 @@ impl AllReduce {
         let max_bytes = self.get()?.limits().max_bytes as usize;
         let dtype = checks::all_reduce(tensor, args.out, self.cuda.device, max_bytes)?;
         let out = args.out.unwrap_or(tensor);
-        let algorithm = args
-            .algorithm
-            .map(|a| parse_algorithm(a, Collective::AllReduce))
-            .transpose()?;
-        let stream = current_stream(self.cuda.index)?;
-        let capturing = stream.is_capturing()?;
+        let (algorithm, stream, capturing) = self.launch_on(args.algorithm, Collective::AllReduce)?;
         let call = AllReduceCall {
             input: tensor.data_ptr() as u64,
             output: out.data_ptr() as u64,
@@ -293,11 +302,7 @@ impl AllReduce {
             (c.num_ranks(), c.limits().max_bytes as usize)
         };
         let nbytes = checks::all_gather(out, inp, world, self.cuda.device, max_bytes)?;
-        let algorithm = algorithm
-            .map(|a| parse_algorithm(a, Collective::AllGather))
-            .transpose()?;
-        let stream = current_stream(self.cuda.index)?;
-        let capturing = stream.is_capturing()?;
+        let (algorithm, stream, capturing) = self.launch_on(algorithm, Collective::AllGather)?;
         let call = AllGatherCall {
             input: inp.data_ptr() as u64,
             output: out.data_ptr() as u64,
