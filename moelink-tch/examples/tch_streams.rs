@@ -632,14 +632,7 @@ fn check_tune(chk: &mut Checker, group: &Group, device: Device) -> anyhow::Resul
         let t = ar_data(round, rank).to_device(device);
         let out = Tensor::empty([AR], (Kind::Float, device));
         poison(&out);
-        let _ = ar.all_reduce(
-            &t,
-            ReduceOp::Sum,
-            &AllReduceArgs {
-                out: Some(&out),
-                ..AllReduceArgs::default()
-            },
-        )?;
+        sum_into(&mut ar, &t, &out)?;
         chk.equal(
             &format!("tune eager round {round} sum"),
             &out,
@@ -655,25 +648,8 @@ fn check_tune(chk: &mut Checker, group: &Group, device: Device) -> anyhow::Resul
     // Captured: the tuned graph entry; replays of fresh data.
     let t_s = Tensor::zeros([AR], (Kind::Float, device));
     let o_s = Tensor::zeros([AR], (Kind::Float, device));
-    let _ = ar.all_reduce(
-        &t_s,
-        ReduceOp::Sum,
-        &AllReduceArgs {
-            out: Some(&o_s),
-            ..AllReduceArgs::default()
-        },
-    )?;
-    let (graph, ()) = CudaGraph::capture(device, || {
-        let _ = ar.all_reduce(
-            &t_s,
-            ReduceOp::Sum,
-            &AllReduceArgs {
-                out: Some(&o_s),
-                ..AllReduceArgs::default()
-            },
-        )?;
-        Ok(())
-    })?;
+    sum_into(&mut ar, &t_s, &o_s)?;
+    let (graph, ()) = CudaGraph::capture(device, || sum_into(&mut ar, &t_s, &o_s))?;
     let c = choice(&ar);
     chk.ok(
         "tune graph choice",
@@ -708,6 +684,15 @@ fn check_tune(chk: &mut Checker, group: &Group, device: Device) -> anyhow::Resul
     );
     ar2.destroy()?;
     Ok(())
+}
+
+/// `out` = the sum of every rank's `t`, on the current stream.
+fn sum_into(ar: &mut AllReduce, t: &Tensor, out: &Tensor) -> moelink_tch::Result<()> {
+    let args = AllReduceArgs {
+        out: Some(out),
+        ..AllReduceArgs::default()
+    };
+    ar.all_reduce(t, ReduceOp::Sum, &args).map(drop)
 }
 
 fn comm_device_name(device: Device) -> anyhow::Result<String> {
