@@ -447,6 +447,19 @@ fn check_ll_async(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Res
 
 // ----- CUDA graphs -------------------------------------------------------------------------
 
+/// Copies `x` into the captured input `input`, poisons the captured outputs
+/// `outs`, replays `graph` and waits for it.
+fn replay(graph: &CudaGraph, input: &Tensor, x: &Tensor, outs: &[&Tensor]) -> anyhow::Result<()> {
+    let device = input.device();
+    input.shallow_clone().copy_(&x.to_device(device));
+    for t in outs {
+        poison(t);
+    }
+    graph.replay()?;
+    tch::Cuda::synchronize(index(device));
+    Ok(())
+}
+
 fn check_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result<()> {
     let (rank, device) = (b.rank(), b.device());
     let e = EL * size as i64;
@@ -477,13 +490,7 @@ fn check_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result
             .collect();
         let yr: Vec<&Tensor> = ys.iter().collect();
         let want_c = reference::combine(&want, &yr, None, None)?;
-        let mut xs = x_s.shallow_clone();
-        xs.copy_(&fresh[rank].x.to_device(device));
-        for t in [&recv_x, &y, &combined] {
-            poison(t);
-        }
-        graph.replay()?;
-        tch::Cuda::synchronize(index(device));
+        replay(&graph, &x_s, &fresh[rank].x, &[&recv_x, &y, &combined])?;
         chk.equal(
             &format!("graph replay {i} recv_x"),
             &recv_x,
@@ -536,13 +543,12 @@ fn check_ll_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Res
     for i in 0..REPLAYS {
         let fresh = fresh_x(600 + i, &routing);
         let (want, want_c) = reference_ll(&fresh, e)?;
-        let mut xs = x_s.shallow_clone();
-        xs.copy_(&fresh[rank].x.to_device(device));
-        for t in [&recv_count, &recv_x, &combined] {
-            poison(t);
-        }
-        graph.replay()?;
-        tch::Cuda::synchronize(index(device));
+        replay(
+            &graph,
+            &x_s,
+            &fresh[rank].x,
+            &[&recv_count, &recv_x, &combined],
+        )?;
         let me = &want[rank];
         chk.equal(
             &format!("ll_graph replay {i} recv_count"),
@@ -657,11 +663,7 @@ fn check_tune(chk: &mut Checker, group: &Group, device: Device) -> anyhow::Resul
         || format!("{c:?}"),
     );
     for i in 0..REPLAYS {
-        let mut t = t_s.shallow_clone();
-        t.copy_(&ar_data(10 + i, rank).to_device(device));
-        poison(&o_s);
-        graph.replay()?;
-        tch::Cuda::synchronize(index(device));
+        replay(&graph, &t_s, &ar_data(10 + i, rank), &[&o_s])?;
         chk.equal(
             &format!("tune graph replay {i} sum"),
             &o_s,
