@@ -137,14 +137,7 @@ def time_graph(fn, ops: int, replays: int, ready=None) -> list:
         for _ in range(2):
             fn()
     torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(ops):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    if ready is not None:
-        ready()
+    graph = bench_common.capture_graph(torch, fn, ops, ready=ready)
     out = []
     for _ in range(replays):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -46,14 +46,7 @@ def graph_time(torch, fn, ops: int, reps: int, ready=None) -> float:
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, stream=s):
-            for _ in range(ops):
-                fn()
-        g.replay()
-        torch.cuda.synchronize()
-        if ready is not None:
-            ready()
+        g = bench_common.capture_graph(torch, fn, ops, s, ready)
         times = bench_common.replay_times_us(torch, g, reps, ops, s)
     torch.cuda.current_stream().wait_stream(s)
     return statistics.median(times)

@@ -10,6 +10,7 @@ import datetime
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import traceback
@@ -170,6 +171,62 @@ def event_times_us(torch, fn, iters: int, warmup: int = 0, before=None, ready=No
         pairs.append((a, b))
     torch.cuda.synchronize()
     return [a.elapsed_time(b) * 1e3 for a, b in pairs]
+
+
+def ll_calls(buf, x, idx, w, y, t: int, e: int, handle) -> dict:
+    """The three low-latency calls a benchmark times, by name: ``dispatch`` of
+    ``x`` / ``idx`` (``t`` tokens a rank at most, ``e`` experts), ``combine`` of
+    ``y`` / ``idx`` / ``w`` along ``handle``, and ``both`` (a dispatch whose
+    handle the combine takes)."""
+    return {
+        "dispatch": lambda: buf.low_latency_dispatch(x, idx, t, e),
+        "combine": lambda: buf.low_latency_combine(y, idx, w, handle),
+        "both": lambda: buf.low_latency_combine(
+            y, idx, w, buf.low_latency_dispatch(x, idx, t, e)[2]
+        ),
+    }
+
+
+def ll_round_trips(torch, buf, x, idx, w, y, t: int, e: int, iters: int) -> list:
+    """``iters`` low-latency dispatch + combine pairs back to back (the arguments of
+    ``ll_calls``, the combine along each dispatch's handle), three CUDA events
+    around each pair's Python calls: before the dispatch, between, after the
+    combine. Read them with ``ll_eager_us`` once the device has synchronised."""
+    ev = []
+    for _ in range(iters):
+        q = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        q[0].record()
+        hh = buf.low_latency_dispatch(x, idx, t, e)[2]
+        q[1].record()
+        buf.low_latency_combine(y, idx, w, hh)
+        q[2].record()
+        ev.append(q)
+    return ev
+
+
+def ll_eager_us(ev: list) -> dict:
+    """Medians in us of ``ll_round_trips``' events: ``eager_dispatch``,
+    ``eager_combine`` and ``eager_both`` (launch and Python overhead included)."""
+    return {
+        "eager_dispatch": statistics.median(a.elapsed_time(b) * 1e3 for a, b, _ in ev),
+        "eager_combine": statistics.median(b.elapsed_time(c) * 1e3 for _, b, c in ev),
+        "eager_both": statistics.median(a.elapsed_time(c) * 1e3 for a, _, c in ev),
+    }
+
+
+def capture_graph(torch, fn, ops: int, stream=None, ready=None):
+    """``ops`` calls of ``fn`` captured in one CUDA graph (on ``stream``; default:
+    torch's own capture stream), replayed once and the device synchronised; then
+    ``ready()`` (a barrier) where given. Returns the graph."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for _ in range(ops):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    if ready is not None:
+        ready()
+    return graph
 
 
 def replay_times_us(torch, graph, reps: int, ops: int, stream=None) -> list:

@@ -65,6 +65,21 @@ class Edit:
     requires: tuple[str, ...] = field(default_factory=tuple)
 
 
+def _init_dist_gpu_edit(name: str, pattern: str, repl: str, what: str) -> Edit:
+    """An edit of ``utils.init_dist`` that puts ``GPU_EXPR`` where it names GPU
+    ``local_rank``: valid there only while init_dist defines ``node_rank`` and
+    reads ``num_local_ranks``, which ``GPU_EXPR`` uses."""
+    return Edit(
+        name=name,
+        file="utils.py",
+        pattern=pattern,
+        repl=repl,
+        what=what,
+        scope="init_dist",
+        requires=(r"^\s*node_rank\s*=", r"\bnum_local_ranks\b"),
+    )
+
+
 EDITS = (
     Edit(
         name="internode-main-8-local-ranks",
@@ -88,23 +103,17 @@ EDITS = (
         what="`assert num_local_ranks == 8 and num_ranks > 8` in test_loop",
         scope="test_loop",
     ),
-    Edit(
-        name="init-dist-device-id",
-        file="utils.py",
-        pattern=r"torch\.device\(f(?P<q>['\"])cuda:\{local_rank\}(?P=q)\)",
-        repl=rf"torch.device(f\g<q>cuda:{{{GPU_EXPR}}}\g<q>)",
-        what="`device_id=torch.device(f'cuda:{local_rank}')` in init_dist",
-        scope="init_dist",
-        requires=(r"^\s*node_rank\s*=", r"\bnum_local_ranks\b"),
+    _init_dist_gpu_edit(
+        "init-dist-device-id",
+        r"torch\.device\(f(?P<q>['\"])cuda:\{local_rank\}(?P=q)\)",
+        rf"torch.device(f\g<q>cuda:{{{GPU_EXPR}}}\g<q>)",
+        "`device_id=torch.device(f'cuda:{local_rank}')` in init_dist",
     ),
-    Edit(
-        name="init-dist-set-device",
-        file="utils.py",
-        pattern=rf"torch\.cuda\.set_device\({_S}local_rank{_S}\)",
-        repl=f"torch.cuda.set_device({GPU_EXPR})",
-        what="`torch.cuda.set_device(local_rank)` in init_dist",
-        scope="init_dist",
-        requires=(r"^\s*node_rank\s*=", r"\bnum_local_ranks\b"),
+    _init_dist_gpu_edit(
+        "init-dist-set-device",
+        rf"torch\.cuda\.set_device\({_S}local_rank{_S}\)",
+        f"torch.cuda.set_device({GPU_EXPR})",
+        "`torch.cuda.set_device(local_rank)` in init_dist",
     ),
     Edit(
         name="shrink-clean-rank",

@@ -132,16 +132,8 @@ class Bench:
             hh = buf.low_latency_dispatch(x, idx, t, e)[2]
             buf.low_latency_combine(y, idx, w, hh)
         torch.cuda.synchronize()
-        ev = []
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(iters):
-                q = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                q[0].record()
-                hh = buf.low_latency_dispatch(x, idx, t, e)[2]
-                q[1].record()
-                buf.low_latency_combine(y, idx, w, hh)
-                q[2].record()
-                ev.append(q)
+            ev = bench_common.ll_round_trips(torch, buf, x, idx, w, y, t, e, iters)
             if hooks:
                 for _ in range(iters):
                     r = buf.low_latency_dispatch(x, idx, t, e, return_recv_hook=True)
@@ -160,9 +152,7 @@ class Bench:
             "dispatch": statistics.median(kd[:iters]),
             "combine": statistics.median(kc[:iters]),
             "both": statistics.median(a + b for a, b in zip(kd[:iters], kc[:iters])),
-            "eager_dispatch": statistics.median(a.elapsed_time(b) * 1e3 for a, b, _ in ev),
-            "eager_combine": statistics.median(b.elapsed_time(c) * 1e3 for _, b, c in ev),
-            "eager_both": statistics.median(a.elapsed_time(c) * 1e3 for a, _, c in ev),
+            **bench_common.ll_eager_us(ev),
         }
         if hooks:
             hd, hc = kd[iters:], kc[iters:]
@@ -189,21 +179,16 @@ class Bench:
             y = self.dequant(recv, True).clone()
             buf.low_latency_combine(y, idx, w, handle)
             torch.cuda.synchronize(self.device)
-            bodies = {
-                "graph_dispatch": lambda: buf.low_latency_dispatch(x, idx, t, e),
-                "graph_combine": lambda: buf.low_latency_combine(y, idx, w, handle),
-                "graph_both": lambda: buf.low_latency_combine(
-                    y, idx, w, buf.low_latency_dispatch(x, idx, t, e)[2]
-                ),
-            }
-            for name, body in bodies.items():
+            bodies = bench_common.ll_calls(buf, x, idx, w, y, t, e, handle)
+            for op, body in bodies.items():
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, stream=s):
                     for _ in range(n):
                         body()
                 g.replay()
                 torch.cuda.synchronize(self.device)
-                out[name] = statistics.median(bench_common.replay_times_us(torch, g, reps, n, s))
+                times = bench_common.replay_times_us(torch, g, reps, n, s)
+                out[f"graph_{op}"] = statistics.median(times)
                 del g
         torch.cuda.current_stream(self.device).wait_stream(s)
         return out

@@ -946,13 +946,7 @@ def run_ll(impl: Impl, rank: int, world: int, group, args) -> dict:
             y = bench.dequant(recv, True).contiguous()
             times.update(ll_eager(torch, buf, x, idx, w, y, t, e, args))
         with stage(name, rank, "ll kernel timing"):
-            calls = {
-                "dispatch": lambda: buf.low_latency_dispatch(x, idx, t, e),
-                "combine": lambda: buf.low_latency_combine(y, idx, w, handle),
-                "both": lambda: buf.low_latency_combine(
-                    y, idx, w, buf.low_latency_dispatch(x, idx, t, e)[2]
-                ),
-            }
+            calls = bench_common.ll_calls(buf, x, idx, w, y, t, e, handle)
             for op, fn in calls.items():
                 dist.barrier(group=group)
                 times[f"kernel_{op}"], kernel_names[op] = kernel_us(torch, fn, args.ll_iters)
@@ -990,21 +984,9 @@ def ll_eager(torch, buf, x, idx, w, y, t, e, args) -> dict:
         buf.low_latency_combine(y, idx, w, hh)
     torch.cuda.synchronize()
     dist.barrier()
-    ev = []
-    for _ in range(args.ll_iters):
-        q = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        q[0].record()
-        hh = buf.low_latency_dispatch(x, idx, t, e)[2]
-        q[1].record()
-        buf.low_latency_combine(y, idx, w, hh)
-        q[2].record()
-        ev.append(q)
+    ev = bench_common.ll_round_trips(torch, buf, x, idx, w, y, t, e, args.ll_iters)
     torch.cuda.synchronize()
-    return {
-        "eager_dispatch": statistics.median(a.elapsed_time(b) * 1e3 for a, b, _ in ev),
-        "eager_combine": statistics.median(b.elapsed_time(c) * 1e3 for _, b, c in ev),
-        "eager_both": statistics.median(a.elapsed_time(c) * 1e3 for a, _, c in ev),
-    }
+    return bench_common.ll_eager_us(ev)
 
 
 def ll_graphs(torch, buf, x, idx, w, y, handle, t, e) -> tuple:

@@ -269,26 +269,24 @@ def test_dispatched_weights_come_back():
 # --- errors --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("bad", [0, -2, 3, 5, 8, 2**70])
-def test_bad_ranks_per_node_raise_value_error(bad):
+def check_ranks_per_node_raises(bad, error):
     idx = torch.tensor([[0, 1]])
-    with pytest.raises(ValueError, match="ranks_per_node"):
+    with pytest.raises(error, match="ranks_per_node"):
         reference.layout(idx, 4, 4, ranks_per_node=bad)
     ref = reference.dispatch([{"x": torch.zeros(1, H, dtype=BF16), "topk_idx": idx}] * 4, 4)
     ys = [o.recv_x for o in ref.ranks]
-    with pytest.raises(ValueError, match="ranks_per_node"):
+    with pytest.raises(error, match="ranks_per_node"):
         reference.combine(ref, ys, ranks_per_node=bad)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 3, 5, 8, 2**70])
+def test_bad_ranks_per_node_raise_value_error(bad):
+    check_ranks_per_node_raises(bad, ValueError)
 
 
 @pytest.mark.parametrize("bad", [True, 2.0, "2", torch.tensor(2)])
 def test_ranks_per_node_of_the_wrong_type_raise_type_error(bad):
-    idx = torch.tensor([[0, 1]])
-    with pytest.raises(TypeError, match="ranks_per_node"):
-        reference.layout(idx, 4, 4, ranks_per_node=bad)
-    ref = reference.dispatch([{"x": torch.zeros(1, H, dtype=BF16), "topk_idx": idx}] * 4, 4)
-    ys = [o.recv_x for o in ref.ranks]
-    with pytest.raises(TypeError, match="ranks_per_node"):
-        reference.combine(ref, ys, ranks_per_node=bad)
+    check_ranks_per_node_raises(bad, TypeError)
 
 
 def test_other_combine_errors_are_unchanged_with_ranks_per_node():

@@ -312,60 +312,51 @@ impl Parser<'_> {
             Some(b't') => self.expect("true").map(|_| Json::Bool(true)),
             Some(b'f') => self.expect("false").map(|_| Json::Bool(false)),
             Some(b'"') => self.string().map(Json::String),
-            Some(b'[') => {
-                self.i += 1;
-                let mut items = Vec::new();
-                self.ws();
-                if self.peek() == Some(b']') {
-                    self.i += 1;
-                    return Ok(Json::Array(items));
-                }
-                loop {
-                    self.ws();
-                    items.push(self.value(depth + 1)?);
-                    self.ws();
-                    match self.peek() {
-                        Some(b',') => self.i += 1,
-                        Some(b']') => {
-                            self.i += 1;
-                            return Ok(Json::Array(items));
-                        }
-                        _ => return Err(self.err("expected , or ]")),
+            Some(b'[') => self.items(b']', |p| p.value(depth + 1)).map(Json::Array),
+            Some(b'{') => self
+                .items(b'}', |p| {
+                    if p.peek() != Some(b'"') {
+                        return Err(p.err("expected a key"));
                     }
-                }
-            }
-            Some(b'{') => {
-                self.i += 1;
-                let mut fields = Vec::new();
-                self.ws();
-                if self.peek() == Some(b'}') {
-                    self.i += 1;
-                    return Ok(Json::Object(fields));
-                }
-                loop {
-                    self.ws();
-                    if self.peek() != Some(b'"') {
-                        return Err(self.err("expected a key"));
-                    }
-                    let k = self.string()?;
-                    self.ws();
-                    self.expect(":")?;
-                    self.ws();
-                    let v = self.value(depth + 1)?;
-                    fields.push((k, v));
-                    self.ws();
-                    match self.peek() {
-                        Some(b',') => self.i += 1,
-                        Some(b'}') => {
-                            self.i += 1;
-                            return Ok(Json::Object(fields));
-                        }
-                        _ => return Err(self.err("expected , or }")),
-                    }
-                }
-            }
+                    let k = p.string()?;
+                    p.ws();
+                    p.expect(":")?;
+                    p.ws();
+                    Ok((k, p.value(depth + 1)?))
+                })
+                .map(Json::Object),
             Some(b'-' | b'0'..=b'9') => self.number(),
             Some(_) => Err(self.err("unexpected character")),
+        }
+    }
+
+    /// The comma-separated items of an array or object, from its opening
+    /// bracket up to and including `close`: `item` reads one, starting at its
+    /// first character.
+    fn items<T>(
+        &mut self,
+        close: u8,
+        mut item: impl FnMut(&mut Self) -> std::result::Result<T, String>,
+    ) -> std::result::Result<Vec<T>, String> {
+        self.i += 1;
+        let mut items = Vec::new();
+        self.ws();
+        if self.peek() == Some(close) {
+            self.i += 1;
+            return Ok(items);
+        }
+        loop {
+            self.ws();
+            items.push(item(self)?);
+            self.ws();
+            match self.peek() {
+                Some(b',') => self.i += 1,
+                Some(c) if c == close => {
+                    self.i += 1;
+                    return Ok(items);
+                }
+                _ => return Err(self.err(&format!("expected , or {}", close as char))),
+            }
         }
     }
 

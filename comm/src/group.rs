@@ -549,15 +549,26 @@ mod tests {
         }
     }
 
+    /// Two ranks of a 1 s bound, each with its group: rank `idle` stays
+    /// connected past the other's bound, making nothing (its result is
+    /// `T::default()`); the other rank runs `f`.
+    fn one_rank_idle<T: Default + Send + 'static>(
+        idle: usize,
+        f: impl Fn(&Group) -> T + Send + Sync + 'static,
+    ) -> Vec<T> {
+        on_ranks(2, Duration::from_secs(1), move |rank, boot| {
+            let g = Group::new(boot).unwrap();
+            if rank == idle {
+                std::thread::sleep(Duration::from_millis(2500));
+                return T::default();
+            }
+            f(&g)
+        })
+    }
+
     #[test]
     fn an_object_made_on_one_rank_only_times_out_and_says_so() {
-        let got = on_ranks(2, Duration::from_secs(1), |rank, boot| {
-            let g = Group::new(boot).unwrap();
-            if rank == 0 {
-                // Stay connected past rank 1's bound, making nothing.
-                std::thread::sleep(Duration::from_millis(2500));
-                return (String::new(), g.objects());
-            }
+        let got = one_rank_idle(0, |g| {
             let e = g.scope("allreduce").unwrap_err().to_string();
             (e, g.objects())
         });
@@ -775,13 +786,7 @@ mod tests {
 
     #[test]
     fn a_failed_communicator_is_tried_again_by_the_next_object_only() {
-        let got = on_ranks(2, Duration::from_secs(1), |rank, boot| {
-            let g = Group::new(boot).unwrap();
-            if rank == 1 {
-                // Stay connected past rank 0's bound, making nothing.
-                std::thread::sleep(Duration::from_millis(2500));
-                return (String::new(), String::new());
-            }
+        let got = one_rank_idle(1, |g| {
             let opts = CommunicatorOptions::default();
             let first = g.communicator(None, &opts).unwrap_err().to_string();
             let again = g.communicator(None, &opts).unwrap_err().to_string();

@@ -145,20 +145,14 @@ impl MemoryInfo {
         let ipc = match r.u8()? {
             0 => None,
             1 => Some(IpcExport::Legacy(IpcHandle::from_bytes(r.bytes()?)?)),
-            2 => {
+            kind @ (2 | 3) => {
+                // Both are an fd the owner's server hands out: its address, key and length.
                 let server = FdAddress::from_bytes(r.bytes()?)?;
-                Some(IpcExport::Vmm {
-                    server,
-                    key: r.u64()?,
-                    len: r.u64()?,
-                })
-            }
-            3 => {
-                let server = FdAddress::from_bytes(r.bytes()?)?;
-                Some(IpcExport::SharedHost {
-                    server,
-                    key: r.u64()?,
-                    len: r.u64()?,
+                let (key, len) = (r.u64()?, r.u64()?);
+                Some(if kind == 2 {
+                    IpcExport::Vmm { server, key, len }
+                } else {
+                    IpcExport::SharedHost { server, key, len }
                 })
             }
             t => return Err(r.bad(format!("bad IPC kind {t}"))),

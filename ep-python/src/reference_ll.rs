@@ -5,8 +5,7 @@
 //! semantics live in ep-reference, whose errors become `ValueError`.
 
 use ep_reference::low_latency::{
-    self as r, unpack_layout_range, LlCombineInput, LlHandle, LlRankInput, LowLatencyArgs,
-    RecvScales, RecvX,
+    self as r, unpack_layout_range, LlCombineInput, LlRankInput, LowLatencyArgs, RecvScales, RecvX,
 };
 use ep_reference::normal::{bf16_bits_to_f32, f32_to_bf16_bits};
 use pyo3::prelude::*;
@@ -149,15 +148,7 @@ pub fn ref_ll_combine<'py>(
     }
     let ins: Vec<LlCombineInput<'_>> = dec
         .iter()
-        .map(|(y, t, w, s, l)| LlCombineInput {
-            x: y,
-            topk_idx: t,
-            topk_weights: w,
-            handle: LlHandle {
-                src_info: s,
-                layout_range: l,
-            },
-        })
+        .map(|(y, t, w, s, l)| LlCombineInput::new(y, t, w, s, l))
         .collect();
     let out = py
         .detach(|| r::low_latency_combine(&ins, &args))

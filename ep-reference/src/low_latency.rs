@@ -881,6 +881,27 @@ pub struct LlCombineInput<'a> {
     pub handle: LlHandle<'a>,
 }
 
+impl<'a> LlCombineInput<'a> {
+    /// One rank's input from its arrays, as the bindings decode them.
+    pub fn new(
+        x: &'a [f32],
+        topk_idx: &'a [i64],
+        topk_weights: &'a [f32],
+        src_info: &'a [i32],
+        layout_range: &'a [i64],
+    ) -> Self {
+        Self {
+            x,
+            topk_idx,
+            topk_weights,
+            handle: LlHandle {
+                src_info,
+                layout_range,
+            },
+        }
+    }
+}
+
 /// Combine result for one source rank.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlCombineOutput {

@@ -421,22 +421,7 @@ fn dispatch_with(
             Some(r),
         )?;
         let n = layout.num_tokens();
-        match input.topk_weights {
-            Some(_) if !with_weights => {
-                return Err(CommError::invalid(
-                    "topk_weights",
-                    format!("rank {r} passes weights but rank 0 does not"),
-                ));
-            }
-            None if with_weights => {
-                return Err(CommError::invalid(
-                    "topk_weights",
-                    format!("rank 0 passes weights but rank {r} does not"),
-                ));
-            }
-            Some(w) => check_len("topk_weights", r, w.len(), n, k)?,
-            None => {}
-        }
+        check_weights(r, input.topk_weights, with_weights, n, k)?;
         check_token_data(
             r,
             n,
@@ -717,22 +702,7 @@ fn combine_with(
         let rows = handle.ranks[r].num_rows();
         let n = handle.layouts[r].num_tokens();
         check_len("y", r, input.y.len(), rows, hidden)?;
-        match input.topk_weights {
-            Some(_) if !with_weights => {
-                return Err(CommError::invalid(
-                    "topk_weights",
-                    format!("rank {r} passes weights but rank 0 does not"),
-                ));
-            }
-            None if with_weights => {
-                return Err(CommError::invalid(
-                    "topk_weights",
-                    format!("rank 0 passes weights but rank {r} does not"),
-                ));
-            }
-            Some(w) => check_len("topk_weights", r, w.len(), rows, k)?,
-            None => {}
-        }
+        check_weights(r, input.topk_weights, with_weights, rows, k)?;
         for b in input.bias.iter().flatten() {
             check_len("bias", r, b.len(), n, hidden)?;
         }
@@ -946,6 +916,29 @@ fn check_rank_count(got: usize, want: usize) -> Result<()> {
         ));
     }
     Ok(())
+}
+
+/// Checks rank `r`'s `topk_weights`: given iff rank 0's are (`with_weights`),
+/// and then `[rows, k]`.
+fn check_weights(
+    r: usize,
+    weights: Option<&[f32]>,
+    with_weights: bool,
+    rows: usize,
+    k: usize,
+) -> Result<()> {
+    match weights {
+        Some(_) if !with_weights => Err(CommError::invalid(
+            "topk_weights",
+            format!("rank {r} passes weights but rank 0 does not"),
+        )),
+        None if with_weights => Err(CommError::invalid(
+            "topk_weights",
+            format!("rank 0 passes weights but rank {r} does not"),
+        )),
+        Some(w) => check_len("topk_weights", r, w.len(), rows, k),
+        None => Ok(()),
+    }
 }
 
 /// `len == rows * cols` for matrix `name` of rank `rank`.

@@ -57,6 +57,17 @@ struct Tokens {
     w: Tensor,
 }
 
+impl Tokens {
+    /// `(x, idx, w)` copied to `device`.
+    fn to_device(&self, device: Device) -> (Tensor, Tensor, Tensor) {
+        (
+            self.x.to_device(device),
+            self.idx.to_device(device),
+            self.w.to_device(device),
+        )
+    }
+}
+
 fn tokens(seed: i64, rank: usize, size: usize) -> Tokens {
     tch::manual_seed(seed * 1000 + rank as i64);
     let cpu = Device::Cpu;
@@ -228,9 +239,7 @@ fn check_async(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result
         // Made on the current stream: the calls must wait for them through
         // previous_event (the communication stream does not wait for the
         // current stream when an event is given).
-        let x = ins[rank].x.to_device(device);
-        let idx = ins[rank].idx.to_device(device);
-        let w = ins[rank].w.to_device(device);
+        let (x, idx, w) = ins[rank].to_device(device);
         let ev0 = Buffer::capture(device)?;
         poison_outputs(
             b,
@@ -397,9 +406,7 @@ fn check_ll_async(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Res
         let tag = format!("ll_async round {round}");
         let ins = all_tokens(100 + round, size);
         let (want, want_c) = reference_ll(&ins, e)?;
-        let x = ins[rank].x.to_device(device);
-        let idx = ins[rank].idx.to_device(device);
-        let w = ins[rank].w.to_device(device);
+        let (x, idx, w) = ins[rank].to_device(device);
         let o = LlDispatchOptions {
             use_fp8: false,
             async_finish: true,
@@ -440,13 +447,24 @@ fn check_ll_async(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Res
 
 // ----- CUDA graphs -------------------------------------------------------------------------
 
+/// Copies `x` into the captured input `input`, poisons the captured outputs
+/// `outs`, replays `graph` and waits for it.
+fn replay(graph: &CudaGraph, input: &Tensor, x: &Tensor, outs: &[&Tensor]) -> anyhow::Result<()> {
+    let device = input.device();
+    input.shallow_clone().copy_(&x.to_device(device));
+    for t in outs {
+        poison(t);
+    }
+    graph.replay()?;
+    tch::Cuda::synchronize(index(device));
+    Ok(())
+}
+
 fn check_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result<()> {
     let (rank, device) = (b.rank(), b.device());
     let e = EL * size as i64;
     let routing = all_tokens(300, size);
-    let idx = routing[rank].idx.to_device(device);
-    let w = routing[rank].w.to_device(device);
-    let x_s = routing[rank].x.to_device(device);
+    let (x_s, idx, w) = routing[rank].to_device(device);
     // The handle, from an eager dispatch; a warm-up of the captured calls.
     let layout = b.get_dispatch_layout(&idx, e)?;
     let d = b.dispatch(
@@ -472,13 +490,7 @@ fn check_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result
             .collect();
         let yr: Vec<&Tensor> = ys.iter().collect();
         let want_c = reference::combine(&want, &yr, None, None)?;
-        let mut xs = x_s.shallow_clone();
-        xs.copy_(&fresh[rank].x.to_device(device));
-        for t in [&recv_x, &y, &combined] {
-            poison(t);
-        }
-        graph.replay()?;
-        tch::Cuda::synchronize(index(device));
+        replay(&graph, &x_s, &fresh[rank].x, &[&recv_x, &y, &combined])?;
         chk.equal(
             &format!("graph replay {i} recv_x"),
             &recv_x,
@@ -499,9 +511,7 @@ fn check_ll_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Res
     let (rank, device) = (b.rank(), b.device());
     let e = EL * size as i64;
     let routing = all_tokens(500, size);
-    let idx = routing[rank].idx.to_device(device);
-    let w = routing[rank].w.to_device(device);
-    let x_s = routing[rank].x.to_device(device);
+    let (x_s, idx, w) = routing[rank].to_device(device);
     let o = LlDispatchOptions {
         use_fp8: false,
         ..LlDispatchOptions::default()
@@ -533,13 +543,12 @@ fn check_ll_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Res
     for i in 0..REPLAYS {
         let fresh = fresh_x(600 + i, &routing);
         let (want, want_c) = reference_ll(&fresh, e)?;
-        let mut xs = x_s.shallow_clone();
-        xs.copy_(&fresh[rank].x.to_device(device));
-        for t in [&recv_count, &recv_x, &combined] {
-            poison(t);
-        }
-        graph.replay()?;
-        tch::Cuda::synchronize(index(device));
+        replay(
+            &graph,
+            &x_s,
+            &fresh[rank].x,
+            &[&recv_count, &recv_x, &combined],
+        )?;
         let me = &want[rank];
         chk.equal(
             &format!("ll_graph replay {i} recv_count"),
@@ -629,14 +638,7 @@ fn check_tune(chk: &mut Checker, group: &Group, device: Device) -> anyhow::Resul
         let t = ar_data(round, rank).to_device(device);
         let out = Tensor::empty([AR], (Kind::Float, device));
         poison(&out);
-        let _ = ar.all_reduce(
-            &t,
-            ReduceOp::Sum,
-            &AllReduceArgs {
-                out: Some(&out),
-                ..AllReduceArgs::default()
-            },
-        )?;
+        sum_into(&mut ar, &t, &out)?;
         chk.equal(
             &format!("tune eager round {round} sum"),
             &out,
@@ -652,25 +654,8 @@ fn check_tune(chk: &mut Checker, group: &Group, device: Device) -> anyhow::Resul
     // Captured: the tuned graph entry; replays of fresh data.
     let t_s = Tensor::zeros([AR], (Kind::Float, device));
     let o_s = Tensor::zeros([AR], (Kind::Float, device));
-    let _ = ar.all_reduce(
-        &t_s,
-        ReduceOp::Sum,
-        &AllReduceArgs {
-            out: Some(&o_s),
-            ..AllReduceArgs::default()
-        },
-    )?;
-    let (graph, ()) = CudaGraph::capture(device, || {
-        let _ = ar.all_reduce(
-            &t_s,
-            ReduceOp::Sum,
-            &AllReduceArgs {
-                out: Some(&o_s),
-                ..AllReduceArgs::default()
-            },
-        )?;
-        Ok(())
-    })?;
+    sum_into(&mut ar, &t_s, &o_s)?;
+    let (graph, ()) = CudaGraph::capture(device, || sum_into(&mut ar, &t_s, &o_s))?;
     let c = choice(&ar);
     chk.ok(
         "tune graph choice",
@@ -678,11 +663,7 @@ fn check_tune(chk: &mut Checker, group: &Group, device: Device) -> anyhow::Resul
         || format!("{c:?}"),
     );
     for i in 0..REPLAYS {
-        let mut t = t_s.shallow_clone();
-        t.copy_(&ar_data(10 + i, rank).to_device(device));
-        poison(&o_s);
-        graph.replay()?;
-        tch::Cuda::synchronize(index(device));
+        replay(&graph, &t_s, &ar_data(10 + i, rank), &[&o_s])?;
         chk.equal(
             &format!("tune graph replay {i} sum"),
             &o_s,
@@ -705,6 +686,15 @@ fn check_tune(chk: &mut Checker, group: &Group, device: Device) -> anyhow::Resul
     );
     ar2.destroy()?;
     Ok(())
+}
+
+/// `out` = the sum of every rank's `t`, on the current stream.
+fn sum_into(ar: &mut AllReduce, t: &Tensor, out: &Tensor) -> moelink_tch::Result<()> {
+    let args = AllReduceArgs {
+        out: Some(out),
+        ..AllReduceArgs::default()
+    };
+    ar.all_reduce(t, ReduceOp::Sum, &args).map(drop)
 }
 
 fn comm_device_name(device: Device) -> anyhow::Result<String> {

@@ -14,18 +14,18 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use collectives::algorithm::Collective;
+use collectives::algorithm::{Algorithm, Collective};
 use collectives::select::parse_algorithm;
 use collectives::tune_file::{self, TunedEntry};
 pub use collectives::ReduceOp;
 use collectives::{Accum, AllGatherCall, AllReduceCall, AllReduceComm, AllReduceConfig, Choice};
-use comm::{Bootstrap, Device as CoreDevice};
+use comm::{Bootstrap, StreamHandle};
 use tch::{Device, Tensor};
 
 use crate::buffer::env_device_timeout_ns;
 use crate::checks;
 use crate::error::{Error, Result};
-use crate::group::{env_timeout, Group};
+use crate::group::{timeout_or_env, CudaDevice, Group};
 use crate::stream::current_stream;
 
 /// Which tuning file an [`AllReduce`] loads (Python's `tune_file=`).
@@ -96,9 +96,7 @@ pub struct AllReduceArgs<'a> {
 pub struct AllReduce {
     inner: Option<AllReduceComm>,
     group: Group,
-    device: Device,
-    dev: i32,
-    core_device: CoreDevice,
+    cuda: CudaDevice,
     last_choice: Option<Choice>,
     gpu_name: String,
     tune_file: Option<PathBuf>,
@@ -108,7 +106,7 @@ pub struct AllReduce {
 impl std::fmt::Debug for AllReduce {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("AllReduce")
-            .field("device", &self.device)
+            .field("device", &self.cuda.device)
             .field("inner", &self.inner)
             .finish()
     }
@@ -122,17 +120,8 @@ impl AllReduce {
             Some(ns) => ns,
             None => env_device_timeout_ns("MOELINK_AR_TIMEOUT_S")?,
         };
-        let timeout = match opts.timeout {
-            Some(t) => t,
-            None => env_timeout()?,
-        };
-        let Device::Cuda(index) = device else {
-            return Err(Error::state(format!(
-                "moelink.AllReduce needs a CUDA device, got {device:?}"
-            )));
-        };
-        let dev = index as i32;
-        let core_device = CoreDevice::bind(dev)?;
+        let timeout = timeout_or_env(opts.timeout)?;
+        let cuda = CudaDevice::bind(device, "moelink.AllReduce")?;
         let config = AllReduceConfig {
             max_bytes: opts.max_bytes,
             oneshot_max_bytes: opts.oneshot_max_bytes,
@@ -141,15 +130,13 @@ impl AllReduce {
             timeout,
             device_timeout_ns,
         };
-        let inner = AllReduceComm::new(group.core(), core_device, &config)?;
+        let inner = AllReduceComm::new(group.core(), cuda.core, &config)?;
         let mut ar = Self {
             inner: Some(inner),
             group: group.clone(),
-            device,
-            dev,
-            core_device,
+            cuda,
             last_choice: None,
-            gpu_name: core_device.name()?,
+            gpu_name: cuda.core.name()?,
             tune_file: None,
             tuning_loaded: false,
         };
@@ -243,7 +230,7 @@ impl AllReduce {
     }
 
     pub fn device(&self) -> Device {
-        self.device
+        self.cuda.device
     }
 
     /// The communicator of crate `collectives` (limits, tuned table,
@@ -257,6 +244,20 @@ impl AllReduce {
         self.last_choice
     }
 
+    /// What a launch of collective `c` takes besides its buffers: the
+    /// algorithm `algorithm` names (None: the selection's), the current stream
+    /// and whether it is capturing a CUDA graph.
+    fn launch_on(
+        &self,
+        algorithm: Option<&str>,
+        c: Collective,
+    ) -> Result<(Option<Algorithm>, StreamHandle, bool)> {
+        let algorithm = algorithm.map(|a| parse_algorithm(a, c)).transpose()?;
+        let stream = current_stream(self.cuda.index)?;
+        let capturing = stream.is_capturing()?;
+        Ok((algorithm, stream, capturing))
+    }
+
     /// Reduces `tensor` over every rank with `op` into `args.out` (default:
     /// `tensor`, in place) on the current stream; returns the result tensor.
     pub fn all_reduce(
@@ -266,14 +267,9 @@ impl AllReduce {
         args: &AllReduceArgs<'_>,
     ) -> Result<Tensor> {
         let max_bytes = self.get()?.limits().max_bytes as usize;
-        let dtype = checks::all_reduce(tensor, args.out, self.device, max_bytes)?;
+        let dtype = checks::all_reduce(tensor, args.out, self.cuda.device, max_bytes)?;
         let out = args.out.unwrap_or(tensor);
-        let algorithm = args
-            .algorithm
-            .map(|a| parse_algorithm(a, Collective::AllReduce))
-            .transpose()?;
-        let stream = current_stream(self.dev)?;
-        let capturing = stream.is_capturing()?;
+        let (algorithm, stream, capturing) = self.launch_on(args.algorithm, Collective::AllReduce)?;
         let call = AllReduceCall {
             input: tensor.data_ptr() as u64,
             output: out.data_ptr() as u64,
@@ -305,12 +301,8 @@ impl AllReduce {
             let c = self.get()?;
             (c.num_ranks(), c.limits().max_bytes as usize)
         };
-        let nbytes = checks::all_gather(out, inp, world, self.device, max_bytes)?;
-        let algorithm = algorithm
-            .map(|a| parse_algorithm(a, Collective::AllGather))
-            .transpose()?;
-        let stream = current_stream(self.dev)?;
-        let capturing = stream.is_capturing()?;
+        let nbytes = checks::all_gather(out, inp, world, self.cuda.device, max_bytes)?;
+        let (algorithm, stream, capturing) = self.launch_on(algorithm, Collective::AllGather)?;
         let call = AllGatherCall {
             input: inp.data_ptr() as u64,
             output: out.data_ptr() as u64,
@@ -335,7 +327,7 @@ impl AllReduce {
         let Some(inner) = self.inner.take() else {
             return Ok(());
         };
-        self.core_device.synchronize()?;
+        self.cuda.core.synchronize()?;
         inner.barrier()?;
         drop(inner);
         Ok(())
@@ -345,7 +337,7 @@ impl AllReduce {
 impl Drop for AllReduce {
     fn drop(&mut self) {
         if self.inner.is_some() {
-            let _ = self.core_device.synchronize();
+            let _ = self.cuda.core.synchronize();
         }
     }
 }

@@ -18,8 +18,8 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use comm::{Device as CoreDevice, OwnedStream, StreamHandle};
-use ep_core::calls;
+use comm::{OwnedStream, StreamHandle};
+use ep_core::calls::{self, LlGeometry};
 use ep_core::intranode::{
     CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape,
     IntranodeBuffer, LayoutCall,
@@ -38,7 +38,7 @@ use crate::args::{
 use crate::checks::{self, Target};
 use crate::error::{Error, Result};
 pub use crate::event::{EventOverlap, StreamArgs};
-use crate::group::{env_timeout, Group};
+use crate::group::{timeout_or_env, CudaDevice, Group};
 use crate::stream::{current_stream, record_stream, StreamGuard};
 use crate::tensor::{output, ptr, required};
 
@@ -199,16 +199,34 @@ enum HookLaunch {
     Combine(CombineCall),
 }
 
+impl HookLaunch {
+    fn run(&self, ll: &LowLatencyBuffer, stream: StreamHandle, phases: Phases) -> Result<()> {
+        match self {
+            HookLaunch::Dispatch(c) => ll.dispatch(stream, c, phases)?,
+            HookLaunch::Combine(c) => ll.combine(stream, c, phases)?,
+        }
+        Ok(())
+    }
+}
+
 static NEXT_HOOK: AtomicU64 = AtomicU64::new(1);
+
+/// The launch shape of a checked low-latency call of `num_topk` experts a token.
+fn ll_call_shape(g: &LlGeometry, num_topk: i64) -> CallShape {
+    CallShape {
+        max_tokens: g.max_tokens as usize,
+        hidden: g.hidden as usize,
+        num_experts: g.num_experts as usize,
+        num_topk: num_topk as usize,
+    }
+}
 
 /// DeepEP's Buffer (intranode and low-latency parts) on tch tensors, made on
 /// a [`Group`]: every rank makes the same Buffers and calls in the same order.
 pub struct Buffer {
     // Dropped after Drop::drop synchronised the device.
     inner: EpBuffer,
-    device: Device,
-    dev: i32,
-    core_device: CoreDevice,
+    cuda: CudaDevice,
     num_ranks: i64,
     rank: usize,
     num_sms: u32,
@@ -223,7 +241,7 @@ impl std::fmt::Debug for Buffer {
         f.debug_struct("Buffer")
             .field("rank", &self.rank)
             .field("num_ranks", &self.num_ranks)
-            .field("device", &self.device)
+            .field("device", &self.cuda.device)
             .field("parts", &self.inner)
             .finish()
     }
@@ -247,17 +265,8 @@ impl Buffer {
             }
             None => device_timeout_ns,
         };
-        let timeout = match opts.timeout {
-            Some(t) => t,
-            None => env_timeout()?,
-        };
-        let Device::Cuda(index) = device else {
-            return Err(Error::state(format!(
-                "moelink.Buffer needs a CUDA device, got {device:?}"
-            )));
-        };
-        let dev = index as i32;
-        let core_device = CoreDevice::bind(dev)?;
+        let timeout = timeout_or_env(opts.timeout)?;
+        let cuda = CudaDevice::bind(device, "moelink.Buffer")?;
         let eopts = EpBufferOptions {
             num_nvl_bytes: parts.num_nvl_bytes as usize,
             num_internode_bytes: 0,
@@ -270,14 +279,12 @@ impl Buffer {
                 device_timeout_ns: ll_device_timeout_ns,
             },
         };
-        let comm_stream = OwnedStream::new(core_device)?;
-        let order = comm::cuda::StreamOrder::new(core_device)?;
-        let inner = EpBuffer::new(group.core(), core_device, &eopts)?;
+        let comm_stream = OwnedStream::new(cuda.core)?;
+        let order = comm::cuda::StreamOrder::new(cuda.core)?;
+        let inner = EpBuffer::new(group.core(), cuda.core, &eopts)?;
         Ok(Self {
             inner,
-            device,
-            dev,
-            core_device,
+            cuda,
             num_ranks: group.size() as i64,
             rank: group.rank(),
             num_sms: opts.num_sms.unwrap_or(DEFAULT_NUM_SMS),
@@ -297,14 +304,14 @@ impl Buffer {
     }
 
     pub fn device(&self) -> Device {
-        self.device
+        self.cuda.device
     }
 
     /// What this Buffer's calls are checked against ([`checks`]).
     pub fn target(&self) -> Target {
         Target {
             num_ranks: self.num_ranks,
-            device: self.device,
+            device: self.cuda.device,
         }
     }
 
@@ -417,7 +424,7 @@ impl Buffer {
 
     /// torch's current stream on this Buffer's device.
     fn compute_stream(&self) -> Result<StreamHandle> {
-        current_stream(self.dev)
+        current_stream(self.cuda.index)
     }
 
     /// An event recorded now on torch's current stream of `device`
@@ -436,7 +443,7 @@ impl Buffer {
     /// communication stream: tch allocates there.
     fn alloc_guard(&self, on_comm: bool) -> Result<Option<StreamGuard>> {
         on_comm
-            .then(|| StreamGuard::new(self.comm_stream.handle(), self.dev))
+            .then(|| StreamGuard::new(self.comm_stream.handle(), self.cuda.index))
             .transpose()
     }
 
@@ -472,7 +479,7 @@ impl Buffer {
         let comm = self.comm_stream.handle();
         if s.allocate_on_comm_stream {
             for t in outputs.iter().flatten() {
-                record_stream(t, compute, self.dev)?;
+                record_stream(t, compute, self.cuda.index)?;
             }
         }
         let event = if s.async_finish {
@@ -497,9 +504,9 @@ impl Buffer {
     ) -> Result<EventOverlap> {
         let kept: Vec<Tensor> = tensors.map(Tensor::shallow_clone).collect();
         for t in &kept {
-            record_stream(t, stream, self.dev)?;
+            record_stream(t, stream, self.cuda.index)?;
         }
-        EventOverlap::recorded(self.core_device, stream, kept)
+        EventOverlap::recorded(self.cuda.core, stream, kept)
     }
 
     fn call_sms(&self, num_sms: Option<u32>) -> Result<u32> {
@@ -525,7 +532,7 @@ impl Buffer {
         num_experts: i64,
         s: &StreamArgs<'_>,
     ) -> Result<(Layout, EventOverlap)> {
-        let device = self.device;
+        let device = self.cuda.device;
         self.intranode()?;
         let p = checks::layout(&self.target(), topk_idx, num_experts)?;
         if self.check_ids_now()? {
@@ -578,7 +585,7 @@ impl Buffer {
     /// `dispatch(x, ...)` without a handle: sends each token to every rank
     /// hosting one of its experts.
     pub fn dispatch(&mut self, x: DispatchX<'_>, a: &DispatchArgs<'_>) -> Result<Dispatched> {
-        let device = self.device;
+        let device = self.cuda.device;
         self.intranode()?;
         let num_sms = self.call_sms(a.num_sms)?;
         let p = checks::dispatch(&self.target(), x, a)?;
@@ -715,7 +722,7 @@ impl Buffer {
         num_sms: Option<u32>,
         s: &StreamArgs<'_>,
     ) -> Result<(RecvX, EventOverlap)> {
-        let (r, device) = (self.num_ranks, self.device);
+        let (r, device) = (self.num_ranks, self.cuda.device);
         self.intranode()?;
         let num_sms = self.call_sms(num_sms)?;
         let p = checks::dispatch_cached(&self.target(), x, handle)?;
@@ -810,7 +817,7 @@ impl Buffer {
         num_sms: Option<u32>,
         s: &StreamArgs<'_>,
     ) -> Result<(Tensor, Option<Tensor>, EventOverlap)> {
-        let device = self.device;
+        let device = self.cuda.device;
         self.intranode()?;
         let p = checks::combine(&self.target(), x, handle, topk_weights, bias)?;
         let (b0, b1) = checks::bias_pair(bias);
@@ -881,7 +888,7 @@ impl Buffer {
             return Ok((compute, None));
         }
         let comm = self.enter_comm(compute, None)?;
-        Ok((comm, Some(StreamGuard::new(comm, self.dev)?)))
+        Ok((comm, Some(StreamGuard::new(comm, self.cuda.index)?)))
     }
 
     /// `low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank,
@@ -895,7 +902,7 @@ impl Buffer {
         num_experts: i64,
         o: &LlDispatchOptions<'_>,
     ) -> Result<LlDispatched> {
-        let device = self.device;
+        let device = self.cuda.device;
         let target = self.target();
         let ll = self.ll_begin(o.async_finish, o.return_recv_hook)?;
         let p = checks::ll_dispatch(
@@ -910,12 +917,7 @@ impl Buffer {
         if self.check_ids_now()? {
             checks::topk_values(topk_idx, g.num_experts)?;
         }
-        let shape = CallShape {
-            max_tokens: g.max_tokens as usize,
-            hidden: g.hidden as usize,
-            num_experts: g.num_experts as usize,
-            num_topk: p.num_topk as usize,
-        };
+        let shape = ll_call_shape(&g, p.num_topk);
         // The buffer must hold this shape: refused before the outputs are
         // allocated (they can be larger than the GPU has free).
         ll.check_shape(&shape)?;
@@ -945,12 +947,6 @@ impl Buffer {
                 stats_wait: ptr(o.dispatch_wait_recv_cost_stats),
             },
         };
-        let phases = if o.return_recv_hook {
-            Phases::Send
-        } else {
-            Phases::Both
-        };
-        ll.dispatch(stream, &call, phases)?;
         let keep = [
             Some(x),
             Some(topk_idx),
@@ -962,22 +958,13 @@ impl Buffer {
             o.cumulative_local_expert_recv_stats,
             o.dispatch_wait_recv_cost_stats,
         ];
-        let event = if o.async_finish {
-            self.finish_async(stream, keep.into_iter().flatten())?
-        } else {
-            EventOverlap::none()
-        };
-        let hook = if o.return_recv_hook {
-            let keep = keep
-                .into_iter()
-                .flatten()
-                .map(Tensor::shallow_clone)
-                .collect();
-            Some(self.pend(HookLaunch::Dispatch(call), keep))
-        } else {
-            self.ll()?.check_device()?; // after the launch: the ranks stay in step
-            None
-        };
+        let (event, hook) = self.ll_launch(
+            stream,
+            HookLaunch::Dispatch(call),
+            &keep,
+            o.async_finish,
+            o.return_recv_hook,
+        )?;
         Ok(LlDispatched {
             recv_x: RecvX { x: recv_x, scales },
             recv_count,
@@ -993,14 +980,43 @@ impl Buffer {
         })
     }
 
-    fn pend(&mut self, launch: HookLaunch, keep: Vec<Tensor>) -> RecvHook {
-        let id = NEXT_HOOK.fetch_add(1, Ordering::Relaxed);
-        self.ll_pending = Some(id);
-        RecvHook {
-            id,
-            launch,
-            _keep: keep,
-        }
+    /// Launches a low-latency call on `stream`: its send half only with
+    /// `return_recv_hook` (the returned hook keeps `keep` and runs the
+    /// receive half), else both. With `async_finish`, `keep` is also kept by
+    /// the returned event, recorded on `stream`.
+    fn ll_launch(
+        &mut self,
+        stream: StreamHandle,
+        launch: HookLaunch,
+        keep: &[Option<&Tensor>],
+        async_finish: bool,
+        return_recv_hook: bool,
+    ) -> Result<(EventOverlap, Option<RecvHook>)> {
+        let phases = if return_recv_hook {
+            Phases::Send
+        } else {
+            Phases::Both
+        };
+        launch.run(self.ll()?, stream, phases)?;
+        let keep = keep.iter().flatten().copied();
+        let event = if async_finish {
+            self.finish_async(stream, keep.clone())?
+        } else {
+            EventOverlap::none()
+        };
+        let hook = if return_recv_hook {
+            let id = NEXT_HOOK.fetch_add(1, Ordering::Relaxed);
+            self.ll_pending = Some(id);
+            Some(RecvHook {
+                id,
+                launch,
+                _keep: keep.map(Tensor::shallow_clone).collect(),
+            })
+        } else {
+            self.ll()?.check_device()?; // after the launch: the ranks stay in step
+            None
+        };
+        Ok((event, hook))
     }
 
     /// Runs the receive half of the low-latency call that returned `hook`, on
@@ -1014,10 +1030,7 @@ impl Buffer {
         let ll = self.ll()?;
         ll.check_device_timeout()?;
         let stream = self.compute_stream()?;
-        match &hook.launch {
-            HookLaunch::Dispatch(c) => ll.dispatch(stream, c, Phases::Recv)?,
-            HookLaunch::Combine(c) => ll.combine(stream, c, Phases::Recv)?,
-        }
+        hook.launch.run(ll, stream, Phases::Recv)?;
         self.ll_pending = None;
         let ll = self.ll()?;
         // The kept tensors are freed on the current stream, after the launch.
@@ -1040,7 +1053,7 @@ impl Buffer {
         handle: &LlHandle,
         o: &LlCombineOptions<'_>,
     ) -> Result<(Tensor, EventOverlap, Option<RecvHook>)> {
-        let device = self.device;
+        let device = self.cuda.device;
         let target = self.target();
         let ll = self.ll_begin(o.async_finish, o.return_recv_hook)?;
         let p = checks::ll_combine(&target, x, topk_idx, topk_weights, handle, o)?;
@@ -1065,12 +1078,7 @@ impl Buffer {
         };
         drop(on_comm);
         let call = CombineCall {
-            shape: CallShape {
-                max_tokens: g.max_tokens as usize,
-                hidden: g.hidden as usize,
-                num_experts: g.num_experts as usize,
-                num_topk: p.num_topk as usize,
-            },
+            shape: ll_call_shape(&g, p.num_topk),
             x: x_ptr,
             layout_range: ptr(Some(&handle.layout_range)),
             topk_idx: ptr(Some(topk_idx)),
@@ -1079,12 +1087,6 @@ impl Buffer {
             out: ptr(Some(&out)),
             stats_wait: ptr(o.combine_wait_recv_cost_stats),
         };
-        let phases = if o.return_recv_hook {
-            Phases::Send
-        } else {
-            Phases::Both
-        };
-        ll.combine(stream, &call, phases)?;
         let keep = [
             Some(x),
             Some(topk_idx),
@@ -1094,22 +1096,13 @@ impl Buffer {
             Some(&out),
             o.combine_wait_recv_cost_stats,
         ];
-        let event = if o.async_finish {
-            self.finish_async(stream, keep.into_iter().flatten())?
-        } else {
-            EventOverlap::none()
-        };
-        let hook = if o.return_recv_hook {
-            let keep = keep
-                .into_iter()
-                .flatten()
-                .map(Tensor::shallow_clone)
-                .collect();
-            Some(self.pend(HookLaunch::Combine(call), keep))
-        } else {
-            self.ll()?.check_device()?;
-            None
-        };
+        let (event, hook) = self.ll_launch(
+            stream,
+            HookLaunch::Combine(call),
+            &keep,
+            o.async_finish,
+            o.return_recv_hook,
+        )?;
         Ok((out, event, hook))
     }
 
@@ -1123,7 +1116,7 @@ impl Buffer {
     /// be used after the Buffer is destroyed or dropped.
     pub unsafe fn get_next_low_latency_combine_buffer(&self, handle: &LlHandle) -> Result<Tensor> {
         let ll = self.ll()?;
-        let p = calls::ll_handle(self.num_ranks, self.dev, &handle.metas())?;
+        let p = calls::ll_handle(self.num_ranks, self.cuda.index, &handle.metas())?;
         let g = p.geometry;
         let spec = ep_core::calls::output(&p.outputs, "combine_buffer")
             .ok_or_else(|| Error::state("the handle's plan has no combine_buffer"))?;
@@ -1140,7 +1133,7 @@ impl Buffer {
                 &spec.shape,
                 &spec.strides,
                 Kind::BFloat16,
-                self.device,
+                self.cuda.device,
             )
         }?)
     }
@@ -1167,7 +1160,7 @@ impl Buffer {
                 "a low-latency receive hook is pending: call it first",
             ));
         }
-        self.core_device.synchronize()?;
+        self.cuda.core.synchronize()?;
         Ok(ll.clean()?)
     }
 
@@ -1212,10 +1205,10 @@ impl Buffer {
                 mask_status.size()
             )));
         }
-        if mask_status.device() != self.device {
+        if mask_status.device() != self.cuda.device {
             return Err(Error::value(format!(
                 "mask_status must be on {:?}, got {:?}",
-                self.device,
+                self.cuda.device,
                 mask_status.device()
             )));
         }
@@ -1239,7 +1232,7 @@ impl Buffer {
                 &shape,
                 &[1],
                 Kind::Int,
-                self.device,
+                self.cuda.device,
             )
         }?)
     }
@@ -1253,7 +1246,7 @@ impl Buffer {
         if self.inner.is_empty() {
             return Ok(());
         }
-        self.core_device.synchronize()?;
+        self.cuda.core.synchronize()?;
         Ok(self.inner.destroy()?)
     }
 }
@@ -1263,7 +1256,7 @@ impl Drop for Buffer {
     /// after the device finished what used them.
     fn drop(&mut self) {
         if !self.inner.is_empty() {
-            let _ = self.core_device.synchronize();
+            let _ = self.cuda.core.synchronize();
         }
     }
 }

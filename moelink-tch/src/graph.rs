@@ -10,10 +10,11 @@
 
 use std::ffi::{c_char, c_void};
 
-use comm::{Device as CoreDevice, OwnedStream};
+use comm::OwnedStream;
 use tch::Device;
 
-use crate::error::{Error, Result};
+use crate::error::Result;
+use crate::group::CudaDevice;
 use crate::stream::{current_stream, shim_result, StreamGuard};
 
 extern "C" {
@@ -49,13 +50,8 @@ impl CudaGraph {
     /// ended even where `f` fails (its error is returned). Nothing captured
     /// runs before the first replay.
     pub fn capture<T>(device: Device, f: impl FnOnce() -> Result<T>) -> Result<(Self, T)> {
-        let Device::Cuda(index) = device else {
-            return Err(Error::state(format!(
-                "a CUDA graph needs a CUDA device, got {device:?}"
-            )));
-        };
-        let dev = index as i32;
-        let core = CoreDevice::bind(dev)?;
+        let cuda = CudaDevice::bind(device, "a CUDA graph")?;
+        let (dev, core) = (cuda.index, cuda.core);
         let side = OwnedStream::new(core)?;
         let order = comm::cuda::StreamOrder::new(core)?;
         let compute = current_stream(dev)?;

@@ -8,7 +8,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use comm::{TcpBootstrap, UniqueId};
+use comm::{Device as CoreDevice, TcpBootstrap, UniqueId};
+use tch::Device;
 
 use crate::error::{Error, Result};
 
@@ -27,6 +28,39 @@ pub fn env_timeout() -> Result<Duration> {
                 "MOELINK_TIMEOUT_S must be a positive number of seconds, got {raw:?}"
             ))),
         },
+    }
+}
+
+/// `timeout` where given, else [`env_timeout`].
+pub(crate) fn timeout_or_env(timeout: Option<Duration>) -> Result<Duration> {
+    timeout.map_or_else(env_timeout, Ok)
+}
+
+/// The CUDA device of an object made on a [`Group`]: torch's [`Device`], its
+/// index, and the core's device whose primary context is bound to the thread
+/// that made the object.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CudaDevice {
+    pub device: Device,
+    pub index: i32,
+    pub core: CoreDevice,
+}
+
+impl CudaDevice {
+    /// Binds `device`'s primary context to this thread; a device that is not
+    /// CUDA is refused naming `what`, the object that needs it.
+    pub(crate) fn bind(device: Device, what: &str) -> Result<Self> {
+        let Device::Cuda(index) = device else {
+            return Err(Error::state(format!(
+                "{what} needs a CUDA device, got {device:?}"
+            )));
+        };
+        let index = index as i32;
+        Ok(Self {
+            device,
+            index,
+            core: CoreDevice::bind(index)?,
+        })
     }
 }
 

@@ -27,47 +27,39 @@
 //! (docs/architecture.md), and on `ep-reference` for [`reference`]; it calls
 //! them as the Python package does, through the same checks and launches.
 
-#[cfg(feature = "tch")]
-pub mod allreduce;
-#[cfg(feature = "tch")]
-pub mod args;
-#[cfg(feature = "tch")]
-pub mod buffer;
-#[cfg(feature = "tch")]
-pub mod checks;
-#[cfg(feature = "tch")]
-pub mod error;
-#[cfg(feature = "tch")]
-pub mod event;
-#[cfg(feature = "tch")]
-pub mod graph;
-#[cfg(feature = "tch")]
-pub mod group;
-#[cfg(feature = "tch")]
-pub mod reference;
-#[cfg(feature = "tch")]
-pub mod stream;
-#[cfg(feature = "tch")]
-pub mod tensor;
+/// Every item of the crate is behind the feature `tch`.
+macro_rules! with_tch {
+    ($($item:item)*) => {
+        $(
+            #[cfg(feature = "tch")]
+            $item
+        )*
+    };
+}
 
-#[cfg(feature = "tch")]
-pub use allreduce::{AllReduce, AllReduceArgs, AllReduceOptions, ReduceOp, TuneFile};
-#[cfg(feature = "tch")]
-pub use args::{
-    Bias, DispatchArgs, DispatchX, Handle, Layout, LlCombineOptions, LlDispatchOptions, LlHandle,
-    RecvX,
-};
-#[cfg(feature = "tch")]
-pub use buffer::{Buffer, BufferOptions, Dispatched, LlDispatched, RecvHook};
-#[cfg(feature = "tch")]
-pub use checks::set_check_ids;
-#[cfg(feature = "tch")]
-pub use error::{Error, Result};
-#[cfg(feature = "tch")]
-pub use event::{EventOverlap, StreamArgs};
-#[cfg(feature = "tch")]
-pub use graph::CudaGraph;
-#[cfg(feature = "tch")]
-pub use group::{local_device, Group};
-#[cfg(feature = "tch")]
-pub use tch;
+with_tch! {
+    pub mod allreduce;
+    pub mod args;
+    pub mod buffer;
+    pub mod checks;
+    pub mod error;
+    pub mod event;
+    pub mod graph;
+    pub mod group;
+    pub mod reference;
+    pub mod stream;
+    pub mod tensor;
+
+    pub use allreduce::{AllReduce, AllReduceArgs, AllReduceOptions, ReduceOp, TuneFile};
+    pub use args::{
+        Bias, DispatchArgs, DispatchX, Handle, Layout, LlCombineOptions, LlDispatchOptions,
+        LlHandle, RecvX,
+    };
+    pub use buffer::{Buffer, BufferOptions, Dispatched, LlDispatched, RecvHook};
+    pub use checks::set_check_ids;
+    pub use error::{Error, Result};
+    pub use event::{EventOverlap, StreamArgs};
+    pub use graph::CudaGraph;
+    pub use group::{local_device, Group};
+    pub use tch;
+}

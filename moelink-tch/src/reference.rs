@@ -6,9 +6,10 @@
 //! tensor to it needs (its dtype and rank), with the Python module's messages.
 
 use ep_reference::low_latency::{
-    self as rl, LlCombineInput, LlHandle as RefLlHandle, LlRankInput, LowLatencyArgs, RecvScales,
+    self as rl, LlCombineInput, LlRankInput, LowLatencyArgs, RecvScales,
 };
 use ep_reference::normal::{self as r, CombineInput, DispatchArgs, RankInput};
+use tch::kind::Element;
 use tch::{Device, Kind, Tensor};
 
 use crate::args::{Bias, DispatchX, Layout, RecvX};
@@ -43,20 +44,20 @@ fn cpu(name: &str, t: &Tensor, kind: Kind, dims: usize) -> Result<Tensor> {
     Ok(t.f_to_device(Device::Cpu)?.f_contiguous()?)
 }
 
-fn i64s(name: &str, t: &Tensor, dims: usize) -> Result<Vec<i64>> {
-    let t = cpu(name, t, Kind::Int64, dims)?;
-    let mut v = vec![0i64; t.numel()];
+/// The values of a CPU tensor of element type `T`, in order.
+fn copied<T: Element + Default + Clone>(t: &Tensor) -> Result<Vec<T>> {
+    let mut v = vec![T::default(); t.numel()];
     let len = v.len();
     t.f_copy_data(&mut v, len)?;
     Ok(v)
 }
 
+fn i64s(name: &str, t: &Tensor, dims: usize) -> Result<Vec<i64>> {
+    copied(&cpu(name, t, Kind::Int64, dims)?)
+}
+
 fn i32s(name: &str, t: &Tensor, dims: usize) -> Result<Vec<i32>> {
-    let t = cpu(name, t, Kind::Int, dims)?;
-    let mut v = vec![0i32; t.numel()];
-    let len = v.len();
-    t.f_copy_data(&mut v, len)?;
-    Ok(v)
+    copied(&cpu(name, t, Kind::Int, dims)?)
 }
 
 /// A bf16 or f32 tensor's values as f32 (bf16 converts exactly).
@@ -66,11 +67,7 @@ fn f32s(name: &str, t: &Tensor, dims: usize) -> Result<Vec<f32>> {
     } else {
         Kind::Float
     };
-    let t = cpu(name, t, kind, dims)?.f_to_kind(Kind::Float)?;
-    let mut v = vec![0f32; t.numel()];
-    let len = v.len();
-    t.f_copy_data(&mut v, len)?;
-    Ok(v)
+    copied(&cpu(name, t, kind, dims)?.f_to_kind(Kind::Float)?)
 }
 
 /// The raw bytes of `t` (row-major).
@@ -99,6 +96,17 @@ fn from_f32(v: &[f32], shape: &[i64]) -> Result<Tensor> {
 
 fn size(t: &Tensor, dim: usize) -> i64 {
     t.size()[dim]
+}
+
+/// Size `dim` of `t`, or of its last dimension where it has fewer (a wrong
+/// shape, which the checks that follow refuse).
+fn size_or_last(t: &Tensor, dim: usize) -> i64 {
+    size(t, dim.min(t.dim().saturating_sub(1)))
+}
+
+/// [`size_or_last`] of the first of `ts`; 0 without any.
+fn first_size(ts: &[&Tensor], dim: usize) -> i64 {
+    ts.first().map_or(0, |t| size_or_last(t, dim))
 }
 
 // ----- normal path -------------------------------------------------------------------
@@ -167,8 +175,8 @@ pub fn dispatch(
     } else {
         Kind::BFloat16
     };
-    let hidden = size(x0, 1.min(x0.dim().saturating_sub(1)));
-    let num_scales = s0.map_or(0, |s| size(s, 1.min(s.dim().saturating_sub(1))));
+    let hidden = size_or_last(x0, 1);
+    let num_scales = s0.map_or(0, |s| size_or_last(s, 1));
     let num_topk = size(
         first.topk_idx,
         1.min(first.topk_idx.dim().saturating_sub(1)),
@@ -237,11 +245,7 @@ pub fn dispatch(
 
 /// An f32 tensor's values (scales, weights: moved bit for bit).
 fn f32s_exact(name: &str, t: &Tensor) -> Result<Vec<f32>> {
-    let t = cpu(name, t, Kind::Float, 2)?;
-    let mut v = vec![0f32; t.numel()];
-    let len = v.len();
-    t.f_copy_data(&mut v, len)?;
-    Ok(v)
+    copied(&cpu(name, t, Kind::Float, 2)?)
 }
 
 /// Combine over all ranks at once: `ys[r]` (bf16 or f32 `[rows_r, H]`) is
@@ -256,9 +260,7 @@ pub fn combine(
     topk_weights: Option<&[&Tensor]>,
     biases: Option<&[Bias<'_>]>,
 ) -> Result<Vec<(Tensor, Option<Tensor>)>> {
-    let hidden = ys
-        .first()
-        .map_or(0, |y| size(y, 1.min(y.dim().saturating_sub(1))));
+    let hidden = first_size(ys, 1);
     let mut data = Vec::with_capacity(ys.len());
     for (rank, y) in ys.iter().enumerate() {
         let yv = f32s(&format!("ys[{rank}]"), y, 2)?;
@@ -328,12 +330,8 @@ pub fn ll_dispatch(
     round_scale: bool,
     use_ue8m0: bool,
 ) -> Result<Vec<LlReceived>> {
-    let hidden = xs
-        .first()
-        .map_or(0, |x| size(x, 1.min(x.dim().saturating_sub(1))));
-    let k = topk_idx
-        .first()
-        .map_or(0, |t| size(t, 1.min(t.dim().saturating_sub(1))));
+    let hidden = first_size(xs, 1);
+    let k = first_size(topk_idx, 1);
     let mut data = Vec::with_capacity(xs.len());
     for (rank, (x, t)) in xs.iter().zip(topk_idx).enumerate() {
         let xv = f32s(
@@ -411,12 +409,8 @@ pub fn ll_combine(
     num_max_dispatch_tokens_per_rank: i64,
     num_experts: i64,
 ) -> Result<Vec<Tensor>> {
-    let hidden = ys
-        .first()
-        .map_or(0, |y| size(y, 2.min(y.dim().saturating_sub(1))));
-    let k = topk_idx
-        .first()
-        .map_or(0, |t| size(t, 1.min(t.dim().saturating_sub(1))));
+    let hidden = first_size(ys, 2);
+    let k = first_size(topk_idx, 1);
     let mut data = Vec::with_capacity(ys.len());
     for rank in 0..ys.len() {
         let (Some(t), Some(w), Some((s, l))) = (
@@ -448,15 +442,7 @@ pub fn ll_combine(
     }
     let ins: Vec<LlCombineInput<'_>> = data
         .iter()
-        .map(|(y, t, w, s, l)| LlCombineInput {
-            x: y,
-            topk_idx: t,
-            topk_weights: w,
-            handle: RefLlHandle {
-                src_info: s,
-                layout_range: l,
-            },
-        })
+        .map(|(y, t, w, s, l)| LlCombineInput::new(y, t, w, s, l))
         .collect();
     let args = LowLatencyArgs::new(
         num_max_dispatch_tokens_per_rank.max(0) as usize,

@@ -192,10 +192,21 @@ class LowLatencyMixin:
             return s, self._comm_raw, torch.cuda.stream(s)
         return None, current_raw_stream(self.device.index), NO_STREAM_SWITCH
 
-    def _ll_finish(self, stream, async_finish: bool, tensors):
-        if not async_finish:
-            return EventOverlap(None)
-        return finish_async(stream, tensors)
+    def _ll_launch(self, ll, kind: str, launch, raw, stream, async_finish, return_recv_hook, keep):
+        """Runs ``launch(raw, phases)``, a low-latency ``kind`` call: its send half
+        only with ``return_recv_hook`` (the returned hook launches the receive half),
+        else both. Returns ``(event, hook)``: ``keep`` is kept by the hook and, with
+        ``async_finish``, by the event recorded on ``stream``."""
+        launch(raw, _SEND if return_recv_hook else _BOTH)
+        hook = None
+        if return_recv_hook:
+            hook = self._ll_hook(kind, lambda s: launch(s, _RECV), keep)
+        else:
+            self._ll_calls += 1
+        event = finish_async(stream, keep) if async_finish else EventOverlap(None)
+        if hook is None:
+            ll.check_device("low_latency")  # after the launch (see _Hook.__call__)
+        return event, hook
 
     def _check_ids_now(self) -> bool:
         return _check_ids()
@@ -283,17 +294,11 @@ class LowLatencyMixin:
         def launch(s, phases):
             ll.ll_dispatch(s, *args, phases)
 
-        launch(raw, _SEND if return_recv_hook else _BOTH)
         keep = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range,
                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)  # fmt: skip
-        hook = None
-        if return_recv_hook:
-            hook = self._ll_hook("dispatch", lambda s: launch(s, _RECV), keep)
-        else:
-            self._ll_calls += 1
-        event = self._ll_finish(stream, async_finish, keep)
-        if hook is None:
-            ll.check_device("low_latency")  # after the launch (see _Hook.__call__)
+        event, hook = self._ll_launch(
+            ll, "dispatch", launch, raw, stream, async_finish, return_recv_hook, keep
+        )
         handle = (src_info, layout_range, t, hidden, num_experts)
         out = (recv_x, scales) if use_fp8 else recv_x
         return out, recv_count, handle, event, hook
@@ -387,17 +392,11 @@ class LowLatencyMixin:
         def launch(s, phases):
             ll.ll_combine(s, *args, phases)
 
-        launch(raw, _SEND if return_recv_hook else _BOTH)
         keep = (x, topk_idx, topk_weights, src_info, layout_range, out,
                 combine_wait_recv_cost_stats)  # fmt: skip
-        hook = None
-        if return_recv_hook:
-            hook = self._ll_hook("combine", lambda s: launch(s, _RECV), keep)
-        else:
-            self._ll_calls += 1
-        event = self._ll_finish(stream, async_finish, keep)
-        if hook is None:
-            ll.check_device("low_latency")  # after the launch (see _Hook.__call__)
+        event, hook = self._ll_launch(
+            ll, "combine", launch, raw, stream, async_finish, return_recv_hook, keep
+        )
         return out, event, hook
 
     # ----- maintenance -------------------------------------------------------------

@@ -1188,17 +1188,16 @@ def run_all(wg: worker_driver.WorkerGroup) -> int:
     """Runs the selected scenarios on this rank, each agreeing on its verdict
     with the other ranks; the shared communicator is replaced after a scenario
     that failed anywhere. Returns the exit status."""
-    names = worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
-    seed = worker_driver.shared_seed(SEED_ENV, wg.rank, wg.gloo)
     max_bytes = int(float(os.environ.get(MAX_MIB_ENV, "256")) * MIB)
     full = os.environ.get(FULL_ENV, "0") == "1"
+    names, seed = worker_driver.start_scenarios(
+        wg,
+        SCENARIOS_ENV,
+        SCENARIO_NAMES,
+        SEED_ENV,
+        note=f"; max {max_bytes / MIB:g} MiB; full={full}",
+    )
     random.seed(seed)
-    if wg.rank == 0:
-        print(
-            f"scenarios {','.join(names)} on {wg.world} ranks; "
-            f"max {max_bytes / MIB:g} MiB; full={full}",
-            flush=True,
-        )
     ctx = Ctx(wg.rank, wg.world, wg.device, wg.group, wg.gloo, seed, max_bytes, full)
     ctx.comm = ctx.new_comm()
     status = worker_driver.run_scenarios(

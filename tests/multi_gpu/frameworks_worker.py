@@ -1860,16 +1860,14 @@ def after_failure(ctx: Ctx) -> None:
 
 
 def run_all(wg: worker_driver.WorkerGroup) -> int:
-    names = worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
-    seed = worker_driver.shared_seed(SEED_ENV, wg.rank, wg.gloo)
     backend = getattr(deep_ep, "BACKEND", "a real DeepEP")
-    if wg.rank == 0:
-        print(
-            f"frameworks_worker: deep_ep from {deep_ep.__file__} (backend {backend}); scenarios "
-            f"{','.join(names)} on {wg.world} ranks, {wg.ranks_per_gpu} per GPU "
-            f"({dist.get_backend(wg.group)})",
-            flush=True,
-        )
+    names, seed = worker_driver.start_scenarios(
+        wg,
+        SCENARIOS_ENV,
+        SCENARIO_NAMES,
+        SEED_ENV,
+        who=f"frameworks_worker: deep_ep from {deep_ep.__file__} (backend {backend}); ",
+    )
     if backend != "moelink":
         raise RuntimeError(f"import deep_ep is {backend}, not moelink's alias: nothing to test")
     data = iw.Ctx(wg.rank, wg.world, wg.device, wg.group, wg.gloo, seed)

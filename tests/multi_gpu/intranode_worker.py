@@ -1494,14 +1494,7 @@ def run_all(wg: worker_driver.WorkerGroup) -> int:
     """Runs the selected scenarios on this rank, each agreeing on its verdict
     with the other ranks; the shared Buffer is replaced after a scenario that
     failed anywhere. Returns the exit status."""
-    names = worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
-    seed = worker_driver.shared_seed(SEED_ENV, wg.rank, wg.gloo)
-    if wg.rank == 0:
-        print(
-            f"scenarios {','.join(names)} on {wg.world} ranks, "
-            f"{wg.ranks_per_gpu} per GPU ({dist.get_backend(wg.group)})",
-            flush=True,
-        )
+    names, seed = worker_driver.start_scenarios(wg, SCENARIOS_ENV, SCENARIO_NAMES, SEED_ENV)
     ctx = Ctx(wg.rank, wg.world, wg.device, wg.group, wg.gloo, seed)
     ctx.side_stream = torch.cuda.Stream()
     ctx.buffer = new_buffer(ctx)

@@ -497,14 +497,14 @@ SCENARIOS = worker_driver.scenario_table(globals(), SCENARIO_NAMES)
 
 
 def run_all(wg: worker_driver.WorkerGroup) -> int:
-    names = worker_driver.selected_scenarios(SCENARIOS_ENV, SCENARIO_NAMES)
-    seed = worker_driver.shared_seed(SEED_ENV, wg.rank, wg.gloo)
-    if wg.rank == 0:
-        print(
-            f"ops_worker: scenarios {','.join(names)} on {wg.world} ranks, "
-            f"{wg.ranks_per_gpu} per GPU ({dist.get_backend(wg.group)}); torch {torch.__version__}",
-            flush=True,
-        )
+    names, seed = worker_driver.start_scenarios(
+        wg,
+        SCENARIOS_ENV,
+        SCENARIO_NAMES,
+        SEED_ENV,
+        who="ops_worker: ",
+        note=f"; torch {torch.__version__}",
+    )
     # Inductor compiles in this process: no pool of compile workers per rank
     # (8 ranks on one host would start 8 of them).
     import torch._inductor.config as inductor_config

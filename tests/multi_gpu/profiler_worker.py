@@ -157,6 +157,19 @@ class Profile:
         return [k for k in self.kernels if "moelink::" in k]
 
 
+def profile_warm(ctx: Ctx, fn) -> tuple[Profile, object]:
+    """Calls ``fn`` once (warm-up), poisons fresh allocator blocks and waits for
+    every rank, then profiles ``ITERS`` calls of ``fn``: the profile and what
+    the last call returned."""
+    fn()  # warm-up
+    torch.cuda.synchronize()
+    poison(ctx.device)
+    dist.barrier(group=ctx.wg.gloo)
+    got = []
+    p = Profile(lambda: got.append(fn()))
+    return p, got[-1]
+
+
 def check_profile(ctx: Ctx, label: str, p: Profile, rows: dict, events: dict | None = None) -> None:
     """``rows[word]``: how many table rows must contain ``word``; ``events[text]``:
     how many trace events must contain ``text`` in their name; and no neutral
@@ -259,6 +272,15 @@ def dispatch_inputs(ctx: Ctx, buf: moelink.Buffer, inp: dict) -> dict:
     )
 
 
+def normal_dispatch(ctx: Ctx, tag: str) -> tuple:
+    """A normal Buffer, the reference dispatch of every rank's ``tag`` inputs and
+    this rank's dispatch arguments."""
+    buf = normal_buffer(ctx)
+    inputs = normal_inputs(ctx, tag)
+    ref = reference.dispatch(inputs, EXPERTS_PER_RANK * ctx.num_ranks)
+    return buf, ref, dispatch_inputs(ctx, buf, inputs[ctx.rank])
+
+
 def check_dispatched(ctx: Ctx, label: str, got, ref) -> None:
     recv_x, recv_idx, recv_w, per_expert, _handle, _event = got
     want = ref.ranks[ctx.rank]
@@ -314,16 +336,8 @@ def scenario_layout(ctx: Ctx) -> None:
 def scenario_dispatch_combine(ctx: Ctx) -> None:
     """A normal dispatch, then combines: DeepEP times the combine with
     ('combine', 'notify') across nodes."""
-    buf = normal_buffer(ctx)
-    inputs = normal_inputs(ctx, "normal")
-    ref = reference.dispatch(inputs, EXPERTS_PER_RANK * ctx.num_ranks)
-    args = dispatch_inputs(ctx, buf, inputs[ctx.rank])
-    buf.dispatch(**args)  # warm-up
-    torch.cuda.synchronize()
-    poison(ctx.device)
-    dist.barrier(group=ctx.wg.gloo)
-    got = []
-    p = Profile(lambda: got.append(buf.dispatch(**args)))
+    buf, ref, args = normal_dispatch(ctx, "normal")
+    p, dispatched = profile_warm(ctx, lambda: buf.dispatch(**args))
     path = "internode" if ctx.internode else "intranode"
     check_profile(ctx, f"{path} dispatch", p, {"dispatch": 1, "combine": 0, "notify": 1})
     # The receive half and the send half (internode: two launches per call of
@@ -333,30 +347,23 @@ def scenario_dispatch_combine(ctx: Ctx) -> None:
         f"{path} dispatch: {p.events_with('::dispatch')} '::dispatch' trace events, "
         f"expected {2 * ITERS} (two launches per call)",
     )
-    check_dispatched(ctx, f"{path} dispatch", got[-1], ref)
-    handle, recv_w = got[-1][4], got[-1][2]
+    check_dispatched(ctx, f"{path} dispatch", dispatched, ref)
+    handle, recv_w = dispatched[4], dispatched[2]
     ys = expert_outputs(ctx, "normal/y", ref)
     weights = [o.recv_topk_weights[: o.num_recv_tokens] for o in ref.ranks]
     y = ys[ctx.rank].to(ctx.device)
-    buf.combine(y, handle, topk_weights=recv_w)  # the next combines follow a combine
-    torch.cuda.synchronize()
-    poison(ctx.device)
-    dist.barrier(group=ctx.wg.gloo)
-    got = []
-    p = Profile(lambda: got.append(buf.combine(y, handle, topk_weights=recv_w)))
+    # The warm-up combine: the profiled combines follow a combine.
+    p, combined = profile_warm(ctx, lambda: buf.combine(y, handle, topk_weights=recv_w))
     notify = 1 if ctx.internode else 0  # intranode's barrier is moelink::intranode::barrier
     check_profile(ctx, f"{path} combine", p, {"combine": 1, "dispatch": 0, "notify": notify})
-    check_combined(ctx, f"{path} combine", got[-1], ref, ys, weights)
+    check_combined(ctx, f"{path} combine", combined, ref, ys, weights)
     ctx.done()
 
 
 def scenario_cached_dispatch(ctx: Ctx) -> None:
     """A cached dispatch (an earlier dispatch's handle): DeepEP times it with
     ('dispatch', 'notify') across nodes."""
-    buf = normal_buffer(ctx)
-    inputs = normal_inputs(ctx, "cached")
-    ref = reference.dispatch(inputs, EXPERTS_PER_RANK * ctx.num_ranks)
-    args = dispatch_inputs(ctx, buf, inputs[ctx.rank])
+    buf, ref, args = normal_dispatch(ctx, "cached")
     handle = buf.dispatch(**args)[4]
     xs = [
         random_bf16(ctx.generator("cached/x2", r), ref.num_tokens(r), HIDDEN)
@@ -364,19 +371,14 @@ def scenario_cached_dispatch(ctx: Ctx) -> None:
     ]
     want = reference.dispatch_cached(ref, xs)[ctx.rank][0]
     x2 = xs[ctx.rank].to(ctx.device)
-    buf.dispatch(x2, handle=handle)  # warm-up
-    torch.cuda.synchronize()
-    poison(ctx.device)
-    dist.barrier(group=ctx.wg.gloo)
-    got = []
-    p = Profile(lambda: got.append(buf.dispatch(x2, handle=handle)))
+    p, dispatched = profile_warm(ctx, lambda: buf.dispatch(x2, handle=handle))
     path = "internode" if ctx.internode else "intranode"
     notify = 1 if ctx.internode else 0  # moelink::internode::cached_notify
     check_profile(
         ctx, f"{path} cached dispatch", p, {"dispatch": 1, "combine": 0, "notify": notify}
     )
     n = ref.ranks[ctx.rank].num_recv_tokens
-    recv_x = got[-1][0]
+    recv_x = dispatched[0]
     ctx.expect(recv_x.shape[0] == n, f"cached dispatch: {recv_x.shape[0]} rows, expected {n}")
     if recv_x.shape[0] == n:
         ctx.equal("cached dispatch recv_x", recv_x, want[:n])
@@ -420,11 +422,7 @@ def low_latency(ctx: Ctx, hook: bool) -> None:
                 hk()
             out.update(count=count, combined=combined)
 
-        round_trip()  # warm-up
-        torch.cuda.synchronize()
-        poison(ctx.device)
-        dist.barrier(group=ctx.wg.gloo)
-        p = Profile(round_trip)
+        p, _ = profile_warm(ctx, round_trip)
         label = "low-latency" + (" with the recv hook" if hook else "")
         per_call = 2 if hook else 1
         check_profile(

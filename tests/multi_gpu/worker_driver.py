@@ -209,6 +209,29 @@ def shared_seed(env: str, rank: int, gloo) -> int:
     return seed[0]
 
 
+def start_scenarios(
+    wg: WorkerGroup,
+    scenarios_env: str,
+    known: tuple,
+    seed_env: str,
+    *,
+    who: str = "",
+    note: str = "",
+) -> tuple[list[str], int]:
+    """The scenarios selected through ``scenarios_env`` (``selected_scenarios``) and
+    the seed every rank shares (``shared_seed``); rank 0 prints them with where
+    the ranks run, between ``who`` and ``note``."""
+    names = selected_scenarios(scenarios_env, known)
+    seed = shared_seed(seed_env, wg.rank, wg.gloo)
+    if wg.rank == 0:
+        print(
+            f"{who}scenarios {','.join(names)} on {wg.world} ranks, "
+            f"{wg.ranks_per_gpu} per GPU ({dist.get_backend(wg.group)}){note}",
+            flush=True,
+        )
+    return names, seed
+
+
 #: ``MOELINK_TEST_PROFILE=N``: rank 0 runs each scenario under cProfile and prints
 #: the N functions with the most own time after its verdict (where a scenario's
 #: seconds go: the GPU waits, the references, the checks).

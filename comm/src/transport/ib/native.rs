@@ -144,16 +144,12 @@ impl Drop for NativeDevice {
         // Everything made on the PD holds an Arc to this device, so it is gone.
         if !self.pd.is_null() {
             // SAFETY: allocated by alloc_pd, freed once.
-            let rc = unsafe { (self.fns.dealloc_pd)(self.pd) };
-            if rc != 0 {
-                tracing::warn!("{}", verbs_error("ibv_dealloc_pd", &self.name, rc));
-            }
+            self.warn_failed("ibv_dealloc_pd", unsafe { (self.fns.dealloc_pd)(self.pd) });
         }
         // SAFETY: opened by open_device, closed once.
-        let rc = unsafe { (self.fns.close_device)(self.ctx) };
-        if rc != 0 {
-            tracing::warn!("{}", verbs_error("ibv_close_device", &self.name, rc));
-        }
+        self.warn_failed("ibv_close_device", unsafe {
+            (self.fns.close_device)(self.ctx)
+        });
     }
 }
 
@@ -163,6 +159,14 @@ struct DeviceRef(Arc<NativeDevice>);
 impl NativeDevice {
     fn arc(self: &Arc<Self>) -> DeviceRef {
         DeviceRef(self.clone())
+    }
+
+    /// Logs a failed release (`rc`, the return code of verbs call `call`):
+    /// a drop has no caller to return it to.
+    fn warn_failed(&self, call: &str, rc: c_int) {
+        if rc != 0 {
+            tracing::warn!("{}", verbs_error(call, &self.name, rc));
+        }
     }
 }
 
@@ -301,10 +305,33 @@ struct NativeMr {
     mr: *mut sys::ibv_mr,
 }
 
-// SAFETY: see NativeDevice.
-unsafe impl Send for NativeMr {}
-// SAFETY: see NativeDevice.
-unsafe impl Sync for NativeMr {}
+/// `Send`, `Sync` and `Drop` of the wrapper `$ty` of one object made on a
+/// [`NativeDevice`] (`self.dev`): its pointer `self.$field` is released by
+/// the device's `$release` (verbs call `$call`) once, when it is dropped.
+macro_rules! made_on_device {
+    ($ty:ty, $field:ident, $release:ident, $call:literal) => {
+        // SAFETY: see NativeDevice.
+        unsafe impl Send for $ty {}
+        // SAFETY: see NativeDevice.
+        unsafe impl Sync for $ty {}
+
+        impl Drop for $ty {
+            fn drop(&mut self) {
+                let d = &self.dev.0;
+                // SAFETY: the object was made on `d` and is released once, here
+                // (see each use for what keeps its order).
+                d.warn_failed($call, unsafe { (d.fns.$release)(self.$field) });
+            }
+        }
+    };
+}
+
+// Registered by reg_mr / reg_dmabuf_mr.
+made_on_device!(NativeMr, mr, dereg_mr, "ibv_dereg_mr");
+// Created by create_cq; every QP using it holds an Arc to it, so it goes last.
+made_on_device!(NativeCq, cq, destroy_cq, "ibv_destroy_cq");
+// Created by create_qp; destroyed before its CQs (it holds them).
+made_on_device!(NativeQp, qp, destroy_qp, "ibv_destroy_qp");
 
 impl std::fmt::Debug for NativeMr {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -324,26 +351,10 @@ impl RdmaMr for NativeMr {
     }
 }
 
-impl Drop for NativeMr {
-    fn drop(&mut self) {
-        let d = &self.dev.0;
-        // SAFETY: registered by reg_mr / reg_dmabuf_mr, deregistered once.
-        let rc = unsafe { (d.fns.dereg_mr)(self.mr) };
-        if rc != 0 {
-            tracing::warn!("{}", verbs_error("ibv_dereg_mr", &d.name, rc));
-        }
-    }
-}
-
 struct NativeCq {
     dev: DeviceRef,
     cq: *mut sys::ibv_cq,
 }
-
-// SAFETY: see NativeDevice.
-unsafe impl Send for NativeCq {}
-// SAFETY: see NativeDevice.
-unsafe impl Sync for NativeCq {}
 
 impl std::fmt::Debug for NativeCq {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -384,27 +395,11 @@ impl RdmaCq for NativeCq {
     }
 }
 
-impl Drop for NativeCq {
-    fn drop(&mut self) {
-        let d = &self.dev.0;
-        // SAFETY: created by create_cq; every QP using it holds an Arc to it.
-        let rc = unsafe { (d.fns.destroy_cq)(self.cq) };
-        if rc != 0 {
-            tracing::warn!("{}", verbs_error("ibv_destroy_cq", &d.name, rc));
-        }
-    }
-}
-
 struct NativeQp {
     dev: DeviceRef,
     qp: *mut sys::ibv_qp,
     _cqs: [Arc<dyn RdmaCq>; 2],
 }
-
-// SAFETY: see NativeDevice.
-unsafe impl Send for NativeQp {}
-// SAFETY: see NativeDevice.
-unsafe impl Sync for NativeQp {}
 
 impl std::fmt::Debug for NativeQp {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -578,17 +573,6 @@ impl NativeQp {
             return Err(verbs_error(call, &self.dev.0.name, rc));
         }
         Ok(())
-    }
-}
-
-impl Drop for NativeQp {
-    fn drop(&mut self) {
-        let d = &self.dev.0;
-        // SAFETY: created by create_qp, destroyed once, before its CQs.
-        let rc = unsafe { (d.fns.destroy_qp)(self.qp) };
-        if rc != 0 {
-            tracing::warn!("{}", verbs_error("ibv_destroy_qp", &d.name, rc));
-        }
     }
 }
 
