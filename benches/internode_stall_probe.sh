@@ -115,7 +115,7 @@ pstep profile-suite-2x2 200 env "${X[@]}" MOELINK_TEST_PROFILE=20 \
   bash scripts/gpu_run.sh "$OUT/profile-suite-2x2"
 pstep capture-test 60 $BIN/gpu_kernels --include-ignored --test-threads=1 --nocapture \
   library_threads_may_call_cuda_during_a_global_capture
-KX=(MOELINK_RANKS_PER_NODE=2 MOELINK_INTERNODE_TRANSPORT=ethernet MOELINK_DEVICE_TIMEOUT_S=10)
+KX=(MOELINK_RANKS_PER_NODE=2 MOELINK_TRANSPORT=ethernet MOELINK_DEVICE_TIMEOUT_S=10)
 KW=(python3 -m moelink.launch -n 4 --timeout 50 tests/multi_gpu/killed_worker.py)
 pstep killed-ethernet-mps 60 env "${KX[@]}" "${KW[@]}"
 pstep killed-ethernet-timeslice 60 env "${KX[@]}" MOELINK_MPS=off "${KW[@]}"

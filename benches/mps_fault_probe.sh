@@ -14,7 +14,7 @@ sleep 1
 for i in 1 2 3 4; do
   for v in "" "MOELINK_PORT_HOST_SIGNALS=0"; do
   echo "=== run $i $v"
-  env $v MOELINK_RANKS_PER_NODE=2 MOELINK_INTERNODE_TRANSPORT=ethernet MOELINK_DEVICE_TIMEOUT_S=10 timeout 60 python3 -m moelink.launch -n 4 --timeout 50 tests/multi_gpu/killed_worker.py > $OUT/run$i${v:+-gs}.log 2>&1
+  env $v MOELINK_RANKS_PER_NODE=2 MOELINK_TRANSPORT=ethernet MOELINK_DEVICE_TIMEOUT_S=10 timeout 60 python3 -m moelink.launch -n 4 --timeout 50 tests/multi_gpu/killed_worker.py > $OUT/run$i${v:+-gs}.log 2>&1
   echo "rc=$?"; grep -E "^killed_worker|^PASS|^FAIL|illegal memory" $OUT/run$i${v:+-gs}.log | sort | uniq | cut -c1-160
   done
 done

@@ -132,7 +132,7 @@ for split in ${GPU_RUN_INTERNODE:-}; do
   xenv=(MOELINK_RANKS_PER_NODE="$xl" MOELINK_DEVICE_TIMEOUT_S="${GPU_RUN_INTERNODE_TIMEOUT_S:-20}")
   run "internode-$((xn / xl))x${xl}${xt:+-$xt}" 500 env "${xenv[@]}" \
     ${GPU_RUN_INTERNODE_SCENARIOS:+MOELINK_INTRANODE_SCENARIOS=$GPU_RUN_INTERNODE_SCENARIOS} \
-    ${xt:+MOELINK_INTERNODE_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 480 \
+    ${xt:+MOELINK_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 480 \
     tests/multi_gpu/intranode_worker.py
   [ -z "$xt" ] && run "ll-internode-$((xn / xl))x${xl}" 500 env "${xenv[@]}" \
     $LAUNCH -n "$xn" --timeout 480 tests/multi_gpu/ll_worker.py
@@ -145,7 +145,7 @@ for split in ${GPU_RUN_INTERNODE:-}; do
     MOELINK_FRAMEWORKS_SCENARIOS="${GPU_RUN_INTERNODE_FRAMEWORKS:-sglang_normal,sglang_mode_switch,megatron_flex_sync}" \
     $LAUNCH -n "$xn" --timeout 480 tests/multi_gpu/frameworks_worker.py
   run "killed-internode-$((xn / xl))x${xl}${xt:+-$xt}" 150 env "${xenv[@]}" MOELINK_MPS=off \
-    ${xt:+MOELINK_INTERNODE_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 120 \
+    ${xt:+MOELINK_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 120 \
     tests/multi_gpu/killed_worker.py
   # GPU_RUN_SANITIZE=1: memcheck over the data scenarios on this split (no MPS;
   # device bounds of 120 s: the sanitizer slows the kernels many times over).

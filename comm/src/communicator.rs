@@ -354,7 +354,9 @@ impl Communicator {
         comm.topology = topology(false)?;
         // Peers on other nodes: IB verbs where every rank has a usable device
         // (or MOELINK_TRANSPORT=ib demands it), else Ethernet.
-        if comm.topology.num_nodes() > 1 && cross_node != CrossNode::Ethernet {
+        if comm.topology.num_nodes() > 1
+            && !matches!(cross_node, CrossNode::Ethernet | CrossNode::CudaIpc)
+        {
             let rdma = opts.rdma.clone();
             if comm.open_ib(cross_node, rdma, &page_reg)? {
                 comm.topology = topology(true)?;

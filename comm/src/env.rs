@@ -105,7 +105,7 @@ pub static SWITCHES: &[Switch] = &[
     s(
         "MOELINK_ETHERNET_ADDR",
         User,
-        "unset: `127.0.0.1:0` under `MOELINK_INTERNODE_TRANSPORT=ethernet`, else none",
+        "unset: `127.0.0.1:0` under `MOELINK_TRANSPORT=ethernet` (one host), else none",
         "`host:port` (port 0: any) where this rank's Ethernet receiver listens; an address \
          the other hosts reach.",
     ),
@@ -153,12 +153,6 @@ pub static SWITCHES: &[Switch] = &[
         Experiment,
         "8",
         "Records per internode port-channel put, 1 to 32.",
-    ),
-    s(
-        "MOELINK_INTERNODE_TRANSPORT",
-        User,
-        "unset: the topology's choice",
-        "Forces the internode Buffer's cross-node transport: `cuda_ipc` or `ethernet`.",
     ),
     s(
         "MOELINK_INTRANODE_FUSED",
@@ -299,8 +293,10 @@ pub static SWITCHES: &[Switch] = &[
         "MOELINK_TRANSPORT",
         User,
         "`auto`",
-        "Cross-node transport: `auto` (IB verbs where a usable RDMA device exists, else \
-         Ethernet), `ib` or `ethernet`.",
+        "Transport to the ranks of other nodes: `auto` (IB verbs where every rank has a usable \
+         RDMA device, else CUDA IPC through the proxy for an emulated node of this host, else \
+         Ethernet), `ib`, `ethernet` (also between emulated nodes) or `cuda_ipc` (emulated \
+         nodes of one host only).",
     ),
     s(
         "MOELINK_TRAP_ON_TIMEOUT",

@@ -23,7 +23,7 @@ use comm::host_memory::HostMemory;
 use comm::proxy::ChannelProgress;
 use comm::proxy_pool::{Placement, PooledChannel, ProxyPool};
 use comm::topology::Reach;
-use comm::transport::Transport;
+use comm::transport::{CrossNode, Transport, TRANSPORT_ENV};
 use comm::{device_table, DeviceMemory, StreamHandle, SymmetricRegion};
 use ep_kernels::internode::{
     self as x, CombineGrid, SendGrid, XCombineArgs, XCtx, XDispatchArgs, XNotifyArgs,
@@ -53,9 +53,6 @@ const FIFO_SLOTS: usize = 1024;
 pub const CHUNK_ENV: &str = "MOELINK_INTERNODE_CHUNK";
 /// Records per put by default: at hidden 7168 bf16 one put moves ~115 KB.
 pub const DEFAULT_CHUNK: usize = 8;
-/// Forces the cross-node transport (`cuda_ipc` or `ethernet`; unset: the
-/// topology's choice).
-pub const TRANSPORT_ENV: &str = "MOELINK_INTERNODE_TRANSPORT";
 /// Receiving share of a dispatch's and a combine's blocks, percent.
 const RECV_PERCENT: u32 = 50;
 
@@ -186,8 +183,9 @@ pub struct InternodeBuffer {
 /// Where this rank's Ethernet receiver listens, for a Communicator made by an
 /// internode-capable Buffer: `MOELINK_ETHERNET_ADDR` (`host:port`, port 0: any;
 /// an address the other hosts reach), else `127.0.0.1:0` when
-/// `MOELINK_INTERNODE_TRANSPORT=ethernet` (emulated nodes of one host), else
-/// none (CUDA IPC between emulated nodes, IB verbs between hosts).
+/// `MOELINK_TRANSPORT=ethernet` (enough for emulated nodes of one host; the
+/// Buffer refuses it when another host is in the group), else none (CUDA IPC
+/// between emulated nodes, IB verbs between hosts).
 pub fn ethernet_receiver() -> Result<Option<std::net::SocketAddr>> {
     let parse = |name: &str, v: &str| {
         v.parse().map(Some).map_err(|_| {
@@ -202,8 +200,8 @@ pub fn ethernet_receiver() -> Result<Option<std::net::SocketAddr>> {
             return parse("MOELINK_ETHERNET_ADDR", v.trim());
         }
     }
-    match comm::env::var(TRANSPORT_ENV).as_deref().map(str::trim) {
-        Some("ethernet") => parse(TRANSPORT_ENV, "127.0.0.1:0"),
+    match CrossNode::from_env()? {
+        CrossNode::Ethernet => parse(TRANSPORT_ENV, "127.0.0.1:0"),
         _ => Ok(None),
     }
 }
@@ -221,21 +219,39 @@ fn chunk_from_env() -> Result<usize> {
     }
 }
 
-/// The cross-node transport: `MOELINK_INTERNODE_TRANSPORT`, else the one the
+/// The cross-node transport: the one `MOELINK_TRANSPORT` forces (`ethernet`,
+/// or `cuda_ipc` where every other node is on this host), else the one the
 /// topology gives every rank of another node (they must agree).
 fn transport_of(comm: &comm::Communicator) -> Result<Transport> {
-    match comm::env::var(TRANSPORT_ENV).as_deref().map(str::trim) {
-        None | Some("") => {}
-        Some("cuda_ipc") => return Ok(Transport::CudaIpc),
-        Some("ethernet") => return Ok(Transport::Ethernet),
-        Some(v) => {
+    let topo = comm.topology();
+    let other_host = topo
+        .peers()
+        .iter()
+        .any(|p| p.node != topo.node() && !p.same_host);
+    match CrossNode::from_env()? {
+        CrossNode::Ethernet => {
+            if other_host && comm::env::var("MOELINK_ETHERNET_ADDR").is_none() {
+                return Err(CommError::invalid(
+                    "MOELINK_ETHERNET_ADDR",
+                    format!(
+                        "{TRANSPORT_ENV}=ethernet with another host in the group: set \
+                         MOELINK_ETHERNET_ADDR=host:port (an address the other hosts reach) \
+                         on every rank"
+                    ),
+                ));
+            }
+            return Ok(Transport::Ethernet);
+        }
+        CrossNode::CudaIpc if other_host => {
             return Err(CommError::invalid(
                 TRANSPORT_ENV,
-                format!("{v:?}: expected cuda_ipc or ethernet"),
+                "cuda_ipc reaches the emulated nodes of one host only, and another host is \
+                 in the group",
             ))
         }
+        CrossNode::CudaIpc => return Ok(Transport::CudaIpc),
+        CrossNode::Auto | CrossNode::Ib => {}
     }
-    let topo = comm.topology();
     let mut found: Option<Transport> = None;
     for p in topo.peers() {
         if p.node == topo.node() {

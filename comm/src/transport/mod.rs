@@ -163,23 +163,29 @@ fn check_word_target(
     Ok(())
 }
 
-/// What `MOELINK_TRANSPORT` asks for peers on other nodes.
+/// What `MOELINK_TRANSPORT` asks for peers on other nodes (hosts, or the
+/// emulated nodes of one host under `MOELINK_RANKS_PER_NODE`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CrossNode {
-    /// IB verbs where a usable RDMA device exists, else Ethernet (one log line).
+    /// IB verbs where a usable RDMA device exists, else CUDA IPC through the
+    /// proxy for a node on this host, else Ethernet (one log line).
     Auto,
     /// IB verbs; no usable device is an error.
     Ib,
-    /// Ethernet (TCP), even where an RDMA device exists.
+    /// Ethernet (TCP), even where an RDMA device exists or the node is on
+    /// this host.
     Ethernet,
+    /// CUDA IPC through the proxy: emulated nodes of one host only.
+    CudaIpc,
 }
 
 /// The environment variable that forces the cross-node transport.
 pub const TRANSPORT_ENV: &str = "MOELINK_TRANSPORT";
 
 impl CrossNode {
-    /// `MOELINK_TRANSPORT`: `auto` (or unset / empty), `ib`, `ethernet`
-    /// (case-insensitive); anything else is refused naming the variable.
+    /// `MOELINK_TRANSPORT`: `auto` (or unset / empty), `ib`, `ethernet`,
+    /// `cuda_ipc` (case-insensitive); anything else is refused naming the
+    /// variable.
     pub fn from_env() -> Result<Self> {
         Self::parse(&crate::env::var(TRANSPORT_ENV).unwrap_or_default())
     }
@@ -189,9 +195,10 @@ impl CrossNode {
             "" | "auto" => Ok(Self::Auto),
             "ib" => Ok(Self::Ib),
             "ethernet" => Ok(Self::Ethernet),
+            "cuda_ipc" => Ok(Self::CudaIpc),
             other => Err(crate::error::CommError::invalid(
                 TRANSPORT_ENV,
-                format!("{other:?}: expected auto, ib or ethernet"),
+                format!("{other:?}: expected auto, ib, ethernet or cuda_ipc"),
             )),
         }
     }
@@ -207,7 +214,7 @@ impl CrossNode {
         cross_node: bool,
         probe: impl FnOnce() -> Result<Vec<String>>,
     ) -> Result<bool> {
-        if !cross_node || self == Self::Ethernet {
+        if !cross_node || matches!(self, Self::Ethernet | Self::CudaIpc) {
             return Ok(false);
         }
         match (self, probe()) {
@@ -257,6 +264,7 @@ mod cross_node_tests {
         assert_eq!(CrossNode::parse(" Auto ").unwrap(), CrossNode::Auto);
         assert_eq!(CrossNode::parse("IB").unwrap(), CrossNode::Ib);
         assert_eq!(CrossNode::parse("ethernet").unwrap(), CrossNode::Ethernet);
+        assert_eq!(CrossNode::parse("CUDA_IPC").unwrap(), CrossNode::CudaIpc);
         let e = CrossNode::parse("rdma").unwrap_err().to_string();
         assert!(
             e.contains("MOELINK_TRANSPORT") && e.contains("\"rdma\""),
@@ -275,6 +283,7 @@ mod cross_node_tests {
         assert!(!CrossNode::Auto.uses_ib(0, false, probe).unwrap());
         assert!(!CrossNode::Ib.uses_ib(0, false, probe).unwrap());
         assert!(!CrossNode::Ethernet.uses_ib(0, true, probe).unwrap());
+        assert!(!CrossNode::CudaIpc.uses_ib(0, true, probe).unwrap());
     }
 
     #[test]
