@@ -833,9 +833,7 @@ __global__ void __launch_bounds__(intranode::kThreads) combine(const __grid_cons
         poison_token(r, t, lane);
         continue;
       }
-      __syncwarp();
-      if (lane < R) my_slots[lane] = my_slot;
-      __syncwarp();
+      share_slots(my_slots, my_slot, lane, R);
       reduce_token_x(a, t, own_srcs, my_slots, lane);
     }
   }

@@ -157,8 +157,7 @@ __global__ void wait_peers(Ctx c) {
 // signals every peer.
 __global__ void __launch_bounds__(kThreads) dispatch_send(const __grid_constant__ DispatchSendParams a) {
   const int lane = threadIdx.x % 32;
-  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const auto [warp, nwarps] = grid_warps();
   for (int64_t t = warp; t < a.num_tokens; t += nwarps) send_token(a, t, lane, 0);
   last_block_signals(a.c);
 }
@@ -172,11 +171,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_send(const __grid_constant_
 __global__ void __launch_bounds__(kThreads) dispatch_recv(const __grid_constant__ DispatchRecvParams a) {
   const Ctx& c = a.c;
   const int lane = threadIdx.x % 32;
-  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const auto [warp, nwarps] = grid_warps();
   const int R = c.num_ranks;
-  const int my_prefix = lane < R ? a.rank_prefix_matrix[lane * R + c.rank] : 0;
-  const int64_t num_recv = __shfl_sync(0xffffffffu, my_prefix, R - 1);
+  const auto [my_prefix, num_recv] = recv_prefix(c, a.rank_prefix_matrix, lane);
   const bool poisoned = timed_out_peers(c) != 0;
   for (int64_t i = warp; i < a.num_rows; i += nwarps) {
     if (poisoned) {
@@ -206,8 +203,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_packed(const __grid_co
   const int R = c.num_ranks;
   const int my_prefix = lane < R && c.rank > 0 ? a.rank_prefix_matrix[(c.rank - 1) * R + lane] : 0;
   const PackedDst dst{c, a.send.rec, a.packed, my_prefix};
-  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const auto [warp, nwarps] = grid_warps();
   for (int64_t t = warp; t < a.send.num_tokens; t += nwarps) write_token(a.send, t, lane, 0xffffffffu, dst);
   last_block_signals(c);
 }
@@ -222,13 +218,10 @@ __global__ void __launch_bounds__(kThreads) finish_rows(const __grid_constant__ 
   const DispatchRecvParams& r = a.recv;
   const Ctx& c = r.c;
   const int lane = threadIdx.x % 32;
-  const int R = c.num_ranks;
-  const int my_prefix = lane < R ? r.rank_prefix_matrix[lane * R + c.rank] : 0;
-  const int64_t num_recv = __shfl_sync(0xffffffffu, my_prefix, R - 1);
+  const int64_t num_recv = recv_prefix(c, r.rank_prefix_matrix, lane).num_recv;
   const bool poisoned = timed_out_peers(c) != 0;
   if (!poisoned && !a.copy_scales && r.num_rows <= num_recv) return;
-  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const auto [warp, nwarps] = grid_warps();
   const int S = r.rec.num_scales;
   const float* scales = reinterpret_cast<const float*>(c.local + a.packed.scales);
   for (int64_t i = warp; i < r.num_rows; i += nwarps) {
@@ -256,11 +249,9 @@ __global__ void __launch_bounds__(kThreads) dispatch(const __grid_constant__ Dis
 __global__ void __launch_bounds__(kThreads) combine_send(const __grid_constant__ CombineSendParams a) {
   const Ctx& c = a.c;
   const int lane = threadIdx.x % 32;
-  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const auto [warp, nwarps] = grid_warps();
   const int R = c.num_ranks;
-  const int my_prefix = lane < R ? a.rank_prefix_matrix[lane * R + c.rank] : 0;
-  const int64_t num_recv = __shfl_sync(0xffffffffu, my_prefix, R - 1);
+  const auto [my_prefix, num_recv] = recv_prefix(c, a.rank_prefix_matrix, lane);
   // Rows in the order of their source rank starting at this rank (rank,
   // rank + 1, ... mod R), so the ranks write to different peers at any moment.
   const int64_t start = c.rank > 0 ? __shfl_sync(0xffffffffu, my_prefix, c.rank - 1) : 0;
@@ -281,11 +272,9 @@ __global__ void __launch_bounds__(kThreads) combine_send(const __grid_constant__
 __global__ void __launch_bounds__(kThreads) combine_recv(const __grid_constant__ CombineRecvParams a) {
   const Ctx& c = a.c;
   const int lane = threadIdx.x % 32;
-  const int64_t warp = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32;
-  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const auto [warp, nwarps] = grid_warps();
   const int R = c.num_ranks;
-  // Slots of the warp's token per source rank (lanes of the row loop below
-  // may be inactive, so they are not shuffled).
+  // Slots of the warp's token per source rank (share_slots).
   __shared__ int slots[kWarps][kMaxRanks];
   int* my_slots = slots[threadIdx.x / 32];
   const unsigned late = timed_out_peers(c);
@@ -296,9 +285,7 @@ __global__ void __launch_bounds__(kThreads) combine_recv(const __grid_constant__
       poison_token(a, t, lane);
       continue;
     }
-    __syncwarp();
-    if (lane < R) my_slots[lane] = my_slot;
-    __syncwarp();
+    share_slots(my_slots, my_slot, lane, R);
     reduce_token<false>(a, t, srcs, my_slots, my_slot, lane);
   }
 }
@@ -313,7 +300,7 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
   const Ctx& c = a.send.c;
   const int lane = threadIdx.x % 32;
   const int R = c.num_ranks;
-  const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.calls));
+  const uint64_t flag = call_flag(a.calls);
   const int nsend = a.num_send_blocks;
   __shared__ int slots[kWarps][kMaxRanks];
   const int kind = int(blockIdx.x) < nsend ? 2 : 3;  // sender or receiver
@@ -335,8 +322,7 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
     stamp(a.prof, kind, 2);
   } else {
     const CombineRecvParams& r = a.recv;
-    const int64_t warp = int64_t(blockIdx.x - nsend) * kWarps + threadIdx.x / 32;
-    const int64_t nwarps = int64_t(gridDim.x - nsend) * kWarps;
+    const auto [warp, nwarps] = grid_warps(nsend);
     int* my_slots = slots[threadIdx.x / 32];
     const unsigned late_at_start = timed_out_peers(c);
     for (int64_t t = warp; t < r.num_tokens; t += nwarps) {
@@ -358,9 +344,7 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
         continue;
       }
       if (t == warp) stamp(a.prof, kind, 1);
-      __syncwarp();
-      if (lane < R) my_slots[lane] = my_slot;
-      __syncwarp();
+      share_slots(my_slots, my_slot, lane, R);
       reduce_token<true>(r, t, srcs, my_slots, my_slot, lane);
     }
     stamp(a.prof, kind, 2);

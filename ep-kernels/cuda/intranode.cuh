@@ -281,6 +281,29 @@ __device__ __forceinline__ unsigned rotate_right(unsigned bits, int k, int n) {
   return ((bits >> k) | (bits << (n - k))) & mask;
 }
 
+// The warps of blocks [first, gridDim.x), which a grid-stride loop of a
+// warp per unit spreads over: this warp's index among them and their count.
+struct GridWarps {
+  int64_t warp;
+  int64_t nwarps;
+};
+__device__ __forceinline__ GridWarps grid_warps(int first = 0) {
+  return {int64_t(blockIdx.x - first) * kWarps + threadIdx.x / 32, int64_t(gridDim.x - first) * kWarps};
+}
+
+// Column `rank` of rank_prefix_matrix [R, R] (one warp): lane s's
+// `my_prefix` holds prefix[s], the rows received from sources 0..s (0 for
+// lanes past R), and `num_recv` all of them.
+struct RecvPrefix {
+  int my_prefix;
+  int64_t num_recv;
+};
+__device__ __forceinline__ RecvPrefix recv_prefix(const Ctx& c, const int* rank_prefix_matrix, int lane) {
+  const int R = c.num_ranks;
+  const int my_prefix = lane < R ? rank_prefix_matrix[lane * R + c.rank] : 0;
+  return {my_prefix, __shfl_sync(0xffffffffu, my_prefix, R - 1)};
+}
+
 // Source rank of received row i: the first s with prefix[s] > i, where prefix
 // is column `rank` of rank_prefix_matrix (lane s holds prefix[s]).
 __device__ __forceinline__ void locate(int64_t i, int my_prefix, int lane, int num_ranks,
@@ -333,6 +356,12 @@ __device__ __forceinline__ uint64_t* record_flag(char* record, int64_t bytes) {
 // The flag value of the call after `calls` completed calls of a phase.
 __device__ __forceinline__ uint64_t flag_value(uint64_t calls) {
   return (kFlagMagic << 32) | ((calls + 1) & 0xffffffffull);
+}
+
+// The flag value of this call of a phase whose device counter of completed
+// calls is `*calls` (read volatile: the previous launch's last block advanced it).
+__device__ __forceinline__ uint64_t call_flag(const unsigned long long* calls) {
+  return flag_value(*reinterpret_cast<const volatile unsigned long long*>(calls));
 }
 
 __device__ __forceinline__ void fence_acq_rel_sys() { asm volatile("fence.acq_rel.sys;" ::: "memory"); }
@@ -570,6 +599,16 @@ __device__ __forceinline__ const char* combine_record(const Ctx& c, const char* 
   return base + c.combine_offset + (int64_t(from) * c.combine_slots + slot) * record_bytes;
 }
 
+// Lane d's `my_slot` (token's slot in source d's block, lanes d < R) into the
+// warp's row `my_slots` of shared memory, where every lane of the reduction
+// reads it (the lanes of its row loop may be inactive, so slots are not
+// shuffled).
+__device__ __forceinline__ void share_slots(int* my_slots, int my_slot, int lane, int R) {
+  __syncwarp();
+  if (lane < R) my_slots[lane] = my_slot;
+  __syncwarp();
+}
+
 // The combine of token t (one warp): out[t] = bf16((bias0 + bias1) + copy_d0 +
 // copy_d1 + ...) in f32 over the ranks d0 < d1 < ... that received t (the CPU
 // reference's order, so results match it bit for bit); weights likewise from 0.
@@ -737,7 +776,7 @@ __device__ __forceinline__ void run_dispatch(const DispatchFusedParams& a) {
   stamp(a.prof, kind, 0);
   unsigned int* work = c.ticket + kSendWorkWord;
   if (int(blockIdx.x) < nsend) {
-    const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.send_calls));
+    const uint64_t flag = call_flag(a.send_calls);
     // Tokens taken one at a time per warp (kSendWorkWord), one release each.
     // (Units of 2 and 4 tokens sharing one release were measured slower on
     // 4 x H200; docs/design-intranode.md, "Send unit".)
@@ -749,10 +788,9 @@ __device__ __forceinline__ void run_dispatch(const DispatchFusedParams& a) {
     }
     stamp(a.prof, kind, 2);
   } else {
-    const uint64_t flag = flag_value(*reinterpret_cast<volatile unsigned long long*>(a.recv_calls));
+    const uint64_t flag = call_flag(a.recv_calls);
     const DispatchRecvParams& r = a.recv;
-    const int64_t warp = int64_t(blockIdx.x - nsend) * kWarps + threadIdx.x / 32;
-    const int64_t nwarps = int64_t(gridDim.x - nsend) * kWarps;
+    const auto [warp, nwarps] = grid_warps(nsend);
     const InterleavedRows rows(r.rank_prefix_matrix, c.rank, R, 0, lane);
     const int64_t num_recv = rows.total();
     // Once any wait of this Buffer timed out, the counts themselves may be a

@@ -247,19 +247,7 @@ pub unsafe fn internode_notify(
 ) -> Result<()> {
     check_x(&x)?;
     let n = &a.n;
-    let row = (x.c.num_ranks + x.num_nodes + n.experts_per_rank) as u64;
-    if row * x.c.num_ranks as u64 * 4 > intra::CTRL_HALF_BYTES || n.experts_per_rank <= 0 {
-        return Err(CommError::invalid(
-            "num_experts",
-            format!(
-                "{} experts per rank with {} ranks do not fit the control region",
-                n.experts_per_rank, x.c.num_ranks
-            ),
-        ));
-    }
-    if n.expert_alignment < 1 {
-        return Err(CommError::invalid("expert_alignment", "must be at least 1"));
-    }
+    intra::check_notify_counts(n, x.c.num_ranks, x.c.num_ranks + x.num_nodes)?;
     if n.error == 0 {
         return Err(CommError::invalid(
             "error",

@@ -364,6 +364,26 @@ pub struct NotifyArgs {
     pub error: u64,
 }
 
+/// Checks the experts of a notify: at least one per rank, with `num_ranks`
+/// rows of `row_words + experts_per_rank` int32 counts fitting one half of
+/// the control region, and an alignment of at least 1.
+pub(crate) fn check_notify_counts(a: &NotifyArgs, num_ranks: i32, row_words: i32) -> Result<()> {
+    let row = row_words as u64 + a.experts_per_rank as u64;
+    if row * num_ranks as u64 * 4 > CTRL_HALF_BYTES || a.experts_per_rank <= 0 {
+        return Err(CommError::invalid(
+            "num_experts",
+            format!(
+                "{} experts per rank with {} ranks do not fit the control region",
+                a.experts_per_rank, num_ranks
+            ),
+        ));
+    }
+    if a.expert_alignment < 1 {
+        return Err(CommError::invalid("expert_alignment", "must be at least 1"));
+    }
+    Ok(())
+}
+
 /// # Safety
 /// Every pointer must be valid on this device for the sizes documented in
 /// [`NotifyArgs`]; the context's buffers and channels must be live.
@@ -374,19 +394,7 @@ pub unsafe fn dispatch_notify(
     a: NotifyArgs,
 ) -> Result<()> {
     check_ctx(&ctx)?;
-    let row = ctx.num_ranks as u64 + a.experts_per_rank as u64;
-    if row * ctx.num_ranks as u64 * 4 > CTRL_HALF_BYTES || a.experts_per_rank <= 0 {
-        return Err(CommError::invalid(
-            "num_experts",
-            format!(
-                "{} experts per rank with {} ranks do not fit the control region",
-                a.experts_per_rank, ctx.num_ranks
-            ),
-        ));
-    }
-    if a.expert_alignment < 1 {
-        return Err(CommError::invalid("expert_alignment", "must be at least 1"));
-    }
+    check_notify_counts(&a, ctx.num_ranks, ctx.num_ranks)?;
     if a.topk_idx != 0 && !(1..=crate::limits::MAX_TOPK as i32).contains(&a.num_topk) {
         return Err(CommError::invalid(
             "topk_idx",
