@@ -410,8 +410,10 @@ impl StreamHandle {
         // SAFETY: the caller guarantees the handle is a live stream of the current context.
         unsafe { result::stream::synchronize(self.raw()) }.call("cuStreamSynchronize")
     }
+
     /// Enqueues a copy of `len` bytes from device address `src` to `dst` on
-    /// the stream (`cuMemcpyAsync`: the copy engines, no SM); a copy node when
+    /// the stream (`cuMemcpyAsync`; between two addresses of one device the
+    /// driver runs it on SMs, measured on H200); a copy node when
     /// the stream is capturing.
     ///
     /// # Safety

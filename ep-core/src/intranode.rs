@@ -260,7 +260,7 @@ struct PendingSend {
     /// the side stream; packed: always), else it waits to be launched with
     /// the receive half.
     launched: bool,
-    /// Packed (`dispatch_send_packed` ran): the copy engines receive.
+    /// Packed (`dispatch_send_packed` ran): device copies receive.
     packed: bool,
 }
 
@@ -360,7 +360,7 @@ pub struct IntranodeBuffer {
     scratch: DeviceMemory,
     /// `Some(receiver shares)`: fused kernels.
     fused: Option<RecvShares>,
-    /// When a dispatch is packed (copy-engine receive).
+    /// Whether a dispatch is packed (`MOELINK_INTRANODE_RECV`).
     recv_policy: RecvPolicy,
     /// Fused mode's side stream and its orderings.
     side: Option<SideStream>,
@@ -774,8 +774,9 @@ impl IntranodeBuffer {
     }
 
     /// The receive of a packed dispatch: wait for every peer's send, copy
-    /// each wanted packed array into its output with the copy engines (one
-    /// contiguous range each: the senders wrote received-row order), then
+    /// each wanted packed array into its output with one device copy (one
+    /// contiguous range each: the senders wrote received-row order; the driver
+    /// runs such a same-device copy on SMs), then
     /// `finish_rows` (padding, poisoning, strided scales; nothing otherwise).
     fn packed_recv(&self, stream: StreamHandle, ctx: IntranodeCtx, recv: RecvArgs) -> Result<()> {
         let rec = recv.rec;

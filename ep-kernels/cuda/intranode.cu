@@ -195,7 +195,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_recv(const __grid_constant_
 // dispatch_send_packed (packed dispatch): dispatch_send with every copy of a
 // token written to its received row on the destination (PackedDst): rows
 // [prefix, prefix + count) of each destination's packed arrays come from
-// this rank. The last block signals every peer; wait_peers, the copy engines
+// this rank. The last block signals every peer; wait_peers, the device copies
 // and finish_rows follow on the receiving side.
 __global__ void __launch_bounds__(kThreads) dispatch_send_packed(const __grid_constant__ DispatchPackedParams a) {
   const Ctx& c = a.send.c;
@@ -208,7 +208,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_packed(const __grid_co
   last_block_signals(c);
 }
 
-// finish_rows (packed dispatch, after the copy engines moved the packed
+// finish_rows (packed dispatch, after the device copies moved the packed
 // arrays into the outputs): a warp per output row, and only where there is
 // something left to do: every row is poisoned once any wait of this Buffer
 // timed out (as dispatch_recv), rows past the received count (num_worst_tokens)

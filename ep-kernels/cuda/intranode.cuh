@@ -114,11 +114,11 @@ static_assert(sizeof(DispatchRecvParams) == 184, "mirrored in Rust");
 static_assert(offsetof(DispatchRecvParams, num_rows) == 120, "mirrored in Rust");
 static_assert(offsetof(DispatchRecvParams, recv_src_idx) == 176, "mirrored in Rust");
 
-// The packed dispatch (copy-engine receive; ep-core's PackedPolicy picks it):
+// The packed dispatch (MOELINK_INTRANODE_RECV=packed, ep-core's RecvPolicy):
 // the senders write every copy of a token straight to its received row on the
 // destination, into arrays of the destination's dispatch region, so each
-// received field is one contiguous range that copy engines move into the
-// output with no SM. Byte offsets in every rank's NVL buffer, each array
+// received field is one contiguous range that one device copy (cuMemcpyAsync)
+// moves into the output. Byte offsets in every rank's NVL buffer, each array
 // `capacity` rows long; mirrored in Rust (ep_kernels::intranode::PackedLayout).
 struct PackedLayout {
   int64_t rows;      // [capacity][hidden_bytes]
@@ -138,7 +138,7 @@ struct DispatchPackedParams {
 static_assert(sizeof(DispatchPackedParams) == 232, "mirrored in Rust");
 static_assert(offsetof(DispatchPackedParams, rank_prefix_matrix) == 224, "mirrored in Rust");
 
-// What the copy engines leave to a kernel after a packed dispatch: padding
+// What the device copies leave to a kernel after a packed dispatch: padding
 // rows (num_worst_tokens), poisoned rows (a peer timed out) and scales into a
 // strided recv_scales (`copy_scales`).
 struct FinishRowsParams {

@@ -165,7 +165,8 @@ pub(crate) struct DispatchFusedParams {
 /// `moelink::intranode::CombineFusedParams`.
 /// `moelink::intranode::PackedLayout`: the packed dispatch's arrays (byte
 /// offsets in every rank's NVL buffer, `capacity` rows each), which the
-/// senders fill in received-row order and copy engines move into the outputs.
+/// senders fill in received-row order and one device copy per array moves into
+/// the outputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(C)]
 pub struct PackedLayout {
@@ -539,7 +540,7 @@ pub unsafe fn dispatch_send_packed(
     }
 }
 
-/// Launches `finish_rows` after the copy engines moved a packed dispatch's
+/// Launches `finish_rows` after the device copies moved a packed dispatch's
 /// arrays into the outputs: padding rows, poisoned rows after a timeout, and
 /// the scales when `copy_scales` (a strided `recv_scales`).
 ///
