@@ -970,7 +970,7 @@ impl Bench {
                     Stats::of(push)?,
                     format!("{iters} back-to-back no-op pushes per launch"),
                 ));
-                // Issue 17: the same FIFO and proxy fed by several producers,
+                // The internode path: the same FIFO and proxy fed by several producers,
                 // or by one thread in batches (push_batch: one atomic, one
                 // room check and one system fence per batch); per trigger,
                 // the slower of the pushes and the proxy (target: <= 0.5 us,
@@ -1413,7 +1413,7 @@ fn run(args: &Args) -> Result<()> {
         ));
     }
 
-    // Issue 21: the memory-channel round trip's floor on the same counters
+    // The memory-channel round trip's floor on the same counters
     // (relaxed reduction, relaxed polling): what of the round trip is the link.
     log("memory-channel round trip, relaxed floor");
     if let Some(stats) = b.pingpong(Chan::Memory, true, &cfg)? {

@@ -4,7 +4,8 @@
 activities: CUPTI records every kernel and copy of the process, the proxy
 threads' ``cuMemcpyAsync`` included), writes the Chrome trace to ``path`` even
 when ``fn`` raises, prints :func:`trace_summary` and returns ``fn``'s result.
-Issue 17's question: whether the proxy's copies run as copy-engine transfers or
+The internode stall's question (docs/design-internode.md): whether the proxy's
+copies run as copy-engine transfers or
 as kernels, and when they start and end against the dispatch kernels.
 """
 

@@ -1,6 +1,6 @@
 """Host overhead per call: the CPU time from a Python call to its return, as a
-ratio to a trivial torch launch (``x.add_(0)``) measured in the same run (issue
-16's table). Eager calls, one sample per call, the GPU drained between samples
+ratio to a trivial torch launch (``x.add_(0)``) measured in the same run (the
+table of docs/performance.md). Eager calls, one sample per call, the GPU drained between samples
 (outside the timed region) so that no call waits for the launch queue.
 
     python -m moelink.launch -n 1 benches/host_overhead.py [--iters 300] [--out DIR]

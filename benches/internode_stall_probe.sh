@@ -1,5 +1,5 @@
 #!/bin/bash
-# Issue 17 on 4 GPUs in one bounded device call (docs/design-internode.md):
+# The internode stall on 4 GPUs in one bounded run (docs/design-internode.md):
 #   bash benches/internode_stall_probe.sh /tmp/probe "$OUT/probe.tgz"
 # (carry: [".gpu"]; scripts/gpu_build.sh made it). Every step runs under `timeout`
 # with short device bounds (a stall fails in seconds); its log goes to

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 21's measurements on one multi-GPU host (4 x H200 is the reference), in
+# The speed measurements on one multi-GPU host (4 x H200 is the reference), in
 # parts that each fit one device call (<= 10 min), every figure next to the peers
 # measured in the same call:
 #   bash benches/speed_run.sh PART OUT

@@ -1,6 +1,6 @@
 """The ``deep_ep`` alias package (python/deep_ep_alias) on the CPU: it serves
 DeepEP's names from moelink, refuses to shadow a real DeepEP, installs with pip,
-and keeps DeepEP's constructor keywords and config lookups (issue 19)."""
+and keeps DeepEP's constructor keywords and config lookups."""
 
 from __future__ import annotations
 

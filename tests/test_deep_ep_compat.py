@@ -1,5 +1,5 @@
 """What frameworks pass to ``deep_ep`` (served by moelink through
-python/deep_ep_alias), on the CPU (issue 19): DeepEP V1's constructor keywords
+python/deep_ep_alias), on the CPU: DeepEP V1's constructor keywords
 as vLLM, SGLang and Megatron-Core pass them, unknown keywords refused before
 any CUDA use, and ``get_dispatch_config`` / ``get_combine_config`` for every
 rank count vLLM asks (2 to 160)."""

@@ -1,4 +1,4 @@
-"""The trace summary of benches/gpu_trace.py (issue 17's copy-engine question),
+"""The trace summary of benches/gpu_trace.py (the internode stall's copy-engine question),
 on synthetic Chrome traces, on the CPU."""
 
 import sys

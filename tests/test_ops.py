@@ -1,6 +1,6 @@
 """moelink's torch ops (``torch.ops.moelink.*``, python/moelink/_ops.py), their
 handle registry (``moelink.ops`` / ``moelink._registry``) and
-``AllReduce.from_process_group`` on the CPU (issue 19).
+``AllReduce.from_process_group`` on the CPU.
 
 The real implementations call the registered object's public methods, so CPU
 stand-ins with the same methods run them: ``StandInAllReduce`` simulates ``world``

@@ -111,7 +111,7 @@ extern "C" __global__ void comm_test_memchan_pingpong(
   pingpong(a);
 }
 
-// The floor of comm_test_memchan_pingpong (issue 21's breakdown): the same
+// The floor of comm_test_memchan_pingpong (its round trip's breakdown): the same
 // ping-pong on the same counters with a relaxed reduction and relaxed polling,
 // no release or acquire: what two NVLink one-way trips and the polling cost by
 // themselves. Synchronises nothing; for timing only.

@@ -125,7 +125,7 @@ impl Device {
     /// after a running kernel syncs that stream first), copies and kernels
     /// other threads issue in that context do not reach the GPU, the proxy's
     /// included; a kernel waiting for them then spins out its time bound
-    /// (issue 17). Another context's work goes through. Only memory mapped
+    /// (the internode stall of docs/design-internode.md). Another context's work goes through. Only memory mapped
     /// through the VMM API and portable host memory are addressable from
     /// both contexts.
     pub fn proxy_context(&self) -> Result<Device> {
@@ -251,7 +251,7 @@ impl Device {
     }
 
     /// A dma-buf file descriptor of device memory `[ptr, ptr + len)` (what an
-    /// RDMA NIC registers with `ibv_reg_dmabuf_mr`, issue 18). `ptr` and `len`
+    /// RDMA NIC registers with `ibv_reg_dmabuf_mr`; docs/ib.md). `ptr` and `len`
     /// must be multiples of the host page size; `InvalidArgument("device")`
     /// where the driver or device has no dma-buf support.
     pub fn dmabuf_fd(&self, ptr: u64, len: usize) -> Result<std::os::fd::OwnedFd> {

@@ -20,7 +20,7 @@
 //! one, and the write goes on a stream of the proxies' own context
 //! ([`Device::proxy_context`]), like CUDA IPC's puts: in the primary context
 //! a CUDA call of the process that waits on the GPU can hold the proxy
-//! thread inside the write (issue 17's second cause; whether stream writes
+//! thread inside the write (the internode stall's second cause; whether stream writes
 //! are held like copies was not measured). A `cuMemAlloc` fallback, or
 //! `MOELINK_IPC_CONTEXT=primary`, keeps it in the primary context.
 //!

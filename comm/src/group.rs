@@ -1,4 +1,4 @@
-//! [`Group`]: what every object made on one process group shares (issue 16):
+//! [`Group`]: what every object made on one process group shares:
 //! one bootstrap and one [`Communicator`] (so one fd server, one Ethernet
 //! receiver, one set of signal pages, one [`Topology`](crate::Topology) and
 //! [`DeviceShare`](crate::DeviceShare)), however many objects (Buffer halves,

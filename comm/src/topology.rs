@@ -1,5 +1,5 @@
 //! [`Topology`]: where every rank of a group is and how this rank reaches it
-//! (issue 16; the internode and IB verbs issues build on it).
+//! (the internode path and the IB verbs transport build on it).
 //!
 //! Nodes are hosts (by host id, numbered in the order of their lowest rank), or,
 //! with `MOELINK_RANKS_PER_NODE=n`, emulated nodes of n consecutive ranks inside

@@ -571,12 +571,12 @@ enum Queued {
     CopyAfterWaitElsewhere,
     /// A 256 MiB `cuMemAlloc` between the side stream's waiting kernel and the
     /// puts (what a Buffer's caller did when it allocated a dispatch's outputs
-    /// between the internode senders and receivers; issue 17's stall).
+    /// between the internode senders and receivers; the internode stall).
     AllocBeforePuts,
     /// Right after the puts, a 64 MiB upload from pageable host memory on the
     /// legacy stream, ordered after the side stream's waiting kernel (what
     /// the bench did: `tensor.to("cuda")` on the compute stream, which waits
-    /// for the dispatch; issue 17's stall after the senders' deferral).
+    /// for the dispatch; the internode stall after the senders' deferral).
     PageableUploadAfterIt,
 }
 
@@ -660,7 +660,7 @@ impl PageableUpload {
     }
 }
 
-/// Issue 17's stall, reduced (docs/design-internode.md, "Status"): the proxy's
+/// The internode stall, reduced (docs/design-internode.md, "Status"): the proxy's
 /// copies (`transport`: CUDA IPC's puts, or Ethernet's copies out of and into
 /// GPU memory) while kernels of this rank spin on two streams, as the
 /// internode dispatch's senders and its fused receivers do. On a side stream a

@@ -1,4 +1,4 @@
-//! The internode part of `moelink.Buffer` (issue 17, docs/design-internode.md):
+//! The internode part of `moelink.Buffer` (docs/design-internode.md):
 //! what replaces the intranode part when the group spans more than one node
 //! (hosts, or emulated nodes of `MOELINK_RANKS_PER_NODE` consecutive ranks).
 //! One region per rank (`num_nvl_bytes + num_rdma_bytes`), memory channels to
@@ -661,7 +661,7 @@ impl InternodeBuffer {
     /// The senders are not launched here, ahead of the caller's allocation of
     /// the outputs: a `cudaMalloc` while a kernel of the process runs holds
     /// back every CUDA operation issued after it until that kernel ends
-    /// (measured, issue 17: the receivers and the proxy's CUDA IPC copies did
+    /// (measured, the internode stall: the receivers and the proxy's CUDA IPC copies did
     /// not start, so senders waiting for them spun out their time bound). The
     /// outputs are allocated between the two calls; once they are, nothing of
     /// this dispatch is issued behind an allocation.

@@ -1,5 +1,5 @@
 //! GPU checks of the tch API's stream arguments, events, CUDA graphs,
-//! AllReduce tuning file and host-side expert-id check (issue 20), every
+//! AllReduce tuning file and host-side expert-id check, every
 //! output compared exactly with the CPU reference (`moelink_tch::reference`,
 //! `ep-reference`'s oracle) on fresh random data per round, outputs poisoned first
 //! (graph outputs and `out=` tensors filled with NaN / -1 before each call;

@@ -1,4 +1,4 @@
-//! One object's view of a bootstrap that several objects share (issue 16's
+//! One object's view of a bootstrap that several objects share (the
 //! Group: one bootstrap per torch process group, under every Buffer and
 //! AllReduce made on it).
 //!

@@ -80,7 +80,7 @@ impl IssueCount {
 /// GPU inside the primary context (a pageable host-to-device copy on a stream
 /// ordered after a running kernel syncs that stream first), the copies and
 /// kernels other threads issue in that context do not reach the GPU, and
-/// kernels spinning for the proxy's copies never see them (issue 17: measured with
+/// kernels spinning for the proxy's copies never see them (the internode stall: measured with
 /// `port_cuda_ipc_beside_a_spinning_kernel_pageable_upload`, which stalls in
 /// the primary context and passes in the proxy's). The proxy's context
 /// addresses only what is mapped process-wide: cuMem (VMM) allocations and

@@ -871,7 +871,8 @@ impl Connection for EthernetConnection {
                 };
                 // The proxies' own context for memory mapped process-wide, as
                 // CUDA IPC's puts (in the primary context a CUDA call of the
-                // process that waits on the GPU can hold the copy back, issue 17).
+                // process that waits on the GPU can hold the copy back: the
+                // internode stall).
                 Some(dev.proxy_context_or_primary(
                     src.info().process_wide(),
                     "Ethernet copies out of GPU memory",

@@ -8,7 +8,7 @@
 //! GPU operations on memory mapped process-wide (cuMem) go on a stream of the
 //! proxies' own context ([`Device::proxy_context`]), as CUDA IPC's puts do:
 //! in the primary context they can be held back while another call of the
-//! process waits on the GPU there (issue 17), and the kernel waiting for them
+//! process waits on the GPU there (the internode stall), and the kernel waiting for them
 //! spins out its bound. Other device memory (a `cuMemAlloc` registration)
 //! belongs to the primary context and goes on a stream there.
 //!

@@ -1,4 +1,4 @@
-//! The IB verbs transport (issue 18): RDMA write, write with immediate and
+//! The IB verbs transport (docs/ib.md): RDMA write, write with immediate and
 //! 64-bit fetch-and-add over reliable-connected queue pairs, for peers on
 //! other nodes.
 //!
