@@ -219,30 +219,48 @@ fn chunk_from_env() -> Result<usize> {
     }
 }
 
+/// Whether a rank of another node is on another host (not an emulated node
+/// of this one).
+fn other_host(topo: &comm::topology::Topology) -> bool {
+    topo.peers()
+        .iter()
+        .any(|p| p.node != topo.node() && !p.same_host)
+}
+
+/// The other nodes are reached over Ethernet: this rank's receiver must be
+/// one they reach. None at all, or the loopback default of
+/// `MOELINK_TRANSPORT=ethernet` (`ethernet_receiver`) with another host in
+/// the group, is refused naming `MOELINK_ETHERNET_ADDR`.
+fn check_ethernet_receiver(comm: &comm::Communicator) -> Result<()> {
+    if !comm.has_ethernet() {
+        return Err(CommError::invalid(
+            "MOELINK_ETHERNET_ADDR",
+            "the other nodes are reached over Ethernet, but this rank's Communicator has \
+             no Ethernet receiver: set MOELINK_ETHERNET_ADDR=host:port (an address the \
+             other hosts reach) on every rank before its first Buffer or AllReduce",
+        ));
+    }
+    if other_host(comm.topology()) && comm::env::var("MOELINK_ETHERNET_ADDR").is_none() {
+        return Err(CommError::invalid(
+            "MOELINK_ETHERNET_ADDR",
+            format!(
+                "{TRANSPORT_ENV}=ethernet with another host in the group: set \
+                 MOELINK_ETHERNET_ADDR=host:port (an address the other hosts reach) on every \
+                 rank"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The cross-node transport: the one `MOELINK_TRANSPORT` forces (`ethernet`,
 /// or `cuda_ipc` where every other node is on this host), else the one the
 /// topology gives every rank of another node (they must agree).
 fn transport_of(comm: &comm::Communicator) -> Result<Transport> {
     let topo = comm.topology();
-    let other_host = topo
-        .peers()
-        .iter()
-        .any(|p| p.node != topo.node() && !p.same_host);
     match CrossNode::from_env()? {
-        CrossNode::Ethernet => {
-            if other_host && comm::env::var("MOELINK_ETHERNET_ADDR").is_none() {
-                return Err(CommError::invalid(
-                    "MOELINK_ETHERNET_ADDR",
-                    format!(
-                        "{TRANSPORT_ENV}=ethernet with another host in the group: set \
-                         MOELINK_ETHERNET_ADDR=host:port (an address the other hosts reach) \
-                         on every rank"
-                    ),
-                ));
-            }
-            return Ok(Transport::Ethernet);
-        }
-        CrossNode::CudaIpc if other_host => {
+        CrossNode::Ethernet => return Ok(Transport::Ethernet),
+        CrossNode::CudaIpc if other_host(topo) => {
             return Err(CommError::invalid(
                 TRANSPORT_ENV,
                 "cuda_ipc reaches the emulated nodes of one host only, and another host is \
@@ -315,13 +333,8 @@ impl InternodeBuffer {
         }
         let chunk = chunk_from_env()?;
         let transport = transport_of(&comm)?;
-        if transport == Transport::Ethernet && !comm.has_ethernet() {
-            return Err(CommError::invalid(
-                "MOELINK_ETHERNET_ADDR",
-                "the other nodes are reached over Ethernet, but this rank's Communicator has \
-                 no Ethernet receiver: set MOELINK_ETHERNET_ADDR=host:port (an address the \
-                 other hosts reach) on every rank before its first Buffer or AllReduce",
-            ));
+        if transport == Transport::Ethernet {
+            check_ethernet_receiver(&comm)?;
         }
         let device = part.device();
         let rank = comm.rank();

@@ -260,8 +260,9 @@ struct PendingSend {
     /// the side stream; packed: always), else it waits to be launched with
     /// the receive half.
     launched: bool,
-    /// Packed (`dispatch_send_packed` ran): device copies receive.
-    packed: bool,
+    /// Packed (`dispatch_send_packed` filled these arrays): device copies
+    /// receive.
+    packed: Option<PackedLayout>,
 }
 
 /// Fused mode's streams: the receive half of a normal dispatch runs on `side`
@@ -595,7 +596,7 @@ impl IntranodeBuffer {
                 send,
                 dispatch_slots: ctx.dispatch_slots as usize,
                 launched: true,
-                packed: true,
+                packed: Some(packed),
             });
             return Ok(());
         }
@@ -624,7 +625,7 @@ impl IntranodeBuffer {
             send,
             dispatch_slots: ctx.dispatch_slots as usize,
             launched: early,
-            packed: false,
+            packed: None,
         });
         Ok(())
     }
@@ -691,14 +692,14 @@ impl IntranodeBuffer {
             num_sms,
         };
         if let Some(pending) = self.pending.take() {
-            if pending.packed {
+            if let Some(packed) = pending.packed {
                 if pending.dispatch_slots != cap {
                     return Err(CommError::invalid(
                         "x",
                         "the receive half of a dispatch does not match its send half",
                     ));
                 }
-                return self.packed_recv(stream, ctx, recv);
+                return self.packed_recv(stream, ctx, recv, packed);
             }
             let grid = self.fused_grid(num_sms, |s| s.dispatch).ok_or_else(|| {
                 CommError::invalid(
@@ -778,9 +779,14 @@ impl IntranodeBuffer {
     /// contiguous range each: the senders wrote received-row order; the driver
     /// runs such a same-device copy on SMs), then
     /// `finish_rows` (padding, poisoning, strided scales; nothing otherwise).
-    fn packed_recv(&self, stream: StreamHandle, ctx: IntranodeCtx, recv: RecvArgs) -> Result<()> {
+    fn packed_recv(
+        &self,
+        stream: StreamHandle,
+        ctx: IntranodeCtx,
+        recv: RecvArgs,
+        packed: PackedLayout,
+    ) -> Result<()> {
         let rec = recv.rec;
-        let packed = self.packed_layout(&ctx, &rec);
         // SAFETY: channels are live.
         unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchWait) }?;
         let o = recv.out;
