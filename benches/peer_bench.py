@@ -84,6 +84,8 @@ NCCL_LABEL = "NCCL all_to_all_single"
 #: Environment variables recorded in the JSON (what shapes the peers' transports).
 RECORDED_ENV = (
     *NO_MULTICAST_ENV,
+    "MOELINK_INTRANODE_RECV",
+    "MOELINK_INTRANODE_RECV_POOL_BYTES",
     "NVSHMEM_REMOTE_TRANSPORT",
     "NVSHMEM_IB_ENABLE_IBGDA",
     "NVSHMEM_DISABLE_P2P",
@@ -617,6 +619,14 @@ def run_intranode(impl: Impl, rank: int, world: int, group, args) -> dict:
                     name,
                 )
             )
+    # moelink's direct dispatch (MOELINK_INTRANODE_RECV=direct): how many
+    # dispatches wrote recv_x in place, and how many fell back to a copy.
+    native = getattr(buffer, "_native", None)
+    pool = native.recv_pool_stats() if hasattr(native, "recv_pool_stats") else None
+    if pool is not None:
+        line = f"rank {rank} receive pool: {pool[3]} direct dispatches, {pool[4]} copied"
+        notes.append(line)
+        print(line, flush=True)
     with stage(name, rank, "Buffer.destroy"):
         torch.cuda.synchronize()
         dist.barrier(group=group)

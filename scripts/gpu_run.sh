@@ -95,8 +95,11 @@ for n in $RANKS; do
   # kernels (MOELINK_INTRANODE_FUSED=0; the fused ones are the default).
   [ -n "${GPU_RUN_UNFUSED:-}" ] && run "intranode-unfused-$n" 400 env MOELINK_INTRANODE_FUSED=0 \
     $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
-  # The intranode suite again on the packed dispatch (MOELINK_INTRANODE_RECV=packed).
+  # The intranode suite again on the packed dispatch (MOELINK_INTRANODE_RECV=packed)
+  # and on the direct one (recv_x in the receive pool the peers write into).
   run "intranode-packed-$n" 400 env MOELINK_INTRANODE_RECV=packed \
+    $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
+  run "intranode-direct-$n" 400 env MOELINK_INTRANODE_RECV=direct \
     $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
   run "low_latency-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/ll_worker.py
   # A rank killed mid-dispatch: the others raise TimeoutError naming it, none hangs.
@@ -194,14 +197,18 @@ if [ -n "${GPU_RUN_SANITIZE:-}" ]; then
     MOELINK_INTRANODE_SCENARIOS=layout,dispatch_bf16,dispatch_fp8,dispatch_cached,combine \
     $LAUNCH -n 2 --timeout 520 --no-python compute-sanitizer --tool racecheck --error-exitcode 9 \
     python3 tests/multi_gpu/intranode_worker.py
-  # The packed dispatch's kernels (MOELINK_INTRANODE_RECV=packed) under both tools,
-  # over the dispatch scenarios (worst tokens too: its padding rows).
-  for tool in memcheck racecheck; do
-    run "sanitize-$tool-intranode-packed-2" 540 env "${SAN_ENV[@]}" MOELINK_DEVICE_TIMEOUT_S=120 \
-      MOELINK_INTRANODE_RECV=packed \
-      MOELINK_INTRANODE_SCENARIOS=dispatch_bf16,dispatch_fp8,dispatch_cached,worst_tokens \
-      $LAUNCH -n 2 --timeout 520 --no-python compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      python3 tests/multi_gpu/intranode_worker.py
+  # The packed and direct dispatches' kernels (MOELINK_INTRANODE_RECV) under both
+  # tools, over the dispatch scenarios (worst tokens too: its padding rows; direct:
+  # its pool, with some ranks' recv_x outside it).
+  for recv in packed direct; do
+    scen=dispatch_bf16,dispatch_fp8,dispatch_cached,worst_tokens
+    [ "$recv" = direct ] && scen=$scen,direct_pool
+    for tool in memcheck racecheck; do
+      run "sanitize-$tool-intranode-$recv-2" 540 env "${SAN_ENV[@]}" MOELINK_DEVICE_TIMEOUT_S=120 \
+        MOELINK_INTRANODE_RECV=$recv MOELINK_INTRANODE_SCENARIOS=$scen SANITIZER_RUN=1 \
+        $LAUNCH -n 2 --timeout 520 --no-python compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        python3 tests/multi_gpu/intranode_worker.py
+    done
   done
   for tool in memcheck racecheck; do
     # Left out under the sanitizer: scenarios that launch thousands of tiny

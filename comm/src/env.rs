@@ -173,7 +173,18 @@ pub static SWITCHES: &[Switch] = &[
         "At Buffer creation: how an intranode dispatch receives. `packed`: every SM of the call \
          sends, straight to the received rows, and one device copy per output receives (faster \
          on an otherwise idle GPU at up to 16 SMs; the copy takes the whole GPU for about 100 us \
-         after the sends).",
+         after the sends). `direct`: packed, with `recv_x` allocated from a receive pool that \
+         every peer maps, so the senders write the rows into `recv_x` itself and only the small \
+         outputs are copied (a `recv_x` outside the pool, e.g. under CUDA graph capture, is \
+         received as in `packed`).",
+    ),
+    s(
+        "MOELINK_INTRANODE_RECV_POOL_BYTES",
+        User,
+        "the NVL buffer's size",
+        "At Buffer creation with `MOELINK_INTRANODE_RECV=direct`: bytes of each rank's receive \
+         pool. Every `recv_x` alive at once must fit; one that does not is allocated as usual \
+         and received by a copy.",
     ),
     s(
         "MOELINK_IPC_CONTEXT",

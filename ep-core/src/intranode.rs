@@ -30,6 +30,7 @@
 //! ([`DEFAULT_SHARES`], the best split measured).
 
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use comm::channel::MemoryChannel;
@@ -42,10 +43,11 @@ use ep_kernels::intranode::CtxKernel::{
 };
 use ep_kernels::intranode::{
     self as k, CombineRecvArgs, CombineSendArgs, FusedGrid, FusedHalves, FusedState, IntranodeCtx,
-    NotifyArgs, PackedLayout, RecordLayout, RecvArgs, SendArgs, CTRL_BYTES,
+    NotifyArgs, PackedLayout, RecordLayout, RecvArgs, RecvPoolHeader, SendArgs, CTRL_BYTES,
 };
 
 use crate::part::{BufferPart, EpBufferOptions, PartBase, PhaseStamps};
+use crate::recv_pool::{self, RecvPool};
 
 /// Largest number of experts per rank (`E / R`) the host-mapped counts hold
 /// (one of the [`limits`](crate::limits)).
@@ -229,10 +231,22 @@ pub enum RecvPolicy {
     /// sends, and it waits for a persistent kernel beside it to end. Hence
     /// opt-in, for a GPU that does nothing else during the dispatch.
     Packed,
+    /// Direct: packed, with `recv_x` allocated from this rank's receive pool
+    /// ([`crate::recv_pool`], a region every peer maps), so the senders write
+    /// every row straight into the output and no copy of the rows follows.
+    /// Before its sends each rank publishes where its `recv_x` lies (one more
+    /// barrier: `publish_barrier`), so a normal dispatch sends only once its
+    /// outputs exist, after the host's wait for the counts. A `recv_x`
+    /// outside the pool (full pool, CUDA graph capture, the Rust front end)
+    /// receives as in `Packed`.
+    Direct,
 }
 
-/// Selects how an intranode dispatch receives: `kernels` (the default) or `packed`.
+/// Selects how an intranode dispatch receives: `kernels` (the default),
+/// `packed` or `direct`.
 pub const RECV_ENV: &str = "MOELINK_INTRANODE_RECV";
+/// Bytes of the direct dispatch's receive pool (default: the NVL buffer's).
+pub const RECV_POOL_ENV: &str = "MOELINK_INTRANODE_RECV_POOL_BYTES";
 
 impl RecvPolicy {
     pub fn from_env() -> Result<RecvPolicy> {
@@ -243,9 +257,10 @@ impl RecvPolicy {
         match v.map(str::trim) {
             None | Some("") | Some("kernels") => Ok(RecvPolicy::Kernels),
             Some("packed") => Ok(RecvPolicy::Packed),
+            Some("direct") => Ok(RecvPolicy::Direct),
             Some(v) => Err(CommError::invalid(
                 RECV_ENV,
-                format!("{v:?}: expected kernels or packed"),
+                format!("{v:?}: expected kernels, packed or direct"),
             )),
         }
     }
@@ -263,6 +278,31 @@ struct PendingSend {
     /// Packed (`dispatch_send_packed` filled these arrays): device copies
     /// receive.
     packed: Option<PackedLayout>,
+}
+
+/// The direct dispatch's receive pool and what kernels read of it.
+struct DirectPool {
+    pool: Arc<RecvPool>,
+    /// `[R]` u64: every rank's pool as mapped here.
+    table: DeviceMemory,
+    /// Dispatches whose recv_x lay in the pool, and those that copied it.
+    direct_calls: u64,
+    copied_calls: u64,
+}
+
+/// Usage of a direct dispatch's receive pool
+/// ([`IntranodeBuffer::recv_pool_stats`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RecvPoolStats {
+    /// This rank's pool: base address and length.
+    pub base: u64,
+    pub len: u64,
+    /// Bytes torch holds of it.
+    pub used: u64,
+    /// Dispatches whose `recv_x` lay in the pool (written by the senders
+    /// directly), and those whose `recv_x` did not (received by a copy).
+    pub direct_calls: u64,
+    pub copied_calls: u64,
 }
 
 /// Fused mode's streams: the receive half of a normal dispatch runs on `side`
@@ -363,6 +403,8 @@ pub struct IntranodeBuffer {
     fused: Option<RecvShares>,
     /// Whether a dispatch is packed (`MOELINK_INTRANODE_RECV`).
     recv_policy: RecvPolicy,
+    /// Direct: the receive pool.
+    direct: Option<DirectPool>,
     /// Fused mode's side stream and its orderings.
     side: Option<SideStream>,
     /// Fused mode: the send half of the dispatch whose receive half comes next.
@@ -397,6 +439,10 @@ impl IntranodeBuffer {
         scratch.fill(0)?;
         let host = HostMemory::pinned(device, HOST_BYTES)?;
         let prof = PhaseStamps::from_env(device, PROFILE_ENV, PROF_WORDS)?;
+        let direct = match recv_policy {
+            RecvPolicy::Direct => Some(direct_pool(&comm, nvl.len())?),
+            _ => None,
+        };
         // Everybody has mapped everybody's buffer before anyone launches.
         part.ready()?;
         Ok(Self {
@@ -415,6 +461,7 @@ impl IntranodeBuffer {
             },
             fused,
             recv_policy,
+            direct,
             pending: None,
             host,
             host_epoch: 0,
@@ -533,8 +580,11 @@ impl IntranodeBuffer {
         let cap = self.check_dispatch_fits(shape)?;
         let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, 0)?;
         let ctx = self.ctx(cap, 0);
-        // SAFETY: channels are live.
-        unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchBarrier) }?;
+        // Direct: the receive half's publish_barrier is this barrier.
+        if self.direct.is_none() {
+            // SAFETY: channels are live.
+            unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchBarrier) }?;
+        }
         self.combine_dirty = false;
         let shape = DispatchShape {
             num_topk: 0,
@@ -578,24 +628,29 @@ impl IntranodeBuffer {
             num_sms,
         };
         self.pending = None;
-        if self.recv_policy == RecvPolicy::Packed {
+        if self.recv_policy != RecvPolicy::Kernels {
             let packed = self.packed_layout(&ctx, &rec);
-            // SAFETY: as above; rank_prefix_matrix is notify's (written before
-            // this launch on the same stream) or the handle's.
-            unsafe {
-                k::dispatch_send_packed(
-                    self.part.kernels(),
-                    stream,
-                    ctx,
-                    send,
-                    packed,
-                    inp.rank_prefix_matrix,
-                )
-            }?;
+            // Direct: the send waits for the outputs (dispatch_recv).
+            let launch = self.direct.is_none();
+            if launch {
+                // SAFETY: as above; rank_prefix_matrix is notify's (written before
+                // this launch on the same stream) or the handle's.
+                unsafe {
+                    k::dispatch_send_packed(
+                        self.part.kernels(),
+                        stream,
+                        ctx,
+                        send,
+                        packed,
+                        inp.rank_prefix_matrix,
+                        0,
+                    )
+                }?;
+            }
             self.pending = Some(PendingSend {
                 send,
                 dispatch_slots: ctx.dispatch_slots as usize,
-                launched: true,
+                launched: launch,
                 packed: Some(packed),
             });
             return Ok(());
@@ -699,6 +754,9 @@ impl IntranodeBuffer {
                         "the receive half of a dispatch does not match its send half",
                     ));
                 }
+                if !pending.launched {
+                    self.direct_send(stream, ctx, &recv, pending.send, packed)?;
+                }
                 return self.packed_recv(stream, ctx, recv, packed);
             }
             let grid = self.fused_grid(num_sms, |s| s.dispatch).ok_or_else(|| {
@@ -764,6 +822,75 @@ impl IntranodeBuffer {
         Ok(())
     }
 
+    /// The send of a direct dispatch, once its outputs exist: publishes where
+    /// this rank's recv_x lies in its pool (or that it lies elsewhere) with a
+    /// barrier, then sends, every row straight into its destination's recv_x.
+    fn direct_send(
+        &mut self,
+        stream: StreamHandle,
+        ctx: IntranodeCtx,
+        recv: &RecvArgs,
+        send: SendArgs,
+        packed: PackedLayout,
+    ) -> Result<()> {
+        let kernels = self.part.kernels();
+        let d = self
+            .direct
+            .as_mut()
+            .ok_or_else(|| CommError::invalid("x", "a direct dispatch without its pool"))?;
+        let o = &recv.out;
+        let header = match direct_rows(&d.pool, o, recv.rec.hidden_bytes) {
+            Some(header) => {
+                d.direct_calls += 1;
+                header
+            }
+            None => {
+                d.copied_calls += 1;
+                RecvPoolHeader::ABSENT
+            }
+        };
+        let (base, _) = d.pool.range();
+        // SAFETY: channels are live; the header is this rank's pool; a header
+        // with rows names recv_x, which the caller allocated (and checked)
+        // before this launch.
+        unsafe { k::publish_barrier(kernels, stream, ctx, base, header) }?;
+        // SAFETY: as above; the table holds every rank's pool, mapped here.
+        unsafe {
+            k::dispatch_send_packed(
+                kernels,
+                stream,
+                ctx,
+                send,
+                packed,
+                recv.rank_prefix_matrix,
+                d.table.ptr(),
+            )
+        }
+    }
+
+    /// Usage of the direct dispatch's receive pool (`None` unless
+    /// `MOELINK_INTRANODE_RECV=direct`).
+    pub fn recv_pool_stats(&self) -> Option<RecvPoolStats> {
+        self.direct.as_ref().map(|d| {
+            let (base, len) = d.pool.range();
+            RecvPoolStats {
+                base,
+                len,
+                used: d.pool.used(),
+                direct_calls: d.direct_calls,
+                copied_calls: d.copied_calls,
+            }
+        })
+    }
+
+    /// `bytes` of the direct dispatch's receive pool for a `recv_x`, held
+    /// until the lease is dropped; `None` without a pool or when it cannot
+    /// serve them (that `recv_x` is then allocated elsewhere and received by
+    /// a copy).
+    pub fn recv_pool_lease(&self, bytes: u64) -> Option<recv_pool::Lease> {
+        self.direct.as_ref()?.pool.lease(bytes)
+    }
+
     /// The packed arrays of a dispatch of records `rec` in `ctx`'s dispatch region.
     fn packed_layout(&self, ctx: &IntranodeCtx, rec: &RecordLayout) -> PackedLayout {
         PackedLayout::new(
@@ -804,7 +931,14 @@ impl IntranodeBuffer {
         };
         let s = rec.num_scales as usize;
         let topk = rec.num_topk as usize;
-        copy(o.recv_x, packed.rows, rec.hidden_bytes as usize)?;
+        // Direct with recv_x in the pool: the senders wrote the rows there.
+        let rows_written = self
+            .direct
+            .as_ref()
+            .is_some_and(|d| direct_rows(&d.pool, &o, rec.hidden_bytes).is_some());
+        if !rows_written {
+            copy(o.recv_x, packed.rows, rec.hidden_bytes as usize)?;
+        }
         let scales_packed = o.scale_strides == (s as i64, 1);
         if scales_packed {
             copy(o.recv_scales, packed.scales, 4 * s)?;
@@ -900,6 +1034,60 @@ impl IntranodeBuffer {
     }
 }
 
+/// The pool header of a direct dispatch into `o` (rows of `hidden_bytes`):
+/// where recv_x lies in `pool`, or `None` when it lies elsewhere.
+fn direct_rows(pool: &RecvPool, o: &DispatchOutputs, hidden_bytes: i32) -> Option<RecvPoolHeader> {
+    let rows = o.num_rows.max(0) as u64;
+    if o.recv_x == 0 {
+        return None;
+    }
+    let offset = pool.offset_of(o.recv_x, rows * hidden_bytes as u64)?;
+    Some(RecvPoolHeader {
+        offset: offset as i64,
+        rows: rows as i64,
+    })
+}
+
+/// *Collective.* The direct dispatch's receive pool: `MOELINK_INTRANODE_RECV_POOL_BYTES`
+/// bytes (default `nvl_bytes`, the NVL buffer's size) on every rank, each
+/// mapped by every peer.
+fn direct_pool(comm: &comm::Communicator, nvl_bytes: u64) -> Result<DirectPool> {
+    let bytes = match comm::env::var(RECV_POOL_ENV) {
+        Some(v) => v
+            .trim()
+            .parse::<u64>()
+            .ok()
+            .filter(|&b| b > recv_pool::HEADER_BYTES)
+            .ok_or_else(|| {
+                CommError::invalid(
+                    RECV_POOL_ENV,
+                    format!(
+                        "{v:?}: expected a byte count above {}",
+                        recv_pool::HEADER_BYTES
+                    ),
+                )
+            })?,
+        None => nvl_bytes,
+    };
+    let device = comm
+        .device()
+        .ok_or_else(|| CommError::invalid("device", "a receive pool needs a device"))?;
+    let region = SymmetricRegion::new(comm, bytes as usize, recv_pool::HEADER_BYTES as usize)?;
+    if !region.all_mapped() {
+        return Err(CommError::invalid(
+            RECV_ENV,
+            "direct needs every peer's receive pool mapped (one node, peer access)",
+        ));
+    }
+    let table = comm::device_table(device, &region.bases())?;
+    Ok(DirectPool {
+        pool: RecvPool::new(region),
+        table,
+        direct_calls: 0,
+        copied_calls: 0,
+    })
+}
+
 /// Launches the layout kernel for `c` (`ticket`: a device u32 left 0 between
 /// kernels); `per_node`, when not 0, receives the tokens per node of
 /// `ranks_per_node` consecutive ranks.
@@ -982,10 +1170,14 @@ mod tests {
             RecvPolicy::parse(Some("packed")).unwrap(),
             RecvPolicy::Packed
         );
-        for v in ["1", "auto", "Packed", "copy"] {
+        assert_eq!(
+            RecvPolicy::parse(Some("direct")).unwrap(),
+            RecvPolicy::Direct
+        );
+        for v in ["1", "auto", "Packed", "copy", "Direct"] {
             let e = RecvPolicy::parse(Some(v)).unwrap_err().to_string();
             assert!(
-                e.contains(RECV_ENV) && e.contains("kernels or packed"),
+                e.contains(RECV_ENV) && e.contains("kernels, packed or direct"),
                 "{e}"
             );
         }

@@ -10,6 +10,7 @@
 //! | [`limits`] | every limit of the EP API in one place (from `ep_kernels::limits`), and their table as `moelink._native.limits()` exports it |
 //! | [`internode`] | the intranode part of an [`EpBuffer`] whose group spans nodes: one region (NVL slots plus cross-node staging), memory channels to this node's ranks, port channels (proxy threads) to the others, dispatch (send, forward, receive) and combine (send, in-node reduce, cross-node sum) launch sequences |
 //! | [`intranode`] | the intranode part of an [`EpBuffer`]: NVL buffer layout, memory channels to every peer, dispatch/combine launch sequences |
+//! | [`recv_pool`] | the direct dispatch's receive pool: a region every peer maps, leased out first fit as `recv_x` tensors (the pool lives while its Buffer or any of its tensors does) |
 //! | [`low_latency`] | the low-latency part of an [`EpBuffer`]: buffer mapped by every peer and its layout, optional proxy port channels, dispatch/combine launches |
 //!
 //! The CPU reference semantics of these calls (the test oracle) are the crate
@@ -23,6 +24,7 @@ pub mod intranode;
 pub mod limits;
 pub mod low_latency;
 pub mod part;
+pub mod recv_pool;
 
 pub use comm::{CommError as Error, Result};
 pub use ep_buffer::EpBuffer;

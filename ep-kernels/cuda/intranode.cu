@@ -143,6 +143,20 @@ __global__ void __launch_bounds__(kNotifyThreads) notify(const __grid_constant__
 // per peer, so no rank writes into a region a peer may still be reading.
 __global__ void barrier(Ctx c) { signal_and_wait_all(c); }
 
+// publish_barrier (direct dispatch, before dispatch_send_packed): where this
+// rank's recv_x lies in its receive pool (RecvPoolHeader), then a barrier as
+// above, whose signals carry the header to every peer.
+__global__ void publish_barrier(const __grid_constant__ PublishBarrierParams a) {
+  if (threadIdx.x == 0) {
+    uint64_t* h = reinterpret_cast<uint64_t*>(a.header);
+    comm::store_relaxed_sys(h, uint64_t(a.value.offset));
+    comm::store_relaxed_sys(h + 1, uint64_t(a.value.rows));
+    __threadfence_system();
+  }
+  __syncwarp();
+  signal_and_wait_all(a.c);
+}
+
 // wait_peers (separate kernels only, after dispatch_send or combine_send): one
 // wait per peer for its end-of-send signal.
 __global__ void wait_peers(Ctx c) {
@@ -202,7 +216,20 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_packed(const __grid_co
   const int lane = threadIdx.x % 32;
   const int R = c.num_ranks;
   const int my_prefix = lane < R && c.rank > 0 ? a.rank_prefix_matrix[(c.rank - 1) * R + lane] : 0;
-  const PackedDst dst{c, a.send.rec, a.packed, my_prefix};
+  // Direct: lane d reads d's pool header (published before this kernel's
+  // barrier, so a relaxed load sees this call's).
+  char* my_rows = nullptr;
+  int64_t my_recv_rows = -1;
+  if (a.pools != nullptr && lane < R) {
+    char* pool = reinterpret_cast<char*>(a.pools[lane]);
+    const uint64_t* h = reinterpret_cast<const uint64_t*>(pool);
+    const int64_t rows = int64_t(comm::load_relaxed_sys(h + 1));
+    if (pool != nullptr && rows >= 0) {
+      my_rows = pool + comm::load_relaxed_sys(h);
+      my_recv_rows = rows;
+    }
+  }
+  const PackedDst dst{c, a.send.rec, a.packed, my_prefix, my_rows, my_recv_rows};
   const auto [warp, nwarps] = grid_warps();
   for (int64_t t = warp; t < a.send.num_tokens; t += nwarps) write_token(a.send, t, lane, 0xffffffffu, dst);
   last_block_signals(c);

@@ -130,13 +130,39 @@ struct PackedLayout {
 };
 static_assert(sizeof(PackedLayout) == 48, "mirrored in Rust");
 
+// The direct dispatch (MOELINK_INTRANODE_RECV=direct) is the packed one with
+// recv_x itself in the receiver's receive pool: a region every peer maps,
+// from which the receiver's torch tensors are allocated. Before the senders
+// write, every receiver publishes where its recv_x lies in its pool (the pool's
+// first 16 bytes, `RecvPoolHeader`, written by publish_barrier); a sender
+// then writes each row straight into the destination's recv_x, so every
+// received byte is stored once. `rows` -1: this call's recv_x is elsewhere
+// (the pool was full, a CUDA graph captured it, or a front end allocated it
+// itself), and the rows go to the packed arrays as in the packed dispatch.
+struct RecvPoolHeader {
+  int64_t offset;  // recv_x's byte offset in the pool
+  int64_t rows;    // its rows, or -1
+};
+static_assert(sizeof(RecvPoolHeader) == 16, "mirrored in Rust");
+
 struct DispatchPackedParams {
   DispatchSendParams send;
   PackedLayout packed;
   const int* rank_prefix_matrix;  // [R, R]: a token's row on d is prefix + its slot
+  const uint64_t* pools;          // [R] every rank's receive pool here, or null (packed)
 };
-static_assert(sizeof(DispatchPackedParams) == 232, "mirrored in Rust");
+static_assert(sizeof(DispatchPackedParams) == 240, "mirrored in Rust");
 static_assert(offsetof(DispatchPackedParams, rank_prefix_matrix) == 224, "mirrored in Rust");
+static_assert(offsetof(DispatchPackedParams, pools) == 232, "mirrored in Rust");
+
+// publish_barrier (direct dispatch): this rank's receive pool header, then
+// one signal to and one wait for every peer.
+struct PublishBarrierParams {
+  Ctx c;
+  RecvPoolHeader* header;  // this rank's pool
+  RecvPoolHeader value;
+};
+static_assert(sizeof(PublishBarrierParams) == 104, "mirrored in Rust");
 
 // What the device copies leave to a kernel after a packed dispatch: padding
 // rows (num_worst_tokens), poisoned rows (a peer timed out) and scales into a
@@ -459,17 +485,24 @@ __device__ __forceinline__ int write_token(const DispatchSendParams& a, int64_t 
 // packed arrays, where lane d's `my_prefix` is the tokens d receives from the
 // ranks before this one. A row past the arrays (stale counts after a timeout)
 // is skipped (row null).
+// In a direct dispatch, lane d's `my_rows` / `my_recv_rows` are d's recv_x
+// (here) and its rows (-1: none; the rows go to the packed arrays).
 struct PackedDst {
   const Ctx& c;
   const RecordLayout& rec;
   const PackedLayout& L;
   int my_prefix;
+  char* my_rows;
+  int64_t my_recv_rows;
   __device__ __forceinline__ TokenDst operator()(int d, int64_t slot, int /*lane*/) const {
     const int64_t i = int64_t(__shfl_sync(0xffffffffu, my_prefix, d)) + slot;
-    if (i >= L.capacity) return {nullptr, nullptr, nullptr, nullptr, nullptr};
+    char* const direct = reinterpret_cast<char*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(my_rows), d));
+    const int64_t recv_rows = __shfl_sync(0xffffffffu, my_recv_rows, d);
+    if (i >= L.capacity || (direct != nullptr && i >= recv_rows))
+      return {nullptr, nullptr, nullptr, nullptr, nullptr};
     char* b = peer_base(c, d);
     const int K = rec.num_topk;
-    return {b + L.rows + i * rec.hidden_bytes,
+    return {direct != nullptr ? direct + i * rec.hidden_bytes : b + L.rows + i * rec.hidden_bytes,
             reinterpret_cast<float*>(b + L.scales) + i * rec.num_scales,
             reinterpret_cast<int64_t*>(b + L.idx) + i * K, reinterpret_cast<float*>(b + L.w) + i * K,
             reinterpret_cast<int*>(b + L.src) + i};

@@ -178,12 +178,38 @@ pub struct PackedLayout {
     pub capacity: i64,
 }
 
+/// `moelink::intranode::RecvPoolHeader`: where a direct dispatch's recv_x lies
+/// in its receiver's pool (the pool's first bytes; `rows` -1: not there).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(C)]
+pub struct RecvPoolHeader {
+    pub offset: i64,
+    pub rows: i64,
+}
+
+impl RecvPoolHeader {
+    /// This call's recv_x is not in the pool: the rows go to the packed arrays.
+    pub const ABSENT: RecvPoolHeader = RecvPoolHeader {
+        offset: 0,
+        rows: -1,
+    };
+}
+
 #[derive(Clone, Copy, Debug)]
 #[repr(C)]
 struct DispatchPackedParams {
     send: DispatchSendParams,
     packed: PackedLayout,
     rank_prefix_matrix: u64,
+    pools: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct PublishBarrierParams {
+    c: IntranodeCtx,
+    header: u64,
+    value: RecvPoolHeader,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -231,8 +257,11 @@ param_layout!(
         offsetof!(CombineFusedParams, num_send_blocks == 296),
         sizeof!(IntranodeCtx as Ctx == 80),
         sizeof!(PackedLayout == 48),
-        sizeof!(DispatchPackedParams == 232),
+        sizeof!(RecvPoolHeader == 16),
+        sizeof!(DispatchPackedParams == 240),
         offsetof!(DispatchPackedParams, rank_prefix_matrix == 224),
+        offsetof!(DispatchPackedParams, pools == 232),
+        sizeof!(PublishBarrierParams == 104),
         sizeof!(FinishRowsParams == 240),
         offsetof!(FinishRowsParams, copy_scales == 232),
     ]
@@ -511,8 +540,13 @@ pub unsafe fn dispatch_send(
 /// (`rank_prefix_matrix` `[R, R]` int32 on the device: notify's, or the
 /// handle's for a cached dispatch).
 ///
+/// `pools` (direct dispatch): a device array `[R]` of every rank's receive
+/// pool as mapped here, whose headers [`publish_barrier`] wrote; 0: packed.
+///
 /// # Safety
-/// As [`dispatch_send`]; `packed` lies in every rank's dispatch region.
+/// As [`dispatch_send`]; `packed` lies in every rank's dispatch region; a
+/// pool header that names rows names a range of its pool that the pool's
+/// owner holds for this call's recv_x.
 pub unsafe fn dispatch_send_packed(
     k: &DeviceKernels,
     stream: StreamHandle,
@@ -520,12 +554,14 @@ pub unsafe fn dispatch_send_packed(
     a: SendArgs,
     packed: PackedLayout,
     rank_prefix_matrix: u64,
+    pools: u64,
 ) -> Result<()> {
     let grid = data_grid(a.num_sms, a.num_tokens as i64);
     let p = DispatchPackedParams {
         send: send_params(ctx, &a)?,
         packed,
         rank_prefix_matrix,
+        pools,
     };
     // SAFETY: as above.
     unsafe {
@@ -538,6 +574,29 @@ pub unsafe fn dispatch_send_packed(
             p,
         )
     }
+}
+
+/// Launches `publish_barrier`: `value` into this rank's receive pool header
+/// (`header`, a device address), then one signal to and one wait for every
+/// peer (the barrier before a direct dispatch's sends).
+///
+/// # Safety
+/// The context's channels must be live; `header` is this rank's pool.
+pub unsafe fn publish_barrier(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    header: u64,
+    value: RecvPoolHeader,
+) -> Result<()> {
+    check_ctx(&ctx)?;
+    let p = PublishBarrierParams {
+        c: ctx,
+        header,
+        value,
+    };
+    // SAFETY: as above.
+    unsafe { k.launch_params(KernelId::PublishBarrier, (1, 1), 32, 0, stream, p) }
 }
 
 /// Launches `finish_rows` after the device copies moved a packed dispatch's

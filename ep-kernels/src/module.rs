@@ -22,6 +22,7 @@ comm::kernel_table! {
         LayoutCountTokens => "moelink::layout::count_tokens",
         IntranodeNotify => "moelink::intranode::notify",
         IntranodeBarrier => "moelink::intranode::barrier",
+        PublishBarrier => "moelink::intranode::publish_barrier",
         IntranodeWaitPeers => "moelink::intranode::wait_peers",
         DispatchSend => "moelink::intranode::dispatch_send",
         DispatchRecv => "moelink::intranode::dispatch_recv",
@@ -138,6 +139,7 @@ mod profiler_name_tests {
             | LayoutCountTokens
             | IntranodeNotify
             | IntranodeBarrier
+            | PublishBarrier
             | IntranodeWaitPeers
             | FinishRows
             | InternodeNotify
@@ -226,6 +228,25 @@ mod profiler_name_tests {
             "intranode cached dispatch, packed",
             &[
                 IntranodeBarrier,
+                DispatchSendPacked,
+                IntranodeWaitPeers,
+                FinishRows,
+            ],
+        ),
+        (
+            "intranode dispatch, direct",
+            &[
+                IntranodeNotify,
+                PublishBarrier,
+                DispatchSendPacked,
+                IntranodeWaitPeers,
+                FinishRows,
+            ],
+        ),
+        (
+            "intranode cached dispatch, direct",
+            &[
+                PublishBarrier,
                 DispatchSendPacked,
                 IntranodeWaitPeers,
                 FinishRows,

@@ -586,6 +586,31 @@ impl EpBuffer {
         py.detach(|| part.profile()).map_err(to_py)
     }
 
+    /// The direct dispatch's receive pool (`MOELINK_INTRANODE_RECV=direct`):
+    /// (base, length, bytes torch holds, dispatches written into recv_x
+    /// directly, dispatches that copied it), or None without one.
+    fn recv_pool_stats(&self) -> Option<(u64, u64, u64, u64, u64)> {
+        let s = self.inner.intranode()?.recv_pool_stats()?;
+        Some((s.base, s.len, s.used, s.direct_calls, s.copied_calls))
+    }
+
+    /// `nbytes` of the direct dispatch's receive pool as a DLPack capsule of
+    /// a 1-D uint8 CUDA tensor (the range returns to the pool when torch frees
+    /// the tensor), or None without a pool, for 0 bytes, or when the pool
+    /// cannot serve them.
+    fn recv_pool_tensor(&self, py: Python<'_>, nbytes: usize) -> PyResult<Option<Py<PyAny>>> {
+        let Some(b) = self.inner.intranode() else {
+            return Ok(None);
+        };
+        if nbytes == 0 {
+            return Ok(None);
+        }
+        let Some(lease) = b.recv_pool_lease(nbytes as u64) else {
+            return Ok(None);
+        };
+        crate::dlpack::bytes_capsule(py, lease, b.base().device().ordinal).map(Some)
+    }
+
     /// (triggers popped, [per peer: (triggers of its channel performed, copies
     /// in flight or None, ms since its latest trigger or None, longest ms an
     /// operation took to complete (0 where the transport cannot tell)) or None]) of

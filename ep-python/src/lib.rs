@@ -5,6 +5,7 @@
 mod allreduce;
 mod calls;
 mod diagnostics;
+mod dlpack;
 mod ep_buffer;
 mod error;
 mod group;
@@ -41,6 +42,13 @@ fn init_logging() {
 #[pyfunction]
 fn device_count() -> usize {
     comm::device_count()
+}
+
+/// Receive pools alive in this process (held by a Buffer, or by a
+/// `recv_x` of one).
+#[pyfunction]
+fn live_recv_pools() -> usize {
+    ep_core::recv_pool::live_pools()
 }
 
 /// (SMs of GPU `device`, the SM limit of this process's context there or
@@ -114,6 +122,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("CudaError", m.py().get_type::<CudaError>())?;
     m.add("TimeoutError", m.py().get_type::<TimeoutError>())?;
     m.add_function(wrap_pyfunction!(device_count, m)?)?;
+    m.add_function(wrap_pyfunction!(live_recv_pools, m)?)?;
     m.add_function(wrap_pyfunction!(compiled_archs, m)?)?;
     m.add_function(wrap_pyfunction!(local_sm_counts, m)?)?;
     m.add_function(wrap_pyfunction!(device_share_sms, m)?)?;

@@ -12,9 +12,11 @@ the layers. Differences from DeepEP are listed in ``docs/api-notes.md``.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
+import torch.utils.dlpack
 
 from . import _env, _native, _registry
 from ._buffer_common import PlanCache, _check_ids, _CudaMemory, at_rows, empty, output_specs
@@ -210,6 +212,8 @@ class Buffer(LowLatencyMixin):
     #: MOELINK_RANKS_PER_NODE's emulated ones): dispatch and combine then take the
     #: internode path; None within one node.
     nodes: tuple[int, int] | None = None
+    #: Whether ``recv_x`` comes from the receive pool (``MOELINK_INTRANODE_RECV=direct``).
+    _recv_pool = False
 
     def __init__(
         self,
@@ -288,6 +292,9 @@ class Buffer(LowLatencyMixin):
                 self._ll = ep
             if self._native is not None:
                 self.nodes = ep.nodes()
+                # Direct dispatch (MOELINK_INTRANODE_RECV=direct): recv_x comes
+                # from the receive pool that the peers write into.
+                self._recv_pool = ep.recv_pool_stats() is not None
         #: This Buffer's handle in the op registry (``torch.ops.moelink.ll_dispatch`` /
         #: ``ll_combine`` take it); it is dropped by ``destroy()`` and when the Buffer
         #: is collected.
@@ -439,6 +446,23 @@ class Buffer(LowLatencyMixin):
             self._comm_stream.wait_event(previous_event.event)
         else:
             self._order.after(self._comm_raw, compute)
+
+    def _recv_x(self, spec):
+        """A dispatch's ``recv_x``: from the receive pool where the Buffer has one
+        (``MOELINK_INTRANODE_RECV=direct``: the senders then write its rows
+        directly) and no CUDA graph is being captured; otherwise as every output."""
+        if not self._recv_pool or spec is None or torch.cuda.is_current_stream_capturing():
+            return empty(spec, self.device)
+        shape, strides, dtype, zeroed = spec
+        capsule = self._native.recv_pool_tensor(math.prod(shape) * dtype.itemsize)
+        if capsule is None:  # the pool is full (or recv_x is empty)
+            return empty(spec, self.device)
+        t = torch.utils.dlpack.from_dlpack(capsule).view(dtype).as_strided(shape, strides)
+        return t.zero_() if zeroed else t
+
+    def _outputs(self, specs):
+        """A normal dispatch's outputs (``recv_x`` first) as ``specs`` say."""
+        return [self._recv_x(specs[0]), *(empty(spec, self.device) for spec in specs[1:])]
 
     def _alloc_ctx(self, allocate_on_comm_stream):
         if allocate_on_comm_stream:
@@ -625,7 +649,7 @@ class Buffer(LowLatencyMixin):
             compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
             # Allocated before any kernel of the dispatch runs (see below).
             with self._alloc_ctx(allocate_on_comm_stream):
-                recv_x, recv_scales = empty(specs[2], dev), empty(specs[3], dev)
+                recv_x, recv_scales = self._recv_x(specs[2]), empty(specs[3], dev)
             self._enter_comm(compute, previous_event)
             stream = self._comm_raw
             native.dispatch_send(
@@ -685,7 +709,7 @@ class Buffer(LowLatencyMixin):
         with self._alloc_ctx(allocate_on_comm_stream):
             rpm, send_head = empty(specs[0], dev), empty(specs[1], dev)
             xt = self._x_tensors(n, hidden_bytes, num_scales, num_topk)
-            outs = [empty(spec, dev) for spec in specs[2:]] if num_worst_tokens > 0 else None
+            outs = self._outputs(specs[2:]) if num_worst_tokens > 0 else None
         self._enter_comm(compute, previous_event)
         stream = self._comm_raw
         epoch = native.dispatch_send(
@@ -717,7 +741,7 @@ class Buffer(LowLatencyMixin):
             rows, per_expert = native.wait_counts(epoch, num_experts)
             per_expert = list(per_expert)
             with self._alloc_ctx(allocate_on_comm_stream):
-                outs = [empty(at_rows(spec, rows), dev) for spec in specs[2:]]
+                outs = self._outputs([at_rows(spec, rows) for spec in specs[2:]])
         else:
             per_expert = []  # rows: num_worst_tokens, already in the specs
         recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, cpm, rcpm = outs
