@@ -354,6 +354,19 @@ def run(args) -> int:
                     r = b.time_ops(t, h, e, k, max(10, args.iters // 5), hooks=False)
                     sweep.append({"tokens": t, "hidden": h, **r})
         res["sweep"] = sweep
+        # --sms: the main workload again on fewer SMs (blocks of every launch,
+        # set on the native buffer; each count checked first).
+        by_sms = []
+        if args.sms and tr == "nvlink":
+            default = buf._ll.num_blocks
+            for n in args.sms:
+                buf._ll.set_num_blocks(n)
+                errs += [f"{n} SMs: {m}" for m in b.check(args.tokens, args.hidden, e, k)]
+                r = b.time_ops(args.tokens, args.hidden, e, k, args.iters, hooks=False)
+                r.update(b.graph_times(args.tokens, args.hidden, e, k))
+                by_sms.append({"sms": buf._ll.num_blocks, **r})
+            buf._ll.set_num_blocks(default)
+        res["by_sms"] = by_sms
         allres = [None] * size
         dist.all_gather_object(allres, {"res": res, "errors": errs})
         torch.cuda.synchronize()
@@ -364,6 +377,9 @@ def run(args) -> int:
                 "main": gather_max([a["res"]["main"] for a in allres]),
                 "sweep": [
                     gather_max([a["res"]["sweep"][i] for a in allres]) for i in range(len(sweep))
+                ],  # fmt: skip
+                "by_sms": [
+                    gather_max([a["res"]["by_sms"][i] for a in allres]) for i in range(len(by_sms))
                 ],  # fmt: skip
             }
             if "profile" in res:
@@ -454,6 +470,14 @@ def summary(data: dict) -> None:
             f"{tg[c]:14.1f}" if c in tg else f"{'':14s}" for c in cols))  # fmt: skip
     print(f"{'DeepEP V1':10s}" + "".join(
         f"{DEEPEP[c]:14.1f}" if c in DEEPEP else f"{'':14s}" for c in cols))  # fmt: skip
+    by_sms = data["transports"].get("nvlink", {}).get("by_sms", [])
+    if by_sms:
+        sc = ["dispatch", "combine", "both", "graph_dispatch", "graph_combine", "graph_both",
+              "eager_dispatch", "eager_combine"]  # fmt: skip
+        print("\nby SMs (blocks of every launch), nvlink:")
+        print(f"{'SMs':10s}" + "".join(f"{c:>14s}" for c in sc))
+        for r in by_sms:
+            print(f"{r['sms']:<10d}" + "".join(f"{r.get(c, float('nan')):14.1f}" for c in sc))
 
 
 def plot(data: dict, path: Path) -> None:
@@ -517,6 +541,13 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--sleep-cycles", type=int, default=100_000)
     p.add_argument("--no-sweep", dest="sweep", action="store_false")
+    p.add_argument(
+        "--sms",
+        type=int,
+        nargs="*",
+        default=[],
+        help="also time the main workload on each of these SM counts (NVLink only)",
+    )
     p.add_argument("--no-proxy", action="store_true")
     p.add_argument("--replot", type=Path)
     args = p.parse_args(argv)
