@@ -845,6 +845,15 @@ impl IntranodeBuffer {
                 header
             }
             None => {
+                if d.copied_calls == 0 {
+                    tracing::warn!(
+                        "rank {}: a direct dispatch's recv_x lies outside the receive pool \
+                         (the pool is full, a CUDA graph is being captured, or the caller \
+                         allocated it): it is received by a copy; {RECV_POOL_ENV} sizes the \
+                         pool (said once per Buffer)",
+                        self.part.rank()
+                    );
+                }
                 d.copied_calls += 1;
                 RecvPoolHeader::ABSENT
             }
