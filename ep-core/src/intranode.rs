@@ -170,6 +170,8 @@ pub(crate) fn notify_args(
         topk_idx: if shape.num_topk > 0 { inp.topk_idx } else { 0 },
         num_topk: shape.num_topk as i32,
         error,
+        pool_header: 0,
+        pool_value: RecvPoolHeader::ABSENT,
     })
 }
 
@@ -231,14 +233,16 @@ pub enum RecvPolicy {
     /// sends, and it waits for a persistent kernel beside it to end. Hence
     /// opt-in, for a GPU that does nothing else during the dispatch.
     Packed,
-    /// Direct: packed, with `recv_x` allocated from this rank's receive pool
+    /// Direct: packed, with `recv_x` a range of this rank's receive pool
     /// ([`crate::recv_pool`], a region every peer maps), so the senders write
     /// every row straight into the output and no copy of the rows follows.
-    /// Before its sends each rank publishes where its `recv_x` lies (one more
-    /// barrier: `publish_barrier`), so a normal dispatch sends only once its
-    /// outputs exist, after the host's wait for the counts. A `recv_x`
-    /// outside the pool (full pool, CUDA graph capture, the Rust front end)
-    /// receives as in `Packed`.
+    /// The front end reserves the range before the send
+    /// ([`IntranodeBuffer::recv_pool_reserve`]; as many rows as can come when
+    /// the count is not known yet), the send's barrier (notify's, or
+    /// `publish_barrier` for a cached dispatch) publishes it, and
+    /// [`IntranodeBuffer::recv_pool_take`] cuts it to the received rows. A
+    /// rank without a reserved range (full pool, CUDA graph capture, the Rust
+    /// front end) receives as in `Packed`.
     Direct,
 }
 
@@ -278,6 +282,9 @@ struct PendingSend {
     /// Packed (`dispatch_send_packed` filled these arrays): device copies
     /// receive.
     packed: Option<PackedLayout>,
+    /// Direct: the byte offset in this rank's receive pool where the senders
+    /// wrote the rows (the published header's), or `None` (the packed arrays).
+    rows_at: Option<u64>,
 }
 
 /// The direct dispatch's receive pool and what kernels read of it.
@@ -288,6 +295,9 @@ struct DirectPool {
     /// Dispatches whose recv_x lay in the pool, and those that copied it.
     direct_calls: u64,
     copied_calls: u64,
+    /// The range reserved for the next dispatch's recv_x
+    /// ([`IntranodeBuffer::recv_pool_reserve`]), published at its send.
+    reserved: Option<recv_pool::Lease>,
 }
 
 /// Usage of a direct dispatch's receive pool
@@ -559,12 +569,21 @@ impl IntranodeBuffer {
         let ctx = self.ctx(cap, 0);
         let epoch = self.host_epoch + 1;
         let err = self.part.error_ptr();
-        let notify = notify_args(shape, inp, epr, expert_alignment, &self.host, epoch, err)?;
+        let mut notify = notify_args(shape, inp, epr, expert_alignment, &self.host, epoch, err)?;
+        // Direct: notify's barrier publishes where this rank's recv_x will lie.
+        let rows_at = self
+            .publish_header(shape.hidden_bytes)
+            .map(|(base, value)| {
+                notify.pool_header = base;
+                notify.pool_value = value;
+                value.offset as u64
+            });
+        let rows_at = rows_at.filter(|_| notify.pool_value.rows >= 0);
         // SAFETY: the caller checked every tensor (crate::calls' plan).
         unsafe { k::dispatch_notify(self.part.kernels(), stream, ctx, notify) }?;
         self.host_epoch = epoch;
         self.combine_dirty = false;
-        self.launch_send(stream, ctx, rec, shape, inp, epr, num_sms, true)?;
+        self.launch_send(stream, ctx, rec, shape, inp, epr, num_sms, true, rows_at)?;
         Ok(epoch)
     }
 
@@ -580,8 +599,14 @@ impl IntranodeBuffer {
         let cap = self.check_dispatch_fits(shape)?;
         let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, 0)?;
         let ctx = self.ctx(cap, 0);
-        // Direct: the receive half's publish_barrier is this barrier.
-        if self.direct.is_none() {
+        // Direct: the barrier publishes where this rank's recv_x will lie.
+        let mut rows_at = None;
+        if let Some((base, value)) = self.publish_header(shape.hidden_bytes) {
+            // SAFETY: channels are live; `base` is this rank's pool, and a
+            // header with rows names a range reserved for this call's recv_x.
+            unsafe { k::publish_barrier(self.part.kernels(), stream, ctx, base, value) }?;
+            rows_at = (value.rows >= 0).then_some(value.offset as u64);
+        } else {
             // SAFETY: channels are live.
             unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchBarrier) }?;
         }
@@ -595,13 +620,15 @@ impl IntranodeBuffer {
             topk_weights: 0,
             ..*inp
         };
-        self.launch_send(stream, ctx, rec, &shape, &inp, 1, num_sms, false)
+        self.launch_send(stream, ctx, rec, &shape, &inp, 1, num_sms, false, rows_at)
     }
 
     /// Launches the send half. Fused mode: `early` (a normal dispatch: the
     /// host waits for the counts next) launches it alone, the side stream
     /// ordered after notify; else it is kept for
     /// [`dispatch_recv`](Self::dispatch_recv), which launches both halves.
+    /// Packed and direct: launched now (`rows_at`: where a direct dispatch's
+    /// rows go in this rank's pool, as published).
     #[allow(clippy::too_many_arguments)]
     fn launch_send(
         &mut self,
@@ -613,6 +640,7 @@ impl IntranodeBuffer {
         experts_per_rank: usize,
         num_sms: u32,
         early: bool,
+        rows_at: Option<u64>,
     ) -> Result<()> {
         let num_sms = self.sms(num_sms);
         let send = SendArgs {
@@ -630,28 +658,27 @@ impl IntranodeBuffer {
         self.pending = None;
         if self.recv_policy != RecvPolicy::Kernels {
             let packed = self.packed_layout(&ctx, &rec);
-            // Direct: the send waits for the outputs (dispatch_recv).
-            let launch = self.direct.is_none();
-            if launch {
-                // SAFETY: as above; rank_prefix_matrix is notify's (written before
-                // this launch on the same stream) or the handle's.
-                unsafe {
-                    k::dispatch_send_packed(
-                        self.part.kernels(),
-                        stream,
-                        ctx,
-                        send,
-                        packed,
-                        inp.rank_prefix_matrix,
-                        0,
-                    )
-                }?;
-            }
+            let pools = self.direct.as_ref().map_or(0, |d| d.table.ptr());
+            // SAFETY: as above; rank_prefix_matrix is notify's (written before
+            // this launch on the same stream) or the handle's; direct: every
+            // rank's pool header was published by the barrier before.
+            unsafe {
+                k::dispatch_send_packed(
+                    self.part.kernels(),
+                    stream,
+                    ctx,
+                    send,
+                    packed,
+                    inp.rank_prefix_matrix,
+                    pools,
+                )
+            }?;
             self.pending = Some(PendingSend {
                 send,
                 dispatch_slots: ctx.dispatch_slots as usize,
-                launched: launch,
+                launched: true,
                 packed: Some(packed),
+                rows_at,
             });
             return Ok(());
         }
@@ -681,6 +708,7 @@ impl IntranodeBuffer {
             dispatch_slots: ctx.dispatch_slots as usize,
             launched: early,
             packed: None,
+            rows_at: None,
         });
         Ok(())
     }
@@ -754,10 +782,7 @@ impl IntranodeBuffer {
                         "the receive half of a dispatch does not match its send half",
                     ));
                 }
-                if !pending.launched {
-                    self.direct_send(stream, ctx, &recv, pending.send, packed)?;
-                }
-                return self.packed_recv(stream, ctx, recv, packed);
+                return self.packed_recv(stream, ctx, recv, packed, pending.rows_at);
             }
             let grid = self.fused_grid(num_sms, |s| s.dispatch).ok_or_else(|| {
                 CommError::invalid(
@@ -822,59 +847,79 @@ impl IntranodeBuffer {
         Ok(())
     }
 
-    /// The send of a direct dispatch, once its outputs exist: publishes where
-    /// this rank's recv_x lies in its pool (or that it lies elsewhere) with a
-    /// barrier, then sends, every row straight into its destination's recv_x.
-    fn direct_send(
-        &mut self,
-        stream: StreamHandle,
-        ctx: IntranodeCtx,
-        recv: &RecvArgs,
-        send: SendArgs,
-        packed: PackedLayout,
-    ) -> Result<()> {
-        let kernels = self.part.kernels();
-        let d = self
-            .direct
-            .as_mut()
-            .ok_or_else(|| CommError::invalid("x", "a direct dispatch without its pool"))?;
-        let o = &recv.out;
-        let header = match direct_rows(&d.pool, o, recv.rec.hidden_bytes) {
-            Some(header) => {
+    /// Direct: this rank's pool (device address) and the header to publish
+    /// before this call's sends: the range reserved for its recv_x (taken from
+    /// the reservation, which the next `recv_pool_take` truncates), or
+    /// [`RecvPoolHeader::ABSENT`] when none was reserved. `None` otherwise.
+    fn publish_header(&mut self, hidden_bytes: usize) -> Option<(u64, RecvPoolHeader)> {
+        let rank = self.part.rank();
+        let d = self.direct.as_mut()?;
+        let (base, _) = d.pool.range();
+        let value = match d.reserved.as_ref() {
+            Some(lease) if hidden_bytes > 0 => {
                 d.direct_calls += 1;
-                header
+                RecvPoolHeader {
+                    offset: (lease.ptr() - base) as i64,
+                    rows: (lease.bytes() / hidden_bytes as u64) as i64,
+                }
             }
-            None => {
+            _ => {
                 if d.copied_calls == 0 {
                     tracing::warn!(
-                        "rank {}: a direct dispatch's recv_x lies outside the receive pool \
-                         (the pool is full, a CUDA graph is being captured, or the caller \
-                         allocated it): it is received by a copy; {RECV_POOL_ENV} sizes the \
-                         pool (said once per Buffer)",
-                        self.part.rank()
+                        "rank {rank}: a direct dispatch found no receive pool range reserved \
+                         for its recv_x (the pool is full, a CUDA graph is being captured, or \
+                         the caller allocates recv_x itself): it is received by a copy; \
+                         {RECV_POOL_ENV} sizes the pool (said once per Buffer)"
                     );
                 }
                 d.copied_calls += 1;
                 RecvPoolHeader::ABSENT
             }
         };
-        let (base, _) = d.pool.range();
-        // SAFETY: channels are live; the header is this rank's pool; a header
-        // with rows names recv_x, which the caller allocated (and checked)
-        // before this launch.
-        unsafe { k::publish_barrier(kernels, stream, ctx, base, header) }?;
-        // SAFETY: as above; the table holds every rank's pool, mapped here.
-        unsafe {
-            k::dispatch_send_packed(
-                kernels,
-                stream,
-                ctx,
-                send,
-                packed,
-                recv.rank_prefix_matrix,
-                d.table.ptr(),
-            )
+        Some((base, value))
+    }
+
+    /// The most rows a dispatch of records of this shape can receive here
+    /// (every source's slots).
+    pub fn max_recv_rows(
+        &self,
+        hidden_bytes: usize,
+        num_scales: usize,
+        num_topk: usize,
+    ) -> Result<usize> {
+        let shape = DispatchShape {
+            num_tokens: 0,
+            hidden_bytes,
+            num_scales,
+            num_topk,
+            num_experts: 0,
+        };
+        Ok(self.dispatch_capacity(&shape)? * self.part.num_ranks())
+    }
+
+    /// Direct: reserves `bytes` of the receive pool for the next dispatch's
+    /// recv_x (an earlier reservation not taken is returned first). `false`
+    /// without a pool or when it cannot hold them: that dispatch's recv_x is
+    /// then received by a copy.
+    pub fn recv_pool_reserve(&mut self, bytes: u64) -> bool {
+        let Some(d) = self.direct.as_mut() else {
+            return false;
+        };
+        d.reserved = None;
+        d.reserved = d.pool.lease(bytes.max(1));
+        d.reserved.is_some()
+    }
+
+    /// Direct: the reserved range, cut to its first `bytes` (the rest goes
+    /// back to the pool), for the dispatch's recv_x; `None` when nothing was
+    /// reserved or `bytes` is 0 or more than was reserved.
+    pub fn recv_pool_take(&mut self, bytes: u64) -> Option<recv_pool::Lease> {
+        let mut lease = self.direct.as_mut()?.reserved.take()?;
+        if bytes == 0 || bytes > lease.bytes() {
+            return None;
         }
+        lease.truncate(bytes);
+        Some(lease)
     }
 
     /// Usage of the direct dispatch's receive pool (`None` unless
@@ -921,6 +966,7 @@ impl IntranodeBuffer {
         ctx: IntranodeCtx,
         recv: RecvArgs,
         packed: PackedLayout,
+        rows_at: Option<u64>,
     ) -> Result<()> {
         let rec = recv.rec;
         // SAFETY: channels are live.
@@ -940,13 +986,19 @@ impl IntranodeBuffer {
         };
         let s = rec.num_scales as usize;
         let topk = rec.num_topk as usize;
-        // Direct with recv_x in the pool: the senders wrote the rows there.
-        let rows_written = self
-            .direct
-            .as_ref()
-            .is_some_and(|d| direct_rows(&d.pool, &o, rec.hidden_bytes).is_some());
-        if !rows_written {
-            copy(o.recv_x, packed.rows, rec.hidden_bytes as usize)?;
+        // Direct: the senders wrote the rows at `rows_at` in this rank's pool,
+        // which is recv_x itself unless recv_x was allocated elsewhere.
+        match (rows_at, self.direct.as_ref()) {
+            (Some(at), Some(d)) => {
+                let (pool, _) = d.pool.range();
+                if o.recv_x != pool + at && o.recv_x != 0 && rows > 0 {
+                    // SAFETY: as below; the published range holds `rows` rows.
+                    unsafe {
+                        stream.copy_async(o.recv_x, pool + at, rows * rec.hidden_bytes as usize)
+                    }?;
+                }
+            }
+            _ => copy(o.recv_x, packed.rows, rec.hidden_bytes as usize)?,
         }
         let scales_packed = o.scale_strides == (s as i64, 1);
         if scales_packed {
@@ -1043,20 +1095,6 @@ impl IntranodeBuffer {
     }
 }
 
-/// The pool header of a direct dispatch into `o` (rows of `hidden_bytes`):
-/// where recv_x lies in `pool`, or `None` when it lies elsewhere.
-fn direct_rows(pool: &RecvPool, o: &DispatchOutputs, hidden_bytes: i32) -> Option<RecvPoolHeader> {
-    let rows = o.num_rows.max(0) as u64;
-    if o.recv_x == 0 {
-        return None;
-    }
-    let offset = pool.offset_of(o.recv_x, rows * hidden_bytes as u64)?;
-    Some(RecvPoolHeader {
-        offset: offset as i64,
-        rows: rows as i64,
-    })
-}
-
 /// *Collective.* The direct dispatch's receive pool: `MOELINK_INTRANODE_RECV_POOL_BYTES`
 /// bytes (default `nvl_bytes`, the NVL buffer's size) on every rank, each
 /// mapped by every peer.
@@ -1094,6 +1132,7 @@ fn direct_pool(comm: &comm::Communicator, nvl_bytes: u64) -> Result<DirectPool> 
         table,
         direct_calls: 0,
         copied_calls: 0,
+        reserved: None,
     })
 }
 

@@ -182,6 +182,21 @@ impl Lease {
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
+
+    /// Keeps the first `bytes` (at most what the lease holds, at least 1) and
+    /// returns the rest of the range to the pool.
+    pub fn truncate(&mut self, bytes: u64) {
+        let bytes = bytes.clamp(1, self.bytes);
+        let (keep, had) = (
+            Ranges::rounded(bytes).unwrap_or(u64::MAX),
+            Ranges::rounded(self.bytes).unwrap_or(u64::MAX),
+        );
+        if keep < had {
+            let ok = lock(&self.pool.ranges).free(self.offset + keep, had - keep);
+            debug_assert!(ok, "the tail of a lease is its own");
+        }
+        self.bytes = bytes;
+    }
 }
 
 impl Drop for Lease {
@@ -220,6 +235,22 @@ mod tests {
         assert_eq!(r.used(), 0);
         // Coalesced back into one range: the whole pool fits again.
         assert_eq!(r.alloc(4096), Some(HEADER_BYTES));
+    }
+
+    #[test]
+    fn a_cut_range_returns_its_tail() {
+        let mut r = Ranges::new(HEADER_BYTES + 8192);
+        let a = r.alloc(4096).unwrap();
+        let b = r.alloc(1024).unwrap();
+        // What Lease::truncate does: the tail of `a` past 1000 bytes (rounded to 1024).
+        assert!(r.free(a + 1024, 3072));
+        assert_eq!(r.used(), 2048);
+        assert_eq!(r.alloc(3072), Some(a + 1024), "the tail is free again");
+        assert!(r.free(a + 1024, 3072));
+        assert!(r.free(a, 1000));
+        assert!(r.free(b, 1024));
+        assert_eq!(r.used(), 0);
+        assert_eq!(r.alloc(8192), Some(HEADER_BYTES));
     }
 
     #[test]

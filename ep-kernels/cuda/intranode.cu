@@ -103,12 +103,18 @@ __global__ void __launch_bounds__(kNotifyThreads) notify(const __grid_constant__
   }
   __syncthreads();
   const uint64_t half = parity_s * kCtrlHalfBytes;
-  // (2) Counts into every rank's control half, row `rank`.
+  // (2) Counts into every rank's control half, row `rank`; a direct
+  // dispatch's pool header into this rank's pool (the barrier publishes both).
   for (int i = threadIdx.x; i < R * row_len; i += blockDim.x) {
     const int d = i / row_len, j = i % row_len;
     const int v = j < R ? sent[j] : num_tokens_per_expert[d * experts_per_rank + (j - R)];
     int* row = reinterpret_cast<int*>(peer_base(c, d) + half) + rank * row_len;
     row[j] = v;
+  }
+  if (threadIdx.x == 0 && a.pool_header != nullptr) {
+    uint64_t* h = reinterpret_cast<uint64_t*>(a.pool_header);
+    comm::store_relaxed_sys(h, uint64_t(a.pool_value.offset));
+    comm::store_relaxed_sys(h + 1, uint64_t(a.pool_value.rows));
   }
   __threadfence_system();
   __syncthreads();
@@ -143,9 +149,9 @@ __global__ void __launch_bounds__(kNotifyThreads) notify(const __grid_constant__
 // per peer, so no rank writes into a region a peer may still be reading.
 __global__ void barrier(Ctx c) { signal_and_wait_all(c); }
 
-// publish_barrier (direct dispatch, before dispatch_send_packed): where this
-// rank's recv_x lies in its receive pool (RecvPoolHeader), then a barrier as
-// above, whose signals carry the header to every peer.
+// publish_barrier (cached direct dispatch, before dispatch_send_packed): where
+// this rank's recv_x lies in its receive pool (RecvPoolHeader), then a barrier
+// as above, whose signals carry the header to every peer.
 __global__ void publish_barrier(const __grid_constant__ PublishBarrierParams a) {
   if (threadIdx.x == 0) {
     uint64_t* h = reinterpret_cast<uint64_t*>(a.header);
@@ -216,8 +222,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_send_packed(const __grid_co
   const int lane = threadIdx.x % 32;
   const int R = c.num_ranks;
   const int my_prefix = lane < R && c.rank > 0 ? a.rank_prefix_matrix[(c.rank - 1) * R + lane] : 0;
-  // Direct: lane d reads d's pool header (published before this kernel's
-  // barrier, so a relaxed load sees this call's).
+  // Direct: lane d reads d's pool header (published by the barrier of notify
+  // or publish_barrier before this kernel, so a relaxed load sees this call's).
   char* my_rows = nullptr;
   int64_t my_recv_rows = -1;
   if (a.pools != nullptr && lane < R) {

@@ -57,6 +57,22 @@ struct RecordLayout {
 };
 static_assert(sizeof(RecordLayout) == 32, "mirrored in Rust");
 
+// The direct dispatch (MOELINK_INTRANODE_RECV=direct) is the packed one with
+// recv_x itself in the receiver's receive pool: a region every peer maps,
+// from which the receiver's recv_x is leased. Before the senders write, every
+// receiver publishes where the range reserved for its recv_x lies in its pool
+// (the pool's first 16 bytes, `RecvPoolHeader`, written before the barrier of
+// notify, or of publish_barrier for a cached dispatch); a sender then writes
+// each row straight into the destination's recv_x, so every received byte is
+// stored once. `rows` -1: no range was reserved (the pool was full, a CUDA
+// graph is being captured, or the front end allocates recv_x itself), and the
+// rows go to the packed arrays as in the packed dispatch.
+struct RecvPoolHeader {
+  int64_t offset;  // recv_x's byte offset in the pool
+  int64_t rows;    // its rows, or -1
+};
+static_assert(sizeof(RecvPoolHeader) == 16, "mirrored in Rust");
+
 // One argument block per data kernel (passed as `__grid_constant__`), mirrored
 // in Rust (ep_kernels::intranode::*Params); sizes and offsets asserted on both
 // sides with the same numbers.
@@ -75,8 +91,11 @@ struct NotifyParams {
   int experts_per_rank;
   int expert_alignment;
   int num_topk;
+  RecvPoolHeader* pool_header;           // direct dispatch: this rank's pool, or null
+  RecvPoolHeader pool_value;             // written there before the barrier
 };
-static_assert(sizeof(NotifyParams) == 168, "mirrored in Rust");
+static_assert(sizeof(NotifyParams) == 192, "mirrored in Rust");
+static_assert(offsetof(NotifyParams, pool_header) == 168, "mirrored in Rust");
 static_assert(offsetof(NotifyParams, epoch_value) == 128, "mirrored in Rust");
 static_assert(offsetof(NotifyParams, num_tokens) == 152, "mirrored in Rust");
 
@@ -130,20 +149,6 @@ struct PackedLayout {
 };
 static_assert(sizeof(PackedLayout) == 48, "mirrored in Rust");
 
-// The direct dispatch (MOELINK_INTRANODE_RECV=direct) is the packed one with
-// recv_x itself in the receiver's receive pool: a region every peer maps,
-// from which the receiver's torch tensors are allocated. Before the senders
-// write, every receiver publishes where its recv_x lies in its pool (the pool's
-// first 16 bytes, `RecvPoolHeader`, written by publish_barrier); a sender
-// then writes each row straight into the destination's recv_x, so every
-// received byte is stored once. `rows` -1: this call's recv_x is elsewhere
-// (the pool was full, a CUDA graph captured it, or a front end allocated it
-// itself), and the rows go to the packed arrays as in the packed dispatch.
-struct RecvPoolHeader {
-  int64_t offset;  // recv_x's byte offset in the pool
-  int64_t rows;    // its rows, or -1
-};
-static_assert(sizeof(RecvPoolHeader) == 16, "mirrored in Rust");
 
 struct DispatchPackedParams {
   DispatchSendParams send;

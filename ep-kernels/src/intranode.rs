@@ -82,6 +82,8 @@ struct NotifyParams {
     experts_per_rank: i32,
     expert_alignment: i32,
     num_topk: i32,
+    pool_header: u64,
+    pool_value: RecvPoolHeader,
 }
 
 /// `moelink::intranode::DispatchSendParams`.
@@ -236,7 +238,8 @@ struct CombineFusedParams {
 // The same numbers as the static_asserts in intranode.cuh (a CPU test reads them there).
 param_layout!(
     PARAM_LAYOUT = [
-        sizeof!(NotifyParams == 168),
+        sizeof!(NotifyParams == 192),
+        offsetof!(NotifyParams, pool_header == 168),
         offsetof!(NotifyParams, epoch_value == 128),
         offsetof!(NotifyParams, num_tokens == 152),
         sizeof!(DispatchSendParams == 176),
@@ -392,6 +395,10 @@ pub struct NotifyArgs {
     /// comm's `DeviceError` record (device address): the first id out of
     /// range, before `host_epoch` is written.
     pub error: u64,
+    /// Direct dispatch: this rank's receive pool (device address), into which
+    /// notify writes `pool_value` before its barrier; 0: none.
+    pub pool_header: u64,
+    pub pool_value: RecvPoolHeader,
 }
 
 /// Checks the experts of a notify: at least one per rank, with `num_ranks`
@@ -452,6 +459,8 @@ pub unsafe fn dispatch_notify(
         experts_per_rank: a.experts_per_rank,
         expert_alignment: a.expert_alignment,
         num_topk: a.num_topk,
+        pool_header: a.pool_header,
+        pool_value: a.pool_value,
     };
     // SAFETY: NotifyParams mirrors the kernel's block; pointers are the caller's contract.
     unsafe {

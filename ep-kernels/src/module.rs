@@ -237,7 +237,6 @@ mod profiler_name_tests {
             "intranode dispatch, direct",
             &[
                 IntranodeNotify,
-                PublishBarrier,
                 DispatchSendPacked,
                 IntranodeWaitPeers,
                 FinishRows,

@@ -594,6 +594,42 @@ impl EpBuffer {
         Some((s.base, s.len, s.used, s.direct_calls, s.copied_calls))
     }
 
+    /// Direct dispatch: reserves the receive pool range of the next
+    /// dispatch's recv_x, `rows` rows of `hidden_bytes` (None: as many as the
+    /// buffer can receive for records of this shape, for a dispatch whose
+    /// count comes later), published at its send; False without a pool or
+    /// when the pool cannot hold them (that recv_x is then received by a copy).
+    #[pyo3(signature = (hidden_bytes, num_scales, num_topk, rows=None))]
+    fn recv_pool_reserve(
+        &mut self,
+        hidden_bytes: usize,
+        num_scales: usize,
+        num_topk: usize,
+        rows: Option<usize>,
+    ) -> PyResult<bool> {
+        let b = self.intranode()?;
+        let rows = match rows {
+            Some(r) => r,
+            None => b
+                .max_recv_rows(hidden_bytes, num_scales, num_topk)
+                .map_err(to_py)?,
+        };
+        Ok(b.recv_pool_reserve((rows * hidden_bytes) as u64))
+    }
+
+    /// Direct dispatch: the range reserved by `recv_pool_reserve`, cut to
+    /// `nbytes`, as a DLPack capsule of a 1-D uint8 CUDA tensor (the range
+    /// returns to the pool when torch frees it); None when nothing was
+    /// reserved or `nbytes` is 0.
+    fn recv_pool_take(&mut self, py: Python<'_>, nbytes: u64) -> PyResult<Option<Py<PyAny>>> {
+        let b = self.intranode()?;
+        let device = b.base().device().ordinal;
+        match b.recv_pool_take(nbytes) {
+            Some(lease) => crate::dlpack::bytes_capsule(py, lease, device).map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// `nbytes` of the direct dispatch's receive pool as a DLPack capsule of
     /// a 1-D uint8 CUDA tensor (the range returns to the pool when torch frees
     /// the tensor), or None without a pool, for 0 bytes, or when the pool

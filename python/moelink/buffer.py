@@ -447,22 +447,27 @@ class Buffer(LowLatencyMixin):
         else:
             self._order.after(self._comm_raw, compute)
 
-    def _recv_x(self, spec):
-        """A dispatch's ``recv_x``: from the receive pool where the Buffer has one
-        (``MOELINK_INTRANODE_RECV=direct``: the senders then write its rows
-        directly) and no CUDA graph is being captured; otherwise as every output."""
-        if not self._recv_pool or spec is None or torch.cuda.is_current_stream_capturing():
-            return empty(spec, self.device)
-        shape, strides, dtype, zeroed = spec
-        capsule = self._native.recv_pool_tensor(math.prod(shape) * dtype.itemsize)
-        if capsule is None:  # the pool is full (or recv_x is empty)
-            return empty(spec, self.device)
-        t = torch.utils.dlpack.from_dlpack(capsule).view(dtype).as_strided(shape, strides)
-        return t.zero_() if zeroed else t
+    def _reserve_recv_x(self, hidden_bytes, num_scales, num_topk, rows=None) -> bool:
+        """Direct dispatch (``MOELINK_INTRANODE_RECV=direct``): reserves the receive
+        pool range of this dispatch's ``recv_x`` before its send publishes it (``rows``
+        None: as many as the buffer can receive; the count cuts it later). False
+        without a pool, while a CUDA graph is captured, or when the pool is full: the
+        rows then come by a copy into a ``recv_x`` allocated as every output."""
+        if not self._recv_pool or torch.cuda.is_current_stream_capturing():
+            return False
+        return self._native.recv_pool_reserve(hidden_bytes, num_scales, num_topk, rows)
 
-    def _outputs(self, specs):
-        """A normal dispatch's outputs (``recv_x`` first) as ``specs`` say."""
-        return [self._recv_x(specs[0]), *(empty(spec, self.device) for spec in specs[1:])]
+    def _recv_x(self, spec, reserved: bool):
+        """A dispatch's ``recv_x``: the reserved pool range (after the send, whose
+        senders write the rows straight into it; ``recv_x`` is never a zeroed
+        output), else a new tensor."""
+        if not reserved or spec is None:
+            return empty(spec, self.device)
+        shape, strides, dtype, _ = spec
+        capsule = self._native.recv_pool_take(math.prod(shape) * dtype.itemsize)
+        if capsule is None:  # no rows
+            return empty(spec, self.device)
+        return torch.utils.dlpack.from_dlpack(capsule).view(dtype).as_strided(shape, strides)
 
     def _alloc_ctx(self, allocate_on_comm_stream):
         if allocate_on_comm_stream:
@@ -647,9 +652,11 @@ class Buffer(LowLatencyMixin):
         if handle is not None:
             rpm, send_head = _entry(handle, "rank_prefix_matrix"), _entry(handle, "send_head")
             compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
+            reserved = self._reserve_recv_x(hidden_bytes, num_scales, 0, rows)
             # Allocated before any kernel of the dispatch runs (see below).
             with self._alloc_ctx(allocate_on_comm_stream):
-                recv_x, recv_scales = self._recv_x(specs[2]), empty(specs[3], dev)
+                recv_scales = empty(specs[3], dev)
+                recv_x = None if reserved else empty(specs[2], dev)
             self._enter_comm(compute, previous_event)
             stream = self._comm_raw
             native.dispatch_send(
@@ -673,6 +680,8 @@ class Buffer(LowLatencyMixin):
                 num_sms,
                 **self._x_handle(handle, send_head),
             )
+            if reserved:  # wraps the published range: no allocation, no kernel
+                recv_x = self._recv_x(specs[2], True)
             native.dispatch_recv(
                 stream,
                 n,
@@ -706,10 +715,17 @@ class Buffer(LowLatencyMixin):
         # after it (the proxy's copies too) until that kernel ends, which a
         # kernel waiting for that work never does (docs/design-internode.md). With
         # num_worst_tokens the rows are known now; else after notify.
+        worst = num_worst_tokens if num_worst_tokens > 0 else None
+        reserved = self.nodes is None and self._reserve_recv_x(
+            hidden_bytes, num_scales, num_topk, worst
+        )
         with self._alloc_ctx(allocate_on_comm_stream):
             rpm, send_head = empty(specs[0], dev), empty(specs[1], dev)
             xt = self._x_tensors(n, hidden_bytes, num_scales, num_topk)
-            outs = self._outputs(specs[2:]) if num_worst_tokens > 0 else None
+            outs = None
+            if num_worst_tokens > 0:
+                recv_x = None if reserved else empty(specs[2], dev)
+                outs = [recv_x, *(empty(spec, dev) for spec in specs[3:])]
         self._enter_comm(compute, previous_event)
         stream = self._comm_raw
         epoch = native.dispatch_send(
@@ -740,10 +756,15 @@ class Buffer(LowLatencyMixin):
             # right after notify, may still run, but it waits on nothing).
             rows, per_expert = native.wait_counts(epoch, num_experts)
             per_expert = list(per_expert)
+            specs = [at_rows(spec, rows) for spec in specs[2:]]
             with self._alloc_ctx(allocate_on_comm_stream):
-                outs = self._outputs([at_rows(spec, rows) for spec in specs[2:]])
+                recv_x = None if reserved else empty(specs[0], dev)
+                outs = [recv_x, *(empty(spec, dev) for spec in specs[1:])]
         else:
             per_expert = []  # rows: num_worst_tokens, already in the specs
+            specs = specs[2:]
+        if reserved:  # the published range, cut to the rows
+            outs[0] = self._recv_x(specs[0], True)
         recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, cpm, rcpm = outs
         native.dispatch_recv(
             stream,
