@@ -307,7 +307,7 @@ pub struct RecvPoolStats {
     /// This rank's pool: base address and length.
     pub base: u64,
     pub len: u64,
-    /// Bytes torch holds of it.
+    /// Bytes held by leases (live `recv_x` tensors and a reservation).
     pub used: u64,
     /// Dispatches whose `recv_x` lay in the pool (written by the senders
     /// directly), and those whose `recv_x` did not (received by a copy).

@@ -587,7 +587,7 @@ impl EpBuffer {
     }
 
     /// The direct dispatch's receive pool (`MOELINK_INTRANODE_RECV=direct`):
-    /// (base, length, bytes torch holds, dispatches written into recv_x
+    /// (base, length, bytes held by leases, dispatches written into recv_x
     /// directly, dispatches that copied it), or None without one.
     fn recv_pool_stats(&self) -> Option<(u64, u64, u64, u64, u64)> {
         let s = self.inner.intranode()?.recv_pool_stats()?;

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.dlpack
 
-from . import _env, _native, _registry
+from . import _buffer_common, _env, _native, _registry
 from ._buffer_common import PlanCache, _check_ids, _CudaMemory, at_rows, empty, output_specs
 from ._device_timeout import env_device_timeout_ns, env_host_timeout_s
 from ._group import native_group as _native_group
@@ -453,7 +453,13 @@ class Buffer(LowLatencyMixin):
         None: as many as the buffer can receive; the count cuts it later). False
         without a pool, while a CUDA graph is captured, or when the pool is full: the
         rows then come by a copy into a ``recv_x`` allocated as every output."""
-        if not self._recv_pool or torch.cuda.is_current_stream_capturing():
+        if not self._recv_pool:
+            return False
+        if _buffer_common._capturing():
+            # A range reserved by a call that failed before taking it must not
+            # be published by this one: the graph would write into it on every
+            # replay, long after the range went back to the pool.
+            self._native.recv_pool_take(0)
             return False
         return self._native.recv_pool_reserve(hidden_bytes, num_scales, num_topk, rows)
 
