@@ -626,7 +626,8 @@ def run_intranode(impl: Impl, rank: int, world: int, group, args) -> dict:
     if pool is not None:
         line = f"rank {rank} receive pool: {pool[3]} direct dispatches, {pool[4]} copied"
         notes.append(line)
-        print(line, flush=True)
+        sys.stdout.write(line + "\n")  # one write: ranks print at once
+        sys.stdout.flush()
     with stage(name, rank, "Buffer.destroy"):
         torch.cuda.synchronize()
         dist.barrier(group=group)
