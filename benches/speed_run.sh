@@ -6,8 +6,11 @@
 # PART (one or several, comma separated):
 #   intranode  peer_bench.py --only intranode (the same code, workload and byte
 #              formula for every library) for moelink (fused kernels, the default),
-#              moelink on the separate kernels (MOELINK_INTRANODE_FUSED=0), DeepEP V1
-#              and UCCL-EP; then peer_table.py. NCCL all_to_all_single is the baseline row.
+#              moelink on the separate kernels (MOELINK_INTRANODE_FUSED=0), moelink's
+#              direct dispatch (MOELINK_INTRANODE_RECV=direct, a pool that holds every
+#              recv_x the benchmark keeps), DeepEP V1 and UCCL-EP; then peer_table.py
+#              (the fused default against the peers). NCCL all_to_all_single is the
+#              baseline row.
 #   ll         peer_bench.py --only ll for moelink, moelink's base build (when
 #              .gpu/base/wheels holds one: the kernels before a change, measured in
 #              the same call), DeepEP V1 and UCCL-EP; then peer_table.py.
@@ -57,12 +60,15 @@ for part in ${PART//,/ }; do
   case "$part" in
     intranode)
       P="$OUT/intranode"
-      mkdir -p "$P/unfused"
+      mkdir -p "$P/unfused" "$P/direct"
       for impl in moelink deep_ep uccl; do
         step "intranode-$impl" 170 $RUN benches/peer_bench.py --impl "$impl" --only intranode --out "$P"
       done
       step intranode-moelink-unfused 120 env MOELINK_INTRANODE_FUSED=0 \
         $RUN benches/peer_bench.py --impl moelink --only intranode --out "$P/unfused"
+      step intranode-moelink-direct 120 env MOELINK_INTRANODE_RECV=direct \
+        MOELINK_INTRANODE_RECV_POOL_BYTES=$((8 << 30)) \
+        $RUN benches/peer_bench.py --impl moelink --only intranode --out "$P/direct"
       step intranode-table 60 python3 benches/peer_table.py "$P"
       ;;
     ll)
