@@ -149,7 +149,6 @@ struct PackedLayout {
 };
 static_assert(sizeof(PackedLayout) == 48, "mirrored in Rust");
 
-
 struct DispatchPackedParams {
   DispatchSendParams send;
   PackedLayout packed;
