@@ -125,10 +125,6 @@ impl RecvPool {
         })
     }
 
-    pub fn region(&self) -> &SymmetricRegion {
-        &self.region
-    }
-
     /// This rank's pool: base address and length.
     pub fn range(&self) -> (u64, u64) {
         (self.region.ptr(), self.region.len())

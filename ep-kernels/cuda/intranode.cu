@@ -111,11 +111,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify(const __grid_constant__
     int* row = reinterpret_cast<int*>(peer_base(c, d) + half) + rank * row_len;
     row[j] = v;
   }
-  if (threadIdx.x == 0 && a.pool_header != nullptr) {
-    uint64_t* h = reinterpret_cast<uint64_t*>(a.pool_header);
-    comm::store_relaxed_sys(h, uint64_t(a.pool_value.offset));
-    comm::store_relaxed_sys(h + 1, uint64_t(a.pool_value.rows));
-  }
+  if (threadIdx.x == 0 && a.pool_header != nullptr) store_pool_header(a.pool_header, a.pool_value);
   __threadfence_system();
   __syncthreads();
   // (3) Barrier with every peer.
@@ -154,9 +150,7 @@ __global__ void barrier(Ctx c) { signal_and_wait_all(c); }
 // as above, whose signals carry the header to every peer.
 __global__ void publish_barrier(const __grid_constant__ PublishBarrierParams a) {
   if (threadIdx.x == 0) {
-    uint64_t* h = reinterpret_cast<uint64_t*>(a.header);
-    comm::store_relaxed_sys(h, uint64_t(a.value.offset));
-    comm::store_relaxed_sys(h + 1, uint64_t(a.value.rows));
+    store_pool_header(a.header, a.value);
     __threadfence_system();
   }
   __syncwarp();

@@ -73,6 +73,13 @@ struct RecvPoolHeader {
 };
 static_assert(sizeof(RecvPoolHeader) == 16, "mirrored in Rust");
 
+// Writes a pool header (one thread, before the fence and barrier that publish it).
+__device__ __forceinline__ void store_pool_header(RecvPoolHeader* header, const RecvPoolHeader& v) {
+  uint64_t* h = reinterpret_cast<uint64_t*>(header);
+  comm::store_relaxed_sys(h, uint64_t(v.offset));
+  comm::store_relaxed_sys(h + 1, uint64_t(v.rows));
+}
+
 // One argument block per data kernel (passed as `__grid_constant__`), mirrored
 // in Rust (ep_kernels::intranode::*Params); sizes and offsets asserted on both
 // sides with the same numbers.

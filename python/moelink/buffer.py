@@ -463,12 +463,10 @@ class Buffer(LowLatencyMixin):
             return False
         return self._native.recv_pool_reserve(hidden_bytes, num_scales, num_topk, rows)
 
-    def _recv_x(self, spec, reserved: bool):
-        """A dispatch's ``recv_x``: the reserved pool range (after the send, whose
+    def _take_recv_x(self, spec):
+        """A dispatch's ``recv_x`` from its reserved pool range (after the send, whose
         senders write the rows straight into it; ``recv_x`` is never a zeroed
-        output), else a new tensor."""
-        if not reserved or spec is None:
-            return empty(spec, self.device)
+        output), or a new tensor when there are no rows."""
         shape, strides, dtype, _ = spec
         capsule = self._native.recv_pool_take(math.prod(shape) * dtype.itemsize)
         if capsule is None:  # no rows
@@ -687,7 +685,7 @@ class Buffer(LowLatencyMixin):
                 **self._x_handle(handle, send_head),
             )
             if reserved:  # wraps the published range: no allocation, no kernel
-                recv_x = self._recv_x(specs[2], True)
+                recv_x = self._take_recv_x(specs[2])
             native.dispatch_recv(
                 stream,
                 n,
@@ -770,7 +768,7 @@ class Buffer(LowLatencyMixin):
             per_expert = []  # rows: num_worst_tokens, already in the specs
             specs = specs[2:]
         if reserved:  # the published range, cut to the rows
-            outs[0] = self._recv_x(specs[0], True)
+            outs[0] = self._take_recv_x(specs[0])
         recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, cpm, rcpm = outs
         native.dispatch_recv(
             stream,
