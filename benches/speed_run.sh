@@ -6,10 +6,9 @@
 # PART (one or several, comma separated):
 #   intranode  peer_bench.py --only intranode (the same code, workload and byte
 #              formula for every library) for moelink (fused kernels, the default),
-#              moelink on the separate kernels (MOELINK_INTRANODE_FUSED=0), moelink's
-#              direct dispatch (MOELINK_INTRANODE_RECV=direct, a pool that holds every
-#              recv_x the benchmark keeps), DeepEP V1 and UCCL-EP; then peer_table.py
-#              (the fused default against the peers). NCCL all_to_all_single is the
+#              moelink's direct dispatch (MOELINK_INTRANODE_RECV=direct, a pool that
+#              holds every recv_x the benchmark keeps), DeepEP V1 and UCCL-EP; then
+#              peer_table.py (the fused default against the peers). NCCL all_to_all_single is the
 #              baseline row.
 #   ll         peer_bench.py --only ll for moelink, moelink's base build (when
 #              .gpu/base/wheels holds one: the kernels before a change, measured in
@@ -20,8 +19,8 @@
 #              NVLink-side and RDMA-side GB/s (DeepEP's byte formulas) and the bytes
 #              that cross nodes, NCCL all_to_all_single beside it.
 #   detail     ll_bench with phase stamps (MOELINK_LL_PROFILE=1) and
-#              intranode_profile (per-kernel GPU times, fused and separate kernels;
-#              the fused kernels' phase stamps, MOELINK_INTRANODE_PROFILE=1).
+#              intranode_profile (per-kernel GPU times and the fused kernels' phase
+#              stamps, MOELINK_INTRANODE_PROFILE=1).
 # Needs: the moelink wheel installed (scripts/gpu_run.sh does it, or PYTHONPATH),
 # and for `peers` the peers' builds in .peers/ (benches/README.md says what they are;
 # they are not part of the repository). Every step runs under `timeout`; its log goes
@@ -60,12 +59,10 @@ for part in ${PART//,/ }; do
   case "$part" in
     intranode)
       P="$OUT/intranode"
-      mkdir -p "$P/unfused" "$P/direct"
+      mkdir -p "$P/direct"
       for impl in moelink deep_ep uccl; do
         step "intranode-$impl" 170 $RUN benches/peer_bench.py --impl "$impl" --only intranode --out "$P"
       done
-      step intranode-moelink-unfused 120 env MOELINK_INTRANODE_FUSED=0 \
-        $RUN benches/peer_bench.py --impl moelink --only intranode --out "$P/unfused"
       step intranode-moelink-direct 120 env MOELINK_INTRANODE_RECV=direct \
         MOELINK_INTRANODE_RECV_POOL_BYTES=$((8 << 30)) \
         $RUN benches/peer_bench.py --impl moelink --only intranode --out "$P/direct"
@@ -94,11 +91,9 @@ for part in ${PART//,/ }; do
       mkdir -p "$OUT/llstamps"
       step ll_bench 200 env MOELINK_LL_PROFILE=1 MOELINK_CHECK_IDS=0 \
         $RUN benches/ll_bench.py --no-sweep --out "$OUT/llstamps"
-      # The fused run with phase stamps (MOELINK_INTRANODE_PROFILE=1).
-      for f in 1 0; do
-        step "intranode_profile-fused$f" 120 env MOELINK_INTRANODE_FUSED=$f \
-          MOELINK_INTRANODE_PROFILE=$f $RUN benches/intranode_profile.py --sms 24 48
-      done
+      # With phase stamps (MOELINK_INTRANODE_PROFILE=1).
+      step intranode_profile 120 env MOELINK_INTRANODE_PROFILE=1 \
+        $RUN benches/intranode_profile.py --sms 24 48
       ;;
     internode)
       # Emulated nodes of consecutive ranks on this host (2 x 2 on 4 GPUs): the

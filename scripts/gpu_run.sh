@@ -13,8 +13,7 @@
 # GPU_RUN_EXTRA is a command run last (benchmarks), its output logged as extra.log.
 # GPU_RUN_INTERNODE="4:2 8:4 ..." adds the internode splits (RANKS:RANKS_PER_NODE).
 # GPU_RUN_TIMESLICE=1 adds comm, intranode, low-latency and allreduce at 2 ranks
-# without MPS (steps timeslice-*-2). GPU_RUN_UNFUSED=1 adds the intranode suite on
-# the separate (unfused) send / receive kernels (steps intranode-unfused-N).
+# without MPS (steps timeslice-*-2).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOG=${1:-${OUT:-./gpu-logs}}
@@ -91,10 +90,6 @@ done
 for n in $RANKS; do
   run "peer_write-$n" 120 $LAUNCH -n "$n" --timeout 110 tests/multi_gpu/peer_write_worker.py
   run "intranode-$n" 400 $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
-  # GPU_RUN_UNFUSED=1: the intranode suite again on the separate send / receive
-  # kernels (MOELINK_INTRANODE_FUSED=0; the fused ones are the default).
-  [ -n "${GPU_RUN_UNFUSED:-}" ] && run "intranode-unfused-$n" 400 env MOELINK_INTRANODE_FUSED=0 \
-    $LAUNCH -n "$n" --timeout 380 tests/multi_gpu/intranode_worker.py
   # The intranode suite again on the packed dispatch (MOELINK_INTRANODE_RECV=packed)
   # and on the direct one (recv_x in the receive pool the peers write into).
   run "intranode-packed-$n" 400 env MOELINK_INTRANODE_RECV=packed \

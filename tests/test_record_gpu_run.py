@@ -47,7 +47,7 @@ def _steps_tgz(path: Path, logs: dict[str, str]) -> None:
 def _gpu_run_out(tmp_path: Path) -> Path:
     """An output folder as scripts/gpu_run.sh plus a benchmark leave it."""
     out = tmp_path / "out"
-    (out / "intranode" / "unfused").mkdir(parents=True)
+    (out / "intranode" / "direct").mkdir(parents=True)
     (out / "machine.txt").write_text(MACHINE_TXT)
     (out / "summary.json").write_text(
         json.dumps(
@@ -56,7 +56,7 @@ def _gpu_run_out(tmp_path: Path) -> Path:
     )
     _steps_tgz(out / "steps.tgz", {"intranode-4.log": "PASS layout\n", "extra.log": "oops\n"})
     (out / "intranode" / "peer_moelink.json").write_text('{"impl": "moelink"}')
-    (out / "intranode" / "unfused" / "peer_moelink.json").write_text('{"impl": "moelink"}')
+    (out / "intranode" / "direct" / "peer_moelink.json").write_text('{"impl": "moelink"}')
     (out / "intranode" / "peer_table.png").write_bytes(b"\x89PNG fake")
     (out / "intranode" / "table.txt").write_text("table\n")
     (out / "probe.sh").write_text("echo one-off\n")
@@ -70,9 +70,9 @@ def test_record_holds_note_json_png_and_one_archive(tmp_path):
     assert dst.name == "2026-11-27_h200x4_speed-intranode"
     assert sorted(p.name for p in dst.iterdir()) == [
         "NOTE.md",
+        "intranode-direct-peer_moelink.json",
         "intranode-peer_moelink.json",
         "intranode-peer_table.png",
-        "intranode-unfused-peer_moelink.json",
         "logs.tar.gz",
         "run.json",
     ]

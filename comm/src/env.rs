@@ -155,12 +155,6 @@ pub static SWITCHES: &[Switch] = &[
         "Records per internode port-channel put, 1 to 32.",
     ),
     s(
-        "MOELINK_INTRANODE_FUSED",
-        Experiment,
-        "1",
-        "`0`: separate intranode send and receive kernels instead of the fused ones.",
-    ),
-    s(
         "MOELINK_INTRANODE_PROFILE",
         Diagnostic,
         "0",

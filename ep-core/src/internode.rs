@@ -35,9 +35,9 @@ use ep_kernels::intranode::{
 };
 
 use crate::intranode::{
-    experts_per_rank, fused_mode_from_env, notify_args, CombineArgs, DispatchInputs,
-    DispatchOutputs, DispatchShape, HostCounts, LayoutCall, COMBINE_CALLS_OFFSET,
-    DISPATCH_RECV_CALLS_OFFSET, DISPATCH_SEND_CALLS_OFFSET, HOST_BYTES, RECV_TICKET_OFFSET,
+    experts_per_rank, notify_args, CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape,
+    HostCounts, LayoutCall, COMBINE_CALLS_OFFSET, DISPATCH_RECV_CALLS_OFFSET,
+    DISPATCH_SEND_CALLS_OFFSET, HOST_BYTES, RECV_TICKET_OFFSET,
 };
 use crate::part::{BufferPart, EpBufferOptions, PartBase};
 
@@ -304,12 +304,6 @@ impl InternodeBuffer {
         region: SymmetricRegion,
         opts: &EpBufferOptions,
     ) -> Result<Self> {
-        if fused_mode_from_env()?.is_none() {
-            return Err(CommError::invalid(
-                "MOELINK_INTRANODE_FUSED",
-                "0 (separate intranode kernels) cannot serve a group that spans nodes",
-            ));
-        }
         let comm = part.comm().clone();
         let topo = comm.topology().clone();
         let ranks_per_node = topo.uniform_ranks_per_node().ok_or_else(|| {

@@ -17,17 +17,20 @@
 //! notify or barrier in between, first run a barrier kernel. Which one is needed is tracked on the
 //! host: every rank makes the same sequence of calls.
 //!
-//! Fused mode (the default; `MOELINK_INTRANODE_FUSED=0` turns it off, and every
-//! rank must make the same choice): the send and the receive half of a
-//! dispatch (a combine) run at the same time on disjoint blocks, the receivers
-//! copying (reducing) each record once its flag shows the call, so the local
-//! pass overlaps the NVLink transfer. A normal dispatch launches the send half
-//! right after notify (it overlaps the host's wait for the counts, as before)
-//! and [`IntranodeBuffer::dispatch_recv`] the receive half on the Buffer's side
-//! stream, which waits for notify only and which the caller's stream then waits
-//! for. A cached dispatch keeps the send's arguments and launches both halves
-//! as one kernel; so does a combine. Half of the blocks receive
-//! ([`DEFAULT_SHARES`], the best split measured).
+//! Fused kernels (the default; a packed or direct dispatch, [`RecvPolicy`],
+//! sends otherwise, and its combine is fused too): the send and the receive
+//! half of a dispatch (a combine) run at the same time on disjoint blocks, the
+//! receivers copying (reducing) each record once its flag shows the call, so
+//! the local pass overlaps the NVLink transfer. A normal dispatch launches the
+//! send half right after notify (it overlaps the host's wait for the counts, as
+//! before) and [`IntranodeBuffer::dispatch_recv`] the receive half on the
+//! Buffer's side stream, which waits for notify only and which the caller's
+//! stream then waits for. A cached dispatch keeps the send's arguments and
+//! launches both halves as one kernel; so does a combine. Half of the blocks
+//! receive ([`DEFAULT_SHARES`], the best split measured). A fused kernel needs a
+//! sender and a receiver block at once, so a call on one SM (a rank whose share
+//! of its GPU is one SM) runs the separate send, wait and receive kernels
+//! instead.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -67,8 +70,6 @@ pub(crate) const RECV_TICKET_OFFSET: u64 = 40;
 pub(crate) const SEND_WORK_OFFSET: u64 = 44;
 const _: () = assert!(SEND_WORK_OFFSET == 4 * 11);
 pub(crate) const SCRATCH_BYTES: usize = 48;
-/// Turns the fused kernels off (`0`) or on (`1`, the default).
-pub const FUSED_ENV: &str = "MOELINK_INTRANODE_FUSED";
 
 /// Experts per rank of `num_experts` split evenly over `num_ranks` ranks
 /// (at most [`MAX_EXPERTS_PER_RANK`]).
@@ -193,33 +194,24 @@ pub const DEFAULT_SHARES: RecvShares = RecvShares {
     combine: 50,
 };
 
+/// The fused kernels' grid for `num_sms` (already capped) with the phase's
+/// receiver share of [`DEFAULT_SHARES`], or `None` below 2 SMs, where the
+/// separate send, wait and receive kernels run.
+fn fused_grid(num_sms: u32, share: impl Fn(&RecvShares) -> u32) -> Option<FusedGrid> {
+    FusedGrid::new(num_sms, share(&DEFAULT_SHARES))
+}
+
 /// `MOELINK_INTRANODE_PROFILE=1`: the fused kernels record phase stamps
 /// ([`IntranodeBuffer::profile`]).
 pub const PROFILE_ENV: &str = "MOELINK_INTRANODE_PROFILE";
 const PROF_WORDS: usize = k::PROF_KINDS * k::PROF_BLOCKS * k::PROF_SLOTS;
 
-/// The fused mode from the environment: `None` (separate send and receive
-/// kernels) or the receiver shares.
-pub fn fused_mode_from_env() -> Result<Option<RecvShares>> {
-    parse_fused_mode(comm::env::var(FUSED_ENV).as_deref())
-}
-
-fn parse_fused_mode(fused: Option<&str>) -> Result<Option<RecvShares>> {
-    match fused.map(str::trim) {
-        None | Some("") | Some("1") => Ok(Some(DEFAULT_SHARES)),
-        Some("0") => Ok(None),
-        Some(v) => Err(CommError::invalid(
-            FUSED_ENV,
-            format!("{v:?}: expected 0 or 1"),
-        )),
-    }
-}
-
 /// How a dispatch receives (`MOELINK_INTRANODE_RECV`, read at Buffer
 /// creation; every rank must make the same choice).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RecvPolicy {
-    /// The receive kernels (fused beside the send, or separate): the default.
+    /// The receive kernels (fused beside the send; separate on one SM): the
+    /// default.
     Kernels,
     /// Packed: every SM of the call sends, each copy of a token straight to
     /// its received row on the destination, and one contiguous device copy
@@ -270,7 +262,7 @@ impl RecvPolicy {
     }
 }
 
-/// A dispatch whose receive half comes next (fused mode, or packed).
+/// A dispatch whose receive half comes next (fused kernels, or packed).
 #[derive(Clone, Copy, Debug)]
 struct PendingSend {
     send: SendArgs,
@@ -315,8 +307,8 @@ pub struct RecvPoolStats {
     pub copied_calls: u64,
 }
 
-/// Fused mode's streams: the receive half of a normal dispatch runs on `side`
-/// while the send half still runs on the caller's stream.
+/// The fused dispatch's streams: the receive half of a normal dispatch runs
+/// on `side` while the send half still runs on the caller's stream.
 struct SideStream {
     side: OwnedStream,
     /// `side` after notify; the caller's stream after the receive half.
@@ -409,15 +401,14 @@ pub struct IntranodeBuffer {
     /// receive / combine calls (u64), `[40..44)`: ticket of receive-only launches,
     /// `[44..48)`: the fused senders' unit counter (u32, 0 between kernels).
     scratch: DeviceMemory,
-    /// `Some(receiver shares)`: fused kernels.
-    fused: Option<RecvShares>,
     /// Whether a dispatch is packed (`MOELINK_INTRANODE_RECV`).
     recv_policy: RecvPolicy,
     /// Direct: the receive pool.
     direct: Option<DirectPool>,
-    /// Fused mode's side stream and its orderings.
-    side: Option<SideStream>,
-    /// Fused mode: the send half of the dispatch whose receive half comes next.
+    /// The fused dispatch's side stream and its orderings.
+    side: SideStream,
+    /// The send half of the dispatch whose receive half comes next (fused
+    /// kernels, or packed).
     pending: Option<PendingSend>,
     host: HostMemory,
     host_epoch: u64,
@@ -439,7 +430,6 @@ impl IntranodeBuffer {
         nvl: SymmetricRegion,
         opts: &EpBufferOptions,
     ) -> Result<Self> {
-        let fused = fused_mode_from_env()?;
         let recv_policy = RecvPolicy::from_env()?;
         let device = part.device();
         let comm = part.comm().clone();
@@ -461,15 +451,11 @@ impl IntranodeBuffer {
             _channels: channels,
             channel_table,
             scratch,
-            side: match fused {
-                Some(_) => Some(SideStream {
-                    side: OwnedStream::new(device)?,
-                    after_notify: StreamOrder::new(device)?,
-                    after_recv: StreamOrder::new(device)?,
-                }),
-                None => None,
+            side: SideStream {
+                side: OwnedStream::new(device)?,
+                after_notify: StreamOrder::new(device)?,
+                after_recv: StreamOrder::new(device)?,
             },
-            fused,
             recv_policy,
             direct,
             pending: None,
@@ -623,12 +609,13 @@ impl IntranodeBuffer {
         self.launch_send(stream, ctx, rec, &shape, &inp, 1, num_sms, false, rows_at)
     }
 
-    /// Launches the send half. Fused mode: `early` (a normal dispatch: the
+    /// Launches the send half. Fused kernels: `early` (a normal dispatch: the
     /// host waits for the counts next) launches it alone, the side stream
     /// ordered after notify; else it is kept for
     /// [`dispatch_recv`](Self::dispatch_recv), which launches both halves.
-    /// Packed and direct: launched now (`rows_at`: where a direct dispatch's
-    /// rows go in this rank's pool, as published).
+    /// One SM: the separate send kernel, launched now. Packed and direct:
+    /// launched now (`rows_at`: where a direct dispatch's rows go in this
+    /// rank's pool, as published).
     #[allow(clippy::too_many_arguments)]
     fn launch_send(
         &mut self,
@@ -682,12 +669,12 @@ impl IntranodeBuffer {
             });
             return Ok(());
         }
-        let Some(grid) = self.fused_grid(num_sms, |s| s.dispatch) else {
+        let Some(grid) = fused_grid(num_sms, |s| s.dispatch) else {
             // SAFETY: as above.
             return unsafe { k::dispatch_send(self.part.kernels(), stream, ctx, send) };
         };
         if early {
-            let side = self.side_stream()?;
+            let side = &self.side;
             side.after_notify.after(side.side.handle(), stream)?;
             // SAFETY: as above; the receive half follows in dispatch_recv.
             unsafe {
@@ -711,19 +698,6 @@ impl IntranodeBuffer {
             rows_at: None,
         });
         Ok(())
-    }
-
-    /// The fused kernels' grid for `num_sms` (already capped) with the phase's
-    /// receiver share, or `None` when the kernels run separately (fused mode
-    /// off, or fewer than 2 SMs).
-    fn fused_grid(&self, num_sms: u32, share: impl Fn(&RecvShares) -> u32) -> Option<FusedGrid> {
-        FusedGrid::new(num_sms, share(self.fused.as_ref()?))
-    }
-
-    fn side_stream(&self) -> Result<&SideStream> {
-        self.side
-            .as_ref()
-            .ok_or_else(|| CommError::invalid("stream", "fused mode without its side stream"))
     }
 
     fn dispatch_state(&self) -> FusedState {
@@ -784,7 +758,7 @@ impl IntranodeBuffer {
                 }
                 return self.packed_recv(stream, ctx, recv, packed, pending.rows_at);
             }
-            let grid = self.fused_grid(num_sms, |s| s.dispatch).ok_or_else(|| {
+            let grid = fused_grid(num_sms, |s| s.dispatch).ok_or_else(|| {
                 CommError::invalid(
                     "num_sms",
                     "the receive half of a fused dispatch needs 2 SMs",
@@ -816,7 +790,7 @@ impl IntranodeBuffer {
             // The send half runs on `stream` since dispatch_send; the receive
             // half runs beside it on the side stream (ordered after notify),
             // and `stream` continues after it.
-            let side = self.side_stream()?;
+            let side = &self.side;
             // SAFETY: as above; the outputs were allocated before this launch
             // (on the caller's stream, which `stream` follows, or on `stream`
             // itself), and `stream` waits for the side stream before it goes on.
@@ -834,7 +808,7 @@ impl IntranodeBuffer {
             }?;
             return side.after_recv.after(stream, side.side.handle());
         }
-        if self.fused_grid(num_sms, |s| s.dispatch).is_some() {
+        if fused_grid(num_sms, |s| s.dispatch).is_some() {
             return Err(CommError::invalid(
                 "handle",
                 "a dispatch's receive half without its send half (dispatch_send first)",
@@ -1053,7 +1027,7 @@ impl IntranodeBuffer {
             num_topk: a.num_topk as i32,
             num_sms,
         };
-        if let Some(grid) = self.fused_grid(num_sms, |s| s.combine) {
+        if let Some(grid) = fused_grid(num_sms, |s| s.combine) {
             // SAFETY: the caller checked every tensor.
             unsafe {
                 k::combine_fused(
@@ -1193,17 +1167,15 @@ mod tests {
     use super::*;
 
     #[test]
-    fn fused_mode_parses() {
-        assert_eq!(parse_fused_mode(None).unwrap(), Some(DEFAULT_SHARES));
-        assert_eq!(parse_fused_mode(Some("1")).unwrap(), Some(DEFAULT_SHARES));
-        assert_eq!(parse_fused_mode(Some(" ")).unwrap(), Some(DEFAULT_SHARES));
-        assert_eq!(parse_fused_mode(Some("0")).unwrap(), None);
-        for v in ["yes", "2", "x"] {
-            let e = parse_fused_mode(Some(v)).unwrap_err().to_string();
-            assert!(e.contains(FUSED_ENV) && e.contains("0 or 1"), "{e}");
-        }
+    fn half_of_two_or_more_sms_receive_and_one_sm_runs_separately() {
         assert_eq!(DEFAULT_SHARES.dispatch, 50);
         assert_eq!(DEFAULT_SHARES.combine, 50);
+        assert!(fused_grid(1, |s| s.dispatch).is_none());
+        assert!(fused_grid(0, |s| s.combine).is_none());
+        let g = fused_grid(48, |s| s.dispatch).unwrap();
+        assert_eq!((g.blocks, g.send_blocks), (48, 24));
+        let g = fused_grid(2, |s| s.combine).unwrap();
+        assert_eq!((g.blocks, g.send_blocks), (2, 1));
     }
 
     #[test]

@@ -23,12 +23,15 @@
 // Every phase does exactly one signal and one wait per peer pair, in the same
 // order on every rank, on the one device-to-device semaphore per pair.
 //
-// Fused (the default, MOELINK_INTRANODE_FUSED): one kernel does the send and
-// the receive of a phase at once, on disjoint blocks, so the local pass runs
-// while the bytes are still crossing NVLink instead of after them:
+// Fused (the default): one kernel does the send and the receive of a phase at
+// once, on disjoint blocks, so the local pass runs while the bytes are still
+// crossing NVLink instead of after them:
 //
 //   dispatch:  notify | barrier -> dispatch
 //   combine:   [barrier] -> combine
+//
+// It needs a sender and a receiver block at once, so a call on one SM runs the
+// separate kernels above.
 //
 // Every record ends in an 8-byte flag: the sender stores (kFlagMagic << 32 |
 // call number) into it after the record's bytes (one fence.acq_rel.sys per

@@ -207,7 +207,7 @@ mod profiler_name_tests {
         ),
         ("intranode combine", &[IntranodeBarrier, IntranodeCombine]),
         (
-            "intranode dispatch, separate kernels",
+            "intranode dispatch on one SM, separate kernels",
             &[
                 IntranodeNotify,
                 DispatchSend,
@@ -252,7 +252,7 @@ mod profiler_name_tests {
             ],
         ),
         (
-            "intranode combine, separate kernels",
+            "intranode combine on one SM, separate kernels",
             &[
                 IntranodeBarrier,
                 CombineSend,
@@ -308,8 +308,8 @@ mod profiler_name_tests {
             let separate = call.ends_with("separate kernels");
             if call.contains("dispatch") && !call.contains("layout") {
                 assert_eq!(c, 0, "{call}");
-                // The separate send / receive kernels (an experiment switch)
-                // are two names.
+                // The separate send / receive kernels (a call on one SM,
+                // where the fused kernel cannot run) are two names.
                 assert_eq!(d, if separate { 2 } else { 1 }, "{call}");
             } else if call.contains("combine") {
                 assert_eq!(d, 0, "{call}");
