@@ -171,9 +171,19 @@ def main(argv=None) -> int:
     p.add_argument(
         "--breakdown", action="store_true", help="split each call into native/alloc/Python"
     )
+    p.add_argument(
+        "--torch-empty",
+        action="store_true",
+        help="make outputs with torch.empty_strided from Python instead of natively through "
+        "torch's C shim (the comparison for the native allocation)",
+    )
     args = p.parse_args(argv)
 
     import moelink
+    from moelink import _buffer_common
+
+    if args.torch_empty:
+        _buffer_common._TORCH_ALLOC = False
     import torch
     import torch.distributed as dist
 
@@ -281,6 +291,11 @@ def main(argv=None) -> int:
         natives = [(ll_buf, "_ll"), (buf, "_native"), (ar, "_native")]
         saved_natives = [getattr(o, a) for o, a in natives]
         saved_torch = {k: getattr(torch, k) for k in ("empty", "empty_strided", "zeros")}
+        # Native outputs are made in OutputSet.empty (its torch.empty_strided
+        # fallback is timed through torch instead).
+        saved_outputs = _buffer_common.OutputSet.empty
+        if not args.torch_empty:
+            _buffer_common.OutputSet.empty = attribution.timed("alloc", saved_outputs)
         try:
             for (o, a), v in zip(natives, saved_natives):
                 setattr(o, a, NativeProxy(v, attribution))
@@ -297,6 +312,7 @@ def main(argv=None) -> int:
                 setattr(o, a, v)
             for k, f in saved_torch.items():
                 setattr(torch, k, f)
+            _buffer_common.OutputSet.empty = saved_outputs
     sync()
     ll_buf.destroy()
     buf.destroy()
@@ -328,6 +344,7 @@ def main(argv=None) -> int:
                 "between samples (untimed); ratio = median / median of x.add_(0)",
                 "ranks": size,
                 "iters": args.iters,
+                "outputs": "torch.empty_strided" if args.torch_empty else "native (C shim)",
                 "shapes": {
                     "low_latency": [t, HIDDEN, e_ll, TOPK],
                     "normal": [n, HIDDEN, e, TOPK],

@@ -12,6 +12,7 @@ mod group;
 mod reference;
 mod reference_ll;
 mod streams;
+mod torch_alloc;
 
 use std::sync::Once;
 
@@ -130,6 +131,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(diagnostics::pattern_word, m)?)?;
     m.add_function(wrap_pyfunction!(limits, m)?)?;
     m.add_function(wrap_pyfunction!(env_switches, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_alloc::torch_alloc_init, m)?)?;
+    m.add_function(wrap_pyfunction!(torch_alloc::torch_alloc_ready, m)?)?;
+    m.add_class::<torch_alloc::TorchOutputs>()?;
     m.add_class::<diagnostics::PeerWriteCheck>()?;
     m.add_class::<allreduce::AllReduceComm>()?;
     reference::register(m)?;

@@ -5,6 +5,8 @@ native plan. A module of its own so the two do not import each other."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from . import _env, _native
@@ -108,6 +110,61 @@ def empty(spec, device):
     shape, strides, dtype, zeroed = spec
     t = torch.empty_strided(shape, strides, dtype=dtype, device=device)
     return t.zero_() if zeroed else t
+
+
+def _init_torch_alloc() -> bool:
+    """Loads torch's C shim into the native module (``_native.torch_alloc_init``):
+    outputs are then made natively, through torch's caching allocator, one call per
+    call's outputs. False (outputs made with ``torch.empty_strided``) where this
+    torch lacks the shim or the handle-to-tensor function."""
+    try:
+        lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+        _native.torch_alloc_init(lib, torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs)
+    except (AttributeError, RuntimeError, OSError):
+        return False
+    return True
+
+
+_TORCH_ALLOC = _init_torch_alloc()
+
+
+def _native_spec(spec):
+    """An ``output_specs`` entry as ``_native.TorchOutputs`` takes it."""
+    if spec is None:
+        return None
+    shape, strides, dtype, zeroed = spec
+    return list(shape), list(strides), str(dtype).removeprefix("torch."), zeroed
+
+
+class OutputSet:
+    """The outputs of a cached plan (``output_specs`` entries, None for an output the
+    call does not make) on ``device``: :meth:`empty` makes all of them at once, on
+    the current stream. With torch's C shim loaded that is one native call
+    (``_native.TorchOutputs``; it costs what ``torch.empty_strided`` per output does,
+    docs/architecture.md, "Outputs"); with one output, without the shim, or where
+    the shim refuses (out of memory), one ``torch.empty_strided`` per output, which
+    raises torch's own error."""
+
+    __slots__ = ("specs", "index", "device", "native")
+
+    def __init__(self, specs, device: torch.device) -> None:
+        self.specs = tuple(specs)
+        self.device = device
+        self.index = device.index if device.type == "cuda" else -1
+        self.native = None
+        # One output costs ~0.8 us more through the shim than through
+        # torch.empty_strided (3.0 against 2.2 us on an H100 host); five cost the
+        # same (docs/architecture.md, "Outputs").
+        made = sum(s is not None for s in self.specs)
+        if _TORCH_ALLOC and device.type in ("cuda", "cpu") and made >= 2:
+            self.native = _native.TorchOutputs([_native_spec(s) for s in self.specs])
+
+    def empty(self) -> tuple:
+        if self.native is not None:
+            outs = self.native.empty(self.index)
+            if outs is not None:
+                return outs
+        return tuple(empty(s, self.device) for s in self.specs)
 
 
 def at_rows(spec, rows: int):

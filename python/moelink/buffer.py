@@ -19,7 +19,15 @@ import torch.distributed as dist
 import torch.utils.dlpack
 
 from . import _buffer_common, _env, _native, _registry
-from ._buffer_common import PlanCache, _check_ids, _CudaMemory, at_rows, empty, output_specs
+from ._buffer_common import (
+    OutputSet,
+    PlanCache,
+    _check_ids,
+    _CudaMemory,
+    at_rows,
+    empty,
+    output_specs,
+)
 from ._device_timeout import env_device_timeout_ns, env_host_timeout_s
 from ._group import native_group as _native_group
 from ._streams import (
@@ -541,15 +549,20 @@ class Buffer(LowLatencyMixin):
                 check_topk_values(topk_idx, e)
             outputs = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
                        "layout_scratch")  # fmt: skip
-            plan = (p["num_tokens"], p["num_topk"], e, output_specs(p, outputs))
+            plan = (
+                p["num_tokens"],
+                p["num_topk"],
+                e,
+                OutputSet(output_specs(p, outputs), self.device),
+            )
             self._plans.put(key, plan)
         elif _check_ids():
             check_topk_values(topk_idx, plan[2])
-        n, k, num_experts, specs = plan
+        n, k, num_experts, outputs = plan
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
             dev = self.device
-            per_rank, per_expert, in_rank, scratch = [empty(s, dev) for s in specs]
+            per_rank, per_expert, in_rank, scratch = outputs.empty()
             per_node = None
             if self.nodes is not None:
                 per_node = torch.empty(self.nodes[0], dtype=torch.int32, device=dev)
@@ -583,8 +596,10 @@ class Buffer(LowLatencyMixin):
     ):  # fmt: skip
         """Every check of a dispatch (``_native.dispatch_plan``); returns ``(N, hidden
         bytes, scale columns, scale strides, expert_alignment, num_worst_tokens, E, K,
-        rows, output specs)``; rows (of a cached dispatch, or ``num_worst_tokens``) is
-        -1 where only the counts tell them."""
+        rows, output specs, cached outputs)``; rows (of a cached dispatch, or
+        ``num_worst_tokens``) is -1 where only the counts tell them; cached outputs (a
+        cached dispatch's ``recv_x`` and scales, an ``OutputSet``) is None without a
+        handle."""
         data, scales = _x_metas(x)
         p = _native.dispatch_plan(
             self.group_size, device_index(self.device), data, scales,
@@ -601,10 +616,13 @@ class Buffer(LowLatencyMixin):
         )  # fmt: skip
         if topk_idx is not None and p["num_worst_tokens"] == 0 and _check_ids():
             check_topk_values(topk_idx, p["num_experts"])
+        specs = output_specs(p, _DISPATCH_OUTPUTS)
+        # A cached dispatch's recv_x and scales have fixed shapes: made in one call.
+        cached = None if handle is None else OutputSet(specs[2:4], self.device)
         return (
             p["num_tokens"], p["hidden_bytes"], p["num_scales"], p["scale_strides"],
             p["expert_alignment"], p["num_worst_tokens"], p["num_experts"], p["num_topk"],
-            p["num_recv_rows"], output_specs(p, _DISPATCH_OUTPUTS),
+            p["num_recv_rows"], specs, cached,
         )  # fmt: skip
 
     def dispatch(
@@ -648,7 +666,7 @@ class Buffer(LowLatencyMixin):
         elif topk_idx is not None and plan[5] == 0 and _check_ids():
             check_topk_values(topk_idx, plan[6])
         (n, hidden_bytes, num_scales, s_strides, expert_alignment, num_worst_tokens, num_experts,
-         num_topk, rows, specs) = plan  # fmt: skip
+         num_topk, rows, specs, cached_outputs) = plan  # fmt: skip
         data, scales = x if type(x) is tuple else (x, None)
         _check_aligned("x", data)
         dev = self.device
@@ -659,8 +677,10 @@ class Buffer(LowLatencyMixin):
             reserved = self._reserve_recv_x(hidden_bytes, num_scales, 0, rows)
             # Allocated before any kernel of the dispatch runs (see below).
             with self._alloc_ctx(allocate_on_comm_stream):
-                recv_scales = empty(specs[3], dev)
-                recv_x = None if reserved else empty(specs[2], dev)
+                if reserved:
+                    recv_x, recv_scales = None, empty(specs[3], dev)
+                else:
+                    recv_x, recv_scales = cached_outputs.empty()
             self._enter_comm(compute, previous_event)
             stream = self._comm_raw
             native.dispatch_send(
@@ -891,13 +911,13 @@ class Buffer(LowLatencyMixin):
 
     def _combine_plan(self, x, handle, topk_weights, bias):
         """Every check of a combine (``_native.combine_plan``); returns ``(rows, H, N, K,
-        output specs)``."""
+        outputs)`` (``outputs``: an ``OutputSet``)."""
         h = _handle_metas(handle)
         p = _native.combine_plan(
             self.group_size, device_index(self.device), tensor_meta("x", x), h,
             optional_meta("topk_weights", topk_weights), _bias_metas(bias),
         )  # fmt: skip
-        outputs = output_specs(p, ("combined_x", "combined_topk_weights"))
+        outputs = OutputSet(output_specs(p, ("combined_x", "combined_topk_weights")), self.device)
         return p["num_recv_rows"], p["hidden"], p["num_tokens"], p["num_topk"], outputs
 
     def combine(
@@ -920,7 +940,7 @@ class Buffer(LowLatencyMixin):
         if plan is None:
             plan = self._combine_plan(x, handle, topk_weights, bias)
             self._plans.put(key, plan)
-        rows, hidden, n, num_topk, specs = plan
+        rows, hidden, n, num_topk, outputs = plan
         rpm, send_head = _entry(handle, "rank_prefix_matrix"), _entry(handle, "send_head")
         b0, b1 = _bias_pair(bias)
         for name, t in (("x", x), ("bias[0]", b0), ("bias[1]", b1)):
@@ -928,7 +948,7 @@ class Buffer(LowLatencyMixin):
         num_sms = self._num_sms(config, type(self).get_combine_config)
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
-            out, out_w = empty(specs[0], self.device), empty(specs[1], self.device)
+            out, out_w = outputs.empty()
         self._enter_comm(compute, previous_event)
         native.combine(
             self._comm_raw,

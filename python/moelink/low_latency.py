@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _native
-from ._buffer_common import _check_ids, _CudaMemory, empty, output_specs
+from ._buffer_common import OutputSet, _check_ids, _CudaMemory, output_specs
 from ._streams import NO_STREAM_SWITCH, EventOverlap, current_raw_stream, finish_async
 from .checks import (
     _NO_SIG,
@@ -219,7 +219,7 @@ class LowLatencyMixin:
     ):  # fmt: skip
         """Every check of a low-latency dispatch (``_native.ll_dispatch_plan``); returns
         what the call needs of them, ``(T, N, H, K, E, use_fp8, round_scale, use_ue8m0,
-        output specs)``, normalized."""
+        outputs)``, normalized (``outputs``: an ``OutputSet``)."""
         p = _native.ll_dispatch_plan(
             self.group_size, device_index(self.device), tensor_meta("x", x),
             tensor_meta("topk_idx", topk_idx),
@@ -238,7 +238,7 @@ class LowLatencyMixin:
         ll.check_shape(t, hidden, e, k)
         return (
             t, p["num_tokens"], hidden, k, e, p["use_fp8"], p["round_scale"], p["use_ue8m0"],
-            output_specs(p, _DISPATCH_OUTPUTS),
+            OutputSet(output_specs(p, _DISPATCH_OUTPUTS), self.device),
         )  # fmt: skip
 
     def low_latency_dispatch(
@@ -275,11 +275,10 @@ class LowLatencyMixin:
             self._plans.put(key, plan)
         elif self._check_ids_now():
             check_topk_values(topk_idx, plan[4])
-        t, n, hidden, k, num_experts, use_fp8, round_scale, use_ue8m0, specs = plan
+        t, n, hidden, k, num_experts, use_fp8, round_scale, use_ue8m0, outputs = plan
         stream, raw, alloc = self._ll_stream(async_finish)
         with alloc:
-            dev = self.device
-            recv_x, scales, recv_count, src_info, layout_range = [empty(s, dev) for s in specs]
+            recv_x, scales, recv_count, src_info, layout_range = outputs.empty()
         # The plan fixes every size: x and topk_idx are empty exactly when n is 0,
         # the outputs never are (T, E_local >= 1), so no numel() per pointer.
         args = (
@@ -309,8 +308,9 @@ class LowLatencyMixin:
         self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, stats_wait
     ):
         """Every check of a low-latency combine (``_native.ll_combine_plan``); returns
-        ``(T, H, N, K, E, output specs)``: ``combine_buffer`` (with ``zero_copy``) and
-        ``combined_x`` (without ``out``)."""
+        ``(T, H, N, K, E, combine_buffer spec, combined_x)``: the zero-copy input's view
+        (with ``zero_copy``) and the output as an ``OutputSet`` (its spec None where
+        ``out`` is given)."""
         p = _native.ll_combine_plan(
             self.group_size, device_index(self.device),
             None if zero_copy else tensor_meta("x", x), tensor_meta("topk_idx", topk_idx),
@@ -321,8 +321,11 @@ class LowLatencyMixin:
         e = p["num_experts"]
         if self._check_ids_now():
             check_topk_values(topk_idx, e)
-        specs = output_specs(p, ("combine_buffer", "combined_x"))
-        return p["max_tokens"], p["hidden"], p["num_tokens"], p["num_topk"], e, specs
+        zero_copy_spec, out_spec = output_specs(p, ("combine_buffer", "combined_x"))
+        return (
+            p["max_tokens"], p["hidden"], p["num_tokens"], p["num_topk"], e, zero_copy_spec,
+            OutputSet((out_spec,), self.device),
+        )  # fmt: skip
 
     def _combine_buffer(self, ll, t: int, hidden: int, num_experts: int, spec) -> torch.Tensor:
         """The zero-copy combine input of this shape as ``spec`` (its view) says."""
@@ -376,13 +379,13 @@ class LowLatencyMixin:
         elif self._check_ids_now():
             check_topk_values(topk_idx, plan[4])
         src_info, layout_range = h[0], h[1]
-        t, hidden, n, k, num_experts, specs = plan
+        t, hidden, n, k, num_experts, zero_copy_spec, outputs = plan
         if zero_copy:
-            x = self._combine_buffer(ll, t, hidden, num_experts, specs[0])
+            x = self._combine_buffer(ll, t, hidden, num_experts, zero_copy_spec)
         stream, raw, alloc = self._ll_stream(async_finish)
         if out is None:
             with alloc:
-                out = empty(specs[1], self.device)
+                (out,) = outputs.empty()
         args = (
             t, hidden, num_experts, k, n, x.data_ptr(), layout_range.data_ptr(),
             topk_idx.data_ptr() if n else 0, topk_weights.data_ptr() if n else 0,

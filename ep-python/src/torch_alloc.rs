@@ -1,0 +1,221 @@
+//! Output tensors made natively through torch's caching allocator, without
+//! linking libtorch: torch's stable C shim (`aoti_torch_empty_strided` and its
+//! neighbours, exported by `libtorch_cpu.so`) is resolved at run time from the
+//! library the process already loaded, and the tensors it returns are handed
+//! to Python by torch's own handle-to-tensor function
+//! (`torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs`). So an output
+//! is an ordinary torch tensor (its storage is the caching allocator's:
+//! `record_stream`, memory statistics and graph pools behave as for
+//! `torch.empty`), made on the current stream, and the wheel does not depend
+//! on the torch version. It costs what `torch.empty_strided` from Python
+//! does (torch's own `at::empty_strided` dominates); its use is that a native
+//! call sequence can make its outputs (docs/architecture.md, "Outputs").
+//!
+//! Python initialises it once ([`torch_alloc_init`]); where that fails (a
+//! torch without the shim) Python keeps allocating with `torch.empty_strided`.
+
+use std::ffi::{c_int, c_void};
+use std::ptr;
+use std::sync::OnceLock;
+
+use libloading::os::unix::{Library, RTLD_NOW};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+/// torch's `AtenTensorHandle`: a heap `at::Tensor*`.
+type Handle = *mut c_void;
+type EmptyStrided =
+    unsafe extern "C" fn(i64, *const i64, *const i64, i32, i32, i32, *mut Handle) -> i32;
+type HandleFn = unsafe extern "C" fn(Handle) -> i32;
+type Code = unsafe extern "C" fn() -> i32;
+
+struct Shim {
+    lib: Library,
+    empty_strided: EmptyStrided,
+    delete: HandleFn,
+    zero: HandleFn,
+    /// `aoti_torch_device_type_cuda()` and `aoti_torch_device_type_cpu()`.
+    cuda: i32,
+    cpu: i32,
+    /// `torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs`.
+    steal: Py<PyAny>,
+}
+
+static SHIM: OnceLock<Shim> = OnceLock::new();
+
+/// Symbol `name` of `lib` as a `T` (a function pointer type).
+///
+/// # Safety
+/// `T` must be the symbol's C signature.
+unsafe fn symbol<T: Copy>(lib: &Library, name: &str) -> PyResult<T> {
+    // SAFETY: the caller's contract.
+    unsafe { lib.get::<T>(name.as_bytes()) }
+        .map(|s| *s)
+        .map_err(|e| PyRuntimeError::new_err(format!("torch's C shim has no {name}: {e}")))
+}
+
+/// Loads the shim from `libtorch_cpu` (the path of the `libtorch_cpu.so` the
+/// process loaded) and keeps `steal`. Idempotent; an error leaves it unset.
+#[pyfunction]
+pub fn torch_alloc_init(libtorch_cpu: &str, steal: Py<PyAny>) -> PyResult<()> {
+    if SHIM.get().is_some() {
+        return Ok(());
+    }
+    // SAFETY: loading a library the process already loaded runs no new
+    // initialisers; the symbols below are torch's C shim, with these signatures
+    // (torch/csrc/inductor/aoti_torch/c/shim.h).
+    let shim = unsafe {
+        let lib = Library::open(Some(libtorch_cpu), RTLD_NOW as c_int)
+            .map_err(|e| PyRuntimeError::new_err(format!("cannot open {libtorch_cpu}: {e}")))?;
+        let cuda: Code = symbol(&lib, "aoti_torch_device_type_cuda")?;
+        let cpu: Code = symbol(&lib, "aoti_torch_device_type_cpu")?;
+        Shim {
+            empty_strided: symbol(&lib, "aoti_torch_empty_strided")?,
+            delete: symbol(&lib, "aoti_torch_delete_tensor_object")?,
+            zero: symbol(&lib, "aoti_torch_zero_")?,
+            cuda: cuda(),
+            cpu: cpu(),
+            steal,
+            lib,
+        }
+    };
+    let _ = SHIM.set(shim);
+    Ok(())
+}
+
+/// Whether [`torch_alloc_init`] succeeded.
+#[pyfunction]
+pub fn torch_alloc_ready() -> bool {
+    SHIM.get().is_some()
+}
+
+/// An output as Python gives it: shape, strides, dtype name, zero-filled.
+type SpecArg = (Vec<i64>, Vec<i64>, String, bool);
+
+/// One output: shape, strides, torch's dtype code, zero-filled or not.
+struct Spec {
+    shape: Vec<i64>,
+    strides: Vec<i64>,
+    dtype: i32,
+    zeroed: bool,
+}
+
+/// A fixed list of outputs (a cached plan's), each made by [`TorchOutputs::empty`].
+/// `None` entries stand for outputs a call does not make.
+#[pyclass(frozen, module = "moelink._native")]
+pub struct TorchOutputs {
+    specs: Vec<Option<Spec>>,
+}
+
+/// Frees handles that were not handed to torch.
+fn delete_all(shim: &Shim, handles: &[Handle]) {
+    for &h in handles {
+        // SAFETY: each handle came from empty_strided and was not stolen.
+        unsafe { (shim.delete)(h) };
+    }
+}
+
+#[pymethods]
+impl TorchOutputs {
+    /// `specs`: `(shape, strides, dtype name, zeroed)` or None per output;
+    /// `ValueError` for a dtype torch's shim does not name.
+    #[new]
+    fn new(specs: Vec<Option<SpecArg>>) -> PyResult<Self> {
+        let shim = SHIM
+            .get()
+            .ok_or_else(|| PyRuntimeError::new_err("torch_alloc_init was not called"))?;
+        let specs = specs
+            .into_iter()
+            .map(|s| {
+                s.map(|(shape, strides, dtype, zeroed)| {
+                    if shape.len() != strides.len() {
+                        return Err(PyValueError::new_err("shape and strides differ in length"));
+                    }
+                    // SAFETY: aoti_torch_dtype_* take nothing and return the code.
+                    let code: Code =
+                        unsafe { symbol(&shim.lib, &format!("aoti_torch_dtype_{dtype}")) }
+                            .map_err(|_| {
+                                PyValueError::new_err(format!("dtype {dtype:?} is not torch's"))
+                            })?;
+                    Ok(Spec {
+                        shape,
+                        strides,
+                        // SAFETY: as above.
+                        dtype: unsafe { code() },
+                        zeroed,
+                    })
+                })
+                .transpose()
+            })
+            .collect::<PyResult<_>>()?;
+        Ok(Self { specs })
+    }
+
+    /// The outputs on CUDA device `device` (the CPU for -1), on its current
+    /// stream: a tuple
+    /// with None where the spec is None. None when torch's shim refused one
+    /// (out of memory, say): the caller then allocates through Python, which
+    /// raises torch's own error.
+    fn empty<'py>(&self, py: Python<'py>, device: i32) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let shim = SHIM
+            .get()
+            .ok_or_else(|| PyRuntimeError::new_err("torch_alloc_init was not called"))?;
+        let mut handles = Vec::with_capacity(self.specs.len());
+        for spec in self.specs.iter().flatten() {
+            let mut h: Handle = ptr::null_mut();
+            // SAFETY: shape and strides hold ndim values each; h receives a new handle.
+            let rc = unsafe {
+                (shim.empty_strided)(
+                    spec.shape.len() as i64,
+                    spec.shape.as_ptr(),
+                    spec.strides.as_ptr(),
+                    spec.dtype,
+                    if device < 0 { shim.cpu } else { shim.cuda },
+                    device.max(0),
+                    &mut h,
+                )
+            };
+            // SAFETY: h is the handle just made.
+            if rc != 0 || (spec.zeroed && unsafe { (shim.zero)(h) } != 0) {
+                if rc == 0 {
+                    handles.push(h);
+                }
+                delete_all(shim, &handles);
+                return Ok(None);
+            }
+            handles.push(h);
+        }
+        let capsules = handles
+            .iter()
+            .map(|&h| {
+                // SAFETY: an unnamed capsule without destructor around the
+                // handle, as torch's own tensor-to-handle function makes them.
+                let c = unsafe { ffi::PyCapsule_New(h, ptr::null(), None) };
+                // SAFETY: c is a new reference or null with an exception set.
+                unsafe { Bound::from_owned_ptr_or_err(py, c) }
+            })
+            .collect::<PyResult<Vec<_>>>();
+        let capsules = match capsules {
+            Ok(c) => c,
+            Err(e) => {
+                delete_all(shim, &handles);
+                return Err(e);
+            }
+        };
+        // torch takes every handle (and frees it) from here on.
+        let tensors = shim.steal.bind(py).call1((PyList::new(py, capsules)?,))?;
+        let mut tensors = tensors.try_iter()?;
+        let mut out = Vec::with_capacity(self.specs.len());
+        for spec in &self.specs {
+            out.push(match spec {
+                Some(_) => tensors
+                    .next()
+                    .ok_or_else(|| PyRuntimeError::new_err("torch returned fewer tensors"))??,
+                None => py.None().into_bound(py),
+            });
+        }
+        PyTuple::new(py, out).map(Some)
+    }
+}

@@ -1,0 +1,105 @@
+"""Outputs made natively through torch's C shim (``_native.TorchOutputs``, used by
+``_buffer_common.OutputSet``), on the CPU: the same code path as on a GPU but for
+the device type."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moelink import _buffer_common, _native
+from moelink._buffer_common import OutputSet
+
+pytestmark = pytest.mark.skipif(
+    not _buffer_common._TORCH_ALLOC, reason="this torch has no C shim to allocate through"
+)
+
+CPU = torch.device("cpu")
+
+#: Specs as ``output_specs`` gives them: (shape, strides, dtype, zeroed).
+SPECS = (
+    ((3, 5, 8), (40, 8, 1), torch.float8_e4m3fn, False),
+    ((3, 5, 2), (10, 1, 5), torch.float32, False),  # column-major inner dims
+    None,
+    ((7,), (1,), torch.int32, True),
+    ((3, 4), (4, 1), torch.int64, False),
+    ((2, 6), (6, 1), torch.bfloat16, False),
+)
+
+
+def test_outputs_have_the_specs_shapes_strides_and_dtypes():
+    outs = OutputSet(SPECS, CPU)
+    assert outs.native is not None
+    made = outs.empty()
+    assert len(made) == len(SPECS)
+    for t, spec in zip(made, SPECS):
+        if spec is None:
+            assert t is None
+            continue
+        shape, strides, dtype, _ = spec
+        assert type(t) is torch.Tensor
+        assert tuple(t.shape) == shape and t.stride() == strides and t.dtype == dtype
+        assert t.device == CPU
+
+
+def test_outputs_are_distinct_writable_tensors():
+    made = [t for t in OutputSet(SPECS, CPU).empty() if t is not None]
+    ptrs = {t.data_ptr() for t in made}
+    assert len(ptrs) == len(made)
+    for t in made:
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x5A)
+        else:
+            t.fill_(3)
+    assert all(int(v) == 3 for v in made[2])  # int32 output kept what was written
+
+
+#: A second output: a set of one is made through torch.empty_strided (cheaper).
+SMALL = ((4,), (1,), torch.int64, False)
+
+
+def test_a_single_output_goes_through_torch():
+    assert OutputSet((SMALL, None), CPU).native is None
+    assert OutputSet((SMALL, SMALL), CPU).native is not None
+
+
+def test_zeroed_output_is_zero_filled_over_reused_memory():
+    # An unzeroed allocation of the same size poisoned and freed first: the
+    # allocator hands its memory back, so an output left unfilled shows 0x7f7f7f7f.
+    spec = ((1 << 16,), (1,), torch.int32, True)
+    for _ in range(3):
+        junk = OutputSet(((spec[0], spec[1], spec[2], False), SMALL), CPU).empty()[0]
+        junk.fill_(0x7F7F7F7F)
+        del junk
+        t, _ = OutputSet((spec, SMALL), CPU).empty()
+        assert int(t.abs().max()) == 0
+
+
+def test_refused_allocation_raises_torchs_own_error():
+    # The shim refuses (no memory for 2**60 bytes); OutputSet then allocates through
+    # torch.empty_strided, which raises torch's error, not a silent None.
+    huge = (((1 << 60),), (1,), torch.uint8, False)
+    outs = OutputSet((SMALL, huge), CPU)
+    assert outs.native is not None and outs.native.empty(-1) is None
+    with pytest.raises(RuntimeError):
+        outs.empty()
+
+
+def test_unknown_dtype_is_a_value_error():
+    with pytest.raises(ValueError, match="not torch's"):
+        _native.TorchOutputs([((1,), (1,), "no_such_dtype", False)])
+
+
+def test_shape_and_strides_must_match():
+    with pytest.raises(ValueError, match="shape and strides"):
+        _native.TorchOutputs([((1, 2), (1,), "float32", False)])
+
+
+def test_outputs_are_freed_with_their_tensors():
+    import weakref
+
+    t, _ = OutputSet((((1024,), (1,), torch.float32, False), SMALL), CPU).empty()
+    storage = t.untyped_storage()
+    ref = weakref.ref(t)
+    del t
+    assert ref() is None  # no reference kept on the native side
+    assert storage.nbytes() == 4096
