@@ -102,13 +102,21 @@ class Attribution:
     def reset(self) -> None:
         self.ns = dict.fromkeys(self.CATEGORIES, 0)
         self.count = dict.fromkeys(self.CATEGORIES, 0)
+        self.depth = 0
 
     def timed(self, category: str, fn):
+        """``fn`` timed as ``category``; a timed call inside another (an OutputSet
+        falling back to torch.empty_strided) counts once, in the outer one."""
+
         def wrapper(*a, **k):
+            if self.depth:
+                return fn(*a, **k)
+            self.depth += 1
             t0 = time.perf_counter_ns()
             try:
                 return fn(*a, **k)
             finally:
+                self.depth -= 1
                 self.ns[category] += time.perf_counter_ns() - t0
                 self.count[category] += 1
 

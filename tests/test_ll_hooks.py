@@ -127,3 +127,44 @@ def test_hook_and_async_finish_still_exclusive(buf):
     with pytest.raises(ValueError, match="cannot both be True"):
         dispatch(buf, async_finish=True)
     assert buf._ll_pending == ()
+
+
+def _recording(buf, kernel: str, result):
+    """Makes ``buf._ll.<kernel>`` record the launch and return ``result(phases)``
+    (what the native call hands back: a recorded device error, or None)."""
+    fake = buf._ll
+
+    def launch(*a):
+        fake.calls.append((kernel, a))
+        return result(a[-1])
+
+    setattr(fake, kernel, launch)
+
+
+def test_a_recorded_error_is_raised_after_the_hook_bookkeeping(buf):
+    # The native launch returns what a kernel recorded (an expert id out of range)
+    # once the receive half is launched: the hook is then done, not pending.
+    _recording(buf, "ll_dispatch", lambda p: ValueError("expert id 99") if p != SEND else None)
+    _, _, _, _, a = dispatch(buf)
+    with pytest.raises(ValueError, match="expert id 99"):
+        a()
+    assert a.called and buf._ll_pending == ()
+    with pytest.raises(ValueError, match="expert id 99"):
+        dispatch(buf, hook=False)  # both halves: raised after the launch
+    assert launches(buf)[-1] == ("ll_dispatch", BOTH) and buf._ll_pending == ()
+    _, _, _, _, b = dispatch(buf)  # the next call starts normally
+    assert buf._ll_pending == (b,)
+
+
+def test_a_refused_hook_launch_leaves_the_hook_pending(buf):
+    # A device wait that ran out: the native call raises before launching, and
+    # the hook stays pending (the Buffer must be cleaned or recreated).
+    _, _, _, _, a = dispatch(buf)
+
+    def refuse(*a):
+        raise TimeoutError("rank 0 timed out waiting for rank 1")
+
+    buf._ll.ll_dispatch = refuse
+    with pytest.raises(TimeoutError):
+        a()
+    assert not a.called and buf._ll_pending == (a,)

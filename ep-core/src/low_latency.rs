@@ -472,6 +472,47 @@ impl LowLatencyBuffer {
         unsafe { k::combine(&l, a) }
     }
 
+    /// [`Self::dispatch`] as an API call runs it: refuses to launch once a
+    /// device wait of this part ran out (the ranks are out of step; nothing is
+    /// launched), launches `phases`, and where they include the receive
+    /// returns what the kernels recorded (an expert id out of range, in this
+    /// call or an earlier one) for the caller to raise after its own
+    /// bookkeeping: the launch happened, so the ranks stay in step.
+    pub fn dispatch_call(
+        &self,
+        stream: StreamHandle,
+        call: &DispatchCall,
+        phases: Phases,
+    ) -> Result<Option<CommError>> {
+        self.api_call(phases, || self.dispatch(stream, call, phases))
+    }
+
+    /// [`Self::combine`] as an API call runs it ([`Self::dispatch_call`]).
+    pub fn combine_call(
+        &self,
+        stream: StreamHandle,
+        call: &CombineCall,
+        phases: Phases,
+    ) -> Result<Option<CommError>> {
+        self.api_call(phases, || self.combine(stream, call, phases))
+    }
+
+    /// `launch` (of `phases`) after the timeout check, then the device error
+    /// to report (None without a receive: a send-only launch is followed by
+    /// its hook, which reports).
+    fn api_call(
+        &self,
+        phases: Phases,
+        launch: impl FnOnce() -> Result<()>,
+    ) -> Result<Option<CommError>> {
+        self.check_device_timeout()?;
+        launch()?;
+        Ok(match phases {
+            Phases::Send => None,
+            Phases::Recv | Phases::Both => self.check_device().err(),
+        })
+    }
+
     /// *Collective.* Resets the flags, release counts and the send and
     /// receive counters of every rank (the caller has synchronised its streams:
     /// no low-latency kernel runs, no receive hook is pending) and

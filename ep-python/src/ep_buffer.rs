@@ -665,10 +665,14 @@ impl EpBuffer {
     }
 
     /// Launches `phases_` (1 send, 2 receive, 3 both) of a low-latency
-    /// dispatch on `stream`.
+    /// dispatch on `stream` (`ep_core::LowLatencyBuffer::dispatch_call`):
+    /// raises, launching nothing, once a device wait of the part ran out;
+    /// returns the error the kernels recorded (an exception object, for the
+    /// caller to raise after its bookkeeping) or None.
     #[allow(clippy::too_many_arguments)]
     fn ll_dispatch(
         &self,
+        py: Python<'_>,
         stream: usize,
         max_tokens: usize,
         hidden: usize,
@@ -688,7 +692,7 @@ impl EpBuffer {
         stats_count: u64,
         stats_wait: u64,
         phases_: u8,
-    ) -> PyResult<()> {
+    ) -> PyResult<Option<Py<PyAny>>> {
         let out = LlDispatchOutputs {
             recv_x,
             recv_scales,
@@ -708,15 +712,19 @@ impl EpBuffer {
             use_ue8m0,
             out,
         };
-        self.ll()?
-            .dispatch(StreamHandle(stream), &call, phases(phases_)?)
-            .map_err(to_py)
+        let recorded = self
+            .ll()?
+            .dispatch_call(StreamHandle(stream), &call, phases(phases_)?)
+            .map_err(to_py)?;
+        Ok(recorded.map(|e| to_py(e).into_value(py).into_any()))
     }
 
-    /// Launches `phases_` of a low-latency combine on `stream`.
+    /// Launches `phases_` of a low-latency combine on `stream`, as
+    /// `ll_dispatch` does (`ep_core::LowLatencyBuffer::combine_call`).
     #[allow(clippy::too_many_arguments)]
     fn ll_combine(
         &self,
+        py: Python<'_>,
         stream: usize,
         max_tokens: usize,
         hidden: usize,
@@ -730,7 +738,7 @@ impl EpBuffer {
         out: u64,
         stats_wait: u64,
         phases_: u8,
-    ) -> PyResult<()> {
+    ) -> PyResult<Option<Py<PyAny>>> {
         let call = CombineCall {
             shape: call_shape(max_tokens, hidden, num_experts, num_topk),
             x,
@@ -741,9 +749,11 @@ impl EpBuffer {
             out,
             stats_wait,
         };
-        self.ll()?
-            .combine(StreamHandle(stream), &call, phases(phases_)?)
-            .map_err(to_py)
+        let recorded = self
+            .ll()?
+            .combine_call(StreamHandle(stream), &call, phases(phases_)?)
+            .map_err(to_py)?;
+        Ok(recorded.map(|e| to_py(e).into_value(py).into_any()))
     }
 
     /// *Collective.* Resets the low-latency flags and call counters

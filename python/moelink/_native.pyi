@@ -274,12 +274,12 @@ class EpBuffer:
         num_tokens: int, x: int, topk_idx: int, use_fp8: bool, round_scale: bool,
         use_ue8m0: bool, recv_x: int, recv_scales: int, recv_count: int, src_info: int,
         layout_range: int, stats_count: int, stats_wait: int, phases_: int,
-    ) -> None: ...  # fmt: skip
+    ) -> BaseException | None: ...  # fmt: skip
     def ll_combine(
         self, stream: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int,
         num_tokens: int, x: int, layout_range: int, topk_idx: int, topk_weights: int,
         out: int, stats_wait: int, phases_: int,
-    ) -> None: ...  # fmt: skip
+    ) -> BaseException | None: ...  # fmt: skip
     def clean(self) -> None: ...
 
 # Allreduce / allgather communicator (crate `collectives`); wrapped by moelink.AllReduce.

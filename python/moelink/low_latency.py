@@ -110,16 +110,17 @@ class _Hook:
                 f"low-latency receive hooks run in call order: the hook of {pending[0].name} "
                 f"is pending; call it before the hook of {self.name}"
             )
-        ll = owner._ll_native()
-        ll.check_device_timeout("low_latency")
-        self._launch(current_raw_stream(owner.device.index))
+        owner._ll_native()
+        # One native call: refuses (raising, nothing launched) once a device wait
+        # ran out, launches, and returns what a kernel recorded (an expert id out
+        # of range, in this call or an earlier one), raised once the hook's
+        # bookkeeping is done: the receive half is launched, the ranks stay in step.
+        recorded = self._launch(current_raw_stream(owner.device.index))
         self.called = True
         owner._ll_pending = tuple(h for h in owner._ll_pending if h is not self)
         self._keep = None
-        # What a kernel recorded (an expert id out of range, in this call or an
-        # earlier one): raised once the receive half is launched, so the ranks
-        # stay in step.
-        ll.check_device("low_latency")
+        if recorded is not None:
+            raise recorded
 
 
 class LowLatencyMixin:
@@ -171,8 +172,8 @@ class LowLatencyMixin:
                 f"before the pending one's); call the hook first, or pass "
                 f"return_recv_hook=True"
             )
-        # A timed-out wait leaves the ranks out of step: raise before launching.
-        ll.check_device_timeout("low_latency")
+        # A timed-out wait leaves the ranks out of step: the launch call itself
+        # raises before launching (ll_dispatch / ll_combine).
         return ll
 
     def _ll_hook(self, kind: str, launch, keep) -> _Hook:
@@ -192,20 +193,20 @@ class LowLatencyMixin:
             return s, self._comm_raw, torch.cuda.stream(s)
         return None, current_raw_stream(self.device.index), NO_STREAM_SWITCH
 
-    def _ll_launch(self, ll, kind: str, launch, raw, stream, async_finish, return_recv_hook, keep):
+    def _ll_launch(self, kind: str, launch, raw, stream, async_finish, return_recv_hook, keep):
         """Runs ``launch(raw, phases)``, a low-latency ``kind`` call: its send half
         only with ``return_recv_hook`` (the returned hook launches the receive half),
         else both. Returns ``(event, hook)``: ``keep`` is kept by the hook and, with
         ``async_finish``, by the event recorded on ``stream``."""
-        launch(raw, _SEND if return_recv_hook else _BOTH)
+        recorded = launch(raw, _SEND if return_recv_hook else _BOTH)
         hook = None
         if return_recv_hook:
             hook = self._ll_hook(kind, lambda s: launch(s, _RECV), keep)
         else:
             self._ll_calls += 1
         event = finish_async(stream, keep) if async_finish else EventOverlap(None)
-        if hook is None:
-            ll.check_device("low_latency")  # after the launch (see _Hook.__call__)
+        if recorded is not None:  # after the launch and the bookkeeping (see _Hook)
+            raise recorded
         return event, hook
 
     def _check_ids_now(self) -> bool:
@@ -291,12 +292,12 @@ class LowLatencyMixin:
         )  # fmt: skip
 
         def launch(s, phases):
-            ll.ll_dispatch(s, *args, phases)
+            return ll.ll_dispatch(s, *args, phases)
 
         keep = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range,
                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)  # fmt: skip
         event, hook = self._ll_launch(
-            ll, "dispatch", launch, raw, stream, async_finish, return_recv_hook, keep
+            "dispatch", launch, raw, stream, async_finish, return_recv_hook, keep
         )
         handle = (src_info, layout_range, t, hidden, num_experts)
         out = (recv_x, scales) if use_fp8 else recv_x
@@ -393,12 +394,12 @@ class LowLatencyMixin:
         )  # fmt: skip
 
         def launch(s, phases):
-            ll.ll_combine(s, *args, phases)
+            return ll.ll_combine(s, *args, phases)
 
         keep = (x, topk_idx, topk_weights, src_info, layout_range, out,
                 combine_wait_recv_cost_stats)  # fmt: skip
         event, hook = self._ll_launch(
-            ll, "combine", launch, raw, stream, async_finish, return_recv_hook, keep
+            "combine", launch, raw, stream, async_finish, return_recv_hook, keep
         )
         return out, event, hook
 
