@@ -41,11 +41,10 @@
 #   capture-test       gpu_kernels' test of the library threads' relaxed capture mode
 #                      (a thread's CUDA call during a user's global-mode capture)
 #   send-stamps        the fused kernels' phase stamps at 24 and 48 SMs (intranode_profile.py)
-#   killed-ethernet-mps, -timeslice, -gpu-signals   the killed-rank worker at 2 x 2 over Ethernet three
-#                      ways: as the suite runs it, without MPS (MOELINK_MPS=off: a
-#                      fault stays in its own context) and with the inbound counters
-#                      in GPU memory (MOELINK_PORT_HOST_SIGNALS=0); on one GPU the
-#                      first gave the survivors an illegal memory access (2026-11-27)
+#   killed-ethernet-mps, -timeslice   the killed-rank worker at 2 x 2 over Ethernet two
+#                      ways: as the suite runs it, and without MPS (MOELINK_MPS=off: a
+#                      fault stays in its own context); on one GPU the first gave
+#                      the survivors an illegal memory access (2026-11-27)
 # On a one-GPU machine the same steps run every rank on that GPU (MPS).
 # PROBE_STEPS (a regex of step names) runs some only: the whole list takes more than
 # one call's 10 minutes (measured 4 x H200: the steps to speed-internode ~170 s, the
@@ -119,7 +118,6 @@ KX=(MOELINK_RANKS_PER_NODE=2 MOELINK_TRANSPORT=ethernet MOELINK_DEVICE_TIMEOUT_S
 KW=(python3 -m moelink.launch -n 4 --timeout 50 tests/multi_gpu/killed_worker.py)
 pstep killed-ethernet-mps 60 env "${KX[@]}" "${KW[@]}"
 pstep killed-ethernet-timeslice 60 env "${KX[@]}" MOELINK_MPS=off "${KW[@]}"
-pstep killed-ethernet-gpu-signals 60 env "${KX[@]}" MOELINK_PORT_HOST_SIGNALS=0 "${KW[@]}"
 pstep send-stamps 120 env MOELINK_INTRANODE_PROFILE=1 MOELINK_DEVICE_TIMEOUT_S=30 \
   $TR --nproc-per-node=4 benches/intranode_profile.py --sms 24 48
 echo "internode_stall_probe: $failed failed step(s)"

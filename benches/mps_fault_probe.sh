@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # The killed-rank worker over the Ethernet transport at 2 x 2, every rank on one GPU,
-# under a private MPS daemon whose logs land in $OUT/mpslog: 4 trials with host
-# counters, 4 with GPU counters (MOELINK_PORT_HOST_SIGNALS=0). Each rank prints its
+# under a private MPS daemon whose logs land in $OUT/mpslog: 4 trials. Each rank prints its
 # PID; the kernel log's Xid lines (dmesg) name the client whose channel faulted.
 # Device machine, repository root, .gpu carried: bash benches/mps_fault_probe.sh
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -12,11 +11,9 @@ export CUDA_MPS_PIPE_DIRECTORY=/tmp/nvidia-mps CUDA_MPS_LOG_DIRECTORY=$OUT/mpslo
 nvidia-cuda-mps-control -d
 sleep 1
 for i in 1 2 3 4; do
-  for v in "" "MOELINK_PORT_HOST_SIGNALS=0"; do
-  echo "=== run $i $v"
-  env $v MOELINK_RANKS_PER_NODE=2 MOELINK_TRANSPORT=ethernet MOELINK_DEVICE_TIMEOUT_S=10 timeout 60 python3 -m moelink.launch -n 4 --timeout 50 tests/multi_gpu/killed_worker.py > $OUT/run$i${v:+-gs}.log 2>&1
-  echo "rc=$?"; grep -E "^killed_worker|^PASS|^FAIL|illegal memory" $OUT/run$i${v:+-gs}.log | sort | uniq | cut -c1-160
-  done
+  echo "=== run $i"
+  MOELINK_RANKS_PER_NODE=2 MOELINK_TRANSPORT=ethernet MOELINK_DEVICE_TIMEOUT_S=10 timeout 60 python3 -m moelink.launch -n 4 --timeout 50 tests/multi_gpu/killed_worker.py > $OUT/run$i.log 2>&1
+  echo "rc=$?"; grep -E "^killed_worker|^PASS|^FAIL|illegal memory" $OUT/run$i.log | sort | uniq | cut -c1-160
 done
 echo quit | nvidia-cuda-mps-control
 sleep 1

@@ -99,14 +99,10 @@ for part in ${PART//,/ }; do
       # Emulated nodes of consecutive ranks on this host (2 x 2 on 4 GPUs): the
       # internode kernels, every cross-node byte through the proxy (CUDA IPC copies
       # over NVLink); GB/s of the NVLink side (bytes received) and the RDMA side by
-      # DeepEP's formulas, and of what crosses nodes. SPEED_INTERNODE_SIGNALS="1 0" adds the
-      # A/B of MOELINK_PORT_HOST_SIGNALS (port-channel counters in host / GPU memory).
-      for sig in ${SPEED_INTERNODE_SIGNALS:-1}; do
-        mkdir -p "$OUT/internode-signals$sig"
-        step "internode-nodes2-signals$sig" 200 env MOELINK_PORT_HOST_SIGNALS="$sig" \
-          MOELINK_DEVICE_TIMEOUT_S=20 $RUN benches/intranode_bench.py --nodes 2 \
-          --sms 24 48 --out "$OUT/internode-signals$sig"
-      done
+      # DeepEP's formulas, and of what crosses nodes.
+      mkdir -p "$OUT/internode"
+      step "internode-nodes2" 200 env MOELINK_DEVICE_TIMEOUT_S=20 $RUN \
+        benches/intranode_bench.py --nodes 2 --sms 24 48 --out "$OUT/internode"
       ;;
     *) echo "unknown part $part" >&2; exit 2 ;;
   esac

@@ -59,7 +59,7 @@ def test_the_docs_table_is_the_registry():
 def test_the_registry_is_sorted_unique_and_of_three_kinds():
     names = [s[0] for s in _native.env_switches()]
     assert names == sorted(set(names))
-    assert {s[1] for s in _native.env_switches()} <= {"user", "diagnostic", "experiment"}
+    assert {s[1] for s in _native.env_switches()} <= {"user", "diagnostic"}
 
 
 def test_every_name_in_library_code_is_registered():

@@ -113,24 +113,6 @@ impl Drop for Registration {
     }
 }
 
-/// `0` keeps this rank's CUDA IPC port-channel inbound counters in its GPU
-/// signal page instead of shared host memory (`1` or unset: shared host
-/// memory, signalled by a CPU store where the peer's connection is idle).
-pub const PORT_HOST_SIGNALS_ENV: &str = "MOELINK_PORT_HOST_SIGNALS";
-
-/// The value of [`PORT_HOST_SIGNALS_ENV`]: whether inbound counters go to
-/// shared host memory.
-fn port_host_signals(v: Option<&str>) -> Result<bool> {
-    match v.map(str::trim) {
-        None | Some("") | Some("1") => Ok(true),
-        Some("0") => Ok(false),
-        Some(other) => Err(CommError::invalid(
-            PORT_HOST_SIGNALS_ENV,
-            format!("{other:?}: expected 0 or 1"),
-        )),
-    }
-}
-
 /// Bytes between two inbound counters of a port-channel inbound block (one
 /// cache line each: a peer's CPU writes one while this GPU polls another).
 pub const INBOUND_STRIDE: u64 = 64;
@@ -1029,12 +1011,6 @@ impl Communicator {
     fn inbound_block(&self) -> Result<(Option<(RegisteredMemory, u64)>, Vec<RegisteredMemory>)> {
         let bytes = self.size() as u64 * INBOUND_STRIDE;
         let made = match self.device {
-            // MOELINK_PORT_HOST_SIGNALS=0: this rank's inbound counters stay in
-            // its GPU signal page (peers' proxies signal them with a stream
-            // write behind their copies, as before the shared-host path).
-            Some(_) if !port_host_signals(crate::env::var(PORT_HOST_SIGNALS_ENV).as_deref())? => {
-                None
-            }
             Some(d) => match HostMemory::shared(Some(d), bytes as usize) {
                 Ok(m) => Some(m),
                 Err(e) => {
@@ -1096,20 +1072,5 @@ impl Communicator {
     /// *Collective.* Barrier over the bootstrap.
     pub fn barrier(&self) -> Result<()> {
         self.bootstrap.barrier()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn port_host_signals_parses_its_variable() {
-        assert!(port_host_signals(None).unwrap());
-        assert!(port_host_signals(Some(" 1 ")).unwrap());
-        assert!(port_host_signals(Some("")).unwrap());
-        assert!(!port_host_signals(Some("0")).unwrap());
-        let e = port_host_signals(Some("no")).unwrap_err().to_string();
-        assert!(e.contains(PORT_HOST_SIGNALS_ENV), "{e}");
     }
 }

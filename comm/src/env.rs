@@ -21,8 +21,6 @@ pub enum Kind {
     User,
     /// A debugging or profiling aid.
     Diagnostic,
-    /// An A/B switch between implementations, kept for measurement.
-    Experiment,
 }
 
 impl Kind {
@@ -31,7 +29,6 @@ impl Kind {
         match self {
             Kind::User => "user",
             Kind::Diagnostic => "diagnostic",
-            Kind::Experiment => "experiment",
         }
     }
 }
@@ -55,7 +52,7 @@ const fn s(name: &'static str, kind: Kind, default: &'static str, meaning: &'sta
     }
 }
 
-use Kind::{Diagnostic, Experiment, User};
+use Kind::{Diagnostic, User};
 
 /// Every `MOELINK_*` switch, sorted by name (a unit test checks it).
 pub static SWITCHES: &[Switch] = &[
@@ -147,12 +144,6 @@ pub static SWITCHES: &[Switch] = &[
         User,
         "0",
         "Traffic class (RoCE v2), 0 to 255.",
-    ),
-    s(
-        "MOELINK_INTERNODE_CHUNK",
-        Experiment,
-        "8",
-        "Records per internode port-channel put, 1 to 32.",
     ),
     s(
         "MOELINK_INTRANODE_PROFILE",
@@ -250,13 +241,6 @@ pub static SWITCHES: &[Switch] = &[
         User,
         "none",
         "Build time: extra flags passed to nvcc.",
-    ),
-    s(
-        "MOELINK_PORT_HOST_SIGNALS",
-        Experiment,
-        "1",
-        "`0`: this rank's CUDA IPC port-channel inbound counters stay in its GPU signal page \
-         instead of shared host memory.",
     ),
     s(
         "MOELINK_PROXY_THREADS",

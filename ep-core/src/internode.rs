@@ -49,10 +49,11 @@ const _: () = assert!(LANDED_OFFSET as usize >= crate::intranode::SCRATCH_BYTES)
 const SCRATCH_BYTES: usize = (LANDED_OFFSET + x::LANDED_BYTES) as usize;
 /// Trigger slots of each proxy thread's FIFO.
 const FIFO_SLOTS: usize = 1024;
-/// Records per port-channel put (`MOELINK_INTERNODE_CHUNK`, 1 to 32).
-pub const CHUNK_ENV: &str = "MOELINK_INTERNODE_CHUNK";
-/// Records per put by default: at hidden 7168 bf16 one put moves ~115 KB.
-pub const DEFAULT_CHUNK: usize = 8;
+/// Records per port-channel put: at hidden 7168 bf16 one put moves ~115 KB.
+/// (It was an environment switch while the internode stall was hunted; no
+/// size changed the stall, whose cause was elsewhere: docs/design-internode.md.)
+pub const CHUNK: usize = 8;
+const _: () = assert!(CHUNK >= 1 && CHUNK <= MAX_CHUNK);
 /// Receiving share of a dispatch's and a combine's blocks, percent.
 const RECV_PERCENT: u32 = 50;
 
@@ -176,7 +177,6 @@ pub struct InternodeBuffer {
     timeout: Duration,
     ranks_per_node: usize,
     num_nodes: usize,
-    chunk: usize,
     transport: Transport,
 }
 
@@ -203,19 +203,6 @@ pub fn ethernet_receiver() -> Result<Option<std::net::SocketAddr>> {
     match CrossNode::from_env()? {
         CrossNode::Ethernet => parse(TRANSPORT_ENV, "127.0.0.1:0"),
         _ => Ok(None),
-    }
-}
-
-fn chunk_from_env() -> Result<usize> {
-    match comm::env::var(CHUNK_ENV).as_deref().map(str::trim) {
-        None | Some("") => Ok(DEFAULT_CHUNK),
-        Some(v) => match v.parse::<usize>() {
-            Ok(c) if (1..=MAX_CHUNK).contains(&c) => Ok(c),
-            _ => Err(CommError::invalid(
-                CHUNK_ENV,
-                format!("{v:?}: expected an integer from 1 to {MAX_CHUNK}"),
-            )),
-        },
     }
 }
 
@@ -325,7 +312,6 @@ impl InternodeBuffer {
                 "num_nvl_bytes + num_rdma_bytes above 4 GiB: the proxy addresses at most 4 GiB",
             ));
         }
-        let chunk = chunk_from_env()?;
         let transport = transport_of(&comm)?;
         if transport == Transport::Ethernet {
             check_ethernet_receiver(&comm)?;
@@ -377,7 +363,7 @@ impl InternodeBuffer {
             ranks_per_node,
             ?transport,
             threads,
-            chunk,
+            chunk = CHUNK,
             "internode buffer"
         );
         Ok(Self {
@@ -399,7 +385,6 @@ impl InternodeBuffer {
             timeout: opts.timeout,
             ranks_per_node,
             num_nodes,
-            chunk,
             transport,
         })
     }
@@ -523,7 +508,7 @@ impl InternodeBuffer {
             meta_slots: meta_slots as i64,
             ranks_per_node: self.ranks_per_node as i32,
             num_nodes: self.num_nodes as i32,
-            chunk: self.chunk as i32,
+            chunk: CHUNK as i32,
             pad: 0,
         }
     }
