@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include <comm/memory_channel_device.cuh>
 
@@ -116,84 +117,32 @@ struct Bits<4> {
   using type = unsigned int;
 };
 
+// The (element, accumulator) pairs the kernels reduce in: bf16, fp16, fp32 and
+// fp8 in float; fp8 also in half (the acc16 sums); int in int.
+template <typename T>
+constexpr bool kIsFp8 = std::is_same_v<T, __nv_fp8_e4m3> || std::is_same_v<T, __nv_fp8_e5m2>;
 template <typename T, typename Acc>
-__device__ __forceinline__ Acc to_acc(T x);
-template <>
-__device__ __forceinline__ float to_acc<__nv_bfloat16, float>(__nv_bfloat16 x) {
-  return __bfloat162float(x);
-}
-template <>
-__device__ __forceinline__ float to_acc<__half, float>(__half x) {
-  return __half2float(x);
-}
-template <>
-__device__ __forceinline__ float to_acc<float, float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ int to_acc<int, int>(int x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ float to_acc<__nv_fp8_e4m3, float>(__nv_fp8_e4m3 x) {
-  return static_cast<float>(x);
-}
-template <>
-__device__ __forceinline__ float to_acc<__nv_fp8_e5m2, float>(__nv_fp8_e5m2 x) {
-  return static_cast<float>(x);
-}
-template <>
-__device__ __forceinline__ __half to_acc<__nv_fp8_e4m3, __half>(__nv_fp8_e4m3 x) {
-  return __half(__nv_cvt_fp8_to_halfraw(x.__x, __NV_E4M3));
-}
-template <>
-__device__ __forceinline__ __half to_acc<__nv_fp8_e5m2, __half>(__nv_fp8_e5m2 x) {
-  return __half(__nv_cvt_fp8_to_halfraw(x.__x, __NV_E5M2));
-}
+constexpr bool kAccPair =
+    std::is_same_v<Acc, float>
+        ? std::is_same_v<T, __nv_bfloat16> || std::is_same_v<T, __half> ||
+              std::is_same_v<T, float> || kIsFp8<T>
+        : (std::is_same_v<Acc, __half> && kIsFp8<T>) ||
+              (std::is_same_v<Acc, int> && std::is_same_v<T, int>);
 
-// Accumulator -> element: round to nearest even; fp8 with satfinite (values
-// beyond the largest finite fp8 become that value, NaN stays NaN).
+// Both directions are the conversions the CUDA types define, one cast for
+// every pair. Element -> accumulator widens exactly. Accumulator -> element
+// rounds to nearest even (__float2bfloat16, __float2half); fp8 with satfinite
+// (the fp8 constructors pass __NV_SATFINITE: values beyond the largest finite
+// fp8 become that value, NaN stays NaN).
 template <typename T, typename Acc>
-__device__ __forceinline__ T from_acc(Acc x);
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_acc<__nv_bfloat16, float>(float x) {
-  return __float2bfloat16_rn(x);
+__device__ __forceinline__ Acc to_acc(T x) {
+  static_assert(kAccPair<T, Acc>, "not an accumulation type of this element type");
+  return static_cast<Acc>(x);
 }
-template <>
-__device__ __forceinline__ __half from_acc<__half, float>(float x) {
-  return __float2half_rn(x);
-}
-template <>
-__device__ __forceinline__ float from_acc<float, float>(float x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ int from_acc<int, int>(int x) {
-  return x;
-}
-template <>
-__device__ __forceinline__ __nv_fp8_e4m3 from_acc<__nv_fp8_e4m3, float>(float x) {
-  __nv_fp8_e4m3 r;
-  r.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3);
-  return r;
-}
-template <>
-__device__ __forceinline__ __nv_fp8_e5m2 from_acc<__nv_fp8_e5m2, float>(float x) {
-  __nv_fp8_e5m2 r;
-  r.__x = __nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E5M2);
-  return r;
-}
-template <>
-__device__ __forceinline__ __nv_fp8_e4m3 from_acc<__nv_fp8_e4m3, __half>(__half x) {
-  __nv_fp8_e4m3 r;
-  r.__x = __nv_cvt_halfraw_to_fp8(static_cast<__half_raw>(x), __NV_SATFINITE, __NV_E4M3);
-  return r;
-}
-template <>
-__device__ __forceinline__ __nv_fp8_e5m2 from_acc<__nv_fp8_e5m2, __half>(__half x) {
-  __nv_fp8_e5m2 r;
-  r.__x = __nv_cvt_halfraw_to_fp8(static_cast<__half_raw>(x), __NV_SATFINITE, __NV_E5M2);
-  return r;
+template <typename T, typename Acc>
+__device__ __forceinline__ T from_acc(Acc x) {
+  static_assert(kAccPair<T, Acc>, "not an accumulation type of this element type");
+  return static_cast<T>(x);
 }
 
 // a (op) b in the accumulation type; every operation rounds to nearest even.

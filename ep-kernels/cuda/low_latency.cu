@@ -1074,28 +1074,40 @@ __device__ void dispatch_recv(const LlCtx& c, const DispatchArgs& a, uint64_t se
   stamp(c, 0, 9);
 }
 
-// dispatch (moelink::ll::dispatch): the send phase, the receive phase, or
-// both (a.phases).
-__global__ void __launch_bounds__(kThreads, 1) dispatch(const __grid_constant__ LlDispatchParams p) {
-  const LlCtx& c = p.c;
-  const DispatchArgs& a = p.a;
-  extern __shared__ __align__(16) char smem[];
-  __shared__ uint32_t blocked;  // destinations whose release timed out (wait_release)
-  stamp(c, 0, 0);
-  stamp(c, 0, 1);
-  const Start st = kernel_start(c, a.phases, comm::kWaitLlDispatch, &blocked);
-  if (a.phases & 1) dispatch_send(c, a, st.send_seq, smem, st.release, &blocked);
+// The body of both kernels (K: the kernel's profile row, 0 dispatch, 1
+// combine): the send phase, the receive phase, or both (a.phases), `kind` the
+// wait kind kernel_start reports under. The receive phase runs between two
+// barriers; kRecvBegin (0: none) and kRecvEnd are the slots stamped after
+// each. The kernels keep their shared memory (`smem`, `blocked`) declared in
+// themselves and pass it in.
+template <int K, int kRecvBegin, int kRecvEnd, auto Send, auto Recv, typename Args>
+__device__ __forceinline__ void run_phases(const LlCtx& c, const Args& a, uint32_t kind,
+                                           char* smem, uint32_t* blocked) {
+  stamp(c, K, 0);
+  stamp(c, K, 1);
+  const Start st = kernel_start(c, a.phases, kind, blocked);
+  if (a.phases & 1) Send(c, a, st.send_seq, smem, st.release, blocked);
   if (a.phases & 2) {
     // Issued before the barrier: in a receive-only launch these loads are in
     // flight together with the call counter's.
     const FirstPoll poll = first_poll(c);
     __syncthreads();
-    dispatch_recv(c, a, st.recv_seq, smem, poll);
+    if constexpr (kRecvBegin != 0) stamp(c, K, kRecvBegin);
+    Recv(c, a, st.recv_seq, smem, poll);
     __syncthreads();
-    stamp(c, 0, 10);
+    stamp(c, K, kRecvEnd);
   }
-  stamp(c, 0, kProfSlots - 2);
-  stamp(c, 0, kProfSlots - 1);
+  stamp(c, K, kProfSlots - 2);
+  stamp(c, K, kProfSlots - 1);
+}
+
+// dispatch (moelink::ll::dispatch): the send phase, the receive phase, or
+// both (a.phases).
+__global__ void __launch_bounds__(kThreads, 1) dispatch(const __grid_constant__ LlDispatchParams p) {
+  extern __shared__ __align__(16) char smem[];
+  __shared__ uint32_t blocked;  // destinations whose release timed out (wait_release)
+  run_phases<0, 0, 10, dispatch_send, dispatch_recv>(p.c, p.a, comm::kWaitLlDispatch, smem,
+                                                     &blocked);
 }
 
 // ---- combine ----------------------------------------------------------------------
@@ -1265,24 +1277,9 @@ __device__ void combine_recv(const LlCtx& c, const CombineArgs& a, uint64_t seq,
 
 // combine (moelink::ll::combine): likewise.
 __global__ void __launch_bounds__(kThreads, 1) combine(const __grid_constant__ LlCombineParams p) {
-  const LlCtx& c = p.c;
-  const CombineArgs& a = p.a;
   extern __shared__ __align__(16) char smem[];
   __shared__ uint32_t blocked;  // destinations whose release timed out (wait_release)
-  stamp(c, 1, 0);
-  stamp(c, 1, 1);
-  const Start st = kernel_start(c, a.phases, comm::kWaitLlCombine, &blocked);
-  if (a.phases & 1) combine_send(c, a, st.send_seq, smem, st.release, &blocked);
-  if (a.phases & 2) {
-    const FirstPoll poll = first_poll(c);
-    __syncthreads();
-    stamp(c, 1, 4);
-    combine_recv(c, a, st.recv_seq, smem, poll);
-    __syncthreads();
-    stamp(c, 1, 7);
-  }
-  stamp(c, 1, kProfSlots - 2);
-  stamp(c, 1, kProfSlots - 1);
+  run_phases<1, 4, 7, combine_send, combine_recv>(p.c, p.a, comm::kWaitLlCombine, smem, &blocked);
 }
 
 }  // namespace moelink::ll
