@@ -620,8 +620,8 @@ pub mod testing {
             self.update_and_sync(dst, d, v)
         }
 
-        fn add(&self, dst: &RegisteredMemory, d: u64, v: i64, w: AtomicWidth) -> Result<()> {
-            self.atomic_add(dst, d, v, w)
+        fn add(&self, a: crate::transport::AtomicAdd<'_>) -> Result<()> {
+            self.atomic_add(a.dst, a.dst_offset, a.value, a.width)
         }
 
         fn flush(&self, _: Duration) -> Result<()> {

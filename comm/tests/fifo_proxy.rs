@@ -21,7 +21,9 @@ fn assert_nothing_to_pop(fifo: &Fifo, why: &str) {
     assert!(fifo.consumer().unwrap().poll().is_none(), "{why}");
 }
 
-/// Pops everything, in order, from a single consumer thread until `n` triggers.
+/// Pops everything, in order, from a single consumer thread until `n` triggers,
+/// through a [`comm::fifo::FifoConsumer`] (batched tail publication),
+/// publishing whenever the ring is empty, as the proxy does.
 fn consume(fifo: &Fifo, n: usize, timeout: Duration) -> Vec<ProxyTrigger> {
     let start = Instant::now();
     let mut c = fifo.consumer().unwrap();
@@ -44,24 +46,36 @@ fn consume(fifo: &Fifo, n: usize, timeout: Duration) -> Vec<ProxyTrigger> {
     out
 }
 
-#[test]
-fn single_producer_order_survives_wraparound() {
-    let fifo = Fifo::new(None, 8, 0, 0).unwrap();
+/// One producer thread pushes 20 000 triggers through a ring of `size` while
+/// this thread consumes them: they must arrive in order and leave the ring
+/// empty. `sync`: the producer then waits until its last trigger is published
+/// (the consumer publishes once it finds the ring empty).
+fn single_producer_keeps_order(size: usize, sync: bool) {
+    let fifo = Fifo::new(None, size, 0, 0).unwrap();
     let n = 20_000;
     thread::scope(|s| {
         s.spawn(|| {
             let p = fifo.host_producer().unwrap();
+            let mut last = 0;
             for i in 0..n {
-                p.push(data(i as u64 + 1), Duration::from_secs(10)).unwrap();
+                last = p.push(data(i as u64 + 1), Duration::from_secs(10)).unwrap();
+            }
+            if sync {
+                p.sync(last, Duration::from_secs(10)).unwrap();
             }
         });
         let got = consume(&fifo, n, Duration::from_secs(20));
         for (i, t) in got.iter().enumerate() {
-            assert_eq!(*t, data(i as u64 + 1), "trigger {i} out of order");
+            assert_eq!(*t, data(i as u64 + 1), "ring {size}: trigger {i}");
         }
     });
     assert_eq!(fifo.tail(), n as u64);
     assert_nothing_to_pop(&fifo, "ring must be empty after the last pop");
+}
+
+#[test]
+fn single_producer_order_survives_wraparound() {
+    single_producer_keeps_order(8, false);
 }
 
 #[test]
@@ -290,55 +304,11 @@ fn proxy_drives_issued_operations_to_completion_without_new_triggers() {
     proxy.stop().unwrap();
 }
 
-/// Pops through a [`comm::fifo::FifoConsumer`] (batched tail publication)
-/// until `n` triggers, publishing whenever the ring is empty, as the proxy does.
-fn consume_batched(fifo: &Fifo, n: usize, timeout: Duration) -> Vec<ProxyTrigger> {
-    let mut c = fifo.consumer().unwrap();
-    let start = Instant::now();
-    let mut out = Vec::with_capacity(n);
-    while out.len() < n {
-        assert!(
-            start.elapsed() < timeout,
-            "consumer got {} of {n}",
-            out.len()
-        );
-        match c.poll() {
-            Some(t) => {
-                out.push(t);
-                c.pop();
-            }
-            None => {
-                c.publish();
-                thread::yield_now();
-            }
-        }
-    }
-    out
-}
-
 #[test]
 fn batched_consumer_keeps_order_through_wraparound_at_every_ring_size() {
     // Rings smaller than, equal to and larger than a publication batch.
     for size in [1, 3, 32, 33, 100] {
-        let fifo = Fifo::new(None, size, 0, 0).unwrap();
-        let n = 20_000;
-        thread::scope(|s| {
-            s.spawn(|| {
-                let p = fifo.host_producer().unwrap();
-                let mut last = 0;
-                for i in 0..n {
-                    last = p.push(data(i as u64 + 1), Duration::from_secs(10)).unwrap();
-                }
-                // The consumer publishes once it finds the ring empty.
-                p.sync(last, Duration::from_secs(10)).unwrap();
-            });
-            let got = consume_batched(&fifo, n, Duration::from_secs(20));
-            for (i, t) in got.iter().enumerate() {
-                assert_eq!(*t, data(i as u64 + 1), "ring {size}: trigger {i}");
-            }
-        });
-        assert_eq!(fifo.tail(), n as u64);
-        assert_nothing_to_pop(&fifo, "ring must be empty after the last pop");
+        single_producer_keeps_order(size, true);
     }
 }
 
@@ -413,14 +383,8 @@ impl comm::transport::Connection for GatedFlush {
         self.note(format!("signal {v}"));
         Ok(())
     }
-    fn add(
-        &self,
-        _: &comm::registered_memory::RegisteredMemory,
-        _: u64,
-        v: i64,
-        _: comm::transport::AtomicWidth,
-    ) -> comm::Result<()> {
-        self.note(format!("add {v}"));
+    fn add(&self, a: comm::transport::AtomicAdd<'_>) -> comm::Result<()> {
+        self.note(format!("add {}", a.value));
         Ok(())
     }
     fn flush(&self, _: Duration) -> comm::Result<()> {

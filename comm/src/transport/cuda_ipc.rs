@@ -24,7 +24,7 @@ use std::time::Duration;
 
 use cudarc::driver::sys;
 
-use super::{AtomicWidth, Connection, Put, Transport};
+use super::{AtomicAdd, AtomicWidth, Connection, Put, Transport};
 use crate::cuda::{Device, OwnedStream, RestoreCurrent};
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::registered_memory::RegisteredMemory;
@@ -292,23 +292,17 @@ impl Connection for CudaIpcConnection {
         Ok(())
     }
 
-    fn add(
-        &self,
-        dst: &RegisteredMemory,
-        dst_offset: u64,
-        value: i64,
-        width: AtomicWidth,
-    ) -> Result<()> {
-        let d = self.mapped(dst, "atomic_add destination")? + dst_offset;
-        let stream = self.stream_for(&[dst])?;
+    fn add(&self, a: AtomicAdd<'_>) -> Result<()> {
+        let d = self.mapped(a.dst, "atomic_add destination")? + a.dst_offset;
+        let stream = self.stream_for(&[a.dst])?;
         // SAFETY: d is an aligned integer of `width` inside the mapped registration.
         unsafe {
             crate::kernels::atomic_add(
                 stream.device(),
                 stream.handle(),
                 d,
-                value,
-                width == AtomicWidth::U64,
+                a.value,
+                a.width == AtomicWidth::U64,
             )
         }?;
         self.ops.issued();

@@ -44,7 +44,7 @@ use cudarc::driver::sys;
 use super::ib::config::SignalMode;
 use super::ib::imm::{self, Action, Record};
 use super::inbound::{ApplyError, ApplyStreams, Op, Regions};
-use super::{AtomicWidth, Connection, Put, Transport};
+use super::{AtomicAdd, AtomicWidth, Connection, Put, Transport};
 use crate::cuda::{Device, OwnedStream, RestoreCurrent};
 use crate::error::{CommError, CudaResultExt, Result};
 use crate::registered_memory::{Location, RegisteredMemory};
@@ -933,18 +933,12 @@ impl Connection for EthernetConnection {
         self.send_header(h, Instant::now() + SEND_TIMEOUT).map(drop)
     }
 
-    fn add(
-        &self,
-        dst: &RegisteredMemory,
-        dst_offset: u64,
-        value: i64,
-        width: AtomicWidth,
-    ) -> Result<()> {
-        let ptr = self.target(dst, "atomic_add destination")? + dst_offset;
+    fn add(&self, a: AtomicAdd<'_>) -> Result<()> {
+        let ptr = self.target(a.dst, "atomic_add destination")? + a.dst_offset;
         if self.mode == SignalMode::HostNoAtomic {
-            return self.send_imm(Action::Add(width), ptr, value as u64);
+            return self.send_imm(Action::Add(a.width), ptr, a.value as u64);
         }
-        let h = Header::new(OP_ATOMIC, ptr, value as u64).flag(width.bytes() as u8);
+        let h = Header::new(OP_ATOMIC, ptr, a.value as u64).flag(a.width.bytes() as u8);
         self.send_header(h, Instant::now() + SEND_TIMEOUT).map(drop)
     }
 

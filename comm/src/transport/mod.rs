@@ -56,6 +56,16 @@ pub struct Put<'a> {
     pub size: u64,
 }
 
+/// One [`Connection::atomic_add`] whose word is checked: `value` added to the
+/// integer of width `width` at the peer's `dst` + `dst_offset`.
+#[derive(Clone, Copy, Debug)]
+pub struct AtomicAdd<'a> {
+    pub dst: &'a RegisteredMemory,
+    pub dst_offset: u64,
+    pub value: i64,
+    pub width: AtomicWidth,
+}
+
 /// A one-directional link from this rank to `remote_rank()`. Operations are
 /// applied at the peer in the order they were issued on one connection; none
 /// waits for completion except `flush`.
@@ -114,18 +124,17 @@ pub trait Connection: Send + Sync + std::fmt::Debug {
         width: AtomicWidth,
     ) -> Result<()> {
         check_word_target(dst, dst_offset, width.bytes(), "atomic_add offset")?;
-        self.add(dst, dst_offset, value, width)
+        self.add(AtomicAdd {
+            dst,
+            dst_offset,
+            value,
+            width,
+        })
     }
 
     /// The transport's half of [`atomic_add`](Self::atomic_add), its word
     /// checked.
-    fn add(
-        &self,
-        dst: &RegisteredMemory,
-        dst_offset: u64,
-        value: i64,
-        w: AtomicWidth,
-    ) -> Result<()>;
+    fn add(&self, a: AtomicAdd<'_>) -> Result<()>;
 
     /// Waits, at most `timeout`, until every earlier operation has completed at
     /// the peer.

@@ -38,7 +38,7 @@ use crate::error::{CommError, Result};
 use crate::host_memory::HostMemory;
 use crate::registered_memory::RegisteredMemory;
 use crate::transport::inbound::{ApplyStreams, Regions};
-use crate::transport::{AtomicWidth, Connection, Put, Transport};
+use crate::transport::{AtomicAdd, AtomicWidth, Connection, Put, Transport};
 
 use super::config::SignalMode;
 use super::device::{Completion, RdmaCq, RdmaMr, RdmaQp, SendOp, SendWr, Sge};
@@ -651,15 +651,9 @@ impl Connection for IbConnection {
         self.signal_op(Action::Set, target, rkey, value)
     }
 
-    fn add(
-        &self,
-        dst: &RegisteredMemory,
-        dst_offset: u64,
-        value: i64,
-        width: AtomicWidth,
-    ) -> Result<()> {
-        let (target, rkey) = self.target(dst, dst_offset, "atomic_add destination")?;
-        self.signal_op(Action::Add(width), target, rkey, value as u64)
+    fn add(&self, a: AtomicAdd<'_>) -> Result<()> {
+        let (target, rkey) = self.target(a.dst, a.dst_offset, "atomic_add destination")?;
+        self.signal_op(Action::Add(a.width), target, rkey, a.value as u64)
     }
 
     fn flush(&self, timeout: Duration) -> Result<()> {

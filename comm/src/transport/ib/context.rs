@@ -25,7 +25,9 @@ use crate::wire::{Reader, Writer};
 
 use super::config::{IbConfig, SignalMode};
 use super::connection::{ControlBlock, IbConnection, Link, BLOCK, RING, SEND_DEPTH};
-use super::device::{Completion, MrSource, PortAttr, RdmaCq, RdmaDevice, RdmaMr, RdmaProvider};
+use super::device::{
+    Completion, MrSource, PortAttr, QpInit, RdmaCq, RdmaDevice, RdmaMr, RdmaProvider,
+};
 use super::qp::{self, access, LinkLayer, QpEndpoint};
 use super::verbs::usable_devices;
 
@@ -332,10 +334,12 @@ impl IbContext {
         let mut qps = Vec::with_capacity(nq);
         for _ in 0..nq {
             let recv_cq = &self.shared.recv_cq;
-            qps.push(
-                self.device
-                    .create_qp(&send_cq, recv_cq, send_depth, RING as u32)?,
-            );
+            qps.push(self.device.create_qp(QpInit {
+                send_cq: &send_cq,
+                recv_cq,
+                max_send_wr: send_depth,
+                max_recv_wr: RING as u32,
+            })?);
         }
         let mem = HostMemory::heap(BLOCK as usize * nq);
         let mr = self.device.register(

@@ -123,6 +123,17 @@ pub trait RdmaProvider: Send + Sync + std::fmt::Debug {
     fn open(&self, name: &str) -> Result<Arc<dyn RdmaDevice>>;
 }
 
+/// What a queue pair is created with (the `ibv_qp_init_attr` fields that
+/// vary): its completion queues and how many work requests each of its
+/// queues holds.
+#[derive(Clone, Copy, Debug)]
+pub struct QpInit<'a> {
+    pub send_cq: &'a Arc<dyn RdmaCq>,
+    pub recv_cq: &'a Arc<dyn RdmaCq>,
+    pub max_send_wr: u32,
+    pub max_recv_wr: u32,
+}
+
 /// An open device and its protection domain.
 pub trait RdmaDevice: Send + Sync + std::fmt::Debug {
     fn name(&self) -> &str;
@@ -134,13 +145,7 @@ pub trait RdmaDevice: Send + Sync + std::fmt::Debug {
     fn register(&self, source: MrSource, access: u32) -> Result<Box<dyn RdmaMr>>;
     fn create_cq(&self, depth: u32) -> Result<Arc<dyn RdmaCq>>;
     /// A reliable-connected queue pair in the RESET state.
-    fn create_qp(
-        &self,
-        send_cq: &Arc<dyn RdmaCq>,
-        recv_cq: &Arc<dyn RdmaCq>,
-        max_send_wr: u32,
-        max_recv_wr: u32,
-    ) -> Result<Box<dyn RdmaQp>>;
+    fn create_qp(&self, init: QpInit<'_>) -> Result<Box<dyn RdmaQp>>;
 }
 
 /// A registered memory region.

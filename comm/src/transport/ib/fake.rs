@@ -23,8 +23,8 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use crate::error::{CommError, Result};
 
 use super::device::{
-    opcode, Completion, DeviceCaps, MrSource, PortAttr, RdmaCq, RdmaDevice, RdmaMr, RdmaProvider,
-    RdmaQp, SendOp, SendWr,
+    opcode, Completion, DeviceCaps, MrSource, PortAttr, QpInit, RdmaCq, RdmaDevice, RdmaMr,
+    RdmaProvider, RdmaQp, SendOp, SendWr,
 };
 use super::qp::{access, mask, LinkLayer, QpState, Transition};
 
@@ -298,13 +298,7 @@ impl RdmaDevice for Handle {
         }))
     }
 
-    fn create_qp(
-        &self,
-        send_cq: &Arc<dyn RdmaCq>,
-        recv_cq: &Arc<dyn RdmaCq>,
-        max_send_wr: u32,
-        max_recv_wr: u32,
-    ) -> Result<Box<dyn RdmaQp>> {
+    fn create_qp(&self, init: QpInit<'_>) -> Result<Box<dyn RdmaQp>> {
         let cq = |c: &Arc<dyn RdmaCq>| -> Result<Arc<dyn RdmaCq>> {
             if c.as_any().downcast_ref::<Cq>().is_none() {
                 return Err(CommError::invalid("completion queue", "not a fake one"));
@@ -316,10 +310,10 @@ impl RdmaDevice for Handle {
         let qp = Arc::new(Qp {
             num,
             dev: self.0.clone(),
-            send_cq: cq(send_cq)?,
-            recv_cq: cq(recv_cq)?,
-            max_send_wr,
-            max_recv_wr,
+            send_cq: cq(init.send_cq)?,
+            recv_cq: cq(init.recv_cq)?,
+            max_send_wr: init.max_send_wr,
+            max_recv_wr: init.max_recv_wr,
             st: Mutex::new(QpSt::default()),
         });
         lock(&fabric.qps).insert(num, Arc::downgrade(&qp));

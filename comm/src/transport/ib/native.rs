@@ -9,8 +9,8 @@ use std::sync::{Arc, OnceLock};
 use crate::error::{CommError, Result};
 
 use super::device::{
-    Completion, DeviceCaps, MrSource, PortAttr, RdmaCq, RdmaDevice, RdmaMr, RdmaProvider, RdmaQp,
-    SendOp, SendWr,
+    Completion, DeviceCaps, MrSource, PortAttr, QpInit, RdmaCq, RdmaDevice, RdmaMr, RdmaProvider,
+    RdmaQp, SendOp, SendWr,
 };
 use super::qp::{LinkLayer, Transition};
 use super::sys;
@@ -256,13 +256,7 @@ impl RdmaDevice for Arc<NativeDevice> {
         }))
     }
 
-    fn create_qp(
-        &self,
-        send_cq: &Arc<dyn RdmaCq>,
-        recv_cq: &Arc<dyn RdmaCq>,
-        max_send_wr: u32,
-        max_recv_wr: u32,
-    ) -> Result<Box<dyn RdmaQp>> {
+    fn create_qp(&self, init: QpInit<'_>) -> Result<Box<dyn RdmaQp>> {
         let raw = |cq: &Arc<dyn RdmaCq>| -> Result<(*mut sys::ibv_cq, Arc<dyn RdmaCq>)> {
             let any: &dyn std::any::Any = cq.as_any();
             let n = any.downcast_ref::<NativeCq>().ok_or_else(|| {
@@ -270,16 +264,16 @@ impl RdmaDevice for Arc<NativeDevice> {
             })?;
             Ok((n.cq, cq.clone()))
         };
-        let (scq, keep_s) = raw(send_cq)?;
-        let (rcq, keep_r) = raw(recv_cq)?;
+        let (scq, keep_s) = raw(init.send_cq)?;
+        let (rcq, keep_r) = raw(init.recv_cq)?;
         let mut init = sys::ibv_qp_init_attr {
             qp_context: std::ptr::null_mut(),
             send_cq: scq,
             recv_cq: rcq,
             srq: std::ptr::null_mut(),
             cap: sys::ibv_qp_cap {
-                max_send_wr,
-                max_recv_wr,
+                max_send_wr: init.max_send_wr,
+                max_recv_wr: init.max_recv_wr,
                 max_send_sge: 1,
                 max_recv_sge: 1,
                 max_inline_data: 0,
