@@ -45,6 +45,11 @@ struct Shim {
 
 static SHIM: OnceLock<Shim> = OnceLock::new();
 
+/// glibc's `RTLD_NOLOAD` (libloading does not export it): open the library
+/// only if the process already loaded it, so a path that names another copy
+/// fails instead of loading (and initialising) a second libtorch.
+const RTLD_NOLOAD: c_int = 0x4;
+
 /// Symbol `name` of `lib` as a `T` (a function pointer type).
 ///
 /// # Safety
@@ -63,11 +68,11 @@ pub fn torch_alloc_init(libtorch_cpu: &str, steal: Py<PyAny>) -> PyResult<()> {
     if SHIM.get().is_some() {
         return Ok(());
     }
-    // SAFETY: loading a library the process already loaded runs no new
-    // initialisers; the symbols below are torch's C shim, with these signatures
-    // (torch/csrc/inductor/aoti_torch/c/shim.h).
+    // SAFETY: RTLD_NOLOAD opens only a library the process already loaded, so
+    // no initialiser runs; the symbols below are torch's C shim, with these
+    // signatures (torch/csrc/inductor/aoti_torch/c/shim.h).
     let shim = unsafe {
-        let lib = Library::open(Some(libtorch_cpu), RTLD_NOW as c_int)
+        let lib = Library::open(Some(libtorch_cpu), RTLD_NOW as c_int | RTLD_NOLOAD)
             .map_err(|e| PyRuntimeError::new_err(format!("cannot open {libtorch_cpu}: {e}")))?;
         let cuda: Code = symbol(&lib, "aoti_torch_device_type_cuda")?;
         let cpu: Code = symbol(&lib, "aoti_torch_device_type_cpu")?;
