@@ -200,12 +200,21 @@ enum HookLaunch {
 }
 
 impl HookLaunch {
-    fn run(&self, ll: &LowLatencyBuffer, stream: StreamHandle, phases: Phases) -> Result<()> {
-        match self {
-            HookLaunch::Dispatch(c) => ll.dispatch(stream, c, phases)?,
-            HookLaunch::Combine(c) => ll.combine(stream, c, phases)?,
-        }
-        Ok(())
+    /// `phases` of the call as ep-core runs an API launch
+    /// (`LowLatencyBuffer::dispatch_call` / `combine_call`): refused, nothing
+    /// launched, once a device wait ran out; else launched, returning what
+    /// the kernels recorded, for the caller to raise after its bookkeeping.
+    fn run(
+        &self,
+        ll: &LowLatencyBuffer,
+        stream: StreamHandle,
+        phases: Phases,
+    ) -> Result<Option<Error>> {
+        let recorded = match self {
+            HookLaunch::Dispatch(c) => ll.dispatch_call(stream, c, phases)?,
+            HookLaunch::Combine(c) => ll.combine_call(stream, c, phases)?,
+        };
+        Ok(recorded.map(Error::from))
     }
 }
 
@@ -873,8 +882,8 @@ impl Buffer {
                  the next low-latency call",
             ));
         }
-        // A timed-out wait leaves the ranks out of step: raise before launching.
-        ll.check_device_timeout()?;
+        // A timed-out wait leaves the ranks out of step: the launch itself
+        // refuses before launching (HookLaunch::run).
         Ok(ll)
     }
 
@@ -997,7 +1006,7 @@ impl Buffer {
         } else {
             Phases::Both
         };
-        launch.run(self.ll()?, stream, phases)?;
+        let recorded = launch.run(self.ll()?, stream, phases)?;
         let keep = keep.iter().flatten().copied();
         let event = if async_finish {
             self.finish_async(stream, keep.clone())?
@@ -1013,9 +1022,12 @@ impl Buffer {
                 _keep: keep.map(Tensor::shallow_clone).collect(),
             })
         } else {
-            self.ll()?.check_device()?; // after the launch: the ranks stay in step
             None
         };
+        // After the launch and the bookkeeping: the ranks stay in step.
+        if let Some(e) = recorded {
+            return Err(e);
+        }
         Ok((event, hook))
     }
 
@@ -1028,15 +1040,15 @@ impl Buffer {
             ));
         }
         let ll = self.ll()?;
-        ll.check_device_timeout()?;
         let stream = self.compute_stream()?;
-        hook.launch.run(ll, stream, Phases::Recv)?;
+        let recorded = hook.launch.run(ll, stream, Phases::Recv)?;
         self.ll_pending = None;
-        let ll = self.ll()?;
         // The kept tensors are freed on the current stream, after the launch.
         drop(hook);
-        ll.check_device()?;
-        Ok(())
+        match recorded {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// `low_latency_combine(x, topk_idx, topk_weights, handle, ...)`: every
