@@ -9,7 +9,10 @@ Calls: ``x.add_(0)`` (the reference); low-latency dispatch (fp8) and combine, ea
 with its receive hook; ``get_dispatch_layout``; ``dispatch`` with a cached handle;
 the full ``dispatch`` (the CPU waits for the counts); ``combine``;
 ``AllReduce.all_reduce`` of 16 KiB. Shapes: low-latency T=128, H=7168, top-8 of
-``--ll-experts``; normal ``--tokens`` x 7168, top-8 of ``--experts``. Writes
+``--ll-experts``; normal ``--tokens`` x 7168, top-8 of ``--experts``. The calls are
+timed in ``--rounds`` interleaved rounds, the reference in each: a call's ratio is the
+median of its per-round ratios, so a drift of the host's speed during the run cancels
+(``time_rounds``). Writes
 ``host_overhead.json`` (medians, p10/p90, ratios, commit, machine) and a bar plot
 of the ratios into ``--out`` on rank 0, and prints the table. ``--profile N``:
 after timing, each call runs N more times under cProfile (same untimed partner
@@ -70,6 +73,31 @@ def time_call(fn, iters: int, warmup: int, sync, before=None, after=None) -> lis
         if i >= warmup:
             samples.append(dt)
     return samples
+
+
+def time_rounds(calls: dict, iters: int, warmup: int, rounds: int, sync, barrier) -> dict:
+    """Times every entry of ``calls`` (``name -> fn`` or ``(fn, before, after)``, the
+    reference first) in ``rounds`` interleaved rounds of ``iters // rounds`` samples
+    each (``warmup`` untimed calls before a call's first round, 2 before its later
+    ones), so that a drift of the host's speed during the run (seen: the reference
+    moving by a third between runs) falls on every call alike. Returns ``name ->
+    {"samples": ns list, "ratios": per-round median / the reference's median in
+    that round}``. ``barrier()`` runs before each call's samples (the calls are
+    collective)."""
+    per = max(1, iters // max(1, rounds))
+    out = {name: {"samples": [], "ratios": []} for name in calls}
+    for r in range(max(1, rounds)):
+        medians = {}
+        for name, call in calls.items():
+            fn, before, after = call if isinstance(call, tuple) else (call, None, None)
+            barrier()
+            s = time_call(fn, per, warmup if r == 0 else 2, sync, before, after)
+            out[name]["samples"] += s
+            medians[name] = statistics.median(s)
+        ref = medians[next(iter(calls))]
+        for name in calls:
+            out[name]["ratios"].append(medians[name] / ref)
+    return out
 
 
 def profile_call(fn, iters: int, sync, before=None, after=None, top: int = 25) -> str:
@@ -169,6 +197,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=10,
+        help="interleaved rounds: each call's ratio is the median over rounds of its "
+        "median / x.add_(0)'s median in the same round",
+    )
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--experts", type=int, default=256)
     p.add_argument("--ll-experts", type=int, default=288)
@@ -277,16 +312,14 @@ def main(argv=None) -> int:
     calls["AllReduce.all_reduce 16 KiB"] = lambda: ar.all_reduce(t_ar)
 
     # Every rank times the same calls in the same order (they are collective).
+    timed = time_rounds(
+        calls, args.iters, args.warmup, args.rounds, sync, lambda: dist.barrier(group=group)
+    )
     results: dict = {}
-    ref_us = None
-    for name, call in calls.items():
-        fn, before, after = call if isinstance(call, tuple) else (call, None, None)
-        dist.barrier(group=group)
-        samples = time_call(fn, args.iters, args.warmup, sync, before, after)
-        results[name] = summarize(samples, ref_us)
-        if ref_us is None:
-            ref_us = results[name]["median_us"]
-            results[name]["ratio"] = 1.0
+    for name, t in timed.items():
+        results[name] = summarize(t["samples"], None)
+        results[name]["ratio"] = statistics.median(t["ratios"])
+        results[name]["ratio_range"] = [min(t["ratios"]), max(t["ratios"])]
     profiles: dict = {}
     if args.profile > 0:
         for name, call in calls.items():
@@ -349,9 +382,12 @@ def main(argv=None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             doc = {
                 "what": "CPU time from the Python call to its return, eager, GPU drained "
-                "between samples (untimed); ratio = median / median of x.add_(0)",
+                "between samples (untimed), in interleaved rounds; ratio = median over "
+                "rounds of (the call's median / x.add_(0)'s median in that round), "
+                "ratio_range its spread",
                 "ranks": size,
                 "iters": args.iters,
+                "rounds": args.rounds,
                 "outputs": "torch.empty_strided" if args.torch_empty else "native (C shim)",
                 "shapes": {
                     "low_latency": [t, HIDDEN, e_ll, TOPK],

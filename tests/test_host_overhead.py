@@ -96,3 +96,48 @@ def test_breakdown_splits_native_alloc_and_the_rest():
     assert row["native_calls"] == 1 and row["allocs"] == 2
     assert row["native_us"] == 1.0 and row["alloc_us"] == 2.0
     assert row["total_us"] == 7.0 and row["python_us"] == 4.0
+
+
+def test_rounds_interleave_the_calls_and_cancel_a_drift():
+    """A host that slows down during the run: every sample costs `speed` times the
+    call's work, `speed` rising each round. Timed one call after the other, the
+    later call would look slower; interleaved, each round's ratio is exact."""
+    state = {"now": 0, "speed": 1.0}
+    work = {"ref": 10, "call": 30}
+    order = []
+
+    def fake_ns():
+        return state["now"]
+
+    def make(name):
+        def fn():
+            state["now"] += int(work[name] * state["speed"])
+
+        return fn
+
+    def barrier():
+        state["speed"] += 0.5 if order and order[-1] == "call" else 0.0
+
+    calls = {"ref": make("ref"), "call": make("call")}
+    traced = {k: (lambda k=k, f=f: (order.append(k), f())) for k, f in calls.items()}
+    mp = pytest.MonkeyPatch()
+    mp.setattr(host_overhead.time, "perf_counter_ns", fake_ns)
+    try:
+        out = host_overhead.time_rounds(
+            traced, iters=12, warmup=1, rounds=4, sync=lambda: None, barrier=barrier
+        )
+    finally:
+        mp.undo()
+    assert len(out["ref"]["samples"]) == len(out["call"]["samples"]) == 12
+    assert out["ref"]["ratios"] == [1.0] * 4
+    assert out["call"]["ratios"] == [3.0] * 4
+    # Interleaved: ref's samples, then call's, in every round (after the warm-ups).
+    assert order[:4] == ["ref"] * 4 and order[4:8] == ["call"] * 4 and order[8] == "ref"
+
+
+def test_a_nested_timed_call_counts_once():
+    a = host_overhead.Attribution()
+    inner = a.timed("alloc", lambda: 1)
+    outer = a.timed("alloc", lambda: inner() + 1)
+    assert outer() == 2
+    assert a.count["alloc"] == 1
