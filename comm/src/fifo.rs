@@ -10,7 +10,7 @@
 //!
 //! GPU producers check for room against `tail_replica`, a lower bound of
 //! `tail` in GPU memory (device side: `fifo_device.cuh`). The consumer
-//! refreshes it ([`TailReplica`]) with one `cuStreamWriteValue64` of the new
+//! refreshes it (`TailReplica`) with one `cuStreamWriteValue64` of the new
 //! tail every quarter ring it pops: a posted write into GPU memory, so a push
 //! reads host memory over PCIe only while the ring looks full (producers also
 //! raise the replica to the host tail they read while waiting, so progress

@@ -520,7 +520,7 @@ impl LowLatencyBuffer {
     /// The rank mask is kept.
     ///
     /// With shrink, the two barriers around the reset are rank-mask aware
-    /// ([`masked_barrier`]): masked ranks are not waited for, and a rank that
+    /// (`masked_barrier`): masked ranks are not waited for, and a rank that
     /// does not enter within the device-wait bound is masked; the clean then
     /// completes for the others. Without shrink they are the bootstrap's
     /// barriers (bounded by the host timeout, an error when a rank is missing).

@@ -543,7 +543,6 @@ pub unsafe fn dispatch_send(
     unsafe { k.launch_params(KernelId::DispatchSend, (grid, 1), THREADS, 0, stream, p) }
 }
 
-/// The send half's argument block (checked).
 /// Launches `dispatch_send_packed`: [`dispatch_send`] with every copy of a
 /// token written to its received row of the destination's packed arrays
 /// (`rank_prefix_matrix` `[R, R]` int32 on the device: notify's, or the
@@ -634,6 +633,7 @@ pub unsafe fn finish_rows(
     unsafe { k.launch_params(KernelId::FinishRows, (grid, 1), THREADS, 0, stream, p) }
 }
 
+/// The send half's argument block (checked).
 pub(crate) fn send_params(ctx: IntranodeCtx, a: &SendArgs) -> Result<DispatchSendParams> {
     check_ctx(&ctx)?;
     if a.num_tokens as i64 > ctx.dispatch_slots {
@@ -684,7 +684,7 @@ pub struct RecvArgs {
 }
 
 /// # Safety
-/// Pointers valid for `num_rows` rows; runs after [`wait_peers`].
+/// Pointers valid for `num_rows` rows; runs after `wait_peers` ([`ctx_kernel`]).
 pub unsafe fn dispatch_recv(
     k: &DeviceKernels,
     stream: StreamHandle,
@@ -775,7 +775,7 @@ pub struct CombineRecvArgs {
 }
 
 /// # Safety
-/// Pointers valid; runs after [`wait_peers`].
+/// Pointers valid; runs after `wait_peers` ([`ctx_kernel`]).
 pub unsafe fn combine_recv(
     k: &DeviceKernels,
     stream: StreamHandle,

@@ -305,7 +305,7 @@ impl LlShape {
         (self.experts_per_rank() * self.num_ranks * self.max_tokens * self.hidden * 2) as u64
     }
 
-    /// Byte offsets of (zero-copy, recv[2], stage[2]) and the total buffer
+    /// Byte offsets of (zero-copy, `recv[2]`, `stage[2]`) and the total buffer
     /// size. The zero-copy region sits right after the flags for every K, so
     /// its address depends only on (T, H, E).
     pub fn layout(&self, with_staging: bool) -> LlLayout {

@@ -27,6 +27,10 @@
 //! (docs/architecture.md), and on `ep-reference` for [`reference`]; it calls
 //! them as the Python package does, through the same checks and launches.
 
+// The table above links the feature's modules: they resolve when the docs are
+// built with `--features tch`; without it there is nothing to link to.
+#![cfg_attr(not(feature = "tch"), allow(rustdoc::broken_intra_doc_links))]
+
 /// Every item of the crate is behind the feature `tch`.
 macro_rules! with_tch {
     ($($item:item)*) => {

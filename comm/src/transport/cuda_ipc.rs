@@ -14,7 +14,7 @@
 //! is captured when enqueued, so a signal never overtakes the data issued
 //! before it). "Known complete": the connection counts the operations it
 //! enqueued and the count it last saw drained (a `cuStreamQuery` that found
-//! the stream idle, or a flush); see [`IssueCount`]. A completed copy's data
+//! the stream idle, or a flush); see `IssueCount`. A completed copy's data
 //! is in the peer's memory before the stream reports it complete, so a store
 //! made after that report orders after the data, as the stream operation did.
 
