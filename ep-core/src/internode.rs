@@ -30,14 +30,13 @@ use ep_kernels::internode::{
     XRecordLayout, MAX_CHUNK, MAX_NODES, STAGE_BYTES,
 };
 use ep_kernels::intranode::{
-    self as k, CombineRecvArgs, CombineSendArgs, FusedGrid, FusedState, IntranodeCtx, RecordLayout,
-    RecvArgs, SendArgs, CTRL_BYTES,
+    self as k, FusedGrid, IntranodeCtx, RecordLayout, RecvArgs, CTRL_BYTES,
 };
 
 use crate::intranode::{
-    experts_per_rank, notify_args, CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape,
-    HostCounts, LayoutCall, COMBINE_CALLS_OFFSET, DISPATCH_RECV_CALLS_OFFSET,
-    DISPATCH_SEND_CALLS_OFFSET, HOST_BYTES, RECV_TICKET_OFFSET,
+    dispatch_state, experts_per_rank, notify_args, send_args, without_topk, CombineArgs,
+    DispatchInputs, DispatchOutputs, DispatchShape, HostCounts, LayoutCall, COMBINE_CALLS_OFFSET,
+    DISPATCH_SEND_CALLS_OFFSET, HOST_BYTES,
 };
 use crate::part::{BufferPart, EpBufferOptions, PartBase};
 
@@ -564,6 +563,15 @@ impl InternodeBuffer {
         Ok((xc, xrec))
     }
 
+    /// The SMs of a dispatch (see `sms`) and its fused grid.
+    fn dispatch_grid(&self, num_sms: u32) -> Result<(u32, FusedGrid)> {
+        let num_sms = self.sms(num_sms);
+        let grid = FusedGrid::new(num_sms, RECV_PERCENT).ok_or_else(|| {
+            CommError::invalid("num_sms", "an internode dispatch needs at least 2 SMs")
+        })?;
+        Ok((num_sms, grid))
+    }
+
     fn experts_per_rank(&self, num_experts: usize) -> Result<usize> {
         experts_per_rank(self.part.num_ranks(), num_experts)
     }
@@ -630,20 +638,12 @@ impl InternodeBuffer {
         xi: &XInputs,
         num_sms: u32,
     ) -> Result<()> {
-        let shape = DispatchShape {
-            num_topk: 0,
-            ..*shape
-        };
+        let (shape, inp) = without_topk(shape, inp);
         let (xc, xrec) = self.dispatch_ctx(&shape, xi.meta_slots)?;
         self.check_meta(xi, shape.num_tokens)?;
         // SAFETY: channels are live.
         unsafe { x::internode_barrier(self.part.kernels(), stream, xc) }?;
         self.combine_dirty = false;
-        let inp = DispatchInputs {
-            topk_idx: 0,
-            topk_weights: 0,
-            ..*inp
-        };
         self.prepare_send(stream, xc, xrec, &shape, &inp, xi, 1, num_sms)
     }
 
@@ -669,26 +669,11 @@ impl InternodeBuffer {
         experts_per_rank: usize,
         num_sms: u32,
     ) -> Result<()> {
-        let num_sms = self.sms(num_sms);
-        let grid = FusedGrid::new(num_sms, RECV_PERCENT).ok_or_else(|| {
-            CommError::invalid("num_sms", "an internode dispatch needs at least 2 SMs")
-        })?;
+        let (num_sms, grid) = self.dispatch_grid(num_sms)?;
         // The receive side (launched by dispatch_recv) waits for notify only.
         self.after_notify.after(self.side.handle(), stream)?;
-        let send = SendArgs {
-            rec: xrec.rec_nvl(),
-            x: inp.x,
-            scales: inp.scales,
-            scale_strides: inp.scale_strides,
-            topk_idx: inp.topk_idx,
-            topk_weights: inp.topk_weights,
-            send_head: inp.send_head,
-            num_tokens: shape.num_tokens as i32,
-            experts_per_rank: experts_per_rank as i32,
-            num_sms,
-        };
         let send = XDispatchArgs {
-            send,
+            send: send_args(xrec.rec_nvl(), shape, inp, experts_per_rank, num_sms),
             xrec,
             node_head: xi.node_head,
             xcounts: xi.xcounts,
@@ -731,10 +716,7 @@ impl InternodeBuffer {
                 "a dispatch's receive half without its send half (dispatch_send first)",
             )
         })?;
-        let num_sms = self.sms(num_sms);
-        let grid = FusedGrid::new(num_sms, RECV_PERCENT).ok_or_else(|| {
-            CommError::invalid("num_sms", "an internode dispatch needs at least 2 SMs")
-        })?;
+        let (num_sms, grid) = self.dispatch_grid(num_sms)?;
         let (xc, xrec) = self.dispatch_ctx(shape, 0)?;
         if xc.xslots != pending.xc.xslots {
             return Err(CommError::invalid(
@@ -752,13 +734,7 @@ impl InternodeBuffer {
             out: *out,
             num_sms,
         };
-        let state = FusedState {
-            send_calls: self.scratch.ptr() + DISPATCH_SEND_CALLS_OFFSET,
-            recv_calls: self.scratch.ptr() + DISPATCH_RECV_CALLS_OFFSET,
-            recv_ticket: self.scratch.ptr() + RECV_TICKET_OFFSET,
-            error: self.part.error_ptr(),
-            prof: 0,
-        };
+        let state = dispatch_state(self.scratch.ptr(), self.part.error_ptr(), 0);
         // SAFETY: the caller checked the outputs, allocated on `stream`, which
         // waits for the side stream before it goes on.
         unsafe {
@@ -826,25 +802,8 @@ impl InternodeBuffer {
             unsafe { x::internode_barrier(self.part.kernels(), stream, xc) }?;
         }
         let args = XCombineArgs {
-            send: CombineSendArgs {
-                y: a.y,
-                hidden: a.hidden as i32,
-                topk_weights: a.topk_weights,
-                num_topk: a.num_topk as i32,
-                rank_prefix_matrix: a.rank_prefix_matrix,
-                num_rows: a.num_recv_rows,
-                num_sms,
-            },
-            recv: CombineRecvArgs {
-                send_head: a.send_head,
-                num_tokens: a.num_tokens as i32,
-                hidden: a.hidden as i32,
-                bias: a.bias,
-                out: a.out,
-                out_weights: a.out_weights,
-                num_topk: a.num_topk as i32,
-                num_sms,
-            },
+            send: a.send_args(num_sms),
+            recv: a.recv_args(num_sms),
             recv_src_idx,
             node_head: xi.node_head,
             xcounts: xi.xcounts,
@@ -862,15 +821,12 @@ impl InternodeBuffer {
     /// Launches the layout kernel (`get_dispatch_layout`), with the tokens
     /// per node (`num_tokens_per_rdma_rank`).
     pub fn layout(&self, stream: StreamHandle, c: &LayoutCall, per_node: u64) -> Result<()> {
-        self.experts_per_rank(c.num_experts)?;
+        let ticket = self.scratch.ptr();
         crate::intranode::launch_layout(
-            self.part.kernels(),
+            &self.part,
             stream,
             c,
-            self.scratch.ptr(),
-            self.part.error_ptr(),
-            self.part.num_ranks(),
-            self.part.rank(),
+            ticket,
             per_node,
             self.ranks_per_node,
         )

@@ -176,6 +176,59 @@ pub(crate) fn notify_args(
     })
 }
 
+/// The send half's arguments of a dispatch of records `rec` (intranode, and
+/// the internode send side's intranode part).
+pub(crate) fn send_args(
+    rec: RecordLayout,
+    shape: &DispatchShape,
+    inp: &DispatchInputs,
+    experts_per_rank: usize,
+    num_sms: u32,
+) -> SendArgs {
+    SendArgs {
+        rec,
+        x: inp.x,
+        scales: inp.scales,
+        scale_strides: inp.scale_strides,
+        topk_idx: inp.topk_idx,
+        topk_weights: inp.topk_weights,
+        send_head: inp.send_head,
+        num_tokens: shape.num_tokens as i32,
+        experts_per_rank: experts_per_rank as i32,
+        num_sms,
+    }
+}
+
+/// The shape and inputs a cached dispatch sends: no top-k.
+pub(crate) fn without_topk(
+    shape: &DispatchShape,
+    inp: &DispatchInputs,
+) -> (DispatchShape, DispatchInputs) {
+    let shape = DispatchShape {
+        num_topk: 0,
+        ..*shape
+    };
+    let inp = DispatchInputs {
+        topk_idx: 0,
+        topk_weights: 0,
+        ..*inp
+    };
+    (shape, inp)
+}
+
+/// The fused dispatch's device state: the call counters and the receive
+/// ticket in `scratch` (a device address), the error record, the phase
+/// stamps (0: none).
+pub(crate) fn dispatch_state(scratch: u64, error: u64, prof: u64) -> FusedState {
+    FusedState {
+        send_calls: scratch + DISPATCH_SEND_CALLS_OFFSET,
+        recv_calls: scratch + DISPATCH_RECV_CALLS_OFFSET,
+        recv_ticket: scratch + RECV_TICKET_OFFSET,
+        error,
+        prof,
+    }
+}
+
 /// Percent of a fused kernel's blocks that receive, per phase.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RecvShares {
@@ -277,6 +330,25 @@ struct PendingSend {
     /// Direct: the byte offset in this rank's receive pool where the senders
     /// wrote the rows (the published header's), or `None` (the packed arrays).
     rows_at: Option<u64>,
+}
+
+impl PendingSend {
+    /// The send half `send` of a dispatch in `ctx` (its slots per rank).
+    fn new(
+        send: SendArgs,
+        ctx: &IntranodeCtx,
+        launched: bool,
+        packed: Option<PackedLayout>,
+        rows_at: Option<u64>,
+    ) -> Self {
+        PendingSend {
+            send,
+            dispatch_slots: ctx.dispatch_slots as usize,
+            launched,
+            packed,
+            rows_at,
+        }
+    }
 }
 
 /// The direct dispatch's receive pool and what kernels read of it.
@@ -384,6 +456,35 @@ pub struct CombineArgs {
     pub bias: (u64, u64),
     pub out: u64,
     pub out_weights: u64,
+}
+
+impl CombineArgs {
+    /// The combine's send half's arguments (intranode and internode).
+    pub(crate) fn send_args(&self, num_sms: u32) -> CombineSendArgs {
+        CombineSendArgs {
+            y: self.y,
+            hidden: self.hidden as i32,
+            topk_weights: self.topk_weights,
+            num_topk: self.num_topk as i32,
+            rank_prefix_matrix: self.rank_prefix_matrix,
+            num_rows: self.num_recv_rows,
+            num_sms,
+        }
+    }
+
+    /// The combine's receive half's arguments (intranode and internode).
+    pub(crate) fn recv_args(&self, num_sms: u32) -> CombineRecvArgs {
+        CombineRecvArgs {
+            send_head: self.send_head,
+            num_tokens: self.num_tokens as i32,
+            hidden: self.hidden as i32,
+            bias: self.bias,
+            out: self.out,
+            out_weights: self.out_weights,
+            num_topk: self.num_topk as i32,
+            num_sms,
+        }
+    }
 }
 
 /// The intranode part of an [`EpBuffer`](crate::EpBuffer).
@@ -597,15 +698,7 @@ impl IntranodeBuffer {
             unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchBarrier) }?;
         }
         self.combine_dirty = false;
-        let shape = DispatchShape {
-            num_topk: 0,
-            ..*shape
-        };
-        let inp = DispatchInputs {
-            topk_idx: 0,
-            topk_weights: 0,
-            ..*inp
-        };
+        let (shape, inp) = without_topk(shape, inp);
         self.launch_send(stream, ctx, rec, &shape, &inp, 1, num_sms, false, rows_at)
     }
 
@@ -630,18 +723,7 @@ impl IntranodeBuffer {
         rows_at: Option<u64>,
     ) -> Result<()> {
         let num_sms = self.sms(num_sms);
-        let send = SendArgs {
-            rec,
-            x: inp.x,
-            scales: inp.scales,
-            scale_strides: inp.scale_strides,
-            topk_idx: inp.topk_idx,
-            topk_weights: inp.topk_weights,
-            send_head: inp.send_head,
-            num_tokens: shape.num_tokens as i32,
-            experts_per_rank: experts_per_rank as i32,
-            num_sms,
-        };
+        let send = send_args(rec, shape, inp, experts_per_rank, num_sms);
         self.pending = None;
         if self.recv_policy != RecvPolicy::Kernels {
             let packed = self.packed_layout(&ctx, &rec);
@@ -660,13 +742,7 @@ impl IntranodeBuffer {
                     pools,
                 )
             }?;
-            self.pending = Some(PendingSend {
-                send,
-                dispatch_slots: ctx.dispatch_slots as usize,
-                launched: true,
-                packed: Some(packed),
-                rows_at,
-            });
+            self.pending = Some(PendingSend::new(send, &ctx, true, Some(packed), rows_at));
             return Ok(());
         }
         let Some(grid) = fused_grid(num_sms, |s| s.dispatch) else {
@@ -690,24 +766,12 @@ impl IntranodeBuffer {
                 )
             }?;
         }
-        self.pending = Some(PendingSend {
-            send,
-            dispatch_slots: ctx.dispatch_slots as usize,
-            launched: early,
-            packed: None,
-            rows_at: None,
-        });
+        self.pending = Some(PendingSend::new(send, &ctx, early, None, None));
         Ok(())
     }
 
     fn dispatch_state(&self) -> FusedState {
-        FusedState {
-            send_calls: self.scratch.ptr() + DISPATCH_SEND_CALLS_OFFSET,
-            recv_calls: self.scratch.ptr() + DISPATCH_RECV_CALLS_OFFSET,
-            recv_ticket: self.scratch.ptr() + RECV_TICKET_OFFSET,
-            error: self.part.error_ptr(),
-            prof: self.prof.ptr(),
-        }
+        dispatch_state(self.scratch.ptr(), self.part.error_ptr(), self.prof.ptr())
     }
 
     fn combine_state(&self) -> FusedState {
@@ -1008,25 +1072,8 @@ impl IntranodeBuffer {
             // SAFETY: channels are live.
             unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, CombineBarrier) }?;
         }
-        let send = CombineSendArgs {
-            y: a.y,
-            hidden: a.hidden as i32,
-            topk_weights: a.topk_weights,
-            num_topk: a.num_topk as i32,
-            rank_prefix_matrix: a.rank_prefix_matrix,
-            num_rows: a.num_recv_rows,
-            num_sms,
-        };
-        let recv = CombineRecvArgs {
-            send_head: a.send_head,
-            num_tokens: a.num_tokens as i32,
-            hidden: a.hidden as i32,
-            bias: a.bias,
-            out: a.out,
-            out_weights: a.out_weights,
-            num_topk: a.num_topk as i32,
-            num_sms,
-        };
+        let send = a.send_args(num_sms);
+        let recv = a.recv_args(num_sms);
         if let Some(grid) = fused_grid(num_sms, |s| s.combine) {
             // SAFETY: the caller checked every tensor.
             unsafe {
@@ -1054,18 +1101,7 @@ impl IntranodeBuffer {
 
     /// Launches the layout kernel (`get_dispatch_layout`).
     pub fn layout(&self, stream: StreamHandle, c: &LayoutCall) -> Result<()> {
-        self.experts_per_rank(c.num_experts)?;
-        launch_layout(
-            self.part.kernels(),
-            stream,
-            c,
-            self.scratch.ptr(),
-            self.part.error_ptr(),
-            self.part.num_ranks(),
-            self.part.rank(),
-            0,
-            0,
-        )
+        launch_layout(&self.part, stream, c, self.scratch.ptr(), 0, 0)
     }
 }
 
@@ -1110,21 +1146,21 @@ fn direct_pool(comm: &comm::Communicator, nvl_bytes: u64) -> Result<DirectPool> 
     })
 }
 
-/// Launches the layout kernel for `c` (`ticket`: a device u32 left 0 between
-/// kernels); `per_node`, when not 0, receives the tokens per node of
-/// `ranks_per_node` consecutive ranks.
-#[allow(clippy::too_many_arguments)]
+/// Checks the experts of `c` against `part`'s ranks and launches the layout
+/// kernel for `c` (`ticket`: a device u32 left 0 between kernels); `per_node`,
+/// when not 0, receives the tokens per node of `ranks_per_node` consecutive
+/// ranks.
 pub(crate) fn launch_layout(
-    kernels: &ep_kernels::DeviceKernels,
+    part: &PartBase,
     stream: StreamHandle,
     c: &LayoutCall,
     ticket: u64,
-    error: u64,
-    num_ranks: usize,
-    rank: usize,
     per_node: u64,
     ranks_per_node: usize,
 ) -> Result<()> {
+    experts_per_rank(part.num_ranks(), c.num_experts)?;
+    let (kernels, error) = (part.kernels(), part.error_ptr());
+    let (num_ranks, rank) = (part.num_ranks(), part.rank());
     // SAFETY: the caller checked every tensor.
     unsafe {
         ep_kernels::launch::layout_dispatch(

@@ -12,7 +12,7 @@ use comm::StreamHandle;
 use crate::intranode::{
     self as intra, CombineRecvArgs, CombineRecvParams, CombineSendArgs, CombineSendParams,
     DispatchFusedParams, DispatchSendParams, FusedGrid, FusedHalves, FusedState, IntranodeCtx,
-    RecordLayout, RecvArgs, SendArgs, THREADS,
+    RecordLayout, RecvArgs, SendArgs,
 };
 use crate::module::{DeviceKernels, KernelId};
 
@@ -393,16 +393,7 @@ unsafe fn launch_dispatch(
     let p = XDispatchLaunch { role, pad: 0, args };
     // SAFETY: XDispatchLaunch mirrors the kernel's parameter (its role says
     // which member the kernel reads); pointers are the caller's contract.
-    unsafe {
-        k.launch_params(
-            KernelId::InternodeDispatch,
-            (blocks, 1),
-            THREADS,
-            0,
-            stream,
-            p,
-        )
-    }
+    unsafe { intra::launch_blocks(k, stream, KernelId::InternodeDispatch, blocks, p) }
 }
 
 /// Launches the receive half of a dispatch: `moelink::internode::dispatch`
@@ -512,16 +503,7 @@ pub unsafe fn internode_combine(
     };
     let blocks = a.grid.send + a.grid.fwd + 1 + a.grid.recv;
     // SAFETY: XCombineParams mirrors the kernel's block; pointers are the caller's contract.
-    unsafe {
-        k.launch_params(
-            KernelId::InternodeCombine,
-            (blocks, 1),
-            THREADS,
-            0,
-            stream,
-            p,
-        )
-    }
+    unsafe { intra::launch_blocks(k, stream, KernelId::InternodeCombine, blocks, p) }
 }
 
 #[cfg(test)]

@@ -370,6 +370,24 @@ fn data_grid(num_sms: u32, rows: i64) -> u32 {
     (num_sms as i64).min(needed).max(1) as u32
 }
 
+/// Launches kernel `id` on `blocks` blocks of [`THREADS`] threads, without
+/// dynamic shared memory, on `stream` (the geometry of every data and fused
+/// kernel of this module and of [`crate::internode`]).
+///
+/// # Safety
+/// `p` mirrors kernel `id`'s argument block; its pointers are the caller's
+/// contract.
+pub(crate) unsafe fn launch_blocks<P: Copy>(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    id: KernelId,
+    blocks: u32,
+    p: P,
+) -> Result<()> {
+    // SAFETY: forwarded from the caller's contract.
+    unsafe { k.launch_params(id, (blocks, 1), THREADS, 0, stream, p) }
+}
+
 /// Outputs and inputs of [`dispatch_notify`].
 #[derive(Clone, Copy, Debug)]
 pub struct NotifyArgs {
@@ -540,7 +558,7 @@ pub unsafe fn dispatch_send(
     let grid = data_grid(a.num_sms, a.num_tokens as i64);
     let p = send_params(ctx, &a)?;
     // SAFETY: as above.
-    unsafe { k.launch_params(KernelId::DispatchSend, (grid, 1), THREADS, 0, stream, p) }
+    unsafe { launch_blocks(k, stream, KernelId::DispatchSend, grid, p) }
 }
 
 /// Launches `dispatch_send_packed`: [`dispatch_send`] with every copy of a
@@ -572,16 +590,7 @@ pub unsafe fn dispatch_send_packed(
         pools,
     };
     // SAFETY: as above.
-    unsafe {
-        k.launch_params(
-            KernelId::DispatchSendPacked,
-            (grid, 1),
-            THREADS,
-            0,
-            stream,
-            p,
-        )
-    }
+    unsafe { launch_blocks(k, stream, KernelId::DispatchSendPacked, grid, p) }
 }
 
 /// Launches `publish_barrier`: `value` into this rank's receive pool header
@@ -630,7 +639,7 @@ pub unsafe fn finish_rows(
         pad: 0,
     };
     // SAFETY: as above.
-    unsafe { k.launch_params(KernelId::FinishRows, (grid, 1), THREADS, 0, stream, p) }
+    unsafe { launch_blocks(k, stream, KernelId::FinishRows, grid, p) }
 }
 
 /// The send half's argument block (checked).
@@ -695,7 +704,7 @@ pub unsafe fn dispatch_recv(
     let grid = data_grid(a.num_sms, a.out.num_rows);
     let p = recv_params(ctx, &a);
     // SAFETY: as above.
-    unsafe { k.launch_params(KernelId::DispatchRecv, (grid, 1), THREADS, 0, stream, p) }
+    unsafe { launch_blocks(k, stream, KernelId::DispatchRecv, grid, p) }
 }
 
 pub(crate) fn recv_params(ctx: IntranodeCtx, a: &RecvArgs) -> DispatchRecvParams {
@@ -742,7 +751,7 @@ pub unsafe fn combine_send(
     let grid = data_grid(a.num_sms, a.num_rows);
     let p = combine_send_params(ctx, &a);
     // SAFETY: as above.
-    unsafe { k.launch_params(KernelId::CombineSend, (grid, 1), THREADS, 0, stream, p) }
+    unsafe { launch_blocks(k, stream, KernelId::CombineSend, grid, p) }
 }
 
 pub(crate) fn combine_send_params(ctx: IntranodeCtx, a: &CombineSendArgs) -> CombineSendParams {
@@ -785,7 +794,7 @@ pub unsafe fn combine_recv(
     let grid = data_grid(a.num_sms, a.num_tokens as i64);
     let p = combine_recv_params(ctx, &a)?;
     // SAFETY: as above.
-    unsafe { k.launch_params(KernelId::CombineRecv, (grid, 1), THREADS, 0, stream, p) }
+    unsafe { launch_blocks(k, stream, KernelId::CombineRecv, grid, p) }
 }
 
 /// The combine's receive half's argument block (checked).
@@ -902,16 +911,7 @@ pub unsafe fn dispatch_fused(
 ) -> Result<()> {
     let (blocks, p) = dispatch_fused_params(ctx, halves, send, recv, state, grid)?;
     // SAFETY: DispatchFusedParams mirrors the kernel's block; pointers are the caller's contract.
-    unsafe {
-        k.launch_params(
-            KernelId::IntranodeDispatch,
-            (blocks, 1),
-            THREADS,
-            0,
-            stream,
-            p,
-        )
-    }
+    unsafe { launch_blocks(k, stream, KernelId::IntranodeDispatch, blocks, p) }
 }
 
 /// The checked argument block of one fused dispatch launch running `halves`,
@@ -1026,16 +1026,7 @@ pub unsafe fn combine_fused(
     };
     check_fused(&state, grid)?;
     // SAFETY: CombineFusedParams mirrors the kernel's block; pointers are the caller's contract.
-    unsafe {
-        k.launch_params(
-            KernelId::IntranodeCombine,
-            (grid.blocks, 1),
-            THREADS,
-            0,
-            stream,
-            p,
-        )
-    }
+    unsafe { launch_blocks(k, stream, KernelId::IntranodeCombine, grid.blocks, p) }
 }
 
 fn check_fused(state: &FusedState, grid: FusedGrid) -> Result<()> {
