@@ -4,6 +4,13 @@
 // stored as bf16. How many bytes per second can one SM read this way, and does
 // loading more copies or more vectors before adding raise it?
 //
+// With `pull` (every GPU of the host, R = the GPU count, peers mapped): the
+// same reduction where source d's block lies in GPU d's memory, as a combine
+// that reads the expert outputs where they are (one pass per byte instead of a
+// push over NVLink and a local reduction). Every GPU reduces its own tokens at
+// once, reading (R-1)/R of the bytes over NVLink; the time is the slowest GPU's
+// (median over runs), the GB/s are each GPU's bytes read.
+//
 //   plain S U T   T threads per block; each lane loads U 16-byte vectors of S
 //                 copies before it adds them (S = 2, U = 2 is the combine
 //                 kernel's reduce_token today)
@@ -17,7 +24,7 @@
 // the copies' row bytes (median of 20 runs after 3 warm-ups).
 //
 //   nvcc -O3 -arch=sm_90a -std=c++17 -o reduce_probe benches/probe/reduce_probe.cu
-//   ./reduce_probe [ranks=4] [tokens=4096] [hidden=7168]
+//   ./reduce_probe [ranks=4] [tokens=4096] [hidden=7168] [pull]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -34,7 +41,7 @@
 constexpr int kMaxRanks = 8;
 
 struct Args {
-  const char* buf;      // [R][T] records
+  const char* src[kMaxRanks];  // source d's block: [T] records (here or on GPU d)
   const int* slots;     // [N][R]: slot of token t's copy in source block d, or -1
   __nv_bfloat16* out;   // [N][hidden]
   int64_t record;       // bytes per record
@@ -77,7 +84,7 @@ __global__ void __launch_bounds__(kThreads) reduce_plain(const Args a) {
             const int v = v0 + 32 * u;
             if (d[s] >= 0 && v < nvec) {
               const int4* r = reinterpret_cast<const int4*>(
-                  a.buf + (int64_t(d[s]) * a.slots_per_source + slot_of[d[s]]) * a.record);
+                  a.src[d[s]] + int64_t(slot_of[d[s]]) * a.record);
               w[s][u] = __ldcg(r + v);
             }
           }
@@ -141,7 +148,7 @@ __global__ void __launch_bounds__(1024) reduce_tma(const Args a) {
       asm volatile(
           "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
               "r"(smem_u32(smem + k * stage_bytes + d * row_bytes)),
-          "l"(a.buf + (int64_t(d) * a.slots_per_source + s) * a.record), "r"(uint32_t(row_bytes)),
+          "l"(a.src[d] + int64_t(s) * a.record), "r"(uint32_t(row_bytes)),
           "r"(smem_u32(&bars[k]))
           : "memory");
     }
@@ -192,11 +199,15 @@ static uint16_t f2bf(float f) {  // round to nearest even, finite inputs
 }
 
 int main(int argc, char** argv) {
-  const int R = argc > 1 ? atoi(argv[1]) : 4;
+  const bool pull = argc > 4 && strcmp(argv[4], "pull") == 0;
+  int G = 1;
+  if (pull) CK(cudaGetDeviceCount(&G));
+  // Pull: one source block per GPU.
+  const int R = pull ? G : argc > 1 ? atoi(argv[1]) : 4;
   const int N = argc > 2 ? atoi(argv[2]) : 4096;
   const int H = argc > 3 ? atoi(argv[3]) : 7168;
-  if (R < 1 || R > kMaxRanks || H % 8 || N < 1) {
-    fprintf(stderr, "bad shape\n");
+  if (R < 1 || R > kMaxRanks || H % 8 || N < 1 || (pull && G < 2)) {
+    fprintf(stderr, "bad shape (pull needs 2 to %d GPUs)\n", kMaxRanks);
     return 2;
   }
   const int64_t record = (int64_t(H) * 2 + 32 + 8 + 15) / 16 * 16;  // row, 8 weights, flag
@@ -216,7 +227,8 @@ int main(int argc, char** argv) {
     if (!any) slots[int64_t(t) * R] = count[0]++, copies++;
   }
   const int T = N;
-  const int64_t buf_bytes = int64_t(R) * T * record;
+  const int64_t block_bytes = int64_t(T) * record;
+  const int64_t buf_bytes = int64_t(R) * block_bytes;
   std::vector<uint16_t> hbuf(buf_bytes / 2);
   for (auto& v : hbuf) v = f2bf(float(int64_t(rnd() % 2001) - 1000) / 256.f);
   std::vector<uint16_t> want(int64_t(N) * H);
@@ -229,40 +241,96 @@ int main(int argc, char** argv) {
       }
       want[int64_t(t) * H + h] = f2bf(acc);
     }
-  Args a;
-  char* buf;
-  int* dslots;
-  __nv_bfloat16* out;
-  CK(cudaMalloc(&buf, buf_bytes));
-  CK(cudaMalloc(&dslots, slots.size() * 4));
-  CK(cudaMalloc(&out, int64_t(N) * H * 2));
-  CK(cudaMemcpy(buf, hbuf.data(), buf_bytes, cudaMemcpyHostToDevice));
-  CK(cudaMemcpy(dslots, slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
-  a.buf = buf, a.slots = dslots, a.out = out, a.record = record;
-  a.tokens = N, a.hidden = H, a.ranks = R, a.slots_per_source = T;
+  // Per GPU (one here without pull): its buffer, routing, output, stream and
+  // arguments. Without pull the one buffer holds every source block; with
+  // pull, GPU g's buffer holds source g's block once per destination (each
+  // destination reads its own copy, as a combine's sources hold one block per
+  // destination), and GPU g reads block g of every GPU's buffer.
+  std::vector<char*> buf(G);
+  std::vector<int*> dslots(G);
+  std::vector<__nv_bfloat16*> out(G);
+  std::vector<cudaStream_t> st(G);
+  std::vector<cudaEvent_t> e0(G), e1(G);
+  std::vector<Args> a(G);
+  for (int g = 0; g < G; ++g) {
+    CK(cudaSetDevice(g));
+    for (int h = 0; pull && h < G; ++h)
+      if (h != g) CK(cudaDeviceEnablePeerAccess(h, 0));
+    CK(cudaMalloc(&buf[g], buf_bytes));
+    CK(cudaMalloc(&dslots[g], slots.size() * 4));
+    CK(cudaMalloc(&out[g], int64_t(N) * H * 2));
+    CK(cudaStreamCreateWithFlags(&st[g], cudaStreamNonBlocking));
+    CK(cudaEventCreate(&e0[g]));
+    CK(cudaEventCreate(&e1[g]));
+    for (int d = 0; d < R; ++d) {
+      const char* from = reinterpret_cast<const char*>(hbuf.data()) + (pull ? g : d) * block_bytes;
+      CK(cudaMemcpy(buf[g] + d * block_bytes, from, block_bytes, cudaMemcpyHostToDevice));
+    }
+    CK(cudaMemcpy(dslots[g], slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+  }
+  for (int g = 0; g < G; ++g) {
+    for (int d = 0; d < R; ++d) a[g].src[d] = pull ? buf[d] + g * block_bytes : buf[g] + d * block_bytes;
+    a[g].slots = dslots[g], a[g].out = out[g], a[g].record = record;
+    a[g].tokens = N, a[g].hidden = H, a[g].ranks = R, a[g].slots_per_source = T;
+  }
   const double read_bytes = double(copies) * H * 2;
   printf("{\"shape\": {\"ranks\": %d, \"tokens\": %d, \"hidden\": %d, \"copies\": %lld, "
-         "\"read_bytes\": %.0f}}\n",
-         R, N, H, (long long)copies, read_bytes);
+         "\"read_bytes\": %.0f, \"pull\": %s, \"gpus\": %d}}\n",
+         R, N, H, (long long)copies, read_bytes, pull ? "true" : "false", G);
   int failures = 0;
   std::vector<uint16_t> got(int64_t(N) * H);
   auto run = [&](const char* mode, int s, int u, int threads, int blocks, size_t smem,
                  auto kernel) {
-    CK(cudaMemset(out, 0xff, int64_t(N) * H * 2));
-    kernel<<<blocks, threads, smem>>>(a);
-    CK(cudaGetLastError());
-    CK(cudaDeviceSynchronize());
-    CK(cudaMemcpy(got.data(), out, got.size() * 2, cudaMemcpyDeviceToHost));
-    const bool ok = got == want;
+    bool ok = true;
+    for (int g = 0; g < G; ++g) {
+      CK(cudaSetDevice(g));
+      if (smem > 0)
+        CK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      CK(cudaMemset(out[g], 0xff, int64_t(N) * H * 2));
+      kernel<<<blocks, threads, smem, st[g]>>>(a[g]);
+      CK(cudaGetLastError());
+    }
+    for (int g = 0; g < G; ++g) {
+      CK(cudaSetDevice(g));
+      CK(cudaDeviceSynchronize());
+      CK(cudaMemcpy(got.data(), out[g], got.size() * 2, cudaMemcpyDeviceToHost));
+      ok = ok && got == want;
+    }
     if (!ok) failures++;
-    const float us = median_us(0, [&] { kernel<<<blocks, threads, smem>>>(a); });
-    printf("{\"mode\": \"%s\", \"srcs\": %d, \"unroll\": %d, \"threads\": %d, \"blocks\": %d, "
-           "\"us\": %.1f, \"read_GBps\": %.1f, \"read_GBps_per_sm\": %.1f, \"checked\": %s}\n",
-           mode, s, u, threads, blocks, us, read_bytes / (us * 1e3), read_bytes / (us * 1e3) / blocks,
-           ok ? "true" : "false");
+    // Every GPU at once; per run the slowest GPU's time, then the median.
+    std::vector<float> times;
+    for (int it = 0; it < 23; ++it) {
+      for (int g = 0; g < G; ++g) {
+        CK(cudaSetDevice(g));
+        CK(cudaDeviceSynchronize());
+      }
+      for (int g = 0; g < G; ++g) {
+        CK(cudaSetDevice(g));
+        CK(cudaEventRecord(e0[g], st[g]));
+        kernel<<<blocks, threads, smem, st[g]>>>(a[g]);
+        CK(cudaEventRecord(e1[g], st[g]));
+      }
+      float worst = 0.f;
+      for (int g = 0; g < G; ++g) {
+        CK(cudaSetDevice(g));
+        CK(cudaEventSynchronize(e1[g]));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, e0[g], e1[g]));
+        worst = std::max(worst, ms);
+      }
+      if (it >= 3) times.push_back(worst);
+    }
+    const float us = median(times) * 1000.f;
+    printf("{\"mode\": \"%s\", \"pull\": %s, \"srcs\": %d, \"unroll\": %d, \"threads\": %d, "
+           "\"blocks\": %d, \"us\": %.1f, \"read_GBps\": %.1f, \"read_GBps_per_sm\": %.1f, "
+           "\"checked\": %s}\n",
+           mode, pull ? "true" : "false", s, u, threads, blocks, us, read_bytes / (us * 1e3),
+           read_bytes / (us * 1e3) / blocks, ok ? "true" : "false");
     fflush(stdout);
   };
-  for (int blocks : {1, 2, 4, 8}) {
+  const std::vector<int> block_counts =
+      pull ? std::vector<int>{2, 4, 8, 16, 32} : std::vector<int>{1, 2, 4, 8};
+  for (int blocks : block_counts) {
     run("plain", 2, 2, 1024, blocks, 0, reduce_plain<2, 2, 1024>);
     run("plain", 4, 2, 1024, blocks, 0, reduce_plain<4, 2, 1024>);
     run("plain", 4, 4, 512, blocks, 0, reduce_plain<4, 4, 512>);
@@ -271,7 +339,6 @@ int main(int argc, char** argv) {
       const size_t smem = k * stage + 64;
       if (smem > 227 * 1024) continue;
       auto kern = k == 1 ? reduce_tma<1> : k == 2 ? reduce_tma<2> : reduce_tma<3>;
-      CK(cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
       for (int threads : {256, 1024}) run("tma", R, k, threads, blocks, smem, kern);
     }
   }
