@@ -139,12 +139,7 @@ fn run(root: &Path) -> anyhow::Result<()> {
     }
     inp.finish()?;
 
-    let opts = BufferOptions {
-        num_nvl_bytes: Buffer::nvl_buffer_size_hint(2 * H as usize, size, N as usize)?,
-        num_rdma_bytes: Buffer::get_low_latency_rdma_size_hint(N, H, r, e)?,
-        low_latency_mode: true,
-        ..BufferOptions::default()
-    };
+    let opts = BufferOptions::sized_for(N, H, size, e)?;
     let mut b = Buffer::new(&group, device, &opts)?;
     let mut ar = AllReduce::new(&group, device, &AllReduceOptions::default())?;
     let mut out = Dump::new(root.join(format!("rank{rank}/rust")))?;

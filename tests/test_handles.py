@@ -32,12 +32,17 @@ def internode_handle(n=5, r=4, nodes=2, t=9):
     )
 
 
+def assert_entries(h, positions):
+    """``B._entry`` finds each named entry of ``h`` at its position there."""
+    for name, i in positions.items():
+        assert B._entry(h, name) is h[i], name
+
+
 def test_the_internode_handle_is_deepeps_ten_entries_in_deepeps_order():
     h = internode_handle()
-    assert B._entry(h, "is_token_in_rank") is h[0]
-    assert B._entry(h, "rank_prefix_matrix") is h[2]
-    assert B._entry(h, "recv_src_idx") is h[7]
-    assert B._entry(h, "send_head") is h[9]
+    assert_entries(
+        h, {"is_token_in_rank": 0, "rank_prefix_matrix": 2, "recv_src_idx": 7, "send_head": 9}
+    )
     assert [B._entry(h, n) for n in B._X_ENTRIES] == [h[8], h[1], h[3]]
     # The checks name each entry by its position in the handle and DeepEP's name.
     names = [m for m in B._HANDLE_LAYOUT[10].values()]
@@ -49,10 +54,9 @@ def test_the_internode_handle_is_deepeps_ten_entries_in_deepeps_order():
 
 def test_the_intranode_handle_keeps_deepeps_six_entries():
     h = intranode_handle()
-    assert B._entry(h, "rank_prefix_matrix") is h[0]
-    assert B._entry(h, "recv_src_idx") is h[3]
-    assert B._entry(h, "is_token_in_rank") is h[4]
-    assert B._entry(h, "send_head") is h[5]
+    assert_entries(
+        h, {"rank_prefix_matrix": 0, "recv_src_idx": 3, "is_token_in_rank": 4, "send_head": 5}
+    )
     assert [tuple(m[1]) for m in B._handle_metas(h)] == [(4, 4), (7,), (5, 4), (5, 4)]
 
 

@@ -753,14 +753,7 @@ fn run() -> anyhow::Result<bool> {
     let group = Group::from_env(env_timeout()?).context("bootstrap")?;
     let (rank, size) = (group.rank(), group.size());
     let device = local_device()?;
-    let r = size as i64;
-    let e = EL * r;
-    let opts = BufferOptions {
-        num_nvl_bytes: Buffer::nvl_buffer_size_hint(2 * H as usize, size, N as usize)?,
-        num_rdma_bytes: Buffer::get_low_latency_rdma_size_hint(N, H, r, e)?,
-        low_latency_mode: true,
-        ..BufferOptions::default()
-    };
+    let opts = BufferOptions::sized_for(N, H, size, EL * size as i64)?;
     let mut b = Buffer::new(&group, device, &opts)?;
     let mut chk = Checker {
         rank,

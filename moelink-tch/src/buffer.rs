@@ -19,7 +19,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use comm::{OwnedStream, StreamHandle};
-use ep_core::calls::{self, LlGeometry};
+use ep_core::calls::{self, DispatchPlan, LlGeometry};
 use ep_core::intranode::{
     CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape,
     IntranodeBuffer, LayoutCall,
@@ -103,6 +103,37 @@ pub struct BufferOptions {
     /// Bound of every low-latency receive (ns); None: `MOELINK_LL_TIMEOUT_S`,
     /// else the intranode one.
     pub ll_device_timeout_ns: Option<i64>,
+}
+
+impl BufferOptions {
+    /// Both parts, each sized by its hint for calls of up to
+    /// `max_tokens_per_rank` bf16 tokens of `hidden` among `num_ranks` ranks
+    /// and `num_experts` experts ([`Buffer::nvl_buffer_size_hint`],
+    /// [`Buffer::get_low_latency_rdma_size_hint`]); the rest as [`Default`].
+    pub fn sized_for(
+        max_tokens_per_rank: i64,
+        hidden: i64,
+        num_ranks: usize,
+        num_experts: i64,
+    ) -> Result<Self> {
+        // A negative count is beyond every limit too: the hint refuses it.
+        let count = |n: i64| usize::try_from(n).unwrap_or(usize::MAX);
+        Ok(Self {
+            num_nvl_bytes: Buffer::nvl_buffer_size_hint(
+                count(hidden).saturating_mul(2),
+                num_ranks,
+                count(max_tokens_per_rank),
+            )?,
+            num_rdma_bytes: Buffer::get_low_latency_rdma_size_hint(
+                max_tokens_per_rank,
+                hidden,
+                num_ranks as i64,
+                num_experts,
+            )?,
+            low_latency_mode: true,
+            ..Self::default()
+        })
+    }
 }
 
 impl Default for BufferOptions {
@@ -448,12 +479,36 @@ impl Buffer {
         Ok(checks::check_ids() && !self.compute_stream()?.is_capturing()?)
     }
 
-    /// While alive (with `on_comm`), torch's current stream is the
-    /// communication stream: tch allocates there.
-    fn alloc_guard(&self, on_comm: bool) -> Result<Option<StreamGuard>> {
-        on_comm
+    /// The outputs `alloc` makes, made (with `on_comm`) while torch's current
+    /// stream is the communication stream: tch allocates there.
+    fn allocate<T>(&self, on_comm: bool, alloc: impl FnOnce() -> Result<T>) -> Result<T> {
+        let _guard = on_comm
             .then(|| StreamGuard::new(self.comm_stream.handle(), self.cuda.index))
-            .transpose()
+            .transpose()?;
+        alloc()
+    }
+
+    /// Python's `_prologue`: the stream arguments checked, torch's current
+    /// (compute) stream.
+    fn prologue(&self, s: &StreamArgs<'_>) -> Result<StreamHandle> {
+        checks::stream_args(s)?;
+        self.compute_stream()
+    }
+
+    /// The start of an intranode call whose outputs are made before its
+    /// launches: [`prologue`](Self::prologue), the outputs `alloc` makes
+    /// (on the communication stream with `allocate_on_comm_stream`), then
+    /// [`enter_comm`](Self::enter_comm). Returns the compute stream, the
+    /// outputs and the communication stream.
+    fn begin<T>(
+        &self,
+        s: &StreamArgs<'_>,
+        alloc: impl FnOnce() -> Result<T>,
+    ) -> Result<(StreamHandle, T, StreamHandle)> {
+        let compute = self.prologue(s)?;
+        let outputs = self.allocate(s.allocate_on_comm_stream, alloc)?;
+        let comm = self.enter_comm(compute, s.previous_event)?;
+        Ok((compute, outputs, comm))
     }
 
     /// The communication stream, after it waited for `previous_event` where
@@ -547,18 +602,14 @@ impl Buffer {
         if self.check_ids_now()? {
             checks::topk_values(topk_idx, p.num_experts)?;
         }
-        checks::stream_args(s)?;
-        let compute = self.compute_stream()?;
-        let (per_rank, per_expert, in_rank, scratch) = {
-            let _on_comm = self.alloc_guard(s.allocate_on_comm_stream)?;
-            (
+        let (compute, (per_rank, per_expert, in_rank, scratch), comm) = self.begin(s, || {
+            Ok((
                 required(&p.outputs, "num_tokens_per_rank", device)?,
                 required(&p.outputs, "num_tokens_per_expert", device)?,
                 required(&p.outputs, "is_token_in_rank", device)?,
                 required(&p.outputs, "layout_scratch", device)?,
-            )
-        };
-        let comm = self.enter_comm(compute, s.previous_event)?;
+            ))
+        })?;
         let call = LayoutCall {
             topk_idx: ptr(Some(topk_idx)),
             num_tokens: p.num_tokens as usize,
@@ -604,24 +655,14 @@ impl Buffer {
             }
         }
         let s = &a.stream;
-        checks::stream_args(s)?;
         let (data, scales) = x.parts();
-        let shape = DispatchShape {
-            num_tokens: p.num_tokens as usize,
-            hidden_bytes: p.hidden_bytes as usize,
-            num_scales: p.num_scales as usize,
-            num_topk: p.num_topk as usize,
-            num_experts: p.num_experts as usize,
-        };
-        let compute = self.compute_stream()?;
-        let (rpm, send_head) = {
-            let _on_comm = self.alloc_guard(s.allocate_on_comm_stream)?;
-            (
+        let shape = dispatch_shape(&p, self.num_ranks);
+        let (compute, (rpm, send_head), comm) = self.begin(s, || {
+            Ok((
                 required(&p.outputs, "rank_prefix_matrix", device)?,
                 required(&p.outputs, "send_head", device)?,
-            )
-        };
-        let comm = self.enter_comm(compute, s.previous_event)?;
+            ))
+        })?;
         let inp = DispatchInputs {
             x: ptr(Some(data)),
             scales: ptr(scales),
@@ -642,15 +683,18 @@ impl Buffer {
             (rows as i64, counts.into_iter().map(i64::from).collect())
         };
         let specs: Vec<_> = p.outputs.iter().map(|o| o.resolve(rows)).collect();
-        let on_comm = self.alloc_guard(s.allocate_on_comm_stream)?;
-        let recv_x = required(&specs, "recv_x", device)?;
-        let recv_scales = output(&specs, "recv_x_scales", device)?;
-        let recv_idx = output(&specs, "recv_topk_idx", device)?;
-        let recv_w = output(&specs, "recv_topk_weights", device)?;
-        let recv_src_idx = required(&specs, "recv_src_idx", device)?;
-        let cpm = required(&specs, "channel_prefix_matrix", device)?;
-        let rcpm = required(&specs, "recv_channel_prefix_matrix", device)?;
-        drop(on_comm);
+        let (recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, cpm, rcpm) =
+            self.allocate(s.allocate_on_comm_stream, || {
+                Ok((
+                    required(&specs, "recv_x", device)?,
+                    output(&specs, "recv_x_scales", device)?,
+                    output(&specs, "recv_topk_idx", device)?,
+                    output(&specs, "recv_topk_weights", device)?,
+                    required(&specs, "recv_src_idx", device)?,
+                    required(&specs, "channel_prefix_matrix", device)?,
+                    required(&specs, "recv_channel_prefix_matrix", device)?,
+                ))
+            })?;
         let out = DispatchOutputs {
             num_rows: rows,
             recv_x: ptr(Some(&recv_x)),
@@ -731,21 +775,14 @@ impl Buffer {
         num_sms: Option<u32>,
         s: &StreamArgs<'_>,
     ) -> Result<(RecvX, EventOverlap)> {
-        let (r, device) = (self.num_ranks, self.cuda.device);
+        let device = self.cuda.device;
         self.intranode()?;
         let num_sms = self.call_sms(num_sms)?;
         let p = checks::dispatch_cached(&self.target(), x, handle)?;
-        checks::stream_args(s)?;
+        let compute = self.prologue(s)?;
         let (data, scales) = x.parts();
-        let shape = DispatchShape {
-            num_tokens: p.num_tokens as usize,
-            hidden_bytes: p.hidden_bytes as usize,
-            num_scales: p.num_scales as usize,
-            num_topk: 0,
-            num_experts: r as usize,
-        };
+        let shape = dispatch_shape(&p, self.num_ranks);
         let (rpm, send_head) = (&handle.rank_prefix_matrix, &handle.send_head);
-        let compute = self.compute_stream()?;
         let comm = self.enter_comm(compute, s.previous_event)?;
         let inp = DispatchInputs {
             x: ptr(Some(data)),
@@ -757,13 +794,12 @@ impl Buffer {
         };
         self.intranode_part()?
             .cached_dispatch_send(comm, &shape, &inp, num_sms)?;
-        let (recv_x, recv_scales) = {
-            let _on_comm = self.alloc_guard(s.allocate_on_comm_stream)?;
-            (
+        let (recv_x, recv_scales) = self.allocate(s.allocate_on_comm_stream, || {
+            Ok((
                 required(&p.outputs, "recv_x", device)?,
                 output(&p.outputs, "recv_x_scales", device)?,
-            )
-        };
+            ))
+        })?;
         let out = DispatchOutputs {
             num_rows: p.num_recv_rows,
             recv_x: ptr(Some(&recv_x)),
@@ -831,16 +867,12 @@ impl Buffer {
         let p = checks::combine(&self.target(), x, handle, topk_weights, bias)?;
         let (b0, b1) = checks::bias_pair(bias);
         let num_sms = self.call_sms(num_sms)?;
-        checks::stream_args(s)?;
-        let compute = self.compute_stream()?;
-        let (out, out_w) = {
-            let _on_comm = self.alloc_guard(s.allocate_on_comm_stream)?;
-            (
+        let (compute, (out, out_w), comm) = self.begin(s, || {
+            Ok((
                 required(&p.outputs, "combined_x", device)?,
                 output(&p.outputs, "combined_topk_weights", device)?,
-            )
-        };
-        let comm = self.enter_comm(compute, s.previous_event)?;
+            ))
+        })?;
         let a = CoreCombineArgs {
             y: ptr(Some(x)),
             num_recv_rows: p.num_recv_rows,
@@ -1273,6 +1305,20 @@ impl Drop for Buffer {
     }
 }
 
+/// The launch shape of a checked dispatch on `num_ranks` ranks. A cached one
+/// (no top-k, no expert counts) passes `num_ranks` experts, as the Python
+/// Buffer does.
+fn dispatch_shape(p: &DispatchPlan, num_ranks: i64) -> DispatchShape {
+    let num_experts = if p.cached { num_ranks } else { p.num_experts };
+    DispatchShape {
+        num_tokens: p.num_tokens as usize,
+        hidden_bytes: p.hidden_bytes as usize,
+        num_scales: p.num_scales as usize,
+        num_topk: p.num_topk as usize,
+        num_experts: num_experts as usize,
+    }
+}
+
 /// `t`'s strides as the kernels take a 2-D scale tensor's (`(0, 0)` for
 /// None).
 fn strides2(t: Option<&Tensor>) -> (i64, i64) {
@@ -1340,6 +1386,22 @@ mod tests {
         })
         .unwrap();
         assert_eq!((both.num_nvl_bytes, both.num_ll_bytes), (1 << 20, 1 << 30));
+    }
+
+    #[test]
+    fn sized_for_sizes_both_parts_by_their_hints() {
+        let o = BufferOptions::sized_for(128, 7168, 8, 256).unwrap();
+        assert_eq!(
+            o.num_nvl_bytes,
+            Buffer::nvl_buffer_size_hint(2 * 7168, 8, 128).unwrap()
+        );
+        assert_eq!(
+            o.num_rdma_bytes,
+            Buffer::get_low_latency_rdma_size_hint(128, 7168, 8, 256).unwrap()
+        );
+        assert!(o.low_latency_mode);
+        assert!(check_options(&o).is_ok());
+        assert!(BufferOptions::sized_for(128, -1, 8, 256).is_err());
     }
 
     #[test]

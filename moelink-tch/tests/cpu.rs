@@ -7,6 +7,7 @@
 
 use std::time::Duration;
 
+use ep_core::calls::DispatchPlan;
 use ep_core::limits::MAX_HIDDEN_BYTES;
 use moelink_tch::checks::{self, Target};
 use moelink_tch::reference::{self, RankTokens};
@@ -34,6 +35,18 @@ fn cpu(kind: Kind, shape: &[i64]) -> Tensor {
 fn refused<T: std::fmt::Debug>(r: Result<T, Error>, class: &str, message: &str) {
     let e = r.expect_err("the call must be refused");
     assert_eq!((e.python_class(), e.to_string().as_str()), (class, message));
+}
+
+/// `checks::dispatch` of `x` with `layout`'s routing by `idx` (weights `w`),
+/// Python's defaults otherwise.
+fn check_dispatch(
+    t: &Target,
+    x: DispatchX<'_>,
+    layout: &moelink_tch::Layout,
+    idx: &Tensor,
+    w: Option<&Tensor>,
+) -> Result<DispatchPlan, Error> {
+    checks::dispatch(t, x, &DispatchArgs::new(layout, idx, w))
 }
 
 /// Expert ids `[n, K]`: token t's column k is `(t + 3k) % E`, column 3 of
@@ -65,11 +78,7 @@ fn cpu_tensors_are_refused_naming_the_argument_and_the_device() {
     );
     let layout = reference::layout(&idx, E, R as i64).unwrap();
     refused(
-        checks::dispatch(
-            &gpu,
-            DispatchX::Bf16(&x),
-            &DispatchArgs::new(&layout, &idx, None),
-        ),
+        check_dispatch(&gpu, DispatchX::Bf16(&x), &layout, &idx, None),
         "ValueError",
         "x must be on this Buffer's device cuda:0, got cpu",
     );
@@ -131,11 +140,7 @@ fn wrong_dtypes_are_dtype_errors() {
     let layout = reference::layout(&idx, E, R as i64).unwrap();
     let x32 = cpu(Kind::Float, &[N, H]);
     refused(
-        checks::dispatch(
-            &t,
-            DispatchX::Bf16(&x32),
-            &DispatchArgs::new(&layout, &idx, None),
-        ),
+        check_dispatch(&t, DispatchX::Bf16(&x32), &layout, &idx, None),
         "moelink.DtypeError",
         "x must have dtype torch.bfloat16, got torch.float32",
     );
@@ -144,22 +149,14 @@ fn wrong_dtypes_are_dtype_errors() {
         cpu(Kind::Double, &[N, H / 128]),
     );
     refused(
-        checks::dispatch(
-            &t,
-            DispatchX::Fp8(&x8, &s64),
-            &DispatchArgs::new(&layout, &idx, None),
-        ),
+        check_dispatch(&t, DispatchX::Fp8(&x8, &s64), &layout, &idx, None),
         "moelink.DtypeError",
         "x[1] (scales) must have dtype torch.float32, got torch.float64",
     );
     let x = cpu(Kind::BFloat16, &[N, H]);
     let w64 = cpu(Kind::Double, &[N, K]);
     refused(
-        checks::dispatch(
-            &t,
-            DispatchX::Bf16(&x),
-            &DispatchArgs::new(&layout, &idx, Some(&w64)),
-        ),
+        check_dispatch(&t, DispatchX::Bf16(&x), &layout, &idx, Some(&w64)),
         "moelink.DtypeError",
         "topk_weights must have dtype torch.float32, got torch.float64",
     );
@@ -198,11 +195,7 @@ fn wrong_shapes_are_value_errors() {
     let layout = reference::layout(&idx, E, R as i64).unwrap();
     let odd = cpu(Kind::BFloat16, &[N, 100]);
     refused(
-        checks::dispatch(
-            &t,
-            DispatchX::Bf16(&odd),
-            &DispatchArgs::new(&layout, &idx, None),
-        ),
+        check_dispatch(&t, DispatchX::Bf16(&odd), &layout, &idx, None),
         "ValueError",
         &format!(
             "x rows must be a positive multiple of 128 bytes up to {MAX_HIDDEN_BYTES}, got \
@@ -212,21 +205,13 @@ fn wrong_shapes_are_value_errors() {
     let x = cpu(Kind::BFloat16, &[N, H]);
     let short = topk(N - 1);
     refused(
-        checks::dispatch(
-            &t,
-            DispatchX::Bf16(&x),
-            &DispatchArgs::new(&layout, &short, None),
-        ),
+        check_dispatch(&t, DispatchX::Bf16(&x), &layout, &short, None),
         "ValueError",
         "topk_idx must have shape [32, *], got [31, 4]",
     );
     let tr = cpu(Kind::BFloat16, &[H, N]).tr();
     refused(
-        checks::dispatch(
-            &t,
-            DispatchX::Bf16(&tr),
-            &DispatchArgs::new(&layout, &idx, None),
-        ),
+        check_dispatch(&t, DispatchX::Bf16(&tr), &layout, &idx, None),
         "ValueError",
         "x must be contiguous, got shape [32, 256] with strides [1, 32]",
     );
@@ -284,11 +269,7 @@ fn wrong_shapes_are_value_errors() {
     let row = cpu(Kind::BFloat16, &[2 * N * H + 1]);
     let view = row.narrow(0, 1, N * H).view([N, H]);
     refused(
-        checks::dispatch(
-            &t,
-            DispatchX::Bf16(&view),
-            &DispatchArgs::new(&layout, &idx, None),
-        ),
+        check_dispatch(&t, DispatchX::Bf16(&view), &layout, &idx, None),
         "ValueError",
         "x must start on a 16-byte boundary (it is a view at an odd offset)",
     );
@@ -325,12 +306,7 @@ fn plans_allocate_the_outputs_python_allocates() {
         cpu(Kind::Float, &[H / 128, N]).tr(),
     );
     let w = cpu(Kind::Float, &[N, K]);
-    let p = checks::dispatch(
-        &t,
-        DispatchX::Fp8(&x8, &scales),
-        &DispatchArgs::new(&layout, &idx, Some(&w)),
-    )
-    .unwrap();
+    let p = check_dispatch(&t, DispatchX::Fp8(&x8, &scales), &layout, &idx, Some(&w)).unwrap();
     assert_eq!((p.num_topk, p.num_scales, p.num_experts), (K, H / 128, E));
     let specs: Vec<_> = p.outputs.iter().map(|s| s.resolve(7)).collect();
     // Column-major scales in, column-major scales out.
