@@ -66,6 +66,8 @@ def plot(data: dict, path: Path) -> None:
         series = [(op, color, "moelink (cached dispatch)" if "dispatch" in op else "moelink")]
         if op == demo.DISPATCH_BF16:
             series.append((demo.DISPATCH_BF16_UNCACHED, "tab:purple", "moelink, uncached"))
+        if op == demo.COMBINE_BF16:
+            series.append((demo.COMBINE_BF16_X_COPY, "tab:olive", "moelink, x a copy"))
         for name, c, label in series:
             pts = sorted((r for r in rows if r["op"] == name), key=lambda r: r["num_sms"])
             if not pts:

@@ -556,6 +556,7 @@ def run_intranode(impl: Impl, rank: int, world: int, group, args) -> dict:
         for s in args.sms:
             dcfg, ccfg = configs[s]
             recv_x, handle = handles[s]
+            x_copy = recv_x.clone()
             ops = [
                 (
                     demo.DISPATCH_BF16,
@@ -570,6 +571,11 @@ def run_intranode(impl: Impl, rank: int, world: int, group, args) -> dict:
                 (
                     demo.COMBINE_BF16,
                     lambda c=ccfg, h=handle, r=recv_x: buffer.combine(r, h, config=c),
+                    bf16_bytes,
+                ),
+                (
+                    demo.COMBINE_BF16_X_COPY,
+                    lambda c=ccfg, h=handle, r=x_copy: buffer.combine(r, h, config=c),
                     bf16_bytes,
                 ),
                 (

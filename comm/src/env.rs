@@ -161,7 +161,9 @@ pub static SWITCHES: &[Switch] = &[
          after the sends). `direct`: packed, with `recv_x` allocated from a receive pool that \
          every peer maps, so the senders write the rows into `recv_x` itself and only the small \
          outputs are copied (a `recv_x` outside the pool, e.g. under CUDA graph capture, is \
-         received as in `packed`).",
+         received as in `packed`); and a combine whose `x` lies in the pool (such as `recv_x` \
+         itself, overwritten in place by the experts) is read by the peers where it lies, \
+         instead of being sent.",
     ),
     s(
         "MOELINK_INTRANODE_RECV_POOL_BYTES",

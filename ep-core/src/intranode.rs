@@ -287,7 +287,9 @@ pub enum RecvPolicy {
     /// `publish_barrier` for a cached dispatch) publishes it, and
     /// [`IntranodeBuffer::recv_pool_take`] cuts it to the received rows. A
     /// rank without a reserved range (full pool, CUDA graph capture, the Rust
-    /// front end) receives as in `Packed`.
+    /// front end) receives as in `Packed`. Its combine is the direct one
+    /// ([`IntranodeBuffer::combine`]): an `x` that lies in the pool is read by
+    /// the peers where it lies.
     Direct,
 }
 
@@ -359,6 +361,10 @@ struct DirectPool {
     /// Dispatches whose recv_x lay in the pool, and those that copied it.
     direct_calls: u64,
     copied_calls: u64,
+    /// Combines launched (the parity picks the header of the call), and those
+    /// whose x lay in the pool (read by the peers where it is).
+    combine_calls: u64,
+    combines_read: u64,
     /// The range reserved for the next dispatch's recv_x
     /// ([`IntranodeBuffer::recv_pool_reserve`]), published at its send.
     reserved: Option<recv_pool::Lease>,
@@ -377,6 +383,10 @@ pub struct RecvPoolStats {
     /// directly), and those whose `recv_x` did not (received by a copy).
     pub direct_calls: u64,
     pub copied_calls: u64,
+    /// Combines, and those whose x lay in the pool (read by the peers where
+    /// it is).
+    pub combine_calls: u64,
+    pub combines_read: u64,
 }
 
 /// The fused dispatch's streams: the receive half of a normal dispatch runs
@@ -971,6 +981,8 @@ impl IntranodeBuffer {
                 used: d.pool.used(),
                 direct_calls: d.direct_calls,
                 copied_calls: d.copied_calls,
+                combine_calls: d.combine_calls,
+                combines_read: d.combines_read,
             }
         })
     }
@@ -1050,7 +1062,8 @@ impl IntranodeBuffer {
         unsafe { k::finish_rows(self.part.kernels(), stream, ctx, recv, packed, copy_scales) }
     }
 
-    /// Launches a whole combine on `stream`.
+    /// Launches a whole combine on `stream`. With a receive pool (direct),
+    /// the direct combine: `publish_barrier`, then `combine_direct`.
     pub fn combine(&mut self, stream: StreamHandle, a: &CombineArgs, num_sms: u32) -> Result<()> {
         let num_sms = self.sms(num_sms);
         let cap = self.combine_capacity(a.hidden, a.num_topk);
@@ -1068,6 +1081,11 @@ impl IntranodeBuffer {
             ));
         }
         let ctx = self.ctx(0, cap);
+        if self.direct.is_some() {
+            self.combine_direct(stream, ctx, a, num_sms)?;
+            self.combine_dirty = true;
+            return Ok(());
+        }
         if self.combine_dirty {
             // SAFETY: channels are live.
             unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, CombineBarrier) }?;
@@ -1097,6 +1115,92 @@ impl IntranodeBuffer {
         }
         self.combine_dirty = true;
         Ok(())
+    }
+
+    /// A direct combine: `publish_barrier` (this call's combine header: where
+    /// `x` lies in this rank's receive pool, or absent; it is also the barrier
+    /// before the combine's sends), then `combine_direct`, whose receivers read
+    /// the rows of every source whose x lies in its pool where they are. This
+    /// rank sends no rows when its own x lies in the pool, so with no weights
+    /// every block receives.
+    fn combine_direct(
+        &mut self,
+        stream: StreamHandle,
+        ctx: IntranodeCtx,
+        a: &CombineArgs,
+        num_sms: u32,
+    ) -> Result<()> {
+        let state = self.combine_state();
+        let d = self
+            .direct
+            .as_mut()
+            .expect("a direct combine has a receive pool");
+        let (base, _) = d.pool.range();
+        let bytes = a.num_recv_rows.max(0) as u64 * 2 * a.hidden as u64;
+        let header = match d.pool.offset_of(a.y, bytes) {
+            Some(offset) if bytes > 0 => RecvPoolHeader {
+                offset: offset as i64,
+                rows: a.num_recv_rows,
+            },
+            _ => RecvPoolHeader::ABSENT,
+        };
+        let header_offset = k::COMBINE_HEADER_OFFSET + 16 * (d.combine_calls & 1);
+        d.combine_calls += 1;
+        let read = header.rows >= 0;
+        d.combines_read += u64::from(read);
+        let pools = d.table.ptr();
+        let kernels = self.part.kernels();
+        // SAFETY: channels are live; the header lies in this rank's pool.
+        unsafe { k::publish_barrier(kernels, stream, ctx, base + header_offset, header) }?;
+        let (send, recv) = (a.send_args(num_sms), a.recv_args(num_sms));
+        let sends = !read || a.topk_weights != 0;
+        let launch = |grid: FusedGrid, send_only: bool| {
+            // SAFETY: the caller checked every tensor; every rank published
+            // its header at `header_offset` before this launch.
+            unsafe {
+                k::combine_direct(
+                    kernels,
+                    stream,
+                    ctx,
+                    send,
+                    recv,
+                    state,
+                    grid,
+                    pools,
+                    header_offset,
+                    send_only,
+                )
+            }
+        };
+        match fused_grid(num_sms, |s| s.combine) {
+            Some(grid) if sends => launch(grid, false),
+            Some(grid) => launch(
+                FusedGrid {
+                    send_blocks: 0,
+                    ..grid
+                },
+                false,
+            ),
+            // One SM: a send-only launch first (when there is anything to send).
+            None => {
+                if sends {
+                    launch(
+                        FusedGrid {
+                            blocks: 1,
+                            send_blocks: 1,
+                        },
+                        true,
+                    )?;
+                }
+                launch(
+                    FusedGrid {
+                        blocks: 1,
+                        send_blocks: 0,
+                    },
+                    false,
+                )
+            }
+        }
     }
 
     /// Launches the layout kernel (`get_dispatch_layout`).
@@ -1142,6 +1246,8 @@ fn direct_pool(comm: &comm::Communicator, nvl_bytes: u64) -> Result<DirectPool> 
         table,
         direct_calls: 0,
         copied_calls: 0,
+        combine_calls: 0,
+        combines_read: 0,
         reserved: None,
     })
 }

@@ -309,12 +309,9 @@ __global__ void __launch_bounds__(kThreads) combine_recv(const __grid_constant__
   int* my_slots = slots[threadIdx.x / 32];
   const unsigned late = timed_out_peers(c);
   for (int64_t t = warp; t < a.num_tokens; t += nwarps) {
-    const int my_slot = lane < R ? a.send_head[t * R + lane] : -1;
-    const unsigned srcs = __ballot_sync(0xffffffffu, my_slot >= 0);
-    if (srcs & late) {
-      poison_token(a, t, lane);
-      continue;
-    }
+    int my_slot;
+    unsigned srcs;
+    if (late_token(a, t, lane, R, late, my_slot, srcs)) continue;
     share_slots(my_slots, my_slot, lane, R);
     reduce_token<false>(a, t, srcs, my_slots, my_slot, lane);
   }
@@ -356,12 +353,9 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
     int* my_slots = slots[threadIdx.x / 32];
     const unsigned late_at_start = timed_out_peers(c);
     for (int64_t t = warp; t < r.num_tokens; t += nwarps) {
-      const int my_slot = lane < R ? r.send_head[t * R + lane] : -1;
-      const unsigned srcs = __ballot_sync(0xffffffffu, my_slot >= 0);
-      if (srcs & late_at_start) {
-        poison_token(r, t, lane);
-        continue;
-      }
+      int my_slot;
+      unsigned srcs;
+      if (late_token(r, t, lane, R, late_at_start, my_slot, srcs)) continue;
       // Lane d waits for the copy from rank d.
       bool ok = true;
       if (my_slot >= 0) {
@@ -381,6 +375,108 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
   }
   fused_done(c.ticket, a.calls, nullptr, nsend > 0 ? work : nullptr);
   stamp(a.prof, kind, 3);
+}
+
+// combine_direct (MOELINK_INTRANODE_RECV=direct; after publish_barrier wrote
+// this call's combine header, CombineDirectParams): the fused combine, except
+// that a source whose x lies in its receive pool sends no rows. The receivers
+// read that source's rows where they are, through the peer mapping: row
+// prefix + slot of its x, prefix being the rows it received from ranks below
+// this one. So such bytes cross NVLink once and are stored once, into the
+// output. The other sources send records as the fused combine does, and
+// weights always come as records (a source whose x is read sends its weights
+// alone, with the flag). When any rank's x is read, the last block ends with a
+// barrier: no rank's combine ends, and so no x is released, while a peer may
+// still read it. Every rank reads the same headers, so all take that barrier
+// or none. `finish` 0: a send-only launch (one SM), the receive-only launch
+// (num_send_blocks 0) follows and ends the call.
+__global__ void __launch_bounds__(kThreads) combine_direct(const __grid_constant__ CombineDirectParams a) {
+  const CombineFusedParams& f = a.f;
+  const Ctx& c = f.send.c;
+  const int lane = threadIdx.x % 32;
+  const int R = c.num_ranks;
+  const uint64_t flag = call_flag(f.calls);
+  const int nsend = f.num_send_blocks;
+  __shared__ const char* xs[kMaxRanks];  // source d's x here, or null: records
+  __shared__ const char* rows[kWarps][kMaxRanks];
+  __shared__ unsigned read_mask;
+  __shared__ int last;
+  if (threadIdx.x < 32) {
+    const char* x = nullptr;
+    if (lane < R) {
+      const char* pool = reinterpret_cast<const char*>(a.pools[lane]);
+      const uint64_t* h = reinterpret_cast<const uint64_t*>(pool + a.header_offset);
+      const int64_t rows_d = int64_t(comm::load_relaxed_sys(h + 1));
+      if (rows_d >= 0) x = pool + comm::load_relaxed_sys(h);
+      xs[lane] = x;
+    }
+    const unsigned m = __ballot_sync(0xffffffffu, x != nullptr);
+    if (lane == 0) read_mask = m;
+  }
+  __syncthreads();
+  const bool my_x_read = (read_mask >> c.rank) & 1u;
+  const int kind = int(blockIdx.x) < nsend ? 2 : 3;  // sender or receiver
+  stamp(f.prof, kind, 0);
+  unsigned int* work = c.ticket + kSendWorkWord;
+  if (int(blockIdx.x) < nsend) {
+    const CombineSendParams& s = f.send;
+    // Nothing to send when the peers read the rows and there are no weights.
+    const bool sends = !my_x_read || s.topk_weights != nullptr;
+    const InterleavedRows order(s.rank_prefix_matrix, c.rank, R, c.rank, lane);
+    for (int64_t k = sends ? next_unit(work, lane) : order.units; k < order.units;
+         k = next_unit(work, lane)) {
+      int src;
+      int64_t slot, i;
+      if (!order.row(k, src, slot, i) || slot >= c.combine_slots) continue;
+      send_combine_row(s, i, src, slot, lane, flag, !my_x_read);
+    }
+    stamp(f.prof, kind, 2);
+  } else {
+    const CombineRecvParams& r = f.recv;
+    const auto [warp, nwarps] = grid_warps(nsend);
+    const char** my_rows = rows[threadIdx.x / 32];
+    const int64_t row_bytes = int64_t(r.hidden) * 2;
+    // Lane d: rows source d received from ranks below this one.
+    const int prefix = lane < R && c.rank > 0 ? f.send.rank_prefix_matrix[(c.rank - 1) * R + lane] : 0;
+    const bool read_here = lane < R && xs[lane] != nullptr;
+    const unsigned late_at_start = timed_out_peers(c);
+    for (int64_t t = warp; t < r.num_tokens; t += nwarps) {
+      int my_slot;
+      unsigned srcs;
+      if (late_token(r, t, lane, R, late_at_start, my_slot, srcs)) continue;
+      const char* rec = my_slot >= 0 ? combine_record(c, c.local, lane, my_slot, r.record_bytes) : nullptr;
+      // Lane d waits for the record from rank d: its row, or its weights alone.
+      bool ok = true;
+      if (my_slot >= 0 && (!read_here || r.out_weights != nullptr))
+        ok = wait_record(c, record_flag(const_cast<char*>(rec), r.record_bytes), flag, lane,
+                         comm::kWaitIntranodeCombine, uint64_t(my_slot), f.error);
+      if (__ballot_sync(0xffffffffu, !ok) != 0) {
+        poison_token(r, t, lane);
+        continue;
+      }
+      __syncwarp();
+      if (my_slot >= 0) my_rows[lane] = read_here ? xs[lane] + (int64_t(prefix) + my_slot) * row_bytes : rec;
+      __syncwarp();
+      const auto row_of = [&](int d) { return reinterpret_cast<const int4*>(my_rows[d]); };
+      reduce_rows<true>(r, t, srcs, row_of, my_slot, lane);
+    }
+    stamp(f.prof, kind, 2);
+  }
+  // The end (fused_done, and the barrier when any x was read).
+  __syncthreads();
+  if (threadIdx.x == 0) last = comm::last_block_ticket(c.ticket);
+  __syncthreads();
+  if (last) {
+    if (threadIdx.x == 0) {
+      if (a.finish) *f.calls += 1;
+      if (nsend > 0) *work = 0;
+    }
+    if (a.finish && read_mask != 0) {
+      __threadfence_system();
+      signal_and_wait_all(c);
+    }
+  }
+  stamp(f.prof, kind, 3);
 }
 
 }  // namespace moelink::intranode

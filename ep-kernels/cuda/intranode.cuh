@@ -253,6 +253,23 @@ static_assert(sizeof(CombineFusedParams) == 304, "mirrored in Rust");
 static_assert(offsetof(CombineFusedParams, recv) == 128, "mirrored in Rust");
 static_assert(offsetof(CombineFusedParams, num_send_blocks) == 296, "mirrored in Rust");
 
+// The direct combine (MOELINK_INTRANODE_RECV=direct; kernel combine_direct):
+// before it, publish_barrier writes where this rank's combine input x lies in
+// its receive pool (a RecvPoolHeader, rows -1: x lies elsewhere) at
+// `header_offset` of the pool: kCombineHeaderOffset, plus 16 on odd calls (two
+// headers, so a call's header is never rewritten while a slow peer may still
+// read the one before). A source whose x lies in its pool is read where it is.
+constexpr int kCombineHeaderOffset = 16;
+struct CombineDirectParams {
+  CombineFusedParams f;
+  const uint64_t* pools;  // [R] every rank's receive pool here
+  int header_offset;      // this call's combine header, bytes into every pool
+  int finish;             // this launch ends the call (1), or is a send-only one (0)
+};
+static_assert(sizeof(CombineDirectParams) == 320, "mirrored in Rust");
+static_assert(offsetof(CombineDirectParams, pools) == 304, "mirrored in Rust");
+static_assert(offsetof(CombineDirectParams, header_offset) == 312, "mirrored in Rust");
+
 // The word of Ctx::ticket that the fused kernels' senders take their units
 // (tokens, rows) from, one at a time per warp, so that every sender warp works
 // until the call's units run out (measured on 4 x H200 with a fixed stride of
@@ -657,9 +674,12 @@ __device__ __forceinline__ void share_slots(int* my_slots, int my_slot, int lane
 // copy_d1 + ...) in f32 over the ranks d0 < d1 < ... that received t (the CPU
 // reference's order, so results match it bit for bit); weights likewise from 0.
 // `Fresh`: the copies arrived during this kernel (read through L2).
-template <bool Fresh>
-__device__ __forceinline__ void reduce_token(const CombineRecvParams& a, int64_t t, unsigned srcs,
-                                             const int* my_slots, int my_slot, int lane) {
+// `row_of(d)`: where the row of source d lies (a record here, or, in the
+// direct combine, the source's x itself through the peer mapping); the weights
+// always come from the records.
+template <bool Fresh, typename RowOf>
+__device__ __forceinline__ void reduce_rows(const CombineRecvParams& a, int64_t t, unsigned srcs,
+                                            RowOf row_of, int my_slot, int lane) {
   const Ctx& c = a.c;
   const int hidden = a.hidden, num_topk = a.num_topk;
   const int64_t record_bytes = a.record_bytes;
@@ -688,10 +708,8 @@ __device__ __forceinline__ void reduce_token(const CombineRecvParams& a, int64_t
       m &= m - 1;
       const int d1 = m ? __ffs(m) - 1 : -1;
       if (m) m &= m - 1;
-      const int4* r0 = reinterpret_cast<const int4*>(combine_record(c, c.local, d0, my_slots[d0], record_bytes));
-      const int4* r1 = d1 < 0 ? nullptr
-                              : reinterpret_cast<const int4*>(
-                                    combine_record(c, c.local, d1, my_slots[d1], record_bytes));
+      const int4* r0 = row_of(d0);
+      const int4* r1 = d1 < 0 ? nullptr : row_of(d1);
       int4 w0[kUnroll], w1[kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -740,6 +758,17 @@ __device__ __forceinline__ void reduce_token(const CombineRecvParams& a, int64_t
   }
 }
 
+// The combine of token t from the records in this rank's combine region.
+template <bool Fresh>
+__device__ __forceinline__ void reduce_token(const CombineRecvParams& a, int64_t t, unsigned srcs,
+                                             const int* my_slots, int my_slot, int lane) {
+  const Ctx& c = a.c;
+  const auto row_of = [&](int d) {
+    return reinterpret_cast<const int4*>(combine_record(c, c.local, d, my_slots[d], a.record_bytes));
+  };
+  reduce_rows<Fresh>(a, t, srcs, row_of, my_slot, lane);
+}
+
 // Poisons combined token t (it depends on a peer whose wait timed out).
 __device__ __forceinline__ void poison_token(const CombineRecvParams& a, int64_t t, int lane) {
   int4* row = reinterpret_cast<int4*>(a.out + t * a.hidden);
@@ -748,15 +777,29 @@ __device__ __forceinline__ void poison_token(const CombineRecvParams& a, int64_t
     a.out_weights[t * a.num_topk + lane] = __int_as_float(0x7fffffff);
 }
 
+// Token t of a combine's receiver (one warp): lane d's slot of it in source
+// d's block (-1: d did not receive it) and the sources that did. A token that
+// a peer of `late` received is poisoned here (true: the warp skips it).
+__device__ __forceinline__ bool late_token(const CombineRecvParams& a, int64_t t, int lane, int R,
+                                           unsigned late, int& my_slot, unsigned& srcs) {
+  my_slot = lane < R ? a.send_head[t * R + lane] : -1;
+  srcs = __ballot_sync(0xffffffffu, my_slot >= 0);
+  if ((srcs & late) == 0) return false;
+  poison_token(a, t, lane);
+  return true;
+}
+
 // Writes received row i (its expert output row and K weights) into slot `slot`
 // of block [rank] of source rank `src`'s combine region (the whole warp); with
-// `flag` != 0 then sets the record's flag (after a fence).
+// `flag` != 0 then sets the record's flag (after a fence). `with_row` false:
+// the weights alone (the direct combine, whose receivers read the row itself).
 __device__ __forceinline__ void send_combine_row(const CombineSendParams& a, int64_t i, int src,
-                                                 int64_t slot, int lane, uint64_t flag) {
+                                                 int64_t slot, int lane, uint64_t flag,
+                                                 bool with_row = true) {
   const Ctx& c = a.c;
   char* dst = peer_base(c, src) + c.combine_offset +
               (int64_t(c.rank) * c.combine_slots + slot) * a.record_bytes;
-  warp_copy16(dst, a.y + i * a.row_bytes, a.row_bytes, lane);
+  if (with_row) warp_copy16(dst, a.y + i * a.row_bytes, a.row_bytes, lane);
   if (a.topk_weights != nullptr && lane < a.num_topk)
     reinterpret_cast<float*>(dst + a.row_bytes)[lane] = a.topk_weights[i * a.num_topk + lane];
   if (flag != 0) {

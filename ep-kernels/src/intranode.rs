@@ -235,6 +235,20 @@ struct CombineFusedParams {
     pad: i32,
 }
 
+/// `moelink::intranode::CombineDirectParams`.
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+struct CombineDirectParams {
+    f: CombineFusedParams,
+    pools: u64,
+    header_offset: i32,
+    finish: i32,
+}
+
+/// Bytes into every receive pool of the direct combine's two headers (call
+/// parity), after the direct dispatch's (`kCombineHeaderOffset`).
+pub const COMBINE_HEADER_OFFSET: u64 = 16;
+
 // The same numbers as the static_asserts in intranode.cuh (a CPU test reads them there).
 param_layout!(
     PARAM_LAYOUT = [
@@ -265,6 +279,9 @@ param_layout!(
         offsetof!(DispatchPackedParams, rank_prefix_matrix == 224),
         offsetof!(DispatchPackedParams, pools == 232),
         sizeof!(PublishBarrierParams == 104),
+        sizeof!(CombineDirectParams == 320),
+        offsetof!(CombineDirectParams, pools == 304),
+        offsetof!(CombineDirectParams, header_offset == 312),
         sizeof!(FinishRowsParams == 240),
         offsetof!(FinishRowsParams, copy_scales == 232),
     ]
@@ -1014,19 +1031,100 @@ pub unsafe fn combine_fused(
     state: FusedState,
     grid: FusedGrid,
 ) -> Result<()> {
+    let p = combine_fused_params(ctx, &send, &recv, &state, grid)?;
+    check_fused(&state, grid)?;
+    // SAFETY: CombineFusedParams mirrors the kernel's block; pointers are the caller's contract.
+    unsafe { launch_blocks(k, stream, KernelId::IntranodeCombine, grid.blocks, p) }
+}
+
+/// Launches the direct combine (`moelink::intranode::combine_direct`): the
+/// fused combine, except that the rows of a source whose combine header
+/// (`header_offset` bytes into every pool of `pools`, written by
+/// [`publish_barrier`] before this launch) names its x in its receive pool are
+/// read there by the receivers instead of being sent. `grid.send_blocks` may
+/// be 0 (this rank's x is read and there are no weights: every block
+/// receives). `send_only`: a send-only launch on one SM (all blocks send), to
+/// be followed by a launch with `grid.send_blocks` 0 that ends the call.
+///
+/// # Safety
+/// As [`combine_fused`]; `pools` is the `[R]` table of every rank's receive
+/// pool as mapped here, and every peer's combine of this call is a direct one
+/// with the same `header_offset`.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn combine_direct(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    send: CombineSendArgs,
+    recv: CombineRecvArgs,
+    state: FusedState,
+    grid: FusedGrid,
+    pools: u64,
+    header_offset: u64,
+    send_only: bool,
+) -> Result<()> {
+    check_direct(&state, grid, pools, send_only)?;
+    let p = CombineDirectParams {
+        f: combine_fused_params(ctx, &send, &recv, &state, grid)?,
+        pools,
+        header_offset: header_offset as i32,
+        finish: i32::from(!send_only),
+    };
+    // SAFETY: CombineDirectParams mirrors the kernel's block; pointers are the caller's contract.
+    unsafe { launch_blocks(k, stream, KernelId::CombineDirect, grid.blocks, p) }
+}
+
+/// The fused combine's argument block (the direct combine's too; checked).
+fn combine_fused_params(
+    ctx: IntranodeCtx,
+    send: &CombineSendArgs,
+    recv: &CombineRecvArgs,
+    state: &FusedState,
+    grid: FusedGrid,
+) -> Result<CombineFusedParams> {
     check_ctx(&ctx)?;
-    let p = CombineFusedParams {
-        send: combine_send_params(ctx, &send),
-        recv: combine_recv_params(ctx, &recv)?,
+    Ok(CombineFusedParams {
+        send: combine_send_params(ctx, send),
+        recv: combine_recv_params(ctx, recv)?,
         calls: state.send_calls,
         error: state.error,
         prof: state.prof,
         num_send_blocks: grid.send_blocks as i32,
         pad: 0,
+    })
+}
+
+/// [`combine_direct`]'s launch: the fused state and the pool table present,
+/// and a grid whose sending blocks are all of it (`send_only`) or leave
+/// receivers (0 sending: a launch of receivers only).
+fn check_direct(state: &FusedState, grid: FusedGrid, pools: u64, send_only: bool) -> Result<()> {
+    if state.send_calls == 0 || state.error == 0 || pools == 0 {
+        return Err(CommError::invalid(
+            "fused state",
+            "the call counter, the device error record and the pool table are required",
+        ));
+    }
+    let fits = if send_only {
+        grid.send_blocks == grid.blocks
+    } else {
+        grid.send_blocks < grid.blocks
     };
-    check_fused(&state, grid)?;
-    // SAFETY: CombineFusedParams mirrors the kernel's block; pointers are the caller's contract.
-    unsafe { launch_blocks(k, stream, KernelId::IntranodeCombine, grid.blocks, p) }
+    if grid.blocks == 0 || !fits {
+        return Err(CommError::invalid(
+            "num_sms",
+            format!(
+                "a direct combine launch of {} blocks cannot have {} sending ({})",
+                grid.blocks,
+                grid.send_blocks,
+                if send_only {
+                    "send-only"
+                } else {
+                    "receivers needed"
+                }
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn check_fused(state: &FusedState, grid: FusedGrid) -> Result<()> {
@@ -1051,6 +1149,43 @@ fn check_fused(state: &FusedState, grid: FusedGrid) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A direct combine launch needs the fused state and the pool table, and
+    /// its senders must be the whole grid (send-only) or leave receivers.
+    #[test]
+    fn direct_combine_launches_are_checked() {
+        let state = FusedState {
+            send_calls: 8,
+            recv_calls: 0,
+            recv_ticket: 0,
+            error: 16,
+            prof: 0,
+        };
+        let grid = |blocks, send_blocks| FusedGrid {
+            blocks,
+            send_blocks,
+        };
+        for (g, send_only) in [(grid(8, 4), false), (grid(8, 0), false), (grid(1, 1), true)] {
+            assert!(check_direct(&state, g, 64, send_only).is_ok(), "{g:?}");
+        }
+        for (g, send_only) in [
+            (grid(8, 8), false),
+            (grid(8, 4), true),
+            (grid(0, 0), false),
+            (grid(1, 0), true),
+        ] {
+            let e = check_direct(&state, g, 64, send_only)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("num_sms"), "{g:?}: {e}");
+        }
+        assert!(check_direct(&state, grid(8, 4), 0, false).is_err());
+        let no_counter = FusedState {
+            send_calls: 0,
+            ..state
+        };
+        assert!(check_direct(&no_counter, grid(8, 4), 64, false).is_err());
+    }
 
     #[test]
     fn record_layout_offsets() {

@@ -32,6 +32,7 @@ comm::kernel_table! {
         CombineRecv => "moelink::intranode::combine_recv",
         IntranodeDispatch => "moelink::intranode::dispatch",
         IntranodeCombine => "moelink::intranode::combine",
+        CombineDirect => "moelink::intranode::combine_direct",
         LlDispatch => "moelink::ll::dispatch",
         LlCombine => "moelink::ll::combine",
         InternodeNotify => "moelink::internode::notify",
@@ -131,9 +132,8 @@ mod profiler_name_tests {
         match k {
             DispatchSend | DispatchRecv | DispatchSendPacked | IntranodeDispatch | LlDispatch
             | InternodeDispatch => Side::Dispatch,
-            CombineSend | CombineRecv | IntranodeCombine | LlCombine | InternodeCombine => {
-                Side::Combine
-            }
+            CombineSend | CombineRecv | IntranodeCombine | CombineDirect | LlCombine
+            | InternodeCombine => Side::Combine,
             DiagnosticsWritePeers
             | ReduceRowsBf16
             | LayoutCountTokens
@@ -259,6 +259,14 @@ mod profiler_name_tests {
                 IntranodeWaitPeers,
                 CombineRecv,
             ],
+        ),
+        (
+            "intranode combine, direct",
+            &[PublishBarrier, CombineDirect],
+        ),
+        (
+            "intranode combine, direct, on one SM (a send-only launch first)",
+            &[PublishBarrier, CombineDirect, CombineDirect],
         ),
         ("low-latency dispatch", &[LlDispatch]),
         (

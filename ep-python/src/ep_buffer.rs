@@ -588,10 +588,19 @@ impl EpBuffer {
 
     /// The direct dispatch's receive pool (`MOELINK_INTRANODE_RECV=direct`):
     /// (base, length, bytes held by leases, dispatches written into recv_x
-    /// directly, dispatches that copied it), or None without one.
-    fn recv_pool_stats(&self) -> Option<(u64, u64, u64, u64, u64)> {
+    /// directly, dispatches that copied it, combines, combines whose x lay in
+    /// the pool and was read there by the peers), or None without one.
+    fn recv_pool_stats(&self) -> Option<(u64, u64, u64, u64, u64, u64, u64)> {
         let s = self.inner.intranode()?.recv_pool_stats()?;
-        Some((s.base, s.len, s.used, s.direct_calls, s.copied_calls))
+        Some((
+            s.base,
+            s.len,
+            s.used,
+            s.direct_calls,
+            s.copied_calls,
+            s.combine_calls,
+            s.combines_read,
+        ))
     }
 
     /// Direct dispatch: reserves the receive pool range of the next

@@ -99,6 +99,10 @@ LAYOUT_HOST_CHECK = "layout_host_check"
 DISPATCH_BF16 = "dispatch_bf16"
 DISPATCH_FP8 = "dispatch_fp8"
 COMBINE_BF16 = "combine_bf16"
+#: combine of a copy of recv_x (memory of torch's allocator): with the direct
+#: dispatch (MOELINK_INTRANODE_RECV=direct) recv_x itself lies in the receive
+#: pool and the peers read it where it is; a copy is sent as records.
+COMBINE_BF16_X_COPY = "combine_bf16_x_copy"
 DISPATCH_BF16_UNCACHED = "dispatch_bf16_uncached"
 DISPATCH_BF16_UNCACHED_HOST_CHECK = "dispatch_bf16_uncached_host_check"
 BASELINE = "all_to_all_single"
@@ -108,6 +112,7 @@ OP_LABELS = {
     DISPATCH_BF16: "dispatch bf16",
     DISPATCH_FP8: "dispatch fp8",
     COMBINE_BF16: "combine bf16",
+    COMBINE_BF16_X_COPY: "combine bf16, x a copy",
     DISPATCH_BF16_UNCACHED: "dispatch bf16 uncached",
     DISPATCH_BF16_UNCACHED_HOST_CHECK: "uncached+host id chk",
     BASELINE: "all_to_all_single",
@@ -756,6 +761,7 @@ def _time_with_host_id_check(fn, iters: int, warmup: int, scratch) -> list:
 
 def _timed_ops(buffer, x, x_fp8, recv_x, handle, config, layout_args, bf16_bytes) -> list:
     """(op, call, bytes received per rank) of every timed call at one SM count."""
+    x_copy = recv_x.clone()
     return [
         (DISPATCH_BF16, lambda: buffer.dispatch(x, handle=handle, config=config), bf16_bytes),
         (
@@ -764,6 +770,11 @@ def _timed_ops(buffer, x, x_fp8, recv_x, handle, config, layout_args, bf16_bytes
             bf16_bytes * FP8_BYTES_FACTOR,
         ),
         (COMBINE_BF16, lambda: buffer.combine(recv_x, handle, config=config), bf16_bytes),
+        (
+            COMBINE_BF16_X_COPY,
+            lambda: buffer.combine(x_copy, handle, config=config),
+            bf16_bytes,
+        ),
         (
             DISPATCH_BF16_UNCACHED,
             lambda: buffer.dispatch(x, config=config, **layout_args),
