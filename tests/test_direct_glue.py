@@ -131,3 +131,85 @@ def test_without_a_pool_nothing_is_reserved(monkeypatch):
     x, kw = layout(buf)
     buf.dispatch(x, **kw)
     assert not [n for n, _ in buf._native.calls if n.startswith("recv_pool")]
+
+
+# ----- get_combine_buffer --------------------------------------------------------
+
+
+class CombinePoolNative(FakeNative):
+    """A stand-in whose receive pool serves ``recv_pool_tensor`` unless ``full``."""
+
+    def __init__(self, full: bool = False):
+        super().__init__()
+        self.full = full
+        self.leased = []
+
+    def recv_pool_tensor(self, nbytes):
+        self.calls.append(("recv_pool_tensor", (nbytes,)))
+        if self.full:
+            return None
+        t = torch.full((nbytes,), 0x5A, dtype=torch.uint8)
+        self.leased.append(t)
+        return torch.utils.dlpack.to_dlpack(t)
+
+
+def handle_of_rows(rows: int) -> tuple:
+    """An intranode handle whose recv_src_idx has ``rows`` entries (what the call reads)."""
+    src = torch.arange(rows, dtype=torch.int32)
+    z = torch.zeros(1, dtype=torch.int32)
+    return (z, z, z, src, z, z)
+
+
+def combine_buffer(monkeypatch, pool: bool, full: bool = False):
+    b = cpu_buffer(monkeypatch, R)
+    b.rank = 2
+    b._native = CombinePoolNative(full)
+    b._recv_pool = pool
+    return b
+
+
+def test_combine_buffer_is_a_pool_range_with_a_receive_pool(monkeypatch):
+    buf = combine_buffer(monkeypatch, pool=True)
+    x = buf.get_combine_buffer(handle_of_rows(ROWS), H)
+    assert (x.shape, x.dtype, x.device) == ((ROWS, H), BF16, torch.device("cpu"))
+    assert buf._native.calls == [("recv_pool_tensor", (ROWS * H * 2,))]
+    assert x.data_ptr() == buf._native.leased[0].data_ptr()
+    # Writable in place, as an expert kernel's output would be.
+    x.fill_(1.5)
+    assert torch.all(buf._native.leased[0].view(BF16) == 1.5)
+
+
+@pytest.mark.parametrize(
+    "pool, full, capturing, rows",
+    [(False, False, False, ROWS), (True, True, False, ROWS), (True, False, True, ROWS),
+     (True, False, False, 0)],
+)  # fmt: skip
+def test_combine_buffer_is_an_ordinary_tensor_otherwise(monkeypatch, pool, full, capturing, rows):
+    """No pool, a full pool, a CUDA graph being captured (no pool call then), or no rows."""
+    buf = combine_buffer(monkeypatch, pool=pool, full=full)
+    monkeypatch.setattr(_buffer_common, "_capturing", lambda: capturing)
+    x = buf.get_combine_buffer(handle_of_rows(rows), H)
+    assert (x.shape, x.dtype) == ((rows, H), BF16)
+    assert not any(x.data_ptr() == t.data_ptr() for t in buf._native.leased)
+    asked = pool and not capturing and rows > 0
+    assert [n for n, _ in buf._native.calls] == (["recv_pool_tensor"] if asked else [])
+
+
+@pytest.mark.parametrize(
+    "handle, hidden, error, words",
+    [
+        ([torch.zeros(1)] * 6, H, TypeError, "handle must be the tuple"),
+        ((torch.zeros(1),) * 5, H, ValueError, "handle has 5 entries"),
+        (handle_of_rows(ROWS), 7.0, TypeError, "hidden must be an int"),
+        (handle_of_rows(ROWS), True, TypeError, "hidden must be an int"),
+        (handle_of_rows(ROWS), 100, ValueError, "hidden must be a positive multiple of 64"),
+        (handle_of_rows(ROWS), -64, ValueError, "hidden must be a positive multiple of 64"),
+        ((1, 2, 3, 4, 5, 6), H, TypeError, "handle[3] (recv_src_idx)"),
+    ],
+)
+def test_combine_buffer_refuses_bad_arguments(monkeypatch, handle, hidden, error, words):
+    buf = combine_buffer(monkeypatch, pool=True)
+    with pytest.raises(error) as e:
+        buf.get_combine_buffer(handle, hidden)
+    assert words in str(e.value) and "rank 2" in str(e.value)
+    assert buf._native.calls == []

@@ -909,6 +909,44 @@ class Buffer(LowLatencyMixin):
 
     # ----- combine ---------------------------------------------------------------
 
+    def get_combine_buffer(self, handle, hidden: int) -> torch.Tensor:
+        """An uninitialized bf16 ``[rows, hidden]`` tensor for the expert outputs that
+        ``combine(x, handle)`` then takes as ``x`` (``rows``: those the dispatch of
+        ``handle`` delivered). With ``MOELINK_INTRANODE_RECV=direct`` it is a range of
+        the receive pool, so that combine reads it where it lies, with no copy of the
+        rows; like such a ``recv_x`` it ignores ``record_stream`` and its range returns
+        to the pool when it is freed. Otherwise (no pool, across nodes, the pool full,
+        or while a CUDA graph is captured: the graph's memory pool must hold what its
+        kernels write) an ordinary tensor."""
+        self._buffer()
+        if type(handle) is not tuple:
+            raise TypeError(
+                f"rank {self.rank}: handle must be the tuple a dispatch returned, got "
+                f"{type(handle).__name__}"
+            )
+        if len(handle) not in _HANDLE_LAYOUT:
+            raise ValueError(
+                f"rank {self.rank}: handle has {len(handle)} entries; a dispatch returns 6 "
+                "(one node) or 10 (several)"
+            )
+        if type(hidden) is not int:
+            raise TypeError(f"rank {self.rank}: hidden must be an int, got {type(hidden).__name__}")
+        if hidden <= 0 or hidden % 64 != 0:
+            raise ValueError(
+                f"rank {self.rank}: hidden must be a positive multiple of 64, got {hidden}"
+            )
+        i, label = _HANDLE_LAYOUT[len(handle)]["recv_src_idx"]
+        src = handle[i]
+        if not isinstance(src, torch.Tensor) or src.dim() != 1:
+            raise TypeError(f"rank {self.rank}: handle[{i}] ({label}) must be a 1-D torch.Tensor")
+        rows = src.shape[0]
+        if rows > 0 and self._recv_pool and not _buffer_common._capturing():
+            capsule = self._native.recv_pool_tensor(rows * hidden * 2)
+            if capsule is not None:
+                t = torch.utils.dlpack.from_dlpack(capsule)
+                return t.view(torch.bfloat16).view(rows, hidden)
+        return torch.empty((rows, hidden), dtype=torch.bfloat16, device=self.device)
+
     def _combine_plan(self, x, handle, topk_weights, bias):
         """Every check of a combine (``_native.combine_plan``); returns ``(rows, H, N, K,
         outputs)`` (``outputs``: an ``OutputSet``)."""

@@ -898,8 +898,9 @@ def scenario_combine_direct(ctx: Ctx) -> None:
     input x that lies in its rank's receive pool (recv_x itself, overwritten with
     random expert outputs) is read by the peers where it lies, an x elsewhere is
     sent as records. Every rank's x in the pool, then only the even ranks' (the
-    odd ones pass a copy from the ordinary allocator), with and without weights
-    and biases, a rank with no tokens: bit exact against the reference, x left
+    odd ones pass a copy from the ordinary allocator), then every rank's x from
+    Buffer.get_combine_buffer; with and without weights and biases, a rank with
+    no tokens: bit exact against the reference, x left
     unchanged, and the pool's counters say which combines were read in place.
     Without a receive pool (no direct dispatch, or across nodes) there is
     nothing to check here: the combine scenario covers those paths."""
@@ -908,12 +909,13 @@ def scenario_combine_direct(ctx: Ctx) -> None:
     if ctx.buffer._native.recv_pool_stats() is None:
         chk.done()
         return
-    counts = [token_counts(ctx, f"cdirect/{i}", zero_rank=i in (0, 3)) for i in range(4)]
+    counts = [token_counts(ctx, f"cdirect/{i}", zero_rank=i in (0, 3)) for i in range(5)]
     cases = [
         (Case(7168, 32 * R, 8, counts[0]), "none", False, "all"),
         (Case(2048, 8 * R, 4, counts[1]), "pair", True, "all"),
         (Case(7168, 32 * R, 8, counts[2]), "one", True, "even"),
         (Case(2048, 32 * R, 8, counts[3]), "none", False, "even"),
+        (Case(7168, 32 * R, 8, counts[4]), "none", False, "get_combine_buffer"),
     ]
     read = 0
     for i, (case, bias_kind, weights, who) in enumerate(cases):
@@ -927,8 +929,13 @@ def scenario_combine_direct(ctx: Ctx) -> None:
         ys = random_ys(ctx, tag + "/y", ref, case.hidden)
         y_cpu = ys[ctx.rank]
         recv_x = got[0]
-        in_pool = who == "all" or ctx.rank % 2 == 0
-        if in_pool and recv_x.shape == y_cpu.shape:
+        in_pool = who != "even" or ctx.rank % 2 == 0
+        if who == "get_combine_buffer":
+            # The expert outputs written into the tensor the Buffer hands out.
+            x = ctx.buffer.get_combine_buffer(got[4], case.hidden)
+            chk.expect(x.shape == y_cpu.shape, f"{label}: shape {tuple(x.shape)}")
+            x.copy_(y_cpu.to(ctx.device))
+        elif in_pool and recv_x.shape == y_cpu.shape:
             recv_x.copy_(y_cpu.to(ctx.device))
             x = recv_x
         else:
