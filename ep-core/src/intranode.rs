@@ -1144,31 +1144,21 @@ impl IntranodeBuffer {
             },
             _ => RecvPoolHeader::ABSENT,
         };
-        let header_offset = k::COMBINE_HEADER_OFFSET + 16 * (d.combine_calls & 1);
         d.combine_calls += 1;
         let read = header.rows >= 0;
         d.combines_read += u64::from(read);
         let pools = d.table.ptr();
         let kernels = self.part.kernels();
         // SAFETY: channels are live; the header lies in this rank's pool.
-        unsafe { k::publish_barrier(kernels, stream, ctx, base + header_offset, header) }?;
+        unsafe { k::publish_combine_barrier(kernels, stream, ctx, base, header, &state) }?;
         let (send, recv) = (a.send_args(num_sms), a.recv_args(num_sms));
         let sends = !read || a.topk_weights != 0;
         let launch = |grid: FusedGrid, send_only: bool| {
             // SAFETY: the caller checked every tensor; every rank published
-            // its header at `header_offset` before this launch.
+            // this call's header before this launch.
             unsafe {
                 k::combine_direct(
-                    kernels,
-                    stream,
-                    ctx,
-                    send,
-                    recv,
-                    state,
-                    grid,
-                    pools,
-                    header_offset,
-                    send_only,
+                    kernels, stream, ctx, send, recv, state, grid, pools, send_only,
                 )
             }
         };

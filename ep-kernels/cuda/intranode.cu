@@ -148,12 +148,14 @@ __global__ void __launch_bounds__(kNotifyThreads) notify(const __grid_constant__
 // per peer, so no rank writes into a region a peer may still be reading.
 __global__ void barrier(Ctx c) { signal_and_wait_all(c); }
 
-// publish_barrier (cached direct dispatch, before dispatch_send_packed): where
-// this rank's recv_x lies in its receive pool (RecvPoolHeader), then a barrier
-// as above, whose signals carry the header to every peer.
+// publish_barrier (cached direct dispatch, before dispatch_send_packed; the
+// direct combine, before combine_direct): where this rank's recv_x, or its
+// combine's x, lies in its receive pool (RecvPoolHeader), then a barrier as
+// above, whose signals carry the header to every peer.
 __global__ void publish_barrier(const __grid_constant__ PublishBarrierParams a) {
   if (threadIdx.x == 0) {
-    store_pool_header(a.header, a.value);
+    const int slot = a.calls == nullptr ? 0 : combine_header_slot(a.calls);
+    store_pool_header(a.header + slot, a.value);
     __threadfence_system();
   }
   __syncwarp();
@@ -405,7 +407,8 @@ __global__ void __launch_bounds__(kThreads) combine_direct(const __grid_constant
     const char* x = nullptr;
     if (lane < R) {
       const char* pool = reinterpret_cast<const char*>(a.pools[lane]);
-      const uint64_t* h = reinterpret_cast<const uint64_t*>(pool + a.header_offset);
+      const int at = a.header_offset + 16 * combine_header_slot(f.calls);
+      const uint64_t* h = reinterpret_cast<const uint64_t*>(pool + at);
       const int64_t rows_d = int64_t(comm::load_relaxed_sys(h + 1));
       if (rows_d >= 0) x = pool + comm::load_relaxed_sys(h);
       xs[lane] = x;

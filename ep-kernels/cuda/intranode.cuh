@@ -166,14 +166,18 @@ static_assert(sizeof(DispatchPackedParams) == 240, "mirrored in Rust");
 static_assert(offsetof(DispatchPackedParams, rank_prefix_matrix) == 224, "mirrored in Rust");
 static_assert(offsetof(DispatchPackedParams, pools) == 232, "mirrored in Rust");
 
-// publish_barrier (direct dispatch): this rank's receive pool header, then
-// one signal to and one wait for every peer.
+// publish_barrier (direct dispatch and combine): this rank's receive pool
+// header, then one signal to and one wait for every peer. `calls` (the direct
+// combine's two headers): null, or the device count of completed combines,
+// whose parity picks header[0] or header[1]; it is the count combine_direct
+// reads, so a CUDA graph's replays alternate the two as eager calls do.
 struct PublishBarrierParams {
   Ctx c;
   RecvPoolHeader* header;  // this rank's pool
   RecvPoolHeader value;
+  const unsigned long long* calls;
 };
-static_assert(sizeof(PublishBarrierParams) == 104, "mirrored in Rust");
+static_assert(sizeof(PublishBarrierParams) == 112, "mirrored in Rust");
 
 // What the device copies leave to a kernel after a packed dispatch: padding
 // rows (num_worst_tokens), poisoned rows (a peer timed out) and scales into a
@@ -256,14 +260,23 @@ static_assert(offsetof(CombineFusedParams, num_send_blocks) == 296, "mirrored in
 // The direct combine (MOELINK_INTRANODE_RECV=direct; kernel combine_direct):
 // before it, publish_barrier writes where this rank's combine input x lies in
 // its receive pool (a RecvPoolHeader, rows -1: x lies elsewhere) at
-// `header_offset` of the pool: kCombineHeaderOffset, plus 16 on odd calls (two
-// headers, so a call's header is never rewritten while a slow peer may still
-// read the one before). A source whose x lies in its pool is read where it is.
+// `header_offset` of the pool: kCombineHeaderOffset, plus 16 after an odd
+// number of completed combines (CombineFusedParams::calls, on the device, so
+// that CUDA graph replays alternate too). Two headers, so a call's header is
+// never rewritten while a slow peer may still read the one before. A source
+// whose x lies in its pool is read where it is.
 constexpr int kCombineHeaderOffset = 16;
+
+// Which of the two combine headers this combine uses: the parity of the
+// device count of completed combines (read volatile, as call_flag does).
+__device__ __forceinline__ int combine_header_slot(const unsigned long long* calls) {
+  return int(*reinterpret_cast<const volatile unsigned long long*>(calls) & 1ull);
+}
+
 struct CombineDirectParams {
   CombineFusedParams f;
   const uint64_t* pools;  // [R] every rank's receive pool here
-  int header_offset;      // this call's combine header, bytes into every pool
+  int header_offset;      // the first combine header, bytes into every pool
   int finish;             // this launch ends the call (1), or is a send-only one (0)
 };
 static_assert(sizeof(CombineDirectParams) == 320, "mirrored in Rust");

@@ -212,6 +212,7 @@ struct PublishBarrierParams {
     c: IntranodeCtx,
     header: u64,
     value: RecvPoolHeader,
+    calls: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -245,8 +246,10 @@ struct CombineDirectParams {
     finish: i32,
 }
 
-/// Bytes into every receive pool of the direct combine's two headers (call
-/// parity), after the direct dispatch's (`kCombineHeaderOffset`).
+/// Bytes into every receive pool of the first of the direct combine's two
+/// headers (the other 16 bytes on; the parity of the device's count of
+/// completed combines picks one), after the direct dispatch's
+/// (`kCombineHeaderOffset`).
 pub const COMBINE_HEADER_OFFSET: u64 = 16;
 
 // The same numbers as the static_asserts in intranode.cuh (a CPU test reads them there).
@@ -278,7 +281,7 @@ param_layout!(
         sizeof!(DispatchPackedParams == 240),
         offsetof!(DispatchPackedParams, rank_prefix_matrix == 224),
         offsetof!(DispatchPackedParams, pools == 232),
-        sizeof!(PublishBarrierParams == 104),
+        sizeof!(PublishBarrierParams == 112),
         sizeof!(CombineDirectParams == 320),
         offsetof!(CombineDirectParams, pools == 304),
         offsetof!(CombineDirectParams, header_offset == 312),
@@ -623,13 +626,57 @@ pub unsafe fn publish_barrier(
     header: u64,
     value: RecvPoolHeader,
 ) -> Result<()> {
+    // SAFETY: the caller's contract.
+    unsafe { launch_publish_barrier(k, stream, ctx, header, value, 0) }
+}
+
+/// Launches `publish_barrier` before a direct combine ([`combine_direct`]):
+/// `value` into the combine header of this rank's receive pool (`pool`, its
+/// device base address) that the device count of completed combines
+/// (`state.send_calls`) picks: [`COMBINE_HEADER_OFFSET`], plus 16 bytes after
+/// an odd count. The device picks it, so CUDA graph replays alternate the two
+/// headers as eager calls do.
+///
+/// # Safety
+/// As [`publish_barrier`]; `pool` is this rank's pool, and `state` the one
+/// the following [`combine_direct`] gets.
+pub unsafe fn publish_combine_barrier(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    pool: u64,
+    value: RecvPoolHeader,
+    state: &FusedState,
+) -> Result<()> {
+    if state.send_calls == 0 {
+        return Err(CommError::invalid(
+            "fused state",
+            "the combine's device call counter is required",
+        ));
+    }
+    let header = pool + COMBINE_HEADER_OFFSET;
+    // SAFETY: the caller's contract.
+    unsafe { launch_publish_barrier(k, stream, ctx, header, value, state.send_calls) }
+}
+
+/// `publish_barrier`'s launch; `calls` 0 or a device counter whose parity
+/// picks `header` or the one 16 bytes after it.
+unsafe fn launch_publish_barrier(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    header: u64,
+    value: RecvPoolHeader,
+    calls: u64,
+) -> Result<()> {
     check_ctx(&ctx)?;
     let p = PublishBarrierParams {
         c: ctx,
         header,
         value,
+        calls,
     };
-    // SAFETY: as above.
+    // SAFETY: PublishBarrierParams mirrors the kernel's block; the caller's contract.
     unsafe { k.launch_params(KernelId::PublishBarrier, (1, 1), 32, 0, stream, p) }
 }
 
@@ -1039,8 +1086,8 @@ pub unsafe fn combine_fused(
 
 /// Launches the direct combine (`moelink::intranode::combine_direct`): the
 /// fused combine, except that the rows of a source whose combine header
-/// (`header_offset` bytes into every pool of `pools`, written by
-/// [`publish_barrier`] before this launch) names its x in its receive pool are
+/// (in every pool of `pools`, written by [`publish_combine_barrier`] before
+/// this launch) names its x in its receive pool are
 /// read there by the receivers instead of being sent. `grid.send_blocks` may
 /// be 0 (this rank's x is read and there are no weights: every block
 /// receives). `send_only`: a send-only launch on one SM (all blocks send), to
@@ -1048,8 +1095,7 @@ pub unsafe fn combine_fused(
 ///
 /// # Safety
 /// As [`combine_fused`]; `pools` is the `[R]` table of every rank's receive
-/// pool as mapped here, and every peer's combine of this call is a direct one
-/// with the same `header_offset`.
+/// pool as mapped here, and every peer's combine of this call is a direct one.
 #[allow(clippy::too_many_arguments)]
 pub unsafe fn combine_direct(
     k: &DeviceKernels,
@@ -1060,14 +1106,13 @@ pub unsafe fn combine_direct(
     state: FusedState,
     grid: FusedGrid,
     pools: u64,
-    header_offset: u64,
     send_only: bool,
 ) -> Result<()> {
     check_direct(&state, grid, pools, send_only)?;
     let p = CombineDirectParams {
         f: combine_fused_params(ctx, &send, &recv, &state, grid)?,
         pools,
-        header_offset: header_offset as i32,
+        header_offset: COMBINE_HEADER_OFFSET as i32,
         finish: i32::from(!send_only),
     };
     // SAFETY: CombineDirectParams mirrors the kernel's block; pointers are the caller's contract.

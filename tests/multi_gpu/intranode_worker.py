@@ -962,7 +962,100 @@ def scenario_combine_direct(ctx: Ctx) -> None:
         )
         read += int(pool_x)
     print(f"combine_direct rank {ctx.rank}: {read} of {len(cases)} x read in place", flush=True)
+    combine_direct_graph(ctx, chk)
     chk.done()
+
+
+def combine_direct_graph(ctx: Ctx, chk: Checker) -> None:
+    """A direct combine captured in a CUDA graph, then replayed with new expert
+    outputs in x (from get_combine_buffer, taken before the capture, so in the
+    pool): every replay bit exact, and the replays alternate the two combine
+    headers of this rank's pool as eager calls do (the device's count of
+    combines picks the header, not a parity captured once). Before each replay,
+    with every rank idle, both headers are poisoned; after it exactly one holds
+    this call's header, the other one than the replay before."""
+    R = ctx.num_ranks
+    tag = "cdirect/graph"
+    case = Case(2048, 8 * R, 4, token_counts(ctx, tag, low=1))
+    inputs = case.inputs(ctx, tag)
+    ref = reference.dispatch(inputs, case.num_experts)
+    got = gpu_dispatch(ctx, inputs[ctx.rank], case.num_experts)
+    check_dispatch(chk, "combine_direct graph: dispatch", got, ref, ctx.rank)
+    x = ctx.buffer.get_combine_buffer(got[4], case.hidden)
+    base, length, *_ = ctx.buffer._native.recv_pool_stats()
+    in_pool = x.shape[0] > 0 and base <= x.data_ptr() < base + length
+    header = (x.data_ptr() - base, x.shape[0]) if in_pool else None
+    ys = random_ys(ctx, tag + "/y-1", ref, case.hidden)
+    x.copy_(ys[ctx.rank].to(ctx.device))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ctx.buffer.combine(x, got[4])  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out = ctx.buffer.combine(x, got[4])
+    torch.cuda.synchronize()
+    poison = [0x5A5A5A5A5A5A5A5A] * 4
+    slots = []
+    for i in range(4):
+        label = f"combine_direct graph replay {i + 1}"
+        ys = random_ys(ctx, f"{tag}/y{i}", ref, case.hidden)
+        x.copy_(ys[ctx.rank].to(ctx.device))
+        torch.cuda.synchronize()
+        dist.barrier(group=ctx.gloo)  # no peer reads a header now
+        device_words(base + COMBINE_HEADERS, poison)
+        dist.barrier(group=ctx.gloo)
+        graph.replay()
+        torch.cuda.synchronize()
+        want = expected_combine(ref, ys, weights=False)[ctx.rank]
+        check_combine(chk, label, out, want, weights=False)
+        h = device_words(base + COMBINE_HEADERS)
+        written = [s for s in (0, 1) if h[2 * s : 2 * s + 2] != poison[:2]]
+        values = [tuple(h[2 * s : 2 * s + 2]) for s in written]
+        absent = (1 << 64) - 1  # rows -1: x lies elsewhere
+        ok = len(written) == 1 and (values[0] == header if header else values[0][1] == absent)
+        chk.expect(ok, f"{label}: combine headers {[hex(v) for v in h]}, want one of them {header}")
+        slots.append(written[0] if len(written) == 1 else None)
+    chk.expect(
+        None not in slots and all(a != b for a, b in zip(slots, slots[1:])),
+        f"combine_direct graph: replays used the headers {slots}, want them alternating",
+    )
+    del graph, out
+    torch.cuda.synchronize()
+
+
+#: Bytes into a receive pool of the direct combine's two 16-byte headers
+#: (ep_kernels' COMBINE_HEADER_OFFSET).
+COMBINE_HEADERS = 16
+
+
+@functools.cache
+def _cudart():
+    """The CUDA runtime library torch loaded (for raw device words)."""
+    import ctypes
+
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    if not paths:
+        raise RuntimeError("libcudart is not loaded in this process")
+    lib = ctypes.CDLL(sorted(paths)[0])
+    lib.cudaMemcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return lib
+
+
+def device_words(addr: int, values: list[int] | None = None) -> list[int]:
+    """Reads 4 uint64 words at device address ``addr``, or writes ``values``
+    there (cudaMemcpy, synchronous)."""
+    import ctypes
+
+    buf = (ctypes.c_uint64 * 4)(*(values or []))
+    dst, src = (addr, ctypes.addressof(buf)) if values else (ctypes.addressof(buf), addr)
+    rc = _cudart().cudaMemcpy(dst, src, 32, 4)  # cudaMemcpyDefault
+    if rc != 0:
+        raise RuntimeError(f"cudaMemcpy of {addr:#x} failed: {rc}")
+    return list(buf)
 
 
 def make_biases(ctx: Ctx, tag: str, case: Case, kind: str):
