@@ -29,8 +29,8 @@ use anyhow::{bail, Context};
 use moelink_tch::group::env_timeout;
 use moelink_tch::tch::{self, Device, Kind, Tensor};
 use moelink_tch::{
-    local_device, Bias, Buffer, BufferOptions, DispatchArgs, DispatchX, Group, LlCombineOptions,
-    LlDispatchOptions,
+    default_num_sms, local_device, Bias, Buffer, BufferOptions, DispatchArgs, DispatchX, Group,
+    LlCombineOptions, LlDispatchOptions, SmsCall,
 };
 
 struct Args {
@@ -249,6 +249,18 @@ fn main() -> anyhow::Result<()> {
         };
         let out = step(&mut buffer)?;
         ok &= check("normal", rank, &out, &reference);
+        // No call named its SMs: both took the default for the rank count
+        // (capped where ranks share a GPU).
+        let want = (
+            default_num_sms(SmsCall::Dispatch, size),
+            default_num_sms(SmsCall::Combine, size),
+        );
+        let used = buffer.num_sms_used();
+        let fits = |u: Option<u32>, w: u32| u.is_some_and(|u| u > 0 && u <= w);
+        if !(fits(used.0, want.0) && fits(used.1, want.1)) {
+            eprintln!("rank {rank}: SMs used {used:?}, defaults {want:?}");
+            ok = false;
+        }
         let s = time_steps(&a, dev as i64, || step(&mut buffer))?;
         report.push(format!("normal {:.1} us/step", s * 1e6));
     }

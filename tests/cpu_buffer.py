@@ -23,6 +23,8 @@ class FakeNative:
             return lambda *a: self.calls.append((name, a)) or 7
         if name == "wait_counts":
             return lambda epoch, e: (5, [1] * e)
+        if name == "launch_sms":  # as a rank with a GPU of its own: no cap
+            return lambda n: n
         return lambda *a: self.calls.append((name, a))
 
 
@@ -42,6 +44,7 @@ def cpu_buffer(monkeypatch, group_size: int) -> Buffer:
     b = Buffer.__new__(Buffer)
     b._native, b._ll = FakeNative(), FakeNative()
     b._plans = _buffer_common.PlanCache()
+    b.num_sms_used, b._launch_sms = {}, {}
     b._order = FakeOrder()
     b._comm_raw = 22
     b.device = torch.device("cpu")

@@ -277,6 +277,40 @@ def test_combine_outputs(buf, dispatched):
         assert out.shape == (N, H) and out_w is None
 
 
+def launched_sms(native, name):
+    """The num_sms argument of the stand-in's last ``name`` (combine) launch:
+    its 14th positional argument, after the bias pair and the outputs."""
+    return [a for n, a in native.calls if n == name][-1][13]
+
+
+def test_sms_default_per_rank_count_and_x_placement(buf, dispatched, monkeypatch):
+    """Without a config a call takes the native default for the rank count; a
+    combine whose x lies in the receive pool takes that case's smaller default; an
+    explicit config is honoured; ``num_sms_used`` reports each (the stand-in's
+    ``launch_sms`` caps nothing)."""
+    from moelink import Config, buffer
+
+    monkeypatch.setattr(buffer, "_DEFAULT_SMS", {})
+    recv_x, _, handle = dispatched
+    assert buf.num_sms_used == {"dispatch": _native.default_num_sms("dispatch", R)}
+    buf.combine(recv_x, handle)
+    want = _native.default_num_sms("combine", R)
+    assert launched_sms(buf._native, "combine") == want
+    assert buf.num_sms_used["combine"] == want
+    # The same x inside this rank's receive pool (direct dispatch).
+    buf._recv_pool = True
+    buf._pool_range = (recv_x.data_ptr(), recv_x.data_ptr() + recv_x.nbytes)
+    buf.combine(recv_x, handle)
+    want = _native.default_num_sms("combine_in_pool", R)
+    assert launched_sms(buf._native, "combine") == want == buf.num_sms_used["combine"]
+    assert want < _native.default_num_sms("combine", R)
+    buf.combine(recv_x, handle, config=Config(num_sms=10))
+    assert launched_sms(buf._native, "combine") == 10 == buf.num_sms_used["combine"]
+    # x outside the pool: the records' default again.
+    buf.combine(recv_x.clone(), handle)
+    assert buf.num_sms_used["combine"] == _native.default_num_sms("combine", R)
+
+
 @pytest.mark.parametrize(
     "bias, exc, match",
     [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+import types
 
 import moelink
 import pytest
@@ -287,17 +288,24 @@ def test_rdma_hint_is_zero_within_a_node_and_covers_the_internode_regions():
         c.get_rdma_buffer_size_hint(100, 4)
 
 
+#: The default SMs by call, for 1-2 ranks and for 3 or more (the SM sweep of
+#: benches/results/2026-11-28_h200x4_sm-table: 95 % of the best).
+DEFAULT_SMS = {"dispatch": (64, 32), "combine": (48, 32), "combine_in_pool": (32, 16)}
+
+
 @pytest.mark.parametrize("get", [get_dispatch_config, get_combine_config])
 def test_default_configs(get):
+    call = "dispatch" if get is get_dispatch_config else "combine"
     for ranks in range(1, 9):
         c = get(ranks)
         assert isinstance(c, Config)
-        assert c.num_sms == 48  # the tuned SM count (benches/results/README.md)
+        assert c.num_sms == DEFAULT_SMS[call][ranks > 2], ranks
         assert c.num_max_nvl_chunked_send_tokens < c.num_max_nvl_chunked_recv_tokens
         assert c.num_max_rdma_chunked_send_tokens < c.num_max_rdma_chunked_recv_tokens
         assert c.get_nvl_buffer_size_hint(7168 * 2, ranks) > 0
-    assert get(3) == get(5) == get(1)  # generic default
-    assert get(32).num_sms == 48
+    assert get(3) == get(5) == get(7)  # generic chunks, the 4-rank SMs
+    assert get(1).num_sms == get(2).num_sms
+    assert get(32).num_sms == DEFAULT_SMS[call][1]
     with pytest.raises(ValueError, match="num_ranks must be <= 32, got 64"):
         get(64)
     assert get(8, num_sms=32).num_sms == 32
@@ -332,13 +340,55 @@ def test_buffer_default_sms_follow_set_num_sms_and_the_rank_count(monkeypatch):
     monkeypatch.setattr(buffer_mod, "get_dispatch_config", counting)
     b = object.__new__(Buffer)  # no GPU: only what _num_sms reads
     b.group_size = 4
+    b.num_sms_used, b._launch_sms = {}, {}
+    b._native = types.SimpleNamespace(launch_sms=lambda n: n)  # a GPU of its own
     want = real(4).num_sms
-    assert [b._num_sms(None, Buffer.get_dispatch_config) for _ in range(3)] == [want] * 3
+    got = [b._num_sms(None, Buffer.get_dispatch_config, "dispatch") for _ in range(3)]
+    assert got == [want] * 3
     assert made == [4]
+    assert b.num_sms_used == {"dispatch": want}
+    # A combine whose x the peers read in the receive pool needs fewer SMs.
+    combine = b._num_sms(None, Buffer.get_combine_config, "combine")
+    in_pool = b._num_sms(None, Buffer.get_combine_config, "combine", True)
+    assert (combine, in_pool) == (DEFAULT_SMS["combine"][1], DEFAULT_SMS["combine_in_pool"][1])
+    assert b.num_sms_used == {"dispatch": want, "combine": in_pool}
+    b.group_size = 2
+    assert b._num_sms(None, Buffer.get_combine_config, "combine", True) == 32
+    assert b._num_sms(None, Buffer.get_dispatch_config, "dispatch") == 64
     Buffer.set_num_sms(20)
-    assert b._num_sms(None, Buffer.get_dispatch_config) == 20
+    assert b._num_sms(None, Buffer.get_dispatch_config, "dispatch") == 20
     b.group_size = 8
-    assert b._num_sms(None, Buffer.get_combine_config) == 20
-    assert b._num_sms(moelink.Config(num_sms=6), Buffer.get_dispatch_config) == 6
+    assert b._num_sms(None, Buffer.get_combine_config, "combine") == 20
+    assert b._num_sms(None, Buffer.get_combine_config, "combine", True) == 20
+    assert b._num_sms(moelink.Config(num_sms=6), Buffer.get_dispatch_config, "dispatch") == 6
+    assert b._num_sms(moelink.Config(num_sms=6), Buffer.get_combine_config, "combine", True) == 6
+    assert b.num_sms_used == {"dispatch": 6, "combine": 6}
     with pytest.raises(TypeError, match="config must be a moelink.Config"):
-        b._num_sms("fast", Buffer.get_dispatch_config)
+        b._num_sms("fast", Buffer.get_dispatch_config, "dispatch")
+
+
+def test_subclass_combine_config_is_honoured_in_the_pool(monkeypatch):
+    """A subclass's own ``get_combine_config`` decides a combine's SMs, also
+    for an x in the receive pool (only Buffer's own default has a pool case)."""
+    from moelink import buffer as buffer_mod
+    from moelink.buffer import Buffer
+
+    monkeypatch.setattr(buffer_mod, "_DEFAULT_SMS", {})
+
+    class Tuned(Buffer):
+        @classmethod
+        def get_combine_config(cls, num_ranks):
+            return moelink.Config(num_sms=10)
+
+    b = object.__new__(Tuned)
+    b.group_size, b.num_sms_used, b._launch_sms = 4, {}, {}
+    b._native = types.SimpleNamespace(launch_sms=lambda n: n)
+    assert b._num_sms(None, Tuned.get_combine_config, "combine", True) == 10
+
+
+@pytest.mark.parametrize("call", sorted(DEFAULT_SMS))
+def test_native_default_sms(call):
+    for ranks in (1, 2, 3, 4, 8, 32):
+        assert moelink._native.default_num_sms(call, ranks) == DEFAULT_SMS[call][ranks > 2]
+    with pytest.raises(ValueError, match="call must be 'dispatch', 'combine' or"):
+        moelink._native.default_num_sms("dispatch_fp8", 4)

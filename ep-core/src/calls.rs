@@ -42,7 +42,7 @@ mod sizing;
 pub use allreduce::{
     all_gather, all_reduce, all_reduce_register, AllGatherPlan, AllReducePlan, ALL_REDUCE_DTYPES,
 };
-pub use buffer::{buffer_options, num_sms, BufferArgs, BufferPlan};
+pub use buffer::{buffer_options, default_num_sms, num_sms, BufferArgs, BufferPlan, SmsCall};
 pub use sizing::{
     combine_record_bytes, nvl_buffer_size_hint, rdma_buffer_size_hint, token_record_bytes,
     COMBINE_RECORD_TOPK, COUNTER_BYTES,

@@ -593,6 +593,12 @@ impl IntranodeBuffer {
         self.part.device_share().cap("intranode num_sms", num_sms)
     }
 
+    /// The SMs (blocks) a dispatch or combine asked for `num_sms` launches
+    /// with: `num_sms` capped to this rank's share of its GPU.
+    pub fn launch_sms(&self, num_sms: u32) -> u32 {
+        self.sms(num_sms)
+    }
+
     /// Bytes of each data region (dispatch, combine): half of what follows
     /// the control region, rounded down to 16.
     fn region_bytes(&self) -> u64 {

@@ -413,6 +413,24 @@ pub fn check_num_sms(name: &str, num_sms: Int) -> PyResult<i64> {
     calls::num_sms(name, num_sms.0).map_err(as_given(&[&num_sms]))
 }
 
+/// The default SMs of an intranode call (`ep_core::calls::default_num_sms`):
+/// `call` is "dispatch", "combine" (x sent as records) or "combine_in_pool"
+/// (x read where it lies in the receive pool); `num_ranks` the group's size.
+#[pyfunction]
+pub fn default_num_sms(call: &str, num_ranks: i64) -> PyResult<i64> {
+    let call = match call {
+        "dispatch" => calls::SmsCall::Dispatch,
+        "combine" => calls::SmsCall::Combine,
+        "combine_in_pool" => calls::SmsCall::CombineInPool,
+        other => {
+            return Err(PyValueError::new_err(format!(
+                "call must be 'dispatch', 'combine' or 'combine_in_pool', got {other:?}"
+            )))
+        }
+    };
+    Ok(calls::default_num_sms(call, num_ranks))
+}
+
 /// `Config.get_nvl_buffer_size_hint`.
 #[pyfunction]
 pub fn nvl_buffer_size_hint(
@@ -527,6 +545,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("COMBINE_RECORD_TOPK", calls::COMBINE_RECORD_TOPK)?;
     m.add_function(wrap_pyfunction!(buffer_options_plan, m)?)?;
     m.add_function(wrap_pyfunction!(check_num_sms, m)?)?;
+    m.add_function(wrap_pyfunction!(default_num_sms, m)?)?;
     m.add_function(wrap_pyfunction!(nvl_buffer_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(rdma_buffer_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(token_record_bytes, m)?)?;

@@ -586,6 +586,16 @@ impl EpBuffer {
         py.detach(|| part.profile()).map_err(to_py)
     }
 
+    /// The SMs a dispatch or combine asked for `num_sms` launches with (capped
+    /// to this rank's share of its GPU), or None without a normal-mode part.
+    fn launch_sms(&self, num_sms: u32) -> Option<u32> {
+        match (self.inner.internode(), self.inner.intranode()) {
+            (Some(b), _) => Some(b.launch_sms(num_sms)),
+            (None, Some(b)) => Some(b.launch_sms(num_sms)),
+            (None, None) => None,
+        }
+    }
+
     /// The direct dispatch's receive pool (`MOELINK_INTRANODE_RECV=direct`):
     /// (base, length, bytes held by leases, dispatches written into recv_x
     /// directly, dispatches that copied it, combines, combines whose x lay in

@@ -19,7 +19,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use comm::{OwnedStream, StreamHandle};
-use ep_core::calls::{self, DispatchPlan, LlGeometry};
+use ep_core::calls::{self, DispatchPlan, LlGeometry, SmsCall};
 use ep_core::intranode::{
     CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape,
     IntranodeBuffer, LayoutCall,
@@ -42,10 +42,13 @@ use crate::group::{timeout_or_env, CudaDevice, Group};
 use crate::stream::{current_stream, record_stream, StreamGuard};
 use crate::tensor::{output, ptr, required};
 
-/// SMs of intranode dispatch and combine where neither the Buffer's options
-/// nor the call name them: the Python API's default config
-/// (`moelink.config._DEFAULT_NUM_SMS`, the tuned value for every rank count).
-pub const DEFAULT_NUM_SMS: u32 = 48;
+/// SMs of an intranode dispatch or combine where neither the Buffer's options
+/// nor the call name them: the Python API's default config for the rank count
+/// (`ep_core::calls::default_num_sms`; this front end has no receive pool, so
+/// a combine takes the count of `x` sent as records).
+pub fn default_num_sms(call: SmsCall, num_ranks: usize) -> u32 {
+    calls::default_num_sms(call, num_ranks as i64) as u32
+}
 
 /// Seconds of GPU time a device wait may take where nothing sets it (the
 /// Python API's `DEFAULT_DEVICE_TIMEOUT_S`).
@@ -93,7 +96,7 @@ pub struct BufferOptions {
     pub allow_nvlink_for_low_latency_mode: bool,
     pub enable_shrink: bool,
     /// SMs of intranode dispatch/combine (even; the Python `Config.num_sms`),
-    /// where a call does not name them; None: [`DEFAULT_NUM_SMS`].
+    /// where a call does not name them; None: [`default_num_sms`] per call.
     pub num_sms: Option<u32>,
     /// Bound of host waits; None: `MOELINK_TIMEOUT_S`, else 60 s.
     pub timeout: Option<std::time::Duration>,
@@ -269,7 +272,9 @@ pub struct Buffer {
     cuda: CudaDevice,
     num_ranks: i64,
     rank: usize,
-    num_sms: u32,
+    num_sms: Option<u32>,
+    /// What the last dispatch and combine took ([`Buffer::num_sms_used`]).
+    sms_used: std::cell::Cell<(Option<u32>, Option<u32>)>,
     comm_stream: OwnedStream,
     order: comm::cuda::StreamOrder,
     ll_pending: Option<u64>,
@@ -327,7 +332,8 @@ impl Buffer {
             cuda,
             num_ranks: group.size() as i64,
             rank: group.rank(),
-            num_sms: opts.num_sms.unwrap_or(DEFAULT_NUM_SMS),
+            num_sms: opts.num_sms,
+            sms_used: Default::default(),
             comm_stream,
             order,
             ll_pending: None,
@@ -573,8 +579,31 @@ impl Buffer {
         EventOverlap::recorded(self.cuda.core, stream, kept)
     }
 
-    fn call_sms(&self, num_sms: Option<u32>) -> Result<u32> {
-        num_sms.map_or(Ok(self.num_sms), check_num_sms)
+    /// A call's SMs (recorded for [`Buffer::num_sms_used`]): the call's, else
+    /// the Buffer's option, else the default for `call` and the rank count.
+    fn call_sms(&self, num_sms: Option<u32>, call: SmsCall) -> Result<u32> {
+        let n = match num_sms {
+            Some(n) => check_num_sms(n)?,
+            None => self
+                .num_sms
+                .unwrap_or_else(|| default_num_sms(call, self.num_ranks as usize)),
+        };
+        // What the kernels launch with: capped to this rank's share of its GPU.
+        let launched = self.inner.intranode().map_or(n, |b| b.launch_sms(n));
+        let (d, c) = self.sms_used.get();
+        self.sms_used.set(match call {
+            SmsCall::Dispatch => (Some(launched), c),
+            _ => (d, Some(launched)),
+        });
+        Ok(n)
+    }
+
+    /// The SMs the last intranode dispatch and combine of this Buffer
+    /// launched with (None before the first): the call's `num_sms`, the
+    /// Buffer's option, or [`default_num_sms`], capped to this rank's share of
+    /// its GPU where ranks share one. The Python `Buffer.num_sms_used`.
+    pub fn num_sms_used(&self) -> (Option<u32>, Option<u32>) {
+        self.sms_used.get()
     }
 
     // ----- layout -------------------------------------------------------------
@@ -647,7 +676,7 @@ impl Buffer {
     pub fn dispatch(&mut self, x: DispatchX<'_>, a: &DispatchArgs<'_>) -> Result<Dispatched> {
         let device = self.cuda.device;
         self.intranode()?;
-        let num_sms = self.call_sms(a.num_sms)?;
+        let num_sms = self.call_sms(a.num_sms, SmsCall::Dispatch)?;
         let p = checks::dispatch(&self.target(), x, a)?;
         if let Some(idx) = a.topk_idx {
             if p.num_worst_tokens == 0 && self.check_ids_now()? {
@@ -777,7 +806,7 @@ impl Buffer {
     ) -> Result<(RecvX, EventOverlap)> {
         let device = self.cuda.device;
         self.intranode()?;
-        let num_sms = self.call_sms(num_sms)?;
+        let num_sms = self.call_sms(num_sms, SmsCall::Dispatch)?;
         let p = checks::dispatch_cached(&self.target(), x, handle)?;
         let compute = self.prologue(s)?;
         let (data, scales) = x.parts();
@@ -866,7 +895,7 @@ impl Buffer {
         self.intranode()?;
         let p = checks::combine(&self.target(), x, handle, topk_weights, bias)?;
         let (b0, b1) = checks::bias_pair(bias);
-        let num_sms = self.call_sms(num_sms)?;
+        let num_sms = self.call_sms(num_sms, SmsCall::Combine)?;
         let (compute, (out, out_w), comm) = self.begin(s, || {
             Ok((
                 required(&p.outputs, "combined_x", device)?,

@@ -59,7 +59,8 @@ with_tch! {
         Bias, DispatchArgs, DispatchX, Handle, Layout, LlCombineOptions, LlDispatchOptions,
         LlHandle, RecvX,
     };
-    pub use buffer::{Buffer, BufferOptions, Dispatched, LlDispatched, RecvHook};
+    pub use buffer::{default_num_sms, Buffer, BufferOptions, Dispatched, LlDispatched, RecvHook};
+    pub use ep_core::calls::SmsCall;
     pub use checks::set_check_ids;
     pub use error::{Error, Result};
     pub use event::{EventOverlap, StreamArgs};

@@ -52,7 +52,7 @@ from .low_latency import LowLatencyMixin
 
 __all__ = ["Buffer", "EventOverlap"]
 
-#: (class, default config's kind, ranks, num_sms, set_num_sms called) -> SMs.
+#: (class, call, x in the receive pool, ranks, num_sms, set_num_sms called) -> SMs.
 _DEFAULT_SMS: dict = {}
 
 _ALIGN = 16  # kernels use 16-byte vector loads and stores on rows
@@ -213,9 +213,14 @@ class Buffer(LowLatencyMixin):
     that runs out raises ``moelink.TimeoutError`` naming the rank and the peer.
     """
 
-    #: SMs of dispatch/combine when no config is given (``set_num_sms``).
+    #: SMs of dispatch/combine when no config is given, once ``set_num_sms`` set
+    #: it (DeepEP's attribute and initial value). Until then a call without a
+    #: config takes the default for its rank count (``get_dispatch_config`` /
+    #: ``get_combine_config``); ``num_sms_used`` reports what each call took.
     num_sms: int = 20
     _num_sms_set = False
+    #: ``[start, end)`` device addresses of the receive pool, where there is one.
+    _pool_range = (0, 0)
     #: ``(nodes, ranks per node)`` where the group spans nodes (hosts, or
     #: MOELINK_RANKS_PER_NODE's emulated ones): dispatch and combine then take the
     #: internode path; None within one node.
@@ -240,6 +245,12 @@ class Buffer(LowLatencyMixin):
         self._native = None
         # Calls whose arguments passed every check (their checks are skipped).
         self._plans = PlanCache()
+        #: The SMs the last intranode or internode dispatch / combine of this
+        #: Buffer launched with (``"dispatch"``, ``"combine"``): its config's, or
+        #: the default for the rank count (and for a combine, ``x``'s placement),
+        #: capped to this rank's share of its GPU where ranks share one.
+        self.num_sms_used: dict[str, int] = {}
+        self._launch_sms: dict[int, int] = {}  # requested SMs -> launched
         self.explicitly_destroy = bool(explicitly_destroy)
         num_nvl_bytes = check_int("num_nvl_bytes", num_nvl_bytes)
         num_rdma_bytes = check_int("num_rdma_bytes", num_rdma_bytes)
@@ -302,7 +313,10 @@ class Buffer(LowLatencyMixin):
                 self.nodes = ep.nodes()
                 # Direct dispatch (MOELINK_INTRANODE_RECV=direct): recv_x comes
                 # from the receive pool that the peers write into.
-                self._recv_pool = ep.recv_pool_stats() is not None
+                stats = ep.recv_pool_stats()
+                self._recv_pool = stats is not None
+                if stats is not None:
+                    self._pool_range = (stats[0], stats[0] + stats[1])
         #: This Buffer's handle in the op registry (``torch.ops.moelink.ll_dispatch`` /
         #: ``ll_combine`` take it); it is dropped by ``destroy()`` and when the Buffer
         #: is collected.
@@ -505,21 +519,42 @@ class Buffer(LowLatencyMixin):
         self._native.check_device("intranode")
         return event
 
-    def _num_sms(self, config, default) -> int:
-        """SMs of a call: ``config``'s, else the default config's, whose only
+    def _num_sms(self, config, default, call: str, in_pool: bool = False) -> int:
+        """SMs of a call (``call``: "dispatch" or "combine"), recorded in
+        ``num_sms_used``: ``config``'s, else the default config's, whose only
         input is the rank count and ``set_num_sms`` (``default``: the class's
         ``get_dispatch_config`` or ``get_combine_config``), so it is made once
-        per such state instead of at every call."""
+        per such state instead of at every call. A combine whose ``x`` lies in
+        the receive pool (``in_pool``), with neither a config nor
+        ``set_num_sms`` nor a subclass's own ``get_combine_config``, takes the
+        native default for that case, which needs fewer SMs."""
         if config is None:
             cls = type(self)
-            key = (cls, default.__name__, self.group_size, cls.num_sms, cls._num_sms_set)
+            key = (cls, call, in_pool, self.group_size, cls.num_sms, cls._num_sms_set)
             sms = _DEFAULT_SMS.get(key)
             if sms is None:
-                sms = _DEFAULT_SMS[key] = default(self.group_size).num_sms
-            return sms
-        if not isinstance(config, Config):
+                own = getattr(default, "__func__", None) is Buffer.get_combine_config.__func__
+                if in_pool and own and not cls._num_sms_set:
+                    sms = _native.default_num_sms("combine_in_pool", self.group_size)
+                else:
+                    sms = default(self.group_size).num_sms
+                _DEFAULT_SMS[key] = sms
+        elif not isinstance(config, Config):
             raise TypeError(f"config must be a moelink.Config, got {type(config).__name__}")
-        return config.num_sms
+        else:
+            sms = config.num_sms
+        # What the kernels launch with: capped to this rank's share of its GPU.
+        used = self._launch_sms.get(sms)
+        if used is None:
+            used = self._launch_sms[sms] = self._native.launch_sms(sms) or sms
+        self.num_sms_used[call] = used
+        return sms
+
+    def _in_pool(self, x) -> bool:
+        """Whether ``x``'s rows start in this rank's receive pool (the direct
+        combine then reads them where they lie)."""
+        start, end = self._pool_range
+        return start <= x.data_ptr() < end and x.numel() > 0
 
     # ----- layout ----------------------------------------------------------------
 
@@ -649,7 +684,7 @@ class Buffer(LowLatencyMixin):
         """
         native = self._buffer()
         R = self.group_size
-        num_sms = self._num_sms(config, type(self).get_dispatch_config)
+        num_sms = self._num_sms(config, type(self).get_dispatch_config, "dispatch")
         key = (
             "dispatch", _x_sig(x), None if handle is None else _handle_sig(handle),
             _sig(num_tokens_per_rank), num_tokens_per_rdma_rank is None, _sig(is_token_in_rank),
@@ -983,7 +1018,8 @@ class Buffer(LowLatencyMixin):
         b0, b1 = _bias_pair(bias)
         for name, t in (("x", x), ("bias[0]", b0), ("bias[1]", b1)):
             _check_aligned(name, t)
-        num_sms = self._num_sms(config, type(self).get_combine_config)
+        in_pool = self._recv_pool and self.nodes is None and self._in_pool(x)
+        num_sms = self._num_sms(config, type(self).get_combine_config, "combine", in_pool)
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
             out, out_w = outputs.empty()

@@ -240,12 +240,10 @@ def _env_ranks_per_node() -> int | None:
 
 
 # Chunk sizes mirror DeepEP's tuned tables so printed configs look familiar; they do
-# not affect moelink's fixed-slot kernels. The SM count is what matters: the sweep on
-# 4 x H200 (2026-11-21, benches/results/README.md's history) gets faster with every
-# SM added for dispatch and combine alike, so the defaults take the most the targets
-# allow, 48. Only 4 ranks were measured; 2 and 8 use the same until measured.
-_TUNED_NUM_SMS = {2: 48, 4: 48, 8: 48}
-_DEFAULT_NUM_SMS = 48
+# not affect moelink's fixed-slot kernels. The SM count is what matters; its default
+# per rank count is the native `default_num_sms` (ep_core::calls): the smallest count
+# that reached 95 % of the best in the SM sweep on 4 x H200
+# (benches/results/2026-11-28_h200x4_sm-table).
 _DISPATCH_CONFIGS = {
     2: (24, 256, 6, 128),
     4: (6, 256, 6, 128),
@@ -275,29 +273,34 @@ def _check_config_ranks(num_ranks) -> int:
     return num_ranks
 
 
-def _config_for(table: dict, num_ranks: int, num_sms: int | None) -> Config:
+def _config_for(call: str, table: dict, num_ranks: int, num_sms: int | None) -> Config:
     num_ranks = _check_config_ranks(num_ranks)
     if num_sms is None:
-        num_sms = _TUNED_NUM_SMS.get(num_ranks, _DEFAULT_NUM_SMS)
+        num_sms = _native.default_num_sms(call, num_ranks)
     return Config(num_sms, *table.get(num_ranks, _GENERIC_CHUNKS))
 
 
 def get_dispatch_config(num_ranks: int, *, num_sms: int | None = None) -> Config:
     """Default ``Config`` for dispatch among ``num_ranks`` ranks.
 
-    Rank counts 2, 4 and 8 have their own entries, any other count from 1 to
-    ``max_ranks`` (32) a generic default. ``num_sms`` is the tuned value (48, from
-    the 4-rank sweep on 4 x H200; see the comment above ``_TUNED_NUM_SMS``) unless
-    given, as ``Buffer.set_num_sms`` does. A group spanning nodes (the internode
+    Rank counts 2, 4 and 8 have their own chunk sizes, any other count from 1 to
+    ``max_ranks`` (32) generic ones. ``num_sms``, unless given (as
+    ``Buffer.set_num_sms`` does), is the smallest count that reached 95 % of the
+    best in the SM sweep on 4 x H200 (docs/performance.md, "Default SM counts"):
+    64 for 1 or 2 ranks, 32 for 3 or more. A group spanning nodes (the internode
     path) takes the same configs: ``num_ranks`` counts every rank of the group.
     Above 32 ranks (vLLM asks up to 160): ``ValueError`` naming the count and why (a
     Buffer serves at most 32 ranks in all, split into nodes or not); below 1 too;
     ``TypeError`` for a non-integer.
     """
-    return _config_for(_DISPATCH_CONFIGS, num_ranks, num_sms)
+    return _config_for("dispatch", _DISPATCH_CONFIGS, num_ranks, num_sms)
 
 
 def get_combine_config(num_ranks: int, *, num_sms: int | None = None) -> Config:
     """Default ``Config`` for combine among ``num_ranks`` ranks; rank counts,
-    ``num_sms`` and errors as ``get_dispatch_config``."""
-    return _config_for(_COMBINE_CONFIGS, num_ranks, num_sms)
+    ``num_sms`` and errors as ``get_dispatch_config``. The default SMs are those of
+    a combine whose ``x`` is sent as records: 48 for 1 or 2 ranks, 32 for 3 or
+    more. A ``Buffer`` called without a config takes fewer (32 and 16) for an ``x``
+    that its peers read where it lies (``MOELINK_INTRANODE_RECV=direct``, ``x`` in
+    the receive pool)."""
+    return _config_for("combine", _COMBINE_CONFIGS, num_ranks, num_sms)

@@ -955,6 +955,14 @@ def scenario_combine_direct(ctx: Ctx) -> None:
         want = expected_combine(ref, ys, weights=weights, biases=biases)[ctx.rank]
         check_combine(chk, label, out, want, weights=weights)
         chk.equal(f"{label}: combine input x unchanged", x, y_cpu)
+        # The default SMs of this combine: fewer for an x read in place.
+        want = moelink._native.default_num_sms("combine_in_pool" if pool_x else "combine", R)
+        used = ctx.buffer.num_sms_used["combine"]
+        own_gpu = torch.cuda.device_count() >= R
+        chk.expect(
+            used == want if own_gpu else 0 < used <= want,
+            f"{label}: the combine launched with {used} SMs, its default is {want}",
+        )
         calls1, read1 = ctx.buffer._native.recv_pool_stats()[5:]
         chk.expect(
             (calls1 - calls0, read1 - read0) == (1, int(pool_x)),

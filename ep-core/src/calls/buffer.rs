@@ -106,10 +106,60 @@ pub fn num_sms(name: &str, n: i64) -> ArgResult<i64> {
     Ok(n)
 }
 
+/// The intranode call whose default SM count [`default_num_sms`] gives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SmsCall {
+    /// A dispatch, bf16 or fp8, cached or not.
+    Dispatch,
+    /// A combine whose input `x` the peers receive as records (the default
+    /// kernels; with a receive pool, an `x` outside it).
+    Combine,
+    /// A combine whose `x` lies in the receive pool (`MOELINK_INTRANODE_RECV=direct`):
+    /// the peers read it where it lies.
+    CombineInPool,
+}
+
+/// The SM count of an intranode call where neither the call nor
+/// `set_num_sms` names one: the smallest count that reached 95 % of the best
+/// of 4 to 132 SMs in the SM sweep on 4 x H200 (2026-11-28, `peer_bench.py`,
+/// 4096 tokens per rank, hidden 7168, top-8 of 256; dispatch: the larger of
+/// the bf16 and fp8 counts). Two ranks were measured on two of its GPUs, four
+/// on all four; a group of 3 or more ranks takes the 4-rank counts (8 ranks
+/// on one host were not measured), 1 or 2 ranks the 2-rank ones.
+pub fn default_num_sms(call: SmsCall, num_ranks: i64) -> i64 {
+    let two = num_ranks <= 2;
+    match call {
+        // 2 ranks: bf16 reached 95 % at 48, fp8 at 64; 4 ranks: 24 and 32.
+        SmsCall::Dispatch if two => 64,
+        SmsCall::Dispatch => 32,
+        SmsCall::Combine if two => 48,
+        SmsCall::Combine => 32,
+        SmsCall::CombineInPool if two => 32,
+        SmsCall::CombineInPool => 16,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::calls::test_util::value;
+
+    #[test]
+    fn default_sms_are_valid_counts() {
+        for call in [SmsCall::Dispatch, SmsCall::Combine, SmsCall::CombineInPool] {
+            for ranks in 1..=32 {
+                let n = default_num_sms(call, ranks);
+                assert_eq!(num_sms("num_sms", n), Ok(n), "{call:?} at {ranks} ranks");
+            }
+        }
+        // Reading x where it lies needs fewer SMs than receiving it as records.
+        for ranks in [2, 4, 8] {
+            assert!(
+                default_num_sms(SmsCall::CombineInPool, ranks)
+                    < default_num_sms(SmsCall::Combine, ranks)
+            );
+        }
+    }
 
     fn args(change: impl FnOnce(&mut BufferArgs)) -> ArgResult<BufferPlan> {
         let mut a = BufferArgs::default();
