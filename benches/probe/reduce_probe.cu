@@ -14,6 +14,11 @@
 //   plain S U T   T threads per block; each lane loads U 16-byte vectors of S
 //                 copies before it adds them (S = 2, U = 2 is the combine
 //                 kernel's reduce_token today)
+//   cpasync V D T T threads per block; a warp per token, each lane streams V
+//                 16-byte vectors of every copy per stage into a ring of D
+//                 stages of shared memory (cp.async), D - 1 stages ahead of
+//                 the one it adds ("srcs" and "unroll" in the output are V, D);
+//                 REDUCE_PROBE_ONLY=cpasync runs only these
 //   tma K         a block per token at a time: one thread bulk-loads (TMA) all
 //                 copies of the block's token K tokens ahead into K stages of
 //                 shared memory, and the whole block sums each stage
@@ -106,6 +111,88 @@ __global__ void __launch_bounds__(kThreads) reduce_plain(const Args a) {
         __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
 #pragma unroll
         for (int k = 0; k < 8; ++k) po[k] = __float2bfloat16_rn(acc[u][k]);
+        reinterpret_cast<int4*>(a.out + t * a.hidden)[v] = o;
+      }
+    }
+  }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_u32(smem)), "l"(global)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// cp.async: a warp per token; each lane streams its own 16-byte vectors of
+// every copy into a ring of D stages in shared memory (V vectors per copy and
+// stage, [D][R][V][32] int4 per warp) with cp.async, D - 1 stages ahead of the
+// one it adds. The bytes in flight wait in shared memory, not in registers,
+// so a block can have more of them than its registers hold.
+template <int V, int D>
+__global__ void __launch_bounds__(1024) reduce_cpasync(const Args a) {
+  extern __shared__ __align__(16) int4 ring[];
+  const int lane = threadIdx.x % 32;
+  const int warps = blockDim.x / 32;
+  const int R = a.ranks;
+  int4* mine = ring + int64_t(threadIdx.x / 32) * D * R * V * 32;
+  const int nvec = a.hidden / 8;
+  const int nchunk = (nvec + 32 * V - 1) / (32 * V);
+  for (int64_t t = int64_t(blockIdx.x) * warps + threadIdx.x / 32; t < a.tokens;
+       t += int64_t(gridDim.x) * warps) {
+    const int my_slot = lane < R ? a.slots[t * R + lane] : -1;
+    const unsigned srcs = __ballot_sync(0xffffffffu, my_slot >= 0);
+    const int4* row[kMaxRanks];
+#pragma unroll
+    for (int d = 0; d < kMaxRanks; ++d) {
+      const int s = __shfl_sync(0xffffffffu, my_slot, d);
+      row[d] = (srcs >> d) & 1u ? reinterpret_cast<const int4*>(a.src[d] + int64_t(s) * a.record)
+                                : nullptr;
+    }
+    auto issue = [&](int c) {
+      if (c < nchunk) {
+        int4* stage = mine + (c % D) * R * V * 32;
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+          if (!((srcs >> d) & 1u)) continue;
+#pragma unroll
+          for (int u = 0; u < V; ++u) {
+            const int v = (c * V + u) * 32 + lane;
+            if (v < nvec) cp_async16(stage + (d * V + u) * 32 + lane, row[d] + v);
+          }
+        }
+      }
+      cp_async_commit();  // empty past the end: the group count stays uniform
+    };
+    for (int c = 0; c < D - 1; ++c) issue(c);
+    for (int c = 0; c < nchunk; ++c) {
+      issue(c + D - 1);
+      cp_async_wait<D - 1>();  // chunk c's group (this lane's copies) landed
+      const int4* stage = mine + (c % D) * R * V * 32;
+#pragma unroll
+      for (int u = 0; u < V; ++u) {
+        const int v = (c * V + u) * 32 + lane;
+        if (v >= nvec) continue;
+        float acc[8];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) acc[k] = 0.f;
+#pragma unroll
+        for (int d = 0; d < kMaxRanks; ++d) {
+          if (!((srcs >> d) & 1u)) continue;
+          const int4 w = stage[(d * V + u) * 32 + lane];
+          const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) acc[k] += __bfloat162float(x[k]);
+        }
+        int4 o;
+        __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) po[k] = __float2bfloat16_rn(acc[k]);
         reinterpret_cast<int4*>(a.out + t * a.hidden)[v] = o;
       }
     }
@@ -330,7 +417,22 @@ int main(int argc, char** argv) {
   };
   const std::vector<int> block_counts =
       pull ? std::vector<int>{2, 4, 8, 16, 32} : std::vector<int>{1, 2, 4, 8};
+  // cp.async rings: (vectors per stage, stages, threads), within 227 KB.
+  const char* only = getenv("REDUCE_PROBE_ONLY");  // "cpasync": skip the others
+  auto cpasync = [&](int blocks, int v, int d, int threads, auto kernel) {
+    const size_t smem = size_t(threads / 32) * d * R * v * 32 * 16;
+    if (smem <= 227 * 1024) run("cpasync", v, d, threads, blocks, smem, kernel);
+  };
   for (int blocks : block_counts) {
+    cpasync(blocks, 1, 2, 1024, reduce_cpasync<1, 2>);
+    cpasync(blocks, 1, 3, 1024, reduce_cpasync<1, 3>);
+    cpasync(blocks, 1, 4, 512, reduce_cpasync<1, 4>);
+    cpasync(blocks, 2, 2, 512, reduce_cpasync<2, 2>);
+    cpasync(blocks, 2, 3, 512, reduce_cpasync<2, 3>);
+    cpasync(blocks, 2, 4, 256, reduce_cpasync<2, 4>);
+    cpasync(blocks, 4, 2, 256, reduce_cpasync<4, 2>);
+    cpasync(blocks, 4, 3, 256, reduce_cpasync<4, 3>);
+    if (only && strcmp(only, "cpasync") == 0) continue;
     run("plain", 2, 2, 1024, blocks, 0, reduce_plain<2, 2, 1024>);
     run("plain", 4, 2, 1024, blocks, 0, reduce_plain<4, 2, 1024>);
     run("plain", 4, 4, 512, blocks, 0, reduce_plain<4, 4, 512>);
