@@ -56,6 +56,10 @@ use crate::recv_pool::{self, RecvPool};
 /// (one of the [`limits`](crate::limits)).
 pub use crate::limits::MAX_EXPERTS_PER_RANK;
 const HOST_COUNTS_OFFSET: usize = 64;
+/// The smallest group whose direct combine, for a rank whose x is read in
+/// place, runs `combine_direct_wide` (with 2 ranks a token has at most two
+/// copies, and the 1024-thread kernel's two sources in flight suffice).
+const WIDE_MIN_RANKS: usize = 4;
 /// Bytes of the host-mapped memory notify writes the counts and epoch into.
 pub(crate) const HOST_BYTES: usize = HOST_COUNTS_OFFSET + 4 * (1 + MAX_EXPERTS_PER_RANK);
 /// Byte offsets in `scratch` of the fused kernels' call counters (u64) and of
@@ -1159,12 +1163,16 @@ impl IntranodeBuffer {
         unsafe { k::publish_combine_barrier(kernels, stream, ctx, base, header, &state) }?;
         let (send, recv) = (a.send_args(num_sms), a.recv_args(num_sms));
         let sends = !read || a.topk_weights != 0;
+        // This rank's blocks send no rows: wider loads in flight per receiver
+        // where a token has up to 4 copies (the pull probe and the SM sweep,
+        // docs/design-intranode.md).
+        let wide = read && self.part.num_ranks() >= WIDE_MIN_RANKS;
         let launch = |grid: FusedGrid, send_only: bool| {
             // SAFETY: the caller checked every tensor; every rank published
             // this call's header before this launch.
             unsafe {
                 k::combine_direct(
-                    kernels, stream, ctx, send, recv, state, grid, pools, send_only,
+                    kernels, stream, ctx, send, recv, state, grid, pools, send_only, wide,
                 )
             }
         };

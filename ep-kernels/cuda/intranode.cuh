@@ -18,6 +18,7 @@ constexpr int kMaxRanks = 32;
 constexpr int kNotifyThreads = 1024;
 constexpr int kThreads = 1024;
 constexpr int kWarps = kThreads / 32;
+constexpr int kWideThreads = 512;  // combine_direct_wide
 constexpr uint64_t kCtrlHalfBytes = 32 * 1024;
 // High half of every record flag (the low half is the call number): bytes a
 // user wrote into the buffer (get_local_buffer_tensor) never pass as a flag.
@@ -354,8 +355,9 @@ struct GridWarps {
   int64_t warp;
   int64_t nwarps;
 };
+template <int Warps = kWarps>
 __device__ __forceinline__ GridWarps grid_warps(int first = 0) {
-  return {int64_t(blockIdx.x - first) * kWarps + threadIdx.x / 32, int64_t(gridDim.x - first) * kWarps};
+  return {int64_t(blockIdx.x - first) * Warps + threadIdx.x / 32, int64_t(gridDim.x - first) * Warps};
 }
 
 // Column `rank` of rank_prefix_matrix [R, R] (one warp): lane s's
@@ -689,18 +691,17 @@ __device__ __forceinline__ void share_slots(int* my_slots, int my_slot, int lane
 // `Fresh`: the copies arrived during this kernel (read through L2).
 // `row_of(d)`: where the row of source d lies (a record here, or, in the
 // direct combine, the source's x itself through the peer mapping); the weights
-// always come from the records.
-template <bool Fresh, typename RowOf>
+// always come from the records. `kSources` sources of `kUnroll` vectors per
+// lane are loaded before they are added (memory-level parallelism: 2 x 2 fits
+// a 1024-thread block's registers, 4 x 4 a 512-thread one's); the order of the
+// additions stays bias, then sources in ascending rank order.
+template <bool Fresh, int kSources = 2, int kUnroll = 2, typename RowOf>
 __device__ __forceinline__ void reduce_rows(const CombineRecvParams& a, int64_t t, unsigned srcs,
                                             RowOf row_of, int my_slot, int lane) {
   const Ctx& c = a.c;
   const int hidden = a.hidden, num_topk = a.num_topk;
   const int64_t record_bytes = a.record_bytes;
   const int64_t row_bytes = int64_t(hidden) * 2;
-  // kUnroll vectors per lane and two sources per step are loaded before
-  // they are added (memory-level parallelism); the order of the additions
-  // stays bias, then sources in ascending rank order.
-  constexpr int kUnroll = 2;
   const int nvec = hidden / 8;
   for (int v0 = lane; v0 < nvec; v0 += 32 * kUnroll) {
     float acc[kUnroll][8];
@@ -716,30 +717,65 @@ __device__ __forceinline__ void reduce_rows(const CombineRecvParams& a, int64_t 
       for (int k = 0; k < 8; ++k) acc[u][k] = __bfloat162float(p0[k]) + __bfloat162float(p1[k]);
     }
     unsigned m = srcs;
-    while (m) {
-      const int d0 = __ffs(m) - 1;
-      m &= m - 1;
-      const int d1 = m ? __ffs(m) - 1 : -1;
-      if (m) m &= m - 1;
-      const int4* r0 = row_of(d0);
-      const int4* r1 = d1 < 0 ? nullptr : row_of(d1);
-      int4 w0[kUnroll], w1[kUnroll];
+    if constexpr (kSources == 2) {
+      // Two at a time, written out (what the 1024-thread kernels compile
+      // without spilling).
+      while (m) {
+        const int d0 = __ffs(m) - 1;
+        m &= m - 1;
+        const int d1 = m ? __ffs(m) - 1 : -1;
+        if (m) m &= m - 1;
+        const int4* r0 = row_of(d0);
+        const int4* r1 = d1 < 0 ? nullptr : row_of(d1);
+        int4 w0[kUnroll], w1[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int v = v0 + 32 * u;
+          if (v < nvec) {
+            w0[u] = comm::ld_vec<Fresh>(r0 + v);
+            if (r1 != nullptr) w1[u] = comm::ld_vec<Fresh>(r1 + v);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w0[u]);
+          const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&w1[u]);
+#pragma unroll
+          for (int k = 0; k < 8; ++k) {
+            acc[u][k] += __bfloat162float(x[k]);
+            if (r1 != nullptr) acc[u][k] += __bfloat162float(y[k]);
+          }
+        }
+      }
+    }
+    while (kSources != 2 && m) {
+      // The next kSources sources (the first always present).
+      const int4* r[kSources];
+#pragma unroll
+      for (int s = 0; s < kSources; ++s) {
+        const int d = m ? __ffs(m) - 1 : -1;
+        if (m) m &= m - 1;
+        r[s] = d < 0 ? nullptr : row_of(d);
+      }
+      int4 w[kSources][kUnroll];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int v = v0 + 32 * u;
         if (v < nvec) {
-          w0[u] = comm::ld_vec<Fresh>(r0 + v);
-          if (r1 != nullptr) w1[u] = comm::ld_vec<Fresh>(r1 + v);
+#pragma unroll
+          for (int s = 0; s < kSources; ++s)
+            if (s == 0 || r[s] != nullptr) w[s][u] = comm::ld_vec<Fresh>(r[s] + v);
         }
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w0[u]);
-        const __nv_bfloat16* y = reinterpret_cast<const __nv_bfloat16*>(&w1[u]);
 #pragma unroll
         for (int k = 0; k < 8; ++k) {
-          acc[u][k] += __bfloat162float(x[k]);
-          if (r1 != nullptr) acc[u][k] += __bfloat162float(y[k]);
+#pragma unroll
+          for (int s = 0; s < kSources; ++s) {
+            const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w[s][u]);
+            if (s == 0 || r[s] != nullptr) acc[u][k] += __bfloat162float(x[k]);
+          }
         }
       }
     }

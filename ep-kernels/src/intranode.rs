@@ -20,6 +20,8 @@ pub const CTRL_HALF_BYTES: u64 = 32 * 1024;
 pub const CTRL_BYTES: u64 = 2 * CTRL_HALF_BYTES;
 /// Threads per block of the data kernels (32 warps).
 pub const THREADS: u32 = 1024;
+/// Threads per block of `combine_direct_wide` (`kWideThreads`).
+pub const WIDE_THREADS: u32 = 512;
 const NOTIFY_THREADS: u32 = 1024;
 
 /// `moelink::intranode::Ctx`.
@@ -1092,6 +1094,9 @@ pub unsafe fn combine_fused(
 /// be 0 (this rank's x is read and there are no weights: every block
 /// receives). `send_only`: a send-only launch on one SM (all blocks send), to
 /// be followed by a launch with `grid.send_blocks` 0 that ends the call.
+/// `wide`: `combine_direct_wide` instead, blocks of [`WIDE_THREADS`] whose
+/// receivers have more loads in flight (for a rank whose own x is read in
+/// place, in a group of 4 or more ranks).
 ///
 /// # Safety
 /// As [`combine_fused`]; `pools` is the `[R]` table of every rank's receive
@@ -1107,6 +1112,7 @@ pub unsafe fn combine_direct(
     grid: FusedGrid,
     pools: u64,
     send_only: bool,
+    wide: bool,
 ) -> Result<()> {
     check_direct(&state, grid, pools, send_only)?;
     let p = CombineDirectParams {
@@ -1115,8 +1121,13 @@ pub unsafe fn combine_direct(
         header_offset: COMBINE_HEADER_OFFSET as i32,
         finish: i32::from(!send_only),
     };
+    let (id, threads) = if wide {
+        (KernelId::CombineDirectWide, WIDE_THREADS)
+    } else {
+        (KernelId::CombineDirect, THREADS)
+    };
     // SAFETY: CombineDirectParams mirrors the kernel's block; pointers are the caller's contract.
-    unsafe { launch_blocks(k, stream, KernelId::CombineDirect, grid.blocks, p) }
+    unsafe { k.launch_params(id, (grid.blocks, 1), threads, 0, stream, p) }
 }
 
 /// The fused combine's argument block (the direct combine's too; checked).

@@ -33,6 +33,7 @@ comm::kernel_table! {
         IntranodeDispatch => "moelink::intranode::dispatch",
         IntranodeCombine => "moelink::intranode::combine",
         CombineDirect => "moelink::intranode::combine_direct",
+        CombineDirectWide => "moelink::intranode::combine_direct_wide",
         LlDispatch => "moelink::ll::dispatch",
         LlCombine => "moelink::ll::combine",
         InternodeNotify => "moelink::internode::notify",
@@ -132,8 +133,8 @@ mod profiler_name_tests {
         match k {
             DispatchSend | DispatchRecv | DispatchSendPacked | IntranodeDispatch | LlDispatch
             | InternodeDispatch => Side::Dispatch,
-            CombineSend | CombineRecv | IntranodeCombine | CombineDirect | LlCombine
-            | InternodeCombine => Side::Combine,
+            CombineSend | CombineRecv | IntranodeCombine | CombineDirect | CombineDirectWide
+            | LlCombine | InternodeCombine => Side::Combine,
             DiagnosticsWritePeers
             | ReduceRowsBf16
             | LayoutCountTokens
