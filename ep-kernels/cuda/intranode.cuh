@@ -480,6 +480,36 @@ struct RecordDst {
   }
 };
 
+// Copies one row (`bytes`, a multiple of 16) to several destinations: the
+// j-th for every bit j of `to`, at the address lane j holds in `my_dst`. Each
+// 16-byte vector is loaded once (four per lane in flight) and stored to every
+// destination before the next ones are loaded, so a token's row costs one
+// round of load latencies however many ranks receive it. The loop bounds are
+// the same on every lane (the shuffles need the whole warp).
+__device__ __forceinline__ void warp_copy16_to(unsigned to, char* my_dst, const char* src,
+                                               int64_t bytes, int lane) {
+  const int4* s = reinterpret_cast<const int4*>(src);
+  const int64_t n = bytes / 16;
+  constexpr int kUnroll = 4;
+  for (int64_t base = 0; base < n; base += 32 * kUnroll) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int64_t i = base + 32 * u + lane;
+      if (i < n) v[u] = comm::ld_vec<false>(s + i);
+    }
+    for (unsigned m = to; m; m &= m - 1) {
+      const int j = __ffs(m) - 1;
+      int4* d = reinterpret_cast<int4*>(__shfl_sync(0xffffffffu, reinterpret_cast<uint64_t>(my_dst), j));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t i = base + 32 * u + lane;
+        if (i < n) comm::st_na(d + i, v[u]);
+      }
+    }
+  }
+}
+
 // Writes token t's copies (row, scales, local top-k ids, weights, source
 // index) for its destinations where `dst` puts them, no flags. Returns, on
 // lane d, the slot of t on rank d (a destination that `allowed` keeps), else -1.
@@ -503,6 +533,10 @@ __device__ __forceinline__ int write_token(const DispatchSendParams& a, int64_t 
   // ranks write to different peers instead of all to the lowest one first
   // (measured: ascending order left peers waiting 60-300 us for the last sender).
   dests = rotate_right(dests, c.rank, R);
+  // Every destination's small fields first; lane j keeps the row address of
+  // the j-th destination in that order, and the row goes out to all at once.
+  char* my_dst_row = nullptr;
+  unsigned rows_to = 0;
   while (dests) {
     const int j = __ffs(dests) - 1;
     dests &= dests - 1;
@@ -510,7 +544,8 @@ __device__ __forceinline__ int write_token(const DispatchSendParams& a, int64_t 
     const int64_t slot = __shfl_sync(0xffffffffu, my_slot, d);
     const TokenDst dst = dst_of(d, slot, lane);
     if (dst.row == nullptr) continue;
-    warp_copy16(dst.row, row, rec.hidden_bytes, lane);
+    rows_to |= 1u << j;
+    if (lane == j) my_dst_row = dst.row;
     for (int s = lane; s < rec.num_scales; s += 32)
       dst.scales[s] = a.scales[t * a.scale_stride0 + s * a.scale_stride1];
     if (lane < K) {
@@ -521,6 +556,7 @@ __device__ __forceinline__ int write_token(const DispatchSendParams& a, int64_t 
     }
     if (lane == 0) *dst.src = int(t);
   }
+  warp_copy16_to(rows_to, my_dst_row, row, rec.hidden_bytes, lane);
   return mine_to_send ? my_slot : -1;
 }
 
