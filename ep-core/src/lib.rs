@@ -23,10 +23,12 @@ pub mod internode;
 pub mod intranode;
 pub mod limits;
 pub mod low_latency;
+pub mod normal;
 pub mod part;
 pub mod recv_pool;
 
 pub use comm::{CommError as Error, Result};
 pub use ep_buffer::EpBuffer;
 pub use ep_kernels::compiled_archs;
+pub use normal::NormalPart;
 pub use part::{BufferPart, EpBufferOptions, LowLatencyOptions, PartBase, PartKind};

@@ -9,7 +9,7 @@
 //! streams as raw `cudaStream_t` ints.
 
 use comm::StreamHandle;
-use ep_core::internode::{InternodeBuffer, XInputs};
+use ep_core::internode::XInputs;
 use ep_core::intranode::{
     CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, IntranodeBuffer, LayoutCall,
 };
@@ -17,7 +17,9 @@ use ep_core::low_latency::{
     size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs,
     LowLatencyBuffer, Phases,
 };
-use ep_core::{BufferPart, EpBuffer as Inner, EpBufferOptions, LowLatencyOptions, PartKind};
+use ep_core::{
+    BufferPart, EpBuffer as Inner, EpBufferOptions, LowLatencyOptions, NormalPart, PartKind,
+};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -74,9 +76,13 @@ impl EpBuffer {
             .ok_or_else(|| absent(destroyed, PartKind::Intranode))
     }
 
-    /// The internode part, if the group spans nodes (else None: intranode).
-    fn internode(&mut self) -> Option<&mut InternodeBuffer> {
-        self.inner.internode_mut()
+    /// The part that serves layout, dispatch and combine (internode where the
+    /// group spans nodes, else intranode).
+    fn normal(&mut self) -> PyResult<NormalPart<'_>> {
+        let destroyed = self.inner.is_empty();
+        self.inner
+            .normal()
+            .ok_or_else(|| absent(destroyed, PartKind::Intranode))
     }
 
     fn ll(&self) -> PyResult<&LowLatencyBuffer> {
@@ -115,22 +121,18 @@ fn shape(
 
 /// An internode call's handle tensors: node heads, counts, forwarding records,
 /// their tokens per node, and `recv_rdma_rank_prefix_sum` (0: not written).
-type XArg = Option<(u64, u64, u64, usize, u64)>;
+type XTensors = (u64, u64, u64, usize, u64);
+type XArg = Option<XTensors>;
 
-fn x_inputs(x: XArg) -> PyResult<XInputs> {
-    let (node_head, xcounts, fwd_meta, meta_slots, recv_rdma_rank_prefix_sum) =
-        x.ok_or_else(|| {
-            PyValueError::new_err(
-                "a Buffer whose group spans nodes needs the internode handle tensors",
-            )
-        })?;
-    Ok(XInputs {
+fn x_inputs(x: XTensors) -> XInputs {
+    let (node_head, xcounts, fwd_meta, meta_slots, recv_rdma_rank_prefix_sum) = x;
+    XInputs {
         node_head,
         xcounts,
         fwd_meta,
         meta_slots,
         recv_rdma_rank_prefix_sum,
-    })
+    }
 }
 
 fn call_shape(max_tokens: usize, hidden: usize, num_experts: usize, num_topk: usize) -> CallShape {
@@ -296,12 +298,12 @@ impl EpBuffer {
     /// Tokens per rank an internode dispatch of these records fits (the
     /// second dimension of the handle's forwarding records).
     fn internode_capacity(
-        &mut self,
+        &self,
         hidden_bytes: usize,
         num_scales: usize,
         num_topk: usize,
     ) -> PyResult<usize> {
-        let b = self.internode().ok_or_else(|| {
+        let b = self.inner.internode().ok_or_else(|| {
             PyRuntimeError::new_err("the Buffer's group has one node (no internode part)")
         })?;
         b.dispatch_capacity(&shape(0, hidden_bytes, num_scales, num_topk, 1))
@@ -335,13 +337,8 @@ impl EpBuffer {
             is_token_in_rank,
             partials,
         };
-        if let Some(b) = self.internode() {
-            return b
-                .layout(StreamHandle(stream), &call, num_tokens_per_node)
-                .map_err(to_py);
-        }
-        self.intranode()?
-            .layout(StreamHandle(stream), &call)
+        self.normal()?
+            .layout(StreamHandle(stream), &call, num_tokens_per_node)
             .map_err(to_py)
     }
 
@@ -385,27 +382,18 @@ impl EpBuffer {
             rank_prefix_matrix,
             send_head,
         };
-        let st = StreamHandle(stream);
-        if let Some(b) = self.internode() {
-            let xi = x_inputs(xnode)?;
-            if cached {
-                b.cached_dispatch_send(st, &s, &inp, &xi, num_sms)
-                    .map_err(to_py)?;
-                return Ok(0);
-            }
-            return b
-                .dispatch_send(st, &s, &inp, &xi, expert_alignment, num_sms)
-                .map_err(to_py);
-        }
-        let b = self.intranode()?;
-        if cached {
-            b.cached_dispatch_send(st, &s, &inp, num_sms)
-                .map_err(to_py)?;
-            Ok(0)
-        } else {
-            b.dispatch_send(st, &s, &inp, expert_alignment, num_sms)
-                .map_err(to_py)
-        }
+        let xi = xnode.map(x_inputs);
+        self.normal()?
+            .dispatch_send(
+                StreamHandle(stream),
+                &s,
+                &inp,
+                xi.as_ref(),
+                cached,
+                expert_alignment,
+                num_sms,
+            )
+            .map_err(to_py)
     }
 
     /// Bounded CPU wait for the counts of dispatch `epoch`: (received tokens,
@@ -416,12 +404,7 @@ impl EpBuffer {
         epoch: u64,
         num_experts: usize,
     ) -> PyResult<(usize, Vec<i32>)> {
-        if let Some(b) = self.internode() {
-            return py
-                .detach(|| b.wait_counts(epoch, num_experts))
-                .map_err(to_py);
-        }
-        let b = self.intranode()?;
+        let b = self.normal()?;
         py.detach(|| b.wait_counts(epoch, num_experts))
             .map_err(to_py)
     }
@@ -458,12 +441,7 @@ impl EpBuffer {
             recv_topk_weights,
             recv_src_idx,
         };
-        if let Some(b) = self.internode() {
-            return b
-                .dispatch_recv(StreamHandle(stream), &s, rank_prefix_matrix, &out, num_sms)
-                .map_err(to_py);
-        }
-        self.intranode()?
+        self.normal()?
             .dispatch_recv(StreamHandle(stream), &s, rank_prefix_matrix, &out, num_sms)
             .map_err(to_py)
     }
@@ -504,14 +482,9 @@ impl EpBuffer {
             out,
             out_weights,
         };
-        if let Some(b) = self.internode() {
-            let xi = x_inputs(xnode)?;
-            return b
-                .combine(StreamHandle(stream), &a, &xi, recv_src_idx, num_sms)
-                .map_err(to_py);
-        }
-        self.intranode()?
-            .combine(StreamHandle(stream), &a, num_sms)
+        let xi = xnode.map(x_inputs);
+        self.normal()?
+            .combine(StreamHandle(stream), &a, xi.as_ref(), recv_src_idx, num_sms)
             .map_err(to_py)
     }
 
@@ -588,12 +561,8 @@ impl EpBuffer {
 
     /// The SMs a dispatch or combine asked for `num_sms` launches with (capped
     /// to this rank's share of its GPU), or None without a normal-mode part.
-    fn launch_sms(&self, num_sms: u32) -> Option<u32> {
-        match (self.inner.internode(), self.inner.intranode()) {
-            (Some(b), _) => Some(b.launch_sms(num_sms)),
-            (None, Some(b)) => Some(b.launch_sms(num_sms)),
-            (None, None) => None,
-        }
+    fn launch_sms(&mut self, num_sms: u32) -> Option<u32> {
+        self.inner.normal().map(|b| b.launch_sms(num_sms))
     }
 
     /// The direct dispatch's receive pool (`MOELINK_INTRANODE_RECV=direct`):
