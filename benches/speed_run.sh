@@ -18,6 +18,12 @@
 #   internode  intranode_bench.py --nodes 2 (emulated nodes, the proxy between them):
 #              NVLink-side and RDMA-side GB/s (DeepEP's byte formulas) and the bytes
 #              that cross nodes, NCCL all_to_all_single beside it.
+#   sm         bandwidth by SM count (benches/sm_table.py): peer_bench.py --only
+#              intranode at SM_COUNTS (default "4 8 12 16 24 32 48 64") for moelink
+#              (fused), moelink direct, DeepEP V1 and UCCL-EP (the peers at the
+#              counts up to 48), into OUT/sm/<row>; SM_PROBE_LOG, when set, is the
+#              NVLink ceiling probe's output, copied to OUT/sm/probe.log; then the
+#              table, OUT/sm/sm_table.{json,png}.
 #   detail     ll_bench with phase stamps (MOELINK_LL_PROFILE=1) and
 #              intranode_profile (per-kernel GPU times and the fused kernels' phase
 #              stamps, MOELINK_INTRANODE_PROFILE=1).
@@ -28,7 +34,7 @@
 # number of failed steps.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART=${1:?part(s): intranode,ll,comm,internode,detail}
+PART=${1:?part(s): intranode,ll,sm,comm,internode,detail}
 OUT=${2:?output folder}
 mkdir -p "$OUT"
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -80,6 +86,21 @@ for part in ${PART//,/ }; do
       # UCCL-EP's low-latency mode goes through its CPU proxies (RDMA): bounded.
       step ll-uccl 60 $RUN benches/peer_bench.py --impl uccl --only ll --out "$P"
       step ll-table 60 python3 benches/peer_table.py "$P"
+      ;;
+    sm)
+      P="$OUT/sm"
+      SMS=${SM_COUNTS:-4 8 12 16 24 32 48 64}
+      PEER_SMS=$(for s in $SMS; do [ "$s" -le 48 ] && printf '%s ' "$s"; done)
+      mkdir -p "$P/fused" "$P/direct" "$P/deepep" "$P/uccl"
+      B="benches/peer_bench.py --only intranode --iters 10 --warmup 3"
+      step sm-fused 200 $RUN $B --impl moelink --sms $SMS --out "$P/fused"
+      step sm-direct 200 env MOELINK_INTRANODE_RECV=direct \
+        MOELINK_INTRANODE_RECV_POOL_BYTES=$((8 << 30)) \
+        $RUN $B --impl moelink --sms $SMS --out "$P/direct"
+      step sm-deepep 200 $RUN $B --impl deep_ep --sms $PEER_SMS --out "$P/deepep"
+      step sm-uccl 200 $RUN $B --impl uccl --sms $PEER_SMS --out "$P/uccl"
+      [ -n "${SM_PROBE_LOG:-}" ] && cp "$SM_PROBE_LOG" "$P/probe.log"
+      step sm-table 60 python3 benches/sm_table.py "$P" --out "$P/sm_table"
       ;;
     comm)
       step comm_bench 150 python3 -m torch.distributed.run --standalone --nproc-per-node=2 \
