@@ -173,7 +173,7 @@
 //! (`cumulative_local_expert_recv_stats` gains `recv_count`).
 
 use crate::limits::{self, check_budget, zeroed};
-use crate::normal::{check_len, round_to_bf16};
+use crate::normal::{check_len, check_topk_rows, round_to_bf16};
 use comm::error::{CommError, Result};
 use ep_kernels::low_latency::LlShape;
 
@@ -1416,42 +1416,22 @@ pub fn ue8m0_to_f32(byte: u8) -> f32 {
 
 /// `T_r` of rank `rank` after checking its `topk_idx`.
 fn check_topk_idx(rank: usize, topk_idx: &[i64], args: &LowLatencyArgs) -> Result<usize> {
-    let k = args.num_topk;
-    if topk_idx.len() % k != 0 {
-        return Err(CommError::invalid(
-            "topk_idx",
-            format!(
-                "rank {rank}: {} ids is not a whole number of rows of {k}",
-                topk_idx.len()
-            ),
-        ));
-    }
-    let n = topk_idx.len() / k;
-    if n > args.num_max_dispatch_tokens_per_rank {
-        return Err(CommError::invalid(
-            "num_max_dispatch_tokens_per_rank",
-            format!(
-                "rank {rank} has {n} tokens, more than num_max_dispatch_tokens_per_rank = {}",
-                args.num_max_dispatch_tokens_per_rank
-            ),
-        ));
-    }
-    if let Some(pos) = topk_idx
-        .iter()
-        .position(|&e| e < -1 || e >= args.num_experts as i64)
-    {
-        return Err(CommError::invalid(
-            "topk_idx",
-            format!(
-                "rank {rank}: token {} column {} has expert id {}, outside -1..={}",
-                pos / k,
-                pos % k,
-                topk_idx[pos],
-                args.num_experts - 1
-            ),
-        ));
-    }
-    Ok(n)
+    let max = args.num_max_dispatch_tokens_per_rank;
+    check_topk_rows(
+        topk_idx,
+        args.num_topk,
+        args.num_experts,
+        &format!("rank {rank}: "),
+        max,
+        |n| {
+            CommError::invalid(
+                "num_max_dispatch_tokens_per_rank",
+                format!(
+                    "rank {rank} has {n} tokens, more than num_max_dispatch_tokens_per_rank = {max}"
+                ),
+            )
+        },
+    )
 }
 
 /// True if `v` is exactly a bf16 value (its low 16 bits are zero).
@@ -1510,7 +1490,7 @@ fn check_bf16_row(rank: usize, row_index: usize, y: &[f32]) -> Result<()> {
 mod tests {
     use super::*;
     use crate::normal::{bf16_bits_to_f32, f32_to_bf16_bits};
-    use crate::test_support::assert_invalid;
+    use crate::test_support::{assert_invalid, bits};
     use rand::rngs::StdRng;
     use rand::seq::SliceRandom;
     use rand::Rng;
@@ -1520,10 +1500,6 @@ mod tests {
     /// Seeds the random tests (base 0x5EED_0011; `MOELINK_REFERENCE_SEED` overrides it).
     fn with_seed(what: &str, offset: u64, f: impl FnOnce(&mut StdRng)) {
         crate::test_support::with_seed(what, 0x5EED_0011, offset, f)
-    }
-
-    fn bits(v: &[f32]) -> Vec<u32> {
-        v.iter().map(|f| f.to_bits()).collect()
     }
 
     fn pow2f(p: i32) -> f32 {
@@ -1996,6 +1972,14 @@ mod tests {
         [&[(0, 1), (1, 0)], &[(0, 0), (1, 0)]],
     ];
 
+    /// The bf16 dispatch of the hand case's `hand_token` rows of `hidden`
+    /// channels, and its arguments.
+    fn hand_bf16(hidden: usize) -> (LowLatencyArgs, LlDispatched) {
+        let x = hand_x(hidden, |r, t| hand_token(r, t, hidden));
+        let args = LowLatencyArgs::new(HAND_T, hidden, 4, 2).bf16();
+        (args, hand_dispatch(&args, &x).unwrap())
+    }
+
     fn check_hand_routing(d: &LlDispatched) {
         assert_eq!(d.num_tokens, [3, 2]);
         assert_eq!(
@@ -2022,13 +2006,10 @@ mod tests {
     #[test]
     fn hand_dispatch_bf16() {
         let h = 128;
-        let x = hand_x(h, |r, t| hand_token(r, t, h));
-        let d = hand_dispatch(&LowLatencyArgs::new(HAND_T, h, 4, 2).bf16(), &x).unwrap();
+        let (_, d) = hand_bf16(h);
         check_hand_routing(&d);
         for (dest, o) in d.ranks.iter().enumerate() {
-            let RecvX::Bf16(recv) = &o.recv_x else {
-                panic!("not bf16")
-            };
+            let recv = o.bf16_x();
             assert_eq!(recv.len(), 2 * 8 * h);
             for (j, rows) in HAND_ROWS[dest].iter().enumerate() {
                 for row in 0..8 {
@@ -2127,13 +2108,7 @@ mod tests {
             check_hand_routing(&d);
             let group = hand_group_bytes();
             for (dest, o) in d.ranks.iter().enumerate() {
-                let RecvX::Fp8 {
-                    x: recv,
-                    scales: RecvScales::F32(scales),
-                } = &o.recv_x
-                else {
-                    panic!("not fp8 with f32 scales")
-                };
+                let (recv, scales) = o.fp8_f32();
                 assert_eq!((recv.len(), scales.len()), (2 * 8 * h, 2 * 8 * 2));
                 for j in 0..2 {
                     for (row, &(r, t)) in HAND_ROWS[dest][j].iter().enumerate() {
@@ -2150,13 +2125,7 @@ mod tests {
                 }
             }
             // The whole scale tensors, column-major: [j][g][row].
-            let RecvX::Fp8 {
-                scales: RecvScales::F32(s0),
-                ..
-            } = &d.ranks[0].recv_x
-            else {
-                unreachable!()
-            };
+            let (_, s0) = d.ranks[0].fp8_f32();
             #[rustfmt::skip]
             let want0 = [
                 // expert 0: rows r0t0, r0t2, r1t1; group 0 then group 1
@@ -2168,9 +2137,7 @@ mod tests {
             ];
             assert_eq!(s0[..], want0[..]);
             // Dequantized: the group values, with 119 -> 120, 116 -> 112, ...
-            let RecvX::Fp8 { x: q, scales } = &d.ranks[1].recv_x else {
-                unreachable!()
-            };
+            let (q, scales) = d.ranks[1].fp8();
             let y = dequantize_fp8(q, scales, &d.shape).unwrap();
             // rank 1, expert 3, row 1 = r1 t0: group 1 has s = 2 - 0 - 3 = -1.
             let at = d.shape.row_index(1, 1) * h + 128;
@@ -2197,13 +2164,7 @@ mod tests {
         let d = hand_dispatch(&args, &x).unwrap();
         check_hand_routing(&d);
         let o = &d.ranks[1];
-        let RecvX::Fp8 {
-            x: recv,
-            scales: RecvScales::Ue8m0(packed),
-        } = &o.recv_x
-        else {
-            panic!("not ue8m0")
-        };
+        let (recv, packed) = o.fp8_ue8m0();
         assert_eq!(packed.len(), 2 * 8 * 2);
         let group = hand_group_bytes();
         for g in 0..5 {
@@ -2223,7 +2184,7 @@ mod tests {
         ];
         assert_eq!(packed[..], want[..]);
         // Dequantizing reads the exponents back.
-        let y = dequantize_fp8(recv, &o.recv_x_scales(), &d.shape).unwrap();
+        let y = dequantize_fp8(recv, o.fp8().1, &d.shape).unwrap();
         let at = d.shape.row_index(1, 1) * h + 4 * 128; // r1 t0, group 4: s = 3
         assert_eq!(y[at], 448.0 * 8.0);
         assert_eq!(y[at + 2], 120.0 * 8.0);
@@ -2238,19 +2199,7 @@ mod tests {
         )
         .unwrap();
         for (a, b) in f.ranks.iter().zip(&d.ranks) {
-            let (
-                RecvX::Fp8 {
-                    x: fx,
-                    scales: RecvScales::F32(fs),
-                },
-                RecvX::Fp8 {
-                    x: ux,
-                    scales: RecvScales::Ue8m0(up),
-                },
-            ) = (&a.recv_x, &b.recv_x)
-            else {
-                unreachable!()
-            };
+            let ((fx, fs), (ux, up)) = (a.fp8_f32(), b.fp8_ue8m0());
             assert_eq!(fx, ux);
             for j in 0..2 {
                 for row in 0..b.recv_count[j] as usize {
@@ -2266,11 +2215,35 @@ mod tests {
     }
 
     impl LlRankOutput {
-        /// Test shortcut: the scales of an fp8 output.
-        fn recv_x_scales(&self) -> RecvScales {
+        /// Test shortcut: the values of a bf16 output.
+        fn bf16_x(&self) -> &[f32] {
             match &self.recv_x {
-                RecvX::Fp8 { scales, .. } => scales.clone(),
+                RecvX::Bf16(x) => x,
+                RecvX::Fp8 { .. } => panic!("not bf16"),
+            }
+        }
+
+        /// Test shortcut: the bytes and scales of an fp8 output.
+        fn fp8(&self) -> (&[u8], &RecvScales) {
+            match &self.recv_x {
+                RecvX::Fp8 { x, scales } => (x, scales),
                 RecvX::Bf16(_) => panic!("not fp8"),
+            }
+        }
+
+        /// Test shortcut: [`Self::fp8`] with f32 scales.
+        fn fp8_f32(&self) -> (&[u8], &[f32]) {
+            match self.fp8() {
+                (x, RecvScales::F32(s)) => (x, s),
+                _ => panic!("not f32 scales"),
+            }
+        }
+
+        /// Test shortcut: [`Self::fp8`] with packed ue8m0 scales.
+        fn fp8_ue8m0(&self) -> (&[u8], &[i32]) {
+            match self.fp8() {
+                (x, RecvScales::Ue8m0(p)) => (x, p),
+                _ => panic!("not ue8m0 scales"),
             }
         }
     }
@@ -2278,18 +2251,14 @@ mod tests {
     #[test]
     fn hand_combine() {
         let h = 128;
-        let x = hand_x(h, |r, t| hand_token(r, t, h));
-        let args = LowLatencyArgs::new(HAND_T, h, 4, 2).bf16();
-        let d = hand_dispatch(&args, &x).unwrap();
+        let (args, d) = hand_bf16(h);
         // Expert e multiplies its input by e + 1; padding rows are NaN.
         let ys: Vec<Vec<f32>> = d
             .ranks
             .iter()
             .enumerate()
             .map(|(dest, o)| {
-                let RecvX::Bf16(recv) = &o.recv_x else {
-                    unreachable!()
-                };
+                let recv = o.bf16_x();
                 let mut y = vec![f32::NAN; recv.len()];
                 for j in 0..2 {
                     for row in 0..o.recv_count[j] as usize {
@@ -3257,9 +3226,7 @@ mod tests {
             // bf16 dispatch moves them.
             let bf = LowLatencyArgs::new(2, 128, 4, 2).bf16();
             let d = low_latency_dispatch(&[good, b], &bf).unwrap();
-            let RecvX::Bf16(recv) = &d.ranks[0].recv_x else {
-                unreachable!()
-            };
+            let recv = d.ranks[0].bf16_x();
             // Rank 1 t0 -> expert 0 row 1.
             assert_eq!(
                 recv[d.shape.row_index(0, 1) * 128 + 7].to_bits(),
@@ -3271,16 +3238,8 @@ mod tests {
     #[test]
     fn combine_rejects_bad_arguments() {
         let h = 128;
-        let x = hand_x(h, |r, t| hand_token(r, t, h));
-        let args = LowLatencyArgs::new(HAND_T, h, 4, 2).bf16();
-        let d = hand_dispatch(&args, &x).unwrap();
-        let RecvX::Bf16(y0) = &d.ranks[0].recv_x else {
-            unreachable!()
-        };
-        let RecvX::Bf16(y1) = &d.ranks[1].recv_x else {
-            unreachable!()
-        };
-        let ys = [y0.clone(), y1.clone()];
+        let (args, d) = hand_bf16(h);
+        let ys = [d.ranks[0].bf16_x().to_vec(), d.ranks[1].bf16_x().to_vec()];
         let good: [LlCombineInput; 2] = combine_inputs(&d.ranks, &ys, &HAND_TOPK, &HAND_WEIGHTS)
             .try_into()
             .unwrap();

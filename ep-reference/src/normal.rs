@@ -941,6 +941,50 @@ fn check_weights(
     }
 }
 
+/// The number of tokens `N` of `[N, num_topk]` `topk_idx`, after checking it
+/// in the order both dispatches report: a whole number of rows, at most
+/// `max_tokens` of them (else the error `too_many(N)`, whose argument and
+/// wording differ between the calls), and every id within `-1 ..= E - 1`.
+/// `whose` starts each message ("rank 3: ", or empty for a lone layout).
+pub(crate) fn check_topk_rows(
+    topk_idx: &[i64],
+    num_topk: usize,
+    num_experts: usize,
+    whose: &str,
+    max_tokens: usize,
+    too_many: impl FnOnce(usize) -> CommError,
+) -> Result<usize> {
+    if topk_idx.len() % num_topk != 0 {
+        return Err(CommError::invalid(
+            "topk_idx",
+            format!(
+                "{whose}{} ids is not a whole number of rows of {num_topk}",
+                topk_idx.len()
+            ),
+        ));
+    }
+    let n = topk_idx.len() / num_topk;
+    if n > max_tokens {
+        return Err(too_many(n));
+    }
+    if let Some(pos) = topk_idx
+        .iter()
+        .position(|&e| e < -1 || e >= num_experts as i64)
+    {
+        return Err(CommError::invalid(
+            "topk_idx",
+            format!(
+                "{whose}token {} column {} has expert id {}, outside -1..={}",
+                pos / num_topk,
+                pos % num_topk,
+                topk_idx[pos],
+                num_experts - 1
+            ),
+        ));
+    }
+    Ok(n)
+}
+
 /// `len == rows * cols` for matrix `name` of rank `rank`.
 pub(crate) fn check_len(
     name: &'static str,
@@ -1006,40 +1050,10 @@ fn compute_layout(
     let experts_per_rank = limits::experts_per_rank(num_experts, num_ranks)?;
     limits::check_topk("num_topk", num_topk)?;
     let whose = rank.map_or_else(String::new, |r| format!("rank {r}: "));
-    if topk_idx.len() % num_topk != 0 {
-        return Err(CommError::invalid(
-            "topk_idx",
-            format!(
-                "{whose}{} ids is not a whole number of rows of {num_topk}",
-                topk_idx.len()
-            ),
-        ));
-    }
-    let n = topk_idx.len() / num_topk;
-    if n > limits::MAX_TOKENS_PER_RANK {
-        return Err(CommError::invalid(
-            "topk_idx",
-            format!(
-                "{whose}{n} tokens, more than {}",
-                limits::MAX_TOKENS_PER_RANK
-            ),
-        ));
-    }
-    if let Some(pos) = topk_idx
-        .iter()
-        .position(|&e| e < -1 || e >= num_experts as i64)
-    {
-        return Err(CommError::invalid(
-            "topk_idx",
-            format!(
-                "{whose}token {} column {} has expert id {}, outside -1..={}",
-                pos / num_topk,
-                pos % num_topk,
-                topk_idx[pos],
-                num_experts - 1
-            ),
-        ));
-    }
+    let max = limits::MAX_TOKENS_PER_RANK;
+    let n = check_topk_rows(topk_idx, num_topk, num_experts, &whose, max, |n| {
+        CommError::invalid("topk_idx", format!("{whose}{n} tokens, more than {max}"))
+    })?;
 
     let mut num_tokens_per_rank = vec![0i32; num_ranks];
     let mut num_tokens_per_expert = vec![0i32; num_experts];
@@ -1139,7 +1153,7 @@ fn gather<'a>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::test_support::assert_invalid;
+    use crate::test_support::{assert_invalid, bits};
     use rand::rngs::StdRng;
     use rand::Rng;
     use std::collections::HashMap;
@@ -1161,8 +1175,16 @@ mod tests {
             .collect()
     }
 
-    fn bits(v: &[f32]) -> Vec<u32> {
-        v.iter().map(|f| f.to_bits()).collect()
+    impl<'a> RankInput<'a> {
+        /// Test shortcut: ids and payloads only, no weights or scales.
+        fn bare(topk_idx: &'a [i64], x: &'a [u8]) -> Self {
+            RankInput {
+                topk_idx,
+                topk_weights: None,
+                x,
+                scales: None,
+            }
+        }
     }
 
     // ---- the hand-computed case ---------------------------------------------
@@ -1306,12 +1328,7 @@ mod tests {
     fn hand_dispatch_without_weights_or_scales() {
         let x = [hand_x(0), hand_x(1)];
         let inputs: Vec<RankInput> = (0..2)
-            .map(|r| RankInput {
-                topk_idx: HAND_TOPK[r],
-                topk_weights: None,
-                x: &x[r],
-                scales: None,
-            })
+            .map(|r| RankInput::bare(HAND_TOPK[r], &x[r]))
             .collect();
         let d = dispatch(&inputs, &DispatchArgs::new(4, 2, HAND_HIDDEN_BYTES)).unwrap();
         let full = hand_dispatch(hand_args()).unwrap();
@@ -1348,12 +1365,7 @@ mod tests {
         // An expert nobody routes to stays 0 whatever the alignment.
         let x = vec![0u8; 128];
         let d = dispatch(
-            &[RankInput {
-                topk_idx: &[1],
-                topk_weights: None,
-                x: &x,
-                scales: None,
-            }],
+            &[RankInput::bare(&[1], &x)],
             &DispatchArgs {
                 expert_alignment: 128,
                 ..DispatchArgs::new(2, 1, 128)
@@ -1544,24 +1556,9 @@ mod tests {
         let x = vec![0u8; 128];
         let empty: [u8; 0] = [];
         let inputs = [
-            RankInput {
-                topk_idx: &[0, 1, 2],
-                topk_weights: None,
-                x: &x,
-                scales: None,
-            },
-            RankInput {
-                topk_idx: &[],
-                topk_weights: None,
-                x: &empty,
-                scales: None,
-            },
-            RankInput {
-                topk_idx: &[],
-                topk_weights: None,
-                x: &empty,
-                scales: None,
-            },
+            RankInput::bare(&[0, 1, 2], &x),
+            RankInput::bare(&[], &empty),
+            RankInput::bare(&[], &empty),
         ];
         let d = dispatch(&inputs, &DispatchArgs::new(3, 3, 128)).unwrap();
         let big = 16_777_216.0f32; // 2^24: 2^24 + 1 rounds back to 2^24
@@ -2413,14 +2410,7 @@ mod tests {
             &[],
         ];
         let xs: Vec<Vec<u8>> = (0..4).map(|r| vec![0u8; topk[r].len() / 4 * 128]).collect();
-        let inputs: Vec<RankInput> = (0..4)
-            .map(|r| RankInput {
-                topk_idx: topk[r],
-                topk_weights: None,
-                x: &xs[r],
-                scales: None,
-            })
-            .collect();
+        let inputs: Vec<RankInput> = (0..4).map(|r| RankInput::bare(topk[r], &xs[r])).collect();
         let d = dispatch(&inputs, &DispatchArgs::new(4, 4, 128)).unwrap();
         // (source rank, token, destination) -> (y, weight); weight 0.5 unless listed.
         let value = |s: i32, t: i32, dest: usize| -> (f32, f32) {

@@ -22,6 +22,12 @@ pub(crate) fn with_seed(what: &str, default_base: u64, offset: u64, f: impl FnOn
     }
 }
 
+/// The bit patterns of `v`, for comparing f32 results exactly (NaN payloads
+/// and signed zeros included).
+pub(crate) fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|f| f.to_bits()).collect()
+}
+
 /// Asserts `res` is an `InvalidArgument` naming argument `want`.
 pub(crate) fn assert_invalid<T: std::fmt::Debug>(res: Result<T>, want: &str) {
     match res {

@@ -206,33 +206,40 @@ mod tests {
 
     #[test]
     fn buffer_options_name_the_argument() {
-        value(
-            args(|a| a.num_nvl_bytes = -128),
-            "num_nvl_bytes must be >= 0, got -128",
-        );
-        value(
-            args(|a| a.num_rdma_bytes = -1),
-            "num_rdma_bytes must be >= 0, got -1",
-        );
-        value(
-            args(|a| a.num_qps_per_rank = 0),
-            "num_qps_per_rank must be positive, got 0",
-        );
-        value(
-            args(|a| a.num_nvl_bytes = 100),
-            "num_nvl_bytes must be a multiple of 128, got 100",
-        );
-        value(
-            args(|a| {
-                a.num_rdma_bytes = 129;
-                a.low_latency_mode = true;
-            }),
-            "num_rdma_bytes must be a multiple of 128, got 129",
-        );
-        value(
-            args(|a| a.enable_shrink = true),
-            "enable_shrink=True needs low_latency_mode=True",
-        );
+        // Each change to the default arguments, and the error it gives.
+        type Change = fn(&mut BufferArgs);
+        let refused: [(Change, &str); 6] = [
+            (
+                |a| a.num_nvl_bytes = -128,
+                "num_nvl_bytes must be >= 0, got -128",
+            ),
+            (
+                |a| a.num_rdma_bytes = -1,
+                "num_rdma_bytes must be >= 0, got -1",
+            ),
+            (
+                |a| a.num_qps_per_rank = 0,
+                "num_qps_per_rank must be positive, got 0",
+            ),
+            (
+                |a| a.num_nvl_bytes = 100,
+                "num_nvl_bytes must be a multiple of 128, got 100",
+            ),
+            (
+                |a| {
+                    a.num_rdma_bytes = 129;
+                    a.low_latency_mode = true;
+                },
+                "num_rdma_bytes must be a multiple of 128, got 129",
+            ),
+            (
+                |a| a.enable_shrink = true,
+                "enable_shrink=True needs low_latency_mode=True",
+            ),
+        ];
+        for (change, message) in refused {
+            value(args(change), message);
+        }
         let e = args(|a| a.low_latency_mode = true).unwrap_err();
         assert!(
             e.message
