@@ -427,6 +427,20 @@ impl StreamHandle {
     }
 }
 
+/// The answer of a query that never waits (`cuStreamQuery`, `cuEventQuery`,
+/// named by `call`): whether the work asked about has completed; "not ready"
+/// is an answer, not an error.
+fn completed(r: sys::CUresult, call: &'static str) -> Result<bool> {
+    match r {
+        sys::CUresult::CUDA_SUCCESS => Ok(true),
+        sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        e => Err(CommError::Cuda {
+            call,
+            source: cudarc::driver::DriverError(e),
+        }),
+    }
+}
+
 /// A CUDA stream this crate created (non-blocking w.r.t. the legacy stream),
 /// destroyed on drop.
 #[derive(Debug)]
@@ -465,14 +479,8 @@ impl OwnedStream {
     /// `is_busy` with the device's context already current on this thread.
     fn query_busy(&self) -> Result<bool> {
         // SAFETY: the stream is live for the life of self.
-        match unsafe { sys::cuStreamQuery(self.stream) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(false),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(true),
-            e => Err(CommError::Cuda {
-                call: "cuStreamQuery",
-                source: cudarc::driver::DriverError(e),
-            }),
-        }
+        let done = completed(unsafe { sys::cuStreamQuery(self.stream) }, "cuStreamQuery")?;
+        Ok(!done)
     }
 
     /// Waits until the stream's work is done, polling at most `timeout`.
@@ -519,52 +527,26 @@ impl Drop for OwnedStream {
 /// the pair becomes a graph edge).
 #[derive(Debug)]
 pub struct StreamOrder {
-    device: Device,
-    event: sys::CUevent,
+    // An `Event` is exactly the record/wait pair, and dropping it while a
+    // wait on it is pending is fine (the driver defers the release).
+    event: Event,
 }
-
-// SAFETY: event handles are context-global and usable from any thread; the
-// record/wait pair of one `after` call is issued under `&self` by one thread,
-// and callers order their own calls (one Buffer's calls come from one thread).
-unsafe impl Send for StreamOrder {}
-// SAFETY: as above.
-unsafe impl Sync for StreamOrder {}
 
 impl StreamOrder {
     pub fn new(device: Device) -> Result<Self> {
-        device.make_current()?;
-        let event = result::event::create(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)
-            .call("cuEventCreate")?;
-        Ok(Self { device, event })
+        Ok(Self {
+            event: Event::new(device)?,
+        })
     }
 
     /// Work issued to `waiter` from now on starts after everything issued to
     /// `signaler` so far.
     pub fn after(&self, waiter: StreamHandle, signaler: StreamHandle) -> Result<()> {
-        self.device.make_current()?;
-        // SAFETY: the event lives as long as self; the streams are the
-        // caller's live streams of this device (raw handles, 0 = legacy).
-        unsafe {
-            result::event::record(self.event, signaler.raw()).call("cuEventRecord")?;
-            result::stream::wait_event(
-                waiter.raw(),
-                self.event,
-                sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT,
-            )
-            .call("cuStreamWaitEvent")
-        }
-    }
-}
-
-impl Drop for StreamOrder {
-    fn drop(&mut self) {
-        if self.device.make_current().is_ok() {
-            // SAFETY: created in new(), destroyed once; a pending wait keeps
-            // the event's recorded state (the driver defers the release).
-            unsafe {
-                let _ = result::event::destroy(self.event);
-            }
-        }
+        // Two calls at once could interleave their records and waits on the
+        // one event: callers order their own calls (one Buffer's calls come
+        // from one thread).
+        self.event.record(signaler)?;
+        self.event.wait(waiter)
     }
 }
 
@@ -634,14 +616,7 @@ impl Event {
     pub fn query(&self) -> Result<bool> {
         self.device.make_current()?;
         // SAFETY: the event lives as long as self.
-        match unsafe { sys::cuEventQuery(self.event) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
-            e => Err(CommError::Cuda {
-                call: "cuEventQuery",
-                source: cudarc::driver::DriverError(e),
-            }),
-        }
+        completed(unsafe { sys::cuEventQuery(self.event) }, "cuEventQuery")
     }
 
     /// Waits on the host for the recorded work.

@@ -11,6 +11,9 @@ use comm::proxy::testing::{fake_host_memory, TestConnection};
 use comm::proxy::ProxyService;
 use comm::CommError;
 
+/// How long a proxy test waits for any one push or sync.
+const T: Duration = Duration::from_secs(5);
+
 fn data(payload: u64) -> ProxyTrigger {
     // size carries the payload: any value round-trips through the ring
     ProxyTrigger::data(tt::DATA, 1, 2, 3, 4, 5, payload & 0xFFFF_FFFF)
@@ -174,13 +177,33 @@ fn started_proxy(
     (proxy, local, remote, ch)
 }
 
+/// The error a proxy's (or a pool's) `check` reports, asserted to name each
+/// of `parts`.
+fn check_error(check: Result<(), CommError>, parts: &[&str]) -> String {
+    let err = check.unwrap_err().to_string();
+    for part in parts {
+        assert!(err.contains(part), "{err}");
+    }
+    err
+}
+
+/// [`started_proxy`] over a connection that records what it is asked to do.
+fn recording_proxy(
+    rank: u32,
+    slots: usize,
+    len: u64,
+    signal_offset: u64,
+) -> (Arc<TestConnection>, ProxyService, u32, u32, u32) {
+    let rec = Arc::new(TestConnection::recording());
+    let (proxy, local, remote, ch) = started_proxy(rank, slots, len, rec.clone(), signal_offset);
+    (rec, proxy, local, remote, ch)
+}
+
 #[test]
 fn proxy_decodes_and_performs_every_trigger_kind() {
-    let rec = Arc::new(TestConnection::recording());
-    let (proxy, local, remote, ch) = started_proxy(0, 8, 1 << 20, rec.clone(), 64);
+    let (rec, proxy, local, remote, ch) = recording_proxy(0, 8, 1 << 20, 64);
     let p = proxy.fifo().host_producer().unwrap();
-    let t = Duration::from_secs(5);
-    let push = |tr| p.push(tr, t).unwrap();
+    let push = |tr| p.push(tr, T).unwrap();
     push(ProxyTrigger::data(
         tt::DATA,
         ch,
@@ -211,7 +234,7 @@ fn proxy_decodes_and_performs_every_trigger_kind() {
         2,
         3,
     ));
-    p.sync(last, t).unwrap();
+    p.sync(last, T).unwrap();
     proxy.check().unwrap();
     assert_eq!(
         rec.ops(),
@@ -236,29 +259,23 @@ fn proxy_decodes_and_performs_every_trigger_kind() {
 
 #[test]
 fn proxy_reports_bad_triggers_and_keeps_popping() {
-    let rec = Arc::new(TestConnection::recording());
-    let (mut proxy, local, _, ch) = started_proxy(2, 4, 64, rec.clone(), 0);
+    let (rec, mut proxy, local, _, ch) = recording_proxy(2, 4, 64, 0);
     let p = proxy.fifo().host_producer().unwrap();
-    let t = Duration::from_secs(5);
-    p.push(ProxyTrigger::data(tt::DATA, 77, local, 0, local, 0, 8), t)
+    p.push(ProxyTrigger::data(tt::DATA, 77, local, 0, local, 0, 8), T)
         .unwrap(); // unknown channel
-    p.push(ProxyTrigger::data(tt::DATA, ch, 9, 0, local, 0, 8), t)
+    p.push(ProxyTrigger::data(tt::DATA, ch, 9, 0, local, 0, 8), T)
         .unwrap(); // unknown memory
-    p.push(ProxyTrigger::data(tt::DATA, ch, local, 60, local, 0, 8), t)
+    p.push(ProxyTrigger::data(tt::DATA, ch, local, 60, local, 0, 8), T)
         .unwrap(); // out of range
                    // More triggers than slots: the proxy must keep popping after errors.
     let mut last = 0;
     for _ in 0..10 {
         last = p
-            .push(ProxyTrigger::data(tt::SIGNAL, ch, local, 0, local, 0, 0), t)
+            .push(ProxyTrigger::data(tt::SIGNAL, ch, local, 0, local, 0, 0), T)
             .unwrap();
     }
-    p.sync(last, t).unwrap();
-    let err = proxy.check().unwrap_err().to_string();
-    assert!(
-        err.contains("rank 2") && err.contains("unknown channel 77"),
-        "{err}"
-    );
+    p.sync(last, T).unwrap();
+    check_error(proxy.check(), &["rank 2", "unknown channel 77"]);
     assert_eq!(rec.ops().len(), 10, "the valid signals were all performed");
     // Failed triggers of a known channel count as handled too (unknown memory,
     // out of range), the one naming no channel does not.
@@ -273,14 +290,13 @@ fn proxy_drives_issued_operations_to_completion_without_new_triggers() {
     let conn = Arc::new(TestConnection::in_flight_for(1000));
     let (mut proxy, local, remote, ch) = started_proxy(0, 8, 64, conn.clone(), 0);
     let p = proxy.fifo().host_producer().unwrap();
-    let t = Duration::from_secs(5);
     let last = p
         .push(
             ProxyTrigger::data(tt::DATA | tt::SIGNAL, ch, remote, 0, local, 0, 8),
-            t,
+            T,
         )
         .unwrap();
-    p.sync(last, t).unwrap();
+    p.sync(last, T).unwrap();
     // No trigger follows: the proxy alone must keep querying until the
     // operations report done, then stop querying.
     let start = Instant::now();
@@ -410,24 +426,23 @@ fn proxy_publishes_finished_triggers_before_a_flush_waits() {
         .unwrap();
     proxy.start().unwrap();
     let p = proxy.fifo().host_producer().unwrap();
-    let t = Duration::from_secs(5);
     let mut before = 0;
     for i in 1..=3 {
         before = p
-            .push(ProxyTrigger::data(tt::DATA, ch, m, 0, m, 0, i), t)
+            .push(ProxyTrigger::data(tt::DATA, ch, m, 0, m, 0, i), T)
             .unwrap();
     }
     let flush = p
         .push(
             ProxyTrigger::data(tt::SIGNAL | tt::FLUSH, ch, m, 0, m, 0, 0),
-            t,
+            T,
         )
         .unwrap();
     // The flush is blocked; what came before it must be visible as done.
     p.sync(before, Duration::from_secs(2)).unwrap();
     assert!(p.sync(flush, Duration::from_millis(50)).is_err());
     conn.open.store(true, std::sync::atomic::Ordering::Release);
-    p.sync(flush, t).unwrap();
+    p.sync(flush, T).unwrap();
     proxy.check().unwrap();
     assert_eq!(
         *conn.ops.lock().unwrap(),
@@ -439,10 +454,8 @@ fn proxy_publishes_finished_triggers_before_a_flush_waits() {
 
 #[test]
 fn proxy_keeps_order_and_flushes_across_batches() {
-    let rec = Arc::new(TestConnection::recording());
-    let (mut proxy, local, remote, ch) = started_proxy(0, 16, 1 << 20, rec.clone(), 8);
+    let (rec, mut proxy, local, remote, ch) = recording_proxy(0, 16, 1 << 20, 8);
     let p = proxy.fifo().host_producer().unwrap();
-    let t = Duration::from_secs(5);
     let mut expected = Vec::new();
     let mut last = 0;
     let mut signals = 0;
@@ -453,7 +466,7 @@ fn proxy_keeps_order_and_flushes_across_batches() {
             tt::DATA
         };
         last = p
-            .push(ProxyTrigger::data(ty, ch, remote, i, local, 0, i), t)
+            .push(ProxyTrigger::data(ty, ch, remote, i, local, 0, i), T)
             .unwrap();
         expected.push(format!("write r1 +{i} <- r0 +0 x{i}"));
         if i % 7 == 0 {
@@ -462,7 +475,7 @@ fn proxy_keeps_order_and_flushes_across_batches() {
             expected.push("flush".into());
         }
     }
-    p.sync(last, t).unwrap();
+    p.sync(last, T).unwrap();
     proxy.check().unwrap();
     assert_eq!(rec.ops(), expected);
     assert_eq!(proxy.processed(), 1000);
@@ -472,33 +485,30 @@ fn proxy_keeps_order_and_flushes_across_batches() {
 
 #[test]
 fn proxy_sees_memories_and_channels_added_while_running() {
-    let rec = Arc::new(TestConnection::recording());
-    let (mut proxy, local, remote, ch) = started_proxy(0, 8, 1 << 20, rec.clone(), 0);
+    let (rec, mut proxy, local, remote, ch) = recording_proxy(0, 8, 1 << 20, 0);
     let p = proxy.fifo().host_producer().unwrap();
-    let t = Duration::from_secs(5);
     // Memory 2 and channel 1 do not exist yet: errors, and popping goes on.
-    p.push(ProxyTrigger::data(tt::DATA, ch, 2, 0, local, 0, 4), t)
+    p.push(ProxyTrigger::data(tt::DATA, ch, 2, 0, local, 0, 4), T)
         .unwrap();
     let pos = p
-        .push(ProxyTrigger::data(tt::DATA, 1, remote, 0, local, 0, 4), t)
+        .push(ProxyTrigger::data(tt::DATA, 1, remote, 0, local, 0, 4), T)
         .unwrap();
-    p.sync(pos, t).unwrap();
-    let err = proxy.check().unwrap_err().to_string();
-    assert!(err.contains("unknown memory id 2"), "{err}");
+    p.sync(pos, T).unwrap();
+    let err = check_error(proxy.check(), &["unknown memory id 2"]);
     let m2 = proxy.add_memory(fake_host_memory(1, 1 << 20)).unwrap();
     let rec2 = Arc::new(TestConnection::recording());
     let ch2 = proxy
         .add_channel(rec2.clone(), fake_host_memory(1, 64), 16)
         .unwrap();
     assert_eq!((m2, ch2), (2, 1));
-    p.push(ProxyTrigger::data(tt::DATA, ch, m2, 8, local, 0, 4), t)
+    p.push(ProxyTrigger::data(tt::DATA, ch, m2, 8, local, 0, 4), T)
         .unwrap();
-    p.push(ProxyTrigger::atomic(tt::ATOMIC_ADD64, ch2, m2, 16, 3), t)
+    p.push(ProxyTrigger::atomic(tt::ATOMIC_ADD64, ch2, m2, 16, 3), T)
         .unwrap();
     let pos = p
-        .push(ProxyTrigger::data(tt::SIGNAL, ch2, m2, 0, local, 0, 0), t)
+        .push(ProxyTrigger::data(tt::SIGNAL, ch2, m2, 0, local, 0, 0), T)
         .unwrap();
-    p.sync(pos, t).unwrap();
+    p.sync(pos, T).unwrap();
     assert_eq!(rec.ops(), ["write r1 +8 <- r0 +0 x4"]);
     assert_eq!(rec2.ops(), ["atomic r1 +16 3 U64", "signal r1 +16 = 1"]);
     // The first error is kept.
@@ -573,10 +583,6 @@ fn pool_shards_channels_by_peer_and_keeps_each_channels_order() {
         .push(ProxyTrigger::data(tt::DATA, 99, 0, 0, 0, 0, 1), t)
         .unwrap();
     p.sync(pos, t).unwrap();
-    let err = pool.check().unwrap_err().to_string();
-    assert!(
-        err.contains("service 2 of 3") && err.contains("unknown channel 99"),
-        "{err}"
-    );
+    check_error(pool.check(), &["service 2 of 3", "unknown channel 99"]);
     pool.stop().unwrap();
 }

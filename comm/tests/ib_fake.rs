@@ -28,27 +28,35 @@ fn fabric() -> FakeFabric {
     FakeFabric::with_devices(&[FakeDeviceSpec::new("mlx5_0")])
 }
 
+/// A pair whose two sides ask for `a` and `b` (signal mode, queue pairs).
+fn pair_asking(f: &FakeFabric, a: (SignalMode, u32), b: (SignalMode, u32)) -> R<Pair> {
+    pair(f, &config(a.0, a.1), &config(b.0, b.1), T)
+}
+
 fn host_pair(f: &FakeFabric, mode: SignalMode, qps: u32) -> Pair {
-    pair(f, &config(mode, qps), &config(mode, qps), T).unwrap()
+    pair_asking(f, (mode, qps), (mode, qps)).unwrap()
+}
+
+/// A pair of `qps` queue pairs in `mode` that has carried puts, signals and
+/// adds, and then `writes` writes each ahead of its signal.
+fn exercised_pair(f: &FakeFabric, mode: SignalMode, qps: u32, writes: u64) -> Pair {
+    let p = host_pair(f, mode, qps);
+    assert_eq!(p.ab.mode(), mode);
+    put_signal_adds(&p).unwrap();
+    data_before_signal(&p, writes).unwrap();
+    p
 }
 
 #[test]
 fn host_mode_writes_signals_and_adds() {
-    let f = fabric();
-    let p = host_pair(&f, SignalMode::Host, 1);
-    assert_eq!(p.ab.mode(), SignalMode::Host);
-    put_signal_adds(&p).unwrap();
-    data_before_signal(&p, 700).unwrap();
+    exercised_pair(&fabric(), SignalMode::Host, 1, 700);
 }
 
 #[test]
 fn host_no_atomic_mode_goes_through_the_receiving_proxy() {
     let f = fabric();
-    let p = host_pair(&f, SignalMode::HostNoAtomic, 1);
-    assert_eq!(p.ab.mode(), SignalMode::HostNoAtomic);
-    put_signal_adds(&p).unwrap();
     // Five times the record ring: credits must come back.
-    data_before_signal(&p, 640).unwrap();
+    let p = exercised_pair(&f, SignalMode::HostNoAtomic, 1, 640);
     // The other direction works too (the same queue pairs).
     p.ba.update_and_sync(&p.buf_a.mem, SEM as u64, 3).unwrap();
     p.ba.flush(T).unwrap();
@@ -62,10 +70,8 @@ fn host_no_atomic_mode_goes_through_the_receiving_proxy() {
 fn striped_writes_keep_data_before_signal() {
     let f = fabric();
     for mode in [SignalMode::Host, SignalMode::HostNoAtomic] {
-        let p = host_pair(&f, mode, 4);
+        let p = exercised_pair(&f, mode, 4, 300);
         assert_eq!(p.ab.num_qps(), 4);
-        put_signal_adds(&p).unwrap();
-        data_before_signal(&p, 300).unwrap();
     }
 }
 
@@ -87,13 +93,7 @@ fn a_device_without_atomics_makes_the_pair_use_immediates() {
 #[test]
 fn one_side_asking_for_host_no_atomic_decides_the_pair() {
     let f = fabric();
-    let p = pair(
-        &f,
-        &config(SignalMode::Host, 1),
-        &config(SignalMode::HostNoAtomic, 1),
-        T,
-    )
-    .unwrap();
+    let p = pair_asking(&f, (SignalMode::Host, 1), (SignalMode::HostNoAtomic, 1)).unwrap();
     assert_eq!(p.ab.mode(), SignalMode::HostNoAtomic);
     assert_eq!(p.ba.mode(), SignalMode::HostNoAtomic);
 }
@@ -101,14 +101,9 @@ fn one_side_asking_for_host_no_atomic_decides_the_pair() {
 #[test]
 fn mismatched_queue_pair_counts_fail_naming_the_variable() {
     let f = fabric();
-    let e = pair(
-        &f,
-        &config(SignalMode::Host, 1),
-        &config(SignalMode::Host, 2),
-        T,
-    )
-    .err()
-    .unwrap();
+    let e = pair_asking(&f, (SignalMode::Host, 1), (SignalMode::Host, 2))
+        .err()
+        .unwrap();
     assert!(e.contains("MOELINK_IB_QPS_PER_RANK"), "{e}");
 }
 

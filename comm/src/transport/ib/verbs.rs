@@ -125,34 +125,44 @@ impl Verbs {
                     reason: format!("{name} lacks {s} ({})", dlerror_text()),
                 })
             };
+            // Each field of `Fns` is bound to the symbol of its name with the
+            // `ibv_` prefix.
             macro_rules! bind {
-                ($s:literal) => {
-                    // SAFETY: the symbol has the C signature of the field
-                    // it is stored in (verbs.h).
-                    unsafe { fn_ptr(need($s)?) }
+                ($($field:ident),* ; optional: $($opt:ident),*) => {
+                    Fns {
+                        $($field: {
+                            let p = need(concat!("ibv_", stringify!($field)))?;
+                            // SAFETY: the symbol has the C signature of the
+                            // field it is stored in (verbs.h).
+                            unsafe { fn_ptr(p) }
+                        },)*
+                        $($opt: sym(concat!("ibv_", stringify!($opt))).map(|p| {
+                            // SAFETY: as above, where the symbol exists.
+                            unsafe { fn_ptr(p) }
+                        }),)*
+                    }
                 };
             }
-            let fns = Fns {
-                get_device_list: bind!("ibv_get_device_list"),
-                free_device_list: bind!("ibv_free_device_list"),
-                get_device_name: bind!("ibv_get_device_name"),
-                open_device: bind!("ibv_open_device"),
-                close_device: bind!("ibv_close_device"),
-                query_device: bind!("ibv_query_device"),
-                query_port: bind!("ibv_query_port"),
-                query_gid: bind!("ibv_query_gid"),
-                alloc_pd: bind!("ibv_alloc_pd"),
-                dealloc_pd: bind!("ibv_dealloc_pd"),
-                reg_mr: bind!("ibv_reg_mr"),
-                // SAFETY: as above, where the symbol exists.
-                reg_dmabuf_mr: sym("ibv_reg_dmabuf_mr").map(|p| unsafe { fn_ptr(p) }),
-                dereg_mr: bind!("ibv_dereg_mr"),
-                create_cq: bind!("ibv_create_cq"),
-                destroy_cq: bind!("ibv_destroy_cq"),
-                create_qp: bind!("ibv_create_qp"),
-                modify_qp: bind!("ibv_modify_qp"),
-                destroy_qp: bind!("ibv_destroy_qp"),
-            };
+            let fns = bind!(
+                get_device_list,
+                free_device_list,
+                get_device_name,
+                open_device,
+                close_device,
+                query_device,
+                query_port,
+                query_gid,
+                alloc_pd,
+                dealloc_pd,
+                reg_mr,
+                dereg_mr,
+                create_cq,
+                destroy_cq,
+                create_qp,
+                modify_qp,
+                destroy_qp;
+                optional: reg_dmabuf_mr
+            );
             return Ok(Verbs { handle, fns });
         }
         Err(CommError::NoRdma {
