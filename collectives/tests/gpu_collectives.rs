@@ -35,6 +35,22 @@ fn single_rank_comm(dev: Device) -> AllReduceComm {
     AllReduceComm::new(&group, dev, &cfg).unwrap()
 }
 
+/// Waits for the collective just launched on `dev`, fails on any error the
+/// kernel reported, and reads back `len` elements of `output` from byte `offset`.
+fn wait_and_read<T: Copy + Default>(
+    dev: Device,
+    c: &AllReduceComm,
+    output: &DeviceMemory,
+    offset: usize,
+    len: usize,
+) -> Vec<T> {
+    dev.synchronize().unwrap();
+    c.check_device().unwrap();
+    let mut got = vec![T::default(); len];
+    output.copy_to_host(offset, &mut got).unwrap();
+    got
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
 fn a_device_timeout_must_be_positive() {
@@ -137,10 +153,7 @@ fn single_rank_allreduce_is_identity() {
                         capturing: false,
                     };
                     c.all_reduce(StreamHandle(0), &call).unwrap();
-                    dev.synchronize().unwrap();
-                    c.check_device().unwrap();
-                    let mut got = vec![0f32; count];
-                    output.copy_to_host(offset, &mut got).unwrap();
+                    let got: Vec<f32> = wait_and_read(dev, &c, &output, offset, count);
                     assert_eq!(
                         got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                         host.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
@@ -166,10 +179,7 @@ fn single_rank_allreduce_is_identity() {
                 capturing: false,
             };
             c.all_gather(StreamHandle(0), &call).unwrap();
-            dev.synchronize().unwrap();
-            c.check_device().unwrap();
-            let mut got = vec![0u8; bytes];
-            output.copy_to_host(1, &mut got).unwrap();
+            let got: Vec<u8> = wait_and_read(dev, &c, &output, 1, bytes);
             assert_eq!(got, host, "{alg:?} {bytes} bytes");
         }
     }
