@@ -449,12 +449,6 @@ impl InternodeBuffer {
     /// passed dispatch and combine, while with 16 or 32 per rank the proxy's
     /// copies stayed in flight (some chunks never landed within the 5 s
     /// bound) while the ranks' blocks spun.
-    /// The SMs (blocks) a dispatch or combine asked for `num_sms` launches
-    /// with ([`InternodeBuffer::sms`]).
-    pub fn launch_sms(&self, num_sms: u32) -> u32 {
-        self.sms(num_sms)
-    }
-
     fn sms(&self, num_sms: u32) -> u32 {
         let share = self.part.device_share();
         let mut capped = share.cap("internode num_sms", num_sms);
@@ -463,6 +457,12 @@ impl InternodeBuffer {
             capped = capped.min(quarter.max(3));
         }
         capped.saturating_sub(1).max(2)
+    }
+
+    /// The SMs a dispatch or combine asked for `num_sms` holds: [`Self::sms`]'s
+    /// blocks and the coordinating one.
+    pub fn launch_sms(&self, num_sms: u32) -> u32 {
+        self.sms(num_sms) + 1
     }
 
     /// The region's split for this group.

@@ -591,16 +591,11 @@ impl IntranodeBuffer {
         self.prof.take(self.part.device())
     }
 
-    /// `num_sms` of a data kernel, capped to this rank's share of its GPU (so
+    /// `num_sms` of a data kernel, the SMs (blocks) a dispatch or combine asked
+    /// for `num_sms` launches with: capped to this rank's share of its GPU (so
     /// that ranks sharing a GPU never wait on peers whose blocks cannot start).
-    fn sms(&self, num_sms: u32) -> u32 {
-        self.part.device_share().cap("intranode num_sms", num_sms)
-    }
-
-    /// The SMs (blocks) a dispatch or combine asked for `num_sms` launches
-    /// with: `num_sms` capped to this rank's share of its GPU.
     pub fn launch_sms(&self, num_sms: u32) -> u32 {
-        self.sms(num_sms)
+        self.part.device_share().cap("intranode num_sms", num_sms)
     }
 
     /// Bytes of each data region (dispatch, combine): half of what follows
@@ -742,7 +737,7 @@ impl IntranodeBuffer {
         early: bool,
         rows_at: Option<u64>,
     ) -> Result<()> {
-        let num_sms = self.sms(num_sms);
+        let num_sms = self.launch_sms(num_sms);
         let send = send_args(rec, shape, inp, experts_per_rank, num_sms);
         self.pending = None;
         if self.recv_policy != RecvPolicy::Kernels {
@@ -822,7 +817,7 @@ impl IntranodeBuffer {
         out: &DispatchOutputs,
         num_sms: u32,
     ) -> Result<()> {
-        let num_sms = self.sms(num_sms);
+        let num_sms = self.launch_sms(num_sms);
         let cap = self.dispatch_capacity(shape)?;
         let rec = RecordLayout::dispatch(shape.hidden_bytes, shape.num_scales, shape.num_topk)?;
         let ctx = self.ctx(cap, 0);
@@ -1075,7 +1070,7 @@ impl IntranodeBuffer {
     /// Launches a whole combine on `stream`. With a receive pool (direct),
     /// the direct combine: `publish_barrier`, then `combine_direct`.
     pub fn combine(&mut self, stream: StreamHandle, a: &CombineArgs, num_sms: u32) -> Result<()> {
-        let num_sms = self.sms(num_sms);
+        let num_sms = self.launch_sms(num_sms);
         let cap = self.combine_capacity(a.hidden, a.num_topk);
         if a.num_tokens > cap {
             return Err(CommError::invalid(

@@ -43,11 +43,6 @@ fn xnode(xi: Option<&XInputs>) -> Result<&XInputs> {
 }
 
 impl NormalPart<'_> {
-    /// Whether this is the internode part (the group spans nodes).
-    pub fn is_internode(&self) -> bool {
-        matches!(self, Self::Internode(_))
-    }
-
     /// The layout kernel; `num_tokens_per_node` (internode only) is the
     /// per-node counts' device address.
     pub fn layout(
@@ -131,7 +126,7 @@ impl NormalPart<'_> {
         }
     }
 
-    /// The SMs (blocks) a dispatch or combine asked for `num_sms` launches with.
+    /// The SMs a dispatch or combine asked for `num_sms` holds.
     pub fn launch_sms(&self, num_sms: u32) -> u32 {
         match self {
             Self::Internode(b) => b.launch_sms(num_sms),
