@@ -488,6 +488,7 @@ struct RecordDst {
 // the same on every lane (the shuffles need the whole warp).
 __device__ __forceinline__ void warp_copy16_to(unsigned to, char* my_dst, const char* src,
                                                int64_t bytes, int lane) {
+  if (to == 0) return;  // every destination skipped: don't load the row
   const int4* s = reinterpret_cast<const int4*>(src);
   const int64_t n = bytes / 16;
   constexpr int kUnroll = 4;
@@ -533,6 +534,16 @@ __device__ __forceinline__ int write_token(const DispatchSendParams& a, int64_t 
   // ranks write to different peers instead of all to the lowest one first
   // (measured: ascending order left peers waiting 60-300 us for the last sender).
   dests = rotate_right(dests, c.rank, R);
+  // The token's first 32 * kScaleRegs scales, loaded once into lanes (fp8:
+  // 56 for hidden 7168) instead of once per destination; any beyond are read
+  // per destination.
+  constexpr int kScaleRegs = 2;
+  float sc[kScaleRegs];
+#pragma unroll
+  for (int u = 0; u < kScaleRegs; ++u) {
+    const int s = lane + 32 * u;
+    sc[u] = s < rec.num_scales ? a.scales[t * a.scale_stride0 + s * a.scale_stride1] : 0.f;
+  }
   // Every destination's small fields first; lane j keeps the row address of
   // the j-th destination in that order, and the row goes out to all at once.
   char* my_dst_row = nullptr;
@@ -546,7 +557,10 @@ __device__ __forceinline__ int write_token(const DispatchSendParams& a, int64_t 
     if (dst.row == nullptr) continue;
     rows_to |= 1u << j;
     if (lane == j) my_dst_row = dst.row;
-    for (int s = lane; s < rec.num_scales; s += 32)
+#pragma unroll
+    for (int u = 0; u < kScaleRegs; ++u)
+      if (lane + 32 * u < rec.num_scales) dst.scales[lane + 32 * u] = sc[u];
+    for (int s = lane + 32 * kScaleRegs; s < rec.num_scales; s += 32)
       dst.scales[s] = a.scales[t * a.scale_stride0 + s * a.scale_stride1];
     if (lane < K) {
       const int64_t first = int64_t(d) * a.experts_per_rank;
