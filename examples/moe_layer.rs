@@ -29,8 +29,8 @@ use anyhow::{bail, Context};
 use moelink_tch::group::env_timeout;
 use moelink_tch::tch::{self, Device, Kind, Tensor};
 use moelink_tch::{
-    default_num_sms, local_device, Bias, Buffer, BufferOptions, DispatchArgs, DispatchX, Group,
-    LlCombineOptions, LlDispatchOptions, SmsCall,
+    default_num_sms, default_ranks_per_node, local_device, Bias, Buffer, BufferOptions,
+    DispatchArgs, DispatchX, Group, LlCombineOptions, LlDispatchOptions, SmsCall,
 };
 
 struct Args {
@@ -205,10 +205,25 @@ fn main() -> anyhow::Result<()> {
         } else {
             0
         },
-        num_rdma_bytes: if a.ll {
-            Buffer::get_low_latency_rdma_size_hint(n, h, size as i64, num_experts)?
-        } else {
-            0
+        // Low latency, and normal mode across nodes (emulated ones too), size
+        // the same RDMA buffer: the larger of the two needs.
+        num_rdma_bytes: {
+            let ll = if a.ll {
+                Buffer::get_low_latency_rdma_size_hint(n, h, size as i64, num_experts)?
+            } else {
+                0
+            };
+            let internode = if a.normal {
+                Buffer::rdma_buffer_size_hint(
+                    2 * h as usize,
+                    size,
+                    n as usize,
+                    default_ranks_per_node()?,
+                )?
+            } else {
+                0
+            };
+            ll.max(internode)
         },
         low_latency_mode: a.ll,
         ..BufferOptions::default()

@@ -15,6 +15,11 @@ source-rank order: their order on the GPU is arrival order). Prints ``PASS
 name`` / ``FAIL name: why`` per output and a closing ``N passed, M failed`` line
 per rank; exits non-zero on any failure. ``LD_LIBRARY_PATH`` gets torch's
 ``lib/`` for the Rust binary (it links libtorch dynamically).
+
+With ``MOELINK_RANKS_PER_NODE`` splitting the ranks into emulated nodes both
+halves take the internode path (the Buffers sized by the larger of the
+low-latency and internode hints, as ``BufferOptions::sized_for`` sizes the Rust
+one), and the handle's entries are read from DeepEP's internode 10-tuple.
 """
 
 from __future__ import annotations
@@ -86,7 +91,11 @@ def worker(root: Path) -> int:
     group = torch.distributed.group.WORLD
     r, e = size, EL * size
     nvl = Config().get_nvl_buffer_size_hint(2 * H, r, max_tokens_per_rank=N)
-    rdma = moelink.Buffer.get_low_latency_rdma_size_hint(N, H, r, e)
+    # Both modes on one Buffer: the larger hint (0 for the internode one within a node).
+    rdma = max(
+        moelink.Buffer.get_low_latency_rdma_size_hint(N, H, r, e),
+        Config().get_rdma_buffer_size_hint(2 * H, r, max_tokens_per_rank=N),
+    )
     b = moelink.Buffer(group, nvl, rdma, low_latency_mode=True, explicitly_destroy=True)
     ar = moelink.AllReduce(group, tune_file=False)
     py = {}
@@ -104,7 +113,9 @@ def worker(root: Path) -> int:
     )
     py.update(recv_x=recv_x, recv_topk_idx=recv_idx, recv_topk_weights=recv_w)
     py["num_recv_tokens_per_expert"] = torch.tensor(counts, dtype=torch.int64)
-    py.update(rank_prefix_matrix=handle[0], recv_src_idx=handle[3], send_head=handle[5])
+    # (rank_prefix_matrix, recv_src_idx, send_head) of the 6-tuple or of the internode 10-tuple.
+    rpm, src, head = (0, 3, 5) if len(handle) == 6 else (2, 7, 9)
+    py.update(rank_prefix_matrix=handle[rpm], recv_src_idx=handle[src], send_head=handle[head])
     (cx, cs), *_ = b.dispatch((inp["x_fp8"], inp["scales"]), handle=handle)
     py.update(cached_recv_x=cx, cached_recv_scales=cs)
     combined, combined_w, _ = b.combine(recv_x, handle, topk_weights=recv_w, bias=inp["bias"])

@@ -142,6 +142,12 @@ for split in ${GPU_RUN_INTERNODE:-}; do
   [ -z "$xt" ] && run "frameworks-internode-$((xn / xl))x${xl}" 500 env "${xenv[@]}" \
     MOELINK_FRAMEWORKS_SCENARIOS="${GPU_RUN_INTERNODE_FRAMEWORKS:-sglang_normal,sglang_mode_switch,megatron_flex_sync}" \
     $LAUNCH -n "$xn" --timeout 480 tests/multi_gpu/frameworks_worker.py
+  # The Rust tch API across the same nodes (moelink-tch/scripts/gpu_run.sh's
+  # internode pass: MoE layer, parity with Python, streams and graphs).
+  [ -z "$xt" ] && [ -x .gpu/tch/moe_layer ] && run "tch-internode-$((xn / xl))x${xl}" 500 \
+    env TCH_INTERNODE=only TCH_INTERNODE_RANKS="$xn" TCH_INTERNODE_PER_NODE="$xl" \
+    GPU_RUN_INTERNODE_TIMEOUT_S="${GPU_RUN_INTERNODE_TIMEOUT_S:-20}" \
+    bash moelink-tch/scripts/gpu_run.sh
   run "killed-internode-$((xn / xl))x${xl}${xt:+-$xt}" 150 env "${xenv[@]}" MOELINK_MPS=off \
     ${xt:+MOELINK_TRANSPORT=$xt} $LAUNCH -n "$xn" --timeout 120 \
     tests/multi_gpu/killed_worker.py

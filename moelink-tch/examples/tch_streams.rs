@@ -22,6 +22,11 @@
 //! - `check_ids`: with the host-side id check on, an expert id out of range
 //!   is refused by layout and low-latency dispatch with Python's message.
 //!
+//! With `MOELINK_RANKS_PER_NODE` splitting the ranks into emulated nodes the
+//! Buffer takes the internode path: dispatch is checked against the same
+//! reference, layout's per-node counts against `reference::layout_internode`
+//! and combine against the internode model (`reference::combine_internode`).
+//!
 //! Every rank can compute every rank's inputs (one seed per round and rank).
 //! Prints `PASS name (rank r)` / `FAIL name (rank r): why` per check and
 //! `tch_streams: rank r/R: P passed, F failed`; exits non-zero on a failure.
@@ -194,12 +199,31 @@ fn bf16(t: &Tensor) -> Tensor {
     t.to_kind(Kind::BFloat16)
 }
 
-/// The reference dispatch of `ins` (bf16, weights), and each rank's combine
-/// of `2 * recv_x` with the received weights: (dispatch, combined per rank).
 /// Each rank's reference combine: (combined_x f32, combined weights).
 type Combined = Vec<(Tensor, Option<Tensor>)>;
 
-fn reference_round(ins: &[Tokens], e: i64) -> anyhow::Result<(reference::RefDispatched, Combined)> {
+/// The reference combine of the path the Buffer takes: the intranode model,
+/// or across nodes of `per_node` ranks the internode one.
+fn reference_combine(
+    d: &reference::RefDispatched,
+    ys: &[&Tensor],
+    ws: Option<&[&Tensor]>,
+    per_node: Option<usize>,
+) -> anyhow::Result<Combined> {
+    Ok(match per_node {
+        None => reference::combine(d, ys, ws, None)?,
+        Some(l) => reference::combine_internode(d, ys, ws, None, l)?,
+    })
+}
+
+/// The reference dispatch of `ins` (bf16, weights), and each rank's combine
+/// of `2 * recv_x` with the received weights (nodes of `per_node` ranks, or
+/// one node): (dispatch, combined per rank).
+fn reference_round(
+    ins: &[Tokens],
+    e: i64,
+    per_node: Option<usize>,
+) -> anyhow::Result<(reference::RefDispatched, Combined)> {
     let rt: Vec<RankTokens<'_>> = ins
         .iter()
         .map(|t| RankTokens {
@@ -216,7 +240,7 @@ fn reference_round(ins: &[Tokens], e: i64) -> anyhow::Result<(reference::RefDisp
         .iter()
         .map(|r| r.recv_topk_weights.as_ref().expect("weights"))
         .collect();
-    let c = reference::combine(&d, &yr, Some(&ws), None)?;
+    let c = reference_combine(&d, &yr, Some(&ws), per_node)?;
     Ok((d, c))
 }
 
@@ -229,10 +253,11 @@ fn bytes_of(shape: &[i64], elt: i64) -> i64 {
 fn check_async(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result<()> {
     let (rank, device, r) = (b.rank(), b.device(), size as i64);
     let e = EL * r;
+    let per_node = b.nodes().map(|(_, l)| l);
     for round in 0..ROUNDS {
         let tag = format!("async round {round}");
         let ins = all_tokens(10 + round, size);
-        let (want, want_c) = reference_round(&ins, e)?;
+        let (want, want_c) = reference_round(&ins, e, per_node)?;
         let me = &want.ranks[rank];
         let rows = me.recv_x.x.size()[0];
         let on_comm = round % 2 == 0;
@@ -272,7 +297,23 @@ fn check_async(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result
             },
         )?;
         d.event.current_stream_wait()?;
-        let wl = reference::layout(&ins[rank].idx, e, r)?;
+        let wl = match per_node {
+            None => reference::layout(&ins[rank].idx, e, r)?,
+            Some(l) => reference::layout_internode(&ins[rank].idx, e, r, l)?,
+        };
+        match (
+            &layout.num_tokens_per_rdma_rank,
+            &wl.num_tokens_per_rdma_rank,
+        ) {
+            (Some(got), Some(want)) => {
+                chk.equal(&format!("{tag} num_tokens_per_rdma_rank"), got, want)
+            }
+            (got, want) => chk.ok(
+                &format!("{tag} num_tokens_per_rdma_rank"),
+                got.is_none() && want.is_none(),
+                || format!("{got:?} vs {want:?}"),
+            ),
+        }
         chk.equal(
             &format!("{tag} num_tokens_per_rank"),
             &layout.num_tokens_per_rank,
@@ -335,7 +376,7 @@ fn check_async(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result
         // A cached dispatch of fresh tokens, async_finish alone (the
         // communication stream waits for the current one).
         let fresh = fresh_x(50 + round, &ins);
-        let (want2, _) = reference_round(&fresh, e)?;
+        let (want2, _) = reference_round(&fresh, e, per_node)?;
         let x2 = fresh[rank].x.to_device(device);
         poison_outputs(b, false, &[bytes_of(&[rows, H], 2)])?;
         let (rx, ev4) = b.dispatch_cached_with(
@@ -463,6 +504,7 @@ fn replay(graph: &CudaGraph, input: &Tensor, x: &Tensor, outs: &[&Tensor]) -> an
 fn check_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result<()> {
     let (rank, device) = (b.rank(), b.device());
     let e = EL * size as i64;
+    let per_node = b.nodes().map(|(_, l)| l);
     let routing = all_tokens(300, size);
     let (x_s, idx, w) = routing[rank].to_device(device);
     // The handle, from an eager dispatch; a warm-up of the captured calls.
@@ -481,7 +523,7 @@ fn check_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result
     })?;
     for i in 0..REPLAYS {
         let fresh = fresh_x(400 + i, &routing);
-        let (want, _) = reference_round(&fresh, e)?;
+        let (want, _) = reference_round(&fresh, e, per_node)?;
         // Combine without weights: the plain sum of 2 * the copies.
         let ys: Vec<Tensor> = want
             .ranks
@@ -489,7 +531,7 @@ fn check_graph(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result
             .map(|r| bf16(&(&r.recv_x.x * 2)))
             .collect();
         let yr: Vec<&Tensor> = ys.iter().collect();
-        let want_c = reference::combine(&want, &yr, None, None)?;
+        let want_c = reference_combine(&want, &yr, None, per_node)?;
         replay(&graph, &x_s, &fresh[rank].x, &[&recv_x, &y, &combined])?;
         chk.equal(
             &format!("graph replay {i} recv_x"),

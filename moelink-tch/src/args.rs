@@ -1,7 +1,8 @@
 //! The argument types of [`Buffer`](crate::Buffer)'s calls that its checks
 //! ([`crate::checks`]) and the CPU reference ([`crate::reference`]) take too:
 //! a dispatch's `x` ([`DispatchX`]) and options ([`DispatchArgs`], with the
-//! [`Layout`] they come from), the intranode [`Handle`], a combine's [`Bias`],
+//! [`Layout`] they come from), a dispatch's [`Handle`] (with its
+//! [`InternodeHandle`] where the group spans nodes), a combine's [`Bias`],
 //! the low-latency [`LlHandle`], [`LlDispatchOptions`] and
 //! [`LlCombineOptions`], and what a dispatch received ([`RecvX`]). They live
 //! here, apart from the Buffer, so that `checks` and `reference` never import
@@ -9,10 +10,11 @@
 //! back). The crate root re-exports each of them.
 
 use ep_core::calls::{IntranodeHandle, LlHandle as CoreLlHandle};
+use ep_core::internode::XInputs;
 use tch::Tensor;
 
 use crate::event::StreamArgs;
-use crate::tensor::meta;
+use crate::tensor::{meta, ptr};
 
 /// `x` of a dispatch: bf16 `[N, H]`, or fp8 data with its f32 scales
 /// `[N, H / 128]` (any strided view; they come back in the same layout).
@@ -39,8 +41,7 @@ pub struct RecvX {
     pub scales: Option<Tensor>,
 }
 
-/// `get_dispatch_layout`'s outputs (`num_tokens_per_rdma_rank` is always
-/// None within one node, so it is left out).
+/// `get_dispatch_layout`'s outputs.
 #[derive(Debug)]
 pub struct Layout {
     /// int32 `[R]`.
@@ -49,10 +50,16 @@ pub struct Layout {
     pub num_tokens_per_expert: Tensor,
     /// bool `[N, R]`.
     pub is_token_in_rank: Tensor,
+    /// int32 `[nodes]`: tokens with an expert on a rank of each node, where
+    /// the group spans nodes; None within one node (as in Python). A
+    /// dispatch does not read it (its notify counts again).
+    pub num_tokens_per_rdma_rank: Option<Tensor>,
 }
 
-/// The intranode handle of a dispatch (DeepEP's 6-tuple): pass it to
-/// [`Buffer::combine`](crate::Buffer::combine) and to a cached [`Buffer::dispatch_cached`](crate::Buffer::dispatch_cached).
+/// A dispatch's handle: DeepEP's intranode 6-tuple, plus the entries of its
+/// internode 10-tuple where the group spans nodes ([`Handle::internode`]).
+/// Pass it to [`Buffer::combine`](crate::Buffer::combine) and to a cached
+/// [`Buffer::dispatch_cached`](crate::Buffer::dispatch_cached).
 #[derive(Debug)]
 pub struct Handle {
     /// int32 `[R, R]`: cumulative tokens from ranks `0..=i` to rank `j`.
@@ -65,8 +72,11 @@ pub struct Handle {
     pub recv_src_idx: Tensor,
     /// bool `[N, R]` (the layout's).
     pub is_token_in_rank: Tensor,
-    /// int32 `[N, R]`.
+    /// int32 `[N, R]` (DeepEP's internode `send_nvl_head` position).
     pub send_head: Tensor,
+    /// What an internode dispatch adds (the group spans nodes); None within
+    /// one node.
+    pub internode: Option<InternodeHandle>,
 }
 
 impl Handle {
@@ -76,6 +86,58 @@ impl Handle {
             recv_src_idx: meta(&self.recv_src_idx),
             is_token_in_rank: meta(&self.is_token_in_rank),
             send_head: meta(&self.send_head),
+        }
+    }
+}
+
+/// The entries of DeepEP's internode handle (10-tuple) that the intranode
+/// [`Handle`] lacks. Those whose meaning does not depend on DeepEP's
+/// channels hold DeepEP's values; the others are moelink's own state, kept
+/// in the positions Python's 10-tuple keeps them (named below).
+#[derive(Debug)]
+pub struct InternodeHandle {
+    /// int32 `[N, nodes]`: the node heads (10-tuple position 8,
+    /// `send_rdma_head`).
+    pub node_head: Tensor,
+    /// int32 `[2 * nodes]`: the per-node counts (position 1,
+    /// `rdma_channel_prefix_matrix`).
+    pub xcounts: Tensor,
+    /// int32 `[nodes, T, 1 + ranks per node]`: the forwarding records, `T`
+    /// the tokens per rank the buffer fits for the dispatch's records
+    /// (position 3, `recv_rdma_channel_prefix_matrix`).
+    pub fwd_meta: Tensor,
+    /// int32 `[nodes]`: DeepEP's `recv_rdma_rank_prefix_sum` (position 4).
+    pub recv_rdma_rank_prefix_sum: Tensor,
+    /// int32 `[R]`: DeepEP's `recv_gbl_rank_prefix_sum` (position 6), this
+    /// rank's column of `rank_prefix_matrix` (a view of it).
+    pub recv_gbl_rank_prefix_sum: Tensor,
+}
+
+impl InternodeHandle {
+    /// The entries the kernels of a cached dispatch or a combine read.
+    pub(crate) fn read(&self) -> impl Iterator<Item = &Tensor> {
+        [&self.node_head, &self.xcounts, &self.fwd_meta].into_iter()
+    }
+
+    /// The entries a fresh dispatch writes.
+    pub(crate) fn written(&self) -> impl Iterator<Item = &Tensor> {
+        self.read().chain([&self.recv_rdma_rank_prefix_sum])
+    }
+
+    /// What the internode kernels read of it in a cached dispatch or a
+    /// combine (`recv_rdma_rank_prefix_sum` is written by a fresh dispatch
+    /// only, so it is left out).
+    pub(crate) fn inputs(&self) -> XInputs {
+        XInputs {
+            node_head: ptr(Some(&self.node_head)),
+            xcounts: ptr(Some(&self.xcounts)),
+            fwd_meta: ptr(Some(&self.fwd_meta)),
+            meta_slots: self
+                .fwd_meta
+                .size()
+                .get(1)
+                .map_or(0, |&s| s.max(0) as usize),
+            recv_rdma_rank_prefix_sum: 0,
         }
     }
 }

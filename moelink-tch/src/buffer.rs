@@ -3,7 +3,12 @@
 //! the checks and output shapes of `ep_core::calls`, outputs allocated
 //! through tch, the launches of `ep_core::EpBuffer`, on the same streams.
 //!
-//! Streams: an intranode call (layout, dispatch, combine) runs on the
+//! Layout, dispatch and combine go to the Buffer's normal-mode part
+//! (`ep_core::NormalPart`, as the Python Buffer's `EpBuffer` does): the
+//! internode part where the group spans nodes (hosts, or
+//! `MOELINK_RANKS_PER_NODE`'s emulated ones), else the intranode part.
+//!
+//! Streams: an intranode or internode call (layout, dispatch, combine) runs on the
 //! Buffer's communication stream, which first waits for torch's current
 //! stream on the Buffer's device (or for its `previous_event`); that stream
 //! then waits for the communication stream before the call returns
@@ -19,21 +24,21 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use comm::{OwnedStream, StreamHandle};
-use ep_core::calls::{self, DispatchPlan, LlGeometry, SmsCall};
+use ep_core::calls::{self, DispatchPlan, LlGeometry, OutputSpec, SmsCall};
+use ep_core::internode::XInputs;
 use ep_core::intranode::{
-    CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape,
-    IntranodeBuffer, LayoutCall,
+    CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, LayoutCall,
 };
 use ep_core::low_latency::{
     size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs,
     LowLatencyBuffer, Phases,
 };
-use ep_core::{BufferPart, EpBuffer, EpBufferOptions, LowLatencyOptions, PartKind};
+use ep_core::{EpBuffer, EpBufferOptions, LowLatencyOptions, NormalPart, PartKind};
 use tch::{Device, Kind, Tensor};
 
 use crate::args::{
-    Bias, DispatchArgs, DispatchX, Handle, Layout, LlCombineOptions, LlDispatchOptions, LlHandle,
-    RecvX,
+    Bias, DispatchArgs, DispatchX, Handle, InternodeHandle, Layout, LlCombineOptions,
+    LlDispatchOptions, LlHandle, RecvX,
 };
 use crate::checks::{self, Target};
 use crate::error::{Error, Result};
@@ -42,7 +47,7 @@ use crate::group::{timeout_or_env, CudaDevice, Group};
 use crate::stream::{current_stream, record_stream, StreamGuard};
 use crate::tensor::{output, ptr, required};
 
-/// SMs of an intranode dispatch or combine where neither the Buffer's options
+/// SMs of a normal-mode (intranode or internode) dispatch or combine where neither the Buffer's options
 /// nor the call name them: the Python API's default config for the rank count
 /// (`ep_core::calls::default_num_sms`; this front end has no receive pool, so
 /// a combine takes the count of `x` sent as records).
@@ -89,13 +94,20 @@ pub struct BufferOptions {
     /// with [`Buffer::nvl_buffer_size_hint`] (Python's
     /// `Config.get_nvl_buffer_size_hint`) for the largest batch.
     pub num_nvl_bytes: usize,
-    /// Bytes of low-latency buffer (> 0 exactly with `low_latency_mode`);
-    /// size it with [`Buffer::get_low_latency_rdma_size_hint`].
+    /// In `low_latency_mode`: bytes of low-latency buffer (> 0 there); size
+    /// it with [`Buffer::get_low_latency_rdma_size_hint`]. Wherever there is
+    /// an NVLink buffer (`num_nvl_bytes > 0`), also the bytes of the
+    /// internode part's cross-node regions, needed where the group spans
+    /// nodes and unused within one; size it with
+    /// [`Buffer::rdma_buffer_size_hint`] (Python's
+    /// `Config.get_rdma_buffer_size_hint`). A Buffer serving both modes
+    /// across nodes takes the larger of both hints (each part gets
+    /// `num_rdma_bytes` of its own).
     pub num_rdma_bytes: usize,
     pub low_latency_mode: bool,
     pub allow_nvlink_for_low_latency_mode: bool,
     pub enable_shrink: bool,
-    /// SMs of intranode dispatch/combine (even; the Python `Config.num_sms`),
+    /// SMs of normal-mode dispatch/combine (even; the Python `Config.num_sms`),
     /// where a call does not name them; None: [`default_num_sms`] per call.
     pub num_sms: Option<u32>,
     /// Bound of host waits; None: `MOELINK_TIMEOUT_S`, else 60 s.
@@ -111,32 +123,79 @@ pub struct BufferOptions {
 impl BufferOptions {
     /// Both parts, each sized by its hint for calls of up to
     /// `max_tokens_per_rank` bf16 tokens of `hidden` among `num_ranks` ranks
-    /// and `num_experts` experts ([`Buffer::nvl_buffer_size_hint`],
-    /// [`Buffer::get_low_latency_rdma_size_hint`]); the rest as [`Default`].
+    /// and `num_experts` experts ([`Buffer::nvl_buffer_size_hint`]; for
+    /// `num_rdma_bytes` the larger of [`Buffer::get_low_latency_rdma_size_hint`]
+    /// and [`Buffer::rdma_buffer_size_hint`] for nodes of
+    /// [`default_ranks_per_node`] ranks, 0 within one node); the rest as
+    /// [`Default`].
     pub fn sized_for(
         max_tokens_per_rank: i64,
         hidden: i64,
         num_ranks: usize,
         num_experts: i64,
     ) -> Result<Self> {
+        Self::sized_for_nodes(
+            max_tokens_per_rank,
+            hidden,
+            num_ranks,
+            num_experts,
+            default_ranks_per_node()?,
+        )
+    }
+
+    /// [`sized_for`](Self::sized_for) for nodes of `ranks_per_node` ranks.
+    fn sized_for_nodes(
+        max_tokens_per_rank: i64,
+        hidden: i64,
+        num_ranks: usize,
+        num_experts: i64,
+        ranks_per_node: usize,
+    ) -> Result<Self> {
         // A negative count is beyond every limit too: the hint refuses it.
         let count = |n: i64| usize::try_from(n).unwrap_or(usize::MAX);
+        let hidden_bytes = count(hidden).saturating_mul(2);
+        let max_tokens = count(max_tokens_per_rank);
+        let ll = Buffer::get_low_latency_rdma_size_hint(
+            max_tokens_per_rank,
+            hidden,
+            num_ranks as i64,
+            num_experts,
+        )?;
+        let internode =
+            Buffer::rdma_buffer_size_hint(hidden_bytes, num_ranks, max_tokens, ranks_per_node)?;
         Ok(Self {
-            num_nvl_bytes: Buffer::nvl_buffer_size_hint(
-                count(hidden).saturating_mul(2),
-                num_ranks,
-                count(max_tokens_per_rank),
-            )?,
-            num_rdma_bytes: Buffer::get_low_latency_rdma_size_hint(
-                max_tokens_per_rank,
-                hidden,
-                num_ranks as i64,
-                num_experts,
-            )?,
+            num_nvl_bytes: Buffer::nvl_buffer_size_hint(hidden_bytes, num_ranks, max_tokens)?,
+            num_rdma_bytes: ll.max(internode),
             low_latency_mode: true,
             ..Self::default()
         })
     }
+}
+
+/// The ranks per node that [`Buffer::rdma_buffer_size_hint`] assumes where
+/// the caller does not know them, as Python's `Config.get_rdma_buffer_size_hint`:
+/// `MOELINK_RANKS_PER_NODE` (emulated nodes), else torchrun's
+/// `LOCAL_WORLD_SIZE`, else 8 (DeepEP's NVLink domain). A value of
+/// `MOELINK_RANKS_PER_NODE` that is not a positive integer is a `ValueError`.
+pub fn default_ranks_per_node() -> Result<usize> {
+    ranks_per_node_of(
+        comm::env::var("MOELINK_RANKS_PER_NODE"),
+        std::env::var("LOCAL_WORLD_SIZE").ok(),
+    )
+}
+
+/// [`default_ranks_per_node`] of the two variables' values (None: unset).
+fn ranks_per_node_of(emulated: Option<String>, local: Option<String>) -> Result<usize> {
+    if let Some(raw) = emulated.filter(|v| !v.trim().is_empty()) {
+        return match raw.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(Error::value(format!(
+                "MOELINK_RANKS_PER_NODE must be a positive integer, got {raw:?}"
+            ))),
+        };
+    }
+    let local = local.and_then(|v| v.trim().parse::<usize>().ok());
+    Ok(local.unwrap_or(8))
 }
 
 impl Default for BufferOptions {
@@ -264,8 +323,9 @@ fn ll_call_shape(g: &LlGeometry, num_topk: i64) -> CallShape {
     }
 }
 
-/// DeepEP's Buffer (intranode and low-latency parts) on tch tensors, made on
-/// a [`Group`]: every rank makes the same Buffers and calls in the same order.
+/// DeepEP's Buffer (normal mode within a node or across nodes, and
+/// low-latency mode) on tch tensors, made on a [`Group`]: every rank makes
+/// the same Buffers and calls in the same order.
 pub struct Buffer {
     // Dropped after Drop::drop synchronised the device.
     inner: EpBuffer,
@@ -294,9 +354,12 @@ impl std::fmt::Debug for Buffer {
 
 impl Buffer {
     /// *Collective.* A Buffer on CUDA device `device` among `group`'s ranks
-    /// (the group's next objects: the intranode part where `num_nvl_bytes >
-    /// 0`, then the low-latency part in `low_latency_mode`). Binds `device`'s
-    /// primary context to this thread (torch's).
+    /// (the group's next objects: the normal-mode part where `num_nvl_bytes >
+    /// 0`, then the low-latency part in `low_latency_mode`). The normal-mode
+    /// part is the internode one where the group spans nodes (with
+    /// `num_rdma_bytes` of cross-node regions, which must then be positive),
+    /// else the intranode one, as in Python. Binds `device`'s primary
+    /// context to this thread (torch's).
     pub fn new(group: &Group, device: Device, opts: &BufferOptions) -> Result<Self> {
         let parts = check_options(opts)?;
         let device_timeout_ns = match opts.device_timeout_ns {
@@ -314,7 +377,7 @@ impl Buffer {
         let cuda = CudaDevice::bind(device, "moelink.Buffer")?;
         let eopts = EpBufferOptions {
             num_nvl_bytes: parts.num_nvl_bytes as usize,
-            num_internode_bytes: 0,
+            num_internode_bytes: parts.num_internode_bytes as usize,
             num_ll_bytes: parts.num_ll_bytes as usize,
             timeout,
             device_timeout_ns,
@@ -361,9 +424,20 @@ impl Buffer {
         }
     }
 
-    /// The communication stream intranode calls run on.
+    /// The communication stream normal-mode calls run on.
     pub fn comm_stream(&self) -> StreamHandle {
         self.comm_stream.handle()
+    }
+
+    /// `(nodes, ranks per node)` where the group spans nodes (hosts, or
+    /// `MOELINK_RANKS_PER_NODE`'s emulated ones): layout, dispatch and
+    /// combine then take the internode path and a dispatch's handle has its
+    /// [`InternodeHandle`]. None within one node or without an NVLink
+    /// buffer. Python's `Buffer.nodes`.
+    pub fn nodes(&self) -> Option<(usize, usize)> {
+        self.inner
+            .internode()
+            .map(|b| (b.num_nodes(), b.ranks_per_node()))
     }
 
     /// Bytes of low-latency buffer each rank needs for calls up to this
@@ -411,6 +485,29 @@ impl Buffer {
         Ok(bytes as usize)
     }
 
+    /// Bytes of `num_rdma_bytes` for internode dispatch and combine: what
+    /// the internode part adds to [`nvl_buffer_size_hint`](Self::nvl_buffer_size_hint)'s
+    /// bytes (the same `hidden_bytes`, `num_ranks` and `max_tokens_per_rank`)
+    /// when the ranks span nodes of `ranks_per_node` ranks; 0 within one
+    /// node. Python's `Config.get_rdma_buffer_size_hint`, both
+    /// `ep_core::calls::rdma_buffer_size_hint`; [`default_ranks_per_node`]
+    /// gives Python's default for `ranks_per_node`.
+    pub fn rdma_buffer_size_hint(
+        hidden_bytes: usize,
+        num_ranks: usize,
+        max_tokens_per_rank: usize,
+        ranks_per_node: usize,
+    ) -> Result<usize> {
+        let int = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
+        let bytes = calls::rdma_buffer_size_hint(
+            int(hidden_bytes),
+            int(num_ranks),
+            int(max_tokens_per_rank),
+            int(ranks_per_node),
+        )?;
+        Ok(bytes as usize)
+    }
+
     /// Whether the kernels were compiled for sm_90 (`Buffer.is_sm90_compiled`).
     pub fn is_sm90_compiled() -> bool {
         ep_core::compiled_archs()
@@ -437,20 +534,24 @@ impl Buffer {
         }
     }
 
-    /// The intranode part, after a device wait of an earlier call that timed
-    /// out was raised (it leaves the ranks out of step).
-    fn intranode(&mut self) -> Result<&mut IntranodeBuffer> {
-        let b = self.intranode_part()?;
-        b.check_device_timeout()?;
-        Ok(b)
+    /// Raises a device wait of an earlier normal-mode call that timed out
+    /// (it leaves the ranks out of step), or the part's absence.
+    fn check_normal(&self) -> Result<()> {
+        let part = self
+            .inner
+            .part(PartKind::Intranode)
+            .ok_or_else(|| self.absent(PartKind::Intranode))?;
+        Ok(part.check_device_timeout()?)
     }
 
-    /// The intranode part, without the device check (made at the call's start).
-    fn intranode_part(&mut self) -> Result<&mut IntranodeBuffer> {
-        if self.inner.intranode().is_none() {
+    /// The part serving layout, dispatch and combine (`EpBuffer::normal`:
+    /// internode where the group spans nodes, else intranode), without the
+    /// device check (made at the call's start).
+    fn normal(&mut self) -> Result<NormalPart<'_>> {
+        if self.inner.part(PartKind::Intranode).is_none() {
             return Err(self.absent(PartKind::Intranode));
         }
-        Ok(self.inner.intranode_mut().expect("checked above"))
+        Ok(self.inner.normal().expect("checked above"))
     }
 
     fn ll(&self) -> Result<&LowLatencyBuffer> {
@@ -558,7 +659,7 @@ impl Buffer {
             self.order.after(compute, comm)?;
             EventOverlap::none()
         };
-        if let Some(b) = self.inner.intranode() {
+        if let Some(b) = self.inner.part(PartKind::Intranode) {
             b.check_device()?;
         }
         Ok(event)
@@ -581,15 +682,16 @@ impl Buffer {
 
     /// A call's SMs (recorded for [`Buffer::num_sms_used`]): the call's, else
     /// the Buffer's option, else the default for `call` and the rank count.
-    fn call_sms(&self, num_sms: Option<u32>, call: SmsCall) -> Result<u32> {
+    fn call_sms(&mut self, num_sms: Option<u32>, call: SmsCall) -> Result<u32> {
         let n = match num_sms {
             Some(n) => check_num_sms(n)?,
             None => self
                 .num_sms
                 .unwrap_or_else(|| default_num_sms(call, self.num_ranks as usize)),
         };
-        // What the kernels launch with: capped to this rank's share of its GPU.
-        let launched = self.inner.intranode().map_or(n, |b| b.launch_sms(n));
+        // What the kernels launch with: capped to this rank's share of its
+        // GPU (internode: with its coordinating block).
+        let launched = self.inner.normal().map_or(n, |b| b.launch_sms(n));
         let (d, c) = self.sms_used.get();
         self.sms_used.set(match call {
             SmsCall::Dispatch => (Some(launched), c),
@@ -598,7 +700,7 @@ impl Buffer {
         Ok(n)
     }
 
-    /// The SMs the last intranode dispatch and combine of this Buffer
+    /// The SMs the last intranode or internode dispatch and combine of this Buffer
     /// launched with (None before the first): the call's `num_sms`, the
     /// Buffer's option, or [`default_num_sms`], capped to this rank's share of
     /// its GPU where ranks share one. The Python `Buffer.num_sms_used`.
@@ -609,7 +711,8 @@ impl Buffer {
     // ----- layout -------------------------------------------------------------
 
     /// `get_dispatch_layout(topk_idx, num_experts)`: per-rank and per-expert
-    /// token counts and `is_token_in_rank` of int64 `topk_idx` `[N, K]`.
+    /// token counts and `is_token_in_rank` of int64 `topk_idx` `[N, K]` (and
+    /// the per-node counts where the group spans nodes).
     pub fn get_dispatch_layout(&mut self, topk_idx: &Tensor, num_experts: i64) -> Result<Layout> {
         Ok(self
             .get_dispatch_layout_with(topk_idx, num_experts, &StreamArgs::default())?
@@ -626,19 +729,25 @@ impl Buffer {
         s: &StreamArgs<'_>,
     ) -> Result<(Layout, EventOverlap)> {
         let device = self.cuda.device;
-        self.intranode()?;
+        self.check_normal()?;
+        let nodes = self.nodes();
         let p = checks::layout(&self.target(), topk_idx, num_experts)?;
         if self.check_ids_now()? {
             checks::topk_values(topk_idx, p.num_experts)?;
         }
-        let (compute, (per_rank, per_expert, in_rank, scratch), comm) = self.begin(s, || {
-            Ok((
-                required(&p.outputs, "num_tokens_per_rank", device)?,
-                required(&p.outputs, "num_tokens_per_expert", device)?,
-                required(&p.outputs, "is_token_in_rank", device)?,
-                required(&p.outputs, "layout_scratch", device)?,
-            ))
-        })?;
+        let (compute, (per_rank, per_expert, in_rank, scratch, per_node), comm) =
+            self.begin(s, || {
+                let per_node = nodes
+                    .map(|(n, _)| Tensor::f_empty([n as i64], (Kind::Int, device)))
+                    .transpose()?;
+                Ok((
+                    required(&p.outputs, "num_tokens_per_rank", device)?,
+                    required(&p.outputs, "num_tokens_per_expert", device)?,
+                    required(&p.outputs, "is_token_in_rank", device)?,
+                    required(&p.outputs, "layout_scratch", device)?,
+                    per_node,
+                ))
+            })?;
         let call = LayoutCall {
             topk_idx: ptr(Some(topk_idx)),
             num_tokens: p.num_tokens as usize,
@@ -649,12 +758,17 @@ impl Buffer {
             is_token_in_rank: ptr(Some(&in_rank)),
             partials: ptr(Some(&scratch)),
         };
-        self.intranode_part()?.layout(comm, &call)?;
+        self.normal()?.layout(comm, &call, ptr(per_node.as_ref()))?;
         let event = self.finish(
             compute,
             s,
             &[Some(topk_idx), Some(&scratch)],
-            &[Some(&per_rank), Some(&per_expert), Some(&in_rank)],
+            &[
+                Some(&per_rank),
+                Some(&per_expert),
+                Some(&in_rank),
+                per_node.as_ref(),
+            ],
         )?;
         // Freed on the compute stream, which waited for the kernel (or, with
         // async_finish, marked used on the communication stream).
@@ -664,6 +778,7 @@ impl Buffer {
                 num_tokens_per_rank: per_rank,
                 num_tokens_per_expert: per_expert,
                 is_token_in_rank: in_rank,
+                num_tokens_per_rdma_rank: per_node,
             },
             event,
         ))
@@ -671,11 +786,27 @@ impl Buffer {
 
     // ----- dispatch -------------------------------------------------------------
 
+    /// `(nodes, tokens per rank the buffer fits)` of an internode dispatch
+    /// of `shape`'s records (the forwarding records' second dimension);
+    /// None within one node.
+    fn internode_capacity(&self, shape: &DispatchShape) -> Result<Option<((usize, usize), usize)>> {
+        let Some(b) = self.inner.internode() else {
+            return Ok(None);
+        };
+        let records = DispatchShape {
+            num_tokens: 0,
+            num_experts: 1,
+            ..*shape
+        };
+        let capacity = b.dispatch_capacity(&records)?;
+        Ok(Some(((b.num_nodes(), b.ranks_per_node()), capacity)))
+    }
+
     /// `dispatch(x, ...)` without a handle: sends each token to every rank
     /// hosting one of its experts.
     pub fn dispatch(&mut self, x: DispatchX<'_>, a: &DispatchArgs<'_>) -> Result<Dispatched> {
-        let device = self.cuda.device;
-        self.intranode()?;
+        let (device, rank) = (self.cuda.device, self.rank);
+        self.check_normal()?;
         let num_sms = self.call_sms(a.num_sms, SmsCall::Dispatch)?;
         let p = checks::dispatch(&self.target(), x, a)?;
         if let Some(idx) = a.topk_idx {
@@ -686,11 +817,24 @@ impl Buffer {
         let s = &a.stream;
         let (data, scales) = x.parts();
         let shape = dispatch_shape(&p, self.num_ranks);
-        let (compute, (rpm, send_head), comm) = self.begin(s, || {
-            Ok((
-                required(&p.outputs, "rank_prefix_matrix", device)?,
-                required(&p.outputs, "send_head", device)?,
-            ))
+        let xnode = self.internode_capacity(&shape)?;
+        let worst = p.num_worst_tokens > 0;
+        // Every output is allocated while no kernel of the dispatch runs, as
+        // in Python: an allocation beside a running kernel can hold back the
+        // work that kernel waits for (docs/design-internode.md). With
+        // num_worst_tokens the rows are known now; else after the counts.
+        let (compute, (rpm, send_head, xh, early), comm) = self.begin(s, || {
+            let rpm = required(&p.outputs, "rank_prefix_matrix", device)?;
+            let send_head = required(&p.outputs, "send_head", device)?;
+            let xh = xnode
+                .map(|(nodes, cap)| {
+                    new_internode_handle(device, rank, nodes, p.num_tokens, cap, &rpm)
+                })
+                .transpose()?;
+            let early = worst
+                .then(|| recv_outputs(&resolved(&p.outputs, p.num_recv_rows), device))
+                .transpose()?;
+            Ok((rpm, send_head, xh, early))
         })?;
         let inp = DispatchInputs {
             x: ptr(Some(data)),
@@ -703,38 +847,57 @@ impl Buffer {
             rank_prefix_matrix: ptr(Some(&rpm)),
             send_head: ptr(Some(&send_head)),
         };
-        let b = self.intranode_part()?;
-        let epoch = b.dispatch_send(comm, &shape, &inp, p.expert_alignment as usize, num_sms)?;
-        let (rows, per_expert) = if p.num_worst_tokens > 0 {
+        // A fresh dispatch also writes recv_rdma_rank_prefix_sum.
+        let xi = xh.as_ref().map(|h| XInputs {
+            recv_rdma_rank_prefix_sum: ptr(Some(&h.recv_rdma_rank_prefix_sum)),
+            ..h.inputs()
+        });
+        let mut b = self.normal()?;
+        let epoch = b.dispatch_send(
+            comm,
+            &shape,
+            &inp,
+            xi.as_ref(),
+            false,
+            p.expert_alignment as usize,
+            num_sms,
+        )?;
+        let (rows, per_expert) = if worst {
             (p.num_recv_rows, Vec::new())
         } else {
             let (rows, counts) = b.wait_counts(epoch, shape.num_experts)?;
             (rows as i64, counts.into_iter().map(i64::from).collect())
         };
-        let specs: Vec<_> = p.outputs.iter().map(|o| o.resolve(rows)).collect();
-        let (recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, cpm, rcpm) =
-            self.allocate(s.allocate_on_comm_stream, || {
-                Ok((
-                    required(&specs, "recv_x", device)?,
-                    output(&specs, "recv_x_scales", device)?,
-                    output(&specs, "recv_topk_idx", device)?,
-                    output(&specs, "recv_topk_weights", device)?,
-                    required(&specs, "recv_src_idx", device)?,
-                    required(&specs, "channel_prefix_matrix", device)?,
-                    required(&specs, "recv_channel_prefix_matrix", device)?,
-                ))
-            })?;
+        let o = match early {
+            Some(o) => o,
+            // The counts are in (notify has ended): allocated now.
+            None => self.allocate(s.allocate_on_comm_stream, || {
+                recv_outputs(&resolved(&p.outputs, rows), device)
+            })?,
+        };
         let out = DispatchOutputs {
             num_rows: rows,
-            recv_x: ptr(Some(&recv_x)),
-            recv_scales: ptr(recv_scales.as_ref()),
-            scale_strides: strides2(recv_scales.as_ref()),
-            recv_topk_idx: ptr(recv_idx.as_ref()),
-            recv_topk_weights: ptr(recv_w.as_ref()),
-            recv_src_idx: ptr(Some(&recv_src_idx)),
+            recv_x: ptr(Some(&o.recv_x)),
+            recv_scales: ptr(o.recv_scales.as_ref()),
+            scale_strides: strides2(o.recv_scales.as_ref()),
+            recv_topk_idx: ptr(o.recv_idx.as_ref()),
+            recv_topk_weights: ptr(o.recv_w.as_ref()),
+            recv_src_idx: ptr(Some(&o.recv_src_idx)),
         };
-        self.intranode_part()?
+        self.normal()?
             .dispatch_recv(comm, &shape, ptr(Some(&rpm)), &out, num_sms)?;
+        let mut outputs = vec![
+            Some(&o.recv_x),
+            o.recv_scales.as_ref(),
+            o.recv_idx.as_ref(),
+            o.recv_w.as_ref(),
+            Some(&o.recv_src_idx),
+            Some(&rpm),
+            Some(&send_head),
+        ];
+        if let Some(h) = &xh {
+            outputs.extend(h.written().map(Some));
+        }
         let event = self.finish(
             compute,
             s,
@@ -746,15 +909,7 @@ impl Buffer {
                 a.is_token_in_rank,
                 a.num_tokens_per_expert,
             ],
-            &[
-                Some(&recv_x),
-                recv_scales.as_ref(),
-                recv_idx.as_ref(),
-                recv_w.as_ref(),
-                Some(&recv_src_idx),
-                Some(&rpm),
-                Some(&send_head),
-            ],
+            &outputs,
         )?;
         let in_rank = a
             .is_token_in_rank
@@ -762,19 +917,20 @@ impl Buffer {
             .shallow_clone();
         Ok(Dispatched {
             recv_x: RecvX {
-                x: recv_x,
-                scales: recv_scales,
+                x: o.recv_x,
+                scales: o.recv_scales,
             },
-            recv_topk_idx: recv_idx,
-            recv_topk_weights: recv_w,
+            recv_topk_idx: o.recv_idx,
+            recv_topk_weights: o.recv_w,
             num_recv_tokens_per_expert: per_expert,
             handle: Handle {
                 rank_prefix_matrix: rpm,
-                channel_prefix_matrix: cpm,
-                recv_channel_prefix_matrix: rcpm,
-                recv_src_idx,
+                channel_prefix_matrix: o.cpm,
+                recv_channel_prefix_matrix: o.rcpm,
+                recv_src_idx: o.recv_src_idx,
                 is_token_in_rank: in_rank,
                 send_head,
+                internode: xh,
             },
             event,
         })
@@ -805,14 +961,20 @@ impl Buffer {
         s: &StreamArgs<'_>,
     ) -> Result<(RecvX, EventOverlap)> {
         let device = self.cuda.device;
-        self.intranode()?;
+        self.check_normal()?;
         let num_sms = self.call_sms(num_sms, SmsCall::Dispatch)?;
         let p = checks::dispatch_cached(&self.target(), x, handle)?;
-        let compute = self.prologue(s)?;
+        checks::internode_handle(&self.target(), self.rank, self.nodes(), handle)?;
         let (data, scales) = x.parts();
         let shape = dispatch_shape(&p, self.num_ranks);
         let (rpm, send_head) = (&handle.rank_prefix_matrix, &handle.send_head);
-        let comm = self.enter_comm(compute, s.previous_event)?;
+        // Allocated before any kernel of the dispatch runs (see `dispatch`).
+        let (compute, (recv_x, recv_scales), comm) = self.begin(s, || {
+            Ok((
+                required(&p.outputs, "recv_x", device)?,
+                output(&p.outputs, "recv_x_scales", device)?,
+            ))
+        })?;
         let inp = DispatchInputs {
             x: ptr(Some(data)),
             scales: ptr(scales),
@@ -821,14 +983,9 @@ impl Buffer {
             send_head: ptr(Some(send_head)),
             ..DispatchInputs::default()
         };
-        self.intranode_part()?
-            .cached_dispatch_send(comm, &shape, &inp, num_sms)?;
-        let (recv_x, recv_scales) = self.allocate(s.allocate_on_comm_stream, || {
-            Ok((
-                required(&p.outputs, "recv_x", device)?,
-                output(&p.outputs, "recv_x_scales", device)?,
-            ))
-        })?;
+        let xi = handle.internode.as_ref().map(InternodeHandle::inputs);
+        self.normal()?
+            .dispatch_send(comm, &shape, &inp, xi.as_ref(), true, 1, num_sms)?;
         let out = DispatchOutputs {
             num_rows: p.num_recv_rows,
             recv_x: ptr(Some(&recv_x)),
@@ -838,14 +995,13 @@ impl Buffer {
             recv_topk_weights: 0,
             recv_src_idx: 0,
         };
-        self.intranode_part()?
+        self.normal()?
             .dispatch_recv(comm, &shape, ptr(Some(rpm)), &out, num_sms)?;
-        let event = self.finish(
-            compute,
-            s,
-            &[Some(data), scales, Some(rpm), Some(send_head)],
-            &[Some(&recv_x), recv_scales.as_ref()],
-        )?;
+        let mut inputs = vec![Some(data), scales, Some(rpm), Some(send_head)];
+        if let Some(h) = &handle.internode {
+            inputs.extend(h.read().map(Some));
+        }
+        let event = self.finish(compute, s, &inputs, &[Some(&recv_x), recv_scales.as_ref()])?;
         Ok((
             RecvX {
                 x: recv_x,
@@ -892,8 +1048,9 @@ impl Buffer {
         s: &StreamArgs<'_>,
     ) -> Result<(Tensor, Option<Tensor>, EventOverlap)> {
         let device = self.cuda.device;
-        self.intranode()?;
+        self.check_normal()?;
         let p = checks::combine(&self.target(), x, handle, topk_weights, bias)?;
+        checks::internode_handle(&self.target(), self.rank, self.nodes(), handle)?;
         let (b0, b1) = checks::bias_pair(bias);
         let num_sms = self.call_sms(num_sms, SmsCall::Combine)?;
         let (compute, (out, out_w), comm) = self.begin(s, || {
@@ -915,20 +1072,23 @@ impl Buffer {
             out: ptr(Some(&out)),
             out_weights: ptr(out_w.as_ref()),
         };
-        self.intranode_part()?.combine(comm, &a, num_sms)?;
-        let event = self.finish(
-            compute,
-            s,
-            &[
-                Some(x),
-                topk_weights,
-                b0,
-                b1,
-                Some(&handle.rank_prefix_matrix),
-                Some(&handle.send_head),
-            ],
-            &[Some(&out), out_w.as_ref()],
-        )?;
+        let xi = handle.internode.as_ref().map(InternodeHandle::inputs);
+        let recv_src_idx = ptr(Some(&handle.recv_src_idx));
+        self.normal()?
+            .combine(comm, &a, xi.as_ref(), recv_src_idx, num_sms)?;
+        let mut inputs = vec![
+            Some(x),
+            topk_weights,
+            b0,
+            b1,
+            Some(&handle.rank_prefix_matrix),
+            Some(&handle.send_head),
+        ];
+        if let Some(h) = &handle.internode {
+            inputs.push(Some(&handle.recv_src_idx));
+            inputs.extend(h.read().map(Some));
+        }
+        let event = self.finish(compute, s, &inputs, &[Some(&out), out_w.as_ref()])?;
         Ok((out, out_w, event))
     }
 
@@ -1360,6 +1520,64 @@ fn strides2(t: Option<&Tensor>) -> (i64, i64) {
     }
 }
 
+/// A dispatch's received outputs, allocated as its plan says.
+struct RecvOutputs {
+    recv_x: Tensor,
+    recv_scales: Option<Tensor>,
+    recv_idx: Option<Tensor>,
+    recv_w: Option<Tensor>,
+    recv_src_idx: Tensor,
+    cpm: Tensor,
+    rcpm: Tensor,
+}
+
+/// `outputs` with `rows` received rows.
+fn resolved(outputs: &[OutputSpec], rows: i64) -> Vec<OutputSpec> {
+    outputs.iter().map(|o| o.resolve(rows)).collect()
+}
+
+/// The received outputs of a dispatch whose specs are `specs` (rows
+/// resolved).
+fn recv_outputs(specs: &[OutputSpec], device: Device) -> Result<RecvOutputs> {
+    Ok(RecvOutputs {
+        recv_x: required(specs, "recv_x", device)?,
+        recv_scales: output(specs, "recv_x_scales", device)?,
+        recv_idx: output(specs, "recv_topk_idx", device)?,
+        recv_w: output(specs, "recv_topk_weights", device)?,
+        recv_src_idx: required(specs, "recv_src_idx", device)?,
+        cpm: required(specs, "channel_prefix_matrix", device)?,
+        rcpm: required(specs, "recv_channel_prefix_matrix", device)?,
+    })
+}
+
+/// The internode entries of the handle of a dispatch of `n` tokens on rank
+/// `rank`, allocated before its launches (Python's `_x_tensors`), for
+/// `(nodes, ranks per node)`: the node heads `[n, nodes]`, the counts
+/// `[2 * nodes]`, the forwarding records `[nodes, max(capacity, n, 1), 1 +
+/// ranks per node]` (`capacity`: the tokens per rank the buffer fits for
+/// the dispatch's records) and `recv_rdma_rank_prefix_sum` `[nodes]`, int32
+/// on `device`; `recv_gbl_rank_prefix_sum` is `rank_prefix_matrix`'s column
+/// of `rank`.
+fn new_internode_handle(
+    device: Device,
+    rank: usize,
+    (num_nodes, per_node): (usize, usize),
+    n: i64,
+    capacity: usize,
+    rank_prefix_matrix: &Tensor,
+) -> Result<InternodeHandle> {
+    let opts = (Kind::Int, device);
+    let nodes = num_nodes as i64;
+    let slots = (capacity as i64).max(n).max(1);
+    Ok(InternodeHandle {
+        node_head: Tensor::f_empty([n, nodes], opts)?,
+        xcounts: Tensor::f_empty([2 * nodes], opts)?,
+        fwd_meta: Tensor::f_empty([nodes, slots, 1 + per_node as i64], opts)?,
+        recv_rdma_rank_prefix_sum: Tensor::f_empty([nodes], opts)?,
+        recv_gbl_rank_prefix_sum: rank_prefix_matrix.f_select(1, rank as i64)?,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1431,6 +1649,77 @@ mod tests {
         assert!(o.low_latency_mode);
         assert!(check_options(&o).is_ok());
         assert!(BufferOptions::sized_for(128, -1, 8, 256).is_err());
+    }
+
+    #[test]
+    fn sized_for_covers_the_internode_part_across_nodes() {
+        let ll = Buffer::get_low_latency_rdma_size_hint(64, 4096, 8, 64).unwrap();
+        let x = Buffer::rdma_buffer_size_hint(2 * 4096, 8, 64, 2).unwrap();
+        let nvl = Buffer::nvl_buffer_size_hint(2 * 4096, 8, 64).unwrap();
+        // Within one node the internode hint is 0: the low-latency one.
+        let one = BufferOptions::sized_for_nodes(64, 4096, 8, 64, 8).unwrap();
+        assert_eq!((one.num_nvl_bytes, one.num_rdma_bytes), (nvl, ll));
+        let four = BufferOptions::sized_for_nodes(64, 4096, 8, 64, 2).unwrap();
+        assert_eq!((four.num_nvl_bytes, four.num_rdma_bytes), (nvl, ll.max(x)));
+        assert!(x > 0 && check_options(&four).is_ok());
+        // Both parts of a normal-mode and low-latency Buffer get num_rdma_bytes.
+        let plan = check_options(&four).unwrap();
+        assert_eq!(
+            (plan.num_ll_bytes, plan.num_internode_bytes),
+            (four.num_rdma_bytes as u64, four.num_rdma_bytes as u64)
+        );
+        let e = BufferOptions::sized_for_nodes(64, 4096, 8, 64, 3).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "ranks_per_node 3 does not divide num_ranks 8"
+        );
+    }
+
+    #[test]
+    fn ranks_per_node_as_python_defaults_it() {
+        let s = |v: &str| Some(v.to_string());
+        assert_eq!(ranks_per_node_of(None, None).unwrap(), 8);
+        assert_eq!(ranks_per_node_of(None, s("4")).unwrap(), 4);
+        assert_eq!(ranks_per_node_of(None, s("x")).unwrap(), 8);
+        assert_eq!(ranks_per_node_of(s(" 2 "), s("4")).unwrap(), 2);
+        assert_eq!(ranks_per_node_of(s(" "), s("4")).unwrap(), 4);
+        for bad in ["0", "-1", "two"] {
+            let e = ranks_per_node_of(s(bad), None).unwrap_err();
+            assert_eq!(e.python_class(), "ValueError");
+            assert_eq!(
+                e.to_string(),
+                format!("MOELINK_RANKS_PER_NODE must be a positive integer, got {bad:?}")
+            );
+        }
+    }
+
+    #[test]
+    fn a_new_internode_handle_has_the_shapes_the_checks_take() {
+        let rpm = Tensor::arange(16, (Kind::Int, Device::Cpu)).view([4, 4]);
+        let h = new_internode_handle(Device::Cpu, 1, (2, 2), 5, 3, &rpm).unwrap();
+        assert_eq!(h.node_head.size(), [5, 2]);
+        assert_eq!(h.xcounts.size(), [4]);
+        // Records of at least the dispatch's tokens.
+        assert_eq!(h.fwd_meta.size(), [2, 5, 3]);
+        assert_eq!(h.recv_rdma_rank_prefix_sum.size(), [2]);
+        assert!(h.recv_gbl_rank_prefix_sum.equal(&rpm.select(1, 1)));
+        assert_eq!(h.inputs().meta_slots, 5);
+        assert_eq!(h.inputs().recv_rdma_rank_prefix_sum, 0);
+        let big = new_internode_handle(Device::Cpu, 0, (2, 2), 5, 40, &rpm).unwrap();
+        assert_eq!(big.fwd_meta.size(), [2, 40, 3]);
+        let empty = new_internode_handle(Device::Cpu, 0, (2, 2), 0, 0, &rpm).unwrap();
+        assert_eq!(empty.fwd_meta.size(), [2, 1, 3]);
+        let handle = Handle {
+            rank_prefix_matrix: rpm.shallow_clone(),
+            channel_prefix_matrix: Tensor::zeros([4, 1], (Kind::Int, Device::Cpu)),
+            recv_channel_prefix_matrix: Tensor::zeros([4, 1], (Kind::Int, Device::Cpu)),
+            recv_src_idx: Tensor::zeros([3], (Kind::Int, Device::Cpu)),
+            is_token_in_rank: Tensor::zeros([5, 4], (Kind::Bool, Device::Cpu)),
+            send_head: Tensor::zeros([5, 4], (Kind::Int, Device::Cpu)),
+            internode: Some(h),
+        };
+        let t = Target::new(4, Device::Cpu);
+        assert!(checks::internode_handle(&t, 1, Some((2, 2)), &handle).is_ok());
     }
 
     #[test]

@@ -9,7 +9,8 @@
 //! the communicator of crate `collectives` checks the rest: dtype/op
 //! combinations, algorithms and launch geometry).
 //!
-//! Also here: a call's stream arguments ([`stream_args`], [`ll_stream_args`],
+//! Also here: the internode handle's entries ([`internode_handle`], the
+//! Python Buffer's `_x_handle`), a call's stream arguments ([`stream_args`], [`ll_stream_args`],
 //! the Python Buffer's `_prologue` and `_ll_begin`), and the host-side
 //! expert-id check ([`topk_values`], Python's `check_topk_values`) with its
 //! switch ([`set_check_ids`], `MOELINK_CHECK_IDS=1`).
@@ -163,6 +164,81 @@ pub fn combine(
         }
     }
     Ok(p)
+}
+
+/// A device as torch names it (`cuda:0`, `cpu`).
+fn device_name(d: Device) -> String {
+    match d {
+        Device::Cuda(i) => format!("cuda:{i}"),
+        Device::Cpu => "cpu".into(),
+        d => format!("{d:?}"),
+    }
+}
+
+/// The handle of a cached dispatch or a combine on rank `rank` of a Buffer
+/// whose group spans `nodes` (`(nodes, ranks per node)`, as
+/// [`Buffer::nodes`](crate::Buffer::nodes); None within one node), after
+/// [`dispatch_cached`] / [`combine`] checked its intranode entries: the
+/// Python Buffer's `_x_handle`. Within one node `handle.internode` must be
+/// None; across nodes it must be there, with the node heads, counts and
+/// forwarding records a dispatch of this Buffer made (contiguous int32 on
+/// the Buffer's device, their shapes for `send_head`'s tokens): a
+/// `ValueError` naming the entry otherwise (a `TypeError` for an undefined
+/// tensor).
+pub fn internode_handle(
+    t: &Target,
+    rank: usize,
+    nodes: Option<(usize, usize)>,
+    handle: &Handle,
+) -> Result<()> {
+    let (x, (num_nodes, per_node)) = match (&handle.internode, nodes) {
+        (None, None) => return Ok(()),
+        (Some(_), None) => {
+            return Err(Error::value(format!(
+                "rank {rank}: handle.internode is set (an internode dispatch's handle); a \
+                 Buffer within one node takes the handle of an intranode dispatch"
+            )))
+        }
+        (None, Some((n, _))) => {
+            return Err(Error::value(format!(
+                "rank {rank}: handle.internode is None; a Buffer whose group spans {n} nodes \
+                 takes the handle of an internode dispatch"
+            )))
+        }
+        (Some(x), Some(n)) => (x, n),
+    };
+    let n = handle.send_head.size().first().copied().unwrap_or(0);
+    let (nodes_i, per_node_i) = (num_nodes as i64, per_node as i64);
+    let entries: [(&str, &Tensor, Option<Vec<i64>>); 3] = [
+        ("node_head", &x.node_head, Some(vec![n, nodes_i])),
+        ("xcounts", &x.xcounts, Some(vec![2 * nodes_i])),
+        ("fwd_meta", &x.fwd_meta, None),
+    ];
+    for (field, tensor, want) in entries {
+        let name = format!("handle.internode.{field}");
+        defined(&name, tensor)?;
+        let m = meta(tensor);
+        if tensor.kind() != Kind::Int || tensor.device() != t.device || !m.is_contiguous() {
+            return Err(Error::value(format!(
+                "rank {rank}: {name} must be a contiguous int32 tensor on {}, got {} on {}",
+                device_name(t.device),
+                dtype_of(tensor.kind()),
+                device_name(tensor.device())
+            )));
+        }
+        let shape = tensor.size();
+        let ok = match want {
+            Some(w) => shape == w,
+            None => shape.len() == 3 && shape[0] == nodes_i && shape[2] == 1 + per_node_i,
+        };
+        if !ok {
+            return Err(Error::value(format!(
+                "rank {rank}: {name} has shape {shape:?}: not the one this Buffer's dispatch \
+                 made ({num_nodes} nodes of {per_node} ranks, {n} tokens)"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// `low_latency_dispatch(x, topk_idx, T, E, ...)` (whether the Buffer's

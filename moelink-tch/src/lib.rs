@@ -1,6 +1,7 @@
 //! `moelink-tch`: moelink's Rust API on [`tch`] tensors, for Rust code that
 //! trains or serves MoE models with tch (and mixed Rust/Python stacks):
-//! DeepEP's Buffer (intranode and low-latency dispatch/combine) and
+//! DeepEP's Buffer (normal-mode dispatch/combine within a node or across
+//! nodes, and low-latency dispatch/combine) and
 //! moelink's AllReduce, with the semantics, argument checks and error kinds
 //! of the Python API (`moelink.Buffer`, `moelink.AllReduce`).
 //!
@@ -12,8 +13,8 @@
 //! | module | what it does |
 //! |---|---|
 //! | [`group`] | [`Group`]: the ranks and their shared bootstrap, from torchrun's environment or a unique id |
-//! | [`buffer`] | [`Buffer`]: layout, dispatch (full, cached), combine, low-latency dispatch/combine (with receive hooks) |
-//! | [`args`] | the call argument types that [`buffer`], [`checks`] and [`reference`](mod@reference) share: [`DispatchX`], [`DispatchArgs`] (from a [`Layout`]), [`Handle`], [`Bias`], [`LlHandle`], [`LlDispatchOptions`], [`LlCombineOptions`], [`RecvX`]; `checks` and `reference` import it, never `buffer` |
+//! | [`buffer`] | [`Buffer`]: layout, dispatch (full, cached), combine (intranode, or internode where the group spans nodes), low-latency dispatch/combine (with receive hooks) |
+//! | [`args`] | the call argument types that [`buffer`], [`checks`] and [`reference`](mod@reference) share: [`DispatchX`], [`DispatchArgs`] (from a [`Layout`]), [`Handle`] (with its [`InternodeHandle`]), [`Bias`], [`LlHandle`], [`LlDispatchOptions`], [`LlCombineOptions`], [`RecvX`]; `checks` and `reference` import it, never `buffer` |
 //! | [`allreduce`] | [`AllReduce`]: allreduce and allgather on the current stream, the tuning file |
 //! | [`checks`] | every call's argument checks (ep-core's `calls`, plus the Python layer's; stream arguments; the host-side expert-id check), usable without a GPU |
 //! | [`reference`] | the CPU reference semantics (`ep-reference`, the oracle) on tch tensors |
@@ -56,10 +57,13 @@ with_tch! {
 
     pub use allreduce::{AllReduce, AllReduceArgs, AllReduceOptions, ReduceOp, TuneFile};
     pub use args::{
-        Bias, DispatchArgs, DispatchX, Handle, Layout, LlCombineOptions, LlDispatchOptions,
-        LlHandle, RecvX,
+        Bias, DispatchArgs, DispatchX, Handle, InternodeHandle, Layout, LlCombineOptions,
+        LlDispatchOptions, LlHandle, RecvX,
     };
-    pub use buffer::{default_num_sms, Buffer, BufferOptions, Dispatched, LlDispatched, RecvHook};
+    pub use buffer::{
+        default_num_sms, default_ranks_per_node, Buffer, BufferOptions, Dispatched, LlDispatched,
+        RecvHook,
+    };
     pub use ep_core::calls::SmsCall;
     pub use checks::set_check_ids;
     pub use error::{Error, Result};

@@ -112,17 +112,49 @@ fn first_size(ts: &[&Tensor], dim: usize) -> i64 {
 // ----- normal path -------------------------------------------------------------------
 
 /// `get_dispatch_layout` of one rank's int64 `topk_idx` `[N, K]` among
-/// `num_ranks` ranks: `(num_tokens_per_rank, num_tokens_per_expert,
-/// is_token_in_rank)` as CPU tensors.
+/// `num_ranks` ranks within one node: `(num_tokens_per_rank,
+/// num_tokens_per_expert, is_token_in_rank)` as CPU tensors
+/// (`num_tokens_per_rdma_rank` None).
 pub fn layout(topk_idx: &Tensor, num_experts: i64, num_ranks: i64) -> Result<Layout> {
+    layout_of(topk_idx, num_experts, num_ranks, None)
+}
+
+/// [`layout`] of a group that spans nodes of `ranks_per_node` consecutive
+/// ranks: with `num_tokens_per_rdma_rank` int32 `[R / ranks_per_node]`, the
+/// tokens with an expert on a rank of each node.
+pub fn layout_internode(
+    topk_idx: &Tensor,
+    num_experts: i64,
+    num_ranks: i64,
+    ranks_per_node: usize,
+) -> Result<Layout> {
+    layout_of(topk_idx, num_experts, num_ranks, Some(ranks_per_node))
+}
+
+fn layout_of(
+    topk_idx: &Tensor,
+    num_experts: i64,
+    num_ranks: i64,
+    ranks_per_node: Option<usize>,
+) -> Result<Layout> {
     let idx = i64s("topk_idx", topk_idx, 2)?;
     let (n, k) = (size(topk_idx, 0), size(topk_idx, 1));
-    let l = r::layout(&idx, k as usize, num_experts as usize, num_ranks as usize)?;
+    let (k, e, ranks) = (k as usize, num_experts as usize, num_ranks as usize);
+    let l = match ranks_per_node {
+        None => r::layout(&idx, k, e, ranks)?,
+        Some(per_node) => r::layout_internode(&idx, k, e, ranks, per_node)?,
+    };
     let in_rank: Vec<u8> = l.is_token_in_rank.iter().map(|&b| u8::from(b)).collect();
+    let per_node = l
+        .num_tokens_per_rdma_rank
+        .as_ref()
+        .map(|v| from_i32(v, &[v.len() as i64]))
+        .transpose()?;
     Ok(Layout {
         num_tokens_per_rank: from_i32(&l.num_tokens_per_rank, &[num_ranks])?,
         num_tokens_per_expert: from_i32(&l.num_tokens_per_expert, &[num_experts])?,
         is_token_in_rank: from_bytes(&in_rank, &[n, num_ranks], Kind::Bool)?,
+        num_tokens_per_rdma_rank: per_node,
     })
 }
 
@@ -253,12 +285,39 @@ fn f32s_exact(name: &str, t: &Tensor) -> Result<Vec<f32>> {
 /// `[rows_r, K]`, `biases[r]` rank `r`'s own tokens' bias. Returns per
 /// source rank `(combined_x f32 [N_r, H], combined_topk_weights f32
 /// [N_r, K])`, summed in f32 as the core documents: round with
-/// `to_kind(Kind::BFloat16)` for what a GPU bf16 output holds.
+/// `to_kind(Kind::BFloat16)` for what a GPU bf16 output holds. This is the
+/// model of the intranode kernels (a group within one node); across nodes
+/// use [`combine_internode`].
 pub fn combine(
     d: &RefDispatched,
     ys: &[&Tensor],
     topk_weights: Option<&[&Tensor]>,
     biases: Option<&[Bias<'_>]>,
+) -> Result<Vec<(Tensor, Option<Tensor>)>> {
+    combine_of(d, ys, topk_weights, biases, None)
+}
+
+/// [`combine`] as the internode kernels reduce, for a group that spans
+/// nodes of `ranks_per_node` consecutive ranks: each node's copies summed in
+/// f32 and rounded to bf16, then the biases and those partials summed in
+/// node order (`ep_reference::normal::combine_internode`). The dispatch is
+/// the same for every split: [`dispatch`]'s.
+pub fn combine_internode(
+    d: &RefDispatched,
+    ys: &[&Tensor],
+    topk_weights: Option<&[&Tensor]>,
+    biases: Option<&[Bias<'_>]>,
+    ranks_per_node: usize,
+) -> Result<Vec<(Tensor, Option<Tensor>)>> {
+    combine_of(d, ys, topk_weights, biases, Some(ranks_per_node))
+}
+
+fn combine_of(
+    d: &RefDispatched,
+    ys: &[&Tensor],
+    topk_weights: Option<&[&Tensor]>,
+    biases: Option<&[Bias<'_>]>,
+    ranks_per_node: Option<usize>,
 ) -> Result<Vec<(Tensor, Option<Tensor>)>> {
     let hidden = first_size(ys, 1);
     let mut data = Vec::with_capacity(ys.len());
@@ -289,7 +348,11 @@ pub fn combine(
             bias: [b0.as_deref(), b1.as_deref()],
         })
         .collect();
-    let out = r::combine(&d.core, &ins, hidden.max(0) as usize)?;
+    let hidden_n = hidden.max(0) as usize;
+    let out = match ranks_per_node {
+        None => r::combine(&d.core, &ins, hidden_n)?,
+        Some(per_node) => r::combine_internode(&d.core, &ins, hidden_n, per_node)?,
+    };
     let k = d.core.args.num_topk as i64;
     out.iter()
         .enumerate()

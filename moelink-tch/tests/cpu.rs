@@ -15,7 +15,7 @@ use moelink_tch::tch::{Device, Kind, Tensor};
 use moelink_tch::tensor::required;
 use moelink_tch::{
     AllReduce, AllReduceOptions, Bias, Buffer, BufferOptions, DispatchArgs, DispatchX, Error,
-    Group, Handle, LlCombineOptions, LlDispatchOptions, LlHandle,
+    Group, Handle, InternodeHandle, LlCombineOptions, LlDispatchOptions, LlHandle,
 };
 
 const R: usize = 4;
@@ -286,7 +286,104 @@ fn handle(rows: i64) -> Handle {
         recv_src_idx: cpu(Kind::Int, &[rows]),
         is_token_in_rank: cpu(Kind::Bool, &[N, R as i64]),
         send_head: cpu(Kind::Int, &[N, R as i64]),
+        internode: None,
     }
+}
+
+/// [`handle`] with the internode entries of `nodes` nodes of `per_node`
+/// ranks and forwarding records of `slots` tokens per node.
+fn internode_handle(rows: i64, nodes: i64, per_node: i64, slots: i64) -> Handle {
+    let h = handle(rows);
+    let rpm = h.rank_prefix_matrix.shallow_clone();
+    Handle {
+        internode: Some(InternodeHandle {
+            node_head: cpu(Kind::Int, &[N, nodes]),
+            xcounts: cpu(Kind::Int, &[2 * nodes]),
+            fwd_meta: cpu(Kind::Int, &[nodes, slots, 1 + per_node]),
+            recv_rdma_rank_prefix_sum: cpu(Kind::Int, &[nodes]),
+            recv_gbl_rank_prefix_sum: rpm.select(1, 0),
+        }),
+        ..h
+    }
+}
+
+#[test]
+fn the_internode_handle_is_checked_naming_the_entry() {
+    let t = Target::new(R, Device::Cpu);
+    let split = Some((2, 2));
+    // Within one node: the intranode handle only.
+    assert!(checks::internode_handle(&t, 1, None, &handle(7)).is_ok());
+    refused(
+        checks::internode_handle(&t, 1, None, &internode_handle(7, 2, 2, N)),
+        "ValueError",
+        "rank 1: handle.internode is set (an internode dispatch's handle); a Buffer within one \
+         node takes the handle of an intranode dispatch",
+    );
+    // Across nodes: the internode entries, of this Buffer's split.
+    refused(
+        checks::internode_handle(&t, 1, split, &handle(7)),
+        "ValueError",
+        "rank 1: handle.internode is None; a Buffer whose group spans 2 nodes takes the handle \
+         of an internode dispatch",
+    );
+    assert!(checks::internode_handle(&t, 1, split, &internode_handle(7, 2, 2, N)).is_ok());
+    // Forwarding records of more tokens than the dispatch's (the buffer's
+    // capacity) are what a dispatch makes.
+    assert!(checks::internode_handle(&t, 1, split, &internode_handle(7, 2, 2, 4 * N)).is_ok());
+    let shape = |h: Handle, message: &str| {
+        refused(
+            checks::internode_handle(&t, 1, split, &h),
+            "ValueError",
+            message,
+        )
+    };
+    shape(
+        internode_handle(7, 4, 1, N),
+        "rank 1: handle.internode.node_head has shape [32, 4]: not the one this Buffer's \
+         dispatch made (2 nodes of 2 ranks, 32 tokens)",
+    );
+    let mut h = internode_handle(7, 2, 2, N);
+    h.internode.as_mut().unwrap().xcounts = cpu(Kind::Int, &[2]);
+    shape(
+        h,
+        "rank 1: handle.internode.xcounts has shape [2]: not the one this Buffer's dispatch \
+         made (2 nodes of 2 ranks, 32 tokens)",
+    );
+    shape(
+        internode_handle(7, 2, 4, N),
+        "rank 1: handle.internode.fwd_meta has shape [2, 32, 5]: not the one this Buffer's \
+         dispatch made (2 nodes of 2 ranks, 32 tokens)",
+    );
+    // Dtype, device, layout.
+    let mut h = internode_handle(7, 2, 2, N);
+    h.internode.as_mut().unwrap().node_head = cpu(Kind::Int64, &[N, 2]);
+    shape(
+        h,
+        "rank 1: handle.internode.node_head must be a contiguous int32 tensor on cpu, got \
+         torch.int64 on cpu",
+    );
+    let mut h = internode_handle(7, 2, 2, N);
+    h.internode.as_mut().unwrap().fwd_meta = cpu(Kind::Int, &[2, 3, N]).transpose(1, 2);
+    shape(
+        h,
+        "rank 1: handle.internode.fwd_meta must be a contiguous int32 tensor on cpu, got \
+         torch.int32 on cpu",
+    );
+    let gpu = Target::new(R, GPU);
+    refused(
+        checks::internode_handle(&gpu, 0, split, &internode_handle(7, 2, 2, N)),
+        "ValueError",
+        "rank 0: handle.internode.node_head must be a contiguous int32 tensor on cuda:0, got \
+         torch.int32 on cpu",
+    );
+    // An undefined tensor is Python's TypeError for a non-tensor.
+    let mut h = internode_handle(7, 2, 2, N);
+    h.internode.as_mut().unwrap().xcounts = Tensor::new();
+    refused(
+        checks::internode_handle(&t, 1, split, &h),
+        "TypeError",
+        "handle.internode.xcounts must be a torch.Tensor, got an undefined tensor",
+    );
 }
 
 #[test]
@@ -392,6 +489,31 @@ fn size_hints_need_no_gpu() {
         "ValueError",
         "num_experts must be a multiple of num_ranks, got num_experts=250 and num_ranks=8",
     );
+    // The internode hint (Python's numbers, tests/test_config.py): 0 within one
+    // node; across nodes 64 KiB + two halves of T * (R + 2 nodes) records of
+    // the NVLink slot plus 4L + 16 bytes.
+    for ranks in [1, 2, 8] {
+        assert_eq!(
+            Buffer::rdma_buffer_size_hint(256, ranks, 128, 8).unwrap(),
+            0
+        );
+    }
+    for (ranks, per_node) in [(4, 2), (8, 4), (8, 2), (6, 2)] {
+        let slot =
+            (Buffer::nvl_buffer_size_hint(1024, ranks, 100).unwrap() - 65536) / (2 * ranks * 100);
+        let nodes = ranks / per_node;
+        let want = 2 * 100 * (ranks + 2 * nodes) * (slot + 4 * per_node + 16) + 65536;
+        assert_eq!(
+            Buffer::rdma_buffer_size_hint(1024, ranks, 100, per_node).unwrap(),
+            want.div_ceil(128) * 128,
+            "{ranks} ranks, {per_node} per node"
+        );
+    }
+    refused(
+        Buffer::rdma_buffer_size_hint(1024, 6, 100, 4),
+        "ValueError",
+        "ranks_per_node 4 does not divide num_ranks 6",
+    );
 }
 
 // ----- the reference on tch CPU tensors --------------------------------------------------------
@@ -479,6 +601,26 @@ fn reference_dispatch_and_combine_on_cpu_tensors() {
     );
     // Ids out of range are the core's to find.
     let e = reference::layout(&(topk(N) + E), E, r).unwrap_err();
+    assert_eq!(e.python_class(), "ValueError", "{e}");
+    assert!(l.num_tokens_per_rdma_rank.is_none());
+
+    // Two nodes of two ranks: the same layout plus the tokens per node; the
+    // internode combine equals the intranode one where every sum is exact
+    // (small integers), and its weights are the same sums.
+    let li = reference::layout_internode(&topk(N), E, r, 2).unwrap();
+    assert!(li.is_token_in_rank.equal(&l.is_token_in_rank));
+    let per_node = li.num_tokens_per_rdma_rank.as_ref().unwrap();
+    let node_in = l.is_token_in_rank.view([N, 2, 2]).any_dim(2, false);
+    assert!(per_node.equal(&node_in.sum_dim_intlist(0, false, Kind::Int)));
+    let xi = reference::combine_internode(&d, &ys, Some(&rw), None, 2).unwrap();
+    for (rank, ((x, w), (xo, wo))) in xi.iter().zip(&out).enumerate() {
+        assert!(x.equal(xo), "rank {rank}");
+        assert!(w
+            .as_ref()
+            .unwrap()
+            .allclose(wo.as_ref().unwrap(), 1e-6, 1e-6, false));
+    }
+    let e = reference::combine_internode(&d, &ys, None, None, 3).unwrap_err();
     assert_eq!(e.python_class(), "ValueError", "{e}");
 }
 
