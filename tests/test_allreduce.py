@@ -44,11 +44,11 @@ def test_default_choice_follows_message_size():
     assert alg(1 * KIB) == "oneshot_ll"
     assert alg(128 * KIB) == "oneshot_ll"
     assert alg(128 * KIB + 2) == "twoshot_ll"
-    assert alg(1 * MIB) == "twoshot_ll"
-    assert alg(1 * MIB + 2) == "rsag_push"
+    assert alg(512 * KIB) == "twoshot_ll"
+    assert alg(512 * KIB + 2) == "rsag_push"
     assert alg(64 * MIB) == "rsag_push"
-    assert alg(2 * MIB, registered=True) == "rsag_zc"
-    assert alg(2 * MIB + 2, registered=True) == "rsag_push"
+    assert alg(1 * MIB, registered=True) == "rsag_push"
+    assert alg(2 * MIB, registered=True) == "rsag_push"
     # A registered small message still takes the LL path.
     assert alg(4 * KIB, registered=True) == "oneshot_ll"
 

@@ -189,6 +189,52 @@ __device__ __forceinline__ void reduce_range(const CollArgs& a, uint64_t begin, 
   }
 }
 
+struct CopyRange {
+  char* dst;
+  const char* src;
+  uint64_t bytes;
+};
+
+// For the peers' slices s (rotate(rank, k, R), k = 1..R-1), three at a time:
+// range_of(s, off, len) gives the copy of this block's part of slice s (`len`
+// bytes from slice offset `off`, the input's offset of that part), and the
+// group's ranges are copied at once, 16-byte words by copy_ranges16, any bytes
+// past the last whole word one by one. Every pointer is 16-aligned
+// (kFlagAligned; slices and parts start at multiples of 16).
+template <typename RangeOf, bool kCg>
+__device__ __forceinline__ void for_peer_groups(const CollArgs& a, uint64_t C, uint64_t lo,
+                                                RangeOf range_of, std::integral_constant<bool, kCg>) {
+  const int R = a.num_ranks, rank = a.rank;
+  const uint64_t S = round_up(ceil_div(a.nbytes, R), 16);
+  constexpr int kGroup = 3;
+  for (int k0 = 1; k0 < R; k0 += kGroup) {
+    char* dst[kGroup];
+    const char* src[kGroup];
+    uint64_t words[kGroup], bytes[kGroup];
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g) {
+      const int k = k0 + g;
+      const int s = k < R ? rotate(rank, k, R) : rank;
+      const uint64_t len = slice_len(a.nbytes, S, s);
+      bytes[g] = 0;
+      dst[g] = nullptr;
+      src[g] = nullptr;
+      if (k < R && lo < len) {
+        const CopyRange r = range_of(s, uint64_t(s) * S + lo, len - lo < C ? len - lo : C);
+        dst[g] = r.dst;
+        src[g] = r.src;
+        bytes[g] = r.bytes;
+      }
+      words[g] = bytes[g] / 16;
+    }
+    copy_ranges16<kCg, kGroup>(dst, src, words);
+#pragma unroll
+    for (int g = 0; g < kGroup; ++g)
+      for (uint64_t i = words[g] * 16 + threadIdx.x; i < bytes[g]; i += blockDim.x)
+        dst[g][i] = ld<kCg>(reinterpret_cast<const unsigned char*>(src[g]) + i);
+  }
+}
+
 // Block b owns bytes [b*C, (b+1)*C) of every slice, in every phase: the data
 // it copies in, reads from the peers (after they copied it in: block b of each
 // peer signalled), and copies out (after block b of each peer stored into it).
@@ -201,7 +247,13 @@ __device__ __forceinline__ void rsag(const CollArgs& a) {
   const uint64_t lo = uint64_t(blockIdx.x) * C;
   char* data = a.scratch + a.data_offset;
 
-  if (a.flags & kFlagPush) {
+  if ((a.flags & kFlagPush) && (a.flags & kFlagAligned)) {
+    // As below, the peers' parts at once (copy_ranges16).
+    for_peer_groups(a, C, lo, [&](int p, uint64_t off, uint64_t len) {
+      return CopyRange{a.peer_scratch[p] + a.data_offset + uint64_t(rank) * S + lo, a.input + off,
+                       len};
+    }, std::false_type{});
+  } else if (a.flags & kFlagPush) {
     // Reduce-scatter by stores: our part of slice p goes to slot [rank] of p's
     // data region (p reads it from local memory after the barrier).
     for (int k = 1; k < R; ++k) {
@@ -233,18 +285,23 @@ __device__ __forceinline__ void rsag(const CollArgs& a) {
   block_barrier(a);
   if (a.flags & kFlagCopyOut) {
     if (a.test_delay_us > 0) delay_block(a.test_delay_us);
+  }
+  if ((a.flags & kFlagCopyOut) && (a.flags & kFlagAligned)) {
+    // As below, the other slices at once (copy_ranges16).
+    for_peer_groups(a, C, lo, [&](int, uint64_t off, uint64_t len) {
+      return CopyRange{a.output + off, a.scratch + a.result_offset + off, len};
+    }, std::true_type{});
+  } else if (a.flags & kFlagCopyOut) {
     for (int k = 1; k < R; ++k) {
       const int s = rotate(rank, k, R);
       const uint64_t len = slice_len(n, S, s);
       if (lo < len) {
         const uint64_t off = uint64_t(s) * S + lo;
-        // rsag / rsag_zc: the owners stored their results into our result
-        // region; rsag_push (unregistered output): each owner kept its result in
-        // its own. Never the data region: a peer's next call may store into it
-        // before its first barrier (push, copy-in) while we still copy out.
-        const char* src =
-            ((a.flags & kFlagPush) ? a.peer_scratch[s] : a.scratch) + a.result_offset;
-        block_copy<true>(a.output + off, src + off, len - lo < C ? len - lo : C);
+        // The owners stored their results into our result region. Never the
+        // data region: a peer's next call may store into it before its first
+        // barrier (push, copy-in) while we still copy out.
+        block_copy<true>(a.output + off, a.scratch + a.result_offset + off,
+                         len - lo < C ? len - lo : C);
       }
     }
   }

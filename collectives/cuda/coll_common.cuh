@@ -36,9 +36,9 @@ constexpr int kMaxBlocks = 128;
 enum : int32_t {
   kFlagAligned = 1,  // every pointer the kernel vectorises over is aligned (8 B for LL, 16 B else)
   kFlagCopyIn = 2,   // rsag / ag_mesh: copy the input into this rank's scratch first
-  kFlagCopyOut = 4,  // rsag: copy the other ranks' result slices from scratch to the output
-  kFlagPush = 8,     // rsag_push: store the input slices into the owners' scratch (no copy-in);
-                     // with kFlagCopyOut the result slices are read from the owners' result regions
+  kFlagCopyOut = 4,  // rsag family: copy the other ranks' result slices, which their owners
+                     // stored into this rank's result region, to the output
+  kFlagPush = 8,     // rsag_push: store the input slices into the owners' scratch (no copy-in)
 };
 // Reduction operators (template argument of the allreduce kernels).
 enum : int { kSum = 0, kMin = 1, kMax = 2 };
@@ -266,6 +266,28 @@ __device__ __forceinline__ uint64_t copy_words(char* dst, const char* src, uint6
   return n * sizeof(W);
 }
 
+// Block-cooperative copy of kN ranges at once, 16-byte words (every pointer
+// 16-aligned): range k is words[k] words from src[k] to dst[k]. Each thread
+// loads its word of every range before it stores any, so the ranges' load
+// latencies overlap instead of adding up as one block_copy after another
+// would. kCg: the sources are read past L1.
+template <bool kCg, int kN>
+__device__ __forceinline__ void copy_ranges16(char* const (&dst)[kN], const char* const (&src)[kN],
+                                              const uint64_t (&words)[kN]) {
+  uint64_t most = 0;
+#pragma unroll
+  for (int k = 0; k < kN; ++k) most = words[k] > most ? words[k] : most;
+  for (uint64_t i = threadIdx.x; i < most; i += blockDim.x) {
+    uint4 v[kN];
+#pragma unroll
+    for (int k = 0; k < kN; ++k)
+      if (i < words[k]) v[k] = ld<kCg>(reinterpret_cast<const uint4*>(src[k]) + i);
+#pragma unroll
+    for (int k = 0; k < kN; ++k)
+      if (i < words[k]) reinterpret_cast<uint4*>(dst[k])[i] = v[k];
+  }
+}
+
 template <bool kCg>
 __device__ __forceinline__ void block_copy(char* dst, const char* src, uint64_t bytes) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src);
@@ -348,10 +370,11 @@ __device__ __forceinline__ uint64_t ll_read(const char* src, uint32_t flag, cons
 // Per-block barrier
 // ---------------------------------------------------------------------------
 
-// Block b of every rank meets block b of every peer: every thread's earlier
-// writes (local and remote) are fenced, one thread per peer signals the peer's
-// semaphore of channel (b, peer) and waits for the peer's signal (bounded;
-// a timeout is reported by the semaphore and the kernel carries on to its end).
+// Block b of every rank meets block b of every peer: after a __syncthreads,
+// one thread per peer signals the peer's semaphore of channel (b, peer) with a
+// release that orders the block's earlier writes (local and remote), and waits
+// for the peer's signal (bounded; a timeout is reported by the semaphore and
+// the kernel carries on to its end).
 // Tests only (CollArgs::test_delay_us): the block waits `us` microseconds of
 // GPU time, so that its peers run ahead into their next call.
 __device__ __forceinline__ void delay_block(int32_t us) {
@@ -363,8 +386,10 @@ __device__ __forceinline__ void delay_block(int32_t us) {
   __syncthreads();
 }
 
+// No fence per thread: the signalling thread's release reduction is
+// cumulative, so it orders every write of the block that the __syncthreads
+// before it made visible to that thread (comm's SemaphoreDeviceHandle::signal).
 __device__ __forceinline__ void block_barrier(const CollArgs& a) {
-  __threadfence_system();
   __syncthreads();
   const int p = threadIdx.x;
   if (p < a.num_ranks && p != a.rank) {

@@ -42,7 +42,7 @@ pub enum Algorithm {
     /// Allreduce: reduce-scatter by stores (every rank stores slice p of its
     /// input into rank p's scratch), local reduction, then all-gather by
     /// stores into the peers' registered output, or (an unregistered output)
-    /// by loads from the owners' scratch. Needs no registration.
+    /// into the peers' scratch, copied out locally. Needs no registration.
     RsAgPush,
     /// Allgather: LL16 packets to every peer.
     AgLl,
@@ -190,12 +190,13 @@ impl Algorithm {
         let nbytes = req.nbytes;
         let r = limits.world_size.max(1) as u64;
         let cap = limits.max_blocks.clamp(1, 64) as u64;
-        let ll = |work_packets: u64| {
+        let ll_capped = |work_packets: u64, cap: u64| {
             // One packet per thread, up to 512 threads per block.
             let threads = work_packets.div_ceil(32).clamp(1, 16) * 32;
             let blocks = work_packets.div_ceil(threads).clamp(1, cap);
             (blocks as u32, threads as u32)
         };
+        let ll = |work_packets: u64| ll_capped(work_packets, cap);
         // Barrier kernels: each block streams >= 32 KiB of its slice per phase.
         let streaming = |bytes: u64| {
             let blocks = bytes.div_ceil(32 << 10).clamp(1, cap);
@@ -203,24 +204,41 @@ impl Algorithm {
         };
         match self {
             Algorithm::OneShotLl => ll(nbytes.div_ceil(8)),
-            Algorithm::TwoShotLl => ll(r * nbytes.div_ceil(r).div_ceil(8)),
+            // Up to 128 blocks: benches/allreduce_geometry.py on 4 x H200
+            // (2026-11-28), 1 MiB: 128 x 512 16.4 us, 64 x 512 18.6.
+            Algorithm::TwoShotLl => ll_capped(
+                r * nbytes.div_ceil(r).div_ceil(8),
+                limits.max_blocks.clamp(1, 128) as u64,
+            ),
             Algorithm::AgLl => ll(r * nbytes.div_ceil(8)),
             Algorithm::RsAg | Algorithm::RsAgZeroCopy => streaming(nbytes.div_ceil(r)),
-            // 1024 threads from 16 MiB slices. A registered (in place: output)
-            // tensor takes the store all-gather, which wants every block the GPU
-            // allows; the load all-gather of an unregistered one degrades beyond
-            // 64 blocks at large sizes. benches/allreduce_geometry.py on 4 x H200
-            // (2026-11-22), 1 GiB: registered 128 x 1024 4518 us, 64 x 1024 4667;
-            // unregistered 64 x 1024 4797, 128 x 1024 5908.
+            // A registered (in place: output) tensor takes the store all-gather,
+            // which wants every block the GPU allows: one per 32 KiB of slice,
+            // 1024 threads from 16 MiB slices. benches/allreduce_geometry.py on
+            // 4 x H200 (2026-11-22), 1 GiB: 128 x 1024 4518 us, 64 x 1024 4667.
+            // An unregistered one takes one block per 8 KiB of slice up to every
+            // block, 1024 threads from 4 MiB slices. The same bench (2026-11-28,
+            // unregistered, then with the all-gather by loads): 2 MiB 64 x 512
+            // 19.4 us (128 x 512 19.9); 16 MiB 128 x 1024 88.3 (64 x 512 91.0);
+            // 64 MiB 128 x 1024 326.2 (64 x 1024 328.8); 256 MiB 128 x 1024
+            // 1244.7 (64 x 1024 1271.6). Beyond 256 MiB no unregistered size was
+            // measured with the all-gather by stores; it follows the registered
+            // path, which moves the same stores (the load all-gather had wanted
+            // 64 blocks at 1 GiB: 4797 us against 5908 at 128).
+            Algorithm::RsAgPush if req.registered => {
+                let slice = nbytes.div_ceil(r);
+                let blocks = slice
+                    .div_ceil(32 << 10)
+                    .clamp(1, limits.max_blocks.max(1) as u64);
+                let threads = if slice >= 16 << 20 { 1024 } else { 512 };
+                (blocks as u32, threads)
+            }
             Algorithm::RsAgPush => {
                 let slice = nbytes.div_ceil(r);
-                let cap = if req.registered {
-                    limits.max_blocks.max(1) as u64
-                } else {
-                    cap
-                };
-                let blocks = slice.div_ceil(32 << 10).clamp(1, cap);
-                let threads = if slice >= 16 << 20 { 1024 } else { 512 };
+                let blocks = slice
+                    .div_ceil(8 << 10)
+                    .clamp(1, limits.max_blocks.clamp(1, 128) as u64);
+                let threads = if slice >= 4 << 20 { 1024 } else { 512 };
                 (blocks as u32, threads)
             }
             Algorithm::AgMesh => streaming(nbytes),
@@ -327,14 +345,27 @@ mod tests {
             Algorithm::OneShotLl.default_geometry(&ar(1024, false), &limits(4)),
             (1, 128)
         );
-        // rsag_push: every block for a registered tensor, at most 64 otherwise.
+        // rsag_push: every block, registered or not.
         assert_eq!(
             Algorithm::RsAgPush.default_geometry(&ar(1 << 30, true), &limits(4)),
             (128, 1024)
         );
         assert_eq!(
             Algorithm::RsAgPush.default_geometry(&ar(1 << 30, false), &limits(4)),
-            (64, 1024)
+            (128, 1024)
+        );
+        assert_eq!(
+            Algorithm::RsAgPush.default_geometry(&ar(256 << 20, false), &limits(4)),
+            (128, 1024)
+        );
+        assert_eq!(
+            Algorithm::RsAgPush.default_geometry(&ar(2 << 20, false), &limits(4)),
+            (64, 512)
+        );
+        // twoshot_ll: up to 128 blocks.
+        assert_eq!(
+            Algorithm::TwoShotLl.default_geometry(&ar(1 << 20, false), &limits(4)),
+            (128, 512)
         );
         assert_eq!(
             Algorithm::RsAgPush.default_geometry(&ar(16 << 20, true), &limits(4)),

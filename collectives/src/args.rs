@@ -26,7 +26,7 @@ pub mod flags {
     /// Copy the other ranks' result slices from the scratch to the output (rsag).
     pub const COPY_OUT: i32 = 4;
     /// rsag_push: store the input slices into the owners' scratch instead of
-    /// copying in; with COPY_OUT, read the results from the owners' result regions.
+    /// copying in.
     pub const PUSH: i32 = 8;
 }
 

@@ -107,13 +107,12 @@ pub fn oneshot_threshold(world_size: usize) -> u64 {
     }
 }
 
-/// Largest allreduce message for which two-shot LL is the default.
-pub const TWOSHOT_THRESHOLD: u64 = 1 << 20;
-/// Largest registered allreduce message for which rsag_zc (pull reduce-scatter)
-/// is the default; above it, and for unregistered tensors, rsag_push. Measured
-/// on 4 x H200 (2026-11-22, graphs): 2 MiB rsag_zc 19.9 us vs rsag_push 20.7;
-/// 4 MiB 30.6 vs 29.8; 1 GiB 5022 vs 4780 (rsag, unregistered: 5849).
-pub const RSAG_ZC_THRESHOLD: u64 = 2 << 20;
+/// Largest allreduce message for which two-shot LL is the default; above it
+/// rsag_push, registered or not. Measured on 4 x H200 (2026-11-28, graphs,
+/// two runs): 1 MiB twoshot_ll 16.1 / 17.8 us, rsag_push 14.3 / 14.6
+/// (registered 14.8 / 15.5), rsag_zc 17.0 / 17.3; 2 MiB registered rsag_push
+/// 17.5 / 19.0, rsag_zc 19.4 / 20.4. (rsag_zc stays for pins and the tuner.)
+pub const TWOSHOT_THRESHOLD: u64 = 512 << 10;
 /// Largest allgather output (R x input) for which ag_ll is the default.
 pub const AG_LL_THRESHOLD: u64 = 256 << 10;
 
@@ -126,8 +125,6 @@ pub fn heuristic(req: &Request, limits: &Limits) -> Algorithm {
                 Algorithm::OneShotLl
             } else if n <= TWOSHOT_THRESHOLD.min(limits.twoshot_max_bytes) {
                 Algorithm::TwoShotLl
-            } else if req.registered && n <= RSAG_ZC_THRESHOLD {
-                Algorithm::RsAgZeroCopy
             } else {
                 Algorithm::RsAgPush
             }
@@ -305,13 +302,11 @@ mod tests {
         assert_eq!(alg(2), Algorithm::OneShotLl);
         assert_eq!(alg(128 << 10), Algorithm::OneShotLl);
         assert_eq!(alg((128 << 10) + 2), Algorithm::TwoShotLl);
-        assert_eq!(alg(1 << 20), Algorithm::TwoShotLl);
-        assert_eq!(alg((1 << 20) + 2), Algorithm::RsAgPush);
+        assert_eq!(alg(512 << 10), Algorithm::TwoShotLl);
+        assert_eq!(alg((512 << 10) + 2), Algorithm::RsAgPush);
         assert_eq!(alg(256 << 20), Algorithm::RsAgPush);
-        let mut r = ar(2 << 20);
+        let mut r = ar(1 << 20);
         r.registered = true;
-        assert_eq!(select(&r, &l, &t).algorithm, Algorithm::RsAgZeroCopy);
-        r.nbytes = (2 << 20) + 2;
         assert_eq!(select(&r, &l, &t).algorithm, Algorithm::RsAgPush);
         // Eight ranks: one-shot stops earlier.
         assert_eq!(

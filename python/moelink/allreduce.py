@@ -19,8 +19,8 @@ Algorithms: allreduce ``oneshot_ll`` (smallest), ``twoshot_ll`` (small/medium),
 ``rsag`` (large: copy into the registered scratch, read-reduce-scatter + all-gather
 over the peers' mapped scratch), ``rsag_zc`` (the same on tensors registered with
 ``register``: zero copy), ``rsag_push`` (large: the reduce-scatter by stores into
-the owners' scratch, the all-gather by stores into a registered output or by
-loads from the owners' scratch; no registration needed); allgather ``ag_ll`` and
+the owners' scratch, the all-gather by stores into a registered output or into
+the peers' scratch, copied out locally; no registration needed); allgather ``ag_ll`` and
 ``ag_mesh``. Every argument is
 checked before anything is launched (``TypeError`` / ``ValueError`` naming it).
 
