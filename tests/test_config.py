@@ -290,7 +290,7 @@ def test_rdma_hint_is_zero_within_a_node_and_covers_the_internode_regions():
 
 #: The default SMs by call, for 1-2 ranks and for 3 or more (the SM sweep of
 #: benches/results/2026-11-28_h200x4_sm-table: 95 % of the best).
-DEFAULT_SMS = {"dispatch": (64, 32), "combine": (48, 32), "combine_in_pool": (32, 16)}
+DEFAULT_SMS = {"dispatch": (64, 48), "combine": (48, 48), "combine_in_pool": (32, 16)}
 
 
 @pytest.mark.parametrize("get", [get_dispatch_config, get_combine_config])

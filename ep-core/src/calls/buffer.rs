@@ -121,19 +121,23 @@ pub enum SmsCall {
 
 /// The SM count of an intranode call where neither the call nor
 /// `set_num_sms` names one: the smallest count that reached 95 % of the best
-/// of 4 to 132 SMs in the SM sweep on 4 x H200 (2026-11-28, `peer_bench.py`,
-/// 4096 tokens per rank, hidden 7168, top-8 of 256; dispatch: the larger of
-/// the bf16 and fp8 counts). Two ranks were measured on two of its GPUs, four
-/// on all four; a group of 3 or more ranks takes the 4-rank counts (8 ranks
-/// on one host were not measured), 1 or 2 ranks the 2-rank ones.
+/// in the SM sweeps on 4 x H200 (`peer_bench.py`, 4096 tokens per rank, hidden
+/// 7168, top-8 of 256; dispatch: the larger of the bf16 and fp8 counts). Two
+/// ranks: 4 to 132 SMs on two of its GPUs (2026-11-28, before the row-once
+/// senders). Four ranks: 8 to 96 SMs on all four, with the row-once senders
+/// and the wide combine receivers (2026-11-28, later the same day). A group of
+/// 3 or more ranks takes the 4-rank counts (8 ranks on one host were not
+/// measured), 1 or 2 ranks the 2-rank ones.
 pub fn default_num_sms(call: SmsCall, num_ranks: i64) -> i64 {
     let two = num_ranks <= 2;
     match call {
-        // 2 ranks: bf16 reached 95 % at 48, fp8 at 64; 4 ranks: 24 and 32.
+        // 2 ranks: bf16 reached 95 % at 48, fp8 at 64; 4 ranks: 24 and 48
+        // (fp8: 345.5 GB/s at 32, 354.9 at 48, best 373.3 at 96).
         SmsCall::Dispatch if two => 64,
-        SmsCall::Dispatch => 32,
+        SmsCall::Dispatch => 48,
         SmsCall::Combine if two => 48,
-        SmsCall::Combine => 32,
+        // 4 ranks: 374.7 at 32, 395.3 at 48, best 396.1 at 64.
+        SmsCall::Combine => 48,
         SmsCall::CombineInPool if two => 32,
         SmsCall::CombineInPool => 16,
     }
