@@ -172,6 +172,12 @@ impl BufferOptions {
     }
 }
 
+/// A size hint's argument as ep-core takes it: a value beyond i64 is beyond
+/// every limit, so it is refused as i64::MAX.
+fn hint_arg(n: usize) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
 /// The ranks per node that [`Buffer::rdma_buffer_size_hint`] assumes where
 /// the caller does not know them, as Python's `Config.get_rdma_buffer_size_hint`:
 /// `MOELINK_RANKS_PER_NODE` (emulated nodes), else torchrun's
@@ -475,12 +481,10 @@ impl Buffer {
         num_ranks: usize,
         max_tokens_per_rank: usize,
     ) -> Result<usize> {
-        // A value beyond i64 is beyond every limit: refused as i64::MAX.
-        let int = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         let bytes = calls::nvl_buffer_size_hint(
-            int(hidden_bytes),
-            int(num_ranks),
-            int(max_tokens_per_rank),
+            hint_arg(hidden_bytes),
+            hint_arg(num_ranks),
+            hint_arg(max_tokens_per_rank),
         )?;
         Ok(bytes as usize)
     }
@@ -498,12 +502,11 @@ impl Buffer {
         max_tokens_per_rank: usize,
         ranks_per_node: usize,
     ) -> Result<usize> {
-        let int = |n: usize| i64::try_from(n).unwrap_or(i64::MAX);
         let bytes = calls::rdma_buffer_size_hint(
-            int(hidden_bytes),
-            int(num_ranks),
-            int(max_tokens_per_rank),
-            int(ranks_per_node),
+            hint_arg(hidden_bytes),
+            hint_arg(num_ranks),
+            hint_arg(max_tokens_per_rank),
+            hint_arg(ranks_per_node),
         )?;
         Ok(bytes as usize)
     }
