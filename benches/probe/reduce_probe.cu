@@ -45,6 +45,22 @@
 
 constexpr int kMaxRanks = 8;
 
+// acc += the 8 bf16 of w, in float.
+__device__ __forceinline__ void add8(float (&acc)[8], int4 w) {
+  const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) acc[k] += __bfloat162float(x[k]);
+}
+
+// The 8 sums as bf16 (round to nearest), one 16-byte vector.
+__device__ __forceinline__ int4 pack8(const float (&acc)[8]) {
+  int4 o;
+  __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
+#pragma unroll
+  for (int k = 0; k < 8; ++k) po[k] = __float2bfloat16_rn(acc[k]);
+  return o;
+}
+
 struct Args {
   const char* src[kMaxRanks];  // source d's block: [T] records (here or on GPU d)
   const int* slots;     // [N][R]: slot of token t's copy in source block d, or -1
@@ -98,20 +114,14 @@ __global__ void __launch_bounds__(kThreads) reduce_plain(const Args a) {
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             if (d[s] < 0) continue;
-            const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w[s][u]);
-#pragma unroll
-            for (int k = 0; k < 8; ++k) acc[u][k] += __bfloat162float(x[k]);
+            add8(acc[u], w[s][u]);
           }
       }
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int v = v0 + 32 * u;
         if (v >= nvec) continue;
-        int4 o;
-        __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) po[k] = __float2bfloat16_rn(acc[u][k]);
-        reinterpret_cast<int4*>(a.out + t * a.hidden)[v] = o;
+        reinterpret_cast<int4*>(a.out + t * a.hidden)[v] = pack8(acc[u]);
       }
     }
   }
@@ -184,16 +194,9 @@ __global__ void __launch_bounds__(1024) reduce_cpasync(const Args a) {
 #pragma unroll
         for (int d = 0; d < kMaxRanks; ++d) {
           if (!((srcs >> d) & 1u)) continue;
-          const int4 w = stage[(d * V + u) * 32 + lane];
-          const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
-#pragma unroll
-          for (int k = 0; k < 8; ++k) acc[k] += __bfloat162float(x[k]);
+          add8(acc, stage[(d * V + u) * 32 + lane]);
         }
-        int4 o;
-        __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
-#pragma unroll
-        for (int k = 0; k < 8; ++k) po[k] = __float2bfloat16_rn(acc[k]);
-        reinterpret_cast<int4*>(a.out + t * a.hidden)[v] = o;
+        reinterpret_cast<int4*>(a.out + t * a.hidden)[v] = pack8(acc);
       }
     }
   }
@@ -255,16 +258,9 @@ __global__ void __launch_bounds__(1024) reduce_tma(const Args a) {
       for (int q = 0; q < 8; ++q) acc[q] = 0.f;
       for (unsigned m = m0; m; m &= m - 1) {
         const int d = __ffs(m) - 1;
-        const int4 w = reinterpret_cast<const int4*>(stage + d * row_bytes)[v];
-        const __nv_bfloat16* x = reinterpret_cast<const __nv_bfloat16*>(&w);
-#pragma unroll
-        for (int q = 0; q < 8; ++q) acc[q] += __bfloat162float(x[q]);
+        add8(acc, reinterpret_cast<const int4*>(stage + d * row_bytes)[v]);
       }
-      int4 o;
-      __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
-#pragma unroll
-      for (int q = 0; q < 8; ++q) po[q] = __float2bfloat16_rn(acc[q]);
-      reinterpret_cast<int4*>(a.out + t * a.hidden)[v] = o;
+      reinterpret_cast<int4*>(a.out + t * a.hidden)[v] = pack8(acc);
     }
     __syncthreads();  // the stage is read out; present[k] may change
     if (threadIdx.x == 0 && j + K < mine) load(j + K);
