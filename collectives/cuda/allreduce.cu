@@ -195,17 +195,29 @@ struct CopyRange {
   uint64_t bytes;
 };
 
-// For the peers' slices s (rotate(rank, k, R), k = 1..R-1), three at a time:
-// range_of(s, off, len) gives the copy of this block's part of slice s (`len`
-// bytes from slice offset `off`, the input's offset of that part), and the
-// group's ranges are copied at once, 16-byte words by copy_ranges16, any bytes
-// past the last whole word one by one. Every pointer is 16-aligned
-// (kFlagAligned; slices and parts start at multiples of 16).
-template <typename RangeOf, bool kCg>
+// Copies this block's part of every peer's slice s (rotate(rank, k, R), k =
+// 1..R-1): range_of(s, off, len) gives the copy of `len` bytes from slice
+// offset `off` (the input's offset of that part). With every pointer 16-aligned
+// (kFlagAligned; slices and parts start at multiples of 16) three peers' ranges
+// go at once, 16-byte words by copy_ranges16, any bytes past the last whole
+// word one by one; otherwise each range by block_copy, one after another.
+// kCg: the sources are read past L1.
+template <bool kCg, typename RangeOf>
 __device__ __forceinline__ void for_peer_groups(const CollArgs& a, uint64_t C, uint64_t lo,
-                                                RangeOf range_of, std::integral_constant<bool, kCg>) {
+                                                RangeOf range_of) {
   const int R = a.num_ranks, rank = a.rank;
   const uint64_t S = round_up(ceil_div(a.nbytes, R), 16);
+  if (!(a.flags & kFlagAligned)) {
+    for (int k = 1; k < R; ++k) {
+      const int s = rotate(rank, k, R);
+      const uint64_t len = slice_len(a.nbytes, S, s);
+      if (lo < len) {
+        const CopyRange r = range_of(s, uint64_t(s) * S + lo, len - lo < C ? len - lo : C);
+        block_copy<kCg>(r.dst, r.src, r.bytes);
+      }
+    }
+    return;
+  }
   constexpr int kGroup = 3;
   for (int k0 = 1; k0 < R; k0 += kGroup) {
     char* dst[kGroup];
@@ -247,23 +259,13 @@ __device__ __forceinline__ void rsag(const CollArgs& a) {
   const uint64_t lo = uint64_t(blockIdx.x) * C;
   char* data = a.scratch + a.data_offset;
 
-  if ((a.flags & kFlagPush) && (a.flags & kFlagAligned)) {
-    // As below, the peers' parts at once (copy_ranges16).
-    for_peer_groups(a, C, lo, [&](int p, uint64_t off, uint64_t len) {
-      return CopyRange{a.peer_scratch[p] + a.data_offset + uint64_t(rank) * S + lo, a.input + off,
-                       len};
-    }, std::false_type{});
-  } else if (a.flags & kFlagPush) {
+  if (a.flags & kFlagPush) {
     // Reduce-scatter by stores: our part of slice p goes to slot [rank] of p's
     // data region (p reads it from local memory after the barrier).
-    for (int k = 1; k < R; ++k) {
-      const int p = rotate(rank, k, R);
-      const uint64_t len = slice_len(n, S, p);
-      if (lo < len) {
-        block_copy<false>(a.peer_scratch[p] + a.data_offset + uint64_t(rank) * S + lo,
-                          a.input + uint64_t(p) * S + lo, len - lo < C ? len - lo : C);
-      }
-    }
+    for_peer_groups<false>(a, C, lo, [&](int p, uint64_t off, uint64_t len) {
+      return CopyRange{a.peer_scratch[p] + a.data_offset + uint64_t(rank) * S + lo, a.input + off,
+                       len};
+    });
   } else if (a.flags & kFlagCopyIn) {
     for (int k = 1; k < R; ++k) {
       const int s = rotate(rank, k, R);
@@ -285,25 +287,12 @@ __device__ __forceinline__ void rsag(const CollArgs& a) {
   block_barrier(a);
   if (a.flags & kFlagCopyOut) {
     if (a.test_delay_us > 0) delay_block(a.test_delay_us);
-  }
-  if ((a.flags & kFlagCopyOut) && (a.flags & kFlagAligned)) {
-    // As below, the other slices at once (copy_ranges16).
-    for_peer_groups(a, C, lo, [&](int, uint64_t off, uint64_t len) {
+    // The owners stored their results into our result region. Never the data
+    // region: a peer's next call may store into it before its first barrier
+    // (push, copy-in) while we still copy out.
+    for_peer_groups<true>(a, C, lo, [&](int, uint64_t off, uint64_t len) {
       return CopyRange{a.output + off, a.scratch + a.result_offset + off, len};
-    }, std::true_type{});
-  } else if (a.flags & kFlagCopyOut) {
-    for (int k = 1; k < R; ++k) {
-      const int s = rotate(rank, k, R);
-      const uint64_t len = slice_len(n, S, s);
-      if (lo < len) {
-        const uint64_t off = uint64_t(s) * S + lo;
-        // The owners stored their results into our result region. Never the
-        // data region: a peer's next call may store into it before its first
-        // barrier (push, copy-in) while we still copy out.
-        block_copy<true>(a.output + off, a.scratch + a.result_offset + off,
-                         len - lo < C ? len - lo : C);
-      }
-    }
+    });
   }
 }
 
