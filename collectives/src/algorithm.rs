@@ -225,20 +225,16 @@ impl Algorithm {
             // measured with the all-gather by stores; it follows the registered
             // path, which moves the same stores (the load all-gather had wanted
             // 64 blocks at 1 GiB: 4797 us against 5908 at 128).
-            Algorithm::RsAgPush if req.registered => {
-                let slice = nbytes.div_ceil(r);
-                let blocks = slice
-                    .div_ceil(32 << 10)
-                    .clamp(1, limits.max_blocks.max(1) as u64);
-                let threads = if slice >= 16 << 20 { 1024 } else { 512 };
-                (blocks as u32, threads)
-            }
             Algorithm::RsAgPush => {
                 let slice = nbytes.div_ceil(r);
-                let blocks = slice
-                    .div_ceil(8 << 10)
-                    .clamp(1, limits.max_blocks.clamp(1, 128) as u64);
-                let threads = if slice >= 4 << 20 { 1024 } else { 512 };
+                // (slice bytes per block, slice size from which 1024 threads, most blocks)
+                let (block_bytes, wide_from, cap) = if req.registered {
+                    (32 << 10, 16 << 20, limits.max_blocks.max(1))
+                } else {
+                    (8 << 10, 4 << 20, limits.max_blocks.clamp(1, 128))
+                };
+                let blocks = slice.div_ceil(block_bytes).clamp(1, u64::from(cap));
+                let threads = if slice >= wide_from { 1024 } else { 512 };
                 (blocks as u32, threads)
             }
             Algorithm::AgMesh => streaming(nbytes),
