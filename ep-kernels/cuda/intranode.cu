@@ -256,6 +256,33 @@ __global__ void __launch_bounds__(kThreads) finish_rows(const __grid_constant__ 
   const auto [warp, nwarps] = grid_warps();
   const int S = r.rec.num_scales;
   const float* scales = reinterpret_cast<const float*>(c.local + a.packed.scales);
+  if (!poisoned && a.copy_scales && r.scale_stride0 == 1) {
+    // Column-major recv_scales (DeepEP's fp8 layout): a warp takes 32 rows at
+    // a time, a lane per row, so each scale column goes out as one coalesced
+    // store, and a row's packed scales are read once into L1. (A warp per row
+    // wrote every scale to its own cache line, one after another.)
+    const int64_t rows = num_recv < r.num_rows ? num_recv : r.num_rows;
+    const bool vec4 = S % 4 == 0 && reinterpret_cast<uintptr_t>(scales) % 16 == 0;
+    for (int64_t i0 = int64_t(warp) * 32; i0 < rows; i0 += int64_t(nwarps) * 32) {
+      const int64_t i = i0 + lane;
+      if (i >= rows) continue;
+      const float* __restrict__ src = scales + i * S;
+      float* __restrict__ dst = r.recv_scales + i;
+      const int64_t st = r.scale_stride1;
+      int j = 0;
+      // 16-byte loads where every packed row starts 16-aligned.
+      for (; vec4 && j + 4 <= S; j += 4, dst += 4 * st) {
+        const float4 v = *reinterpret_cast<const float4*>(src + j);
+        dst[0] = v.x;
+        dst[st] = v.y;
+        dst[2 * st] = v.z;
+        dst[3 * st] = v.w;
+      }
+      for (; j < S; ++j, dst += st) *dst = src[j];
+    }
+    for (int64_t i = num_recv + warp; i < r.num_rows; i += nwarps) pad_row(r, i, lane);
+    return;
+  }
   for (int64_t i = warp; i < r.num_rows; i += nwarps) {
     if (poisoned) {
       poison_row(r, i, lane);
