@@ -52,11 +52,7 @@ __device__ __forceinline__ void oneshot_ll(const CollArgs& a) {
       const uint64_t v = p == rank ? load8(a.input, i * 8, n, aligned)
                                    : ll_read(inbox + uint64_t(p) * slot + i * 16, call.flag, a, p,
                                              i, clock, ok);
-      if (p == 0) {
-        acc.init(v);
-      } else {
-        acc.add(v);
-      }
+      acc.add(v, p == 0);
     }
     store8(a.output, i * 8, n, acc.template result<uint64_t>(), aligned);
   }
@@ -103,11 +99,7 @@ __device__ __forceinline__ void twoshot_ll(const CollArgs& a) {
       const uint64_t v = p == rank ? load8(own_in, i * 8, own, aligned)
                                    : ll_read(in_a + uint64_t(p) * slot + i * 16, call.flag, a, p,
                                              i, clock, ok);
-      if (p == 0) {
-        acc.init(v);
-      } else {
-        acc.add(v);
-      }
+      acc.add(v, p == 0);
     }
     const uint64_t r = acc.template result<uint64_t>();
     store8(own_out, i * 8, own, r, aligned);
@@ -175,11 +167,7 @@ __device__ __forceinline__ void reduce_range(const CollArgs& a, uint64_t begin, 
     for (int p = 0; p < R; ++p) {
       const B* src = reinterpret_cast<const B*>(a.peer_in[p] + o);
       const B x = p == rank ? *src : ld_cg(src);
-      if (p == 0) {
-        acc.init(x);
-      } else {
-        acc.add(x);
-      }
+      acc.add(x, p == 0);
     }
     const B r = acc.template result<B>();
     for (int k = 0; k < R; ++k) {

@@ -174,21 +174,30 @@ struct Pack {
   static_assert(N * int(sizeof(T)) == W, "pack width must hold whole elements");
   Acc acc[N];
 
-  template <typename Raw>
-  __device__ __forceinline__ void init(const Raw& r) {
+  // The first value (`First`: acc = r) or the next one (acc = acc op r).
+  template <bool First, typename Raw>
+  __device__ __forceinline__ void take(const Raw& r) {
     static_assert(sizeof(Raw) == W, "raw width");
     T x[N];
     memcpy(x, &r, W);
 #pragma unroll
-    for (int j = 0; j < N; ++j) acc[j] = to_acc<T, Acc>(x[j]);
+    for (int j = 0; j < N; ++j) {
+      if constexpr (First) acc[j] = to_acc<T, Acc>(x[j]);
+      else acc[j] = combine<Op>(acc[j], to_acc<T, Acc>(x[j]));
+    }
   }
   template <typename Raw>
-  __device__ __forceinline__ void add(const Raw& r) {
-    static_assert(sizeof(Raw) == W, "raw width");
-    T x[N];
-    memcpy(x, &r, W);
-#pragma unroll
-    for (int j = 0; j < N; ++j) acc[j] = combine<Op>(acc[j], to_acc<T, Acc>(x[j]));
+  __device__ __forceinline__ void init(const Raw& r) { take<true>(r); }
+  template <typename Raw>
+  __device__ __forceinline__ void add(const Raw& r) { take<false>(r); }
+  // A value of a reduction in rank order: init for the first, add for the rest.
+  template <typename Raw>
+  __device__ __forceinline__ void add(const Raw& r, bool first) {
+    if (first) {
+      init(r);
+    } else {
+      add(r);
+    }
   }
   template <typename Raw>
   __device__ __forceinline__ Raw result() const {

@@ -274,6 +274,32 @@ __device__ bool put_chunks(const XCtx& x, int p, int64_t count, uint64_t src_off
 
 __device__ __forceinline__ int64_t chunks_of(int64_t count, int C) { return (count + C - 1) / C; }
 
+// The coordinating block of a dispatch (`a`: XDispatchParams) or, with the
+// streams `Reversed`, of a combine (XCombineParams). One stream per peer
+// node, between this rank and the rank of the same local index there: warp n
+// puts the one to node n, its a.xcounts[n] (reversed: [N + n]) records of
+// `bytes` from slot n of `send_offset` (here) into slot [this node] of
+// `recv_offset` (there); warp N + m counts the chunks of the one from node m,
+// a.xcounts[N + m] (reversed: [m]) records, into landed[m]. (`bytes` by
+// reference: loaded in the put branch only.)
+template <bool Reversed, typename Params>
+__device__ __forceinline__ void coordinate(const Params& a, uint64_t send_offset, uint64_t recv_offset,
+                                           const int64_t& bytes, uint64_t calls, uint64_t flag,
+                                           unsigned long long* landed, int C, int my_node, int my_local,
+                                           int wib, int lane) {
+  const XCtx& x = a.x;
+  const int L = x.ranks_per_node, N = x.num_nodes;
+  if (wib < N && wib != my_node) {
+    const int n = wib;
+    put_chunks(x, n * L + my_local, a.xcounts[Reversed ? N + n : n],
+               send_offset + uint64_t(n) * x.xslots * bytes,
+               recv_offset + uint64_t(my_node) * x.xslots * bytes, bytes, flag, a.error, lane, n);
+  } else if (wib >= N && wib < 2 * N && wib - N != my_node && lane == 0) {
+    const int m = wib - N;
+    count_chunks(x, m * L + my_local, chunks_of(a.xcounts[Reversed ? m : N + m], C), calls, landed + m);
+  }
+}
+
 // The records this rank forwards (dispatch) or reduces for forwarding
 // (combine), as units for the warps: unit u is record u / (N - 1) of the
 // (u % (N - 1))-th other node, so the source nodes advance together.
@@ -512,16 +538,9 @@ __device__ __forceinline__ void send_side(const XDispatchParams& a) {
       }
     }
   } else if (int(blockIdx.x) == nsend) {
-    unsigned long long* landed = x.landed;  // dispatch: [0, kMaxNodes)
-    if (wib < N && wib != my_node) {
-      const int n = wib;
-      put_chunks(x, n * L + my_local, a.xcounts[n], x.xsend_offset + uint64_t(n) * x.xslots * xrec.bytes,
-                 x.xrecv_offset + uint64_t(my_node) * x.xslots * xrec.bytes, xrec.bytes, flag,
-                 a.error, lane, n);
-    } else if (wib >= N && wib < 2 * N && wib - N != my_node && lane == 0) {
-      const int m = wib - N;
-      count_chunks(x, m * L + my_local, chunks_of(a.xcounts[N + m], C), calls, landed + m);
-    }
+    // Streams of cross-node records: to node n, a.xcounts[n]; from node m, a.xcounts[N + m].
+    coordinate<false>(a, x.xsend_offset, x.xrecv_offset, xrec.bytes, calls, flag,
+                      x.landed /* dispatch: [0, kMaxNodes) */, C, my_node, my_local, wib, lane);
   } else {
     // Forwarders: unit u is record u / (N - 1) of the u % (N - 1)-th other node.
     const ForwardUnits units(x, a.xcounts, my_node);
@@ -599,6 +618,32 @@ __device__ __forceinline__ void add_row8(float* acc, const __nv_bfloat16* row, i
   for (int k = 0; k < 8; ++k) acc[k] += __bfloat162float(e[k]);
 }
 
+// Vector v (8 bf16) of the rows of the sources in `srcs`, summed in f32 in
+// ascending order from +0.0 into p; row_of(d): source d's row.
+template <typename RowOf>
+__device__ __forceinline__ void sum_rows8(float* p, unsigned srcs, int v, RowOf row_of) {
+#pragma unroll
+  for (int k = 0; k < 8; ++k) p[k] = 0.f;
+  while (srcs) {
+    const int d = __ffs(srcs) - 1;
+    srcs &= srcs - 1;
+    add_row8<true>(p, reinterpret_cast<const __nv_bfloat16*>(row_of(d)), v);
+  }
+}
+
+// The f32 at byte `offset` of the records of the sources in `srcs`, summed in
+// ascending order from +0.0; rec_of(d): source d's record.
+template <typename RecOf>
+__device__ __forceinline__ float sum_f32(unsigned srcs, int64_t offset, RecOf rec_of) {
+  float p = 0.f;
+  while (srcs) {
+    const int d = __ffs(srcs) - 1;
+    srcs &= srcs - 1;
+    p += ld_cg_f32(rec_of(d) + offset);
+  }
+  return p;
+}
+
 // The combine of token t at its source (one warp; the copies from this
 // node's ranks and the partials of the other nodes have arrived):
 // out[t] = bf16((bias0 + bias1) + sum over nodes n ascending of p_n), where
@@ -613,6 +658,10 @@ __device__ void reduce_token_x(const XCombineParams& a, int64_t t, unsigned own_
   const int hidden = r.hidden, K = r.num_topk;
   const int64_t rb = r.record_bytes, row_bytes = int64_t(hidden) * 2;
   const int nvec = hidden / 8;
+  // The record of this node's rank d.
+  const auto own_rec = [&](int d) {
+    return c.local + c.combine_offset + (int64_t(d) * c.combine_slots + my_slots[d]) * rb;
+  };
   for (int v = lane; v < nvec; v += 32) {
     float acc[8];
     {
@@ -628,15 +677,7 @@ __device__ void reduce_token_x(const XCombineParams& a, int64_t t, unsigned own_
       if (n == my_node) {
         if (own_srcs == 0) continue;
         float p[8];
-#pragma unroll
-        for (int k = 0; k < 8; ++k) p[k] = 0.f;
-        unsigned m = own_srcs;
-        while (m) {
-          const int d = __ffs(m) - 1;
-          m &= m - 1;
-          const char* rec = c.local + c.combine_offset + (int64_t(d) * c.combine_slots + my_slots[d]) * rb;
-          add_row8<true>(p, reinterpret_cast<const __nv_bfloat16*>(rec), v);
-        }
+        sum_rows8(p, own_srcs, v, own_rec);
 #pragma unroll
         for (int k = 0; k < 8; ++k) acc[k] += __bfloat162float(__float2bfloat16_rn(p[k]));
       } else {
@@ -657,15 +698,7 @@ __device__ void reduce_token_x(const XCombineParams& a, int64_t t, unsigned own_
     for (int n = 0; n < N; ++n) {
       if (n == my_node) {
         if (own_srcs == 0) continue;
-        float p = 0.f;
-        unsigned m = own_srcs;
-        while (m) {
-          const int d = __ffs(m) - 1;
-          m &= m - 1;
-          const char* rec = c.local + c.combine_offset + (int64_t(d) * c.combine_slots + my_slots[d]) * rb;
-          p += ld_cg_f32(rec + row_bytes + 4 * lane);
-        }
-        acc += p;
+        acc += sum_f32(own_srcs, row_bytes + 4 * lane, own_rec);
       } else {
         const int idx = a.node_head[t * N + n];
         if (idx < 0) continue;
@@ -738,11 +771,14 @@ __global__ void __launch_bounds__(intranode::kThreads) combine(const __grid_cons
       const int t = meta[0];
       const int my_slot = lane < L ? meta[1 + lane] : -1;
       const unsigned srcs = __ballot_sync(0xffffffffu, my_slot >= 0);
+      // The copy of rank (this node, l).
+      const auto copy_of = [&](int l) {
+        return c.local + x.fwd_offset + ((int64_t(l) * N + m) * x.xslots + t) * rb;
+      };
       // Lane l waits for the row of rank (this node, l).
       bool ok = true;
       if (my_slot >= 0) {
-        const char* rec = c.local + x.fwd_offset + ((int64_t(lane) * N + m) * x.xslots + t) * rb;
-        ok = wait_record(c, record_flag(const_cast<char*>(rec), rb), flag, my_node * L + lane,
+        ok = wait_record(c, record_flag(copy_of(lane), rb), flag, my_node * L + lane,
                          comm::kWaitInternodeForward, uint64_t(t), a.error);
       }
       const bool all_ok = __ballot_sync(0xffffffffu, !ok) == 0;
@@ -751,15 +787,7 @@ __global__ void __launch_bounds__(intranode::kThreads) combine(const __grid_cons
         int4 o;
         if (all_ok) {
           float p[8];
-#pragma unroll
-          for (int q = 0; q < 8; ++q) p[q] = 0.f;
-          unsigned mm = srcs;
-          while (mm) {
-            const int l = __ffs(mm) - 1;
-            mm &= mm - 1;
-            const char* rec = c.local + x.fwd_offset + ((int64_t(l) * N + m) * x.xslots + t) * rb;
-            add_row8<true>(p, reinterpret_cast<const __nv_bfloat16*>(rec), v);
-          }
+          sum_rows8(p, srcs, v, copy_of);
           __nv_bfloat16* po = reinterpret_cast<__nv_bfloat16*>(&o);
 #pragma unroll
           for (int q = 0; q < 8; ++q) po[q] = __float2bfloat16_rn(p[q]);
@@ -769,14 +797,7 @@ __global__ void __launch_bounds__(intranode::kThreads) combine(const __grid_cons
         reinterpret_cast<int4*>(out)[v] = o;
       }
       if (lane < K) {
-        float p = 0.f;
-        unsigned mm = srcs;
-        while (mm) {
-          const int l = __ffs(mm) - 1;
-          mm &= mm - 1;
-          const char* rec = c.local + x.fwd_offset + ((int64_t(l) * N + m) * x.xslots + t) * rb;
-          p += ld_cg_f32(rec + row_bytes + 4 * lane);
-        }
+        const float p = sum_f32(srcs, row_bytes + 4 * lane, copy_of);
         reinterpret_cast<float*>(out + row_bytes)[lane] = all_ok ? p : __int_as_float(0x7fffffff);
       }
       __syncwarp();
@@ -786,15 +807,10 @@ __global__ void __launch_bounds__(intranode::kThreads) combine(const __grid_cons
       }
     }
   } else if (b == nsend + nfwd) {
-    unsigned long long* landed = x.landed + kMaxNodes;  // combine
-    if (wib < N && wib != my_node) {
-      const int m = wib;
-      put_chunks(x, m * L + my_local, a.xcounts[N + m], x.psend_offset + uint64_t(m) * x.xslots * rb,
-                 x.precv_offset + uint64_t(my_node) * x.xslots * rb, rb, flag, a.error, lane, m);
-    } else if (wib >= N && wib < 2 * N && wib - N != my_node && lane == 0) {
-      const int n = wib - N;
-      count_chunks(x, n * L + my_local, chunks_of(a.xcounts[n], C), calls, landed + n);
-    }
+    // Streams of partials, the dispatch's reversed: to source node m the
+    // a.xcounts[N + m] it forwarded, from node n the a.xcounts[n] sent there.
+    coordinate<true>(a, x.psend_offset, x.precv_offset, rb, calls, flag, x.landed + kMaxNodes /* combine */,
+                     C, my_node, my_local, wib, lane);
   } else {
     const CombineRecvParams& r = a.recv;
     const int nrecv = int(gridDim.x) - nsend - nfwd - 1;

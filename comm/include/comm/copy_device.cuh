@@ -48,38 +48,31 @@ __device__ __forceinline__ void copy(void* dst, const void* src, size_t bytes, s
   copy_elems<char>(d, s, bytes, tid, nthreads);
 }
 
-// 16-byte load through the non-coherent path, not kept in L1: data that no one
-// writes while the kernel runs (inputs, a peer's finished records).
-__device__ __forceinline__ int4 ld_nc(const int4* p) {
+// A 16-byte load of data that is complete before the kernel (`Fresh` false:
+// through the non-coherent path, not kept in L1: inputs, a peer's finished
+// records) or that peers write during it (`Fresh`: at L2, never from L1).
+template <bool Fresh>
+__device__ __forceinline__ int4 ld_vec(const int4* p) {
   int4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
+  if constexpr (Fresh)
+    asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+  else
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
   return v;
 }
-
-// 16-byte load at L2, never from L1: data peers write during this kernel.
-__device__ __forceinline__ int4 ld_cg(const int4* p) {
-  int4 v;
-  asm volatile("ld.global.cg.v4.s32 {%0,%1,%2,%3}, [%4];"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(p));
-  return v;
-}
+// The two by name: data complete before the kernel, data peers write during it.
+__device__ __forceinline__ int4 ld_nc(const int4* p) { return ld_vec<false>(p); }
+__device__ __forceinline__ int4 ld_cg(const int4* p) { return ld_vec<true>(p); }
 
 // 16-byte store that does not allocate in L1.
 __device__ __forceinline__ void st_na(int4* p, const int4& v) {
   asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y),
                "r"(v.z), "r"(v.w)
                : "memory");
-}
-
-// A 16-byte load of data that is complete before the kernel (`Fresh` false:
-// ld_nc) or that peers write during it (`Fresh`: ld_cg).
-template <bool Fresh>
-__device__ __forceinline__ int4 ld_vec(const int4* p) {
-  if constexpr (Fresh) return ld_cg(p);
-  else return ld_nc(p);
 }
 
 // Warp copy of `bytes` (a multiple of 16, 16-byte aligned pointers) through
