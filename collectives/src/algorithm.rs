@@ -335,37 +335,23 @@ mod tests {
                 }
             }
         }
-        // Small LL messages use one small block.
-        let ar = |n, registered| req(Collective::AllReduce, n, registered);
-        assert_eq!(
-            Algorithm::OneShotLl.default_geometry(&ar(1024, false), &limits(4)),
-            (1, 128)
-        );
-        // rsag_push: every block, registered or not.
-        assert_eq!(
-            Algorithm::RsAgPush.default_geometry(&ar(1 << 30, true), &limits(4)),
-            (128, 1024)
-        );
-        assert_eq!(
-            Algorithm::RsAgPush.default_geometry(&ar(1 << 30, false), &limits(4)),
-            (128, 1024)
-        );
-        assert_eq!(
-            Algorithm::RsAgPush.default_geometry(&ar(256 << 20, false), &limits(4)),
-            (128, 1024)
-        );
-        assert_eq!(
-            Algorithm::RsAgPush.default_geometry(&ar(2 << 20, false), &limits(4)),
-            (64, 512)
-        );
-        // twoshot_ll: up to 128 blocks.
-        assert_eq!(
-            Algorithm::TwoShotLl.default_geometry(&ar(1 << 20, false), &limits(4)),
-            (128, 512)
-        );
-        assert_eq!(
-            Algorithm::RsAgPush.default_geometry(&ar(16 << 20, true), &limits(4)),
-            (128, 512)
-        );
+        use Algorithm::{OneShotLl, RsAgPush, TwoShotLl};
+        let cases = [
+            // Small LL messages use one small block.
+            (OneShotLl, 1024, false, (1, 128)),
+            // rsag_push: every block, registered or not.
+            (RsAgPush, 1 << 30, true, (128, 1024)),
+            (RsAgPush, 1 << 30, false, (128, 1024)),
+            (RsAgPush, 256 << 20, false, (128, 1024)),
+            (RsAgPush, 2 << 20, false, (64, 512)),
+            // twoshot_ll: up to 128 blocks.
+            (TwoShotLl, 1 << 20, false, (128, 512)),
+            (RsAgPush, 16 << 20, true, (128, 512)),
+        ];
+        for (a, n, registered, want) in cases {
+            let q = req(Collective::AllReduce, n, registered);
+            let got = a.default_geometry(&q, &limits(4));
+            assert_eq!(got, want, "{a:?} {n} bytes, registered {registered}");
+        }
     }
 }

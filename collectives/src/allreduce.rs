@@ -511,6 +511,24 @@ impl AllReduceComm {
         self.peer_scratch[p].ptr() + self.result_offset()
     }
 
+    /// `own` for this rank, else rank p's data region ([`Self::peer_data`]).
+    fn data_or_own(&self, p: usize, own: u64) -> u64 {
+        if p == self.rank() {
+            own
+        } else {
+            self.peer_data(p)
+        }
+    }
+
+    /// `own` for this rank, else rank p's result region ([`Self::peer_result`]).
+    fn result_or_own(&self, p: usize, own: u64) -> u64 {
+        if p == self.rank() {
+            own
+        } else {
+            self.peer_result(p)
+        }
+    }
+
     fn aligned16(a: &CollArgs) -> bool {
         let r = a.num_ranks as usize;
         [a.input, a.output]
@@ -549,13 +567,8 @@ impl AllReduceComm {
             }
             Algorithm::RsAg => {
                 for p in 0..r {
-                    let (i, o) = if p == rank {
-                        (c.input, c.output)
-                    } else {
-                        (self.peer_data(p), self.peer_result(p))
-                    };
-                    a.peer_in[p] = i;
-                    a.peer_out[p] = o;
+                    a.peer_in[p] = self.data_or_own(p, c.input);
+                    a.peer_out[p] = self.result_or_own(p, c.output);
                 }
                 a.flags |= flags::COPY_IN | flags::COPY_OUT;
             }
@@ -570,8 +583,7 @@ impl AllReduceComm {
                     a.peer_in[p] = reg_in.peer_ptr(p, c.input);
                     a.peer_out[p] = match reg_out {
                         Some(ro) => ro.peer_ptr(p, c.output),
-                        None if p == rank => c.output,
-                        None => self.peer_result(p),
+                        None => self.result_or_own(p, c.output),
                     };
                 }
                 if reg_out.is_none() {
@@ -608,11 +620,7 @@ impl AllReduceComm {
                     // 64 MiB.
                     None => {
                         for p in 0..r {
-                            a.peer_out[p] = if p == rank {
-                                c.output
-                            } else {
-                                self.peer_result(p)
-                            };
+                            a.peer_out[p] = self.result_or_own(p, c.output);
                         }
                         a.flags |= flags::COPY_OUT;
                     }
@@ -689,11 +697,7 @@ impl AllReduceComm {
                     }
                 } else {
                     for p in 0..r {
-                        a.peer_in[p] = if p == rank {
-                            c.input
-                        } else {
-                            self.peer_data(p)
-                        };
+                        a.peer_in[p] = self.data_or_own(p, c.input);
                     }
                     a.flags |= flags::COPY_IN;
                 }

@@ -543,18 +543,14 @@ impl InternodeBuffer {
         let (rec, xrec) = self.records(shape)?;
         let g = self.dispatch_geometry(&rec, &xrec);
         if shape.num_tokens > g.slots {
-            return Err(CommError::invalid(
+            return Err(self.part.too_many_tokens(
                 "x",
-                format!(
-                    "{} tokens on rank {}, but the buffer of {} bytes holds {} tokens per rank \
-                     for rows of {} bytes across {} nodes; size it with \
+                shape.num_tokens,
+                &self.region,
+                format_args!(
+                    "{} tokens per rank for rows of {} bytes across {} nodes; size it with \
                      Config.get_nvl_buffer_size_hint + get_rdma_buffer_size_hint",
-                    shape.num_tokens,
-                    self.part.rank(),
-                    self.region.len(),
-                    g.slots,
-                    shape.hidden_bytes,
-                    self.num_nodes
+                    g.slots, shape.hidden_bytes, self.num_nodes
                 ),
             ));
         }
@@ -768,17 +764,13 @@ impl InternodeBuffer {
         let num_sms = self.sms(num_sms);
         let (g, _) = self.combine_geometry(a.hidden, a.num_topk);
         if a.num_tokens > g.slots {
-            return Err(CommError::invalid(
+            return Err(self.part.too_many_tokens(
                 "handle",
-                format!(
-                    "{} tokens on rank {}, but the buffer of {} bytes holds {} combined tokens \
-                     per rank for hidden {} across {} nodes",
-                    a.num_tokens,
-                    self.part.rank(),
-                    self.region.len(),
-                    g.slots,
-                    a.hidden,
-                    self.num_nodes
+                a.num_tokens,
+                &self.region,
+                format_args!(
+                    "{} combined tokens per rank for hidden {} across {} nodes",
+                    g.slots, a.hidden, self.num_nodes
                 ),
             ));
         }

@@ -640,14 +640,13 @@ impl IntranodeBuffer {
     fn check_dispatch_fits(&self, shape: &DispatchShape) -> Result<usize> {
         let cap = self.dispatch_capacity(shape)?;
         if shape.num_tokens > cap {
-            return Err(CommError::invalid(
+            return Err(self.part.too_many_tokens(
                 "x",
-                format!(
-                    "{} tokens on rank {}, but the buffer of {} bytes holds {cap} tokens per rank \
-                     for rows of {} bytes; size it with Config.get_nvl_buffer_size_hint",
-                    shape.num_tokens,
-                    self.part.rank(),
-                    self.nvl.len(),
+                shape.num_tokens,
+                &self.nvl,
+                format_args!(
+                    "{cap} tokens per rank for rows of {} bytes; size it with \
+                     Config.get_nvl_buffer_size_hint",
                     shape.hidden_bytes
                 ),
             ));
@@ -1073,16 +1072,11 @@ impl IntranodeBuffer {
         let num_sms = self.launch_sms(num_sms);
         let cap = self.combine_capacity(a.hidden, a.num_topk);
         if a.num_tokens > cap {
-            return Err(CommError::invalid(
+            return Err(self.part.too_many_tokens(
                 "handle",
-                format!(
-                    "{} tokens on rank {}, but the buffer of {} bytes holds {cap} combined \
-                     tokens per rank for hidden {}",
-                    a.num_tokens,
-                    self.part.rank(),
-                    self.nvl.len(),
-                    a.hidden
-                ),
+                a.num_tokens,
+                &self.nvl,
+                format_args!("{cap} combined tokens per rank for hidden {}", a.hidden),
             ));
         }
         let ctx = self.ctx(0, cap);

@@ -255,6 +255,26 @@ impl PartBase {
         self.member.size()
     }
 
+    /// The refusal (of argument `name`) of a call of `num_tokens` tokens on
+    /// this rank, more than the part's `region` holds: "... but the buffer of
+    /// N bytes holds `holds`".
+    pub(crate) fn too_many_tokens(
+        &self,
+        name: &'static str,
+        num_tokens: usize,
+        region: &SymmetricRegion,
+        holds: std::fmt::Arguments<'_>,
+    ) -> CommError {
+        CommError::invalid(
+            name,
+            format!(
+                "{num_tokens} tokens on rank {}, but the buffer of {} bytes holds {holds}",
+                self.rank(),
+                region.len()
+            ),
+        )
+    }
+
     /// The device (the one its kernels were loaded on).
     pub fn device(&self) -> Device {
         self.kernels.device()

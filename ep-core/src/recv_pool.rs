@@ -211,6 +211,17 @@ pub fn live_pools() -> usize {
 mod tests {
     use super::*;
 
+    /// Frees `held` (offset, bytes requested) and checks that the pool of
+    /// `bytes` past its header came back whole: nothing used, and all of it
+    /// one range again (coalesced).
+    fn free_all_comes_back_whole(r: &mut Ranges, held: &[(u64, u64)], bytes: u64) {
+        for &(o, s) in held {
+            assert!(r.free(o, s), "({o}, {s}) was handed out");
+        }
+        assert_eq!(r.used(), 0);
+        assert_eq!(r.alloc(bytes), Some(HEADER_BYTES));
+    }
+
     #[test]
     fn first_fit_aligned_and_coalesced() {
         let mut r = Ranges::new(HEADER_BYTES + 4096);
@@ -225,12 +236,7 @@ mod tests {
         assert!(r.free(b, 600));
         // The hole of 1024 serves a 1024 request before the tail does.
         assert_eq!(r.alloc(1000), Some(b));
-        assert!(r.free(b, 1000));
-        assert!(r.free(a, 1));
-        assert!(r.free(c, 512));
-        assert_eq!(r.used(), 0);
-        // Coalesced back into one range: the whole pool fits again.
-        assert_eq!(r.alloc(4096), Some(HEADER_BYTES));
+        free_all_comes_back_whole(&mut r, &[(b, 1000), (a, 1), (c, 512)], 4096);
     }
 
     #[test]
@@ -242,11 +248,7 @@ mod tests {
         assert!(r.free(a + 1024, 3072));
         assert_eq!(r.used(), 2048);
         assert_eq!(r.alloc(3072), Some(a + 1024), "the tail is free again");
-        assert!(r.free(a + 1024, 3072));
-        assert!(r.free(a, 1000));
-        assert!(r.free(b, 1024));
-        assert_eq!(r.used(), 0);
-        assert_eq!(r.alloc(8192), Some(HEADER_BYTES));
+        free_all_comes_back_whole(&mut r, &[(a + 1024, 3072), (a, 1000), (b, 1024)], 8192);
     }
 
     #[test]
@@ -286,10 +288,6 @@ mod tests {
                 assert!(r.free(o, s));
             }
         }
-        for (o, s) in held {
-            assert!(r.free(o, s));
-        }
-        assert_eq!(r.used(), 0);
-        assert_eq!(r.alloc(1 << 20), Some(HEADER_BYTES));
+        free_all_comes_back_whole(&mut r, &held, 1 << 20);
     }
 }

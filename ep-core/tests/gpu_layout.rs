@@ -39,14 +39,13 @@ fn ranks_per_node(r: usize) -> usize {
 
 /// Outputs of the layout kernel on `ids`: (tokens per rank, tokens per
 /// expert, is_token_in_rank as bytes, tokens per node of
-/// [`ranks_per_node`]), and what it recorded in `err`.
+/// [`ranks_per_node`]), and what it recorded in `g.err`.
 fn run_layout(
-    dev: Device,
-    kernels: &DeviceKernels,
+    g: &Gpu,
     ids: &[i64],
     (n, k, e, r): (usize, usize, usize, usize),
-    err: &DeviceErrorRecord,
 ) -> (Vec<i32>, Vec<i32>, Vec<u8>, Vec<i32>) {
+    let dev = g.dev;
     let l = ranks_per_node(r);
     let nodes = r.checked_div(l).unwrap_or(0);
     let per_node = DeviceMemory::alloc(dev, (nodes * 4).max(4)).unwrap();
@@ -68,7 +67,7 @@ fn run_layout(
     // SAFETY: buffers sized as the launcher documents.
     unsafe {
         launch::layout_dispatch(
-            kernels,
+            &g.kernels,
             StreamHandle(0),
             launch::LayoutParams {
                 topk_idx: d_ids.ptr(),
@@ -77,7 +76,7 @@ fn run_layout(
                 is_token_in_rank: in_rank.ptr(),
                 partials: partials.ptr(),
                 ticket: ticket.ptr(),
-                error: err.device_ptr(),
+                error: g.err.device_ptr(),
                 num_tokens: n as i32,
                 num_topk: k as i32,
                 num_experts: e as i32,
@@ -130,16 +129,37 @@ fn check_against_reference(
     assert_eq!(got.2, want_in, "{case}: is_token_in_rank");
 }
 
+/// What a test runs on: GPU 0, its kernels, a device error record, and a
+/// generator of a fresh seed (printed, and named in the test's messages).
+struct Gpu {
+    dev: Device,
+    kernels: DeviceKernels,
+    err: DeviceErrorRecord,
+    seed: u64,
+    rng: rand::rngs::StdRng,
+}
+
+impl Gpu {
+    fn new() -> Self {
+        assert!(comm::device_count() > 0, "no CUDA device");
+        let dev = Device::bind(0).unwrap();
+        let seed: u64 = rand::rng().random();
+        println!("seed {seed}");
+        Self {
+            dev,
+            kernels: DeviceKernels::get(dev).unwrap(),
+            err: DeviceErrorRecord::new(Some(dev)).unwrap(),
+            seed,
+            rng: rand::rngs::StdRng::seed_from_u64(seed),
+        }
+    }
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
 fn layout_kernel_matches_reference() {
-    assert!(comm::device_count() > 0, "no CUDA device");
-    let dev = Device::bind(0).unwrap();
-    let kernels = DeviceKernels::get(dev).unwrap();
-    let err = DeviceErrorRecord::new(Some(dev)).unwrap();
-    let seed: u64 = rand::rng().random();
-    println!("seed {seed}");
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut g = Gpu::new();
+    let seed = g.seed;
     let cases = [
         (4096, 8, 256, 4),
         (4096, 8, 288, 8),
@@ -151,11 +171,11 @@ fn layout_kernel_matches_reference() {
     ];
     for shape in cases {
         let (n, k, e, _) = shape;
-        let ids = routing(&mut rng, n, k, e);
-        let got = run_layout(dev, &kernels, &ids, shape, &err);
+        let ids = routing(&mut g.rng, n, k, e);
+        let got = run_layout(&g, &ids, shape);
         check_against_reference(got, &ids, shape, &format!("seed {seed}, {shape:?}"));
         assert!(
-            err.check().is_ok(),
+            g.err.check().is_ok(),
             "seed {seed}, {shape:?}: valid ids were reported"
         );
     }
@@ -166,21 +186,17 @@ fn layout_kernel_matches_reference() {
 #[test]
 #[ignore = "needs a CUDA GPU; run by scripts/gpu_run.sh"]
 fn layout_kernel_reports_an_out_of_range_id() {
-    assert!(comm::device_count() > 0, "no CUDA device");
-    let dev = Device::bind(0).unwrap();
-    let kernels = DeviceKernels::get(dev).unwrap();
-    let err = DeviceErrorRecord::new(Some(dev)).unwrap();
-    let seed: u64 = rand::rng().random();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut g = Gpu::new();
+    let seed = g.seed;
     let shape = (1000, 8, 64, 4);
     let (n, k, e, _) = shape;
     for bad in [e as i64, 1 << 40, -2, i64::MIN] {
-        let mut ids = routing(&mut rng, n, k, e);
-        let (t, c) = (rng.random_range(0..n), rng.random_range(0..k));
+        let mut ids = routing(&mut g.rng, n, k, e);
+        let (t, c) = (g.rng.random_range(0..n), g.rng.random_range(0..k));
         ids[t * k + c] = bad;
-        let got = run_layout(dev, &kernels, &ids, shape, &err);
+        let got = run_layout(&g, &ids, shape);
         let case = format!("seed {seed}, id {bad} at ({t}, {c})");
-        let msg = err.check().expect_err(&case).to_string();
+        let msg = g.err.check().expect_err(&case).to_string();
         let want =
             format!("rank 7: token {t}, column {c} holds expert id {bad}, outside [-1, {e})");
         assert!(msg.contains(&want), "{case}: {msg}");

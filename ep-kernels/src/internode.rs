@@ -206,12 +206,32 @@ fn check_x(x: &XCtx) -> Result<()> {
     Ok(())
 }
 
-/// The call counter and the device error record a data kernel needs.
-fn check_state(calls: u64, error: u64) -> Result<()> {
+/// The checks of a data kernel's launch: the context, the call counter and
+/// the device error record it needs, and its `num_tokens` within the x
+/// regions' slots (else `name` is refused: "... do not fit the buffer's N
+/// `slots`").
+fn check_data(
+    x: &XCtx,
+    calls: u64,
+    error: u64,
+    num_tokens: i32,
+    name: &'static str,
+    slots: &str,
+) -> Result<()> {
+    check_x(x)?;
     if calls == 0 || error == 0 {
         return Err(CommError::invalid(
             "calls",
             "the call counter and the device error record are required",
+        ));
+    }
+    if num_tokens as i64 > x.xslots {
+        return Err(CommError::invalid(
+            name,
+            format!(
+                "{num_tokens} tokens do not fit the buffer's {} {slots}",
+                x.xslots
+            ),
         ));
     }
     Ok(())
@@ -341,17 +361,8 @@ pub unsafe fn internode_dispatch(
     x: XCtx,
     a: XDispatchArgs,
 ) -> Result<()> {
-    check_x(&x)?;
-    check_state(a.calls, a.error)?;
-    if a.send.num_tokens as i64 > x.xslots {
-        return Err(CommError::invalid(
-            "x",
-            format!(
-                "{} tokens do not fit the buffer's {} cross-node slots per node",
-                a.send.num_tokens, x.xslots
-            ),
-        ));
-    }
+    let slots = "cross-node slots per node";
+    check_data(&x, a.calls, a.error, a.send.num_tokens, "x", slots)?;
     let send = XDispatchParams {
         x,
         send: intra::send_params(x.c, &a.send)?,
@@ -477,17 +488,8 @@ pub unsafe fn internode_combine(
     x: XCtx,
     a: XCombineArgs,
 ) -> Result<()> {
-    check_x(&x)?;
-    check_state(a.calls, a.error)?;
-    if a.recv.num_tokens as i64 > x.xslots {
-        return Err(CommError::invalid(
-            "handle",
-            format!(
-                "{} tokens do not fit the buffer's {} cross-node slots",
-                a.recv.num_tokens, x.xslots
-            ),
-        ));
-    }
+    let slots = "cross-node slots";
+    check_data(&x, a.calls, a.error, a.recv.num_tokens, "handle", slots)?;
     let p = XCombineParams {
         x,
         send: intra::combine_send_params(x.c, &a.send),
