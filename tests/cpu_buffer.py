@@ -11,21 +11,28 @@ from moelink.buffer import Buffer
 
 
 class FakeNative:
-    """Records every launch (method name, arguments); checks nothing."""
+    """Records every launch as (method name, arguments); checks nothing. The
+    arguments are the positional ones as passed (the normal-mode calls' plans are
+    the real ``_native`` plan objects, which ``Buffer`` makes on any device, and
+    their addresses come in tuples), then a dict of the keyword ones where there
+    are any (``xnode`` ... across nodes)."""
 
     def __init__(self):
         self.calls = []
+
+    def _record(self, name, a, kw):
+        self.calls.append((name, a + (kw,) if kw else a))
 
     def __getattr__(self, name):
         if name in ("check_device", "check_device_timeout", "check_shape"):
             return lambda *a: None
         if name == "dispatch_send":
-            return lambda *a: self.calls.append((name, a)) or 7
-        if name == "wait_counts":
-            return lambda epoch, e: (5, [1] * e)
+            return lambda *a, **kw: self._record(name, a, kw) or 7
+        if name == "wait_counts":  # one received token per expert of the plan
+            return lambda epoch, plan: (5, [1] * plan.num_experts)
         if name == "launch_sms":  # as a rank with a GPU of its own: no cap
             return lambda n: n
-        return lambda *a: self.calls.append((name, a))
+        return lambda *a, **kw: self._record(name, a, kw)
 
 
 class FakeOrder:

@@ -127,9 +127,68 @@ def test_fp8_dispatch_outputs(buf, layout, scales, strides):
     assert described(recv_x) == (FP8, (ROWS, H), (H, 1))
     assert described(recv_scales) == (torch.float32, (ROWS, 2), strides)
     send = [a for name, a in buf._native.calls if name == "dispatch_send"][-1]
-    assert send[9] == scales.stride()  # the input's strides reach the kernels
+    plan = send[1]
+    assert isinstance(plan, _native.DispatchPlan)
+    assert plan.scale_strides == scales.stride()  # the input's strides reach the kernels
+    recv = [a for name, a in buf._native.calls if name == "dispatch_recv"][-1]
+    assert recv[1] is plan
+    assert recv[3] == (handle[0].data_ptr(), recv_x.data_ptr(), recv_scales.data_ptr())
     (_, cached_scales), *_ = buf.dispatch((x8, scales), handle=handle)
     assert described(cached_scales) == (torch.float32, (ROWS, 2), strides)
+
+
+def ptrs(*tensors):
+    return tuple(0 if t is None else t.data_ptr() for t in tensors)
+
+
+def test_launches_take_the_plan_and_addresses_only(buf, layout):
+    """Every size of a launch comes from its plan object (the one the call's checks
+    made); the rest are the stream, num_sms and device addresses in tuples (0:
+    absent). A cached dispatch passes no routing addresses, and no rows where the
+    plan knows them."""
+    x, _, _ = inputs()
+    recv_x, recv_idx, recv_w, _, handle, _ = buf.dispatch(x, **layout)
+    rpm, _, _, src_idx, in_rank, send_head = handle
+    out, out_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    recv_x2 = buf.dispatch(x, handle=handle)[0]
+    recv_x3 = buf.dispatch(x, num_worst_tokens=64, **layout)[0]
+    calls = buf._native.calls
+    assert [n for n, _ in calls] == ["layout", "dispatch_send", "dispatch_recv", "combine",
+                                     "dispatch_send", "dispatch_recv", "dispatch_send",
+                                     "dispatch_recv"]  # fmt: skip
+    sms = buf.num_sms_used["dispatch"]
+    lay, send, recv, comb, csend, crecv, wsend, wrecv = (a for _, a in calls)
+    per_rank, per_expert = layout["num_tokens_per_rank"], layout["num_tokens_per_expert"]
+    assert isinstance(lay[1], _native.LayoutPlan) and lay[1].num_experts == E
+    assert lay[2] == layout["topk_idx"].data_ptr() and lay[4] == 0  # no tokens per node
+    assert lay[3][:3] == ptrs(per_rank, per_expert, in_rank) and len(lay[3]) == 4
+    plan = send[1]
+    assert isinstance(plan, _native.DispatchPlan)
+    assert (plan.num_tokens, plan.hidden_bytes, plan.num_scales, plan.scale_strides) == (
+        N, 2 * H, 0, (0, 0))  # fmt: skip
+    assert (plan.num_topk, plan.num_experts, plan.num_worst_tokens) == (K, E, 0)
+    assert plan.num_recv_rows == _native.RECV_ROWS
+    assert send == (
+        22,
+        plan,
+        sms,
+        ptrs(x, None, rpm, send_head),
+        ptrs(layout["topk_idx"], layout["topk_weights"], in_rank, per_expert),
+    )
+    assert recv == (22, plan, sms, ptrs(rpm, recv_x, None), ptrs(recv_idx, recv_w, src_idx),
+                    ROWS)  # the rows wait_counts gave  # fmt: skip
+    assert isinstance(comb[1], _native.CombinePlan)
+    assert comb[2] == buf.num_sms_used["combine"]
+    assert comb[3] == ptrs(recv_x, recv_w, rpm, send_head, None, None, out, out_w)
+    cplan = csend[1]
+    assert isinstance(cplan, _native.DispatchPlan) and cplan is not plan
+    assert (cplan.num_topk, cplan.num_experts, cplan.num_recv_rows) == (0, 0, ROWS)
+    assert csend == (22, cplan, sms, ptrs(x, None, rpm, send_head))
+    assert crecv == (22, cplan, sms, ptrs(rpm, recv_x2, None))
+    wplan = wsend[1]
+    assert (wplan.num_worst_tokens, wplan.num_recv_rows) == (64, 64)
+    assert wrecv[1] is wplan and len(wrecv) == 6 and wrecv[5] is None  # the plan's rows
+    assert wrecv[3][1] == recv_x3.data_ptr()
 
 
 X_ERRORS = [
@@ -279,8 +338,8 @@ def test_combine_outputs(buf, dispatched):
 
 def launched_sms(native, name):
     """The num_sms argument of the stand-in's last ``name`` (combine) launch:
-    its 14th positional argument, after the bias pair and the outputs."""
-    return [a for n, a in native.calls if n == name][-1][13]
+    its third positional argument, after the stream and the plan."""
+    return [a for n, a in native.calls if n == name][-1][2]
 
 
 def test_sms_default_per_rank_count_and_x_placement(buf, dispatched, monkeypatch):

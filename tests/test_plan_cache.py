@@ -148,14 +148,21 @@ def test_layout_dispatch_and_combine_repeat_with_the_checked_arguments(buf, monk
     buf.dispatch(x, handle=handle2)
     cached = buf._native.calls
 
-    def small(v):  # sizes and flags, not device addresses
-        return isinstance(v, tuple) or (isinstance(v, int) and 0 < v <= 1 << 20)
+    def values(a):  # the plans, sizes and flags, not device addresses
+        for v in a:
+            if isinstance(v, tuple):  # a group of addresses
+                yield from values(v)
+            elif not (isinstance(v, int) and v > 1 << 20):
+                yield v
 
-    def sizes(calls):
-        return [(nm, tuple(v for v in a if small(v))) for nm, a in calls]
+    def launched(calls):
+        return [(nm, tuple(values(a))) for nm, a in calls]
 
     assert [c[0] for c in cached] == [c[0] for c in checked]
-    assert sizes(cached) == sizes(checked)
+    # The same plan objects (compared by identity): the checked calls made them.
+    assert launched(cached) == launched(checked)
+    plans = [a[1] for _, a in checked]
+    assert len({id(p) for p in plans}) == 4  # layout, dispatch, combine, cached dispatch
     # Compute -> communication stream and back, once per call (4 calls).
     assert buf._order.log == [(22, 11), (11, 22)] * 8
 

@@ -9,9 +9,13 @@
 //! A tensor crosses as its meta `(dtype name, shape, strides, device index)`
 //! (`moelink.checks.tensor_meta`), an absent one as None, an intranode handle
 //! as the metas of its entries 0, 3, 4 and 5, a low-latency handle as
-//! `(meta, meta, T, H, E)`. A plan comes back as a dict of its values and
-//! `outputs`, a list of `(name, dtype name, shape, strides, zeroed)` in
-//! allocation order. A refusal raises through `crate::error::arg_to_py`.
+//! `(meta, meta, T, H, E)`. The plans of layout, dispatch and combine come
+//! back as frozen objects ([`LayoutPlan`], [`DispatchPlan`], [`CombinePlan`])
+//! holding ep-core's plan, which `EpBuffer.layout`, `dispatch_send`,
+//! `dispatch_recv`, `wait_counts` and `combine` take for their sizes; every
+//! other plan as a dict of its values. Both give `outputs`, a list of `(name,
+//! dtype name, shape, strides, zeroed)` in allocation order. A refusal raises
+//! through `crate::error::arg_to_py`.
 
 use ep_core::calls::{
     self, ArgError, Bias, BufferArgs, CombineArgs, DType, DispatchArgs, IntranodeHandle,
@@ -128,10 +132,11 @@ pub enum BiasArg {
 
 type Plan<'py> = Bound<'py, PyDict>;
 
-/// A plan dict holding `outputs`.
-fn plan<'py>(py: Python<'py>, outputs: &[OutputSpec]) -> PyResult<Plan<'py>> {
-    let d = PyDict::new(py);
-    let outputs: Vec<_> = outputs
+/// An output as Python reads it: `(name, dtype name, shape, strides, zeroed)`.
+type OutputArg = (&'static str, String, Vec<i64>, Vec<i64>, bool);
+
+fn output_args(outputs: &[OutputSpec]) -> Vec<OutputArg> {
+    outputs
         .iter()
         .map(|o| {
             let (shape, strides) = (o.shape.clone(), o.strides.clone());
@@ -143,10 +148,98 @@ fn plan<'py>(py: Python<'py>, outputs: &[OutputSpec]) -> PyResult<Plan<'py>> {
                 o.zeroed,
             )
         })
-        .collect();
-    d.set_item("outputs", outputs)?;
+        .collect()
+}
+
+/// A plan dict holding `outputs`.
+fn plan<'py>(py: Python<'py>, outputs: &[OutputSpec]) -> PyResult<Plan<'py>> {
+    let d = PyDict::new(py);
+    d.set_item("outputs", output_args(outputs))?;
     Ok(d)
 }
+
+/// `get_dispatch_layout`'s plan ([`calls::LayoutPlan`]): `EpBuffer.layout`
+/// reads its sizes; Python reads `num_experts` (the host id check of a cached
+/// call) and `outputs`.
+#[pyclass(frozen, module = "moelink._native")]
+pub struct LayoutPlan(pub(crate) calls::LayoutPlan);
+
+/// A dispatch's plan, full or cached ([`calls::DispatchPlan`], made for
+/// `num_ranks` ranks): `EpBuffer.dispatch_send`, `dispatch_recv` and
+/// `wait_counts` read its sizes, the input scales' strides and the received
+/// scales' strides; Python reads what it allocates and reserves by.
+#[pyclass(frozen, module = "moelink._native")]
+pub struct DispatchPlan {
+    pub(crate) plan: calls::DispatchPlan,
+    pub(crate) num_ranks: i64,
+    /// `recv_x_scales`' strides, [`calls::RECV_ROWS`] where they are the
+    /// received rows; `(0, 0)` without scales.
+    recv_scale_strides: (i64, i64),
+}
+
+impl DispatchPlan {
+    fn new(plan: calls::DispatchPlan, num_ranks: i64) -> Self {
+        let recv_scale_strides = match calls::output(&plan.outputs, "recv_x_scales") {
+            Some(s) => (s.strides[0], s.strides[1]),
+            None => (0, 0),
+        };
+        DispatchPlan {
+            plan,
+            num_ranks,
+            recv_scale_strides,
+        }
+    }
+
+    /// The strides of `recv_x_scales` with `rows` received rows, as
+    /// [`OutputSpec::resolve`] gives them (a [`calls::RECV_ROWS`] stride is
+    /// `max(rows, 1)`, as the tensor was made); `(0, 0)` without scales.
+    pub(crate) fn recv_scale_strides(&self, rows: i64) -> (i64, i64) {
+        let at = |d: i64| {
+            if d == calls::RECV_ROWS {
+                rows.max(1)
+            } else {
+                d
+            }
+        };
+        let (s0, s1) = self.recv_scale_strides;
+        (at(s0), at(s1))
+    }
+}
+
+/// A plan class's `#[pymethods]`: a read-only getter for each `field: type`
+/// of its ep-core plan (reached by `$plan`), and `outputs`.
+macro_rules! plan_getters {
+    ($class:ident, $plan:tt; $($field:ident: $t:ty),*) => {
+        #[pymethods]
+        impl $class {
+            $(
+                #[getter]
+                fn $field(&self) -> $t {
+                    self.$plan.$field
+                }
+            )*
+
+            #[getter]
+            fn outputs(&self) -> Vec<OutputArg> {
+                output_args(&self.$plan.outputs)
+            }
+        }
+    };
+}
+
+// `scale_strides`: the input scales' strides, which the kernels read
+// (`(0, 0)` for bf16).
+plan_getters!(DispatchPlan, plan; num_tokens: i64, hidden_bytes: i64, num_scales: i64,
+    scale_strides: (i64, i64), num_topk: i64, num_experts: i64, num_worst_tokens: i64,
+    num_recv_rows: i64);
+plan_getters!(LayoutPlan, 0; num_experts: i64);
+
+/// A combine's plan ([`calls::CombinePlan`]): `EpBuffer.combine` reads its
+/// sizes; Python reads `outputs`.
+#[pyclass(frozen, module = "moelink._native")]
+pub struct CombinePlan(pub(crate) calls::CombinePlan);
+
+plan_getters!(CombinePlan, 0;);
 
 /// `d[name] = p.name` for each field `name` of `p`.
 macro_rules! set_fields {
@@ -160,32 +253,26 @@ fn set_geometry(d: &Plan<'_>, g: &LlGeometry) -> PyResult<()> {
     Ok(())
 }
 
-/// `get_dispatch_layout`: `num_tokens`, `num_topk`, `num_experts`, `outputs`.
+/// `get_dispatch_layout`.
 #[pyfunction]
-pub fn layout_plan<'py>(
-    py: Python<'py>,
+pub fn layout_plan(
     num_ranks: i64,
     device: i32,
     topk_idx: Meta,
     num_experts: Int,
-) -> PyResult<Plan<'py>> {
+) -> PyResult<LayoutPlan> {
     let p = calls::layout(num_ranks, device, &topk_idx.into(), num_experts.0).map_err(arg_to_py)?;
-    let d = plan(py, &p.outputs)?;
-    set_fields!(d, p; num_tokens, num_topk, num_experts);
-    Ok(d)
+    Ok(LayoutPlan(p))
 }
 
-/// `dispatch`, full or cached (`handle`): `cached`, `num_tokens`,
-/// `hidden_bytes`, `num_scales`, `scale_strides`, `expert_alignment`,
-/// `num_worst_tokens`, `num_experts`, `num_topk`, `num_recv_rows` (-1 until
-/// the counts arrive), `outputs`.
+/// `dispatch`, full or cached (`handle`); `num_recv_rows` is -1 until the
+/// counts arrive.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (num_ranks, device, x, scales, handle, num_tokens_per_rank,
     num_tokens_per_rdma_rank, is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights,
     expert_alignment, num_worst_tokens))]
-pub fn dispatch_plan<'py>(
-    py: Python<'py>,
+pub fn dispatch_plan(
     num_ranks: i64,
     device: i32,
     x: Meta,
@@ -199,7 +286,7 @@ pub fn dispatch_plan<'py>(
     topk_weights: Option<Meta>,
     expert_alignment: Int,
     num_worst_tokens: Int,
-) -> PyResult<Plan<'py>> {
+) -> PyResult<DispatchPlan> {
     let x = TensorMeta::from(x);
     let (scales, handle) = (meta(scales), handle.map(IntranodeHandle::from));
     let (per_rank, in_rank) = (meta(num_tokens_per_rank), meta(is_token_in_rank));
@@ -219,23 +306,19 @@ pub fn dispatch_plan<'py>(
         num_worst_tokens: num_worst_tokens.0,
     };
     let p = calls::dispatch(num_ranks, device, &a).map_err(arg_to_py)?;
-    let d = plan(py, &p.outputs)?;
-    set_fields!(d, p; cached, num_tokens, hidden_bytes, num_scales, scale_strides,
-        expert_alignment, num_worst_tokens, num_experts, num_topk, num_recv_rows);
-    Ok(d)
+    Ok(DispatchPlan::new(p, num_ranks))
 }
 
-/// `combine`: `num_recv_rows`, `hidden`, `num_tokens`, `num_topk`, `outputs`.
+/// `combine`.
 #[pyfunction]
-pub fn combine_plan<'py>(
-    py: Python<'py>,
+pub fn combine_plan(
     num_ranks: i64,
     device: i32,
     x: Meta,
     handle: HandleArg,
     topk_weights: Option<Meta>,
     bias: Option<BiasArg>,
-) -> PyResult<Plan<'py>> {
+) -> PyResult<CombinePlan> {
     // A pair of None is no bias.
     let (one, b0, b1) = match bias {
         Some(BiasArg::One(b)) => (Some(TensorMeta::from(b)), None, None),
@@ -251,9 +334,7 @@ pub fn combine_plan<'py>(
         bias: one.as_ref().map(Bias::One).or(pair),
     };
     let p = calls::combine(num_ranks, device, &a).map_err(arg_to_py)?;
-    let d = plan(py, &p.outputs)?;
-    set_fields!(d, p; num_recv_rows, hidden, num_tokens, num_topk);
-    Ok(d)
+    Ok(CombinePlan(p))
 }
 
 /// The `(T, H, E)` of a low-latency call over `num_ranks` ranks (called
@@ -553,6 +634,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(all_reduce_plan, m)?)?;
     m.add_function(wrap_pyfunction!(all_gather_plan, m)?)?;
     m.add_function(wrap_pyfunction!(all_reduce_register_plan, m)?)?;
+    m.add_class::<LayoutPlan>()?;
+    m.add_class::<DispatchPlan>()?;
+    m.add_class::<CombinePlan>()?;
     m.add_function(wrap_pyfunction!(layout_plan, m)?)?;
     m.add_function(wrap_pyfunction!(dispatch_plan, m)?)?;
     m.add_function(wrap_pyfunction!(combine_plan, m)?)?;
@@ -565,7 +649,67 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 #[cfg(test)]
 mod tests {
-    use ep_core::calls::ALL_REDUCE_DTYPES;
+    use ep_core::calls::{self, DType, DispatchArgs, TensorMeta, ALL_REDUCE_DTYPES};
+
+    use super::DispatchPlan;
+
+    /// The received scales' strides `dispatch_recv` gives the kernels are
+    /// those of the `recv_x_scales` Python made (its spec resolved at the
+    /// rows), for rows known by the plan or only after the counts.
+    #[test]
+    fn recv_scale_strides_are_the_resolved_spec() {
+        let (r, n, e) = (4, 32, 16);
+        let t = |dtype, shape: &[i64]| TensorMeta::contiguous(dtype, shape, 0);
+        let x = t(DType::F8E4M3, &[n, 256]);
+        let row_major = t(DType::F32, &[n, 2]);
+        let col_major = TensorMeta {
+            strides: vec![1, n],
+            ..row_major.clone()
+        };
+        let (per_rank, in_rank) = (t(DType::I32, &[r]), t(DType::Bool, &[n, r]));
+        let per_expert = t(DType::I32, &[e]);
+        let bf16 = t(DType::BF16, &[n, 256]);
+        // fp8 with row-major and column-major scales, then bf16 (no scales).
+        for (x, scales) in [
+            (&x, Some(&row_major)),
+            (&x, Some(&col_major)),
+            (&bf16, None),
+        ] {
+            for worst in [0, 64] {
+                let a = DispatchArgs {
+                    x,
+                    scales,
+                    handle: None,
+                    num_tokens_per_rank: Some(&per_rank),
+                    num_tokens_per_rdma_rank: false,
+                    is_token_in_rank: Some(&in_rank),
+                    num_tokens_per_expert: Some(&per_expert),
+                    topk_idx: None,
+                    topk_weights: None,
+                    expert_alignment: 1,
+                    num_worst_tokens: worst,
+                };
+                let p = calls::dispatch(r, 0, &a).unwrap();
+                let spec = calls::output(&p.outputs, "recv_x_scales").cloned();
+                let plan = DispatchPlan::new(p, r);
+                let rows_of = if worst > 0 {
+                    vec![worst]
+                } else {
+                    vec![0, 1, 5, 64]
+                };
+                for rows in rows_of {
+                    let want = match &spec {
+                        Some(spec) => {
+                            let s = spec.resolve(rows).strides;
+                            (s[0], s[1])
+                        }
+                        None => (0, 0),
+                    };
+                    assert_eq!(plan.recv_scale_strides(rows), want);
+                }
+            }
+        }
+    }
 
     /// The kernel dtype names `ep_core::calls::all_reduce` gives are the ones
     /// the communicator parses (ep-core does not depend on `collectives`).

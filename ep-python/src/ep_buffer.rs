@@ -6,7 +6,9 @@
 //! `check_device_timeout`, `barrier`) takes the part: "intranode" or
 //! "low_latency". Pointers arrive as ints (`tensor.data_ptr()`, 0 = absent)
 //! after the call's plan (`calls.rs`, `ep_core::calls`) checked every tensor;
-//! streams as raw `cudaStream_t` ints.
+//! streams as raw `cudaStream_t` ints. Layout, dispatch and combine take that
+//! plan object ([`LayoutPlan`], [`DispatchPlan`], [`CombinePlan`]) for every
+//! size, and only the call's addresses, grouped in tuples, besides.
 
 use comm::StreamHandle;
 use ep_core::internode::XInputs;
@@ -23,6 +25,7 @@ use ep_core::{
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
+use crate::calls::{CombinePlan, DispatchPlan, LayoutPlan};
 use crate::group::{timeout_arg, Group};
 use crate::{drop_detached, to_py};
 
@@ -118,6 +121,60 @@ fn shape(
         num_experts,
     }
 }
+
+/// The `DispatchShape` of a dispatch's plan. A cached dispatch moves no
+/// top-k and reads no expert count: its `num_experts` is the group size, a
+/// valid count.
+fn dispatch_shape(plan: &DispatchPlan) -> DispatchShape {
+    let p = &plan.plan;
+    let num_experts = if p.cached {
+        plan.num_ranks
+    } else {
+        p.num_experts
+    };
+    shape(
+        p.num_tokens as usize,
+        p.hidden_bytes as usize,
+        p.num_scales as usize,
+        p.num_topk as usize,
+        num_experts as usize,
+    )
+}
+
+/// The addresses a full dispatch has and a cached one lacks (`routing`), or
+/// zeros for a cached one; refuses a call that does not match its plan.
+fn routing_of<T: Default>(plan: &DispatchPlan, routing: Option<T>) -> PyResult<T> {
+    match (routing, plan.plan.cached) {
+        (Some(r), false) => Ok(r),
+        (None, true) => Ok(T::default()),
+        (Some(_), true) => Err(PyValueError::new_err(
+            "a cached dispatch (a plan with a handle) takes no routing addresses",
+        )),
+        (None, false) => Err(PyValueError::new_err(
+            "a dispatch without a handle needs its routing addresses",
+        )),
+    }
+}
+
+/// `dispatch_send`'s addresses every dispatch has: `x`, its scales,
+/// `rank_prefix_matrix`, `send_head`.
+type SendTensors = (u64, u64, u64, u64);
+/// `dispatch_send`'s addresses of a full dispatch only: `topk_idx`,
+/// `topk_weights`, `is_token_in_rank`, `num_tokens_per_expert`.
+type SendRouting = (u64, u64, u64, u64);
+/// `dispatch_recv`'s addresses every dispatch has: `rank_prefix_matrix`,
+/// `recv_x`, `recv_x_scales`.
+type RecvTensors = (u64, u64, u64);
+/// `dispatch_recv`'s addresses of a full dispatch only: `recv_topk_idx`,
+/// `recv_topk_weights`, `recv_src_idx`.
+type RecvRouting = (u64, u64, u64);
+/// `combine`'s addresses: `x`, `topk_weights`, `rank_prefix_matrix`,
+/// `send_head`, the two biases, the outputs `combined_x` and
+/// `combined_topk_weights`.
+type CombineTensors = (u64, u64, u64, u64, u64, u64, u64, u64);
+/// `layout`'s outputs: `num_tokens_per_rank`, `num_tokens_per_expert`,
+/// `is_token_in_rank`, the scratch `layout_scratch`.
+type LayoutOutputs = (u64, u64, u64, u64);
 
 /// An internode call's handle tensors: node heads, counts, forwarding records,
 /// their tokens per node, and `recv_rdma_rank_prefix_sum` (0: not written).
@@ -310,28 +367,24 @@ impl EpBuffer {
             .map_err(to_py)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, topk_idx, num_tokens, num_topk, num_experts,
-        num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, partials,
-        num_tokens_per_node=0))]
+    /// Layout of `plan`'s `topk_idx` into `outputs` (across nodes also the
+    /// tokens per node).
+    #[pyo3(signature = (stream, plan, topk_idx, outputs, num_tokens_per_node=0))]
     fn layout(
         &mut self,
         stream: usize,
+        plan: PyRef<'_, LayoutPlan>,
         topk_idx: u64,
-        num_tokens: usize,
-        num_topk: usize,
-        num_experts: usize,
-        num_tokens_per_rank: u64,
-        num_tokens_per_expert: u64,
-        is_token_in_rank: u64,
-        partials: u64,
+        outputs: LayoutOutputs,
         num_tokens_per_node: u64,
     ) -> PyResult<()> {
+        let p = &plan.0;
+        let (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank, partials) = outputs;
         let call = LayoutCall {
             topk_idx,
-            num_tokens,
-            num_topk,
-            num_experts,
+            num_tokens: p.num_tokens as usize,
+            num_topk: p.num_topk as usize,
+            num_experts: p.num_experts as usize,
             num_tokens_per_rank,
             num_tokens_per_expert,
             is_token_in_rank,
@@ -342,39 +395,28 @@ impl EpBuffer {
             .map_err(to_py)
     }
 
-    /// Notify + send half of a dispatch (cached when `cached`). Returns the
-    /// epoch to wait for (0 for cached).
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, cached, num_tokens, hidden_bytes, num_scales, num_topk,
-        num_experts, x, scales, scale_strides, topk_idx, topk_weights, is_token_in_rank,
-        num_tokens_per_expert, rank_prefix_matrix, send_head, expert_alignment, num_sms, xnode=None))]
+    /// Notify + send half of a dispatch of `plan` (cached where the plan has
+    /// a handle: then no `routing`). Returns the epoch to wait for (0 for
+    /// cached).
+    #[pyo3(signature = (stream, plan, num_sms, tensors, routing=None, xnode=None))]
     fn dispatch_send(
         &mut self,
         stream: usize,
-        cached: bool,
-        num_tokens: usize,
-        hidden_bytes: usize,
-        num_scales: usize,
-        num_topk: usize,
-        num_experts: usize,
-        x: u64,
-        scales: u64,
-        scale_strides: (i64, i64),
-        topk_idx: u64,
-        topk_weights: u64,
-        is_token_in_rank: u64,
-        num_tokens_per_expert: u64,
-        rank_prefix_matrix: u64,
-        send_head: u64,
-        expert_alignment: usize,
+        plan: PyRef<'_, DispatchPlan>,
         num_sms: u32,
+        tensors: SendTensors,
+        routing: Option<SendRouting>,
         xnode: XArg,
     ) -> PyResult<u64> {
-        let s = shape(num_tokens, hidden_bytes, num_scales, num_topk, num_experts);
+        let (x, scales, rank_prefix_matrix, send_head) = tensors;
+        let (topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert) =
+            routing_of(&plan, routing)?;
+        let p = &plan.plan;
+        let s = dispatch_shape(&plan);
         let inp = DispatchInputs {
             x,
             scales,
-            scale_strides,
+            scale_strides: p.scale_strides,
             topk_idx,
             topk_weights,
             is_token_in_rank,
@@ -382,6 +424,8 @@ impl EpBuffer {
             rank_prefix_matrix,
             send_head,
         };
+        // A cached dispatch computes no counts: no alignment.
+        let expert_alignment = if p.cached { 1 } else { p.expert_alignment };
         let xi = xnode.map(x_inputs);
         self.normal()?
             .dispatch_send(
@@ -389,54 +433,56 @@ impl EpBuffer {
                 &s,
                 &inp,
                 xi.as_ref(),
-                cached,
-                expert_alignment,
+                p.cached,
+                expert_alignment as usize,
                 num_sms,
             )
             .map_err(to_py)
     }
 
-    /// Bounded CPU wait for the counts of dispatch `epoch`: (received tokens,
-    /// per-local-expert counts). Releases the GIL.
+    /// Bounded CPU wait for the counts of dispatch `epoch` (of `plan`):
+    /// (received tokens, per-local-expert counts). Releases the GIL.
     fn wait_counts(
         &mut self,
         py: Python<'_>,
         epoch: u64,
-        num_experts: usize,
+        plan: PyRef<'_, DispatchPlan>,
     ) -> PyResult<(usize, Vec<i32>)> {
+        let num_experts = plan.plan.num_experts as usize;
         let b = self.normal()?;
         py.detach(|| b.wait_counts(epoch, num_experts))
             .map_err(to_py)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, num_tokens, hidden_bytes, num_scales, num_topk, num_experts,
-        rank_prefix_matrix, num_rows, recv_x, recv_scales, scale_strides, recv_topk_idx,
-        recv_topk_weights, recv_src_idx, num_sms))]
+    /// Receive half of a dispatch of `plan` into the outputs of `tensors`
+    /// and `routing` (none for a cached dispatch), `rows` rows: those
+    /// `wait_counts` returned, or None where the plan knows them (cached, or
+    /// `num_worst_tokens`).
+    #[pyo3(signature = (stream, plan, num_sms, tensors, routing=None, rows=None))]
     fn dispatch_recv(
         &mut self,
         stream: usize,
-        num_tokens: usize,
-        hidden_bytes: usize,
-        num_scales: usize,
-        num_topk: usize,
-        num_experts: usize,
-        rank_prefix_matrix: u64,
-        num_rows: i64,
-        recv_x: u64,
-        recv_scales: u64,
-        scale_strides: (i64, i64),
-        recv_topk_idx: u64,
-        recv_topk_weights: u64,
-        recv_src_idx: u64,
+        plan: PyRef<'_, DispatchPlan>,
         num_sms: u32,
+        tensors: RecvTensors,
+        routing: Option<RecvRouting>,
+        rows: Option<i64>,
     ) -> PyResult<()> {
-        let s = shape(num_tokens, hidden_bytes, num_scales, num_topk, num_experts);
+        let (rank_prefix_matrix, recv_x, recv_scales) = tensors;
+        let (recv_topk_idx, recv_topk_weights, recv_src_idx) = routing_of(&plan, routing)?;
+        let num_rows = rows.unwrap_or(plan.plan.num_recv_rows);
+        if num_rows < 0 {
+            return Err(PyValueError::new_err(format!(
+                "rows must be given for this dispatch (its plan knows them once the counts \
+                 arrive), got {num_rows}"
+            )));
+        }
+        let s = dispatch_shape(&plan);
         let out = DispatchOutputs {
             num_rows,
             recv_x,
             recv_scales,
-            scale_strides,
+            scale_strides: plan.recv_scale_strides(num_rows),
             recv_topk_idx,
             recv_topk_weights,
             recv_src_idx,
@@ -446,38 +492,30 @@ impl EpBuffer {
             .map_err(to_py)
     }
 
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (stream, y, num_recv_rows, hidden, topk_weights, num_topk,
-        rank_prefix_matrix, send_head, num_tokens, bias0, bias1, out, out_weights, num_sms,
-        xnode=None, recv_src_idx=0))]
+    /// A whole combine of `plan` (across nodes with the handle's `xnode` and
+    /// `recv_src_idx`).
+    #[pyo3(signature = (stream, plan, num_sms, tensors, xnode=None, recv_src_idx=0))]
     fn combine(
         &mut self,
         stream: usize,
-        y: u64,
-        num_recv_rows: i64,
-        hidden: usize,
-        topk_weights: u64,
-        num_topk: usize,
-        rank_prefix_matrix: u64,
-        send_head: u64,
-        num_tokens: usize,
-        bias0: u64,
-        bias1: u64,
-        out: u64,
-        out_weights: u64,
+        plan: PyRef<'_, CombinePlan>,
         num_sms: u32,
+        tensors: CombineTensors,
         xnode: XArg,
         recv_src_idx: u64,
     ) -> PyResult<()> {
+        let (y, topk_weights, rank_prefix_matrix, send_head, bias0, bias1, out, out_weights) =
+            tensors;
+        let p = &plan.0;
         let a = CombineArgs {
             y,
-            num_recv_rows,
-            hidden,
+            num_recv_rows: p.num_recv_rows,
+            hidden: p.hidden as usize,
             topk_weights,
-            num_topk,
+            num_topk: p.num_topk as usize,
             rank_prefix_matrix,
             send_head,
-            num_tokens,
+            num_tokens: p.num_tokens as usize,
             bias: (bias0, bias1),
             out,
             out_weights,

@@ -91,13 +91,15 @@ class PlanCache:
             pass
 
 
-def output_specs(plan: dict, names) -> tuple:
-    """The outputs ``names`` of a native plan (``_native.*_plan``), each as
-    ``(shape, strides, dtype, zeroed)``, None where the plan has no such output
-    (an optional one the call does not make)."""
+def output_specs(plan, names) -> tuple:
+    """The outputs ``names`` of a native plan (``_native.*_plan``: a dict, or the
+    ``LayoutPlan`` / ``DispatchPlan`` / ``CombinePlan`` object of the normal-mode
+    calls), each as ``(shape, strides, dtype, zeroed)``, None where the plan has no
+    such output (an optional one the call does not make)."""
+    outputs = plan["outputs"] if type(plan) is dict else plan.outputs
     specs = {
         name: (shape, strides, getattr(torch, dtype), zeroed)
-        for name, dtype, shape, strides, zeroed in plan["outputs"]
+        for name, dtype, shape, strides, zeroed in outputs
     }
     return tuple(specs.get(name) for name in names)
 

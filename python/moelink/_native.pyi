@@ -107,18 +107,54 @@ def ref_ll_combine(
     inputs: list, max_tokens: int, hidden: int, num_experts: int, num_topk: int
 ) -> list: ...
 
-# Argument checks and output shapes of the Buffer's calls (ep_core::calls). A
-# plan is a dict of the call's values and "outputs": (name, dtype name, shape,
-# strides, zeroed) per output, RECV_ROWS standing for rows known once the
-# counts arrive. Errors: TypeError, moelink.DtypeError, ValueError.
+# Argument checks and output shapes of the Buffer's calls (ep_core::calls). The
+# plans of layout, dispatch and combine are frozen objects holding ep_core's plan,
+# which EpBuffer's calls of that name take for every size; the other plans are
+# dicts of the call's values. Both have "outputs": (name, dtype name, shape,
+# strides, zeroed) per output, RECV_ROWS standing for rows known once the counts
+# arrive. Errors: TypeError, moelink.DtypeError, ValueError.
 RECV_ROWS: int
 CPU_DEVICE: int
 OTHER_DEVICE: int
 #: (dtype name, shape, strides, device index): moelink.checks.tensor_meta.
 _TensorMeta = tuple[str, Sequence[int], Sequence[int], int]
 _Plan = dict[str, Any]
+#: (name, dtype name, shape, strides, zeroed).
+_Output = tuple[str, str, list[int], list[int], bool]
 
-def layout_plan(num_ranks: int, device: int, topk_idx: _TensorMeta, num_experts: int) -> _Plan: ...
+class LayoutPlan:
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def outputs(self) -> list[_Output]: ...
+
+class DispatchPlan:
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def hidden_bytes(self) -> int: ...
+    @property
+    def num_scales(self) -> int: ...
+    @property
+    def scale_strides(self) -> tuple[int, int]: ...
+    @property
+    def num_topk(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def num_worst_tokens(self) -> int: ...
+    @property
+    def num_recv_rows(self) -> int: ...
+    @property
+    def outputs(self) -> list[_Output]: ...
+
+class CombinePlan:
+    @property
+    def outputs(self) -> list[_Output]: ...
+
+def layout_plan(
+    num_ranks: int, device: int, topk_idx: _TensorMeta, num_experts: int
+) -> LayoutPlan: ...
 def dispatch_plan(
     num_ranks: int, device: int, x: _TensorMeta, scales: _TensorMeta | None,
     handle: tuple[_TensorMeta, _TensorMeta, _TensorMeta, _TensorMeta] | None,
@@ -126,13 +162,13 @@ def dispatch_plan(
     is_token_in_rank: _TensorMeta | None, num_tokens_per_expert: _TensorMeta | None,
     topk_idx: _TensorMeta | None, topk_weights: _TensorMeta | None,
     expert_alignment: int, num_worst_tokens: int,
-) -> _Plan: ...  # fmt: skip
+) -> DispatchPlan: ...  # fmt: skip
 def combine_plan(
     num_ranks: int, device: int, x: _TensorMeta,
     handle: tuple[_TensorMeta, _TensorMeta, _TensorMeta, _TensorMeta],
     topk_weights: _TensorMeta | None,
     bias: _TensorMeta | tuple[_TensorMeta | None, _TensorMeta | None] | None,
-) -> _Plan: ...  # fmt: skip
+) -> CombinePlan: ...  # fmt: skip
 def ll_geometry(
     num_ranks: int, max_tokens: int, hidden: int, num_experts: int, ranks_name: str
 ) -> _Plan: ...
@@ -218,32 +254,34 @@ class EpBuffer:
     def destroy(self, collective: bool = False) -> None: ...
     # Intranode (the internode part where the group spans nodes: `xnode` is the
     # handle's (node_head, xcounts, fwd_meta, fwd_meta.shape[1], recv_rdma_rank_prefix_sum
-    # or 0)).
+    # or 0)). Every size comes from the plan; the addresses come in tuples:
+    # layout `outputs` (num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank,
+    # layout_scratch); dispatch_send `tensors` (x, scales, rank_prefix_matrix,
+    # send_head) and, for a full dispatch only, `routing` (topk_idx, topk_weights,
+    # is_token_in_rank, num_tokens_per_expert); dispatch_recv `tensors`
+    # (rank_prefix_matrix, recv_x, recv_x_scales) and, full only, `routing`
+    # (recv_topk_idx, recv_topk_weights, recv_src_idx), `rows` None where the plan
+    # knows them; combine `tensors` (x, topk_weights, rank_prefix_matrix, send_head,
+    # bias0, bias1, combined_x, combined_topk_weights).
     def nodes(self) -> tuple[int, int] | None: ...
     def internode_capacity(self, hidden_bytes: int, num_scales: int, num_topk: int) -> int: ...
     def layout(
-        self, stream: int, topk_idx: int, num_tokens: int, num_topk: int, num_experts: int,
-        num_tokens_per_rank: int, num_tokens_per_expert: int, is_token_in_rank: int,
-        partials: int, num_tokens_per_node: int = 0,
+        self, stream: int, plan: LayoutPlan, topk_idx: int, outputs: tuple[int, int, int, int],
+        num_tokens_per_node: int = 0,
     ) -> None: ...  # fmt: skip
     def dispatch_send(
-        self, stream: int, cached: bool, num_tokens: int, hidden_bytes: int, num_scales: int,
-        num_topk: int, num_experts: int, x: int, scales: int, scale_strides: tuple[int, int],
-        topk_idx: int, topk_weights: int, is_token_in_rank: int, num_tokens_per_expert: int,
-        rank_prefix_matrix: int, send_head: int, expert_alignment: int, num_sms: int,
+        self, stream: int, plan: DispatchPlan, num_sms: int, tensors: tuple[int, int, int, int],
+        routing: tuple[int, int, int, int] | None = None,
         xnode: tuple[int, int, int, int, int] | None = None,
     ) -> int: ...  # fmt: skip
-    def wait_counts(self, epoch: int, num_experts: int) -> tuple[int, list[int]]: ...
+    def wait_counts(self, epoch: int, plan: DispatchPlan) -> tuple[int, list[int]]: ...
     def dispatch_recv(
-        self, stream: int, num_tokens: int, hidden_bytes: int, num_scales: int, num_topk: int,
-        num_experts: int, rank_prefix_matrix: int, num_rows: int, recv_x: int,
-        recv_scales: int, scale_strides: tuple[int, int], recv_topk_idx: int,
-        recv_topk_weights: int, recv_src_idx: int, num_sms: int,
+        self, stream: int, plan: DispatchPlan, num_sms: int, tensors: tuple[int, int, int],
+        routing: tuple[int, int, int] | None = None, rows: int | None = None,
     ) -> None: ...  # fmt: skip
     def combine(
-        self, stream: int, y: int, num_recv_rows: int, hidden: int, topk_weights: int,
-        num_topk: int, rank_prefix_matrix: int, send_head: int, num_tokens: int, bias0: int,
-        bias1: int, out: int, out_weights: int, num_sms: int,
+        self, stream: int, plan: CombinePlan, num_sms: int,
+        tensors: tuple[int, int, int, int, int, int, int, int],
         xnode: tuple[int, int, int, int, int] | None = None, recv_src_idx: int = 0,
     ) -> None: ...  # fmt: skip
     # Low-latency.

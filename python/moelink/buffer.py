@@ -469,12 +469,14 @@ class Buffer(LowLatencyMixin):
         else:
             self._order.after(self._comm_raw, compute)
 
-    def _reserve_recv_x(self, hidden_bytes, num_scales, num_topk, rows=None) -> bool:
+    def _reserve_recv_x(self, plan) -> bool:
         """Direct dispatch (``MOELINK_INTRANODE_RECV=direct``): reserves the receive
-        pool range of this dispatch's ``recv_x`` before its send publishes it (``rows``
-        None: as many as the buffer can receive; the count cuts it later). False
-        without a pool, while a CUDA graph is captured, or when the pool is full: the
-        rows then come by a copy into a ``recv_x`` allocated as every output."""
+        pool range of the ``recv_x`` of a dispatch of ``plan`` (a
+        ``_native.DispatchPlan``) before its send publishes it: the plan's rows (a
+        cached dispatch's, or ``num_worst_tokens``), else as many as the buffer can
+        receive (the count cuts it later). False without a pool, while a CUDA graph
+        is captured, or when the pool is full: the rows then come by a copy into a
+        ``recv_x`` allocated as every output."""
         if not self._recv_pool:
             return False
         if _buffer_common._capturing():
@@ -483,7 +485,10 @@ class Buffer(LowLatencyMixin):
             # replay, long after the range went back to the pool.
             self._native.recv_pool_take(0)
             return False
-        return self._native.recv_pool_reserve(hidden_bytes, num_scales, num_topk, rows)
+        rows = plan.num_recv_rows
+        return self._native.recv_pool_reserve(
+            plan.hidden_bytes, plan.num_scales, plan.num_topk, None if rows < 0 else rows
+        )
 
     def _take_recv_x(self, spec):
         """A dispatch's ``recv_x`` from its reserved pool range (after the send, whose
@@ -574,26 +579,21 @@ class Buffer(LowLatencyMixin):
         native = self._buffer()
         R = self.group_size
         key = ("layout", _sig(topk_idx), num_experts, type(num_experts))
-        plan = self._plans.get(key)
-        if plan is None:
+        entry = self._plans.get(key)
+        if entry is None:
             e = check_int("num_experts", num_experts)
-            p = _native.layout_plan(
+            plan = _native.layout_plan(
                 R, device_index(self.device), tensor_meta("topk_idx", topk_idx), e
             )
             if _check_ids():
                 check_topk_values(topk_idx, e)
             outputs = ("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank",
                        "layout_scratch")  # fmt: skip
-            plan = (
-                p["num_tokens"],
-                p["num_topk"],
-                e,
-                OutputSet(output_specs(p, outputs), self.device),
-            )
-            self._plans.put(key, plan)
+            entry = (plan, OutputSet(output_specs(plan, outputs), self.device))
+            self._plans.put(key, entry)
         elif _check_ids():
-            check_topk_values(topk_idx, plan[2])
-        n, k, num_experts, outputs = plan
+            check_topk_values(topk_idx, entry[0].num_experts)
+        plan, outputs = entry
         compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
         with self._alloc_ctx(allocate_on_comm_stream):
             dev = self.device
@@ -604,14 +604,9 @@ class Buffer(LowLatencyMixin):
         self._enter_comm(compute, previous_event)
         native.layout(
             self._comm_raw,
+            plan,
             _ptr(topk_idx),
-            n,
-            k,
-            num_experts,
-            _ptr(per_rank),
-            _ptr(per_expert),
-            _ptr(in_rank),
-            _ptr(scratch),
+            (_ptr(per_rank), _ptr(per_expert), _ptr(in_rank), _ptr(scratch)),
             _ptr(per_node),
         )
         event = self._epilogue(
@@ -629,12 +624,12 @@ class Buffer(LowLatencyMixin):
         self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
         num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
     ):  # fmt: skip
-        """Every check of a dispatch (``_native.dispatch_plan``); returns ``(N, hidden
-        bytes, scale columns, scale strides, expert_alignment, num_worst_tokens, E, K,
-        rows, output specs, cached outputs)``; rows (of a cached dispatch, or
-        ``num_worst_tokens``) is -1 where only the counts tell them; cached outputs (a
-        cached dispatch's ``recv_x`` and scales, an ``OutputSet``) is None without a
-        handle."""
+        """Every check of a dispatch (``_native.dispatch_plan``); returns ``(plan,
+        output specs, cached outputs)``: the ``_native.DispatchPlan`` (which the native
+        calls take for every size; its ``num_recv_rows``, of a cached dispatch or
+        ``num_worst_tokens``, is -1 where only the counts tell them), the specs of
+        ``_DISPATCH_OUTPUTS`` and, with a handle, the cached dispatch's ``recv_x`` and
+        scales as an ``OutputSet`` (else None)."""
         data, scales = _x_metas(x)
         p = _native.dispatch_plan(
             self.group_size, device_index(self.device), data, scales,
@@ -649,16 +644,12 @@ class Buffer(LowLatencyMixin):
             check_int("expert_alignment", expert_alignment),
             check_int("num_worst_tokens", num_worst_tokens),
         )  # fmt: skip
-        if topk_idx is not None and p["num_worst_tokens"] == 0 and _check_ids():
-            check_topk_values(topk_idx, p["num_experts"])
+        if topk_idx is not None and p.num_worst_tokens == 0 and _check_ids():
+            check_topk_values(topk_idx, p.num_experts)
         specs = output_specs(p, _DISPATCH_OUTPUTS)
         # A cached dispatch's recv_x and scales have fixed shapes: made in one call.
         cached = None if handle is None else OutputSet(specs[2:4], self.device)
-        return (
-            p["num_tokens"], p["hidden_bytes"], p["num_scales"], p["scale_strides"],
-            p["expert_alignment"], p["num_worst_tokens"], p["num_experts"], p["num_topk"],
-            p["num_recv_rows"], specs, cached,
-        )  # fmt: skip
+        return p, specs, cached
 
     def dispatch(
         self,
@@ -683,7 +674,6 @@ class Buffer(LowLatencyMixin):
         num_recv_tokens_per_expert_list, handle, event)`` as ``deep_ep.Buffer.dispatch``.
         """
         native = self._buffer()
-        R = self.group_size
         num_sms = self._num_sms(config, type(self).get_dispatch_config, "dispatch")
         key = (
             "dispatch", _x_sig(x), None if handle is None else _handle_sig(handle),
@@ -691,17 +681,16 @@ class Buffer(LowLatencyMixin):
             _sig(num_tokens_per_expert), _sig(topk_idx), _sig(topk_weights), expert_alignment,
             num_worst_tokens, type(expert_alignment), type(num_worst_tokens),
         )  # fmt: skip
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._dispatch_plan(
+        entry = self._plans.get(key)
+        if entry is None:
+            entry = self._dispatch_plan(
                 x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
                 num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
             )  # fmt: skip
-            self._plans.put(key, plan)
-        elif topk_idx is not None and plan[5] == 0 and _check_ids():
-            check_topk_values(topk_idx, plan[6])
-        (n, hidden_bytes, num_scales, s_strides, expert_alignment, num_worst_tokens, num_experts,
-         num_topk, rows, specs, cached_outputs) = plan  # fmt: skip
+            self._plans.put(key, entry)
+        elif topk_idx is not None and _check_ids() and entry[0].num_worst_tokens == 0:
+            check_topk_values(topk_idx, entry[0].num_experts)
+        plan, specs, cached_outputs = entry
         data, scales = x if type(x) is tuple else (x, None)
         _check_aligned("x", data)
         dev = self.device
@@ -709,7 +698,7 @@ class Buffer(LowLatencyMixin):
         if handle is not None:
             rpm, send_head = _entry(handle, "rank_prefix_matrix"), _entry(handle, "send_head")
             compute = self._prologue(previous_event, async_finish, allocate_on_comm_stream)
-            reserved = self._reserve_recv_x(hidden_bytes, num_scales, 0, rows)
+            reserved = self._reserve_recv_x(plan)
             # Allocated before any kernel of the dispatch runs (see below).
             with self._alloc_ctx(allocate_on_comm_stream):
                 if reserved:
@@ -718,45 +707,20 @@ class Buffer(LowLatencyMixin):
                     recv_x, recv_scales = cached_outputs.empty()
             self._enter_comm(compute, previous_event)
             stream = self._comm_raw
+            # A cached dispatch (the plan has the handle) sends no routing: the
+            # handle's rank_prefix_matrix and send_head are its inputs.
             native.dispatch_send(
                 stream,
-                True,
-                n,
-                hidden_bytes,
-                num_scales,
-                0,
-                R,
-                _ptr(data),
-                _ptr(scales),
-                s_strides,
-                0,
-                0,
-                0,
-                0,
-                _ptr(rpm),
-                _ptr(send_head),
-                1,
+                plan,
                 num_sms,
+                (_ptr(data), _ptr(scales), _ptr(rpm), _ptr(send_head)),
                 **self._x_handle(handle, send_head),
             )
             if reserved:  # wraps the published range: no allocation, no kernel
                 recv_x = self._take_recv_x(specs[2])
+            # The rows are the handle's, in the plan.
             native.dispatch_recv(
-                stream,
-                n,
-                hidden_bytes,
-                num_scales,
-                0,
-                R,
-                _ptr(rpm),
-                rows,
-                _ptr(recv_x),
-                _ptr(recv_scales),
-                self._strides(recv_scales),
-                0,
-                0,
-                0,
-                num_sms,
+                stream, plan, num_sms, (_ptr(rpm), _ptr(recv_x), _ptr(recv_scales))
             )
             event = self._epilogue(
                 compute,
@@ -773,74 +737,50 @@ class Buffer(LowLatencyMixin):
         # cudaMalloc beside a running kernel holds back the CUDA work issued
         # after it (the proxy's copies too) until that kernel ends, which a
         # kernel waiting for that work never does (docs/design-internode.md). With
-        # num_worst_tokens the rows are known now; else after notify.
-        worst = num_worst_tokens if num_worst_tokens > 0 else None
-        reserved = self.nodes is None and self._reserve_recv_x(
-            hidden_bytes, num_scales, num_topk, worst
-        )
+        # num_worst_tokens the rows are known now (the plan's); else after notify.
+        reserved = self.nodes is None and self._reserve_recv_x(plan)
         with self._alloc_ctx(allocate_on_comm_stream):
             rpm, send_head = empty(specs[0], dev), empty(specs[1], dev)
-            xt = self._x_tensors(n, hidden_bytes, num_scales, num_topk)
-            outs = None
-            if num_worst_tokens > 0:
+            xt = self._x_tensors(plan)
+            outs = rows = None
+            if plan.num_worst_tokens > 0:
                 recv_x = None if reserved else empty(specs[2], dev)
                 outs = [recv_x, *(empty(spec, dev) for spec in specs[3:])]
         self._enter_comm(compute, previous_event)
         stream = self._comm_raw
         epoch = native.dispatch_send(
             stream,
-            False,
-            n,
-            hidden_bytes,
-            num_scales,
-            num_topk,
-            num_experts,
-            _ptr(data),
-            _ptr(scales),
-            s_strides,
-            _ptr(topk_idx),
-            _ptr(topk_weights),
-            _ptr(is_token_in_rank),
-            _ptr(num_tokens_per_expert),
-            _ptr(rpm),
-            _ptr(send_head),
-            expert_alignment,
+            plan,
             num_sms,
+            (_ptr(data), _ptr(scales), _ptr(rpm), _ptr(send_head)),
+            (_ptr(topk_idx), _ptr(topk_weights), _ptr(is_token_in_rank),
+             _ptr(num_tokens_per_expert)),
             **({} if xt is None else {"xnode": self._xnode(*xt)}),
-        )
+        )  # fmt: skip
         if outs is None:
             # notify has ended (its counts are in), so no kernel of this
             # dispatch that waits on other work runs while the outputs are
             # allocated (see above; within one node the send half, launched
             # right after notify, may still run, but it waits on nothing).
-            rows, per_expert = native.wait_counts(epoch, num_experts)
+            rows, per_expert = native.wait_counts(epoch, plan)
             per_expert = list(per_expert)
             specs = [at_rows(spec, rows) for spec in specs[2:]]
             with self._alloc_ctx(allocate_on_comm_stream):
                 recv_x = None if reserved else empty(specs[0], dev)
                 outs = [recv_x, *(empty(spec, dev) for spec in specs[1:])]
         else:
-            per_expert = []  # rows: num_worst_tokens, already in the specs
+            per_expert = []  # rows: num_worst_tokens, in the plan and its specs
             specs = specs[2:]
         if reserved:  # the published range, cut to the rows
             outs[0] = self._take_recv_x(specs[0])
         recv_x, recv_scales, recv_idx, recv_w, recv_src_idx, cpm, rcpm = outs
         native.dispatch_recv(
             stream,
-            n,
-            hidden_bytes,
-            num_scales,
-            num_topk,
-            num_experts,
-            _ptr(rpm),
-            rows,
-            _ptr(recv_x),
-            _ptr(recv_scales),
-            self._strides(recv_scales),
-            _ptr(recv_idx),
-            _ptr(recv_w),
-            _ptr(recv_src_idx),
+            plan,
             num_sms,
+            (_ptr(rpm), _ptr(recv_x), _ptr(recv_scales)),
+            (_ptr(recv_idx), _ptr(recv_w), _ptr(recv_src_idx)),
+            rows,
         )
         event = self._epilogue(
             compute,
@@ -861,15 +801,16 @@ class Buffer(LowLatencyMixin):
         out_x = recv_x if scales is None else (recv_x, recv_scales)
         return out_x, recv_idx, recv_w, per_expert, handle, event
 
-    def _x_tensors(self, n, hidden_bytes, num_scales, num_topk):
-        """An internode dispatch's handle tensors (None within one node): node heads
-        ``[n, nodes]``, counts ``[2 * nodes]``, forwarding records ``[nodes, T,
-        1 + ranks per node]`` (T the tokens per rank the buffer fits for these
-        records) and DeepEP's ``recv_rdma_rank_prefix_sum`` ``[nodes]``, int32."""
+    def _x_tensors(self, plan):
+        """The handle tensors of an internode dispatch of ``plan`` (None within one
+        node): node heads ``[n, nodes]``, counts ``[2 * nodes]``, forwarding records
+        ``[nodes, T, 1 + ranks per node]`` (T the tokens per rank the buffer fits for
+        these records) and DeepEP's ``recv_rdma_rank_prefix_sum`` ``[nodes]``, int32."""
         if self.nodes is None:
             return None
         nodes, per_node = self.nodes
-        key = (hidden_bytes, num_scales, num_topk)
+        n = plan.num_tokens
+        key = (plan.hidden_bytes, plan.num_scales, plan.num_topk)
         caps = self.__dict__.setdefault("_x_capacity", {})
         cap = caps.get(key)
         if cap is None:
@@ -938,10 +879,6 @@ class Buffer(LowLatencyMixin):
             kw["recv_src_idx"] = _ptr(_entry(handle, "recv_src_idx"))
         return kw
 
-    @staticmethod
-    def _strides(t) -> tuple:
-        return (0, 0) if t is None else tuple(t.stride())
-
     # ----- combine ---------------------------------------------------------------
 
     def get_combine_buffer(self, handle, hidden: int) -> torch.Tensor:
@@ -983,15 +920,16 @@ class Buffer(LowLatencyMixin):
         return torch.empty((rows, hidden), dtype=torch.bfloat16, device=self.device)
 
     def _combine_plan(self, x, handle, topk_weights, bias):
-        """Every check of a combine (``_native.combine_plan``); returns ``(rows, H, N, K,
-        outputs)`` (``outputs``: an ``OutputSet``)."""
+        """Every check of a combine (``_native.combine_plan``); returns ``(plan,
+        outputs)``: the ``_native.CombinePlan`` (which ``EpBuffer.combine`` takes for
+        every size) and its outputs as an ``OutputSet``."""
         h = _handle_metas(handle)
         p = _native.combine_plan(
             self.group_size, device_index(self.device), tensor_meta("x", x), h,
             optional_meta("topk_weights", topk_weights), _bias_metas(bias),
         )  # fmt: skip
         outputs = OutputSet(output_specs(p, ("combined_x", "combined_topk_weights")), self.device)
-        return p["num_recv_rows"], p["hidden"], p["num_tokens"], p["num_topk"], outputs
+        return p, outputs
 
     def combine(
         self,
@@ -1009,11 +947,11 @@ class Buffer(LowLatencyMixin):
         event)`` as ``deep_ep.Buffer.combine``."""
         native = self._buffer()
         key = ("combine", _handle_sig(handle), _sig(x), _sig(topk_weights), _bias_sig(bias))
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._combine_plan(x, handle, topk_weights, bias)
-            self._plans.put(key, plan)
-        rows, hidden, n, num_topk, outputs = plan
+        entry = self._plans.get(key)
+        if entry is None:
+            entry = self._combine_plan(x, handle, topk_weights, bias)
+            self._plans.put(key, entry)
+        plan, outputs = entry
         rpm, send_head = _entry(handle, "rank_prefix_matrix"), _entry(handle, "send_head")
         b0, b1 = _bias_pair(bias)
         for name, t in (("x", x), ("bias[0]", b0), ("bias[1]", b1)):
@@ -1026,21 +964,12 @@ class Buffer(LowLatencyMixin):
         self._enter_comm(compute, previous_event)
         native.combine(
             self._comm_raw,
-            _ptr(x),
-            rows,
-            hidden,
-            _ptr(topk_weights),
-            num_topk,
-            _ptr(rpm),
-            _ptr(send_head),
-            n,
-            _ptr(b0),
-            _ptr(b1),
-            _ptr(out),
-            _ptr(out_w),
+            plan,
             num_sms,
+            (_ptr(x), _ptr(topk_weights), _ptr(rpm), _ptr(send_head), _ptr(b0), _ptr(b1),
+             _ptr(out), _ptr(out_w)),
             **self._x_handle(handle, send_head, recv_src_idx=True),
-        )
+        )  # fmt: skip
         event = self._epilogue(
             compute,
             async_finish,
