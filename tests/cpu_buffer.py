@@ -12,10 +12,10 @@ from moelink.buffer import Buffer
 
 class FakeNative:
     """Records every launch as (method name, arguments); checks nothing. The
-    arguments are the positional ones as passed (the normal-mode calls' plans are
-    the real ``_native`` plan objects, which ``Buffer`` makes on any device, and
-    their addresses come in tuples), then a dict of the keyword ones where there
-    are any (``xnode`` ... across nodes)."""
+    arguments are the positional ones as passed (the plans of the normal-mode and
+    low-latency calls are the real ``_native`` plan objects, which ``Buffer`` makes
+    on any device, and their addresses come in tuples), then a dict of the keyword
+    ones where there are any (``xnode`` ... across nodes)."""
 
     def __init__(self):
         self.calls = []

@@ -34,15 +34,18 @@ def ll_dispatch(b, x, idx, **kw):
 def test_a_repeated_low_latency_dispatch_launches_as_the_checked_one(buf, monkeypatch):
     x, idx = ll_inputs()
     ll_dispatch(buf, x, idx)
-    checked = buf._ll.calls[-1][1]
+    checked = buf._ll.calls[-1][1]  # (stream, plan, addresses, phases)
     assert len(buf._plans.plans) == 1
+    assert isinstance(checked[1], _native.LlDispatchPlan)
     # The second call skips the checks: make the native plan fail loudly.
     monkeypatch.setattr(_native, "ll_dispatch_plan", lambda *a, **k: pytest.fail("checked"))
     ll_dispatch(buf, x, idx)
     cached = buf._ll.calls[-1][1]
-    same = lambda a: (a[:6], a[8:11])  # noqa: E731 - stream, shapes, flags (no outputs)
-    assert same(cached) == same(checked)
-    assert cached[6:8] == (x.data_ptr(), idx.data_ptr())
+    # The same stream, plan object (every size and flag) and phases; the inputs'
+    # addresses, the stats' (none) and new outputs.
+    assert (cached[0], cached[3]) == (checked[0], checked[3])
+    assert cached[1] is checked[1]
+    assert cached[2][:2] == (x.data_ptr(), idx.data_ptr()) and cached[2][7:] == (0, 0)
 
 
 def test_a_new_shape_takes_the_checked_path_and_launches_its_own_sizes(buf):
@@ -50,7 +53,7 @@ def test_a_new_shape_takes_the_checked_path_and_launches_its_own_sizes(buf):
     ll_dispatch(buf, x, idx)
     x2, idx2 = ll_inputs(n=T // 2)
     ll_dispatch(buf, x2, idx2)
-    assert buf._ll.calls[-1][1][5] == T // 2  # num_tokens
+    assert buf._ll.calls[-1][1][1].num_tokens == T // 2
     assert len(buf._plans.plans) == 2
 
 
@@ -90,9 +93,12 @@ def test_a_repeated_low_latency_combine_skips_checks_but_not_a_bad_handle(buf, m
     y = torch.randn(E // R, R * T, H).to(torch.bfloat16)
     w = torch.rand(T, K)
     buf.low_latency_combine(y, idx, w, handle)
-    first = buf._ll.calls[-1][1]
+    first = buf._ll.calls[-1][1]  # (stream, plan, addresses, phases)
+    assert isinstance(first[1], _native.LlCombinePlan)
     buf.low_latency_combine(y, idx, w, handle)
-    assert buf._ll.calls[-1][1][:6] == first[:6]
+    again = buf._ll.calls[-1][1]
+    assert again[:2] == first[:2] and again[1] is first[1]  # the stream, the cached plan
+    assert again[2][:4] == first[2][:4]  # x, layout_range, topk_idx, topk_weights
     with pytest.raises(TypeError, match="handle must be the 5-tuple"):
         buf.low_latency_combine(y, idx, w, handle[:4])
     bad = (handle[0].long(), *handle[1:])

@@ -12,10 +12,12 @@
 //! `(meta, meta, T, H, E)`. The plans of layout, dispatch and combine come
 //! back as frozen objects ([`LayoutPlan`], [`DispatchPlan`], [`CombinePlan`])
 //! holding ep-core's plan, which `EpBuffer.layout`, `dispatch_send`,
-//! `dispatch_recv`, `wait_counts` and `combine` take for their sizes; every
-//! other plan as a dict of its values. Both give `outputs`, a list of `(name,
-//! dtype name, shape, strides, zeroed)` in allocation order. A refusal raises
-//! through `crate::error::arg_to_py`.
+//! `dispatch_recv`, `wait_counts` and `combine` take for their sizes, and so
+//! do those of the low-latency dispatch and combine ([`LlDispatchPlan`],
+//! [`LlCombinePlan`]; `EpBuffer.ll_dispatch`, `ll_combine`); every other plan
+//! as a dict of its values. Both give `outputs`, a list of `(name, dtype name,
+//! shape, strides, zeroed)` in allocation order. A refusal raises through
+//! `crate::error::arg_to_py`.
 
 use ep_core::calls::{
     self, ArgError, Bias, BufferArgs, CombineArgs, DType, DispatchArgs, IntranodeHandle,
@@ -206,16 +208,27 @@ impl DispatchPlan {
     }
 }
 
+/// `$plan.$field`, or `$plan.$path` where a path is given.
+macro_rules! plan_field {
+    ($plan:expr, $field:ident) => {
+        $plan.$field
+    };
+    ($plan:expr, $field:ident, $($path:ident).+) => {
+        $plan.$($path).+
+    };
+}
+
 /// A plan class's `#[pymethods]`: a read-only getter for each `field: type`
-/// of its ep-core plan (reached by `$plan`), and `outputs`.
+/// of its ep-core plan (reached by `$plan`), or for each `field: type = path`
+/// read at `path` within it (`geometry.hidden`), and `outputs`.
 macro_rules! plan_getters {
-    ($class:ident, $plan:tt; $($field:ident: $t:ty),*) => {
+    ($class:ident, $plan:tt; $($field:ident: $t:ty $(= $($path:ident).+)?),*) => {
         #[pymethods]
         impl $class {
             $(
                 #[getter]
                 fn $field(&self) -> $t {
-                    self.$plan.$field
+                    plan_field!(self.$plan, $field $(, $($path).+)?)
                 }
             )*
 
@@ -240,6 +253,28 @@ plan_getters!(LayoutPlan, 0; num_experts: i64);
 pub struct CombinePlan(pub(crate) calls::CombinePlan);
 
 plan_getters!(CombinePlan, 0;);
+
+/// A low-latency dispatch's plan ([`calls::LlDispatchPlan`]):
+/// `EpBuffer.ll_dispatch` reads every size and flag; Python reads the
+/// geometry (the handle's values; `num_experts` for the host id check),
+/// `num_tokens` (whether x and topk_idx have an address), `num_topk` (the
+/// buffer's shape check), `use_fp8` (the form of recv_x) and `outputs`.
+#[pyclass(frozen, module = "moelink._native")]
+pub struct LlDispatchPlan(pub(crate) calls::LlDispatchPlan);
+
+plan_getters!(LlDispatchPlan, 0; max_tokens: i64 = geometry.max_tokens,
+    hidden: i64 = geometry.hidden, num_experts: i64 = geometry.num_experts, num_tokens: i64,
+    num_topk: i64, use_fp8: bool);
+
+/// A low-latency combine's plan ([`calls::LlCombinePlan`]): `EpBuffer.ll_combine`
+/// reads every size; Python reads the geometry (the zero-copy buffer's shape;
+/// `num_experts` for the host id check), `num_tokens` (whether topk_idx,
+/// topk_weights and out have an address) and `outputs`.
+#[pyclass(frozen, module = "moelink._native")]
+pub struct LlCombinePlan(pub(crate) calls::LlCombinePlan);
+
+plan_getters!(LlCombinePlan, 0; max_tokens: i64 = geometry.max_tokens,
+    hidden: i64 = geometry.hidden, num_experts: i64 = geometry.num_experts, num_tokens: i64);
 
 /// `d[name] = p.name` for each field `name` of `p`.
 macro_rules! set_fields {
@@ -361,15 +396,13 @@ pub fn ll_geometry<'py>(
     Ok(d)
 }
 
-/// `low_latency_dispatch`: the geometry, `num_tokens`, `num_topk`,
-/// `use_fp8`, `round_scale`, `use_ue8m0`, `outputs`.
+/// `low_latency_dispatch`.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (num_ranks, device, x, topk_idx, num_max_dispatch_tokens_per_rank,
     num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
     round_scale, use_ue8m0))]
-pub fn ll_dispatch_plan<'py>(
-    py: Python<'py>,
+pub fn ll_dispatch_plan(
     num_ranks: i64,
     device: i32,
     x: Meta,
@@ -381,7 +414,7 @@ pub fn ll_dispatch_plan<'py>(
     use_fp8: bool,
     round_scale: bool,
     use_ue8m0: bool,
-) -> PyResult<Plan<'py>> {
+) -> PyResult<LlDispatchPlan> {
     let (x, idx) = (TensorMeta::from(x), TensorMeta::from(topk_idx));
     let count = meta(cumulative_local_expert_recv_stats);
     let wait = meta(dispatch_wait_recv_cost_stats);
@@ -397,10 +430,7 @@ pub fn ll_dispatch_plan<'py>(
         use_ue8m0,
     };
     let p = calls::ll_dispatch(num_ranks, device, &a).map_err(arg_to_py)?;
-    let d = plan(py, &p.outputs)?;
-    set_geometry(&d, &p.geometry)?;
-    set_fields!(d, p; num_tokens, num_topk, use_fp8, round_scale, use_ue8m0);
-    Ok(d)
+    Ok(LlDispatchPlan(p))
 }
 
 /// A low-latency handle: the geometry and `outputs` (the zero-copy combine
@@ -418,13 +448,12 @@ pub fn ll_handle_plan<'py>(
     Ok(d)
 }
 
-/// `low_latency_combine`: the geometry, `num_tokens`, `num_topk`, `outputs`.
+/// `low_latency_combine`.
 #[pyfunction]
 #[allow(clippy::too_many_arguments)]
 #[pyo3(signature = (num_ranks, device, x, topk_idx, topk_weights, handle, use_logfmt,
     zero_copy, out, combine_wait_recv_cost_stats))]
-pub fn ll_combine_plan<'py>(
-    py: Python<'py>,
+pub fn ll_combine_plan(
     num_ranks: i64,
     device: i32,
     x: Option<Meta>,
@@ -435,7 +464,7 @@ pub fn ll_combine_plan<'py>(
     zero_copy: bool,
     out: Option<Meta>,
     combine_wait_recv_cost_stats: Option<Meta>,
-) -> PyResult<Plan<'py>> {
+) -> PyResult<LlCombinePlan> {
     let (x, idx, w) = (
         meta(x),
         TensorMeta::from(topk_idx),
@@ -454,10 +483,7 @@ pub fn ll_combine_plan<'py>(
         combine_wait_recv_cost_stats: stats.as_ref(),
     };
     let p = calls::ll_combine(num_ranks, device, &a).map_err(arg_to_py)?;
-    let d = plan(py, &p.outputs)?;
-    set_geometry(&d, &p.geometry)?;
-    set_fields!(d, p; num_tokens, num_topk);
-    Ok(d)
+    Ok(LlCombinePlan(p))
 }
 
 // ----- the Buffer's construction, Config ------------------------------------------
@@ -637,6 +663,8 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<LayoutPlan>()?;
     m.add_class::<DispatchPlan>()?;
     m.add_class::<CombinePlan>()?;
+    m.add_class::<LlDispatchPlan>()?;
+    m.add_class::<LlCombinePlan>()?;
     m.add_function(wrap_pyfunction!(layout_plan, m)?)?;
     m.add_function(wrap_pyfunction!(dispatch_plan, m)?)?;
     m.add_function(wrap_pyfunction!(combine_plan, m)?)?;

@@ -8,9 +8,12 @@
 //! after the call's plan (`calls.rs`, `ep_core::calls`) checked every tensor;
 //! streams as raw `cudaStream_t` ints. Layout, dispatch and combine take that
 //! plan object ([`LayoutPlan`], [`DispatchPlan`], [`CombinePlan`]) for every
-//! size, and only the call's addresses, grouped in tuples, besides.
+//! size, and only the call's addresses, grouped in tuples, besides; so do the
+//! low-latency dispatch and combine ([`LlDispatchPlan`], [`LlCombinePlan`]),
+//! with the phases to launch.
 
 use comm::StreamHandle;
+use ep_core::calls::LlGeometry;
 use ep_core::internode::XInputs;
 use ep_core::intranode::{
     CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, IntranodeBuffer, LayoutCall,
@@ -25,7 +28,7 @@ use ep_core::{
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 
-use crate::calls::{CombinePlan, DispatchPlan, LayoutPlan};
+use crate::calls::{CombinePlan, DispatchPlan, LayoutPlan, LlCombinePlan, LlDispatchPlan};
 use crate::group::{timeout_arg, Group};
 use crate::{drop_detached, to_py};
 
@@ -200,6 +203,26 @@ fn call_shape(max_tokens: usize, hidden: usize, num_experts: usize, num_topk: us
         num_topk,
     }
 }
+
+/// The `CallShape` of a low-latency plan's geometry and top-k.
+fn ll_shape(g: &LlGeometry, num_topk: i64) -> CallShape {
+    call_shape(
+        g.max_tokens as usize,
+        g.hidden as usize,
+        g.num_experts as usize,
+        num_topk as usize,
+    )
+}
+
+/// `ll_dispatch`'s addresses: `x`, `topk_idx` (0 without tokens), the outputs
+/// `recv_x`, `recv_x_scales` (0 for bf16), `recv_count`, `src_info`,
+/// `layout_range`, then `cumulative_local_expert_recv_stats` and
+/// `dispatch_wait_recv_cost_stats` (0: absent).
+type LlDispatchTensors = (u64, u64, u64, u64, u64, u64, u64, u64, u64);
+/// `ll_combine`'s addresses: `x`, the handle's `layout_range`, `topk_idx`,
+/// `topk_weights`, `out` (these three 0 without tokens),
+/// `combine_wait_recv_cost_stats` (0: absent).
+type LlCombineTensors = (u64, u64, u64, u64, u64, u64);
 
 /// Bytes of low-latency buffer a rank needs (DeepEP's
 /// `get_low_latency_rdma_size_hint`).
@@ -691,34 +714,31 @@ impl EpBuffer {
     }
 
     /// Launches `phases_` (1 send, 2 receive, 3 both) of a low-latency
-    /// dispatch on `stream` (`ep_core::LowLatencyBuffer::dispatch_call`):
-    /// raises, launching nothing, once a device wait of the part ran out;
+    /// dispatch of `plan` on `stream` (`ep_core::LowLatencyBuffer::dispatch_call`):
+    /// every size and flag is the plan's, `tensors` the call's addresses.
+    /// Raises, launching nothing, once a device wait of the part ran out;
     /// returns the error the kernels recorded (an exception object, for the
     /// caller to raise after its bookkeeping) or None.
-    #[allow(clippy::too_many_arguments)]
     fn ll_dispatch(
         &self,
         py: Python<'_>,
         stream: usize,
-        max_tokens: usize,
-        hidden: usize,
-        num_experts: usize,
-        num_topk: usize,
-        num_tokens: usize,
-        x: u64,
-        topk_idx: u64,
-        use_fp8: bool,
-        round_scale: bool,
-        use_ue8m0: bool,
-        recv_x: u64,
-        recv_scales: u64,
-        recv_count: u64,
-        src_info: u64,
-        layout_range: u64,
-        stats_count: u64,
-        stats_wait: u64,
+        plan: PyRef<'_, LlDispatchPlan>,
+        tensors: LlDispatchTensors,
         phases_: u8,
     ) -> PyResult<Option<Py<PyAny>>> {
+        let (
+            x,
+            topk_idx,
+            recv_x,
+            recv_scales,
+            recv_count,
+            src_info,
+            layout_range,
+            stats_count,
+            stats_wait,
+        ) = tensors;
+        let p = &plan.0;
         let out = LlDispatchOutputs {
             recv_x,
             recv_scales,
@@ -729,13 +749,13 @@ impl EpBuffer {
             stats_wait,
         };
         let call = DispatchCall {
-            shape: call_shape(max_tokens, hidden, num_experts, num_topk),
+            shape: ll_shape(&p.geometry, p.num_topk),
             x,
             topk_idx,
-            num_tokens,
-            use_fp8,
-            round_scale,
-            use_ue8m0,
+            num_tokens: p.num_tokens as usize,
+            use_fp8: p.use_fp8,
+            round_scale: p.round_scale,
+            use_ue8m0: p.use_ue8m0,
             out,
         };
         let recorded = self
@@ -745,33 +765,25 @@ impl EpBuffer {
         Ok(recorded.map(|e| to_py(e).into_value(py).into_any()))
     }
 
-    /// Launches `phases_` of a low-latency combine on `stream`, as
+    /// Launches `phases_` of a low-latency combine of `plan` on `stream`, as
     /// `ll_dispatch` does (`ep_core::LowLatencyBuffer::combine_call`).
-    #[allow(clippy::too_many_arguments)]
     fn ll_combine(
         &self,
         py: Python<'_>,
         stream: usize,
-        max_tokens: usize,
-        hidden: usize,
-        num_experts: usize,
-        num_topk: usize,
-        num_tokens: usize,
-        x: u64,
-        layout_range: u64,
-        topk_idx: u64,
-        topk_weights: u64,
-        out: u64,
-        stats_wait: u64,
+        plan: PyRef<'_, LlCombinePlan>,
+        tensors: LlCombineTensors,
         phases_: u8,
     ) -> PyResult<Option<Py<PyAny>>> {
+        let (x, layout_range, topk_idx, topk_weights, out, stats_wait) = tensors;
+        let p = &plan.0;
         let call = CombineCall {
-            shape: call_shape(max_tokens, hidden, num_experts, num_topk),
+            shape: ll_shape(&p.geometry, p.num_topk),
             x,
             layout_range,
             topk_idx,
             topk_weights,
-            num_tokens,
+            num_tokens: p.num_tokens as usize,
             out,
             stats_wait,
         };

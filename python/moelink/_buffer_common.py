@@ -93,9 +93,10 @@ class PlanCache:
 
 def output_specs(plan, names) -> tuple:
     """The outputs ``names`` of a native plan (``_native.*_plan``: a dict, or the
-    ``LayoutPlan`` / ``DispatchPlan`` / ``CombinePlan`` object of the normal-mode
-    calls), each as ``(shape, strides, dtype, zeroed)``, None where the plan has no
-    such output (an optional one the call does not make)."""
+    ``LayoutPlan`` / ``DispatchPlan`` / ``CombinePlan`` / ``LlDispatchPlan`` /
+    ``LlCombinePlan`` object of layout, dispatch and combine), each as ``(shape,
+    strides, dtype, zeroed)``, None where the plan has no such output (an optional
+    one the call does not make)."""
     outputs = plan["outputs"] if type(plan) is dict else plan.outputs
     specs = {
         name: (shape, strides, getattr(torch, dtype), zeroed)

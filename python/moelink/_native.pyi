@@ -108,9 +108,10 @@ def ref_ll_combine(
 ) -> list: ...
 
 # Argument checks and output shapes of the Buffer's calls (ep_core::calls). The
-# plans of layout, dispatch and combine are frozen objects holding ep_core's plan,
-# which EpBuffer's calls of that name take for every size; the other plans are
-# dicts of the call's values. Both have "outputs": (name, dtype name, shape,
+# plans of layout, dispatch and combine, and of the low-latency dispatch and combine,
+# are frozen objects holding ep_core's plan, which EpBuffer's calls of that name
+# (ll_dispatch, ll_combine) take for every size; the other plans are dicts of the
+# call's values. Both have "outputs": (name, dtype name, shape,
 # strides, zeroed) per output, RECV_ROWS standing for rows known once the counts
 # arrive. Errors: TypeError, moelink.DtypeError, ValueError.
 RECV_ROWS: int
@@ -152,6 +153,34 @@ class CombinePlan:
     @property
     def outputs(self) -> list[_Output]: ...
 
+class LlDispatchPlan:
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def num_topk(self) -> int: ...
+    @property
+    def use_fp8(self) -> bool: ...
+    @property
+    def outputs(self) -> list[_Output]: ...
+
+class LlCombinePlan:
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+    @property
+    def outputs(self) -> list[_Output]: ...
+
 def layout_plan(
     num_ranks: int, device: int, topk_idx: _TensorMeta, num_experts: int
 ) -> LayoutPlan: ...
@@ -178,7 +207,7 @@ def ll_dispatch_plan(
     cumulative_local_expert_recv_stats: _TensorMeta | None,
     dispatch_wait_recv_cost_stats: _TensorMeta | None, use_fp8: bool, round_scale: bool,
     use_ue8m0: bool,
-) -> _Plan: ...  # fmt: skip
+) -> LlDispatchPlan: ...  # fmt: skip
 def ll_handle_plan(
     num_ranks: int, device: int, handle: tuple[_TensorMeta, _TensorMeta, int, int, int]
 ) -> _Plan: ...
@@ -187,7 +216,7 @@ def ll_combine_plan(
     topk_weights: _TensorMeta, handle: tuple[_TensorMeta, _TensorMeta, int, int, int],
     use_logfmt: bool, zero_copy: bool, out: _TensorMeta | None,
     combine_wait_recv_cost_stats: _TensorMeta | None,
-) -> _Plan: ...  # fmt: skip
+) -> LlCombinePlan: ...  # fmt: skip
 
 # The Buffer's constructor and a Config's SMs (ep_core::calls::buffer_options,
 # num_sms): buffer_options_plan -> {"num_nvl_bytes", "num_ll_bytes", "num_internode_bytes"}.
@@ -309,16 +338,18 @@ class EpBuffer:
     def proxy_progress(
         self,
     ) -> tuple[int, list[tuple[int, bool | None, int | None, int] | None]] | None: ...
+    # Every size and flag comes from the plan; the addresses come in a tuple:
+    # ll_dispatch `tensors` (x, topk_idx, recv_x, recv_x_scales, recv_count, src_info,
+    # layout_range, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats);
+    # ll_combine `tensors` (x, layout_range, topk_idx, topk_weights, out,
+    # combine_wait_recv_cost_stats); 0 = absent. `phases_`: 1 send, 2 receive, 3 both.
     def ll_dispatch(
-        self, stream: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int,
-        num_tokens: int, x: int, topk_idx: int, use_fp8: bool, round_scale: bool,
-        use_ue8m0: bool, recv_x: int, recv_scales: int, recv_count: int, src_info: int,
-        layout_range: int, stats_count: int, stats_wait: int, phases_: int,
+        self, stream: int, plan: LlDispatchPlan,
+        tensors: tuple[int, int, int, int, int, int, int, int, int], phases_: int,
     ) -> BaseException | None: ...  # fmt: skip
     def ll_combine(
-        self, stream: int, max_tokens: int, hidden: int, num_experts: int, num_topk: int,
-        num_tokens: int, x: int, layout_range: int, topk_idx: int, topk_weights: int,
-        out: int, stats_wait: int, phases_: int,
+        self, stream: int, plan: LlCombinePlan, tensors: tuple[int, int, int, int, int, int],
+        phases_: int,
     ) -> BaseException | None: ...  # fmt: skip
     def clean(self) -> None: ...
 

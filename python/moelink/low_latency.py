@@ -219,8 +219,9 @@ class LowLatencyMixin:
         stats_wait, use_fp8, round_scale, use_ue8m0,
     ):  # fmt: skip
         """Every check of a low-latency dispatch (``_native.ll_dispatch_plan``); returns
-        what the call needs of them, ``(T, N, H, K, E, use_fp8, round_scale, use_ue8m0,
-        outputs)``, normalized (``outputs``: an ``OutputSet``)."""
+        ``(plan, T, N, H, E, use_fp8, outputs)``: the ``_native.LlDispatchPlan`` (which
+        ``EpBuffer.ll_dispatch`` takes for every size and flag), the values of it the
+        call reads, normalized, and its outputs as an ``OutputSet``."""
         p = _native.ll_dispatch_plan(
             self.group_size, device_index(self.device), tensor_meta("x", x),
             tensor_meta("topk_idx", topk_idx),
@@ -231,14 +232,14 @@ class LowLatencyMixin:
             check_bool("use_fp8", use_fp8), check_bool("round_scale", round_scale),
             check_bool("use_ue8m0", use_ue8m0),
         )  # fmt: skip
-        t, hidden, e, k = p["max_tokens"], p["hidden"], p["num_experts"], p["num_topk"]
+        t, hidden, e = p.max_tokens, p.hidden, p.num_experts
         if self._check_ids_now():
             check_topk_values(topk_idx, e)
         # The buffer must hold this shape: refused before the outputs are
         # allocated (they can be larger than the GPU has free).
-        ll.check_shape(t, hidden, e, k)
+        ll.check_shape(t, hidden, e, p.num_topk)
         return (
-            t, p["num_tokens"], hidden, k, e, p["use_fp8"], p["round_scale"], p["use_ue8m0"],
+            p, t, p.num_tokens, hidden, e, p.use_fp8,
             OutputSet(output_specs(p, _DISPATCH_OUTPUTS), self.device),
         )  # fmt: skip
 
@@ -266,33 +267,32 @@ class LowLatencyMixin:
             use_fp8, round_scale, use_ue8m0, type(num_max_dispatch_tokens_per_rank),
             type(num_experts), type(use_fp8), type(round_scale), type(use_ue8m0),
         )  # fmt: skip
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._ll_dispatch_plan(
+        entry = self._plans.get(key)
+        if entry is None:
+            entry = self._ll_dispatch_plan(
                 ll, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
                 round_scale, use_ue8m0,
             )  # fmt: skip
-            self._plans.put(key, plan)
+            self._plans.put(key, entry)
         elif self._check_ids_now():
-            check_topk_values(topk_idx, plan[4])
-        t, n, hidden, k, num_experts, use_fp8, round_scale, use_ue8m0, outputs = plan
+            check_topk_values(topk_idx, entry[4])
+        plan, t, n, hidden, num_experts, use_fp8, outputs = entry
         stream, raw, alloc = self._ll_stream(async_finish)
         with alloc:
             recv_x, scales, recv_count, src_info, layout_range = outputs.empty()
-        # The plan fixes every size: x and topk_idx are empty exactly when n is 0,
-        # the outputs never are (T, E_local >= 1), so no numel() per pointer.
-        args = (
-            t, hidden, num_experts, k, n,
+        # The plan fixes every size and flag (ll_dispatch reads them there): x and
+        # topk_idx are empty exactly when n is 0, the outputs never are (T, E_local
+        # >= 1), so no numel() per pointer.
+        ptrs = (
             x.data_ptr() if n else 0, topk_idx.data_ptr() if n else 0,
-            use_fp8, round_scale, use_ue8m0,
             recv_x.data_ptr(), 0 if scales is None else scales.data_ptr(), recv_count.data_ptr(),
             src_info.data_ptr(), layout_range.data_ptr(),
             _ptr(cumulative_local_expert_recv_stats), _ptr(dispatch_wait_recv_cost_stats),
         )  # fmt: skip
 
         def launch(s, phases):
-            return ll.ll_dispatch(s, *args, phases)
+            return ll.ll_dispatch(s, plan, ptrs, phases)
 
         keep = (x, topk_idx, recv_x, scales, recv_count, src_info, layout_range,
                 cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)  # fmt: skip
@@ -309,9 +309,11 @@ class LowLatencyMixin:
         self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out, stats_wait
     ):
         """Every check of a low-latency combine (``_native.ll_combine_plan``); returns
-        ``(T, H, N, K, E, combine_buffer spec, combined_x)``: the zero-copy input's view
-        (with ``zero_copy``) and the output as an ``OutputSet`` (its spec None where
-        ``out`` is given)."""
+        ``(plan, T, H, N, E, combine_buffer spec, combined_x)``: the
+        ``_native.LlCombinePlan`` (which ``EpBuffer.ll_combine`` takes for every size),
+        the values of it the call reads, the zero-copy input's view (with
+        ``zero_copy``) and the output as an ``OutputSet`` (its spec None where ``out``
+        is given)."""
         p = _native.ll_combine_plan(
             self.group_size, device_index(self.device),
             None if zero_copy else tensor_meta("x", x), tensor_meta("topk_idx", topk_idx),
@@ -319,12 +321,12 @@ class LowLatencyMixin:
             bool(zero_copy), optional_meta("out", out),
             optional_meta("combine_wait_recv_cost_stats", stats_wait),
         )  # fmt: skip
-        e = p["num_experts"]
+        e = p.num_experts
         if self._check_ids_now():
             check_topk_values(topk_idx, e)
         zero_copy_spec, out_spec = output_specs(p, ("combine_buffer", "combined_x"))
         return (
-            p["max_tokens"], p["hidden"], p["num_tokens"], p["num_topk"], e, zero_copy_spec,
+            p, p.max_tokens, p.hidden, p.num_tokens, e, zero_copy_spec,
             OutputSet((out_spec,), self.device),
         )  # fmt: skip
 
@@ -370,31 +372,32 @@ class LowLatencyMixin:
             _sig(h[0]), _sig(h[1]), h[2], h[3], h[4], type(h[2]), type(h[3]), type(h[4]),
             use_logfmt, zero_copy, _sig(out), _sig(combine_wait_recv_cost_stats),
         )  # fmt: skip
-        plan = self._plans.get(key)
-        if plan is None:
-            plan = self._ll_combine_plan(
+        entry = self._plans.get(key)
+        if entry is None:
+            entry = self._ll_combine_plan(
                 x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, out,
                 combine_wait_recv_cost_stats,
             )  # fmt: skip
-            self._plans.put(key, plan)
+            self._plans.put(key, entry)
         elif self._check_ids_now():
-            check_topk_values(topk_idx, plan[4])
+            check_topk_values(topk_idx, entry[4])
         src_info, layout_range = h[0], h[1]
-        t, hidden, n, k, num_experts, zero_copy_spec, outputs = plan
+        plan, t, hidden, n, num_experts, zero_copy_spec, outputs = entry
         if zero_copy:
             x = self._combine_buffer(ll, t, hidden, num_experts, zero_copy_spec)
         stream, raw, alloc = self._ll_stream(async_finish)
         if out is None:
             with alloc:
                 (out,) = outputs.empty()
-        args = (
-            t, hidden, num_experts, k, n, x.data_ptr(), layout_range.data_ptr(),
-            topk_idx.data_ptr() if n else 0, topk_weights.data_ptr() if n else 0,
-            out.data_ptr() if n else 0, _ptr(combine_wait_recv_cost_stats),
+        # Every size is the plan's (ll_combine reads them there).
+        ptrs = (
+            x.data_ptr(), layout_range.data_ptr(), topk_idx.data_ptr() if n else 0,
+            topk_weights.data_ptr() if n else 0, out.data_ptr() if n else 0,
+            _ptr(combine_wait_recv_cost_stats),
         )  # fmt: skip
 
         def launch(s, phases):
-            return ll.ll_combine(s, *args, phases)
+            return ll.ll_combine(s, plan, ptrs, phases)
 
         keep = (x, topk_idx, topk_weights, src_info, layout_range, out,
                 combine_wait_recv_cost_stats)  # fmt: skip
