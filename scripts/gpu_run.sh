@@ -35,6 +35,15 @@ export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONPATH="$PYTHONPATH:$PWD/python/deep_ep_alias"
 
 declare -A RESULT SECONDS_OF
+# A TERM, INT or HUP for this script (say, an outer `timeout`) ends the running
+# step too. `timeout` moves itself and the step into a process group of their
+# own, which a signal for this script does not reach: without this the step
+# ran on after the script was gone, beside whatever the GPU was given next.
+# `timeout` passes the TERM on to its whole group (and kills it 10 s later).
+STEP_PID= PACKER_PID=
+trap 'kill "$PACKER_PID" 2>/dev/null
+  [ -n "$STEP_PID" ] && kill -TERM "$STEP_PID" 2>/dev/null && wait "$STEP_PID" 2>/dev/null
+  exit 143' TERM INT HUP
 run() { # name timeout cmd...   (GPU_RUN_STEPS: a regex of step names to run)
   local name=$1 t=$2; shift 2
   if [ -n "${GPU_RUN_STEPS:-}" ] && ! [[ $name =~ $GPU_RUN_STEPS ]]; then return; fi
@@ -44,10 +53,13 @@ run() { # name timeout cmd...   (GPU_RUN_STEPS: a regex of step names to run)
   # off by its own time limit still brings back how far this step got.
   ( while sleep 15; do tar -czf "$LOG/steps.tgz.tmp" -C "$(dirname "$STEPS")" steps &&
       mv "$LOG/steps.tgz.tmp" "$LOG/steps.tgz"; done ) &
-  local packer=$!
-  timeout -k 10 "$t" "$@" > "$STEPS/$name.log" 2>&1
+  PACKER_PID=$!
+  timeout -k 10 "$t" "$@" > "$STEPS/$name.log" 2>&1 &
+  STEP_PID=$!
+  wait "$STEP_PID"
   local rc=$?
-  kill "$packer" 2>/dev/null; wait "$packer" 2>/dev/null
+  STEP_PID=
+  kill "$PACKER_PID" 2>/dev/null; wait "$PACKER_PID" 2>/dev/null
   RESULT[$name]=$rc
   SECONDS_OF[$name]=$((SECONDS - t0))
   grep -E "^(PASS|FAIL|SKIPPED)|test result|passed|failed|error|ERROR SUMMARY" "$STEPS/$name.log" | tail -n 30

@@ -25,19 +25,35 @@ status=0
 RANKS=("$@")
 [ ${#RANKS[@]} -gt 0 ] || RANKS=(2 4)
 
+# A TERM, INT or HUP for this script (scripts/gpu_run.sh's step timeout, or
+# an outer one) ends the running program too: `timeout` puts it in a process
+# group of its own, which a signal for this script does not reach.
+CHILD=
+trap '[ -n "$CHILD" ] && kill -TERM "$CHILD" 2>/dev/null && wait "$CHILD" 2>/dev/null
+  exit 143' TERM INT HUP
+# `timeout -k 10 SECONDS CMD...` in the background, waited for: its status.
+bounded() {
+  timeout -k 10 "$@" &
+  CHILD=$!
+  wait "$CHILD"
+  local rc=$?
+  CHILD=
+  return $rc
+}
+
 # The three programs at $1 ranks; $2 names the pass in the FAIL lines; the rest
 # of the arguments are environment assignments for them.
 run_programs() {
   local n=$1 name=$2
   shift 2
   echo "=== tch moe_layer, $name"
-  timeout -k 10 300 env "$@" python3 -m moelink.launch -n "$n" --timeout 280 --no-python \
+  bounded 300 env "$@" python3 -m moelink.launch -n "$n" --timeout 280 --no-python \
     .gpu/tch/moe_layer || { echo "FAIL tch moe_layer-$name"; status=1; }
   echo "=== tch parity, $name"
-  timeout -k 10 420 env "$@" python3 examples/tch_parity.py --bin .gpu/tch/tch_parity -n "$n" \
+  bounded 420 env "$@" python3 examples/tch_parity.py --bin .gpu/tch/tch_parity -n "$n" \
     --timeout 200 || { echo "FAIL tch parity-$name"; status=1; }
   echo "=== tch streams, $name"
-  timeout -k 10 300 env "$@" python3 -m moelink.launch -n "$n" --timeout 280 --no-python \
+  bounded 300 env "$@" python3 -m moelink.launch -n "$n" --timeout 280 --no-python \
     .gpu/tch/tch_streams || { echo "FAIL tch streams-$name"; status=1; }
 }
 
