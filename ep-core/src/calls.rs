@@ -286,16 +286,25 @@ impl OutputSpec {
     /// `rows`, a [`RECV_ROWS`] stride `max(rows, 1)` (as torch strides a new
     /// tensor).
     pub fn resolve(&self, rows: i64) -> OutputSpec {
-        let fill = |v: &[i64], by: i64| {
-            v.iter()
-                .map(|&d| if d == RECV_ROWS { by } else { d })
-                .collect()
-        };
         OutputSpec {
-            shape: fill(&self.shape, rows),
-            strides: fill(&self.strides, rows.max(1)),
+            shape: self
+                .shape
+                .iter()
+                .map(|&d| if d == RECV_ROWS { rows } else { d })
+                .collect(),
+            strides: self.strides.iter().map(|&d| stride_at(d, rows)).collect(),
             ..self.clone()
         }
+    }
+}
+
+/// A spec's stride `d` with `rows` received rows: a [`RECV_ROWS`] stride is
+/// `max(rows, 1)`, as torch strides a new tensor ([`OutputSpec::resolve`]).
+pub fn stride_at(d: i64, rows: i64) -> i64 {
+    if d == RECV_ROWS {
+        rows.max(1)
+    } else {
+        d
     }
 }
 

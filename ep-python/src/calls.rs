@@ -193,18 +193,12 @@ impl DispatchPlan {
     }
 
     /// The strides of `recv_x_scales` with `rows` received rows, as
-    /// [`OutputSpec::resolve`] gives them (a [`calls::RECV_ROWS`] stride is
-    /// `max(rows, 1)`, as the tensor was made); `(0, 0)` without scales.
+    /// [`OutputSpec::resolve`] gives them ([`calls::stride_at`]: the strides
+    /// the tensor was made with), without its allocations; `(0, 0)` without
+    /// scales.
     pub(crate) fn recv_scale_strides(&self, rows: i64) -> (i64, i64) {
-        let at = |d: i64| {
-            if d == calls::RECV_ROWS {
-                rows.max(1)
-            } else {
-                d
-            }
-        };
         let (s0, s1) = self.recv_scale_strides;
-        (at(s0), at(s1))
+        (calls::stride_at(s0, rows), calls::stride_at(s1, rows))
     }
 }
 
