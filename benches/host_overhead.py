@@ -331,7 +331,7 @@ def main(argv=None) -> int:
     breakdown: dict = {}
     if args.breakdown:
         attribution = Attribution()
-        natives = [(ll_buf, "_ll"), (buf, "_native"), (ar, "_native")]
+        natives = [(ll_buf, "_ll"), (ll_buf, "_ll_state"), (buf, "_native"), (ar, "_native")]
         saved_natives = [getattr(o, a) for o, a in natives]
         saved_torch = {k: getattr(torch, k) for k in ("empty", "empty_strided", "zeros")}
         # Native outputs are made in OutputSet.empty (its torch.empty_strided

@@ -6,7 +6,7 @@ and checks nothing, so that what a call checks and allocates runs on CPU tensors
 from __future__ import annotations
 
 import torch
-from moelink import _buffer_common, buffer, low_latency
+from moelink import _buffer_common, _native, buffer, low_latency
 from moelink.buffer import Buffer
 
 
@@ -50,6 +50,8 @@ def cpu_buffer(monkeypatch, group_size: int) -> Buffer:
     monkeypatch.setattr(_buffer_common, "_capturing", lambda: False)
     b = Buffer.__new__(Buffer)
     b._native, b._ll = FakeNative(), FakeNative()
+    # The real bookkeeping; its one-call path declines a stand-in native part.
+    b._ll_state = _native.LlCalls(b._ll, group_size, -1, lambda i: 11, buffer.EventOverlap)
     b._plans = _buffer_common.PlanCache()
     b.num_sms_used, b._launch_sms = {}, {}
     b._order = FakeOrder()

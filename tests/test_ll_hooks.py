@@ -168,3 +168,21 @@ def test_a_refused_hook_launch_leaves_the_hook_pending(buf):
     with pytest.raises(TimeoutError):
         a()
     assert not a.called and buf._ll_pending == (a,)
+
+
+def test_the_one_call_path_declines_a_stand_in_without_side_effects(buf):
+    # `_native.LlCalls.dispatch` / `combine` run an eager call whole only on a real
+    # native part; with anything else they return None, having launched, counted
+    # and kept nothing, and the Python path runs the call (and names its hooks).
+    x, idx, w = inputs()
+    state = buf._ll_state
+    assert state.dispatch(x, idx, T, E, None, None, False, False, False, True) is None
+    y = torch.zeros(E // R, R * T, H, dtype=torch.bfloat16)
+    handle = (torch.zeros(E // R, R * T, dtype=torch.int32),
+              torch.zeros(E // R, R, dtype=torch.int64), T, H, E)  # fmt: skip
+    assert state.combine(y, idx, w, handle, False, False, True, None, None) is None
+    assert launches(buf) == [] and buf._ll_pending == ()
+    _, _, _, _, a = dispatch(buf)
+    assert a.name == "low-latency dispatch call #1" and repr(a).endswith("pending>")
+    a()
+    assert repr(a).endswith("called>")

@@ -9,14 +9,18 @@ timed from the Python call to its return; the GPU is synchronized between
 samples, outside the timed region). Rows:
 
 - ``x.add_(0)``: the reference;
-- ``dispatch + hook``: ``low_latency_dispatch(..., return_recv_hook=True)`` then the hook;
+- ``dispatch + hook``: ``low_latency_dispatch(..., return_recv_hook=True)`` then the hook
+  (an eager call runs whole in one native call, ``_native.LlCalls``);
+- ``dispatch + hook, checked path``: the same through the Python path (plan cache,
+  ``OutputSet``, a launch per phase), which ``async_finish=True`` takes;
 - ``outputs``: the five outputs of the call's cached plan (``OutputSet.empty``);
 - ``native send`` / ``native recv``: ``EpBuffer.ll_dispatch`` of the send and of the
   receive phase, with the call's plan and addresses;
 - ``raw stream``: the current stream's handle;
 - ``plan lookup``: the call's plan-cache key and lookup.
 
-The Python glue is the whole call less the parts.
+The checked path's Python glue is that call less the parts; what the one native
+call adds to the same parts is its own line.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ def main(argv=None) -> int:
     import torch.distributed as dist
     from moelink import low_latency
     from moelink._streams import current_raw_stream
+    from moelink._testing import CheckedPath
 
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank, size = dist.get_rank(), dist.get_world_size()
@@ -57,17 +62,26 @@ def main(argv=None) -> int:
         hook = buf.low_latency_dispatch(x, idx, T, e, use_fp8=True, return_recv_hook=True)[4]
         hook()
 
+    one_call, checked = buf._ll_state, CheckedPath(buf._ll_state)
+
+    def whole_checked():
+        buf._ll_state = checked
+        try:
+            whole()
+        finally:
+            buf._ll_state = one_call
+
     whole()
+    whole_checked()
     torch.cuda.synchronize()
-    (entry,) = [v for k, v in buf._plans.plans.items() if k[0] == "dispatch"]
+    ll = buf._ll
+    entry = buf._ll_dispatch_plan(ll, x, idx, T, e, None, None, True, False, False)
     plan, outputs = entry[0], entry[6]
     outs = outputs.empty()
     recv_x, scales, count, src_info, layout_range = outs
     ptrs = (x.data_ptr(), idx.data_ptr(), recv_x.data_ptr(), scales.data_ptr(),
             count.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(), 0, 0)  # fmt: skip
-    ll = buf._ll
     raw = current_raw_stream(dev.index)
-
     sig = low_latency._sig
 
     def key():
@@ -82,6 +96,7 @@ def main(argv=None) -> int:
     rows = {
         "x.add_(0)": lambda: ref.add_(0),
         "dispatch + hook": whole,
+        "dispatch + hook, checked path": whole_checked,
         "outputs": outputs.empty,
         "native send": lambda: ll.ll_dispatch(raw, plan, ptrs, 1),
         "native recv": lambda: ll.ll_dispatch(raw, plan, ptrs, 2),
@@ -117,7 +132,8 @@ def main(argv=None) -> int:
     torch.cuda.synchronize()
     med = {name: statistics.median(s) / 1e3 for name, s in samples.items()}
     parts = med["outputs"] + med["native send"] + med["native recv"] + med["raw stream"]
-    med["python glue (whole - outputs - natives - raw stream)"] = med["dispatch + hook"] - parts
+    med["checked path less its parts (Python glue)"] = med["dispatch + hook, checked path"] - parts
+    med["one native call less those parts"] = med["dispatch + hook"] - parts
     if rank == 0:
         for name, v in med.items():
             print(f"{name:56s} {v:8.2f} us  {v / med['x.add_(0)']:5.2f}x")

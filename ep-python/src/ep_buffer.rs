@@ -13,7 +13,7 @@
 //! with the phases to launch.
 
 use comm::StreamHandle;
-use ep_core::calls::LlGeometry;
+use ep_core::calls::{self, LlGeometry};
 use ep_core::internode::XInputs;
 use ep_core::intranode::{
     CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, IntranodeBuffer, LayoutCall,
@@ -35,6 +35,12 @@ use crate::{drop_detached, to_py};
 #[pyclass(module = "moelink._native")]
 pub struct EpBuffer {
     inner: Inner,
+}
+
+/// A low-latency launch: its plan and addresses.
+pub(crate) enum LlLaunch<'a> {
+    Dispatch(&'a calls::LlDispatchPlan, LlDispatchTensors),
+    Combine(&'a calls::LlCombinePlan, LlCombineTensors),
 }
 
 /// The part named `name` in Python.
@@ -91,10 +97,89 @@ impl EpBuffer {
             .ok_or_else(|| absent(destroyed, PartKind::Intranode))
     }
 
-    fn ll(&self) -> PyResult<&LowLatencyBuffer> {
+    pub(crate) fn ll(&self) -> PyResult<&LowLatencyBuffer> {
         self.inner
             .low_latency()
             .ok_or_else(|| absent(self.inner.is_empty(), PartKind::LowLatency))
+    }
+
+    /// Launches `phases` of the low-latency call `l` on `stream`
+    /// (`ep_core::LowLatencyBuffer::dispatch_call` / `combine_call`): every
+    /// size and flag is its plan's, the rest its addresses. Raises, launching
+    /// nothing, once a device wait of the part ran out; returns the error the
+    /// kernels recorded (an exception object, for the caller to raise after
+    /// its bookkeeping) or None.
+    pub(crate) fn launch_ll(
+        &self,
+        py: Python<'_>,
+        stream: usize,
+        l: LlLaunch<'_>,
+        phases: Phases,
+    ) -> PyResult<Option<Py<PyAny>>> {
+        let ll = self.ll()?;
+        let stream = StreamHandle(stream);
+        let r = match l {
+            LlLaunch::Dispatch(p, t) => {
+                let (x, topk_idx, recv_x, recv_scales, recv_count, src_info, layout_range) =
+                    (t.0, t.1, t.2, t.3, t.4, t.5, t.6);
+                let out = LlDispatchOutputs {
+                    recv_x,
+                    recv_scales,
+                    recv_count,
+                    src_info,
+                    layout_range,
+                    stats_count: t.7,
+                    stats_wait: t.8,
+                };
+                let call = DispatchCall {
+                    shape: ll_shape(&p.geometry, p.num_topk),
+                    x,
+                    topk_idx,
+                    num_tokens: p.num_tokens as usize,
+                    use_fp8: p.use_fp8,
+                    round_scale: p.round_scale,
+                    use_ue8m0: p.use_ue8m0,
+                    out,
+                };
+                ll.dispatch_call(stream, &call, phases)
+            }
+            LlLaunch::Combine(p, (x, layout_range, topk_idx, topk_weights, out, stats_wait)) => {
+                let call = CombineCall {
+                    shape: ll_shape(&p.geometry, p.num_topk),
+                    x,
+                    layout_range,
+                    topk_idx,
+                    topk_weights,
+                    num_tokens: p.num_tokens as usize,
+                    out,
+                    stats_wait,
+                };
+                ll.combine_call(stream, &call, phases)
+            }
+        };
+        Ok(r.map_err(to_py)?
+            .map(|e| to_py(e).into_value(py).into_any()))
+    }
+
+    /// ValueError where a low-latency call of geometry `g` does not fit the
+    /// kernels or this buffer (`check_shape`).
+    pub(crate) fn check_ll_shape(&self, g: &LlGeometry, num_topk: i64) -> PyResult<()> {
+        self.ll()?
+            .check_shape(&ll_shape(g, num_topk))
+            .map_err(to_py)
+    }
+
+    /// The device address of the zero-copy combine input of geometry `g`.
+    pub(crate) fn ll_zero_copy_ptr(&self, g: &LlGeometry) -> PyResult<u64> {
+        let (ptr, _) = self
+            .ll()?
+            .zero_copy_buffer(
+                g.max_tokens as usize,
+                g.hidden as usize,
+                g.num_experts as usize,
+            )
+            .map_err(to_py)?;
+        Ok(ptr)
     }
 }
 
@@ -218,11 +303,11 @@ fn ll_shape(g: &LlGeometry, num_topk: i64) -> CallShape {
 /// `recv_x`, `recv_x_scales` (0 for bf16), `recv_count`, `src_info`,
 /// `layout_range`, then `cumulative_local_expert_recv_stats` and
 /// `dispatch_wait_recv_cost_stats` (0: absent).
-type LlDispatchTensors = (u64, u64, u64, u64, u64, u64, u64, u64, u64);
+pub(crate) type LlDispatchTensors = (u64, u64, u64, u64, u64, u64, u64, u64, u64);
 /// `ll_combine`'s addresses: `x`, the handle's `layout_range`, `topk_idx`,
 /// `topk_weights`, `out` (these three 0 without tokens),
 /// `combine_wait_recv_cost_stats` (0: absent).
-type LlCombineTensors = (u64, u64, u64, u64, u64, u64);
+pub(crate) type LlCombineTensors = (u64, u64, u64, u64, u64, u64);
 
 /// Bytes of low-latency buffer a rank needs (DeepEP's
 /// `get_low_latency_rdma_size_hint`).
@@ -714,11 +799,7 @@ impl EpBuffer {
     }
 
     /// Launches `phases_` (1 send, 2 receive, 3 both) of a low-latency
-    /// dispatch of `plan` on `stream` (`ep_core::LowLatencyBuffer::dispatch_call`):
-    /// every size and flag is the plan's, `tensors` the call's addresses.
-    /// Raises, launching nothing, once a device wait of the part ran out;
-    /// returns the error the kernels recorded (an exception object, for the
-    /// caller to raise after its bookkeeping) or None.
+    /// dispatch of `plan` on `stream` ([`Self::launch_ll`]).
     fn ll_dispatch(
         &self,
         py: Python<'_>,
@@ -727,46 +808,16 @@ impl EpBuffer {
         tensors: LlDispatchTensors,
         phases_: u8,
     ) -> PyResult<Option<Py<PyAny>>> {
-        let (
-            x,
-            topk_idx,
-            recv_x,
-            recv_scales,
-            recv_count,
-            src_info,
-            layout_range,
-            stats_count,
-            stats_wait,
-        ) = tensors;
-        let p = &plan.0;
-        let out = LlDispatchOutputs {
-            recv_x,
-            recv_scales,
-            recv_count,
-            src_info,
-            layout_range,
-            stats_count,
-            stats_wait,
-        };
-        let call = DispatchCall {
-            shape: ll_shape(&p.geometry, p.num_topk),
-            x,
-            topk_idx,
-            num_tokens: p.num_tokens as usize,
-            use_fp8: p.use_fp8,
-            round_scale: p.round_scale,
-            use_ue8m0: p.use_ue8m0,
-            out,
-        };
-        let recorded = self
-            .ll()?
-            .dispatch_call(StreamHandle(stream), &call, phases(phases_)?)
-            .map_err(to_py)?;
-        Ok(recorded.map(|e| to_py(e).into_value(py).into_any()))
+        self.launch_ll(
+            py,
+            stream,
+            LlLaunch::Dispatch(&plan.0, tensors),
+            phases(phases_)?,
+        )
     }
 
-    /// Launches `phases_` of a low-latency combine of `plan` on `stream`, as
-    /// `ll_dispatch` does (`ep_core::LowLatencyBuffer::combine_call`).
+    /// Launches `phases_` of a low-latency combine of `plan` on `stream`
+    /// ([`Self::launch_ll`]).
     fn ll_combine(
         &self,
         py: Python<'_>,
@@ -775,23 +826,12 @@ impl EpBuffer {
         tensors: LlCombineTensors,
         phases_: u8,
     ) -> PyResult<Option<Py<PyAny>>> {
-        let (x, layout_range, topk_idx, topk_weights, out, stats_wait) = tensors;
-        let p = &plan.0;
-        let call = CombineCall {
-            shape: ll_shape(&p.geometry, p.num_topk),
-            x,
-            layout_range,
-            topk_idx,
-            topk_weights,
-            num_tokens: p.num_tokens as usize,
-            out,
-            stats_wait,
-        };
-        let recorded = self
-            .ll()?
-            .combine_call(StreamHandle(stream), &call, phases(phases_)?)
-            .map_err(to_py)?;
-        Ok(recorded.map(|e| to_py(e).into_value(py).into_any()))
+        self.launch_ll(
+            py,
+            stream,
+            LlLaunch::Combine(&plan.0, tensors),
+            phases(phases_)?,
+        )
     }
 
     /// *Collective.* Resets the low-latency flags and call counters

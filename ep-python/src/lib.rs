@@ -9,9 +9,11 @@ mod dlpack;
 mod ep_buffer;
 mod error;
 mod group;
+mod ll_calls;
 mod reference;
 mod reference_ll;
 mod streams;
+mod tensors;
 mod torch_alloc;
 
 use std::sync::Once;
@@ -141,6 +143,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(group::bootstrap_unique_id, m)?)?;
     m.add_class::<group::Group>()?;
     m.add_class::<ep_buffer::EpBuffer>()?;
+    m.add_class::<ll_calls::LlCalls>()?;
+    m.add_class::<ll_calls::LlHook>()?;
     m.add_class::<streams::StreamOrder>()?;
     m.add_function(wrap_pyfunction!(ep_buffer::low_latency_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(reference_ll::ref_ll_dispatch, m)?)?;

@@ -16,7 +16,7 @@
 
 use std::ffi::{c_int, c_void};
 use std::ptr;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use libloading::os::unix::{Library, RTLD_NOW};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -29,6 +29,7 @@ type Handle = *mut c_void;
 type EmptyStrided =
     unsafe extern "C" fn(i64, *const i64, *const i64, i32, i32, i32, *mut Handle) -> i32;
 type HandleFn = unsafe extern "C" fn(Handle) -> i32;
+type DataPtr = unsafe extern "C" fn(Handle, *mut *mut c_void) -> i32;
 type Code = unsafe extern "C" fn() -> i32;
 
 struct Shim {
@@ -36,6 +37,7 @@ struct Shim {
     empty_strided: EmptyStrided,
     delete: HandleFn,
     zero: HandleFn,
+    data_ptr: DataPtr,
     /// `aoti_torch_device_type_cuda()` and `aoti_torch_device_type_cpu()`.
     cuda: i32,
     cpu: i32,
@@ -80,6 +82,7 @@ pub fn torch_alloc_init(libtorch_cpu: &str, steal: Py<PyAny>) -> PyResult<()> {
             empty_strided: symbol(&lib, "aoti_torch_empty_strided")?,
             delete: symbol(&lib, "aoti_torch_delete_tensor_object")?,
             zero: symbol(&lib, "aoti_torch_zero_")?,
+            data_ptr: symbol(&lib, "aoti_torch_get_data_ptr")?,
             cuda: cuda(),
             cpu: cpu(),
             steal,
@@ -100,11 +103,55 @@ pub fn torch_alloc_ready() -> bool {
 type SpecArg = (Vec<i64>, Vec<i64>, String, bool);
 
 /// One output: shape, strides, torch's dtype code, zero-filled or not.
-struct Spec {
+pub(crate) struct Spec {
     shape: Vec<i64>,
     strides: Vec<i64>,
     dtype: i32,
     zeroed: bool,
+}
+
+impl Spec {
+    /// An output of dtype `dtype` (torch's name); `ValueError` for a name
+    /// torch's shim does not know, `RuntimeError` before [`torch_alloc_init`].
+    pub(crate) fn new(
+        shape: Vec<i64>,
+        strides: Vec<i64>,
+        dtype: &str,
+        zeroed: bool,
+    ) -> PyResult<Self> {
+        if shape.len() != strides.len() {
+            return Err(PyValueError::new_err("shape and strides differ in length"));
+        }
+        Ok(Spec {
+            shape,
+            strides,
+            dtype: dtype_code(dtype)?,
+            zeroed,
+        })
+    }
+}
+
+/// torch's code of the dtype it calls `name` (`aoti_torch_dtype_<name>()`),
+/// looked up once per name.
+fn dtype_code(name: &str) -> PyResult<i32> {
+    static CODES: Mutex<Vec<(String, i32)>> = Mutex::new(Vec::new());
+    let mut codes = CODES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, c)) = codes.iter().find(|(n, _)| n == name) {
+        return Ok(*c);
+    }
+    let shim = shim()?;
+    // SAFETY: aoti_torch_dtype_* take nothing and return the code.
+    let code: Code = unsafe { symbol(&shim.lib, &format!("aoti_torch_dtype_{name}")) }
+        .map_err(|_| PyValueError::new_err(format!("dtype {name:?} is not torch's")))?;
+    // SAFETY: as above.
+    let c = unsafe { code() };
+    codes.push((name.to_string(), c));
+    Ok(c)
+}
+
+fn shim() -> PyResult<&'static Shim> {
+    SHIM.get()
+        .ok_or_else(|| PyRuntimeError::new_err("torch_alloc_init was not called"))
 }
 
 /// A fixed list of outputs (a cached plan's), each made by [`TorchOutputs::empty`].
@@ -122,102 +169,103 @@ fn delete_all(shim: &Shim, handles: &[Handle]) {
     }
 }
 
+/// Tensors made by [`empty`], each with its data address.
+pub(crate) type Made<'py> = Vec<(Bound<'py, PyAny>, u64)>;
+
+/// The tensors of `specs` on CUDA device `device` (the CPU for -1), on its
+/// current stream, each with its data address. None when torch's shim
+/// refused one (out of memory, say): the caller then allocates through
+/// Python, which raises torch's own error.
+pub(crate) fn empty<'py, 'a>(
+    py: Python<'py>,
+    specs: impl IntoIterator<Item = &'a Spec>,
+    device: i32,
+) -> PyResult<Option<Made<'py>>> {
+    let shim = shim()?;
+    let mut handles = Vec::new();
+    let mut ptrs = Vec::new();
+    for spec in specs {
+        let mut h: Handle = ptr::null_mut();
+        // SAFETY: shape and strides hold ndim values each; h receives a new handle.
+        let rc = unsafe {
+            (shim.empty_strided)(
+                spec.shape.len() as i64,
+                spec.shape.as_ptr(),
+                spec.strides.as_ptr(),
+                spec.dtype,
+                if device < 0 { shim.cpu } else { shim.cuda },
+                device.max(0),
+                &mut h,
+            )
+        };
+        if rc == 0 {
+            handles.push(h);
+        }
+        let mut data: *mut c_void = ptr::null_mut();
+        // SAFETY: h is the handle just made (where rc is 0).
+        if rc != 0
+            || (spec.zeroed && unsafe { (shim.zero)(h) } != 0)
+            || unsafe { (shim.data_ptr)(h, &mut data) } != 0
+        {
+            delete_all(shim, &handles);
+            return Ok(None);
+        }
+        ptrs.push(data as u64);
+    }
+    let capsules = handles
+        .iter()
+        .map(|&h| {
+            // SAFETY: an unnamed capsule without destructor around the
+            // handle, as torch's own tensor-to-handle function makes them.
+            let c = unsafe { ffi::PyCapsule_New(h, ptr::null(), None) };
+            // SAFETY: c is a new reference or null with an exception set.
+            unsafe { Bound::from_owned_ptr_or_err(py, c) }
+        })
+        .collect::<PyResult<Vec<_>>>();
+    let capsules = match capsules {
+        Ok(c) => c,
+        Err(e) => {
+            delete_all(shim, &handles);
+            return Err(e);
+        }
+    };
+    // torch takes every handle (and frees it) from here on.
+    let tensors = shim.steal.bind(py).call1((PyList::new(py, capsules)?,))?;
+    let tensors = tensors.try_iter()?.collect::<PyResult<Vec<_>>>()?;
+    if tensors.len() != ptrs.len() {
+        return Err(PyRuntimeError::new_err("torch returned fewer tensors"));
+    }
+    Ok(Some(tensors.into_iter().zip(ptrs).collect()))
+}
+
 #[pymethods]
 impl TorchOutputs {
     /// `specs`: `(shape, strides, dtype name, zeroed)` or None per output;
     /// `ValueError` for a dtype torch's shim does not name.
     #[new]
     fn new(specs: Vec<Option<SpecArg>>) -> PyResult<Self> {
-        let shim = SHIM
-            .get()
-            .ok_or_else(|| PyRuntimeError::new_err("torch_alloc_init was not called"))?;
         let specs = specs
             .into_iter()
             .map(|s| {
-                s.map(|(shape, strides, dtype, zeroed)| {
-                    if shape.len() != strides.len() {
-                        return Err(PyValueError::new_err("shape and strides differ in length"));
-                    }
-                    // SAFETY: aoti_torch_dtype_* take nothing and return the code.
-                    let code: Code =
-                        unsafe { symbol(&shim.lib, &format!("aoti_torch_dtype_{dtype}")) }
-                            .map_err(|_| {
-                                PyValueError::new_err(format!("dtype {dtype:?} is not torch's"))
-                            })?;
-                    Ok(Spec {
-                        shape,
-                        strides,
-                        // SAFETY: as above.
-                        dtype: unsafe { code() },
-                        zeroed,
-                    })
-                })
-                .transpose()
+                s.map(|(shape, strides, dtype, zeroed)| Spec::new(shape, strides, &dtype, zeroed))
+                    .transpose()
             })
             .collect::<PyResult<_>>()?;
         Ok(Self { specs })
     }
 
     /// The outputs on CUDA device `device` (the CPU for -1), on its current
-    /// stream: a tuple
-    /// with None where the spec is None. None when torch's shim refused one
-    /// (out of memory, say): the caller then allocates through Python, which
-    /// raises torch's own error.
+    /// stream: a tuple with None where the spec is None; None where torch's
+    /// shim refused one ([`empty`]).
     fn empty<'py>(&self, py: Python<'py>, device: i32) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        let shim = SHIM
-            .get()
-            .ok_or_else(|| PyRuntimeError::new_err("torch_alloc_init was not called"))?;
-        let mut handles = Vec::with_capacity(self.specs.len());
-        for spec in self.specs.iter().flatten() {
-            let mut h: Handle = ptr::null_mut();
-            // SAFETY: shape and strides hold ndim values each; h receives a new handle.
-            let rc = unsafe {
-                (shim.empty_strided)(
-                    spec.shape.len() as i64,
-                    spec.shape.as_ptr(),
-                    spec.strides.as_ptr(),
-                    spec.dtype,
-                    if device < 0 { shim.cpu } else { shim.cuda },
-                    device.max(0),
-                    &mut h,
-                )
-            };
-            // SAFETY: h is the handle just made.
-            if rc != 0 || (spec.zeroed && unsafe { (shim.zero)(h) } != 0) {
-                if rc == 0 {
-                    handles.push(h);
-                }
-                delete_all(shim, &handles);
-                return Ok(None);
-            }
-            handles.push(h);
-        }
-        let capsules = handles
-            .iter()
-            .map(|&h| {
-                // SAFETY: an unnamed capsule without destructor around the
-                // handle, as torch's own tensor-to-handle function makes them.
-                let c = unsafe { ffi::PyCapsule_New(h, ptr::null(), None) };
-                // SAFETY: c is a new reference or null with an exception set.
-                unsafe { Bound::from_owned_ptr_or_err(py, c) }
-            })
-            .collect::<PyResult<Vec<_>>>();
-        let capsules = match capsules {
-            Ok(c) => c,
-            Err(e) => {
-                delete_all(shim, &handles);
-                return Err(e);
-            }
+        let Some(made) = empty(py, self.specs.iter().flatten(), device)? else {
+            return Ok(None);
         };
-        // torch takes every handle (and frees it) from here on.
-        let tensors = shim.steal.bind(py).call1((PyList::new(py, capsules)?,))?;
-        let mut tensors = tensors.try_iter()?;
+        let mut made = made.into_iter();
         let mut out = Vec::with_capacity(self.specs.len());
         for spec in &self.specs {
             out.push(match spec {
-                Some(_) => tensors
-                    .next()
-                    .ok_or_else(|| PyRuntimeError::new_err("torch returned fewer tensors"))??,
+                Some(_) => made.next().map(|(t, _)| t).expect("one tensor per spec"),
                 None => py.None().into_bound(py),
             });
         }

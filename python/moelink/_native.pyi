@@ -25,6 +25,47 @@ class TorchOutputs:
     ) -> None: ...
     def empty(self, device: int) -> tuple[Any, ...] | None: ...
 
+class LlCalls:
+    def __init__(
+        self, ep: Any, num_ranks: int, device: int, stream_of: Any, event: Any
+    ) -> None: ...
+    @property
+    def pending(self) -> tuple[LlHook, ...]: ...
+    def begin(self, async_finish: bool, return_recv_hook: bool) -> None: ...
+    def record(self, kind: str, launch: Any | None, keep: Any) -> LlHook | None: ...
+    def dispatch(
+        self,
+        x: Any,
+        topk_idx: Any,
+        num_max_dispatch_tokens_per_rank: Any,
+        num_experts: Any,
+        cumulative_local_expert_recv_stats: Any,
+        dispatch_wait_recv_cost_stats: Any,
+        use_fp8: Any,
+        round_scale: Any,
+        use_ue8m0: Any,
+        return_recv_hook: bool,
+    ) -> tuple[Any, ...] | None: ...
+    def combine(
+        self,
+        x: Any,
+        topk_idx: Any,
+        topk_weights: Any,
+        handle: Any,
+        use_logfmt: Any,
+        zero_copy: Any,
+        return_recv_hook: bool,
+        out: Any,
+        combine_wait_recv_cost_stats: Any,
+    ) -> tuple[Any, ...] | None: ...
+
+class LlHook:
+    @property
+    def name(self) -> str: ...
+    @property
+    def called(self) -> bool: ...
+    def __call__(self) -> None: ...
+
 def reduce_rows_bf16(
     device: int, stream: int, input: int, out: int, rows: int, cols: int
 ) -> None: ...

@@ -33,3 +33,25 @@ def reduce_rows_bf16(x, out=None):
         x.device.index, stream.cuda_stream, x.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1]
     )
     return out
+
+
+class CheckedPath:
+    """Stands in for a Buffer's ``_ll_state`` (``_native.LlCalls``) with its one-call
+    path declining, so that every low-latency call takes the checked Python path
+    (what ``async_finish=True`` takes); the bookkeeping stays the real one's. For
+    benchmarks and tests that compare the two paths::
+
+        buf._ll_state = CheckedPath(buf._ll_state)
+    """
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    def dispatch(self, *args):
+        return None
+
+    def combine(self, *args):
+        return None
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)

@@ -309,6 +309,9 @@ class Buffer(LowLatencyMixin):
             self._native = ep if num_nvl_bytes > 0 else None
             if low_latency_mode:
                 self._ll = ep
+                self._ll_state = _native.LlCalls(
+                    ep, self.group_size, self.device.index, current_raw_stream, EventOverlap
+                )
             if self._native is not None:
                 self.nodes = ep.nodes()
                 # Direct dispatch (MOELINK_INTRANODE_RECV=direct): recv_x comes

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _native
+from . import _buffer_common, _native
 from ._buffer_common import OutputSet, _check_ids, _CudaMemory, output_specs
 from ._streams import NO_STREAM_SWITCH, EventOverlap, current_raw_stream, finish_async
 from .checks import (
@@ -82,55 +82,18 @@ def get_low_latency_rdma_size_hint(
 MAX_LL_IN_FLIGHT = 2
 
 
-class _Hook:
-    """The receive half of a low-latency call (``return_recv_hook=True``).
-
-    Hooks run in call order: the kernels number a call's receive from a device
-    counter advanced by each receive (``docs/design-low-latency.md``), so a hook
-    called while an earlier call's hook is pending raises ``RuntimeError``."""
-
-    def __init__(self, owner, launch, keep, name: str) -> None:
-        self._owner = owner
-        self._launch = launch
-        self._keep = keep
-        self.name = name
-        self.called = False
-
-    def __repr__(self) -> str:
-        state = "called" if self.called else "pending"
-        return f"<low-latency receive hook of {self.name}, {state}>"
-
-    def __call__(self) -> None:
-        if self.called:
-            raise RuntimeError(f"the low-latency receive hook of {self.name} was already called")
-        owner = self._owner
-        pending = owner._ll_pending
-        if self in pending and pending[0] is not self:
-            raise RuntimeError(
-                f"low-latency receive hooks run in call order: the hook of {pending[0].name} "
-                f"is pending; call it before the hook of {self.name}"
-            )
-        owner._ll_native()
-        # One native call: refuses (raising, nothing launched) once a device wait
-        # ran out, launches, and returns what a kernel recorded (an expert id out
-        # of range, in this call or an earlier one), raised once the hook's
-        # bookkeeping is done: the receive half is launched, the ranks stay in step.
-        recorded = self._launch(current_raw_stream(owner.device.index))
-        self.called = True
-        owner._ll_pending = tuple(h for h in owner._ll_pending if h is not self)
-        self._keep = None
-        if recorded is not None:
-            raise recorded
-
-
 class LowLatencyMixin:
     """Methods of ``Buffer`` for ``low_latency_mode=True`` (mixed into ``Buffer``)."""
 
     _ll = None
-    #: Receive hooks not yet called, oldest first (at most MAX_LL_IN_FLIGHT).
-    _ll_pending: tuple = ()
-    #: Low-latency calls issued (names the hooks in errors).
-    _ll_calls = 0
+    #: The low-latency calls' bookkeeping and their one-call eager path
+    #: (``_native.LlCalls``; None without a low-latency part).
+    _ll_state = None
+
+    @property
+    def _ll_pending(self) -> tuple:
+        """Receive hooks not yet called, oldest first (at most MAX_LL_IN_FLIGHT)."""
+        return () if self._ll_state is None else self._ll_state.pending
 
     @staticmethod
     def get_low_latency_rdma_size_hint(
@@ -149,39 +112,14 @@ class LowLatencyMixin:
         return self._ll
 
     def _ll_begin(self, async_finish: bool, return_recv_hook: bool):
-        """Checks that a low-latency call may start now. Two calls may be in flight:
-        the send of a call with ``return_recv_hook=True`` while the previous call's
-        receive hook is pending (SGLang's two-batch overlap); a third, or a call
-        without a hook (its receive runs at once, before the pending one's), while a
-        hook is pending raises ``RuntimeError`` naming that hook."""
+        """Checks that a low-latency call may start now (``_native.LlCalls.begin``:
+        at most MAX_LL_IN_FLIGHT in flight, and a call without a hook cannot overlap
+        a pending one)."""
         ll = self._ll_native()
-        if async_finish and return_recv_hook:
-            raise ValueError("async_finish and return_recv_hook cannot both be True")
-        pending = self._ll_pending
-        if len(pending) >= MAX_LL_IN_FLIGHT:
-            names = " and ".join(h.name for h in pending)
-            raise RuntimeError(
-                f"the receive hooks of {names} have not run: at most {MAX_LL_IN_FLIGHT} "
-                f"low-latency calls may be in flight (the buffer has two halves); call the "
-                f"hook of {pending[0].name} before the next low-latency call"
-            )
-        if pending and not return_recv_hook:
-            raise RuntimeError(
-                f"the receive hook of {pending[0].name} has not run: a low-latency call "
-                f"without return_recv_hook=True cannot overlap it (its receive would run "
-                f"before the pending one's); call the hook first, or pass "
-                f"return_recv_hook=True"
-            )
+        self._ll_state.begin(async_finish, return_recv_hook)
         # A timed-out wait leaves the ranks out of step: the launch call itself
         # raises before launching (ll_dispatch / ll_combine).
         return ll
-
-    def _ll_hook(self, kind: str, launch, keep) -> _Hook:
-        """The receive hook of the call just launched (pending until called)."""
-        self._ll_calls += 1
-        hook = _Hook(self, launch, keep, f"low-latency {kind} call #{self._ll_calls}")
-        self._ll_pending = (*self._ll_pending, hook)
-        return hook
 
     def _ll_stream(self, async_finish: bool):
         """(stream, raw handle, allocation context) of a call: the communication
@@ -199,13 +137,10 @@ class LowLatencyMixin:
         else both. Returns ``(event, hook)``: ``keep`` is kept by the hook and, with
         ``async_finish``, by the event recorded on ``stream``."""
         recorded = launch(raw, _SEND if return_recv_hook else _BOTH)
-        hook = None
-        if return_recv_hook:
-            hook = self._ll_hook(kind, lambda s: launch(s, _RECV), keep)
-        else:
-            self._ll_calls += 1
+        receive = (lambda s: launch(s, _RECV)) if return_recv_hook else None
+        hook = self._ll_state.record(kind, receive, keep)
         event = finish_async(stream, keep) if async_finish else EventOverlap(None)
-        if recorded is not None:  # after the launch and the bookkeeping (see _Hook)
+        if recorded is not None:  # after the launch and the bookkeeping (see LlHook)
             raise recorded
         return event, hook
 
@@ -260,6 +195,14 @@ class LowLatencyMixin:
         """Sends every (token, selected expert) to the expert's rank, casting to fp8
         on the fly when ``use_fp8``. Returns ``(recv_x or (recv_x, scales), recv_count,
         handle, event, hook)``; see ``docs/api.md`` ("Low latency")."""
+        if not async_finish and not _buffer_common._CHECK_IDS and self._ll_state is not None:
+            done = self._ll_state.dispatch(
+                x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+                cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                round_scale, use_ue8m0, return_recv_hook,
+            )  # fmt: skip
+            if done is not None:
+                return done
         ll = self._ll_begin(async_finish, return_recv_hook)
         key = (
             "dispatch", _sig(x), _sig(topk_idx), _sig(cumulative_local_expert_recv_stats),
@@ -365,6 +308,13 @@ class LowLatencyMixin:
         """Returns every expert output to its source token and reduces:
         ``out[t] = sum_k topk_weights[t, k] * y[expert_k, t]`` (float32, skipping -1).
         Returns ``(combined_x, event, hook)``."""
+        if not async_finish and not _buffer_common._CHECK_IDS and self._ll_state is not None:
+            done = self._ll_state.combine(
+                x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, return_recv_hook, out,
+                combine_wait_recv_cost_stats,
+            )  # fmt: skip
+            if done is not None:
+                return done
         ll = self._ll_begin(async_finish, return_recv_hook)
         h = handle if type(handle) is tuple and len(handle) == 5 else (_NO_SIG,) * 5
         key = (

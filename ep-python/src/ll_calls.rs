@@ -1,0 +1,630 @@
+//! `_native.LlCalls`: the low-latency calls of one `moelink.Buffer` as the
+//! binding runs them. It keeps the calls' bookkeeping (the receive hooks not
+//! yet called, oldest first, and the call count that names them) for every
+//! path, and runs an eager call (`async_finish=False`) whole in one native
+//! call ([`LlCalls::dispatch`], [`LlCalls::combine`]): the checks
+//! (`ep_core::calls`), the outputs (torch's caching allocator through its C
+//! shim, `torch_alloc.rs`), the launch and the hook, with no Python between
+//! them (docs/architecture.md, "One native call per low-latency call").
+//!
+//! Such a call declines (returns None, having done nothing) where any check
+//! refuses, an argument is not what the fast path reads (a tensor subclass, a
+//! non-int size), a hook rule would refuse, or torch's shim cannot make an
+//! output: Python then runs the checked path, which raises the refusal that
+//! names the argument, or torch's own error.
+
+use ep_core::calls::{self, OutputSpec, TensorMeta};
+use ep_core::low_latency::Phases;
+use pyo3::exceptions::PyRuntimeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyInt, PyTuple};
+
+use crate::ep_buffer::{EpBuffer, LlCombineTensors, LlDispatchTensors, LlLaunch};
+use crate::tensors::{read, read_optional};
+use crate::torch_alloc::{self, Spec};
+
+/// Low-latency calls in flight at once: the buffer has two halves.
+const MAX_IN_FLIGHT: usize = 2;
+
+#[pyclass(module = "moelink._native")]
+pub struct LlCalls {
+    /// The Buffer's native part (None where it is not an `EpBuffer`: a test's
+    /// stand-in, with which every call takes the Python path).
+    ep: Option<Py<EpBuffer>>,
+    num_ranks: i64,
+    device: i32,
+    /// `device index -> raw current stream` (`moelink._streams.current_raw_stream`).
+    stream_of: Py<PyAny>,
+    /// `moelink.EventOverlap`: an eager call returns `EventOverlap(None)`.
+    event: Py<PyAny>,
+    pending: Vec<Py<LlHook>>,
+    calls: u64,
+}
+
+/// What a hook launches: a Python callable `launch(stream)` (the checked
+/// path's), or the receive phase of a native call.
+enum Receive {
+    Python(Py<PyAny>),
+    Dispatch(calls::LlDispatchPlan, LlDispatchTensors),
+    Combine(calls::LlCombinePlan, LlCombineTensors),
+}
+
+/// The receive half of a low-latency call (`return_recv_hook=True`).
+#[pyclass(module = "moelink._native")]
+pub struct LlHook {
+    owner: Py<LlCalls>,
+    #[pyo3(get)]
+    name: String,
+    #[pyo3(get)]
+    called: bool,
+    receive: Option<Receive>,
+    /// What the launched kernels read or write until the receive ran.
+    keep: Option<Py<PyAny>>,
+}
+
+fn int(obj: &Bound<'_, PyAny>) -> Option<i64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        obj.extract().ok()
+    } else {
+        None
+    }
+}
+
+fn flag(obj: &Bound<'_, PyAny>) -> Option<bool> {
+    obj.cast::<PyBool>().ok().map(|b| b.is_true())
+}
+
+fn spec<'a>(outputs: &'a [OutputSpec], name: &str) -> Option<&'a OutputSpec> {
+    outputs.iter().find(|o| o.name == name)
+}
+
+fn torch_spec(o: &OutputSpec) -> PyResult<Spec> {
+    Spec::new(
+        o.shape.clone(),
+        o.strides.clone(),
+        o.dtype.torch_name(),
+        o.zeroed,
+    )
+}
+
+impl LlCalls {
+    fn current_stream(&self, py: Python<'_>) -> PyResult<usize> {
+        self.stream_of.call1(py, (self.device,))?.extract(py)
+    }
+
+    /// The native part where a call may run whole now: the hook rules let it
+    /// start (else the Python path raises their error) and torch's shim makes
+    /// outputs.
+    fn ready(&self, py: Python<'_>, return_recv_hook: bool) -> Option<Py<EpBuffer>> {
+        let may_start =
+            self.pending.len() < MAX_IN_FLIGHT && (return_recv_hook || self.pending.is_empty());
+        if !may_start || !torch_alloc::torch_alloc_ready() {
+            return None;
+        }
+        self.ep.as_ref().map(|e| e.clone_ref(py))
+    }
+
+    /// After a native call's launch: its bookkeeping ([`Self::launched`]),
+    /// then `(EventOverlap(None), hook or None)`, or what the kernels
+    /// recorded, raised.
+    fn finish<'py>(
+        slf: &Bound<'py, Self>,
+        kind: &str,
+        receive: Option<Receive>,
+        keep: Bound<'py, PyTuple>,
+        recorded: Option<Py<PyAny>>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let py = slf.py();
+        let hook = Self::launched(slf, kind, receive, keep.into_any().unbind())?;
+        let event = slf.borrow().event.bind(py).call1((py.None(),))?;
+        raise(py, recorded)?;
+        let hook = match hook {
+            Some(h) => h.into_bound(py).into_any(),
+            None => py.None().into_bound(py),
+        };
+        Ok((event, hook))
+    }
+
+    /// The bookkeeping of a call just launched: its hook (pending until
+    /// called) where `receive` is given, else only the count.
+    fn launched(
+        slf: &Bound<'_, Self>,
+        kind: &str,
+        receive: Option<Receive>,
+        keep: Py<PyAny>,
+    ) -> PyResult<Option<Py<LlHook>>> {
+        let py = slf.py();
+        let mut me = slf.borrow_mut();
+        me.calls += 1;
+        let Some(receive) = receive else {
+            return Ok(None);
+        };
+        let hook = Py::new(
+            py,
+            LlHook {
+                owner: slf.clone().unbind(),
+                name: format!("low-latency {kind} call #{}", me.calls),
+                called: false,
+                receive: Some(receive),
+                keep: Some(keep),
+            },
+        )?;
+        me.pending.push(hook.clone_ref(py));
+        Ok(Some(hook))
+    }
+}
+
+/// The phases an eager call launches: its send only where its hook receives.
+fn phases(return_recv_hook: bool) -> Phases {
+    if return_recv_hook {
+        Phases::Send
+    } else {
+        Phases::Both
+    }
+}
+
+/// Raises `recorded` (an exception object a launch returned) where given.
+fn raise(py: Python<'_>, recorded: Option<Py<PyAny>>) -> PyResult<()> {
+    match recorded {
+        Some(e) => Err(PyErr::from_value(e.into_bound(py))),
+        None => Ok(()),
+    }
+}
+
+#[pymethods]
+impl LlCalls {
+    #[new]
+    fn new(
+        ep: &Bound<'_, PyAny>,
+        num_ranks: i64,
+        device: i32,
+        stream_of: Py<PyAny>,
+        event: Py<PyAny>,
+    ) -> Self {
+        LlCalls {
+            ep: ep.extract::<Py<EpBuffer>>().ok(),
+            num_ranks,
+            device,
+            stream_of,
+            event,
+            pending: Vec::new(),
+            calls: 0,
+        }
+    }
+
+    /// The receive hooks not yet called, oldest first.
+    #[getter]
+    fn pending<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, self.pending.iter().map(|h| h.clone_ref(py)))
+    }
+
+    /// Checks that a low-latency call may start now. Two calls may be in
+    /// flight: the send of a call with `return_recv_hook=True` while the
+    /// previous call's receive hook is pending (SGLang's two-batch overlap); a
+    /// third, or a call without a hook (its receive runs at once, before the
+    /// pending one's), while a hook is pending raises `RuntimeError` naming
+    /// that hook.
+    fn begin(&self, py: Python<'_>, async_finish: bool, return_recv_hook: bool) -> PyResult<()> {
+        if async_finish && return_recv_hook {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "async_finish and return_recv_hook cannot both be True",
+            ));
+        }
+        let names = |hooks: &[Py<LlHook>]| {
+            hooks
+                .iter()
+                .map(|h| h.borrow(py).name.clone())
+                .collect::<Vec<_>>()
+                .join(" and ")
+        };
+        if self.pending.len() >= MAX_IN_FLIGHT {
+            return Err(PyRuntimeError::new_err(format!(
+                "the receive hooks of {} have not run: at most {MAX_IN_FLIGHT} low-latency calls \
+                 may be in flight (the buffer has two halves); call the hook of {} before the \
+                 next low-latency call",
+                names(&self.pending),
+                names(&self.pending[..1]),
+            )));
+        }
+        if !self.pending.is_empty() && !return_recv_hook {
+            return Err(PyRuntimeError::new_err(format!(
+                "the receive hook of {} has not run: a low-latency call without \
+                 return_recv_hook=True cannot overlap it (its receive would run before the \
+                 pending one's); call the hook first, or pass return_recv_hook=True",
+                names(&self.pending[..1]),
+            )));
+        }
+        Ok(())
+    }
+
+    /// The bookkeeping of a call the Python path launched: with `launch` (a
+    /// callable `launch(stream)` of its receive half) its hook, pending
+    /// until called, which keeps `keep`; else None (the call is counted).
+    #[pyo3(signature = (kind, launch, keep))]
+    fn record(
+        slf: &Bound<'_, Self>,
+        kind: &str,
+        launch: Option<Py<PyAny>>,
+        keep: Py<PyAny>,
+    ) -> PyResult<Option<Py<LlHook>>> {
+        Self::launched(slf, kind, launch.map(Receive::Python), keep)
+    }
+
+    /// `Buffer.low_latency_dispatch` with `async_finish=False`, whole:
+    /// DeepEP's `(recv_x or (recv_x, scales), recv_count, handle, event,
+    /// hook)`, or None where the call declines (module docs).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+        round_scale, use_ue8m0, return_recv_hook))]
+    fn dispatch<'py>(
+        slf: &Bound<'py, Self>,
+        x: &Bound<'py, PyAny>,
+        topk_idx: &Bound<'py, PyAny>,
+        num_max_dispatch_tokens_per_rank: &Bound<'py, PyAny>,
+        num_experts: &Bound<'py, PyAny>,
+        cumulative_local_expert_recv_stats: &Bound<'py, PyAny>,
+        dispatch_wait_recv_cost_stats: &Bound<'py, PyAny>,
+        use_fp8: &Bound<'py, PyAny>,
+        round_scale: &Bound<'py, PyAny>,
+        use_ue8m0: &Bound<'py, PyAny>,
+        return_recv_hook: bool,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let py = slf.py();
+        let me = slf.borrow();
+        let Some(ep) = me.ready(py, return_recv_hook) else {
+            return Ok(None);
+        };
+        let (Some(t), Some(e), Some(fp8), Some(round), Some(ue8m0)) = (
+            int(num_max_dispatch_tokens_per_rank),
+            int(num_experts),
+            flag(use_fp8),
+            flag(round_scale),
+            flag(use_ue8m0),
+        ) else {
+            return Ok(None);
+        };
+        let (Some((xm, x_ptr)), Some((im, idx_ptr)), Some(count), Some(wait)) = (
+            read(x)?,
+            read(topk_idx)?,
+            read_optional(cumulative_local_expert_recv_stats)?,
+            read_optional(dispatch_wait_recv_cost_stats)?,
+        ) else {
+            return Ok(None);
+        };
+        let meta = |m: &Option<(TensorMeta, u64)>| m.as_ref().map(|(m, _)| m.clone());
+        let (count_meta, wait_meta) = (meta(&count), meta(&wait));
+        let args = calls::LlDispatchArgs {
+            x: &xm,
+            topk_idx: &im,
+            num_max_dispatch_tokens_per_rank: t,
+            num_experts: e,
+            cumulative_local_expert_recv_stats: count_meta.as_ref(),
+            dispatch_wait_recv_cost_stats: wait_meta.as_ref(),
+            use_fp8: fp8,
+            round_scale: round,
+            use_ue8m0: ue8m0,
+        };
+        let Ok(plan) = calls::ll_dispatch(me.num_ranks, me.device, &args) else {
+            return Ok(None);
+        };
+        let epb = ep.borrow(py);
+        if epb.check_ll_shape(&plan.geometry, plan.num_topk).is_err() {
+            return Ok(None);
+        }
+        let o = &plan.outputs;
+        let (Some(rx), Some(rc), Some(si), Some(lr)) = (
+            spec(o, "recv_x"),
+            spec(o, "recv_count"),
+            spec(o, "src_info"),
+            spec(o, "layout_range"),
+        ) else {
+            return Ok(None);
+        };
+        let scales = spec(o, "recv_x_scales");
+        let mut specs = vec![
+            torch_spec(rx)?,
+            torch_spec(rc)?,
+            torch_spec(si)?,
+            torch_spec(lr)?,
+        ];
+        if let Some(s) = scales {
+            specs.push(torch_spec(s)?);
+        }
+        let stream = me.current_stream(py)?;
+        let Some(made) = torch_alloc::empty(py, &specs, me.device)? else {
+            return Ok(None);
+        };
+        let [recv_x, recv_count, src_info, layout_range, rest @ ..] = &made[..] else {
+            return Ok(None);
+        };
+        let recv_scales = rest.first();
+        let n = plan.num_tokens > 0;
+        let ptr = |m: &Option<(TensorMeta, u64)>| m.as_ref().map_or(0, |(_, p)| *p);
+        let tensors: LlDispatchTensors = (
+            if n { x_ptr } else { 0 },
+            if n { idx_ptr } else { 0 },
+            recv_x.1,
+            recv_scales.map_or(0, |s| s.1),
+            recv_count.1,
+            src_info.1,
+            layout_range.1,
+            ptr(&count),
+            ptr(&wait),
+        );
+        drop(me);
+        let recorded = epb.launch_ll(
+            py,
+            stream,
+            LlLaunch::Dispatch(&plan, tensors),
+            phases(return_recv_hook),
+        )?;
+        drop(epb);
+        let scales_obj = recv_scales.map_or_else(|| py.None().into_bound(py), |s| s.0.clone());
+        let keep = PyTuple::new(
+            py,
+            [
+                x.clone(),
+                topk_idx.clone(),
+                recv_x.0.clone(),
+                scales_obj.clone(),
+                recv_count.0.clone(),
+                src_info.0.clone(),
+                layout_range.0.clone(),
+                cumulative_local_expert_recv_stats.clone(),
+                dispatch_wait_recv_cost_stats.clone(),
+            ],
+        )?;
+        let g = plan.geometry;
+        let receive = return_recv_hook.then(|| Receive::Dispatch(plan.clone(), tensors));
+        let (event, hook) = Self::finish(slf, "dispatch", receive, keep, recorded)?;
+        let out = if fp8 {
+            PyTuple::new(py, [recv_x.0.clone(), scales_obj])?.into_any()
+        } else {
+            recv_x.0.clone()
+        };
+        let handle = (
+            src_info.0.clone(),
+            layout_range.0.clone(),
+            g.max_tokens,
+            g.hidden,
+            g.num_experts,
+        )
+            .into_pyobject(py)?;
+        PyTuple::new(
+            py,
+            [out, recv_count.0.clone(), handle.into_any(), event, hook],
+        )
+        .map(Some)
+    }
+
+    /// `Buffer.low_latency_combine` with `async_finish=False`, whole:
+    /// `(combined_x, event, hook)`, or None where the call declines.
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (x, topk_idx, topk_weights, handle, use_logfmt, zero_copy,
+        return_recv_hook, out, combine_wait_recv_cost_stats))]
+    fn combine<'py>(
+        slf: &Bound<'py, Self>,
+        x: &Bound<'py, PyAny>,
+        topk_idx: &Bound<'py, PyAny>,
+        topk_weights: &Bound<'py, PyAny>,
+        handle: &Bound<'py, PyAny>,
+        use_logfmt: &Bound<'py, PyAny>,
+        zero_copy: &Bound<'py, PyAny>,
+        return_recv_hook: bool,
+        out: &Bound<'py, PyAny>,
+        combine_wait_recv_cost_stats: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let py = slf.py();
+        let me = slf.borrow();
+        let Some(ep) = me.ready(py, return_recv_hook) else {
+            return Ok(None);
+        };
+        let (Some(logfmt), Some(zero_copy)) = (flag(use_logfmt), flag(zero_copy)) else {
+            return Ok(None);
+        };
+        let Ok(h) = handle.cast::<PyTuple>() else {
+            return Ok(None);
+        };
+        if !handle.is_exact_instance_of::<PyTuple>() || h.len() != 5 {
+            return Ok(None);
+        }
+        let (src_info, layout_range) = (h.get_item(0)?, h.get_item(1)?);
+        let (Some(ht), Some(hh), Some(he)) = (
+            int(&h.get_item(2)?),
+            int(&h.get_item(3)?),
+            int(&h.get_item(4)?),
+        ) else {
+            return Ok(None);
+        };
+        let xr = if zero_copy {
+            Some(None)
+        } else {
+            read(x)?.map(Some)
+        };
+        let (Some(xr), Some((im, idx_ptr)), Some((wm, w_ptr)), Some((sm, _)), Some((lm, lr_ptr))) = (
+            xr,
+            read(topk_idx)?,
+            read(topk_weights)?,
+            read(&src_info)?,
+            read(&layout_range)?,
+        ) else {
+            return Ok(None);
+        };
+        let (Some(out_r), Some(stats)) = (
+            read_optional(out)?,
+            read_optional(combine_wait_recv_cost_stats)?,
+        ) else {
+            return Ok(None);
+        };
+        let ll_handle = calls::LlHandle {
+            src_info: sm,
+            layout_range: lm,
+            num_max_dispatch_tokens_per_rank: ht,
+            hidden: hh,
+            num_experts: he,
+        };
+        let meta = |m: &Option<(TensorMeta, u64)>| m.as_ref().map(|(m, _)| m.clone());
+        let (x_meta, out_meta, stats_meta) = (meta(&xr), meta(&out_r), meta(&stats));
+        let args = calls::LlCombineArgs {
+            handle: &ll_handle,
+            use_logfmt: logfmt,
+            zero_copy,
+            x: x_meta.as_ref(),
+            topk_idx: &im,
+            topk_weights: &wm,
+            out: out_meta.as_ref(),
+            combine_wait_recv_cost_stats: stats_meta.as_ref(),
+        };
+        let Ok(plan) = calls::ll_combine(me.num_ranks, me.device, &args) else {
+            return Ok(None);
+        };
+        let epb = ep.borrow(py);
+        let x_ptr = match &xr {
+            Some((_, p)) => *p,
+            None => match epb.ll_zero_copy_ptr(&plan.geometry) {
+                Ok(p) => p,
+                Err(_) => return Ok(None),
+            },
+        };
+        let stream = me.current_stream(py)?;
+        let out_obj = match &out_r {
+            Some(_) => out.clone(),
+            None => {
+                let Some(s) = spec(&plan.outputs, "combined_x") else {
+                    return Ok(None);
+                };
+                let Some(mut made) = torch_alloc::empty(py, [&torch_spec(s)?], me.device)? else {
+                    return Ok(None);
+                };
+                made.remove(0).0
+            }
+        };
+        let out_ptr = match &out_r {
+            Some((_, p)) => *p,
+            None => out_obj
+                .call_method0(pyo3::intern!(py, "data_ptr"))?
+                .extract()?,
+        };
+        let n = plan.num_tokens > 0;
+        let tensors: LlCombineTensors = (
+            x_ptr,
+            lr_ptr,
+            if n { idx_ptr } else { 0 },
+            if n { w_ptr } else { 0 },
+            if n { out_ptr } else { 0 },
+            stats.as_ref().map_or(0, |(_, p)| *p),
+        );
+        drop(me);
+        let recorded = epb.launch_ll(
+            py,
+            stream,
+            LlLaunch::Combine(&plan, tensors),
+            phases(return_recv_hook),
+        )?;
+        drop(epb);
+        let keep = PyTuple::new(
+            py,
+            [
+                if zero_copy {
+                    py.None().into_bound(py)
+                } else {
+                    x.clone()
+                },
+                topk_idx.clone(),
+                topk_weights.clone(),
+                src_info,
+                layout_range,
+                out_obj.clone(),
+                combine_wait_recv_cost_stats.clone(),
+            ],
+        )?;
+        let receive = return_recv_hook.then(|| Receive::Combine(plan.clone(), tensors));
+        let (event, hook) = Self::finish(slf, "combine", receive, keep, recorded)?;
+        PyTuple::new(py, [out_obj, event, hook]).map(Some)
+    }
+}
+
+#[pymethods]
+impl LlHook {
+    fn __repr__(&self) -> String {
+        let state = if self.called { "called" } else { "pending" };
+        format!("<low-latency receive hook of {}, {state}>", self.name)
+    }
+
+    /// Launches the receive half. Hooks run in call order: the kernels number
+    /// a call's receive from a device counter advanced by each receive
+    /// (docs/design-low-latency.md), so a hook called while an earlier call's
+    /// hook is pending raises `RuntimeError`. Refuses (raising, nothing
+    /// launched) once a device wait ran out; raises what a kernel recorded
+    /// (an expert id out of range, in this call or an earlier one) once the
+    /// hook's bookkeeping is done: the receive half is launched, the ranks
+    /// stay in step.
+    fn __call__(slf: &Bound<'_, Self>) -> PyResult<()> {
+        let py = slf.py();
+        let (owner, name) = {
+            let me = slf.borrow();
+            if me.called {
+                return Err(PyRuntimeError::new_err(format!(
+                    "the low-latency receive hook of {} was already called",
+                    me.name
+                )));
+            }
+            (me.owner.clone_ref(py), me.name.clone())
+        };
+        let (stream, ep) = {
+            let o = owner.borrow(py);
+            if let Some(first) = o.pending.first() {
+                let mine = o.pending.iter().any(|h| h.is(slf));
+                if mine && !first.is(slf) {
+                    return Err(PyRuntimeError::new_err(format!(
+                        "low-latency receive hooks run in call order: the hook of {} is \
+                         pending; call it before the hook of {name}",
+                        first.borrow(py).name
+                    )));
+                }
+            }
+            (
+                o.current_stream(py)?,
+                o.ep.as_ref().map(|e| e.clone_ref(py)),
+            )
+        };
+        let recorded = {
+            let me = slf.borrow();
+            let native = || {
+                ep.as_ref().ok_or_else(|| {
+                    PyRuntimeError::new_err("this Buffer has no low-latency buffer (destroyed)")
+                })
+            };
+            match me.receive.as_ref() {
+                Some(Receive::Python(launch)) => {
+                    let launch = launch.clone_ref(py);
+                    drop(me);
+                    let r = launch.call1(py, (stream,))?;
+                    (!r.is_none(py)).then_some(r)
+                }
+                Some(Receive::Dispatch(plan, tensors)) => native()?.borrow(py).launch_ll(
+                    py,
+                    stream,
+                    LlLaunch::Dispatch(plan, *tensors),
+                    Phases::Recv,
+                )?,
+                Some(Receive::Combine(plan, tensors)) => native()?.borrow(py).launch_ll(
+                    py,
+                    stream,
+                    LlLaunch::Combine(plan, *tensors),
+                    Phases::Recv,
+                )?,
+                None => None,
+            }
+        };
+        {
+            let mut me = slf.borrow_mut();
+            me.called = true;
+            me.receive = None;
+            me.keep = None;
+        }
+        owner.borrow_mut(py).pending.retain(|h| !h.is(slf));
+        raise(py, recorded)
+    }
+}
