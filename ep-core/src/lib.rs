@@ -22,6 +22,7 @@ pub mod ep_buffer;
 pub mod internode;
 pub mod intranode;
 pub mod limits;
+pub mod ll_hooks;
 pub mod low_latency;
 pub mod normal;
 pub mod part;

@@ -23,6 +23,7 @@ use ep_kernels::low_latency::{
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use crate::calls::{LlCombinePlan, LlDispatchPlan, LlGeometry};
 use crate::part::{BufferPart, EpBufferOptions, PartBase, PartKind, PhaseStamps};
 
 /// Trigger slots of the proxy's FIFO: per peer and call at most three are
@@ -77,6 +78,68 @@ pub struct CombineCall {
     pub num_tokens: usize,
     pub out: u64,
     pub stats_wait: u64,
+}
+
+impl CallShape {
+    /// The launch shape of a checked low-latency call: its plan's geometry
+    /// and top-k.
+    pub fn of(g: &LlGeometry, num_topk: i64) -> Self {
+        CallShape {
+            max_tokens: g.max_tokens as usize,
+            hidden: g.hidden as usize,
+            num_experts: g.num_experts as usize,
+            num_topk: num_topk as usize,
+        }
+    }
+}
+
+impl DispatchCall {
+    /// The dispatch `p` checked (every size and flag its own) at these
+    /// addresses: `x` and `topk_idx` (0 without tokens), and the outputs.
+    pub fn planned(p: &LlDispatchPlan, x: u64, topk_idx: u64, out: DispatchOutputs) -> Self {
+        DispatchCall {
+            shape: CallShape::of(&p.geometry, p.num_topk),
+            x,
+            topk_idx,
+            num_tokens: p.num_tokens as usize,
+            use_fp8: p.use_fp8,
+            round_scale: p.round_scale,
+            use_ue8m0: p.use_ue8m0,
+            out,
+        }
+    }
+}
+
+impl CombineCall {
+    /// The combine `p` checked at these addresses (`topk_idx`, `topk_weights`
+    /// and `out` 0 without tokens, `stats_wait` 0 where absent).
+    pub fn planned(
+        p: &LlCombinePlan,
+        x: u64,
+        layout_range: u64,
+        topk_idx: u64,
+        topk_weights: u64,
+        out: u64,
+        stats_wait: u64,
+    ) -> Self {
+        CombineCall {
+            shape: CallShape::of(&p.geometry, p.num_topk),
+            x,
+            layout_range,
+            topk_idx,
+            topk_weights,
+            num_tokens: p.num_tokens as usize,
+            out,
+            stats_wait,
+        }
+    }
+}
+
+/// A low-latency call as a receive hook keeps it, to launch its receive half.
+#[derive(Clone, Copy, Debug)]
+pub enum LlCall {
+    Dispatch(DispatchCall),
+    Combine(CombineCall),
 }
 
 /// The low-latency part of an [`EpBuffer`](crate::EpBuffer).
@@ -495,6 +558,19 @@ impl LowLatencyBuffer {
         phases: Phases,
     ) -> Result<Option<CommError>> {
         self.api_call(phases, || self.combine(stream, call, phases))
+    }
+
+    /// [`Self::dispatch_call`] or [`Self::combine_call`] of `call`.
+    pub fn call(
+        &self,
+        stream: StreamHandle,
+        call: &LlCall,
+        phases: Phases,
+    ) -> Result<Option<CommError>> {
+        match call {
+            LlCall::Dispatch(c) => self.dispatch_call(stream, c, phases),
+            LlCall::Combine(c) => self.combine_call(stream, c, phases),
+        }
     }
 
     /// `launch` (of `phases`) after the timeout check, then the device error

@@ -19,7 +19,7 @@ use ep_core::intranode::{
     CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, IntranodeBuffer, LayoutCall,
 };
 use ep_core::low_latency::{
-    size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs,
+    size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs, LlCall,
     LowLatencyBuffer, Phases,
 };
 use ep_core::{
@@ -35,12 +35,6 @@ use crate::{drop_detached, to_py};
 #[pyclass(module = "moelink._native")]
 pub struct EpBuffer {
     inner: Inner,
-}
-
-/// A low-latency launch: its plan and addresses.
-pub(crate) enum LlLaunch<'a> {
-    Dispatch(&'a calls::LlDispatchPlan, LlDispatchTensors),
-    Combine(&'a calls::LlCombinePlan, LlCombineTensors),
 }
 
 /// The part named `name` in Python.
@@ -103,69 +97,30 @@ impl EpBuffer {
             .ok_or_else(|| absent(self.inner.is_empty(), PartKind::LowLatency))
     }
 
-    /// Launches `phases` of the low-latency call `l` on `stream`
-    /// (`ep_core::LowLatencyBuffer::dispatch_call` / `combine_call`): every
-    /// size and flag is its plan's, the rest its addresses. Raises, launching
-    /// nothing, once a device wait of the part ran out; returns the error the
-    /// kernels recorded (an exception object, for the caller to raise after
-    /// its bookkeeping) or None.
+    /// Launches `phases` of the low-latency call `call` on `stream`
+    /// (`ep_core::LowLatencyBuffer::call`). Raises, launching nothing, once a
+    /// device wait of the part ran out; returns the error the kernels
+    /// recorded (an exception object, for the caller to raise after its
+    /// bookkeeping) or None.
     pub(crate) fn launch_ll(
         &self,
         py: Python<'_>,
         stream: usize,
-        l: LlLaunch<'_>,
+        call: &LlCall,
         phases: Phases,
     ) -> PyResult<Option<Py<PyAny>>> {
-        let ll = self.ll()?;
-        let stream = StreamHandle(stream);
-        let r = match l {
-            LlLaunch::Dispatch(p, t) => {
-                let (x, topk_idx, recv_x, recv_scales, recv_count, src_info, layout_range) =
-                    (t.0, t.1, t.2, t.3, t.4, t.5, t.6);
-                let out = LlDispatchOutputs {
-                    recv_x,
-                    recv_scales,
-                    recv_count,
-                    src_info,
-                    layout_range,
-                    stats_count: t.7,
-                    stats_wait: t.8,
-                };
-                let call = DispatchCall {
-                    shape: ll_shape(&p.geometry, p.num_topk),
-                    x,
-                    topk_idx,
-                    num_tokens: p.num_tokens as usize,
-                    use_fp8: p.use_fp8,
-                    round_scale: p.round_scale,
-                    use_ue8m0: p.use_ue8m0,
-                    out,
-                };
-                ll.dispatch_call(stream, &call, phases)
-            }
-            LlLaunch::Combine(p, (x, layout_range, topk_idx, topk_weights, out, stats_wait)) => {
-                let call = CombineCall {
-                    shape: ll_shape(&p.geometry, p.num_topk),
-                    x,
-                    layout_range,
-                    topk_idx,
-                    topk_weights,
-                    num_tokens: p.num_tokens as usize,
-                    out,
-                    stats_wait,
-                };
-                ll.combine_call(stream, &call, phases)
-            }
-        };
-        Ok(r.map_err(to_py)?
-            .map(|e| to_py(e).into_value(py).into_any()))
+        let recorded = self
+            .ll()?
+            .call(StreamHandle(stream), call, phases)
+            .map_err(to_py)?;
+        Ok(recorded.map(|e| to_py(e).into_value(py).into_any()))
     }
 
     /// ValueError where a low-latency call of geometry `g` does not fit the
     /// kernels or this buffer (`check_shape`).
     pub(crate) fn check_ll_shape(&self, g: &LlGeometry, num_topk: i64) -> PyResult<()> {
         self.ll()?
-            .check_shape(&ll_shape(g, num_topk))
+            .check_shape(&CallShape::of(g, num_topk))
             .map_err(to_py)
     }
 
@@ -290,13 +245,19 @@ fn call_shape(max_tokens: usize, hidden: usize, num_experts: usize, num_topk: us
 }
 
 /// The `CallShape` of a low-latency plan's geometry and top-k.
-fn ll_shape(g: &LlGeometry, num_topk: i64) -> CallShape {
-    call_shape(
-        g.max_tokens as usize,
-        g.hidden as usize,
-        g.num_experts as usize,
-        num_topk as usize,
-    )
+/// The dispatch call of plan `p` at the addresses of `ll_dispatch`'s tuple.
+pub(crate) fn ll_dispatch_call(p: &calls::LlDispatchPlan, t: LlDispatchTensors) -> DispatchCall {
+    let (x, topk_idx, recv_x, recv_scales, recv_count, src_info, layout_range, count, wait) = t;
+    let out = LlDispatchOutputs {
+        recv_x,
+        recv_scales,
+        recv_count,
+        src_info,
+        layout_range,
+        stats_count: count,
+        stats_wait: wait,
+    };
+    DispatchCall::planned(p, x, topk_idx, out)
 }
 
 /// `ll_dispatch`'s addresses: `x`, `topk_idx` (0 without tokens), the outputs
@@ -808,12 +769,8 @@ impl EpBuffer {
         tensors: LlDispatchTensors,
         phases_: u8,
     ) -> PyResult<Option<Py<PyAny>>> {
-        self.launch_ll(
-            py,
-            stream,
-            LlLaunch::Dispatch(&plan.0, tensors),
-            phases(phases_)?,
-        )
+        let call = ll_dispatch_call(&plan.0, tensors);
+        self.launch_ll(py, stream, &LlCall::Dispatch(call), phases(phases_)?)
     }
 
     /// Launches `phases_` of a low-latency combine of `plan` on `stream`
@@ -826,12 +783,11 @@ impl EpBuffer {
         tensors: LlCombineTensors,
         phases_: u8,
     ) -> PyResult<Option<Py<PyAny>>> {
-        self.launch_ll(
-            py,
-            stream,
-            LlLaunch::Combine(&plan.0, tensors),
-            phases(phases_)?,
-        )
+        let (x, layout_range, topk_idx, topk_weights, out, stats_wait) = tensors;
+        let p = &plan.0;
+        let call =
+            CombineCall::planned(p, x, layout_range, topk_idx, topk_weights, out, stats_wait);
+        self.launch_ll(py, stream, &LlCall::Combine(call), phases(phases_)?)
     }
 
     /// *Collective.* Resets the low-latency flags and call counters

@@ -14,17 +14,15 @@
 //! names the argument, or torch's own error.
 
 use ep_core::calls::{self, OutputSpec, TensorMeta};
-use ep_core::low_latency::Phases;
-use pyo3::exceptions::PyRuntimeError;
+use ep_core::ll_hooks::{Hook, HookBook, HookError};
+use ep_core::low_latency::{CombineCall, DispatchCall, DispatchOutputs, LlCall, Phases};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyTuple};
 
-use crate::ep_buffer::{EpBuffer, LlCombineTensors, LlDispatchTensors, LlLaunch};
+use crate::ep_buffer::EpBuffer;
 use crate::tensors::{read, read_optional};
 use crate::torch_alloc::{self, Spec};
-
-/// Low-latency calls in flight at once: the buffer has two halves.
-const MAX_IN_FLIGHT: usize = 2;
 
 #[pyclass(module = "moelink._native")]
 pub struct LlCalls {
@@ -37,24 +35,24 @@ pub struct LlCalls {
     stream_of: Py<PyAny>,
     /// `moelink.EventOverlap`: an eager call returns `EventOverlap(None)`.
     event: Py<PyAny>,
-    pending: Vec<Py<LlHook>>,
-    calls: u64,
+    /// The pending hooks and the call count (`ep_core::ll_hooks`).
+    book: HookBook,
+    /// The hook objects of `book`'s pending hooks.
+    hooks: Vec<(u64, Py<LlHook>)>,
 }
 
 /// What a hook launches: a Python callable `launch(stream)` (the checked
 /// path's), or the receive phase of a native call.
 enum Receive {
     Python(Py<PyAny>),
-    Dispatch(calls::LlDispatchPlan, LlDispatchTensors),
-    Combine(calls::LlCombinePlan, LlCombineTensors),
+    Native(LlCall),
 }
 
 /// The receive half of a low-latency call (`return_recv_hook=True`).
 #[pyclass(module = "moelink._native")]
 pub struct LlHook {
     owner: Py<LlCalls>,
-    #[pyo3(get)]
-    name: String,
+    hook: Hook,
     #[pyo3(get)]
     called: bool,
     receive: Option<Receive>,
@@ -96,9 +94,7 @@ impl LlCalls {
     /// start (else the Python path raises their error) and torch's shim makes
     /// outputs.
     fn ready(&self, py: Python<'_>, return_recv_hook: bool) -> Option<Py<EpBuffer>> {
-        let may_start =
-            self.pending.len() < MAX_IN_FLIGHT && (return_recv_hook || self.pending.is_empty());
-        if !may_start || !torch_alloc::torch_alloc_ready() {
+        if self.book.begin(false, return_recv_hook).is_err() || !torch_alloc::torch_alloc_ready() {
             return None;
         }
         self.ep.as_ref().map(|e| e.clone_ref(py))
@@ -135,22 +131,22 @@ impl LlCalls {
     ) -> PyResult<Option<Py<LlHook>>> {
         let py = slf.py();
         let mut me = slf.borrow_mut();
-        me.calls += 1;
-        let Some(receive) = receive else {
+        let Some(hook) = me.book.launched(kind, receive.is_some()) else {
             return Ok(None);
         };
-        let hook = Py::new(
+        let id = hook.id;
+        let obj = Py::new(
             py,
             LlHook {
                 owner: slf.clone().unbind(),
-                name: format!("low-latency {kind} call #{}", me.calls),
+                hook,
                 called: false,
-                receive: Some(receive),
+                receive,
                 keep: Some(keep),
             },
         )?;
-        me.pending.push(hook.clone_ref(py));
-        Ok(Some(hook))
+        me.hooks.push((id, obj.clone_ref(py)));
+        Ok(Some(obj))
     }
 }
 
@@ -160,6 +156,14 @@ fn phases(return_recv_hook: bool) -> Phases {
         Phases::Send
     } else {
         Phases::Both
+    }
+}
+
+/// A refusal of the hook rules as Python raises it.
+fn hook_err(e: HookError) -> PyErr {
+    match e {
+        HookError::Arg(m) => PyValueError::new_err(m),
+        HookError::State(m) => PyRuntimeError::new_err(m),
     }
 }
 
@@ -187,54 +191,34 @@ impl LlCalls {
             device,
             stream_of,
             event,
-            pending: Vec::new(),
-            calls: 0,
+            book: HookBook::new(),
+            hooks: Vec::new(),
         }
     }
 
     /// The receive hooks not yet called, oldest first.
     #[getter]
     fn pending<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, self.pending.iter().map(|h| h.clone_ref(py)))
+        let of = |id: u64| {
+            let found = self.hooks.iter().find(|(i, _)| *i == id);
+            found.map(|(_, h)| h.clone_ref(py))
+        };
+        let hooks: Vec<_> = self
+            .book
+            .pending()
+            .iter()
+            .filter_map(|h| of(h.id))
+            .collect();
+        PyTuple::new(py, hooks)
     }
 
-    /// Checks that a low-latency call may start now. Two calls may be in
-    /// flight: the send of a call with `return_recv_hook=True` while the
-    /// previous call's receive hook is pending (SGLang's two-batch overlap); a
-    /// third, or a call without a hook (its receive runs at once, before the
-    /// pending one's), while a hook is pending raises `RuntimeError` naming
-    /// that hook.
-    fn begin(&self, py: Python<'_>, async_finish: bool, return_recv_hook: bool) -> PyResult<()> {
-        if async_finish && return_recv_hook {
-            return Err(pyo3::exceptions::PyValueError::new_err(
-                "async_finish and return_recv_hook cannot both be True",
-            ));
-        }
-        let names = |hooks: &[Py<LlHook>]| {
-            hooks
-                .iter()
-                .map(|h| h.borrow(py).name.clone())
-                .collect::<Vec<_>>()
-                .join(" and ")
-        };
-        if self.pending.len() >= MAX_IN_FLIGHT {
-            return Err(PyRuntimeError::new_err(format!(
-                "the receive hooks of {} have not run: at most {MAX_IN_FLIGHT} low-latency calls \
-                 may be in flight (the buffer has two halves); call the hook of {} before the \
-                 next low-latency call",
-                names(&self.pending),
-                names(&self.pending[..1]),
-            )));
-        }
-        if !self.pending.is_empty() && !return_recv_hook {
-            return Err(PyRuntimeError::new_err(format!(
-                "the receive hook of {} has not run: a low-latency call without \
-                 return_recv_hook=True cannot overlap it (its receive would run before the \
-                 pending one's); call the hook first, or pass return_recv_hook=True",
-                names(&self.pending[..1]),
-            )));
-        }
-        Ok(())
+    /// Checks that a low-latency call may start now (`ep_core::ll_hooks`):
+    /// `ValueError` for `async_finish` with a hook, `RuntimeError` naming the
+    /// pending hooks where they forbid it.
+    fn begin(&self, async_finish: bool, return_recv_hook: bool) -> PyResult<()> {
+        self.book
+            .begin(async_finish, return_recv_hook)
+            .map_err(hook_err)
     }
 
     /// The bookkeeping of a call the Python path launched: with `launch` (a
@@ -341,24 +325,19 @@ impl LlCalls {
         let recv_scales = rest.first();
         let n = plan.num_tokens > 0;
         let ptr = |m: &Option<(TensorMeta, u64)>| m.as_ref().map_or(0, |(_, p)| *p);
-        let tensors: LlDispatchTensors = (
-            if n { x_ptr } else { 0 },
-            if n { idx_ptr } else { 0 },
-            recv_x.1,
-            recv_scales.map_or(0, |s| s.1),
-            recv_count.1,
-            src_info.1,
-            layout_range.1,
-            ptr(&count),
-            ptr(&wait),
-        );
+        let out = DispatchOutputs {
+            recv_x: recv_x.1,
+            recv_scales: recv_scales.map_or(0, |s| s.1),
+            recv_count: recv_count.1,
+            src_info: src_info.1,
+            layout_range: layout_range.1,
+            stats_count: ptr(&count),
+            stats_wait: ptr(&wait),
+        };
+        let (x_at, idx_at) = if n { (x_ptr, idx_ptr) } else { (0, 0) };
+        let call = LlCall::Dispatch(DispatchCall::planned(&plan, x_at, idx_at, out));
         drop(me);
-        let recorded = epb.launch_ll(
-            py,
-            stream,
-            LlLaunch::Dispatch(&plan, tensors),
-            phases(return_recv_hook),
-        )?;
+        let recorded = epb.launch_ll(py, stream, &call, phases(return_recv_hook))?;
         drop(epb);
         let scales_obj = recv_scales.map_or_else(|| py.None().into_bound(py), |s| s.0.clone());
         let keep = PyTuple::new(
@@ -376,7 +355,7 @@ impl LlCalls {
             ],
         )?;
         let g = plan.geometry;
-        let receive = return_recv_hook.then(|| Receive::Dispatch(plan.clone(), tensors));
+        let receive = return_recv_hook.then_some(Receive::Native(call));
         let (event, hook) = Self::finish(slf, "dispatch", receive, keep, recorded)?;
         let out = if fp8 {
             PyTuple::new(py, [recv_x.0.clone(), scales_obj])?.into_any()
@@ -507,21 +486,17 @@ impl LlCalls {
                 .extract()?,
         };
         let n = plan.num_tokens > 0;
-        let tensors: LlCombineTensors = (
-            x_ptr,
-            lr_ptr,
-            if n { idx_ptr } else { 0 },
-            if n { w_ptr } else { 0 },
-            if n { out_ptr } else { 0 },
-            stats.as_ref().map_or(0, |(_, p)| *p),
-        );
+        let (idx_at, w_at, out_at) = if n {
+            (idx_ptr, w_ptr, out_ptr)
+        } else {
+            (0, 0, 0)
+        };
+        let stats_at = stats.as_ref().map_or(0, |(_, p)| *p);
+        let call = LlCall::Combine(CombineCall::planned(
+            &plan, x_ptr, lr_ptr, idx_at, w_at, out_at, stats_at,
+        ));
         drop(me);
-        let recorded = epb.launch_ll(
-            py,
-            stream,
-            LlLaunch::Combine(&plan, tensors),
-            phases(return_recv_hook),
-        )?;
+        let recorded = epb.launch_ll(py, stream, &call, phases(return_recv_hook))?;
         drop(epb);
         let keep = PyTuple::new(
             py,
@@ -539,7 +514,7 @@ impl LlCalls {
                 combine_wait_recv_cost_stats.clone(),
             ],
         )?;
-        let receive = return_recv_hook.then(|| Receive::Combine(plan.clone(), tensors));
+        let receive = return_recv_hook.then_some(Receive::Native(call));
         let (event, hook) = Self::finish(slf, "combine", receive, keep, recorded)?;
         PyTuple::new(py, [out_obj, event, hook]).map(Some)
     }
@@ -547,43 +522,30 @@ impl LlCalls {
 
 #[pymethods]
 impl LlHook {
-    fn __repr__(&self) -> String {
-        let state = if self.called { "called" } else { "pending" };
-        format!("<low-latency receive hook of {}, {state}>", self.name)
+    #[getter]
+    fn name(&self) -> &str {
+        &self.hook.name
     }
 
-    /// Launches the receive half. Hooks run in call order: the kernels number
-    /// a call's receive from a device counter advanced by each receive
-    /// (docs/design-low-latency.md), so a hook called while an earlier call's
-    /// hook is pending raises `RuntimeError`. Refuses (raising, nothing
-    /// launched) once a device wait ran out; raises what a kernel recorded
-    /// (an expert id out of range, in this call or an earlier one) once the
-    /// hook's bookkeeping is done: the receive half is launched, the ranks
-    /// stay in step.
+    fn __repr__(&self) -> String {
+        let state = if self.called { "called" } else { "pending" };
+        format!("<low-latency receive hook of {}, {state}>", self.hook.name)
+    }
+
+    /// Launches the receive half (`ep_core::ll_hooks`: once, in call order,
+    /// else `RuntimeError`). Refuses (raising, nothing launched) once a
+    /// device wait ran out; raises what a kernel recorded (an expert id out
+    /// of range, in this call or an earlier one) once the hook's bookkeeping
+    /// is done: the receive half is launched, the ranks stay in step.
     fn __call__(slf: &Bound<'_, Self>) -> PyResult<()> {
         let py = slf.py();
-        let (owner, name) = {
+        let (owner, hook) = {
             let me = slf.borrow();
-            if me.called {
-                return Err(PyRuntimeError::new_err(format!(
-                    "the low-latency receive hook of {} was already called",
-                    me.name
-                )));
-            }
-            (me.owner.clone_ref(py), me.name.clone())
+            (me.owner.clone_ref(py), me.hook.clone())
         };
         let (stream, ep) = {
             let o = owner.borrow(py);
-            if let Some(first) = o.pending.first() {
-                let mine = o.pending.iter().any(|h| h.is(slf));
-                if mine && !first.is(slf) {
-                    return Err(PyRuntimeError::new_err(format!(
-                        "low-latency receive hooks run in call order: the hook of {} is \
-                         pending; call it before the hook of {name}",
-                        first.borrow(py).name
-                    )));
-                }
-            }
+            o.book.may_run(&hook).map_err(hook_err)?;
             (
                 o.current_stream(py)?,
                 o.ep.as_ref().map(|e| e.clone_ref(py)),
@@ -591,11 +553,6 @@ impl LlHook {
         };
         let recorded = {
             let me = slf.borrow();
-            let native = || {
-                ep.as_ref().ok_or_else(|| {
-                    PyRuntimeError::new_err("this Buffer has no low-latency buffer (destroyed)")
-                })
-            };
             match me.receive.as_ref() {
                 Some(Receive::Python(launch)) => {
                     let launch = launch.clone_ref(py);
@@ -603,18 +560,13 @@ impl LlHook {
                     let r = launch.call1(py, (stream,))?;
                     (!r.is_none(py)).then_some(r)
                 }
-                Some(Receive::Dispatch(plan, tensors)) => native()?.borrow(py).launch_ll(
-                    py,
-                    stream,
-                    LlLaunch::Dispatch(plan, *tensors),
-                    Phases::Recv,
-                )?,
-                Some(Receive::Combine(plan, tensors)) => native()?.borrow(py).launch_ll(
-                    py,
-                    stream,
-                    LlLaunch::Combine(plan, *tensors),
-                    Phases::Recv,
-                )?,
+                Some(Receive::Native(call)) => {
+                    let ep = ep.ok_or_else(|| {
+                        PyRuntimeError::new_err("this Buffer has no low-latency buffer")
+                    })?;
+                    let recorded = ep.borrow(py).launch_ll(py, stream, call, Phases::Recv)?;
+                    recorded
+                }
                 None => None,
             }
         };
@@ -624,7 +576,10 @@ impl LlHook {
             me.receive = None;
             me.keep = None;
         }
-        owner.borrow_mut(py).pending.retain(|h| !h.is(slf));
+        let mut o = owner.borrow_mut(py);
+        o.book.ran(&hook);
+        o.hooks.retain(|(id, _)| *id != hook.id);
+        drop(o);
         raise(py, recorded)
     }
 }

@@ -24,15 +24,16 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use comm::{OwnedStream, StreamHandle};
-use ep_core::calls::{self, DispatchPlan, LlGeometry, OutputSpec, SmsCall};
+use ep_core::calls::{self, DispatchPlan, OutputSpec, SmsCall};
 use ep_core::internode::XInputs;
 use ep_core::intranode::{
     CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, LayoutCall,
 };
 use ep_core::low_latency::{
-    size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs,
+    size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs, LlCall,
     LowLatencyBuffer, Phases,
 };
+use ep_core::ll_hooks::{Hook, HookBook};
 use ep_core::{EpBuffer, EpBufferOptions, LowLatencyOptions, NormalPart, PartKind};
 use tch::{Device, Kind, Tensor};
 
@@ -279,55 +280,47 @@ pub struct LlDispatched {
 }
 
 /// The receive half of a low-latency call made with `return_recv_hook`: run
-/// it with [`Buffer::run_recv_hook`] (once; the Buffer refuses another
-/// low-latency call until it ran). It keeps the call's tensors alive.
+/// it with [`Buffer::run_recv_hook`] of the Buffer that made it, once. The
+/// rules are Python's (`ep_core::ll_hooks`): while one hook is pending, the
+/// next call may send with a hook of its own (two calls in flight), and hooks
+/// run in call order. It keeps the call's tensors alive.
 pub struct RecvHook {
-    id: u64,
-    launch: HookLaunch,
+    /// The Buffer that made it ([`Buffer`]'s `ll_owner`).
+    owner: u64,
+    hook: Hook,
+    call: LlCall,
     _keep: Vec<Tensor>,
+}
+
+impl RecvHook {
+    /// "low-latency dispatch call #N" (or combine), as errors name it.
+    pub fn name(&self) -> &str {
+        &self.hook.name
+    }
 }
 
 impl std::fmt::Debug for RecvHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RecvHook").field("id", &self.id).finish()
+        f.debug_struct("RecvHook").field("name", &self.hook.name).finish()
     }
 }
 
-enum HookLaunch {
-    Dispatch(DispatchCall),
-    Combine(CombineCall),
+/// `phases` of `call` as ep-core runs an API launch
+/// (`LowLatencyBuffer::call`): refused, nothing launched, once a device wait
+/// ran out; else launched, returning what the kernels recorded, for the
+/// caller to raise after its bookkeeping.
+fn run_ll(
+    ll: &LowLatencyBuffer,
+    stream: StreamHandle,
+    call: &LlCall,
+    phases: Phases,
+) -> Result<Option<Error>> {
+    Ok(ll.call(stream, call, phases)?.map(Error::from))
 }
 
-impl HookLaunch {
-    /// `phases` of the call as ep-core runs an API launch
-    /// (`LowLatencyBuffer::dispatch_call` / `combine_call`): refused, nothing
-    /// launched, once a device wait ran out; else launched, returning what
-    /// the kernels recorded, for the caller to raise after its bookkeeping.
-    fn run(
-        &self,
-        ll: &LowLatencyBuffer,
-        stream: StreamHandle,
-        phases: Phases,
-    ) -> Result<Option<Error>> {
-        let recorded = match self {
-            HookLaunch::Dispatch(c) => ll.dispatch_call(stream, c, phases)?,
-            HookLaunch::Combine(c) => ll.combine_call(stream, c, phases)?,
-        };
-        Ok(recorded.map(Error::from))
-    }
-}
-
-static NEXT_HOOK: AtomicU64 = AtomicU64::new(1);
-
-/// The launch shape of a checked low-latency call of `num_topk` experts a token.
-fn ll_call_shape(g: &LlGeometry, num_topk: i64) -> CallShape {
-    CallShape {
-        max_tokens: g.max_tokens as usize,
-        hidden: g.hidden as usize,
-        num_experts: g.num_experts as usize,
-        num_topk: num_topk as usize,
-    }
-}
+/// Distinguishes the Buffers of this process, so that a hook runs only on
+/// the Buffer that made it.
+static NEXT_OWNER: AtomicU64 = AtomicU64::new(1);
 
 /// DeepEP's Buffer (normal mode within a node or across nodes, and
 /// low-latency mode) on tch tensors, made on a [`Group`]: every rank makes
@@ -343,7 +336,10 @@ pub struct Buffer {
     sms_used: std::cell::Cell<(Option<u32>, Option<u32>)>,
     comm_stream: OwnedStream,
     order: comm::cuda::StreamOrder,
-    ll_pending: Option<u64>,
+    /// The low-latency calls' pending receive hooks and call count.
+    ll_hooks: HookBook,
+    /// This Buffer among the process's ([`RecvHook`]'s `owner`).
+    ll_owner: u64,
     enable_shrink: bool,
 }
 
@@ -405,7 +401,8 @@ impl Buffer {
             sms_used: Default::default(),
             comm_stream,
             order,
-            ll_pending: None,
+            ll_hooks: HookBook::new(),
+            ll_owner: NEXT_OWNER.fetch_add(1, Ordering::Relaxed),
             enable_shrink: opts.enable_shrink,
         })
     }
@@ -1099,15 +1096,11 @@ impl Buffer {
 
     fn ll_begin(&self, async_finish: bool, return_recv_hook: bool) -> Result<&LowLatencyBuffer> {
         let ll = self.ll()?;
-        checks::ll_stream_args(async_finish, return_recv_hook)?;
-        if self.ll_pending.is_some() {
-            return Err(Error::state(
-                "the receive hook of the previous low-latency call has not run: call it before \
-                 the next low-latency call",
-            ));
-        }
+        self.ll_hooks
+            .begin(async_finish, return_recv_hook)
+            ?;
         // A timed-out wait leaves the ranks out of step: the launch itself
-        // refuses before launching (HookLaunch::run).
+        // refuses before launching (run_ll).
         Ok(ll)
     }
 
@@ -1150,7 +1143,7 @@ impl Buffer {
         if self.check_ids_now()? {
             checks::topk_values(topk_idx, g.num_experts)?;
         }
-        let shape = ll_call_shape(&g, p.num_topk);
+        let shape = CallShape::of(&g, p.num_topk);
         // The buffer must hold this shape: refused before the outputs are
         // allocated (they can be larger than the GPU has free).
         ll.check_shape(&shape)?;
@@ -1161,25 +1154,17 @@ impl Buffer {
         let src_info = required(&p.outputs, "src_info", device)?;
         let layout_range = required(&p.outputs, "layout_range", device)?;
         drop(on_comm);
-        let call = DispatchCall {
-            shape,
-            x: ptr(Some(x)),
-            topk_idx: ptr(Some(topk_idx)),
-            num_tokens: p.num_tokens as usize,
-            use_fp8: p.use_fp8,
-            round_scale: p.round_scale,
-            use_ue8m0: p.use_ue8m0,
-            out: LlDispatchOutputs {
-                recv_x: ptr(Some(&recv_x)),
-                // Scales of an empty buffer still have an address.
-                recv_scales: scales.as_ref().map_or(0, |s| s.data_ptr() as u64),
-                recv_count: ptr(Some(&recv_count)),
-                src_info: ptr(Some(&src_info)),
-                layout_range: ptr(Some(&layout_range)),
-                stats_count: ptr(o.cumulative_local_expert_recv_stats),
-                stats_wait: ptr(o.dispatch_wait_recv_cost_stats),
-            },
+        let out = LlDispatchOutputs {
+            recv_x: ptr(Some(&recv_x)),
+            // Scales of an empty buffer still have an address.
+            recv_scales: scales.as_ref().map_or(0, |s| s.data_ptr() as u64),
+            recv_count: ptr(Some(&recv_count)),
+            src_info: ptr(Some(&src_info)),
+            layout_range: ptr(Some(&layout_range)),
+            stats_count: ptr(o.cumulative_local_expert_recv_stats),
+            stats_wait: ptr(o.dispatch_wait_recv_cost_stats),
         };
+        let call = DispatchCall::planned(&p, ptr(Some(x)), ptr(Some(topk_idx)), out);
         let keep = [
             Some(x),
             Some(topk_idx),
@@ -1193,7 +1178,7 @@ impl Buffer {
         ];
         let (event, hook) = self.ll_launch(
             stream,
-            HookLaunch::Dispatch(call),
+            LlCall::Dispatch(call),
             &keep,
             o.async_finish,
             o.return_recv_hook,
@@ -1220,7 +1205,7 @@ impl Buffer {
     fn ll_launch(
         &mut self,
         stream: StreamHandle,
-        launch: HookLaunch,
+        call: LlCall,
         keep: &[Option<&Tensor>],
         async_finish: bool,
         return_recv_hook: bool,
@@ -1230,24 +1215,26 @@ impl Buffer {
         } else {
             Phases::Both
         };
-        let recorded = launch.run(self.ll()?, stream, phases)?;
+        let recorded = run_ll(self.ll()?, stream, &call, phases)?;
         let keep = keep.iter().flatten().copied();
         let event = if async_finish {
             self.finish_async(stream, keep.clone())?
         } else {
             EventOverlap::none()
         };
-        let hook = if return_recv_hook {
-            let id = NEXT_HOOK.fetch_add(1, Ordering::Relaxed);
-            self.ll_pending = Some(id);
-            Some(RecvHook {
-                id,
-                launch,
-                _keep: keep.map(Tensor::shallow_clone).collect(),
-            })
-        } else {
-            None
+        let kind = match call {
+            LlCall::Dispatch(_) => "dispatch",
+            LlCall::Combine(_) => "combine",
         };
+        let hook = self
+            .ll_hooks
+            .launched(kind, return_recv_hook)
+            .map(|hook| RecvHook {
+                owner: self.ll_owner,
+                hook,
+                call,
+                _keep: keep.map(Tensor::shallow_clone).collect(),
+            });
         // After the launch and the bookkeeping: the ranks stay in step.
         if let Some(e) = recorded {
             return Err(e);
@@ -1256,19 +1243,22 @@ impl Buffer {
     }
 
     /// Runs the receive half of the low-latency call that returned `hook`, on
-    /// the current stream.
-    pub fn run_recv_hook(&mut self, hook: RecvHook) -> Result<()> {
-        if self.ll_pending != Some(hook.id) {
-            return Err(Error::state(
-                "this receive hook is not the pending one of this Buffer",
-            ));
+    /// the current stream: once, in call order (else an error, the hook
+    /// still pending), and only on the Buffer that made it.
+    pub fn run_recv_hook(&mut self, hook: &mut RecvHook) -> Result<()> {
+        if hook.owner != self.ll_owner {
+            return Err(Error::state(format!(
+                "the receive hook of {} belongs to another Buffer",
+                hook.hook.name
+            )));
         }
+        self.ll_hooks.may_run(&hook.hook)?;
         let ll = self.ll()?;
         let stream = self.compute_stream()?;
-        let recorded = hook.launch.run(ll, stream, Phases::Recv)?;
-        self.ll_pending = None;
+        let recorded = run_ll(ll, stream, &hook.call, Phases::Recv)?;
+        self.ll_hooks.ran(&hook.hook);
         // The kept tensors are freed on the current stream, after the launch.
-        drop(hook);
+        hook._keep.clear();
         match recorded {
             Some(e) => Err(e),
             None => Ok(()),
@@ -1313,16 +1303,15 @@ impl Buffer {
             None => required(&p.outputs, "combined_x", device)?,
         };
         drop(on_comm);
-        let call = CombineCall {
-            shape: ll_call_shape(&g, p.num_topk),
-            x: x_ptr,
-            layout_range: ptr(Some(&handle.layout_range)),
-            topk_idx: ptr(Some(topk_idx)),
-            topk_weights: ptr(Some(topk_weights)),
-            num_tokens: p.num_tokens as usize,
-            out: ptr(Some(&out)),
-            stats_wait: ptr(o.combine_wait_recv_cost_stats),
-        };
+        let call = CombineCall::planned(
+            &p,
+            x_ptr,
+            ptr(Some(&handle.layout_range)),
+            ptr(Some(topk_idx)),
+            ptr(Some(topk_weights)),
+            ptr(Some(&out)),
+            ptr(o.combine_wait_recv_cost_stats),
+        );
         let keep = [
             Some(x),
             Some(topk_idx),
@@ -1334,7 +1323,7 @@ impl Buffer {
         ];
         let (event, hook) = self.ll_launch(
             stream,
-            HookLaunch::Combine(call),
+            LlCall::Combine(call),
             &keep,
             o.async_finish,
             o.return_recv_hook,
@@ -1391,11 +1380,7 @@ impl Buffer {
             hidden,
             num_experts,
         )?;
-        if self.ll_pending.is_some() {
-            return Err(Error::state(
-                "a low-latency receive hook is pending: call it first",
-            ));
-        }
+        self.ll_hooks.none_pending()?;
         self.cuda.core.synchronize()?;
         Ok(ll.clean()?)
     }

@@ -19,6 +19,7 @@ use collectives::DType as ArDType;
 use ep_core::calls::{
     self, Bias as CoreBias, CombinePlan, DispatchPlan, LayoutPlan, LlCombinePlan, LlDispatchPlan,
 };
+use ep_core::ll_hooks::HookBook;
 use tch::{Device, Kind, Tensor};
 
 use crate::args::{
@@ -388,12 +389,8 @@ pub fn stream_args(s: &StreamArgs<'_>) -> Result<()> {
 /// A low-latency call's `async_finish` and `return_recv_hook` (the Python
 /// `_ll_begin`): not both (a `ValueError`).
 pub fn ll_stream_args(async_finish: bool, return_recv_hook: bool) -> Result<()> {
-    if async_finish && return_recv_hook {
-        return Err(Error::value(
-            "async_finish and return_recv_hook cannot both be True",
-        ));
-    }
-    Ok(())
+    // A book without pending hooks checks only the arguments.
+    Ok(HookBook::new().begin(async_finish, return_recv_hook)?)
 }
 
 // ----- the host-side expert-id check ------------------------------------------------

@@ -8,6 +8,7 @@
 
 use comm::CommError;
 use ep_core::calls::{ArgError, ArgErrorKind};
+use ep_core::ll_hooks::HookError;
 
 /// An error of a call of the moelink tch API.
 #[derive(Debug, thiserror::Error)]
@@ -33,6 +34,17 @@ pub enum Error {
 
 /// The result of a call of the moelink tch API.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// A refusal of the low-latency hook rules (`ep_core::ll_hooks`), as the
+/// Python API raises it: `ValueError` or `RuntimeError`.
+impl From<HookError> for Error {
+    fn from(e: HookError) -> Self {
+        match e {
+            HookError::Arg(m) => Error::value(m),
+            HookError::State(m) => Error::state(m),
+        }
+    }
+}
 
 impl Error {
     /// A `TypeError`-kind argument error (as `moelink.checks` raises one).
