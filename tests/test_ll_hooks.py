@@ -186,3 +186,18 @@ def test_the_one_call_path_declines_a_stand_in_without_side_effects(buf):
     assert a.name == "low-latency dispatch call #1" and repr(a).endswith("pending>")
     a()
     assert repr(a).endswith("called>")
+
+
+def test_a_buffer_dropped_with_a_hook_pending_frees_what_the_hook_kept(monkeypatch):
+    # A pending hook and the Buffer's LlCalls refer to each other; the cycle
+    # collector must free both, and the tensors the hook kept for its kernels.
+    import gc
+    import weakref
+
+    b = cpu_buffer(monkeypatch, R)
+    x, idx, _ = inputs()
+    _, _, _, _, hook = b.low_latency_dispatch(x, idx, T, E, use_fp8=False, return_recv_hook=True)
+    kept = weakref.ref(x)
+    del x, hook, b
+    gc.collect()
+    assert kept() is None

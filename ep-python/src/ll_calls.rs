@@ -19,6 +19,7 @@ use ep_core::low_latency::{CombineCall, DispatchCall, DispatchOutputs, LlCall, P
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyTuple};
+use pyo3::{PyTraverseError, PyVisit};
 
 use crate::ep_buffer::EpBuffer;
 use crate::tensors::{read, read_optional};
@@ -194,6 +195,24 @@ impl LlCalls {
             book: HookBook::new(),
             hooks: Vec::new(),
         }
+    }
+
+    // A pending hook and its LlCalls refer to each other: the cycle collector
+    // must see both (a Buffer dropped with a hook pending frees what it kept).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        if let Some(ep) = &self.ep {
+            visit.call(ep)?;
+        }
+        visit.call(&self.stream_of)?;
+        visit.call(&self.event)?;
+        for (_, h) in &self.hooks {
+            visit.call(h)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.hooks.clear();
     }
 
     /// The receive hooks not yet called, oldest first.
@@ -525,6 +544,22 @@ impl LlHook {
     #[getter]
     fn name(&self) -> &str {
         &self.hook.name
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.owner)?;
+        if let Some(keep) = &self.keep {
+            visit.call(keep)?;
+        }
+        if let Some(Receive::Python(launch)) = &self.receive {
+            visit.call(launch)?;
+        }
+        Ok(())
+    }
+
+    fn __clear__(&mut self) {
+        self.keep = None;
+        self.receive = None;
     }
 
     fn __repr__(&self) -> String {
