@@ -486,8 +486,8 @@ impl LlCalls {
             },
         };
         let stream = me.current_stream(py)?;
-        let out_obj = match &out_r {
-            Some(_) => out.clone(),
+        let (out_obj, out_ptr) = match &out_r {
+            Some((_, p)) => (out.clone(), *p),
             None => {
                 let Some(s) = spec(&plan.outputs, "combined_x") else {
                     return Ok(None);
@@ -495,14 +495,8 @@ impl LlCalls {
                 let Some(mut made) = torch_alloc::empty(py, [&torch_spec(s)?], me.device)? else {
                     return Ok(None);
                 };
-                made.remove(0).0
+                made.remove(0)
             }
-        };
-        let out_ptr = match &out_r {
-            Some((_, p)) => *p,
-            None => out_obj
-                .call_method0(pyo3::intern!(py, "data_ptr"))?
-                .extract()?,
         };
         let n = plan.num_tokens > 0;
         let (idx_at, w_at, out_at) = if n {
