@@ -201,3 +201,14 @@ def test_a_buffer_dropped_with_a_hook_pending_frees_what_the_hook_kept(monkeypat
     del x, hook, b
     gc.collect()
     assert kept() is None
+
+
+def test_the_flags_are_read_by_their_truth_value(buf):
+    # As the Python path always read them: 1 asks for a hook, and async_finish
+    # with a hook is refused whatever the values' types.
+    x, idx, _ = inputs()
+    _, _, _, _, hook = buf.low_latency_dispatch(x, idx, T, E, use_fp8=False, return_recv_hook=1)
+    assert buf._ll_pending == (hook,)
+    hook()
+    with pytest.raises(ValueError, match="cannot both be True"):
+        buf.low_latency_dispatch(x, idx, T, E, async_finish=1, return_recv_hook=1)

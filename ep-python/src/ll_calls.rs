@@ -234,10 +234,14 @@ impl LlCalls {
     /// Checks that a low-latency call may start now (`ep_core::ll_hooks`):
     /// `ValueError` for `async_finish` with a hook, `RuntimeError` naming the
     /// pending hooks where they forbid it.
-    fn begin(&self, async_finish: bool, return_recv_hook: bool) -> PyResult<()> {
-        self.book
-            .begin(async_finish, return_recv_hook)
-            .map_err(hook_err)
+    fn begin(
+        &self,
+        async_finish: &Bound<'_, PyAny>,
+        return_recv_hook: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        // Python's truth values, as the Python path has always read them.
+        let (a, h) = (async_finish.is_truthy()?, return_recv_hook.is_truthy()?);
+        self.book.begin(a, h).map_err(hook_err)
     }
 
     /// The bookkeeping of a call the Python path launched: with `launch` (a
@@ -271,9 +275,12 @@ impl LlCalls {
         use_fp8: &Bound<'py, PyAny>,
         round_scale: &Bound<'py, PyAny>,
         use_ue8m0: &Bound<'py, PyAny>,
-        return_recv_hook: bool,
+        return_recv_hook: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let py = slf.py();
+        let Some(return_recv_hook) = flag(return_recv_hook) else {
+            return Ok(None);
+        };
         let me = slf.borrow();
         let Some(ep) = me.ready(py, return_recv_hook) else {
             return Ok(None);
@@ -409,11 +416,14 @@ impl LlCalls {
         handle: &Bound<'py, PyAny>,
         use_logfmt: &Bound<'py, PyAny>,
         zero_copy: &Bound<'py, PyAny>,
-        return_recv_hook: bool,
+        return_recv_hook: &Bound<'py, PyAny>,
         out: &Bound<'py, PyAny>,
         combine_wait_recv_cost_stats: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let py = slf.py();
+        let Some(return_recv_hook) = flag(return_recv_hook) else {
+            return Ok(None);
+        };
         let me = slf.borrow();
         let Some(ep) = me.ready(py, return_recv_hook) else {
             return Ok(None);

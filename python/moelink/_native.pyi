@@ -31,7 +31,7 @@ class LlCalls:
     ) -> None: ...
     @property
     def pending(self) -> tuple[LlHook, ...]: ...
-    def begin(self, async_finish: bool, return_recv_hook: bool) -> None: ...
+    def begin(self, async_finish: Any, return_recv_hook: Any) -> None: ...
     def record(self, kind: str, launch: Any | None, keep: Any) -> LlHook | None: ...
     def dispatch(
         self,
@@ -44,7 +44,7 @@ class LlCalls:
         use_fp8: Any,
         round_scale: Any,
         use_ue8m0: Any,
-        return_recv_hook: bool,
+        return_recv_hook: Any,
     ) -> tuple[Any, ...] | None: ...
     def combine(
         self,
@@ -54,7 +54,7 @@ class LlCalls:
         handle: Any,
         use_logfmt: Any,
         zero_copy: Any,
-        return_recv_hook: bool,
+        return_recv_hook: Any,
         out: Any,
         combine_wait_recv_cost_stats: Any,
     ) -> tuple[Any, ...] | None: ...
