@@ -486,6 +486,78 @@ fn check_ll_async(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Res
     Ok(())
 }
 
+/// A refusal of the hook rules: a `RuntimeError`-class error whose message
+/// holds `want`.
+fn refused_with(r: moelink_tch::Result<()>, want: &str) -> (bool, String) {
+    match r {
+        Err(e) => (
+            e.python_class() == "RuntimeError" && e.to_string().contains(want),
+            e.to_string(),
+        ),
+        Ok(()) => (false, "accepted".to_string()),
+    }
+}
+
+/// Receive hooks in SGLang's two-batch order (Python's rules: two calls in
+/// flight, hooks in call order, each once): batch A's dispatch and its hook,
+/// A's combine send, batch B's dispatch send with A's combine hook pending;
+/// a third call, B's hook before A's and a hook run twice are refused; then
+/// every output is checked against the reference.
+fn check_ll_hooks(chk: &mut Checker, b: &mut Buffer, size: usize) -> anyhow::Result<()> {
+    let (rank, device) = (b.rank(), b.device());
+    let e = EL * size as i64;
+    let (ins_a, ins_b) = (all_tokens(800, size), all_tokens(801, size));
+    let ((want_a, want_ca), (want_b, want_cb)) =
+        (reference_ll(&ins_a, e)?, reference_ll(&ins_b, e)?);
+    let (xa, idx_a, wa) = ins_a[rank].to_device(device);
+    let (xb, idx_b, wb) = ins_b[rank].to_device(device);
+    let o = LlDispatchOptions {
+        use_fp8: false,
+        return_recv_hook: true,
+        ..LlDispatchOptions::default()
+    };
+    let c = LlCombineOptions {
+        return_recv_hook: true,
+        ..LlCombineOptions::default()
+    };
+    let mut da = b.low_latency_dispatch(&xa, &idx_a, N, e, &o)?;
+    let mut hook = da.hook.take().context("dispatch A returned no hook")?;
+    b.run_recv_hook(&mut hook)?;
+    let (ok, got) = refused_with(b.run_recv_hook(&mut hook), "already called");
+    chk.ok("ll_hooks a hook runs once", ok, || got);
+    let ya = &da.recv_x.x * 2;
+    let (ca, _, hook_ca) = b.low_latency_combine(&ya, &idx_a, &wa, &da.handle, &c)?;
+    let mut hook_ca = hook_ca.context("combine A returned no hook")?;
+    let mut db = b.low_latency_dispatch(&xb, &idx_b, N, e, &o)?;
+    let mut hook_db = db.hook.take().context("dispatch B returned no hook")?;
+    let third = b.low_latency_dispatch(&xb, &idx_b, N, e, &o).map(|_| ());
+    let (ok, got) = refused_with(third, "have not run");
+    chk.ok("ll_hooks a third call in flight is refused", ok, || got);
+    let (ok, got) = refused_with(b.run_recv_hook(&mut hook_db), "run in call order");
+    chk.ok("ll_hooks hooks run in call order", ok, || got);
+    b.run_recv_hook(&mut hook_ca)?;
+    b.run_recv_hook(&mut hook_db)?;
+    let yb = &db.recv_x.x * 2;
+    let (cb, _, hook_cb) = b.low_latency_combine(&yb, &idx_b, &wb, &db.handle, &c)?;
+    b.run_recv_hook(&mut hook_cb.context("combine B returned no hook")?)?;
+    for (tag, d, want, combined, want_c) in [
+        ("A", &da, &want_a[rank], &ca, &want_ca[rank]),
+        ("B", &db, &want_b[rank], &cb, &want_cb[rank]),
+    ] {
+        chk.equal(
+            &format!("ll_hooks {tag} recv_count"),
+            &d.recv_count,
+            &want.recv_count,
+        );
+        let (gx, gs) = ll_blocks(&d.recv_x.x, &d.handle.src_info, &d.handle.layout_range);
+        let (wx, ws) = ll_blocks(&want.recv_x.x, &want.src_info, &want.layout_range);
+        chk.equal(&format!("ll_hooks {tag} recv_x (source order)"), &gx, &wx);
+        chk.equal(&format!("ll_hooks {tag} src_info (source order)"), &gs, &ws);
+        chk.equal(&format!("ll_hooks {tag} combined_x"), combined, want_c);
+    }
+    Ok(())
+}
+
 // ----- CUDA graphs -------------------------------------------------------------------------
 
 /// Copies `x` into the captured input `input`, poisons the captured outputs
@@ -804,6 +876,7 @@ fn run() -> anyhow::Result<bool> {
     };
     check_async(&mut chk, &mut b, size).context("async")?;
     check_ll_async(&mut chk, &mut b, size).context("ll_async")?;
+    check_ll_hooks(&mut chk, &mut b, size).context("ll_hooks")?;
     check_graph(&mut chk, &mut b, size).context("graph")?;
     check_ll_graph(&mut chk, &mut b, size).context("ll_graph")?;
     check_ids(&mut chk, &mut b, size).context("check_ids")?;
