@@ -77,11 +77,6 @@ def get_low_latency_rdma_size_hint(
     return _native.low_latency_size_hint(t, h, r, e)
 
 
-#: Low-latency calls that may be in flight at once: a call's send while the previous
-#: call's receive hook is pending (the buffer's two halves; DeepEP's two buffers).
-MAX_LL_IN_FLIGHT = 2
-
-
 class LowLatencyMixin:
     """Methods of ``Buffer`` for ``low_latency_mode=True`` (mixed into ``Buffer``)."""
 
@@ -92,7 +87,8 @@ class LowLatencyMixin:
 
     @property
     def _ll_pending(self) -> tuple:
-        """Receive hooks not yet called, oldest first (at most MAX_LL_IN_FLIGHT)."""
+        """Receive hooks not yet called, oldest first (at most two: the rules are
+        ``ep_core::ll_hooks``)."""
         return () if self._ll_state is None else self._ll_state.pending
 
     @staticmethod
@@ -113,7 +109,7 @@ class LowLatencyMixin:
 
     def _ll_begin(self, async_finish: bool, return_recv_hook: bool):
         """Checks that a low-latency call may start now (``_native.LlCalls.begin``:
-        at most MAX_LL_IN_FLIGHT in flight, and a call without a hook cannot overlap
+        at most two in flight, and a call without a hook cannot overlap
         a pending one)."""
         ll = self._ll_native()
         self._ll_state.begin(async_finish, return_recv_hook)
