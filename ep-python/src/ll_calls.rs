@@ -91,14 +91,20 @@ impl LlCalls {
         self.stream_of.call1(py, (self.device,))?.extract(py)
     }
 
-    /// The native part where a call may run whole now: the hook rules let it
-    /// start (else the Python path raises their error) and torch's shim makes
+    /// The native part, and the call's `return_recv_hook`, where a call may
+    /// run whole now: the flag is a bool, the hook rules let the call start
+    /// (else the Python path raises their error) and torch's shim makes
     /// outputs.
-    fn ready(&self, py: Python<'_>, return_recv_hook: bool) -> Option<Py<EpBuffer>> {
-        if self.book.begin(false, return_recv_hook).is_err() || !torch_alloc::torch_alloc_ready() {
+    fn ready(
+        &self,
+        py: Python<'_>,
+        return_recv_hook: &Bound<'_, PyAny>,
+    ) -> Option<(Py<EpBuffer>, bool)> {
+        let hook = flag(return_recv_hook)?;
+        if self.book.begin(false, hook).is_err() || !torch_alloc::torch_alloc_ready() {
             return None;
         }
-        self.ep.as_ref().map(|e| e.clone_ref(py))
+        self.ep.as_ref().map(|e| (e.clone_ref(py), hook))
     }
 
     /// After a native call's launch: its bookkeeping ([`Self::launched`]),
@@ -278,11 +284,8 @@ impl LlCalls {
         return_recv_hook: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let py = slf.py();
-        let Some(return_recv_hook) = flag(return_recv_hook) else {
-            return Ok(None);
-        };
         let me = slf.borrow();
-        let Some(ep) = me.ready(py, return_recv_hook) else {
+        let Some((ep, return_recv_hook)) = me.ready(py, return_recv_hook) else {
             return Ok(None);
         };
         let (Some(t), Some(e), Some(fp8), Some(round), Some(ue8m0)) = (
@@ -421,11 +424,8 @@ impl LlCalls {
         combine_wait_recv_cost_stats: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
         let py = slf.py();
-        let Some(return_recv_hook) = flag(return_recv_hook) else {
-            return Ok(None);
-        };
         let me = slf.borrow();
-        let Some(ep) = me.ready(py, return_recv_hook) else {
+        let Some((ep, return_recv_hook)) = me.ready(py, return_recv_hook) else {
             return Ok(None);
         };
         let (Some(logfmt), Some(zero_copy)) = (flag(use_logfmt), flag(zero_copy)) else {
