@@ -38,6 +38,7 @@ from moelink import reference
 SCENARIO_NAMES = (
     "basic",
     "modes",
+    "checked_path",
     "standard_shape",
     "out_and_stats",
     "proxy",
@@ -377,6 +378,21 @@ def scenario_modes(ctx: Ctx, buf) -> None:
                 label = f"modes fp8={use_fp8} round={rs} ue8m0={ue} hook={hook} zc={zc} k={k}"
                 round_trip(ctx, buf, label, inputs, T_MAX, e, use_fp8=use_fp8, round_scale=rs,
                            ue8m0=ue, hook=hook, zero_copy=zc)  # fmt: skip
+
+
+def scenario_checked_path(ctx: Ctx, buf) -> None:
+    """``modes`` through the checked Python path (what ``async_finish=True`` and
+    ``MOELINK_CHECK_IDS`` take: plan cache, ``OutputSet``, a native launch per
+    phase, hooks launching from Python) instead of the one native call that eager
+    calls make."""
+    from moelink._testing import CheckedPath
+
+    one_call = buf._ll_state
+    buf._ll_state = CheckedPath(one_call)
+    try:
+        scenario_modes(ctx, buf)
+    finally:
+        buf._ll_state = one_call
 
 
 def scenario_standard_shape(ctx: Ctx, buf) -> None:
