@@ -244,7 +244,6 @@ fn call_shape(max_tokens: usize, hidden: usize, num_experts: usize, num_topk: us
     }
 }
 
-/// The `CallShape` of a low-latency plan's geometry and top-k.
 /// The dispatch call of plan `p` at the addresses of `ll_dispatch`'s tuple.
 pub(crate) fn ll_dispatch_call(p: &calls::LlDispatchPlan, t: LlDispatchTensors) -> DispatchCall {
     let (x, topk_idx, recv_x, recv_scales, recv_count, src_info, layout_range, count, wait) = t;

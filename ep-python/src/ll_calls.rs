@@ -15,13 +15,13 @@
 
 use ep_core::calls::{self, OutputSpec, TensorMeta};
 use ep_core::ll_hooks::{Hook, HookBook, HookError};
-use ep_core::low_latency::{CombineCall, DispatchCall, DispatchOutputs, LlCall, Phases};
+use ep_core::low_latency::{CombineCall, LlCall, Phases};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyInt, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
-use crate::ep_buffer::EpBuffer;
+use crate::ep_buffer::{ll_dispatch_call, EpBuffer};
 use crate::tensors::{read, read_optional};
 use crate::torch_alloc::{self, Spec};
 
@@ -354,17 +354,19 @@ impl LlCalls {
         let recv_scales = rest.first();
         let n = plan.num_tokens > 0;
         let ptr = |m: &Option<(TensorMeta, u64)>| m.as_ref().map_or(0, |(_, p)| *p);
-        let out = DispatchOutputs {
-            recv_x: recv_x.1,
-            recv_scales: recv_scales.map_or(0, |s| s.1),
-            recv_count: recv_count.1,
-            src_info: src_info.1,
-            layout_range: layout_range.1,
-            stats_count: ptr(&count),
-            stats_wait: ptr(&wait),
-        };
         let (x_at, idx_at) = if n { (x_ptr, idx_ptr) } else { (0, 0) };
-        let call = LlCall::Dispatch(DispatchCall::planned(&plan, x_at, idx_at, out));
+        let addresses = (
+            x_at,
+            idx_at,
+            recv_x.1,
+            recv_scales.map_or(0, |s| s.1),
+            recv_count.1,
+            src_info.1,
+            layout_range.1,
+            ptr(&count),
+            ptr(&wait),
+        );
+        let call = LlCall::Dispatch(ll_dispatch_call(&plan, addresses));
         drop(me);
         let recorded = epb.launch_ll(py, stream, &call, phases(return_recv_hook))?;
         drop(epb);
