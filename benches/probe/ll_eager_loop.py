@@ -19,6 +19,11 @@ path with its outputs made by ``torch.empty_strided`` instead of torch's C shim;
 - ``dispatch host`` / ``combine host``: each call alone timed on the CPU (median),
   the GPU busy as in the loop;
 - rank 0's top functions by own time over 50 profiled loops (``--profile``).
+
+``--default-device`` runs the loops after ``torch.set_default_dtype(torch.bfloat16)``
+and ``torch.set_default_device("cuda")``, as DeepEP's test process does (its
+``init_dist``): the latter is a torch function mode, which every torch call made
+from Python goes through.
 """
 
 from __future__ import annotations
@@ -38,15 +43,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--default-device", action="store_true")
     args = p.parse_args(argv)
 
     import moelink
     import torch
     import torch.distributed as dist
+    from moelink.launch import init_distributed
 
-    dist.init_process_group("nccl")
+    # NCCL, or gloo where ranks share GPUs; the device local_rank % GPUs
+    init_distributed()
     rank, size = dist.get_rank(), dist.get_world_size()
-    torch.cuda.set_device(rank % torch.cuda.device_count())
     nbytes = moelink.Buffer.get_low_latency_rdma_size_hint(T, H, size, E)
     buf = moelink.Buffer(dist.group.WORLD, 0, nbytes, low_latency_mode=True,
                          num_qps_per_rank=E // size, explicitly_destroy=True)  # fmt: skip
@@ -56,6 +63,10 @@ def main(argv=None) -> int:
     w = torch.rand(T, TOPK, generator=g).cuda()
     stats = torch.zeros(E // size, dtype=torch.int32, device="cuda")
     y = torch.randn(E // size, size * T, H, generator=g).to(torch.bfloat16).cuda()
+
+    if args.default_device:  # as DeepEP's test process
+        torch.set_default_dtype(torch.bfloat16)
+        torch.set_default_device("cuda")
 
     def dispatch():
         return buf.low_latency_dispatch(x, idx, T, E, cumulative_local_expert_recv_stats=stats,
@@ -146,7 +157,7 @@ def main(argv=None) -> int:
                 print(r["profile"])
         if args.json:
             with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
+                json.dump({"default_device": args.default_device, **out}, f, indent=1)
     buf.destroy()
     dist.destroy_process_group()
     return 0

@@ -21,6 +21,10 @@ samples, outside the timed region). Rows:
 
 The checked path's Python glue is that call less the parts; what the one native
 call adds to the same parts is its own line.
+
+``--default-device`` times every row after ``torch.set_default_device`` (the
+current GPU), as DeepEP's test process does: a torch function mode, which every
+torch call made from Python goes through, ``x.add_(0)`` included.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iters", type=int, default=3000)
     p.add_argument("--json", default=None)
+    p.add_argument("--default-device", action="store_true")
     args = p.parse_args(argv)
 
     import moelink
@@ -71,6 +76,8 @@ def main(argv=None) -> int:
         finally:
             buf._ll_state = one_call
 
+    if args.default_device:  # as DeepEP's test process
+        torch.set_default_device(dev)
     whole()
     whole_checked()
     torch.cuda.synchronize()
@@ -139,7 +146,8 @@ def main(argv=None) -> int:
             print(f"{name:56s} {v:8.2f} us  {v / med['x.add_(0)']:5.2f}x")
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"iters": args.iters, "median_us": med}, f, indent=1)
+                json.dump({"iters": args.iters, "default_device": args.default_device,
+                       "median_us": med}, f, indent=1)  # fmt: skip
     del outs, recv_x, scales, count, src_info, layout_range
     buf.destroy()
     dist.destroy_process_group()

@@ -22,7 +22,7 @@ use pyo3::types::{PyBool, PyInt, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::ep_buffer::{ll_dispatch_call, EpBuffer};
-use crate::tensors::{read, read_optional};
+use crate::tensors::{plain_torch, read, read_optional};
 use crate::torch_alloc::{self, Spec};
 
 #[pyclass(module = "moelink._native")]
@@ -288,6 +288,7 @@ impl LlCalls {
         let Some((ep, return_recv_hook)) = me.ready(py, return_recv_hook) else {
             return Ok(None);
         };
+        let _plain = plain_torch(py)?;
         let (Some(t), Some(e), Some(fp8), Some(round), Some(ue8m0)) = (
             int(num_max_dispatch_tokens_per_rank),
             int(num_experts),
@@ -430,6 +431,7 @@ impl LlCalls {
         let Some((ep, return_recv_hook)) = me.ready(py, return_recv_hook) else {
             return Ok(None);
         };
+        let _plain = plain_torch(py)?;
         let (Some(logfmt), Some(zero_copy)) = (flag(use_logfmt), flag(zero_copy)) else {
             return Ok(None);
         };

@@ -4,6 +4,12 @@
 //! data address. Anything else (a tensor subclass, a dtype or device the
 //! calls do not name) reads as None, and the caller leaves the call to the
 //! checked path in Python, which names the argument in its refusal.
+//!
+//! Each read is a few attribute lookups. Where a torch function mode is on
+//! (`torch.set_default_device`, any `TorchFunctionMode`), torch sends every
+//! one of them through the mode's Python `__torch_function__`, about ten
+//! times their cost: a call therefore reads under [`plain_torch`], as a C++
+//! extension's arguments are read, past the modes.
 
 use std::sync::OnceLock;
 
@@ -32,6 +38,9 @@ struct Torch {
     tensor: Py<PyType>,
     /// `torch.<name>` with its [`DType`], for each of [`NAMES`] torch has.
     dtypes: Vec<(Py<PyAny>, DType)>,
+    /// `torch._C._is_torch_function_mode_enabled` and
+    /// `torch._C.DisableTorchFunction`, where this torch has both.
+    modes: Option<(Py<PyAny>, Py<PyAny>)>,
 }
 
 static TORCH: OnceLock<Torch> = OnceLock::new();
@@ -50,8 +59,47 @@ fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
                 .map(|d| (d.unbind(), DType::from_torch_name(n)))
         })
         .collect();
-    let _ = TORCH.set(Torch { tensor, dtypes });
+    let c = m.getattr("_C")?;
+    let modes = match (
+        c.getattr("_is_torch_function_mode_enabled"),
+        c.getattr("DisableTorchFunction"),
+    ) {
+        (Ok(on), Ok(off)) => Some((on.unbind(), off.unbind())),
+        _ => None,
+    };
+    let _ = TORCH.set(Torch {
+        tensor,
+        dtypes,
+        modes,
+    });
     Ok(TORCH.get().expect("just set"))
+}
+
+/// torch's function modes turned off while it lives (where one was on; see
+/// the module's text). What a call makes itself names its device and dtype,
+/// so no mode changes its outputs.
+pub(crate) struct PlainTorch<'py>(Option<Bound<'py, PyAny>>);
+
+pub(crate) fn plain_torch(py: Python<'_>) -> PyResult<PlainTorch<'_>> {
+    if let Some((on, off)) = &torch(py)?.modes {
+        if on.bind(py).call0()?.is_truthy()? {
+            let guard = off.bind(py).call0()?;
+            guard.call_method0(intern!(py, "__enter__"))?;
+            return Ok(PlainTorch(Some(guard)));
+        }
+    }
+    Ok(PlainTorch(None))
+}
+
+impl Drop for PlainTorch<'_> {
+    fn drop(&mut self) {
+        if let Some(guard) = self.0.take() {
+            let py = guard.py();
+            let none = py.None();
+            // Restoring a flag: it does not fail.
+            let _ = guard.call_method1(intern!(py, "__exit__"), (&none, &none, &none));
+        }
+    }
 }
 
 /// `obj`'s meta and data address where it is a plain `torch.Tensor` of a

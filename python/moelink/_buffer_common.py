@@ -1,10 +1,12 @@
 """What ``buffer.py`` (the Buffer) and ``low_latency.py`` (its low-latency half)
 both use besides stream handling (``_streams.py``): a device range as a tensor,
-whether ids are also checked on the host, the plan cache and the outputs of a
-native plan. A module of its own so the two do not import each other."""
+whether ids are also checked on the host, the plan cache, the outputs of a
+native plan and ``plain_torch`` (the calls past torch's function modes). A module
+of its own so the two do not import each other."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -28,6 +30,31 @@ class _CudaMemory:
             "version": 3,
             "strides": None,
         }
+
+
+_MODE_ON = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+_NO_MODES = getattr(torch._C, "DisableTorchFunction", None)
+
+
+def plain_torch(method):
+    """``method`` run past torch's function modes where one is on
+    (``torch.set_default_device``, which DeepEP's tests call, or any
+    ``TorchFunctionMode``): as a C++ extension's code runs. Under a mode, torch
+    sends every tensor attribute and function a call reads or calls through the
+    mode's Python ``__torch_function__``, about ten times their cost, and a
+    call reads dozens. Every tensor a call makes names its device and dtype,
+    so no mode changes its outputs."""
+    if _MODE_ON is None or _NO_MODES is None:
+        return method
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        if _MODE_ON():
+            with _NO_MODES():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    return call
 
 
 def _capturing() -> bool:

@@ -27,6 +27,7 @@ from ._buffer_common import (
     at_rows,
     empty,
     output_specs,
+    plain_torch,
 )
 from ._device_timeout import env_device_timeout_ns, env_host_timeout_s
 from ._group import native_group as _native_group
@@ -566,6 +567,7 @@ class Buffer(LowLatencyMixin):
 
     # ----- layout ----------------------------------------------------------------
 
+    @plain_torch
     def get_dispatch_layout(
         self,
         topk_idx: torch.Tensor,
@@ -654,6 +656,7 @@ class Buffer(LowLatencyMixin):
         cached = None if handle is None else OutputSet(specs[2:4], self.device)
         return p, specs, cached
 
+    @plain_torch
     def dispatch(
         self,
         x,
@@ -884,6 +887,7 @@ class Buffer(LowLatencyMixin):
 
     # ----- combine ---------------------------------------------------------------
 
+    @plain_torch
     def get_combine_buffer(self, handle, hidden: int) -> torch.Tensor:
         """An uninitialized bf16 ``[rows, hidden]`` tensor for the expert outputs that
         ``combine(x, handle)`` then takes as ``x`` (``rows``: those the dispatch of
@@ -934,6 +938,7 @@ class Buffer(LowLatencyMixin):
         outputs = OutputSet(output_specs(p, ("combined_x", "combined_topk_weights")), self.device)
         return p, outputs
 
+    @plain_torch
     def combine(
         self,
         x: torch.Tensor,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import _buffer_common, _native
-from ._buffer_common import OutputSet, _check_ids, _CudaMemory, output_specs
+from ._buffer_common import OutputSet, _check_ids, _CudaMemory, output_specs, plain_torch
 from ._streams import NO_STREAM_SWITCH, EventOverlap, current_raw_stream, finish_async
 from .checks import (
     _NO_SIG,
@@ -199,6 +199,21 @@ class LowLatencyMixin:
             )  # fmt: skip
             if done is not None:
                 return done
+        return self._ll_dispatch_checked(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+            round_scale, use_ue8m0, async_finish, return_recv_hook,
+        )  # fmt: skip
+
+    @plain_torch
+    def _ll_dispatch_checked(
+        self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+        round_scale, use_ue8m0, async_finish, return_recv_hook,
+    ):  # fmt: skip
+        """``low_latency_dispatch`` on the checked path: every check in Python's
+        order, for every call the one native call declines (``async_finish``,
+        ``MOELINK_CHECK_IDS``, a refused argument, a hook rule)."""
         ll = self._ll_begin(async_finish, return_recv_hook)
         key = (
             "dispatch", _sig(x), _sig(topk_idx), _sig(cumulative_local_expert_recv_stats),
@@ -276,6 +291,7 @@ class LowLatencyMixin:
         raw = torch.as_tensor(_CudaMemory(ptr, nbytes, self), device=self.device)
         return raw.view(dtype).view(shape)
 
+    @plain_torch
     def get_next_low_latency_combine_buffer(self, handle) -> torch.Tensor:
         """The bf16 ``[E_local, R*T, H]`` view of the buffer ``low_latency_combine(...,
         zero_copy=True)`` reads: write the expert outputs here, then combine. One region
@@ -311,6 +327,17 @@ class LowLatencyMixin:
             )  # fmt: skip
             if done is not None:
                 return done
+        return self._ll_combine_checked(
+            x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+            return_recv_hook, out, combine_wait_recv_cost_stats,
+        )  # fmt: skip
+
+    @plain_torch
+    def _ll_combine_checked(
+        self, x, topk_idx, topk_weights, handle, use_logfmt, zero_copy, async_finish,
+        return_recv_hook, out, combine_wait_recv_cost_stats,
+    ):  # fmt: skip
+        """``low_latency_combine`` on the checked path (see ``_ll_dispatch_checked``)."""
         ll = self._ll_begin(async_finish, return_recv_hook)
         h = handle if type(handle) is tuple and len(handle) == 5 else (_NO_SIG,) * 5
         key = (

@@ -39,6 +39,7 @@ SCENARIO_NAMES = (
     "basic",
     "modes",
     "checked_path",
+    "function_mode",
     "standard_shape",
     "out_and_stats",
     "proxy",
@@ -393,6 +394,61 @@ def scenario_checked_path(ctx: Ctx, buf) -> None:
         scenario_modes(ctx, buf)
     finally:
         buf._ll_state = one_call
+
+
+class UnderMode:
+    """``buf`` whose low-latency calls each run under torch function modes, as in
+    DeepEP's test process (``torch.set_default_device``): the buffer's device as
+    the default one, and a mode that records every torch call it is sent."""
+
+    CALLS = ("low_latency_dispatch", "low_latency_combine", "get_next_low_latency_combine_buffer")
+
+    def __init__(self, buf, device):
+        self.buf, self.device, self.seen = buf, device, []
+
+    def __getattr__(self, name):
+        fn = getattr(self.buf, name)
+        if name not in self.CALLS:
+            return fn
+
+        def call(*args, **kwargs):
+            from torch.overrides import TorchFunctionMode
+
+            seen = self.seen
+
+            class Recording(TorchFunctionMode):
+                def __torch_function__(self, func, types, args=(), kwargs=None):
+                    seen.append((name, getattr(func, "__name__", repr(func))))
+                    return func(*args, **(kwargs or {}))
+
+            with torch.device(self.device), Recording():
+                return fn(*args, **kwargs)
+
+        return call
+
+
+def scenario_function_mode(ctx: Ctx, buf) -> None:
+    """Round trips whose calls run under torch function modes (``UnderMode``), on
+    both paths: every result checked, and no torch call of a Buffer's reaches the
+    modes (they cost about ten times as much through one)."""
+    from moelink._testing import CheckedPath
+
+    e = 8 * ctx.size
+    one_call = buf._ll_state
+    for path, state in (("one call", one_call), ("checked", CheckedPath(one_call))):
+        buf._ll_state = state
+        try:
+            for n, (use_fp8, hook, zc) in enumerate(((True, False, False), (False, True, True))):
+                under = UnderMode(buf, ctx.device)
+                label = f"function mode, {path}, fp8={use_fp8} hook={hook} zc={zc}"
+                inputs = make_inputs(ctx, f"fmode{n}", 48, 2048, e, 4)
+                round_trip(ctx, under, label, inputs, T_MAX, e, use_fp8=use_fp8, hook=hook,
+                           zero_copy=zc)  # fmt: skip
+                if under.seen:
+                    ctx.fail(f"{label}: the modes saw {len(under.seen)} torch calls of the "
+                             f"Buffer's: {under.seen[:6]}")  # fmt: skip
+        finally:
+            buf._ll_state = one_call
 
 
 def scenario_standard_shape(ctx: Ctx, buf) -> None:
