@@ -103,3 +103,37 @@ def test_outputs_are_freed_with_their_tensors():
     del t
     assert ref() is None  # no reference kept on the native side
     assert storage.nbytes() == 4096
+
+
+def test_outputs_after_the_first_are_views_of_one_allocation_that_never_overlap():
+    # The first output (a call's recv_x) is an allocation of its own; the others
+    # share one, each 256 bytes aligned within it, their bytes disjoint.
+    made = [t for t in OutputSet(SPECS, CPU).empty() if t is not None]
+    first, rest = made[0], made[1:]
+    shared = {t.untyped_storage().data_ptr() for t in rest}
+    assert len(shared) == 1 and first.untyped_storage().data_ptr() not in shared
+    spans = []
+    base = rest[0].untyped_storage().data_ptr()
+    for t in rest:
+        assert (t.data_ptr() - base) % 256 == 0
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        spans.append((t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()))
+    spans.sort()
+    assert all(a_end <= b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:]))
+    # Each output written whole keeps its own values.
+    for i, t in enumerate(rest):
+        t.fill_(i + 1)
+    for i, t in enumerate(rest):
+        assert bool((t == i + 1).all()), f"output {i + 1} was overwritten"
+
+
+def test_views_keep_their_shared_allocation_alive():
+    import weakref
+
+    made = [t for t in OutputSet(SPECS, CPU).empty() if t is not None]
+    keep = made[-1]
+    others = [weakref.ref(t) for t in made[1:-1]]
+    del made
+    assert all(r() is None for r in others)
+    keep.fill_(7)  # its storage is still alive and writable
+    assert bool((keep == 7).all())

@@ -346,7 +346,10 @@ impl LlCalls {
             specs.push(torch_spec(s)?);
         }
         let stream = me.current_stream(py)?;
-        let Some(made) = torch_alloc::empty(py, &specs, me.device)? else {
+        // recv_x an allocation of its own (it is freed apart from the
+        // handle's tensors), the small outputs views of one.
+        let specs: Vec<&Spec> = specs.iter().collect();
+        let Some(made) = torch_alloc::empty(py, &specs, 1, me.device)? else {
             return Ok(None);
         };
         let [recv_x, recv_count, src_info, layout_range, rest @ ..] = &made[..] else {
@@ -506,7 +509,8 @@ impl LlCalls {
                 let Some(s) = spec(&plan.outputs, "combined_x") else {
                     return Ok(None);
                 };
-                let Some(mut made) = torch_alloc::empty(py, [&torch_spec(s)?], me.device)? else {
+                let Some(mut made) = torch_alloc::empty(py, &[&torch_spec(s)?], 1, me.device)?
+                else {
                     return Ok(None);
                 };
                 made.remove(0)

@@ -30,6 +30,9 @@ type EmptyStrided =
     unsafe extern "C" fn(i64, *const i64, *const i64, i32, i32, i32, *mut Handle) -> i32;
 type HandleFn = unsafe extern "C" fn(Handle) -> i32;
 type DataPtr = unsafe extern "C" fn(Handle, *mut *mut c_void) -> i32;
+type Reinterpret =
+    unsafe extern "C" fn(Handle, i64, *const i64, *const i64, i64, *mut Handle) -> i32;
+type ViewDtype = unsafe extern "C" fn(Handle, i32, *mut Handle) -> i32;
 type Code = unsafe extern "C" fn() -> i32;
 
 struct Shim {
@@ -38,6 +41,13 @@ struct Shim {
     delete: HandleFn,
     zero: HandleFn,
     data_ptr: DataPtr,
+    reinterpret: Reinterpret,
+    /// `aoti_torch_cpu_view_dtype` and, where libtorch_cuda is loaded,
+    /// `aoti_torch_cuda_view_dtype`: a tensor's bytes as another dtype.
+    view_dtype_cpu: ViewDtype,
+    view_dtype_cuda: Option<ViewDtype>,
+    /// libtorch_cuda, kept open while its symbol is used.
+    _cuda_lib: Option<Library>,
     /// `aoti_torch_device_type_cuda()` and `aoti_torch_device_type_cpu()`.
     cuda: i32,
     cpu: i32,
@@ -78,7 +88,19 @@ pub fn torch_alloc_init(libtorch_cpu: &str, steal: Py<PyAny>) -> PyResult<()> {
             .map_err(|e| PyRuntimeError::new_err(format!("cannot open {libtorch_cpu}: {e}")))?;
         let cuda: Code = symbol(&lib, "aoti_torch_device_type_cuda")?;
         let cpu: Code = symbol(&lib, "aoti_torch_device_type_cpu")?;
+        // The CUDA half of the shim lives beside libtorch_cpu, loaded with it
+        // by a CUDA build of torch (absent from a CPU-only one).
+        let cuda_path = std::path::Path::new(libtorch_cpu).with_file_name("libtorch_cuda.so");
+        let cuda_lib = Library::open(Some(&cuda_path), RTLD_NOW as c_int | RTLD_NOLOAD).ok();
+        let view_dtype_cuda = match &cuda_lib {
+            Some(l) => symbol(l, "aoti_torch_cuda_view_dtype").ok(),
+            None => None,
+        };
         Shim {
+            reinterpret: symbol(&lib, "aoti_torch__reinterpret_tensor")?,
+            view_dtype_cpu: symbol(&lib, "aoti_torch_cpu_view_dtype")?,
+            view_dtype_cuda,
+            _cuda_lib: cuda_lib,
             empty_strided: symbol(&lib, "aoti_torch_empty_strided")?,
             delete: symbol(&lib, "aoti_torch_delete_tensor_object")?,
             zero: symbol(&lib, "aoti_torch_zero_")?,
@@ -102,12 +124,30 @@ pub fn torch_alloc_ready() -> bool {
 /// An output as Python gives it: shape, strides, dtype name, zero-filled.
 type SpecArg = (Vec<i64>, Vec<i64>, String, bool);
 
-/// One output: shape, strides, torch's dtype code, zero-filled or not.
+/// One output: shape, strides, torch's dtype code and element size,
+/// zero-filled or not.
 pub(crate) struct Spec {
     shape: Vec<i64>,
     strides: Vec<i64>,
     dtype: i32,
+    elem: i64,
     zeroed: bool,
+}
+
+impl Spec {
+    /// Bytes from the first element to one past the last (0 when empty).
+    fn span(&self) -> i64 {
+        if self.shape.contains(&0) {
+            return 0;
+        }
+        let last: i64 = self
+            .shape
+            .iter()
+            .zip(&self.strides)
+            .map(|(n, s)| (n - 1) * s)
+            .sum();
+        (last + 1) * self.elem
+    }
 }
 
 impl Spec {
@@ -122,10 +162,15 @@ impl Spec {
         if shape.len() != strides.len() {
             return Err(PyValueError::new_err("shape and strides differ in length"));
         }
+        let code = dtype_code(dtype)?;
+        let elem = ep_core::calls::DType::from_torch_name(dtype)
+            .element_size()
+            .ok_or_else(|| PyValueError::new_err(format!("dtype {dtype:?} has no element size")))?;
         Ok(Spec {
             shape,
             strides,
-            dtype: dtype_code(dtype)?,
+            dtype: code,
+            elem,
             zeroed,
         })
     }
@@ -172,45 +217,123 @@ fn delete_all(shim: &Shim, handles: &[Handle]) {
 /// Tensors made by [`empty`], each with its data address.
 pub(crate) type Made<'py> = Vec<(Bound<'py, PyAny>, u64)>;
 
+/// Alignment of each output inside a shared allocation (bytes).
+const GROUP_ALIGN: i64 = 256;
+
 /// The tensors of `specs` on CUDA device `device` (the CPU for -1), on its
-/// current stream, each with its data address. None when torch's shim
-/// refused one (out of memory, say): the caller then allocates through
-/// Python, which raises torch's own error.
-pub(crate) fn empty<'py, 'a>(
+/// current stream, each with its data address. The first `separate` are an
+/// allocation each; the rest are views of one allocation, each at an offset
+/// aligned to 256 bytes (torch's `at::empty_strided` costs about 2 us a
+/// tensor; a view a fraction of that). None when torch's shim refused one
+/// (out of memory, say): the caller then allocates through Python, which
+/// raises torch's own error.
+pub(crate) fn empty<'py>(
     py: Python<'py>,
-    specs: impl IntoIterator<Item = &'a Spec>,
+    specs: &[&Spec],
+    separate: usize,
     device: i32,
 ) -> PyResult<Option<Made<'py>>> {
     let shim = shim()?;
-    let mut handles = Vec::new();
-    let mut ptrs = Vec::new();
-    for spec in specs {
-        let mut h: Handle = ptr::null_mut();
+    let (kind, index) = (if device < 0 { shim.cpu } else { shim.cuda }, device.max(0));
+    let view_dtype = if device < 0 {
+        Some(shim.view_dtype_cpu)
+    } else {
+        shim.view_dtype_cuda
+    };
+    // A group of fewer than two, or without the dtype view, is separate.
+    let grouped = &specs[separate.min(specs.len())..];
+    let separate = if grouped.len() < 2 || view_dtype.is_none() {
+        specs.len()
+    } else {
+        separate
+    };
+    let mut handles = Vec::with_capacity(specs.len());
+    let mut ptrs = Vec::with_capacity(specs.len());
+    // Where a step fails: what was made is freed, and the caller falls back.
+    let fail = |handles: &[Handle], extra: &[Handle]| {
+        delete_all(shim, handles);
+        delete_all(shim, extra);
+        Ok(None)
+    };
+    let empty_strided = |shape: &[i64], strides: &[i64], dtype: i32, h: &mut Handle| {
         // SAFETY: shape and strides hold ndim values each; h receives a new handle.
-        let rc = unsafe {
+        unsafe {
             (shim.empty_strided)(
-                spec.shape.len() as i64,
-                spec.shape.as_ptr(),
-                spec.strides.as_ptr(),
-                spec.dtype,
-                if device < 0 { shim.cpu } else { shim.cuda },
-                device.max(0),
-                &mut h,
+                shape.len() as i64,
+                shape.as_ptr(),
+                strides.as_ptr(),
+                dtype,
+                kind,
+                index,
+                h,
             )
-        };
-        if rc == 0 {
-            handles.push(h);
         }
+    };
+    // The output `h` made for `spec`: zero-filled where asked, its address kept.
+    let finish = |spec: &Spec, h: Handle, ptrs: &mut Vec<u64>| -> bool {
         let mut data: *mut c_void = ptr::null_mut();
-        // SAFETY: h is the handle just made (where rc is 0).
-        if rc != 0
-            || (spec.zeroed && unsafe { (shim.zero)(h) } != 0)
-            || unsafe { (shim.data_ptr)(h, &mut data) } != 0
-        {
-            delete_all(shim, &handles);
-            return Ok(None);
-        }
+        // SAFETY: h is a live handle of ours.
+        let ok = (!spec.zeroed || unsafe { (shim.zero)(h) } == 0)
+            && unsafe { (shim.data_ptr)(h, &mut data) } == 0;
         ptrs.push(data as u64);
+        ok
+    };
+    for spec in &specs[..separate] {
+        let mut h: Handle = ptr::null_mut();
+        if empty_strided(&spec.shape, &spec.strides, spec.dtype, &mut h) != 0 {
+            return fail(&handles, &[]);
+        }
+        handles.push(h);
+        if !finish(spec, h, &mut ptrs) {
+            return fail(&handles, &[]);
+        }
+    }
+    if let (Some(view_dtype), true) = (view_dtype, separate < specs.len()) {
+        let mut offsets = Vec::with_capacity(specs.len() - separate);
+        let mut end = 0;
+        for spec in &specs[separate..] {
+            let at = (end + GROUP_ALIGN - 1) / GROUP_ALIGN * GROUP_ALIGN;
+            offsets.push(at);
+            end = at + spec.span();
+        }
+        let total = ((end + GROUP_ALIGN - 1) / GROUP_ALIGN * GROUP_ALIGN).max(GROUP_ALIGN);
+        let mut base: Handle = ptr::null_mut();
+        if empty_strided(&[total], &[1], dtype_code("uint8")?, &mut base) != 0 {
+            return fail(&handles, &[]);
+        }
+        for (spec, at) in specs[separate..].iter().zip(offsets) {
+            let (mut typed, mut view): (Handle, Handle) = (ptr::null_mut(), ptr::null_mut());
+            // SAFETY: base is a live 1-D byte tensor of `total` bytes, a
+            // multiple of every element size; the view spans `span()` bytes
+            // from `at`, inside it, and `at` is a multiple of its element size.
+            let rc = unsafe {
+                let rc = view_dtype(base, spec.dtype, &mut typed);
+                if rc != 0 {
+                    rc
+                } else {
+                    let rc = (shim.reinterpret)(
+                        typed,
+                        spec.shape.len() as i64,
+                        spec.shape.as_ptr(),
+                        spec.strides.as_ptr(),
+                        at / spec.elem,
+                        &mut view,
+                    );
+                    (shim.delete)(typed);
+                    rc
+                }
+            };
+            if rc != 0 {
+                return fail(&handles, &[base]);
+            }
+            handles.push(view);
+            if !finish(spec, view, &mut ptrs) {
+                return fail(&handles, &[base]);
+            }
+        }
+        // The views keep the storage; the base handle is ours to drop.
+        // SAFETY: base is a live handle of ours, not handed to torch.
+        unsafe { (shim.delete)(base) };
     }
     let capsules = handles
         .iter()
@@ -258,7 +381,10 @@ impl TorchOutputs {
     /// stream: a tuple with None where the spec is None; None where torch's
     /// shim refused one ([`empty`]).
     fn empty<'py>(&self, py: Python<'py>, device: i32) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        let Some(made) = empty(py, self.specs.iter().flatten(), device)? else {
+        // The first output (a call's recv_x, when it has one) is an
+        // allocation of its own; the rest share one.
+        let specs: Vec<&Spec> = self.specs.iter().flatten().collect();
+        let Some(made) = empty(py, &specs, 1, device)? else {
             return Ok(None);
         };
         let mut made = made.into_iter();
