@@ -137,3 +137,63 @@ def test_views_keep_their_shared_allocation_alive():
     assert all(r() is None for r in others)
     keep.fill_(7)  # its storage is still alive and writable
     assert bool((keep == 7).all())
+
+
+# ----- tensor arguments read through the shim (``_native.tensor_args``) -----------------
+
+NAMED_DTYPES = (torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                torch.float16, torch.bfloat16, torch.float32, torch.float64,
+                torch.float8_e4m3fn, torch.float8_e5m2)  # fmt: skip
+
+
+def as_read(t):
+    """What the one-call paths must read of plain tensor ``t``."""
+    name = str(t.dtype).removeprefix("torch.")
+    return (name, list(t.shape), list(t.stride()), -1, t.data_ptr())
+
+
+def test_tensor_args_read_meta_and_address_as_torch_gives_them():
+    base = torch.arange(96, dtype=torch.float32).view(4, 6, 4)
+    tensors = [
+        base,
+        base[:, ::2, 1:],  # strided, offset
+        base.transpose(0, 2),
+        torch.tensor(3),  # 0-dim
+        torch.empty(0, 7),
+        *(torch.empty(2, 3).to(d) for d in NAMED_DTYPES),
+    ]
+    got = _native.tensor_args([None, *tensors, None])
+    assert got[0] is None and got[-1] is None
+    assert got[1:-1] == [as_read(t) for t in tensors]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        torch.empty(2).as_subclass(type("Sub", (torch.Tensor,), {})),
+        torch.empty(2, dtype=torch.complex64),  # a dtype the calls do not name
+        3,
+        [torch.empty(2)],
+    ],
+    ids=["subclass", "complex64", "int", "list"],
+)
+def test_tensor_args_decline_anything_else(bad):
+    assert _native.tensor_args([torch.empty(2), bad]) is None
+
+
+def test_tensor_args_never_meet_a_torch_function_mode():
+    from torch.overrides import TorchFunctionMode
+
+    seen = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(3, 4)
+    xt = x.t()
+    with Recording():
+        got = _native.tensor_args([x, xt])
+    assert seen == []
+    assert got == [as_read(x), as_read(xt)]

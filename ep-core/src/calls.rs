@@ -98,6 +98,11 @@ impl DType {
         }
     }
 
+    /// Every named dtype (all but [`DType::Other`]) with torch's name of it.
+    pub fn named() -> impl Iterator<Item = (DType, &'static str)> {
+        NAMED.iter().cloned().zip(NAMES.split_whitespace())
+    }
+
     /// torch's name (`torch.<name>` is the dtype).
     pub fn torch_name(&self) -> &str {
         match self {

@@ -135,6 +135,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(env_switches, m)?)?;
     m.add_function(wrap_pyfunction!(torch_alloc::torch_alloc_init, m)?)?;
     m.add_function(wrap_pyfunction!(torch_alloc::torch_alloc_ready, m)?)?;
+    m.add_function(wrap_pyfunction!(tensors::tensor_args, m)?)?;
     m.add_class::<torch_alloc::TorchOutputs>()?;
     m.add_class::<diagnostics::PeerWriteCheck>()?;
     m.add_class::<allreduce::AllReduceComm>()?;

@@ -13,7 +13,7 @@
 //! output: Python then runs the checked path, which raises the refusal that
 //! names the argument, or torch's own error.
 
-use ep_core::calls::{self, OutputSpec, TensorMeta};
+use ep_core::calls::{self, OutputSpec};
 use ep_core::ll_hooks::{Hook, HookBook, HookError};
 use ep_core::low_latency::{CombineCall, LlCall, Phases};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -22,7 +22,7 @@ use pyo3::types::{PyBool, PyInt, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::ep_buffer::{ll_dispatch_call, EpBuffer};
-use crate::tensors::{plain_torch, read, read_optional};
+use crate::tensors::{read_all, Read};
 use crate::torch_alloc::{self, Spec};
 
 #[pyclass(module = "moelink._native")]
@@ -288,7 +288,6 @@ impl LlCalls {
         let Some((ep, return_recv_hook)) = me.ready(py, return_recv_hook) else {
             return Ok(None);
         };
-        let _plain = plain_torch(py)?;
         let (Some(t), Some(e), Some(fp8), Some(round), Some(ue8m0)) = (
             int(num_max_dispatch_tokens_per_rank),
             int(num_experts),
@@ -298,15 +297,18 @@ impl LlCalls {
         ) else {
             return Ok(None);
         };
-        let (Some((xm, x_ptr)), Some((im, idx_ptr)), Some(count), Some(wait)) = (
-            read(x)?,
-            read(topk_idx)?,
-            read_optional(cumulative_local_expert_recv_stats)?,
-            read_optional(dispatch_wait_recv_cost_stats)?,
-        ) else {
+        let objs = [
+            x,
+            topk_idx,
+            cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats,
+        ];
+        let Some([Some((xm, x_ptr)), Some((im, idx_ptr)), count, wait]) =
+            read_all(py, &objs)?.and_then(|r| <[Option<Read>; 4]>::try_from(r).ok())
+        else {
             return Ok(None);
         };
-        let meta = |m: &Option<(TensorMeta, u64)>| m.as_ref().map(|(m, _)| m.clone());
+        let meta = |m: &Option<Read>| m.as_ref().map(|(m, _)| m.clone());
         let (count_meta, wait_meta) = (meta(&count), meta(&wait));
         let args = calls::LlDispatchArgs {
             x: &xm,
@@ -357,7 +359,7 @@ impl LlCalls {
         };
         let recv_scales = rest.first();
         let n = plan.num_tokens > 0;
-        let ptr = |m: &Option<(TensorMeta, u64)>| m.as_ref().map_or(0, |(_, p)| *p);
+        let ptr = |m: &Option<Read>| m.as_ref().map_or(0, |(_, p)| *p);
         let (x_at, idx_at) = if n { (x_ptr, idx_ptr) } else { (0, 0) };
         let addresses = (
             x_at,
@@ -434,7 +436,6 @@ impl LlCalls {
         let Some((ep, return_recv_hook)) = me.ready(py, return_recv_hook) else {
             return Ok(None);
         };
-        let _plain = plain_torch(py)?;
         let (Some(logfmt), Some(zero_copy)) = (flag(use_logfmt), flag(zero_copy)) else {
             return Ok(None);
         };
@@ -452,26 +453,26 @@ impl LlCalls {
         ) else {
             return Ok(None);
         };
-        let xr = if zero_copy {
-            Some(None)
-        } else {
-            read(x)?.map(Some)
-        };
-        let (Some(xr), Some((im, idx_ptr)), Some((wm, w_ptr)), Some((sm, _)), Some((lm, lr_ptr))) = (
-            xr,
-            read(topk_idx)?,
-            read(topk_weights)?,
-            read(&src_info)?,
-            read(&layout_range)?,
-        ) else {
+        let none = py.None().into_bound(py);
+        let objs = [
+            if zero_copy { &none } else { x },
+            topk_idx,
+            topk_weights,
+            &src_info,
+            &layout_range,
+            out,
+            combine_wait_recv_cost_stats,
+        ];
+        let Some(
+            [xr, Some((im, idx_ptr)), Some((wm, w_ptr)), Some((sm, _)), Some((lm, lr_ptr)), out_r, stats],
+        ) = read_all(py, &objs)?.and_then(|r| <[Option<Read>; 7]>::try_from(r).ok())
+        else {
             return Ok(None);
         };
-        let (Some(out_r), Some(stats)) = (
-            read_optional(out)?,
-            read_optional(combine_wait_recv_cost_stats)?,
-        ) else {
+        // x None is the zero-copy buffer's; anything else is refused there.
+        if xr.is_none() && !zero_copy {
             return Ok(None);
-        };
+        }
         let ll_handle = calls::LlHandle {
             src_info: sm,
             layout_range: lm,
@@ -479,7 +480,7 @@ impl LlCalls {
             hidden: hh,
             num_experts: he,
         };
-        let meta = |m: &Option<(TensorMeta, u64)>| m.as_ref().map(|(m, _)| m.clone());
+        let meta = |m: &Option<Read>| m.as_ref().map(|(m, _)| m.clone());
         let (x_meta, out_meta, stats_meta) = (meta(&xr), meta(&out_r), meta(&stats));
         let args = calls::LlCombineArgs {
             handle: &ll_handle,

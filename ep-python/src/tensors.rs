@@ -5,38 +5,27 @@
 //! calls do not name) reads as None, and the caller leaves the call to the
 //! checked path in Python, which names the argument in its refusal.
 //!
-//! Each read is a few attribute lookups. Where a torch function mode is on
+//! A call reads all its tensors at once ([`read_all`]): through torch's C
+//! shim where it is loaded (`torch_alloc::read_tensors`, one Python call for
+//! them all), else by attribute lookups. Where a torch function mode is on
 //! (`torch.set_default_device`, any `TorchFunctionMode`), torch sends every
-//! one of them through the mode's Python `__torch_function__`, about ten
-//! times their cost: a call therefore reads under [`plain_torch`], as a C++
-//! extension's arguments are read, past the modes.
+//! such lookup through the mode's Python `__torch_function__`, about ten
+//! times its cost: those reads therefore run under [`plain_torch`], as a C++
+//! extension's arguments are read, past the modes (the shim's reads never
+//! meet a mode).
 
 use std::sync::OnceLock;
 
 use ep_core::calls::{DType, TensorMeta, CPU};
+
+use crate::torch_alloc;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::PyType;
 
-/// torch's names of the dtypes [`DType`] names.
-const NAMES: [&str; 12] = [
-    "bool",
-    "uint8",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "float8_e4m3fn",
-    "float8_e5m2",
-];
-
 struct Torch {
     tensor: Py<PyType>,
-    /// `torch.<name>` with its [`DType`], for each of [`NAMES`] torch has.
+    /// `torch.<name>` with its [`DType`], for each named one torch has.
     dtypes: Vec<(Py<PyAny>, DType)>,
     /// `torch._C._is_torch_function_mode_enabled` and
     /// `torch._C.DisableTorchFunction`, where this torch has both.
@@ -51,13 +40,8 @@ fn torch(py: Python<'_>) -> PyResult<&'static Torch> {
     }
     let m = py.import("torch")?;
     let tensor = m.getattr("Tensor")?.cast_into::<PyType>()?.unbind();
-    let dtypes = NAMES
-        .iter()
-        .filter_map(|n| {
-            m.getattr(*n)
-                .ok()
-                .map(|d| (d.unbind(), DType::from_torch_name(n)))
-        })
+    let dtypes = DType::named()
+        .filter_map(|(d, n)| m.getattr(n).ok().map(|t| (t.unbind(), d)))
         .collect();
     let c = m.getattr("_C")?;
     let modes = match (
@@ -102,9 +86,52 @@ impl Drop for PlainTorch<'_> {
     }
 }
 
+/// A tensor argument as the calls take it: its meta and data address.
+pub(crate) type Read = (TensorMeta, u64);
+
+/// Each of `objs` read: None for Python's None, else its meta and data
+/// address. None for the whole where one is anything else than a plain
+/// `torch.Tensor` of a named dtype on the CPU or a CUDA device.
+pub(crate) fn read_all(
+    py: Python<'_>,
+    objs: &[&Bound<'_, PyAny>],
+) -> PyResult<Option<Vec<Option<Read>>>> {
+    let t = torch(py)?;
+    let mut tensors = Vec::with_capacity(objs.len());
+    for obj in objs {
+        if obj.is_none() {
+            continue;
+        }
+        if !obj.get_type().is(t.tensor.bind(py)) {
+            return Ok(None);
+        }
+        tensors.push(*obj);
+    }
+    let read = match torch_alloc::read_tensors(py, &tensors)? {
+        Some(r) => r,
+        None => {
+            let _plain = plain_torch(py)?;
+            let mut r = Vec::with_capacity(tensors.len());
+            for obj in &tensors {
+                match read(obj)? {
+                    Some(m) => r.push(m),
+                    None => return Ok(None),
+                }
+            }
+            r
+        }
+    };
+    let mut read = read.into_iter();
+    Ok(Some(
+        objs.iter()
+            .map(|o| if o.is_none() { None } else { read.next() })
+            .collect(),
+    ))
+}
+
 /// `obj`'s meta and data address where it is a plain `torch.Tensor` of a
 /// named dtype on the CPU or a CUDA device; else None.
-pub(crate) fn read(obj: &Bound<'_, PyAny>) -> PyResult<Option<(TensorMeta, u64)>> {
+fn read(obj: &Bound<'_, PyAny>) -> PyResult<Option<(TensorMeta, u64)>> {
     let py = obj.py();
     let t = torch(py)?;
     if !obj.get_type().is(t.tensor.bind(py)) {
@@ -134,10 +161,29 @@ pub(crate) fn read(obj: &Bound<'_, PyAny>) -> PyResult<Option<(TensorMeta, u64)>
     Ok(Some((meta, ptr)))
 }
 
-/// [`read`] of an optional argument: `Some(None)` for None.
-pub(crate) fn read_optional(obj: &Bound<'_, PyAny>) -> PyResult<Option<Option<(TensorMeta, u64)>>> {
-    if obj.is_none() {
-        return Ok(Some(None));
-    }
-    Ok(read(obj)?.map(Some))
+/// What the one-call paths read of `objs` ([`read_all`]): per object None
+/// (for None) or `(dtype name, shape, strides, device, data address)`; None
+/// for the whole where the calls would decline.
+#[pyfunction]
+#[allow(clippy::type_complexity)]
+pub fn tensor_args(
+    py: Python<'_>,
+    objs: Vec<Bound<'_, PyAny>>,
+) -> PyResult<Option<Vec<Option<(String, Vec<i64>, Vec<i64>, i32, u64)>>>> {
+    let refs: Vec<&Bound<'_, PyAny>> = objs.iter().collect();
+    Ok(read_all(py, &refs)?.map(|r| {
+        r.into_iter()
+            .map(|t| {
+                t.map(|(m, p)| {
+                    (
+                        m.dtype.torch_name().to_string(),
+                        m.shape,
+                        m.strides,
+                        m.device,
+                        p,
+                    )
+                })
+            })
+            .collect()
+    }))
 }

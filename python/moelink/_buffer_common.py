@@ -149,7 +149,11 @@ def _init_torch_alloc() -> bool:
     torch lacks the shim or the handle-to-tensor function."""
     try:
         lib = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
-        _native.torch_alloc_init(lib, torch._C._aoti.alloc_tensors_by_stealing_from_void_ptrs)
+        aoti = torch._C._aoti
+        # The tensor-to-handle function reads the one-call paths' tensors
+        # (``tensors::read_all``); without it they read attributes.
+        borrow = getattr(aoti, "unsafe_alloc_void_ptrs_from_tensors", None)
+        _native.torch_alloc_init(lib, aoti.alloc_tensors_by_stealing_from_void_ptrs, borrow)
     except (AttributeError, RuntimeError, OSError):
         return False
     return True
