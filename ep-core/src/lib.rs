@@ -18,6 +18,7 @@
 
 pub mod calls;
 pub mod diagnostics;
+pub mod engine;
 pub mod ep_buffer;
 pub mod internode;
 pub mod intranode;

@@ -58,6 +58,11 @@ fn absent(destroyed: bool, kind: PartKind) -> PyErr {
 }
 
 impl EpBuffer {
+    /// ep-core's buffer, for the engine's calls (`normal_calls.rs`).
+    pub(crate) fn core_mut(&mut self) -> &mut Inner {
+        &mut self.inner
+    }
+
     fn part(&self, name: &str) -> PyResult<&dyn BufferPart> {
         let kind = part_kind(name)?;
         self.inner

@@ -10,6 +10,7 @@ mod ep_buffer;
 mod error;
 mod group;
 mod ll_calls;
+mod normal_calls;
 mod reference;
 mod reference_ll;
 mod streams;
@@ -146,6 +147,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<ep_buffer::EpBuffer>()?;
     m.add_class::<ll_calls::LlCalls>()?;
     m.add_class::<ll_calls::LlHook>()?;
+    m.add_class::<normal_calls::NormalCalls>()?;
     m.add_class::<streams::StreamOrder>()?;
     m.add_function(wrap_pyfunction!(ep_buffer::low_latency_size_hint, m)?)?;
     m.add_function(wrap_pyfunction!(reference_ll::ref_ll_dispatch, m)?)?;

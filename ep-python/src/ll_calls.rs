@@ -77,15 +77,6 @@ fn spec<'a>(outputs: &'a [OutputSpec], name: &str) -> Option<&'a OutputSpec> {
     outputs.iter().find(|o| o.name == name)
 }
 
-fn torch_spec(o: &OutputSpec) -> PyResult<Spec> {
-    Spec::new(
-        o.shape.clone(),
-        o.strides.clone(),
-        o.dtype.torch_name(),
-        o.zeroed,
-    )
-}
-
 impl LlCalls {
     fn current_stream(&self, py: Python<'_>) -> PyResult<usize> {
         self.stream_of.call1(py, (self.device,))?.extract(py)
@@ -338,14 +329,9 @@ impl LlCalls {
             return Ok(None);
         };
         let scales = spec(o, "recv_x_scales");
-        let mut specs = vec![
-            torch_spec(rx)?,
-            torch_spec(rc)?,
-            torch_spec(si)?,
-            torch_spec(lr)?,
-        ];
+        let mut specs = vec![Spec::of(rx)?, Spec::of(rc)?, Spec::of(si)?, Spec::of(lr)?];
         if let Some(s) = scales {
-            specs.push(torch_spec(s)?);
+            specs.push(Spec::of(s)?);
         }
         let stream = me.current_stream(py)?;
         // recv_x an allocation of its own (it is freed apart from the
@@ -510,8 +496,7 @@ impl LlCalls {
                 let Some(s) = spec(&plan.outputs, "combined_x") else {
                     return Ok(None);
                 };
-                let Some(mut made) = torch_alloc::empty(py, &[&torch_spec(s)?], 1, me.device)?
-                else {
+                let Some(mut made) = torch_alloc::empty(py, &[&Spec::of(s)?], 1, me.device)? else {
                     return Ok(None);
                 };
                 made.remove(0)

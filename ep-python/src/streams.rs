@@ -13,6 +13,12 @@ pub struct StreamOrder {
     inner: Inner,
 }
 
+impl StreamOrder {
+    pub(crate) fn inner(&self) -> &Inner {
+        &self.inner
+    }
+}
+
 #[pymethods]
 impl StreamOrder {
     /// One reusable event on device `device`.

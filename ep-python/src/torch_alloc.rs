@@ -296,6 +296,16 @@ impl Spec {
 }
 
 impl Spec {
+    /// The output a plan's spec describes.
+    pub(crate) fn of(o: &ep_core::calls::OutputSpec) -> PyResult<Spec> {
+        Spec::new(
+            o.shape.clone(),
+            o.strides.clone(),
+            o.dtype.torch_name(),
+            o.zeroed,
+        )
+    }
+
     /// An output of dtype `dtype` (torch's name); `ValueError` for a name
     /// torch's shim does not know, `RuntimeError` before [`torch_alloc_init`].
     pub(crate) fn new(
@@ -541,5 +551,27 @@ impl TorchOutputs {
             });
         }
         PyTuple::new(py, out).map(Some)
+    }
+}
+
+/// A call's outputs made through the shim for the engine
+/// (`ep_core::engine::Outputs`) on CUDA device `device` (the CPU for -1):
+/// the first an allocation of its own, the rest views of one ([`empty`]).
+pub(crate) struct EngineOutputs<'py> {
+    pub py: Python<'py>,
+    pub device: i32,
+}
+
+impl<'py> ep_core::engine::Outputs for EngineOutputs<'py> {
+    type Tensor = Bound<'py, PyAny>;
+
+    fn empty(&mut self, specs: &[&ep_core::calls::OutputSpec]) -> Option<Made<'py>> {
+        let specs: Vec<Spec> = specs
+            .iter()
+            .map(|o| Spec::of(o))
+            .collect::<PyResult<_>>()
+            .ok()?;
+        let refs: Vec<&Spec> = specs.iter().collect();
+        empty(self.py, &refs, 1, self.device).ok().flatten()
     }
 }

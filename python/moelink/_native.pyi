@@ -28,6 +28,21 @@ class TorchOutputs:
     ) -> None: ...
     def empty(self, device: int) -> tuple[Any, ...] | None: ...
 
+class NormalCalls:
+    def __init__(
+        self,
+        ep: Any,
+        num_ranks: int,
+        device: int,
+        comm: int,
+        order: StreamOrder,
+        stream_of: Any,
+        event: Any,
+    ) -> None: ...
+    def combine(
+        self, x: Any, handle: Any, topk_weights: Any, bias: Any, num_sms: int
+    ) -> tuple[Any, ...] | None: ...
+
 class LlCalls:
     def __init__(
         self, ep: Any, num_ranks: int, device: int, stream_of: Any, event: Any

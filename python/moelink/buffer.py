@@ -228,6 +228,10 @@ class Buffer(LowLatencyMixin):
     nodes: tuple[int, int] | None = None
     #: Whether ``recv_x`` comes from the receive pool (``MOELINK_INTRANODE_RECV=direct``).
     _recv_pool = False
+    #: The eager normal-mode calls whole in one native call each
+    #: (``_native.NormalCalls``, ep-core's engine); None without an intranode part
+    #: or across nodes, where every call takes the checked path.
+    _calls = None
 
     def __init__(
         self,
@@ -321,6 +325,11 @@ class Buffer(LowLatencyMixin):
                 self._recv_pool = stats is not None
                 if stats is not None:
                     self._pool_range = (stats[0], stats[0] + stats[1])
+                if self.nodes is None:
+                    self._calls = _native.NormalCalls(
+                        ep, self.group_size, self.device.index, self._comm_raw, self._order,
+                        current_raw_stream, EventOverlap,
+                    )  # fmt: skip
         #: This Buffer's handle in the op registry (``torch.ops.moelink.ll_dispatch`` /
         #: ``ll_combine`` take it); it is dropped by ``destroy()`` and when the Buffer
         #: is collected.
@@ -425,6 +434,7 @@ class Buffer(LowLatencyMixin):
         if not self.explicitly_destroy:
             raise RuntimeError("destroy() needs a Buffer created with explicitly_destroy=True")
         _registry.unregister(self)
+        self._calls = None
         ep = self._native if self._native is not None else self._ll
         if ep is None:
             return
@@ -938,7 +948,6 @@ class Buffer(LowLatencyMixin):
         outputs = OutputSet(output_specs(p, ("combined_x", "combined_topk_weights")), self.device)
         return p, outputs
 
-    @plain_torch
     def combine(
         self,
         x: torch.Tensor,
@@ -953,6 +962,35 @@ class Buffer(LowLatencyMixin):
         """Returns every token's float32 sum of the copies sent back by the ranks it
         was dispatched to (plus ``bias``), as bf16: ``(combined_x, combined_topk_weights,
         event)`` as ``deep_ep.Buffer.combine``."""
+        calls = self._calls
+        if (
+            calls is not None
+            and previous_event is None
+            and not async_finish
+            and not allocate_on_comm_stream
+            and type(x) is torch.Tensor
+        ):
+            # The eager call whole in one native call (ep-core's engine); None
+            # where it declines, having done nothing.
+            in_pool = self._recv_pool and self._in_pool(x)
+            num_sms = self._num_sms(config, type(self).get_combine_config, "combine", in_pool)
+            done = calls.combine(x, handle, topk_weights, bias, num_sms)
+            if done is not None:
+                return done
+        return self._combine_checked(
+            x, handle, topk_weights, bias, config, previous_event, async_finish,
+            allocate_on_comm_stream,
+        )  # fmt: skip
+
+    @plain_torch
+    def _combine_checked(
+        self, x, handle, topk_weights, bias, config, previous_event, async_finish,
+        allocate_on_comm_stream,
+    ):  # fmt: skip
+        """``combine`` on the checked path: every check in Python's order (plan
+        cache, ``OutputSet``, the native launch), for every call the one native
+        call declines (``previous_event``, ``async_finish``, across nodes, a refused
+        argument)."""
         native = self._buffer()
         key = ("combine", _handle_sig(handle), _sig(x), _sig(topk_weights), _bias_sig(bias))
         entry = self._plans.get(key)

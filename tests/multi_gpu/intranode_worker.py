@@ -56,6 +56,7 @@ SCENARIO_NAMES = (
     "dispatch_cached",
     "worst_tokens",
     "combine",
+    "combine_checked",
     "stream_flags",
     "invalid_args",
     "cuda_graph",
@@ -856,9 +857,41 @@ def scenario_worst_tokens(ctx: Ctx) -> None:
     chk.done()
 
 
-def scenario_combine(ctx: Ctx) -> None:
+class CountedCalls:
+    """A Buffer's ``_native.NormalCalls`` that counts the calls it ran whole."""
+
+    def __init__(self, calls) -> None:
+        self.calls, self.ran = calls, 0
+
+    def combine(self, *args):
+        done = self.calls.combine(*args)
+        self.ran += done is not None
+        return done
+
+
+def scenario_combine(ctx: Ctx, checked: bool = False) -> None:
     """combine of random expert outputs (not the dispatched rows) with the received
-    weights and no bias, one bias, or a pair; bit exact after bf16 rounding."""
+    weights and no bias, one bias, or a pair; bit exact after bf16 rounding. Every
+    call is eager: each must run whole in one native call (``_native.NormalCalls``),
+    or with ``checked`` through the checked Python path."""
+    native = ctx.buffer._calls
+    counted = CountedCalls(native)
+    ctx.buffer._calls = None if checked else counted
+    try:
+        _combine_cases(ctx)
+    finally:
+        ctx.buffer._calls = native
+    if not checked and counted.ran != 6:
+        raise AssertionError(f"rank {ctx.rank}: {counted.ran} of 6 eager combines ran whole")
+
+
+def scenario_combine_checked(ctx: Ctx) -> None:
+    """``combine`` through the checked Python path (what ``async_finish``, a
+    ``previous_event`` and a group across nodes take)."""
+    scenario_combine(ctx, checked=True)
+
+
+def _combine_cases(ctx: Ctx) -> None:
     chk = Checker()
     R = ctx.num_ranks
     cases = [

@@ -1,0 +1,171 @@
+//! `_native.NormalCalls`: a Buffer's eager normal-mode calls whole in one
+//! native call each, through ep-core's engine (`ep_core::engine`): the
+//! tensors are read at once (`tensors::read_all`), the outputs made through
+//! torch's C shim, and the engine checks, orders the streams, launches and
+//! reports what a kernel recorded.
+//!
+//! A call declines (returns None, having done nothing) for anything the
+//! engine or the reads refuse: a tensor subclass, a refused check, a refused
+//! allocation, a handle of the other kind, a destroyed Buffer. Python's
+//! checked path then runs the call, and raises its own error where there is
+//! one.
+
+use comm::StreamHandle;
+use ep_core::engine::{CallError, CombineBias, CombineTensors, Eager};
+use pyo3::prelude::*;
+use pyo3::types::PyTuple;
+
+use crate::ep_buffer::EpBuffer;
+use crate::streams::StreamOrder;
+use crate::tensors::{read_all, Read};
+use crate::to_py;
+use crate::torch_alloc::{self, EngineOutputs};
+
+#[pyclass(module = "moelink._native")]
+pub struct NormalCalls {
+    ep: Py<EpBuffer>,
+    num_ranks: i64,
+    device: i32,
+    /// The Buffer's communication stream (raw `cudaStream_t`).
+    comm: usize,
+    /// The Buffer's `StreamOrder` (one event, shared with the checked path).
+    order: Py<StreamOrder>,
+    /// `device index -> raw current stream` (`moelink._streams.current_raw_stream`).
+    stream_of: Py<PyAny>,
+    /// `moelink.EventOverlap`: an eager call returns `EventOverlap(None)`.
+    event: Py<PyAny>,
+}
+
+/// `objs` read, or None where the reads decline or their count differs.
+fn read_n<const N: usize>(
+    py: Python<'_>,
+    objs: &[&Bound<'_, PyAny>; N],
+) -> PyResult<Option<[Option<Read>; N]>> {
+    Ok(read_all(py, objs)?.and_then(|r| <[Option<Read>; N]>::try_from(r).ok()))
+}
+
+#[pymethods]
+impl NormalCalls {
+    #[new]
+    fn new(
+        ep: Py<EpBuffer>,
+        num_ranks: i64,
+        device: i32,
+        comm: usize,
+        order: Py<StreamOrder>,
+        stream_of: Py<PyAny>,
+        event: Py<PyAny>,
+    ) -> Self {
+        NormalCalls {
+            ep,
+            num_ranks,
+            device,
+            comm,
+            order,
+            stream_of,
+            event,
+        }
+    }
+
+    /// `Buffer.combine(x, handle, topk_weights, bias)` eager (no event, no
+    /// `async_finish`, outputs on the current stream) within one node, with
+    /// `num_sms` SMs, whole: `(combined_x, combined_topk_weights,
+    /// EventOverlap(None))`, or None where the call declines.
+    #[pyo3(signature = (x, handle, topk_weights, bias, num_sms))]
+    fn combine<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        handle: &Bound<'py, PyAny>,
+        topk_weights: &Bound<'py, PyAny>,
+        bias: &Bound<'py, PyAny>,
+        num_sms: u32,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        if !torch_alloc::torch_alloc_ready() || !handle.is_exact_instance_of::<PyTuple>() {
+            return Ok(None);
+        }
+        let h = handle.cast::<PyTuple>()?;
+        if h.len() != 6 {
+            return Ok(None);
+        }
+        let none = py.None().into_bound(py);
+        let (b0, b1, one) = if bias.is_none() {
+            (none.clone(), none.clone(), false)
+        } else if bias.is_exact_instance_of::<PyTuple>() {
+            let b = bias.cast::<PyTuple>()?;
+            if b.len() != 2 {
+                return Ok(None);
+            }
+            (b.get_item(0)?, b.get_item(1)?, false)
+        } else {
+            (bias.clone(), none.clone(), true)
+        };
+        // The intranode handle: (rank_prefix_matrix, channel_prefix_matrix,
+        // recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head).
+        let (rpm, src, in_rank, head) = (
+            h.get_item(0)?,
+            h.get_item(3)?,
+            h.get_item(4)?,
+            h.get_item(5)?,
+        );
+        let objs = [x, topk_weights, &rpm, &src, &in_rank, &head, &b0, &b1];
+        let Some([Some(xr), w, Some(rpm), Some(src), Some(in_rank), Some(head), b0, b1]) =
+            read_n(py, &objs)?
+        else {
+            return Ok(None);
+        };
+        let bias = if one {
+            match &b0 {
+                Some(b) => Some(CombineBias::One(b)),
+                None => return Ok(None),
+            }
+        } else if bias.is_none() {
+            None
+        } else {
+            Some(CombineBias::Pair(b0.as_ref(), b1.as_ref()))
+        };
+        let tensors = CombineTensors {
+            x: &xr,
+            rank_prefix_matrix: &rpm,
+            recv_src_idx: &src,
+            is_token_in_rank: &in_rank,
+            send_head: &head,
+            topk_weights: w.as_ref(),
+            bias,
+        };
+        let mut ep = self.ep.borrow_mut(py);
+        let core = ep.core_mut();
+        if core.intranode().is_none() || core.internode().is_some() {
+            return Ok(None);
+        }
+        let compute: usize = self.stream_of.call1(py, (self.device,))?.extract(py)?;
+        let order = self.order.borrow(py);
+        let eager = Eager {
+            compute: StreamHandle(compute),
+            comm: StreamHandle(self.comm),
+            order: order.inner(),
+        };
+        let mut outputs = EngineOutputs {
+            py,
+            device: self.device,
+        };
+        let r = core.combine_eager(
+            self.num_ranks,
+            self.device,
+            &eager,
+            num_sms,
+            &tensors,
+            &mut outputs,
+        );
+        drop(ep);
+        match r {
+            Ok((combined, weights)) => {
+                let event = self.event.bind(py).call1((py.None(),))?;
+                let weights = weights.unwrap_or(none);
+                PyTuple::new(py, [combined, weights, event]).map(Some)
+            }
+            Err(CallError::Arg(_) | CallError::NoOutputs) => Ok(None),
+            Err(CallError::Comm(e)) => Err(to_py(e)),
+        }
+    }
+}

@@ -1,0 +1,98 @@
+"""``Buffer.combine`` hands an eager call to its one native call
+(``_native.NormalCalls``, ep-core's engine) and takes the checked Python path
+where that declines or cannot apply, on a CPU Buffer with a stand-in for the
+native call (the engine itself runs on a GPU: tests/multi_gpu's ``combine``
+scenarios)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from moelink import Config
+
+from tests.cpu_buffer import cpu_buffer
+
+R, N, H, E, K = 4, 32, 256, 16, 4
+
+
+class FakeCalls:
+    """Records each one-call combine; returns ``answer`` (None: declines)."""
+
+    def __init__(self, answer=None):
+        self.answer, self.seen = answer, []
+
+    def combine(self, *args):
+        self.seen.append(args)
+        return self.answer
+
+
+@pytest.fixture
+def buf(monkeypatch):
+    return cpu_buffer(monkeypatch, R)
+
+
+def dispatched(buf):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(N, H, generator=g).to(torch.bfloat16)
+    idx = torch.rand(N, E, generator=g).topk(K, dim=1).indices
+    w = torch.rand(N, K, generator=g)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    return buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)  # fmt: skip
+
+
+def test_an_eager_combine_is_one_native_call(buf):
+    recv_x, _, recv_w, _, handle, _ = dispatched(buf)
+    answer = (object(), None, object())
+    buf._calls = FakeCalls(answer)
+    launches = len(buf._native.calls)
+    bias = torch.zeros(N, H, dtype=torch.bfloat16)
+    assert buf.combine(recv_x, handle, topk_weights=recv_w, bias=bias) is answer
+    (args,) = buf._calls.seen
+    assert args[0] is recv_x and args[1] is handle and args[2] is recv_w and args[3] is bias
+    # The SMs the default combine config gives, recorded for num_sms_used.
+    assert args[4] == buf.num_sms_used["combine"] == type(buf).get_combine_config(R).num_sms
+    assert len(buf._native.calls) == launches  # nothing launched besides
+
+
+def test_a_config_sets_the_one_calls_sms(buf):
+    recv_x, _, _, _, handle, _ = dispatched(buf)
+    buf._calls = FakeCalls((1, 2, 3))
+    buf.combine(recv_x, handle, config=Config(6, 8, 256, 8, 128))
+    assert buf._calls.seen[0][4] == 6
+
+
+def test_a_declined_call_takes_the_checked_path(buf):
+    recv_x, _, recv_w, _, handle, _ = dispatched(buf)
+    buf._calls = FakeCalls(None)
+    out, out_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
+    assert len(buf._calls.seen) == 1
+    assert buf._native.calls[-1][0] == "combine"
+    assert out.shape == (N, H) and out_w.shape == (N, K)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [{"async_finish": True}, {"allocate_on_comm_stream": True, "async_finish": True}],
+    ids=["async_finish", "allocate_on_comm_stream"],
+)
+def test_calls_with_stream_arguments_take_the_checked_path(buf, kw, monkeypatch):
+    from moelink import buffer as buffer_mod
+
+    monkeypatch.setattr(buffer_mod, "finish_async", lambda stream, tensors: "event")
+    recv_x, _, _, _, handle, _ = dispatched(buf)
+    buf._calls = FakeCalls((1, 2, 3))
+    monkeypatch.setattr(buf, "_comm_stream", None, raising=False)
+    monkeypatch.setattr(buf, "_alloc_ctx", lambda on_comm: buffer_mod.NO_STREAM_SWITCH)
+    monkeypatch.setattr(buf, "_epilogue", lambda *a: "event")
+    prev = buffer_mod.EventOverlap(None) if kw.get("allocate_on_comm_stream") else None
+    buf.combine(recv_x, handle, previous_event=prev, **kw)
+    assert buf._calls.seen == []
+
+
+def test_a_non_tensor_x_takes_the_checked_path_and_its_error(buf):
+    _, _, _, _, handle, _ = dispatched(buf)
+    buf._calls = FakeCalls((1, 2, 3))
+    with pytest.raises(TypeError, match="x"):
+        buf.combine([1, 2], handle)
+    assert buf._calls.seen == []
