@@ -30,9 +30,9 @@ torch call made from Python goes through, ``x.add_(0)`` included.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import time
+
+from host_sampling import report, sample_rows, timed
 
 T, H, TOPK, E_PER_RANK = 128, 7168, 8, 36
 
@@ -111,43 +111,26 @@ def main(argv=None) -> int:
         "raw stream": lambda: current_raw_stream(dev.index),
         "plan lookup": key,
     }
-    # The send and receive launches must pair up (the kernels count calls).
-    paired = {"native send": "native recv", "native recv": None}
-    samples = {name: [] for name in rows}
-    rounds = 10
-    per = max(1, args.iters // rounds)
-    for _ in range(rounds):
-        for name, fn in rows.items():
-            if name in paired:
-                continue
-            for i in range(per + 3):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter_ns()
-                fn()
-                dt = time.perf_counter_ns() - t0
-                if i >= 3:
-                    samples[name].append(dt)
-        # send then recv, each timed alone
+    paired = ("native send", "native recv")
+
+    def send_then_recv(per, samples):
+        # The send and receive launches must pair up (the kernels count
+        # calls): send then recv, each timed alone.
         for i in range(per + 3):
             for name in ("native send", "native recv"):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter_ns()
-                rows[name]()
-                dt = time.perf_counter_ns() - t0
+                dt = timed(rows[name], 1, torch.cuda.synchronize, warm=0)[0]
                 if i >= 3:
                     samples[name].append(dt)
+
+    samples = sample_rows(rows, args.iters, torch.cuda.synchronize, skip=paired,
+                          each_round=send_then_recv)  # fmt: skip
     torch.cuda.synchronize()
     med = {name: statistics.median(s) / 1e3 for name, s in samples.items()}
     parts = med["outputs"] + med["native send"] + med["native recv"] + med["raw stream"]
     med["checked path less its parts (Python glue)"] = med["dispatch + hook, checked path"] - parts
     med["one native call less those parts"] = med["dispatch + hook"] - parts
     if rank == 0:
-        for name, v in med.items():
-            print(f"{name:56s} {v:8.2f} us  {v / med['x.add_(0)']:5.2f}x")
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"iters": args.iters, "default_device": args.default_device,
-                       "median_us": med}, f, indent=1)  # fmt: skip
+        report(med, args.json, iters=args.iters, default_device=args.default_device)
     del outs, recv_x, scales, count, src_info, layout_range
     buf.destroy()
     dist.destroy_process_group()
