@@ -1,4 +1,4 @@
-"""``Buffer.combine`` hands an eager call to its one native call
+"""``Buffer.combine`` and a cached ``Buffer.dispatch`` hand an eager call to its one native call
 (``_native.NormalCalls``, ep-core's engine) and takes the checked Python path
 where that declines or cannot apply, on a CPU Buffer with a stand-in for the
 native call (the engine itself runs on a GPU: tests/multi_gpu's ``combine``
@@ -16,13 +16,18 @@ R, N, H, E, K = 4, 32, 256, 16, 4
 
 
 class FakeCalls:
-    """Records each one-call combine; returns ``answer`` (None: declines)."""
+    """Records each one-call combine and cached dispatch; returns ``answer``
+    (None: declines)."""
 
     def __init__(self, answer=None):
         self.answer, self.seen = answer, []
 
     def combine(self, *args):
-        self.seen.append(args)
+        self.seen.append(("combine", *args))
+        return self.answer
+
+    def cached_dispatch(self, *args):
+        self.seen.append(("cached_dispatch", *args))
         return self.answer
 
 
@@ -48,7 +53,8 @@ def test_an_eager_combine_is_one_native_call(buf):
     launches = len(buf._native.calls)
     bias = torch.zeros(N, H, dtype=torch.bfloat16)
     assert buf.combine(recv_x, handle, topk_weights=recv_w, bias=bias) is answer
-    (args,) = buf._calls.seen
+    ((name, *args),) = buf._calls.seen
+    assert name == "combine"
     assert args[0] is recv_x and args[1] is handle and args[2] is recv_w and args[3] is bias
     # The SMs the default combine config gives, recorded for num_sms_used.
     assert args[4] == buf.num_sms_used["combine"] == type(buf).get_combine_config(R).num_sms
@@ -59,7 +65,7 @@ def test_a_config_sets_the_one_calls_sms(buf):
     recv_x, _, _, _, handle, _ = dispatched(buf)
     buf._calls = FakeCalls((1, 2, 3))
     buf.combine(recv_x, handle, config=Config(6, 8, 256, 8, 128))
-    assert buf._calls.seen[0][4] == 6
+    assert buf._calls.seen[0][5] == 6
 
 
 def test_a_declined_call_takes_the_checked_path(buf):
@@ -95,4 +101,38 @@ def test_a_non_tensor_x_takes_the_checked_path_and_its_error(buf):
     buf._calls = FakeCalls((1, 2, 3))
     with pytest.raises(TypeError, match="x"):
         buf.combine([1, 2], handle)
+    assert buf._calls.seen == []
+
+
+def test_an_eager_cached_dispatch_is_one_native_call(buf):
+    recv_x, _, _, _, handle, _ = dispatched(buf)
+    x = torch.randn(N, H).to(torch.bfloat16)
+    answer = (object(), None, None, None, None, object())
+    buf._calls = FakeCalls(answer)
+    launches = len(buf._native.calls)
+    assert buf.dispatch(x, handle=handle) is answer
+    ((name, *args),) = buf._calls.seen
+    assert name == "cached_dispatch" and args[0] is x and args[1] is handle
+    assert args[2:8] == [None] * 6 and args[8:10] == [1, 0]
+    assert args[10] == buf.num_sms_used["dispatch"] == type(buf).get_dispatch_config(R).num_sms
+    assert len(buf._native.calls) == launches
+
+
+def test_a_full_dispatch_and_a_declined_cached_one_take_the_checked_path(buf):
+    _, _, _, _, handle, _ = dispatched(buf)
+    buf._calls = FakeCalls(None)
+    x = torch.randn(N, H).to(torch.bfloat16)
+    recv_x = buf.dispatch(x, handle=handle)[0]
+    assert [n for n, *_ in buf._calls.seen] == ["cached_dispatch"]
+    assert buf._native.calls[-1][0] == "dispatch_recv" and recv_x.shape[1] == H
+    dispatched(buf)  # a full dispatch: never offered to the one native call
+    assert len(buf._calls.seen) == 1
+
+
+def test_a_cached_dispatch_with_the_receive_pool_takes_the_checked_path(buf, monkeypatch):
+    _, _, _, _, handle, _ = dispatched(buf)
+    buf._calls = FakeCalls((1, 2, 3, 4, 5, 6))
+    monkeypatch.setattr(buf, "_recv_pool", True, raising=False)
+    monkeypatch.setattr(buf, "_reserve_recv_x", lambda plan: False)
+    buf.dispatch(torch.randn(N, H).to(torch.bfloat16), handle=handle)
     assert buf._calls.seen == []

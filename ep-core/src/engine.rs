@@ -14,7 +14,7 @@ use comm::StreamHandle;
 
 use crate::calls::{self, ArgError, ArgErrorKind, OutputSpec, TensorMeta};
 use crate::ep_buffer::EpBuffer;
-use crate::intranode::CombineArgs;
+use crate::intranode::{CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape};
 use crate::part::BufferPart;
 
 /// A tensor argument: its meta and data address.
@@ -75,13 +75,40 @@ fn aligned(name: &str, arg: Option<&TensorArg>) -> CallResult<()> {
     }
 }
 
-/// `combine`'s tensors (a group within one node: the intranode handle).
-pub struct CombineTensors<'a> {
-    pub x: &'a TensorArg,
+/// The intranode handle's entries the calls read, each with its address.
+pub struct HandleTensors<'a> {
     pub rank_prefix_matrix: &'a TensorArg,
     pub recv_src_idx: &'a TensorArg,
     pub is_token_in_rank: &'a TensorArg,
     pub send_head: &'a TensorArg,
+}
+
+impl HandleTensors<'_> {
+    fn metas(&self) -> calls::IntranodeHandle {
+        calls::IntranodeHandle {
+            rank_prefix_matrix: self.rank_prefix_matrix.0.clone(),
+            recv_src_idx: self.recv_src_idx.0.clone(),
+            is_token_in_rank: self.is_token_in_rank.0.clone(),
+            send_head: self.send_head.0.clone(),
+        }
+    }
+}
+
+/// A cached `dispatch`'s tensors: `x` (with its scales for fp8) and the
+/// handle, and the arguments a cached dispatch takes as given (the checks
+/// refuse any other than their defaults).
+pub struct CachedDispatchTensors<'a> {
+    pub x: &'a TensorArg,
+    pub scales: Option<&'a TensorArg>,
+    pub handle: HandleTensors<'a>,
+    pub expert_alignment: i64,
+    pub num_worst_tokens: i64,
+}
+
+/// `combine`'s tensors (a group within one node: the intranode handle).
+pub struct CombineTensors<'a> {
+    pub x: &'a TensorArg,
+    pub handle: HandleTensors<'a>,
     pub topk_weights: Option<&'a TensorArg>,
     /// `bias` as one tensor (`One`) or a pair, with each one's address.
     pub bias: Option<CombineBias<'a>>,
@@ -103,7 +130,115 @@ impl CombineBias<'_> {
     }
 }
 
+/// Refuses a group that spans nodes: the engine's calls are those within one
+/// node (the front ends take their checked paths across nodes).
+fn within_one_node(b: &EpBuffer) -> CallResult<()> {
+    if b.internode().is_some() {
+        return Err(CallError::Arg(ArgError {
+            kind: ArgErrorKind::Value,
+            message: "a Buffer whose group spans nodes takes the 10-tuple handle of an \
+                      internode dispatch"
+                .into(),
+        }));
+    }
+    Ok(())
+}
+
+fn no_intranode_part() -> CommError {
+    CommError::InvalidArgument {
+        name: "self",
+        reason: "the Buffer has no intranode part (it was destroyed?)".into(),
+    }
+}
+
 impl EpBuffer {
+    /// `dispatch(x, handle=handle)` (a cached dispatch) eager and whole on a
+    /// Buffer of `num_ranks` ranks on `device` whose group is within one node,
+    /// with `num_sms` SMs: `recv_x`, and `recv_x_scales` for fp8. It sends no
+    /// routing: the handle's `rank_prefix_matrix` and `send_head` say where
+    /// each row goes.
+    pub fn cached_dispatch_eager<O: Outputs>(
+        &mut self,
+        num_ranks: i64,
+        device: i32,
+        s: &Eager<'_>,
+        num_sms: u32,
+        t: &CachedDispatchTensors<'_>,
+        out: &mut O,
+    ) -> CallResult<(O::Tensor, Option<O::Tensor>)> {
+        let handle = t.handle.metas();
+        let args = calls::DispatchArgs {
+            x: &t.x.0,
+            scales: t.scales.map(|(m, _)| m),
+            handle: Some(&handle),
+            num_tokens_per_rank: None,
+            num_tokens_per_rdma_rank: false,
+            is_token_in_rank: None,
+            num_tokens_per_expert: None,
+            topk_idx: None,
+            topk_weights: None,
+            expert_alignment: t.expert_alignment,
+            num_worst_tokens: t.num_worst_tokens,
+        };
+        let p = calls::dispatch(num_ranks, device, &args).map_err(CallError::Arg)?;
+        let name = if t.scales.is_some() { "x[0]" } else { "x" };
+        aligned(name, Some(t.x))?;
+        within_one_node(self)?;
+        let rows = p.num_recv_rows;
+        let specs: Vec<OutputSpec> = ["recv_x", "recv_x_scales"]
+            .iter()
+            .filter_map(|n| calls::output(&p.outputs, n))
+            .map(|o| o.resolve(rows))
+            .collect();
+        let scale_strides = match specs.get(1) {
+            Some(o) => (o.strides[0], o.strides[1]),
+            None => (0, 0),
+        };
+        let refs: Vec<&OutputSpec> = specs.iter().collect();
+        let mut made = out.empty(&refs).ok_or(CallError::NoOutputs)?.into_iter();
+        let (recv_x, recv_x_ptr) = made.next().ok_or(CallError::NoOutputs)?;
+        let (scales, scales_ptr) = match made.next() {
+            Some((t, ptr)) => (Some(t), ptr),
+            None => (None, 0),
+        };
+        let shape = DispatchShape {
+            num_tokens: p.num_tokens as usize,
+            hidden_bytes: p.hidden_bytes as usize,
+            num_scales: p.num_scales as usize,
+            num_topk: p.num_topk as usize,
+            // A cached dispatch counts per rank (its plan has no experts).
+            num_experts: num_ranks as usize,
+        };
+        let rpm = t.handle.rank_prefix_matrix.1;
+        let inp = DispatchInputs {
+            x: t.x.1,
+            scales: t.scales.map_or(0, |(_, ptr)| *ptr),
+            scale_strides: p.scale_strides,
+            topk_idx: 0,
+            topk_weights: 0,
+            is_token_in_rank: 0,
+            num_tokens_per_expert: 0,
+            rank_prefix_matrix: rpm,
+            send_head: t.handle.send_head.1,
+        };
+        let outputs = DispatchOutputs {
+            num_rows: rows,
+            recv_x: recv_x_ptr,
+            recv_scales: scales_ptr,
+            scale_strides,
+            recv_topk_idx: 0,
+            recv_topk_weights: 0,
+            recv_src_idx: 0,
+        };
+        let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
+        s.order.after(s.comm, s.compute)?;
+        part.cached_dispatch_send(s.comm, &shape, &inp, num_sms)?;
+        part.dispatch_recv(s.comm, &shape, rpm, &outputs, num_sms)?;
+        s.order.after(s.compute, s.comm)?;
+        part.check_device()?;
+        Ok((recv_x, scales))
+    }
+
     /// `combine(x, handle, topk_weights, bias)` eager and whole on a Buffer of
     /// `num_ranks` ranks on `device` whose group is within one node, with
     /// `num_sms` SMs: `(combined_x, combined_topk_weights)`.
@@ -116,12 +251,7 @@ impl EpBuffer {
         t: &CombineTensors<'_>,
         out: &mut O,
     ) -> CallResult<(O::Tensor, Option<O::Tensor>)> {
-        let handle = calls::IntranodeHandle {
-            rank_prefix_matrix: t.rank_prefix_matrix.0.clone(),
-            recv_src_idx: t.recv_src_idx.0.clone(),
-            is_token_in_rank: t.is_token_in_rank.0.clone(),
-            send_head: t.send_head.0.clone(),
-        };
+        let handle = t.handle.metas();
         let bias = t.bias.as_ref().map(|b| match b {
             CombineBias::One(b) => calls::Bias::One(&b.0),
             CombineBias::Pair(b0, b1) => calls::Bias::Pair(b0.map(|(m, _)| m), b1.map(|(m, _)| m)),
@@ -138,14 +268,7 @@ impl EpBuffer {
         for (name, b) in biases.iter().flatten() {
             aligned(name, *b)?;
         }
-        if self.internode().is_some() {
-            return Err(CallError::Arg(ArgError {
-                kind: ArgErrorKind::Value,
-                message: "a Buffer whose group spans nodes takes the 10-tuple handle of an \
-                          internode dispatch"
-                    .into(),
-            }));
-        }
+        within_one_node(self)?;
         let specs: Vec<&OutputSpec> = p.outputs.iter().collect();
         let mut made = out.empty(&specs).ok_or(CallError::NoOutputs)?.into_iter();
         let (combined, out_ptr) = made.next().ok_or(CallError::NoOutputs)?;
@@ -161,8 +284,8 @@ impl EpBuffer {
             hidden: p.hidden as usize,
             topk_weights: addr(t.topk_weights),
             num_topk: p.num_topk as usize,
-            rank_prefix_matrix: t.rank_prefix_matrix.1,
-            send_head: t.send_head.1,
+            rank_prefix_matrix: t.handle.rank_prefix_matrix.1,
+            send_head: t.handle.send_head.1,
             num_tokens: p.num_tokens as usize,
             bias: bias_at,
             out: out_ptr,

@@ -11,9 +11,13 @@
 //! one.
 
 use comm::StreamHandle;
-use ep_core::engine::{CallError, CombineBias, CombineTensors, Eager};
+use ep_core::engine::CallResult;
+use ep_core::engine::{
+    CachedDispatchTensors, CallError, CombineBias, CombineTensors, Eager, HandleTensors,
+};
+use ep_core::EpBuffer as Core;
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyInt, PyTuple};
 
 use crate::ep_buffer::EpBuffer;
 use crate::streams::StreamOrder;
@@ -81,13 +85,12 @@ impl NormalCalls {
         bias: &Bound<'py, PyAny>,
         num_sms: u32,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        if !torch_alloc::torch_alloc_ready() || !handle.is_exact_instance_of::<PyTuple>() {
+        if !torch_alloc::torch_alloc_ready() {
             return Ok(None);
         }
-        let h = handle.cast::<PyTuple>()?;
-        if h.len() != 6 {
+        let Some([rpm, src, in_rank, head]) = handle_of(handle)? else {
             return Ok(None);
-        }
+        };
         let none = py.None().into_bound(py);
         let (b0, b1, one) = if bias.is_none() {
             (none.clone(), none.clone(), false)
@@ -100,14 +103,6 @@ impl NormalCalls {
         } else {
             (bias.clone(), none.clone(), true)
         };
-        // The intranode handle: (rank_prefix_matrix, channel_prefix_matrix,
-        // recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head).
-        let (rpm, src, in_rank, head) = (
-            h.get_item(0)?,
-            h.get_item(3)?,
-            h.get_item(4)?,
-            h.get_item(5)?,
-        );
         let objs = [x, topk_weights, &rpm, &src, &in_rank, &head, &b0, &b1];
         let Some([Some(xr), w, Some(rpm), Some(src), Some(in_rank), Some(head), b0, b1]) =
             read_n(py, &objs)?
@@ -126,13 +121,126 @@ impl NormalCalls {
         };
         let tensors = CombineTensors {
             x: &xr,
-            rank_prefix_matrix: &rpm,
-            recv_src_idx: &src,
-            is_token_in_rank: &in_rank,
-            send_head: &head,
+            handle: HandleTensors {
+                rank_prefix_matrix: &rpm,
+                recv_src_idx: &src,
+                is_token_in_rank: &in_rank,
+                send_head: &head,
+            },
             topk_weights: w.as_ref(),
             bias,
         };
+        let run = |core: &mut Core, eager: &Eager<'_>, out: &mut EngineOutputs<'py>| {
+            core.combine_eager(self.num_ranks, self.device, eager, num_sms, &tensors, out)
+        };
+        let Some((combined, weights)) = self.run(py, run)? else {
+            return Ok(None);
+        };
+        let event = self.event.bind(py).call1((py.None(),))?;
+        let weights = weights.unwrap_or(none);
+        PyTuple::new(py, [combined, weights, event]).map(Some)
+    }
+
+    /// `Buffer.dispatch(x, handle=handle, ...)` (a cached dispatch) eager
+    /// within one node, with `num_sms` SMs, whole: `(recv_x or (recv_x,
+    /// recv_x_scales), None, None, None, None, EventOverlap(None))`, or None
+    /// where the call declines (the routing arguments must be None: a cached
+    /// dispatch refuses them, on the checked path).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+        is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+        num_worst_tokens, num_sms))]
+    fn cached_dispatch<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        handle: &Bound<'py, PyAny>,
+        num_tokens_per_rank: &Bound<'py, PyAny>,
+        num_tokens_per_rdma_rank: &Bound<'py, PyAny>,
+        is_token_in_rank: &Bound<'py, PyAny>,
+        num_tokens_per_expert: &Bound<'py, PyAny>,
+        topk_idx: &Bound<'py, PyAny>,
+        topk_weights: &Bound<'py, PyAny>,
+        expert_alignment: &Bound<'py, PyAny>,
+        num_worst_tokens: &Bound<'py, PyAny>,
+        num_sms: u32,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let routing = [
+            num_tokens_per_rank,
+            num_tokens_per_rdma_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+        ];
+        let (Some(alignment), Some(worst)) = (int(expert_alignment), int(num_worst_tokens)) else {
+            return Ok(None);
+        };
+        if routing.iter().any(|r| !r.is_none()) || !torch_alloc::torch_alloc_ready() {
+            return Ok(None);
+        }
+        let Some(h) = handle_of(handle)? else {
+            return Ok(None);
+        };
+        let none = py.None().into_bound(py);
+        let (data, scales, fp8) = if x.is_exact_instance_of::<PyTuple>() {
+            let pair = x.cast::<PyTuple>()?;
+            if pair.len() != 2 {
+                return Ok(None);
+            }
+            (pair.get_item(0)?, pair.get_item(1)?, true)
+        } else {
+            (x.clone(), none.clone(), false)
+        };
+        let objs = [&data, &scales, &h[0], &h[1], &h[2], &h[3]];
+        let Some([Some(xr), sr, Some(rpm), Some(src), Some(in_rank), Some(head)]) =
+            read_n(py, &objs)?
+        else {
+            return Ok(None);
+        };
+        if fp8 && sr.is_none() {
+            return Ok(None);
+        }
+        let tensors = CachedDispatchTensors {
+            x: &xr,
+            scales: sr.as_ref(),
+            handle: HandleTensors {
+                rank_prefix_matrix: &rpm,
+                recv_src_idx: &src,
+                is_token_in_rank: &in_rank,
+                send_head: &head,
+            },
+            expert_alignment: alignment,
+            num_worst_tokens: worst,
+        };
+        let run = |core: &mut Core, eager: &Eager<'_>, out: &mut EngineOutputs<'py>| {
+            core.cached_dispatch_eager(self.num_ranks, self.device, eager, num_sms, &tensors, out)
+        };
+        let Some((recv_x, recv_scales)) = self.run(py, run)? else {
+            return Ok(None);
+        };
+        let event = self.event.bind(py).call1((py.None(),))?;
+        let out_x = match recv_scales {
+            Some(s) if fp8 => PyTuple::new(py, [recv_x, s])?.into_any(),
+            _ => recv_x,
+        };
+        PyTuple::new(
+            py,
+            [out_x, none.clone(), none.clone(), none.clone(), none, event],
+        )
+        .map(Some)
+    }
+}
+
+impl NormalCalls {
+    /// `call` on ep-core's buffer with this Buffer's streams and torch's
+    /// outputs: its outputs, None where it declines (a refused check or
+    /// allocation, no intranode part, a group across nodes), or its error.
+    fn run<'py, T>(
+        &self,
+        py: Python<'py>,
+        call: impl FnOnce(&mut Core, &Eager<'_>, &mut EngineOutputs<'py>) -> CallResult<T>,
+    ) -> PyResult<Option<T>> {
         let mut ep = self.ep.borrow_mut(py);
         let core = ep.core_mut();
         if core.intranode().is_none() || core.internode().is_some() {
@@ -149,23 +257,39 @@ impl NormalCalls {
             py,
             device: self.device,
         };
-        let r = core.combine_eager(
-            self.num_ranks,
-            self.device,
-            &eager,
-            num_sms,
-            &tensors,
-            &mut outputs,
-        );
-        drop(ep);
-        match r {
-            Ok((combined, weights)) => {
-                let event = self.event.bind(py).call1((py.None(),))?;
-                let weights = weights.unwrap_or(none);
-                PyTuple::new(py, [combined, weights, event]).map(Some)
-            }
+        match call(core, &eager, &mut outputs) {
+            Ok(r) => Ok(Some(r)),
             Err(CallError::Arg(_) | CallError::NoOutputs) => Ok(None),
             Err(CallError::Comm(e)) => Err(to_py(e)),
         }
+    }
+}
+
+/// An intranode handle's entries the calls read (rank_prefix_matrix,
+/// recv_src_idx, is_token_in_rank, send_head), where `handle` is an exact
+/// 6-tuple (`(rank_prefix_matrix, channel_prefix_matrix,
+/// recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank, send_head)`).
+fn handle_of<'py>(handle: &Bound<'py, PyAny>) -> PyResult<Option<[Bound<'py, PyAny>; 4]>> {
+    if !handle.is_exact_instance_of::<PyTuple>() {
+        return Ok(None);
+    }
+    let h = handle.cast::<PyTuple>()?;
+    if h.len() != 6 {
+        return Ok(None);
+    }
+    Ok(Some([
+        h.get_item(0)?,
+        h.get_item(3)?,
+        h.get_item(4)?,
+        h.get_item(5)?,
+    ]))
+}
+
+/// An exact Python int (not a bool) as i64.
+fn int(obj: &Bound<'_, PyAny>) -> Option<i64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        obj.extract().ok()
+    } else {
+        None
     }
 }

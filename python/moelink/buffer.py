@@ -666,7 +666,6 @@ class Buffer(LowLatencyMixin):
         cached = None if handle is None else OutputSet(specs[2:4], self.device)
         return p, specs, cached
 
-    @plain_torch
     def dispatch(
         self,
         x,
@@ -689,6 +688,41 @@ class Buffer(LowLatencyMixin):
         Returns ``(recv_x, recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, event)`` as ``deep_ep.Buffer.dispatch``.
         """
+        calls = self._calls
+        if (
+            handle is not None
+            and calls is not None
+            and previous_event is None
+            and not async_finish
+            and not allocate_on_comm_stream
+            and not self._recv_pool
+        ):
+            # An eager cached dispatch whole in one native call (ep-core's
+            # engine); None where it declines, having done nothing.
+            num_sms = self._num_sms(config, type(self).get_dispatch_config, "dispatch")
+            done = calls.cached_dispatch(
+                x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                num_sms,
+            )  # fmt: skip
+            if done is not None:
+                return done
+        return self._dispatch_checked(
+            x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+            num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+            config, previous_event, async_finish, allocate_on_comm_stream,
+        )  # fmt: skip
+
+    @plain_torch
+    def _dispatch_checked(
+        self, x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+        config, previous_event, async_finish, allocate_on_comm_stream,
+    ):  # fmt: skip
+        """``dispatch`` on the checked path: every check in Python's order (plan
+        cache, ``OutputSet``, the native launches), for every call the one native
+        call does not take (a full dispatch, stream arguments, the receive pool,
+        across nodes, a refused argument)."""
         native = self._buffer()
         num_sms = self._num_sms(config, type(self).get_dispatch_config, "dispatch")
         key = (

@@ -54,6 +54,7 @@ SCENARIO_NAMES = (
     "dispatch_fp8",
     "dispatch_no_topk",
     "dispatch_cached",
+    "dispatch_cached_checked",
     "worst_tokens",
     "combine",
     "combine_checked",
@@ -789,9 +790,49 @@ def scenario_dispatch_no_topk(ctx: Ctx) -> None:
     chk.done()
 
 
-def scenario_dispatch_cached(ctx: Ctx) -> None:
+class CountedCalls:
+    """A Buffer's ``_native.NormalCalls`` that counts the calls it ran whole."""
+
+    def __init__(self, calls) -> None:
+        self.calls, self.ran, self.ran_dispatch = calls, 0, 0
+
+    def combine(self, *args):
+        done = self.calls.combine(*args)
+        self.ran += done is not None
+        return done
+
+    def cached_dispatch(self, *args):
+        done = self.calls.cached_dispatch(*args)
+        self.ran_dispatch += done is not None
+        return done
+
+
+def scenario_dispatch_cached(ctx: Ctx, checked: bool = False) -> None:
     """dispatch(x2, handle=handle) with new data follows the first dispatch's
-    routing; earlier outputs are not touched; combine still works on the handle."""
+    routing; earlier outputs are not touched; combine still works on the handle.
+    The three cached dispatches are eager: each must run whole in one native call
+    (``_native.NormalCalls``) where the Buffer has no receive pool, or with
+    ``checked`` through the checked Python path."""
+    native = ctx.buffer._calls
+    counted = CountedCalls(native)
+    ctx.buffer._calls = None if checked else counted
+    try:
+        _dispatch_cached_cases(ctx)
+    finally:
+        ctx.buffer._calls = native
+    want = 0 if checked or ctx.buffer._recv_pool else 3
+    if counted.ran_dispatch != want:
+        raise AssertionError(
+            f"rank {ctx.rank}: {counted.ran_dispatch} of 3 eager cached dispatches ran whole"
+        )
+
+
+def scenario_dispatch_cached_checked(ctx: Ctx) -> None:
+    """``dispatch_cached`` through the checked Python path."""
+    scenario_dispatch_cached(ctx, checked=True)
+
+
+def _dispatch_cached_cases(ctx: Ctx) -> None:
     chk = Checker()
     R = ctx.num_ranks
     case = Case(2048, 16 * R, 4, token_counts(ctx, "cached/0", zero_rank=True))
@@ -855,18 +896,6 @@ def scenario_worst_tokens(ctx: Ctx) -> None:
         want = expected_combine(ref, ys, weights=True)[ctx.rank]
         check_combine(chk, label + " combine", combined, want, weights=True)
     chk.done()
-
-
-class CountedCalls:
-    """A Buffer's ``_native.NormalCalls`` that counts the calls it ran whole."""
-
-    def __init__(self, calls) -> None:
-        self.calls, self.ran = calls, 0
-
-    def combine(self, *args):
-        done = self.calls.combine(*args)
-        self.ran += done is not None
-        return done
 
 
 def scenario_combine(ctx: Ctx, checked: bool = False) -> None:
