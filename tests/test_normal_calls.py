@@ -1,4 +1,4 @@
-"""``Buffer.combine`` and a cached ``Buffer.dispatch`` hand an eager call to its one native call
+"""``Buffer.combine`` and ``Buffer.dispatch`` hand an eager call to its one native call
 (``_native.NormalCalls``, ep-core's engine) and takes the checked Python path
 where that declines or cannot apply, on a CPU Buffer with a stand-in for the
 native call (the engine itself runs on a GPU: tests/multi_gpu's ``combine``
@@ -28,6 +28,10 @@ class FakeCalls:
 
     def cached_dispatch(self, *args):
         self.seen.append(("cached_dispatch", *args))
+        return self.answer
+
+    def dispatch(self, *args):
+        self.seen.append(("dispatch", *args))
         return self.answer
 
 
@@ -118,15 +122,47 @@ def test_an_eager_cached_dispatch_is_one_native_call(buf):
     assert len(buf._native.calls) == launches
 
 
-def test_a_full_dispatch_and_a_declined_cached_one_take_the_checked_path(buf):
+def test_a_declined_dispatch_takes_the_checked_path(buf):
     _, _, _, _, handle, _ = dispatched(buf)
     buf._calls = FakeCalls(None)
     x = torch.randn(N, H).to(torch.bfloat16)
     recv_x = buf.dispatch(x, handle=handle)[0]
     assert [n for n, *_ in buf._calls.seen] == ["cached_dispatch"]
     assert buf._native.calls[-1][0] == "dispatch_recv" and recv_x.shape[1] == H
-    dispatched(buf)  # a full dispatch: never offered to the one native call
-    assert len(buf._calls.seen) == 1
+    recv_x, recv_idx, _, counts, handle, _ = dispatched(buf)
+    assert [n for n, *_ in buf._calls.seen] == ["cached_dispatch", "dispatch"]
+    assert recv_x.shape == (5, H) and recv_idx.shape == (5, K) and len(handle) == 6
+
+
+def test_an_eager_full_dispatch_is_one_native_call(buf):
+    answer = (object(), None, None, [], (), object())
+    g = torch.Generator().manual_seed(5)
+    idx = torch.rand(N, E, generator=g).topk(K, dim=1).indices
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    buf._calls = FakeCalls(answer)
+    x = torch.randn(N, H).to(torch.bfloat16)
+    got = buf.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, num_worst_tokens=64,
+    )  # fmt: skip
+    assert got is answer
+    ((name, *args),) = buf._calls.seen
+    assert name == "dispatch" and args[0] is x and args[1] is per_rank and args[2] is None
+    assert args[3] is in_rank and args[4] is per_expert and args[5] is idx and args[6] is None
+    assert args[7:9] == [1, 64]
+    assert args[9] == buf.num_sms_used["dispatch"]
+
+
+def test_a_full_dispatch_with_host_id_checks_takes_the_checked_path(buf):
+    from moelink import _buffer_common
+
+    previous = _buffer_common.set_check_ids(True)
+    try:
+        buf._calls = FakeCalls((1, 2, 3, 4, 5, 6))
+        dispatched(buf)
+    finally:
+        _buffer_common.set_check_ids(previous)
+    assert buf._calls.seen == []
 
 
 def test_a_cached_dispatch_with_the_receive_pool_takes_the_checked_path(buf, monkeypatch):

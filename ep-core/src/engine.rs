@@ -47,6 +47,13 @@ pub type CallResult<T> = std::result::Result<T, CallError>;
 pub trait Outputs {
     type Tensor;
     fn empty(&mut self, specs: &[&OutputSpec]) -> Option<Vec<(Self::Tensor, u64)>>;
+
+    /// Runs `wait` (a bounded CPU wait for the GPU, as a full dispatch's for
+    /// its counts) where the front end lets other threads run meanwhile
+    /// (Python: without the GIL).
+    fn waiting<T: Send>(&mut self, wait: impl FnOnce() -> T + Send) -> T {
+        wait()
+    }
 }
 
 /// An eager call's streams: the caller's current stream and the Buffer's
@@ -103,6 +110,55 @@ pub struct CachedDispatchTensors<'a> {
     pub handle: HandleTensors<'a>,
     pub expert_alignment: i64,
     pub num_worst_tokens: i64,
+}
+
+/// A full `dispatch`'s tensors and scalars (no handle).
+pub struct DispatchTensors<'a> {
+    pub x: &'a TensorArg,
+    pub scales: Option<&'a TensorArg>,
+    pub num_tokens_per_rank: Option<&'a TensorArg>,
+    pub is_token_in_rank: Option<&'a TensorArg>,
+    pub num_tokens_per_expert: Option<&'a TensorArg>,
+    pub topk_idx: Option<&'a TensorArg>,
+    pub topk_weights: Option<&'a TensorArg>,
+    pub expert_alignment: i64,
+    pub num_worst_tokens: i64,
+}
+
+/// What a full dispatch gives: its outputs by name (None where the call
+/// makes none: scales for bf16, the top-k outputs without `topk_idx`), and
+/// the received tokens per local expert (empty with `num_worst_tokens`).
+pub struct Dispatched<T> {
+    pub recv_x: T,
+    pub recv_x_scales: Option<T>,
+    pub recv_topk_idx: Option<T>,
+    pub recv_topk_weights: Option<T>,
+    pub recv_src_idx: T,
+    pub channel_prefix_matrix: T,
+    pub recv_channel_prefix_matrix: T,
+    pub rank_prefix_matrix: T,
+    pub send_head: T,
+    pub num_recv_tokens_per_expert: Vec<i32>,
+}
+
+/// The outputs a full dispatch makes once its rows are known, in this order.
+const RECEIVED: [&str; 7] = [
+    "recv_x",
+    "recv_x_scales",
+    "recv_topk_idx",
+    "recv_topk_weights",
+    "recv_src_idx",
+    "channel_prefix_matrix",
+    "recv_channel_prefix_matrix",
+];
+
+/// `outputs`' specs of [`RECEIVED`] with `rows` rows, each with its name.
+fn received(outputs: &[OutputSpec], rows: i64) -> Vec<OutputSpec> {
+    RECEIVED
+        .iter()
+        .filter_map(|n| calls::output(outputs, n))
+        .map(|o| o.resolve(rows))
+        .collect()
 }
 
 /// `combine`'s tensors (a group within one node: the intranode handle).
@@ -237,6 +293,160 @@ impl EpBuffer {
         s.order.after(s.compute, s.comm)?;
         part.check_device()?;
         Ok((recv_x, scales))
+    }
+
+    /// `dispatch(x, ...)` without a handle (a full dispatch) eager and whole
+    /// on a Buffer of `num_ranks` ranks on `device` whose group is within one
+    /// node, with `num_sms` SMs. Every output is made while no kernel of the
+    /// dispatch waits on other work: the rank prefix matrix and `send_head`
+    /// before the send, the received outputs before it too with
+    /// `num_worst_tokens`, else once the counts arrived (the CPU waits for
+    /// them, in [`Outputs::waiting`]).
+    pub fn dispatch_eager<O: Outputs>(
+        &mut self,
+        num_ranks: i64,
+        device: i32,
+        s: &Eager<'_>,
+        num_sms: u32,
+        t: &DispatchTensors<'_>,
+        out: &mut O,
+    ) -> CallResult<Dispatched<O::Tensor>> {
+        fn meta(a: Option<&TensorArg>) -> Option<&TensorMeta> {
+            a.map(|(m, _)| m)
+        }
+        let args = calls::DispatchArgs {
+            x: &t.x.0,
+            scales: meta(t.scales),
+            handle: None,
+            num_tokens_per_rank: meta(t.num_tokens_per_rank),
+            num_tokens_per_rdma_rank: false,
+            is_token_in_rank: meta(t.is_token_in_rank),
+            num_tokens_per_expert: meta(t.num_tokens_per_expert),
+            topk_idx: meta(t.topk_idx),
+            topk_weights: meta(t.topk_weights),
+            expert_alignment: t.expert_alignment,
+            num_worst_tokens: t.num_worst_tokens,
+        };
+        let p = calls::dispatch(num_ranks, device, &args).map_err(CallError::Arg)?;
+        let name = if t.scales.is_some() { "x[0]" } else { "x" };
+        aligned(name, Some(t.x))?;
+        within_one_node(self)?;
+        let (Some(rpm_spec), Some(head_spec)) = (
+            calls::output(&p.outputs, "rank_prefix_matrix"),
+            calls::output(&p.outputs, "send_head"),
+        ) else {
+            return Err(CallError::NoOutputs);
+        };
+        let mut before = out
+            .empty(&[rpm_spec, head_spec])
+            .ok_or(CallError::NoOutputs)?
+            .into_iter();
+        let ((rpm, rpm_ptr), (send_head, head_ptr)) = match (before.next(), before.next()) {
+            (Some(a), Some(b)) => (a, b),
+            _ => return Err(CallError::NoOutputs),
+        };
+        let worst = p.num_worst_tokens > 0;
+        let mut made = None;
+        if worst {
+            let specs = received(&p.outputs, p.num_recv_rows);
+            let refs: Vec<&OutputSpec> = specs.iter().collect();
+            let m = out.empty(&refs).ok_or(CallError::NoOutputs)?;
+            made = Some((specs, m, p.num_recv_rows));
+        }
+        let shape = DispatchShape {
+            num_tokens: p.num_tokens as usize,
+            hidden_bytes: p.hidden_bytes as usize,
+            num_scales: p.num_scales as usize,
+            num_topk: p.num_topk as usize,
+            num_experts: p.num_experts as usize,
+        };
+        let addr = |a: Option<&TensorArg>| a.map_or(0, |(_, ptr)| *ptr);
+        let inp = DispatchInputs {
+            x: t.x.1,
+            scales: addr(t.scales),
+            scale_strides: p.scale_strides,
+            topk_idx: addr(t.topk_idx),
+            topk_weights: addr(t.topk_weights),
+            is_token_in_rank: addr(t.is_token_in_rank),
+            num_tokens_per_expert: addr(t.num_tokens_per_expert),
+            rank_prefix_matrix: rpm_ptr,
+            send_head: head_ptr,
+        };
+        let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
+        s.order.after(s.comm, s.compute)?;
+        let epoch =
+            part.dispatch_send(s.comm, &shape, &inp, p.expert_alignment as usize, num_sms)?;
+        let mut per_expert = Vec::new();
+        let (specs, made, rows) = match made {
+            Some(m) => m,
+            None => {
+                // notify has ended (its counts are in): no kernel of this
+                // dispatch that waits on other work runs while the received
+                // outputs are made (the send half may run; it waits on nothing).
+                let part: &crate::intranode::IntranodeBuffer = part;
+                let num_experts = p.num_experts as usize;
+                let (rows, counts) = out.waiting(|| part.wait_counts(epoch, num_experts))?;
+                per_expert = counts;
+                let rows = rows as i64;
+                let specs = received(&p.outputs, rows);
+                let refs: Vec<&OutputSpec> = specs.iter().collect();
+                let m = out.empty(&refs).ok_or(CallError::NoOutputs)?;
+                (specs, m, rows)
+            }
+        };
+        let mut by_name: Vec<(&str, O::Tensor, u64)> = specs
+            .iter()
+            .zip(made)
+            .map(|(spec, (t, ptr))| (spec.name, t, ptr))
+            .collect();
+        let mut take = |name: &str| {
+            by_name
+                .iter()
+                .position(|(n, _, _)| *n == name)
+                .map(|i| by_name.remove(i))
+                .map(|(_, t, ptr)| (t, ptr))
+        };
+        let scales_spec = specs.iter().find(|o| o.name == "recv_x_scales");
+        let scale_strides = scales_spec.map_or((0, 0), |o| (o.strides[0], o.strides[1]));
+        let (Some(recv_x), Some(src_idx), Some(cpm), Some(rcpm)) = (
+            take("recv_x"),
+            take("recv_src_idx"),
+            take("channel_prefix_matrix"),
+            take("recv_channel_prefix_matrix"),
+        ) else {
+            return Err(CallError::NoOutputs);
+        };
+        let (scales, idx, weights) = (
+            take("recv_x_scales"),
+            take("recv_topk_idx"),
+            take("recv_topk_weights"),
+        );
+        let ptr = |o: &Option<(O::Tensor, u64)>| o.as_ref().map_or(0, |(_, p)| *p);
+        let outputs = DispatchOutputs {
+            num_rows: rows,
+            recv_x: recv_x.1,
+            recv_scales: ptr(&scales),
+            scale_strides,
+            recv_topk_idx: ptr(&idx),
+            recv_topk_weights: ptr(&weights),
+            recv_src_idx: src_idx.1,
+        };
+        let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
+        part.dispatch_recv(s.comm, &shape, rpm_ptr, &outputs, num_sms)?;
+        s.order.after(s.compute, s.comm)?;
+        part.check_device()?;
+        Ok(Dispatched {
+            recv_x: recv_x.0,
+            recv_x_scales: scales.map(|(t, _)| t),
+            recv_topk_idx: idx.map(|(t, _)| t),
+            recv_topk_weights: weights.map(|(t, _)| t),
+            recv_src_idx: src_idx.0,
+            channel_prefix_matrix: cpm.0,
+            recv_channel_prefix_matrix: rcpm.0,
+            rank_prefix_matrix: rpm,
+            send_head,
+            num_recv_tokens_per_expert: per_expert,
+        })
     }
 
     /// `combine(x, handle, topk_weights, bias)` eager and whole on a Buffer of

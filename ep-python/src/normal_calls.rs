@@ -13,11 +13,12 @@
 use comm::StreamHandle;
 use ep_core::engine::CallResult;
 use ep_core::engine::{
-    CachedDispatchTensors, CallError, CombineBias, CombineTensors, Eager, HandleTensors,
+    CachedDispatchTensors, CallError, CombineBias, CombineTensors, DispatchTensors, Eager,
+    HandleTensors,
 };
 use ep_core::EpBuffer as Core;
 use pyo3::prelude::*;
-use pyo3::types::{PyInt, PyTuple};
+use pyo3::types::{PyInt, PyList, PyTuple};
 
 use crate::ep_buffer::EpBuffer;
 use crate::streams::StreamOrder;
@@ -141,6 +142,105 @@ impl NormalCalls {
         PyTuple::new(py, [combined, weights, event]).map(Some)
     }
 
+    /// `Buffer.dispatch(x, ...)` without a handle (a full dispatch) eager
+    /// within one node, with `num_sms` SMs, whole: DeepEP's `(recv_x or
+    /// (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
+    /// num_recv_tokens_per_expert_list, handle, EventOverlap(None))`, the
+    /// handle `(rank_prefix_matrix, channel_prefix_matrix,
+    /// recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
+    /// send_head)`; or None where the call declines (`num_tokens_per_rdma_rank`
+    /// must be None within one node: the checked path refuses it).
+    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+        num_sms))]
+    fn dispatch<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        num_tokens_per_rank: &Bound<'py, PyAny>,
+        num_tokens_per_rdma_rank: &Bound<'py, PyAny>,
+        is_token_in_rank: &Bound<'py, PyAny>,
+        num_tokens_per_expert: &Bound<'py, PyAny>,
+        topk_idx: &Bound<'py, PyAny>,
+        topk_weights: &Bound<'py, PyAny>,
+        expert_alignment: &Bound<'py, PyAny>,
+        num_worst_tokens: &Bound<'py, PyAny>,
+        num_sms: u32,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let (Some(alignment), Some(worst)) = (int(expert_alignment), int(num_worst_tokens)) else {
+            return Ok(None);
+        };
+        if !num_tokens_per_rdma_rank.is_none() || !torch_alloc::torch_alloc_ready() {
+            return Ok(None);
+        }
+        let none = py.None().into_bound(py);
+        let Some((data, scales, fp8)) = x_of(x, &none)? else {
+            return Ok(None);
+        };
+        let objs = [
+            &data,
+            &scales,
+            num_tokens_per_rank,
+            is_token_in_rank,
+            num_tokens_per_expert,
+            topk_idx,
+            topk_weights,
+        ];
+        let Some([Some(xr), sr, per_rank, in_rank, per_expert, idx, w]) = read_n(py, &objs)? else {
+            return Ok(None);
+        };
+        if fp8 && sr.is_none() {
+            return Ok(None);
+        }
+        let tensors = DispatchTensors {
+            x: &xr,
+            scales: sr.as_ref(),
+            num_tokens_per_rank: per_rank.as_ref(),
+            is_token_in_rank: in_rank.as_ref(),
+            num_tokens_per_expert: per_expert.as_ref(),
+            topk_idx: idx.as_ref(),
+            topk_weights: w.as_ref(),
+            expert_alignment: alignment,
+            num_worst_tokens: worst,
+        };
+        let run = |core: &mut Core, eager: &Eager<'_>, out: &mut EngineOutputs<'py>| {
+            core.dispatch_eager(self.num_ranks, self.device, eager, num_sms, &tensors, out)
+        };
+        let Some(d) = self.run(py, run)? else {
+            return Ok(None);
+        };
+        let event = self.event.bind(py).call1((py.None(),))?;
+        let out_x = match d.recv_x_scales {
+            Some(s) if fp8 => PyTuple::new(py, [d.recv_x, s])?.into_any(),
+            _ => d.recv_x,
+        };
+        let handle = PyTuple::new(
+            py,
+            [
+                d.rank_prefix_matrix,
+                d.channel_prefix_matrix,
+                d.recv_channel_prefix_matrix,
+                d.recv_src_idx,
+                is_token_in_rank.clone(),
+                d.send_head,
+            ],
+        )?;
+        let per_expert = PyList::new(py, d.num_recv_tokens_per_expert)?;
+        PyTuple::new(
+            py,
+            [
+                out_x,
+                d.recv_topk_idx.unwrap_or_else(|| none.clone()),
+                d.recv_topk_weights.unwrap_or_else(|| none.clone()),
+                per_expert.into_any(),
+                handle.into_any(),
+                event,
+            ],
+        )
+        .map(Some)
+    }
+
     /// `Buffer.dispatch(x, handle=handle, ...)` (a cached dispatch) eager
     /// within one node, with `num_sms` SMs, whole: `(recv_x or (recv_x,
     /// recv_x_scales), None, None, None, None, EventOverlap(None))`, or None
@@ -183,14 +283,8 @@ impl NormalCalls {
             return Ok(None);
         };
         let none = py.None().into_bound(py);
-        let (data, scales, fp8) = if x.is_exact_instance_of::<PyTuple>() {
-            let pair = x.cast::<PyTuple>()?;
-            if pair.len() != 2 {
-                return Ok(None);
-            }
-            (pair.get_item(0)?, pair.get_item(1)?, true)
-        } else {
-            (x.clone(), none.clone(), false)
+        let Some((data, scales, fp8)) = x_of(x, &none)? else {
+            return Ok(None);
         };
         let objs = [&data, &scales, &h[0], &h[1], &h[2], &h[3]];
         let Some([Some(xr), sr, Some(rpm), Some(src), Some(in_rank), Some(head)]) =
@@ -283,6 +377,23 @@ fn handle_of<'py>(handle: &Bound<'py, PyAny>) -> PyResult<Option<[Bound<'py, PyA
         h.get_item(4)?,
         h.get_item(5)?,
     ]))
+}
+
+/// dispatch's `x`: a tensor, or an exact `(data, scales)` pair (fp8), as
+/// `(data, scales or none, fp8)`; None for a tuple of another length.
+#[allow(clippy::type_complexity)]
+fn x_of<'py>(
+    x: &Bound<'py, PyAny>,
+    none: &Bound<'py, PyAny>,
+) -> PyResult<Option<(Bound<'py, PyAny>, Bound<'py, PyAny>, bool)>> {
+    if !x.is_exact_instance_of::<PyTuple>() {
+        return Ok(Some((x.clone(), none.clone(), false)));
+    }
+    let pair = x.cast::<PyTuple>()?;
+    if pair.len() != 2 {
+        return Ok(None);
+    }
+    Ok(Some((pair.get_item(0)?, pair.get_item(1)?, true)))
 }
 
 /// An exact Python int (not a bool) as i64.

@@ -574,4 +574,8 @@ impl<'py> ep_core::engine::Outputs for EngineOutputs<'py> {
         let refs: Vec<&Spec> = specs.iter().collect();
         empty(self.py, &refs, 1, self.device).ok().flatten()
     }
+
+    fn waiting<T: Send>(&mut self, wait: impl FnOnce() -> T + Send) -> T {
+        self.py.detach(wait)
+    }
 }

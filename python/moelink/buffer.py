@@ -690,21 +690,28 @@ class Buffer(LowLatencyMixin):
         """
         calls = self._calls
         if (
-            handle is not None
-            and calls is not None
+            calls is not None
             and previous_event is None
             and not async_finish
             and not allocate_on_comm_stream
             and not self._recv_pool
+            and (handle is not None or not _buffer_common._CHECK_IDS)
         ):
-            # An eager cached dispatch whole in one native call (ep-core's
-            # engine); None where it declines, having done nothing.
+            # An eager dispatch whole in one native call (ep-core's engine);
+            # None where it declines, having done nothing.
             num_sms = self._num_sms(config, type(self).get_dispatch_config, "dispatch")
-            done = calls.cached_dispatch(
-                x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-                num_sms,
-            )  # fmt: skip
+            if handle is not None:
+                done = calls.cached_dispatch(
+                    x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                    num_worst_tokens, num_sms,
+                )  # fmt: skip
+            else:
+                done = calls.dispatch(
+                    x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+                    num_worst_tokens, num_sms,
+                )  # fmt: skip
             if done is not None:
                 return done
         return self._dispatch_checked(
@@ -721,8 +728,8 @@ class Buffer(LowLatencyMixin):
     ):  # fmt: skip
         """``dispatch`` on the checked path: every check in Python's order (plan
         cache, ``OutputSet``, the native launches), for every call the one native
-        call does not take (a full dispatch, stream arguments, the receive pool,
-        across nodes, a refused argument)."""
+        call does not take (stream arguments, the receive pool, across nodes,
+        ``MOELINK_CHECK_IDS`` on a full dispatch, a refused argument)."""
         native = self._buffer()
         num_sms = self._num_sms(config, type(self).get_dispatch_config, "dispatch")
         key = (

@@ -30,6 +30,7 @@ failed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import itertools
@@ -55,6 +56,7 @@ SCENARIO_NAMES = (
     "dispatch_no_topk",
     "dispatch_cached",
     "dispatch_cached_checked",
+    "dispatch_paths",
     "worst_tokens",
     "combine",
     "combine_checked",
@@ -791,20 +793,36 @@ def scenario_dispatch_no_topk(ctx: Ctx) -> None:
 
 
 class CountedCalls:
-    """A Buffer's ``_native.NormalCalls`` that counts the calls it ran whole."""
+    """A Buffer's ``_native.NormalCalls`` that counts, per call, the calls
+    offered to it (``offered``) and those it ran whole (``ran``)."""
 
     def __init__(self, calls) -> None:
-        self.calls, self.ran, self.ran_dispatch = calls, 0, 0
+        self.calls, self.offered, self.ran = calls, {}, {}
 
-    def combine(self, *args):
-        done = self.calls.combine(*args)
-        self.ran += done is not None
-        return done
+    def __getattr__(self, name):
+        fn = getattr(self.calls, name)
 
-    def cached_dispatch(self, *args):
-        done = self.calls.cached_dispatch(*args)
-        self.ran_dispatch += done is not None
-        return done
+        def counted(*args):
+            done = fn(*args)
+            self.offered[name] = self.offered.get(name, 0) + 1
+            self.ran[name] = self.ran.get(name, 0) + (done is not None)
+            return done
+
+        return counted
+
+
+@contextlib.contextmanager
+def native_calls(ctx: Ctx, checked: bool):
+    """The Buffer's one native calls counted (``CountedCalls``), or with
+    ``checked`` taken away: every call then runs through the checked Python
+    path."""
+    native = ctx.buffer._calls
+    counted = CountedCalls(native)
+    ctx.buffer._calls = None if checked else counted
+    try:
+        yield counted
+    finally:
+        ctx.buffer._calls = native
 
 
 def scenario_dispatch_cached(ctx: Ctx, checked: bool = False) -> None:
@@ -813,18 +831,29 @@ def scenario_dispatch_cached(ctx: Ctx, checked: bool = False) -> None:
     The three cached dispatches are eager: each must run whole in one native call
     (``_native.NormalCalls``) where the Buffer has no receive pool, or with
     ``checked`` through the checked Python path."""
-    native = ctx.buffer._calls
-    counted = CountedCalls(native)
-    ctx.buffer._calls = None if checked else counted
-    try:
+    with native_calls(ctx, checked) as counted:
         _dispatch_cached_cases(ctx)
-    finally:
-        ctx.buffer._calls = native
     want = 0 if checked or ctx.buffer._recv_pool else 3
-    if counted.ran_dispatch != want:
+    if counted.ran.get("cached_dispatch", 0) != want:
         raise AssertionError(
-            f"rank {ctx.rank}: {counted.ran_dispatch} of 3 eager cached dispatches ran whole"
+            f"rank {ctx.rank}: {counted.ran} of 3 eager cached dispatches ran whole"
         )
+
+
+def scenario_dispatch_paths(ctx: Ctx) -> None:
+    """The bf16, fp8 and ``num_worst_tokens`` dispatch cases again, first
+    counted: every eager full dispatch must run whole in one native call where
+    the Buffer has no receive pool; then through the checked Python path."""
+    for checked in (False, True):
+        with native_calls(ctx, checked) as counted:
+            scenario_dispatch_bf16(ctx)
+            scenario_dispatch_fp8(ctx)
+            scenario_worst_tokens(ctx)
+        offered, ran = counted.offered.get("dispatch", 0), counted.ran.get("dispatch", 0)
+        if not checked and (offered == 0 or ran != (0 if ctx.buffer._recv_pool else offered)):
+            raise AssertionError(
+                f"rank {ctx.rank}: {ran} of {offered} eager full dispatches ran whole"
+            )
 
 
 def scenario_dispatch_cached_checked(ctx: Ctx) -> None:
@@ -903,14 +932,9 @@ def scenario_combine(ctx: Ctx, checked: bool = False) -> None:
     weights and no bias, one bias, or a pair; bit exact after bf16 rounding. Every
     call is eager: each must run whole in one native call (``_native.NormalCalls``),
     or with ``checked`` through the checked Python path."""
-    native = ctx.buffer._calls
-    counted = CountedCalls(native)
-    ctx.buffer._calls = None if checked else counted
-    try:
+    with native_calls(ctx, checked) as counted:
         _combine_cases(ctx)
-    finally:
-        ctx.buffer._calls = native
-    if not checked and counted.ran != 6:
+    if not checked and counted.ran.get("combine", 0) != 6:
         raise AssertionError(f"rank {ctx.rank}: {counted.ran} of 6 eager combines ran whole")
 
 
