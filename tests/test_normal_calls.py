@@ -26,12 +26,9 @@ class FakeCalls:
         self.seen.append(("combine", *args))
         return self.answer
 
-    def cached_dispatch(self, *args):
-        self.seen.append(("cached_dispatch", *args))
-        return self.answer
-
     def dispatch(self, *args):
-        self.seen.append(("dispatch", *args))
+        # named as the engine call it makes: a handle (args[1]) makes it cached
+        self.seen.append(("dispatch" if args[1] is None else "cached_dispatch", *args))
         return self.answer
 
 
@@ -147,10 +144,10 @@ def test_an_eager_full_dispatch_is_one_native_call(buf):
     )  # fmt: skip
     assert got is answer
     ((name, *args),) = buf._calls.seen
-    assert name == "dispatch" and args[0] is x and args[1] is per_rank and args[2] is None
-    assert args[3] is in_rank and args[4] is per_expert and args[5] is idx and args[6] is None
-    assert args[7:9] == [1, 64]
-    assert args[9] == buf.num_sms_used["dispatch"]
+    assert name == "dispatch" and args[0] is x and args[1] is None and args[2] is per_rank
+    assert args[3] is None and args[4] is in_rank and args[5] is per_expert
+    assert args[6] is idx and args[7] is None and args[8:10] == [1, 64]
+    assert args[10] == buf.num_sms_used["dispatch"]
 
 
 def test_a_full_dispatch_with_host_id_checks_takes_the_checked_path(buf):

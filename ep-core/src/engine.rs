@@ -56,9 +56,13 @@ pub trait Outputs {
     }
 }
 
-/// An eager call's streams: the caller's current stream and the Buffer's
-/// communication stream, and the order between them.
+/// An eager call on a Buffer of `num_ranks` ranks on `device` (whose group is
+/// within one node) with `num_sms` SMs: the caller's current stream, the
+/// Buffer's communication stream and the order between them.
 pub struct Eager<'a> {
+    pub num_ranks: i64,
+    pub device: i32,
+    pub num_sms: u32,
     pub compute: StreamHandle,
     pub comm: StreamHandle,
     pub order: &'a StreamOrder,
@@ -208,17 +212,13 @@ fn no_intranode_part() -> CommError {
 }
 
 impl EpBuffer {
-    /// `dispatch(x, handle=handle)` (a cached dispatch) eager and whole on a
-    /// Buffer of `num_ranks` ranks on `device` whose group is within one node,
-    /// with `num_sms` SMs: `recv_x`, and `recv_x_scales` for fp8. It sends no
+    /// `dispatch(x, handle=handle)` (a cached dispatch) eager and whole
+    /// ([`Eager`]): `recv_x`, and `recv_x_scales` for fp8. It sends no
     /// routing: the handle's `rank_prefix_matrix` and `send_head` say where
     /// each row goes.
     pub fn cached_dispatch_eager<O: Outputs>(
         &mut self,
-        num_ranks: i64,
-        device: i32,
         s: &Eager<'_>,
-        num_sms: u32,
         t: &CachedDispatchTensors<'_>,
         out: &mut O,
     ) -> CallResult<(O::Tensor, Option<O::Tensor>)> {
@@ -236,7 +236,7 @@ impl EpBuffer {
             expert_alignment: t.expert_alignment,
             num_worst_tokens: t.num_worst_tokens,
         };
-        let p = calls::dispatch(num_ranks, device, &args).map_err(CallError::Arg)?;
+        let p = calls::dispatch(s.num_ranks, s.device, &args).map_err(CallError::Arg)?;
         let name = if t.scales.is_some() { "x[0]" } else { "x" };
         aligned(name, Some(t.x))?;
         within_one_node(self)?;
@@ -263,7 +263,7 @@ impl EpBuffer {
             num_scales: p.num_scales as usize,
             num_topk: p.num_topk as usize,
             // A cached dispatch counts per rank (its plan has no experts).
-            num_experts: num_ranks as usize,
+            num_experts: s.num_ranks as usize,
         };
         let rpm = t.handle.rank_prefix_matrix.1;
         let inp = DispatchInputs {
@@ -288,26 +288,22 @@ impl EpBuffer {
         };
         let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
         s.order.after(s.comm, s.compute)?;
-        part.cached_dispatch_send(s.comm, &shape, &inp, num_sms)?;
-        part.dispatch_recv(s.comm, &shape, rpm, &outputs, num_sms)?;
+        part.cached_dispatch_send(s.comm, &shape, &inp, s.num_sms)?;
+        part.dispatch_recv(s.comm, &shape, rpm, &outputs, s.num_sms)?;
         s.order.after(s.compute, s.comm)?;
         part.check_device()?;
         Ok((recv_x, scales))
     }
 
     /// `dispatch(x, ...)` without a handle (a full dispatch) eager and whole
-    /// on a Buffer of `num_ranks` ranks on `device` whose group is within one
-    /// node, with `num_sms` SMs. Every output is made while no kernel of the
+    /// ([`Eager`]). Every output is made while no kernel of the
     /// dispatch waits on other work: the rank prefix matrix and `send_head`
     /// before the send, the received outputs before it too with
     /// `num_worst_tokens`, else once the counts arrived (the CPU waits for
     /// them, in [`Outputs::waiting`]).
     pub fn dispatch_eager<O: Outputs>(
         &mut self,
-        num_ranks: i64,
-        device: i32,
         s: &Eager<'_>,
-        num_sms: u32,
         t: &DispatchTensors<'_>,
         out: &mut O,
     ) -> CallResult<Dispatched<O::Tensor>> {
@@ -327,7 +323,7 @@ impl EpBuffer {
             expert_alignment: t.expert_alignment,
             num_worst_tokens: t.num_worst_tokens,
         };
-        let p = calls::dispatch(num_ranks, device, &args).map_err(CallError::Arg)?;
+        let p = calls::dispatch(s.num_ranks, s.device, &args).map_err(CallError::Arg)?;
         let name = if t.scales.is_some() { "x[0]" } else { "x" };
         aligned(name, Some(t.x))?;
         within_one_node(self)?;
@@ -375,7 +371,7 @@ impl EpBuffer {
         let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
         s.order.after(s.comm, s.compute)?;
         let epoch =
-            part.dispatch_send(s.comm, &shape, &inp, p.expert_alignment as usize, num_sms)?;
+            part.dispatch_send(s.comm, &shape, &inp, p.expert_alignment as usize, s.num_sms)?;
         let mut per_expert = Vec::new();
         let (specs, made, rows) = match made {
             Some(m) => m,
@@ -432,7 +428,7 @@ impl EpBuffer {
             recv_src_idx: src_idx.1,
         };
         let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
-        part.dispatch_recv(s.comm, &shape, rpm_ptr, &outputs, num_sms)?;
+        part.dispatch_recv(s.comm, &shape, rpm_ptr, &outputs, s.num_sms)?;
         s.order.after(s.compute, s.comm)?;
         part.check_device()?;
         Ok(Dispatched {
@@ -449,15 +445,11 @@ impl EpBuffer {
         })
     }
 
-    /// `combine(x, handle, topk_weights, bias)` eager and whole on a Buffer of
-    /// `num_ranks` ranks on `device` whose group is within one node, with
-    /// `num_sms` SMs: `(combined_x, combined_topk_weights)`.
+    /// `combine(x, handle, topk_weights, bias)` eager and whole ([`Eager`]):
+    /// `(combined_x, combined_topk_weights)`.
     pub fn combine_eager<O: Outputs>(
         &mut self,
-        num_ranks: i64,
-        device: i32,
         s: &Eager<'_>,
-        num_sms: u32,
         t: &CombineTensors<'_>,
         out: &mut O,
     ) -> CallResult<(O::Tensor, Option<O::Tensor>)> {
@@ -472,7 +464,7 @@ impl EpBuffer {
             topk_weights: t.topk_weights.map(|(m, _)| m),
             bias,
         };
-        let p = calls::combine(num_ranks, device, &args).map_err(CallError::Arg)?;
+        let p = calls::combine(s.num_ranks, s.device, &args).map_err(CallError::Arg)?;
         let biases = t.bias.as_ref().map(CombineBias::pair);
         aligned("x", Some(t.x))?;
         for (name, b) in biases.iter().flatten() {
@@ -508,7 +500,7 @@ impl EpBuffer {
                 reason: "the Buffer has no intranode part (it was destroyed?)".into(),
             })?;
         s.order.after(s.comm, s.compute)?;
-        part.combine(s.comm, &a, num_sms)?;
+        part.combine(s.comm, &a, s.num_sms)?;
         s.order.after(s.compute, s.comm)?;
         part.check_device()?;
         Ok((combined, weights))

@@ -132,9 +132,9 @@ impl NormalCalls {
             bias,
         };
         let run = |core: &mut Core, eager: &Eager<'_>, out: &mut EngineOutputs<'py>| {
-            core.combine_eager(self.num_ranks, self.device, eager, num_sms, &tensors, out)
+            core.combine_eager(eager, &tensors, out)
         };
-        let Some((combined, weights)) = self.run(py, run)? else {
+        let Some((combined, weights)) = self.run(py, num_sms, run)? else {
             return Ok(None);
         };
         let event = self.event.bind(py).call1((py.None(),))?;
@@ -142,22 +142,22 @@ impl NormalCalls {
         PyTuple::new(py, [combined, weights, event]).map(Some)
     }
 
-    /// `Buffer.dispatch(x, ...)` without a handle (a full dispatch) eager
-    /// within one node, with `num_sms` SMs, whole: DeepEP's `(recv_x or
-    /// (recv_x, recv_x_scales), recv_topk_idx, recv_topk_weights,
-    /// num_recv_tokens_per_expert_list, handle, EventOverlap(None))`, the
-    /// handle `(rank_prefix_matrix, channel_prefix_matrix,
-    /// recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
-    /// send_head)`; or None where the call declines (`num_tokens_per_rdma_rank`
-    /// must be None within one node: the checked path refuses it).
+    /// `Buffer.dispatch(x, handle, ...)` eager within one node, with `num_sms`
+    /// SMs, whole: DeepEP's `(recv_x or (recv_x, recv_x_scales),
+    /// recv_topk_idx, recv_topk_weights, num_recv_tokens_per_expert_list,
+    /// handle, EventOverlap(None))` (a cached dispatch: `(recv_x..., None,
+    /// None, None, None, event)`); or None where the call declines
+    /// (`num_tokens_per_rdma_rank` must be None within one node, and a cached
+    /// dispatch takes no routing arguments: the checked path refuses them).
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-        num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
-        num_sms))]
+    #[pyo3(signature = (x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
+        is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
+        num_worst_tokens, num_sms))]
     fn dispatch<'py>(
         &self,
         py: Python<'py>,
         x: &Bound<'py, PyAny>,
+        handle: &Bound<'py, PyAny>,
         num_tokens_per_rank: &Bound<'py, PyAny>,
         num_tokens_per_rdma_rank: &Bound<'py, PyAny>,
         is_token_in_rank: &Bound<'py, PyAny>,
@@ -178,15 +178,52 @@ impl NormalCalls {
         let Some((data, scales, fp8)) = x_of(x, &none)? else {
             return Ok(None);
         };
-        let objs = [
-            &data,
-            &scales,
+        let routing = [
             num_tokens_per_rank,
             is_token_in_rank,
             num_tokens_per_expert,
             topk_idx,
             topk_weights,
         ];
+        let x = (&data, &scales, fp8);
+        let done = if handle.is_none() {
+            self.full_dispatch(py, x, routing, (alignment, worst), num_sms)?
+        } else if routing.iter().all(|r| r.is_none()) {
+            self.cached_dispatch(py, x, handle, (alignment, worst), num_sms)?
+        } else {
+            None
+        };
+        let Some((out_x, rest)) = done else {
+            return Ok(None);
+        };
+        let event = self.event.bind(py).call1((py.None(),))?;
+        let [idx, w, per_expert, handle] = rest.unwrap_or_else(|| [(); 4].map(|_| none.clone()));
+        PyTuple::new(py, [out_x, idx, w, per_expert, handle, event]).map(Some)
+    }
+}
+
+/// dispatch's `x` as read: `(data, scales or None, fp8)`.
+type XArgs<'a, 'py> = (&'a Bound<'py, PyAny>, &'a Bound<'py, PyAny>, bool);
+/// A dispatch's outputs before its event: `recv_x` (or the pair with its
+/// scales), then (a full dispatch) `recv_topk_idx`, `recv_topk_weights`, the
+/// per-expert list and the handle.
+type Dispatched<'py> = (Bound<'py, PyAny>, Option<[Bound<'py, PyAny>; 4]>);
+
+impl NormalCalls {
+    /// A full dispatch of [`NormalCalls::dispatch`]: `routing` is
+    /// `num_tokens_per_rank`, `is_token_in_rank`, `num_tokens_per_expert`,
+    /// `topk_idx`, `topk_weights`; `scalars` `(expert_alignment,
+    /// num_worst_tokens)`.
+    fn full_dispatch<'py>(
+        &self,
+        py: Python<'py>,
+        (data, scales, fp8): XArgs<'_, 'py>,
+        routing: [&Bound<'py, PyAny>; 5],
+        (alignment, worst): (i64, i64),
+        num_sms: u32,
+    ) -> PyResult<Option<Dispatched<'py>>> {
+        let [per_rank, in_rank_obj, per_expert, idx, w] = routing;
+        let objs = [data, scales, per_rank, in_rank_obj, per_expert, idx, w];
         let Some([Some(xr), sr, per_rank, in_rank, per_expert, idx, w]) = read_n(py, &objs)? else {
             return Ok(None);
         };
@@ -205,16 +242,12 @@ impl NormalCalls {
             num_worst_tokens: worst,
         };
         let run = |core: &mut Core, eager: &Eager<'_>, out: &mut EngineOutputs<'py>| {
-            core.dispatch_eager(self.num_ranks, self.device, eager, num_sms, &tensors, out)
+            core.dispatch_eager(eager, &tensors, out)
         };
-        let Some(d) = self.run(py, run)? else {
+        let Some(d) = self.run(py, num_sms, run)? else {
             return Ok(None);
         };
-        let event = self.event.bind(py).call1((py.None(),))?;
-        let out_x = match d.recv_x_scales {
-            Some(s) if fp8 => PyTuple::new(py, [d.recv_x, s])?.into_any(),
-            _ => d.recv_x,
-        };
+        let none = py.None().into_bound(py);
         let handle = PyTuple::new(
             py,
             [
@@ -222,71 +255,36 @@ impl NormalCalls {
                 d.channel_prefix_matrix,
                 d.recv_channel_prefix_matrix,
                 d.recv_src_idx,
-                is_token_in_rank.clone(),
+                in_rank_obj.clone(),
                 d.send_head,
             ],
         )?;
         let per_expert = PyList::new(py, d.num_recv_tokens_per_expert)?;
-        PyTuple::new(
-            py,
-            [
-                out_x,
-                d.recv_topk_idx.unwrap_or_else(|| none.clone()),
-                d.recv_topk_weights.unwrap_or_else(|| none.clone()),
-                per_expert.into_any(),
-                handle.into_any(),
-                event,
-            ],
-        )
-        .map(Some)
+        let rest = [
+            d.recv_topk_idx.unwrap_or_else(|| none.clone()),
+            d.recv_topk_weights.unwrap_or(none),
+            per_expert.into_any(),
+            handle.into_any(),
+        ];
+        Ok(Some((
+            out_x(py, d.recv_x, d.recv_x_scales, fp8)?,
+            Some(rest),
+        )))
     }
 
-    /// `Buffer.dispatch(x, handle=handle, ...)` (a cached dispatch) eager
-    /// within one node, with `num_sms` SMs, whole: `(recv_x or (recv_x,
-    /// recv_x_scales), None, None, None, None, EventOverlap(None))`, or None
-    /// where the call declines (the routing arguments must be None: a cached
-    /// dispatch refuses them, on the checked path).
-    #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank,
-        is_token_in_rank, num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-        num_worst_tokens, num_sms))]
+    /// A cached dispatch of [`NormalCalls::dispatch`].
     fn cached_dispatch<'py>(
         &self,
         py: Python<'py>,
-        x: &Bound<'py, PyAny>,
+        (data, scales, fp8): XArgs<'_, 'py>,
         handle: &Bound<'py, PyAny>,
-        num_tokens_per_rank: &Bound<'py, PyAny>,
-        num_tokens_per_rdma_rank: &Bound<'py, PyAny>,
-        is_token_in_rank: &Bound<'py, PyAny>,
-        num_tokens_per_expert: &Bound<'py, PyAny>,
-        topk_idx: &Bound<'py, PyAny>,
-        topk_weights: &Bound<'py, PyAny>,
-        expert_alignment: &Bound<'py, PyAny>,
-        num_worst_tokens: &Bound<'py, PyAny>,
+        (alignment, worst): (i64, i64),
         num_sms: u32,
-    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
-        let routing = [
-            num_tokens_per_rank,
-            num_tokens_per_rdma_rank,
-            is_token_in_rank,
-            num_tokens_per_expert,
-            topk_idx,
-            topk_weights,
-        ];
-        let (Some(alignment), Some(worst)) = (int(expert_alignment), int(num_worst_tokens)) else {
-            return Ok(None);
-        };
-        if routing.iter().any(|r| !r.is_none()) || !torch_alloc::torch_alloc_ready() {
-            return Ok(None);
-        }
+    ) -> PyResult<Option<Dispatched<'py>>> {
         let Some(h) = handle_of(handle)? else {
             return Ok(None);
         };
-        let none = py.None().into_bound(py);
-        let Some((data, scales, fp8)) = x_of(x, &none)? else {
-            return Ok(None);
-        };
-        let objs = [&data, &scales, &h[0], &h[1], &h[2], &h[3]];
+        let objs = [data, scales, &h[0], &h[1], &h[2], &h[3]];
         let Some([Some(xr), sr, Some(rpm), Some(src), Some(in_rank), Some(head)]) =
             read_n(py, &objs)?
         else {
@@ -308,22 +306,26 @@ impl NormalCalls {
             num_worst_tokens: worst,
         };
         let run = |core: &mut Core, eager: &Eager<'_>, out: &mut EngineOutputs<'py>| {
-            core.cached_dispatch_eager(self.num_ranks, self.device, eager, num_sms, &tensors, out)
+            core.cached_dispatch_eager(eager, &tensors, out)
         };
-        let Some((recv_x, recv_scales)) = self.run(py, run)? else {
+        let Some((recv_x, recv_scales)) = self.run(py, num_sms, run)? else {
             return Ok(None);
         };
-        let event = self.event.bind(py).call1((py.None(),))?;
-        let out_x = match recv_scales {
-            Some(s) if fp8 => PyTuple::new(py, [recv_x, s])?.into_any(),
-            _ => recv_x,
-        };
-        PyTuple::new(
-            py,
-            [out_x, none.clone(), none.clone(), none.clone(), none, event],
-        )
-        .map(Some)
+        Ok(Some((out_x(py, recv_x, recv_scales, fp8)?, None)))
     }
+}
+
+/// A dispatch's `recv_x`, or `(recv_x, recv_x_scales)` for fp8.
+fn out_x<'py>(
+    py: Python<'py>,
+    recv_x: Bound<'py, PyAny>,
+    scales: Option<Bound<'py, PyAny>>,
+    fp8: bool,
+) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match scales {
+        Some(s) if fp8 => PyTuple::new(py, [recv_x, s])?.into_any(),
+        _ => recv_x,
+    })
 }
 
 impl NormalCalls {
@@ -333,6 +335,7 @@ impl NormalCalls {
     fn run<'py, T>(
         &self,
         py: Python<'py>,
+        num_sms: u32,
         call: impl FnOnce(&mut Core, &Eager<'_>, &mut EngineOutputs<'py>) -> CallResult<T>,
     ) -> PyResult<Option<T>> {
         let mut ep = self.ep.borrow_mut(py);
@@ -343,6 +346,9 @@ impl NormalCalls {
         let compute: usize = self.stream_of.call1(py, (self.device,))?.extract(py)?;
         let order = self.order.borrow(py);
         let eager = Eager {
+            num_ranks: self.num_ranks,
+            device: self.device,
+            num_sms,
             compute: StreamHandle(compute),
             comm: StreamHandle(self.comm),
             order: order.inner(),

@@ -45,19 +45,6 @@ class NormalCalls:
     def dispatch(
         self,
         x: Any,
-        num_tokens_per_rank: Any,
-        num_tokens_per_rdma_rank: Any,
-        is_token_in_rank: Any,
-        num_tokens_per_expert: Any,
-        topk_idx: Any,
-        topk_weights: Any,
-        expert_alignment: Any,
-        num_worst_tokens: Any,
-        num_sms: int,
-    ) -> tuple[Any, ...] | None: ...
-    def cached_dispatch(
-        self,
-        x: Any,
         handle: Any,
         num_tokens_per_rank: Any,
         num_tokens_per_rdma_rank: Any,

@@ -569,6 +569,15 @@ class Buffer(LowLatencyMixin):
         self.num_sms_used[call] = used
         return sms
 
+    def _eager(self, previous_event, async_finish, allocate_on_comm_stream):
+        """The Buffer's ``_native.NormalCalls`` where a normal-mode call with these
+        stream arguments is eager (no event, no asynchronous finish, outputs on
+        the caller's stream), so that it may run whole in one native call; else
+        None."""
+        if previous_event is None and not async_finish and not allocate_on_comm_stream:
+            return self._calls
+        return None
+
     def _in_pool(self, x) -> bool:
         """Whether ``x``'s rows start in this rank's receive pool (the direct
         combine then reads them where they lie)."""
@@ -688,30 +697,20 @@ class Buffer(LowLatencyMixin):
         Returns ``(recv_x, recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle, event)`` as ``deep_ep.Buffer.dispatch``.
         """
-        calls = self._calls
+        calls = self._eager(previous_event, async_finish, allocate_on_comm_stream)
         if (
             calls is not None
-            and previous_event is None
-            and not async_finish
-            and not allocate_on_comm_stream
             and not self._recv_pool
             and (handle is not None or not _buffer_common._CHECK_IDS)
         ):
             # An eager dispatch whole in one native call (ep-core's engine);
             # None where it declines, having done nothing.
             num_sms = self._num_sms(config, type(self).get_dispatch_config, "dispatch")
-            if handle is not None:
-                done = calls.cached_dispatch(
-                    x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                    num_worst_tokens, num_sms,
-                )  # fmt: skip
-            else:
-                done = calls.dispatch(
-                    x, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
-                    num_tokens_per_expert, topk_idx, topk_weights, expert_alignment,
-                    num_worst_tokens, num_sms,
-                )  # fmt: skip
+            done = calls.dispatch(
+                x, handle, num_tokens_per_rank, num_tokens_per_rdma_rank, is_token_in_rank,
+                num_tokens_per_expert, topk_idx, topk_weights, expert_alignment, num_worst_tokens,
+                num_sms,
+            )  # fmt: skip
             if done is not None:
                 return done
         return self._dispatch_checked(
@@ -1003,14 +1002,8 @@ class Buffer(LowLatencyMixin):
         """Returns every token's float32 sum of the copies sent back by the ranks it
         was dispatched to (plus ``bias``), as bf16: ``(combined_x, combined_topk_weights,
         event)`` as ``deep_ep.Buffer.combine``."""
-        calls = self._calls
-        if (
-            calls is not None
-            and previous_event is None
-            and not async_finish
-            and not allocate_on_comm_stream
-            and type(x) is torch.Tensor
-        ):
+        calls = self._eager(previous_event, async_finish, allocate_on_comm_stream)
+        if calls is not None and type(x) is torch.Tensor:
             # The eager call whole in one native call (ep-core's engine); None
             # where it declines, having done nothing.
             in_pool = self._recv_pool and self._in_pool(x)
