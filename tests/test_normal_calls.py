@@ -26,6 +26,10 @@ class FakeCalls:
         self.seen.append(("combine", *args))
         return self.answer
 
+    def layout(self, *args):
+        self.seen.append(("layout", *args))
+        return self.answer
+
     def dispatch(self, *args):
         # named as the engine call it makes: a handle (args[1]) makes it cached
         self.seen.append(("dispatch" if args[1] is None else "cached_dispatch", *args))
@@ -127,7 +131,7 @@ def test_a_declined_dispatch_takes_the_checked_path(buf):
     assert [n for n, *_ in buf._calls.seen] == ["cached_dispatch"]
     assert buf._native.calls[-1][0] == "dispatch_recv" and recv_x.shape[1] == H
     recv_x, recv_idx, _, counts, handle, _ = dispatched(buf)
-    assert [n for n, *_ in buf._calls.seen] == ["cached_dispatch", "dispatch"]
+    assert [n for n, *_ in buf._calls.seen] == ["cached_dispatch", "layout", "dispatch"]
     assert recv_x.shape == (5, H) and recv_idx.shape == (5, K) and len(handle) == 6
 
 
@@ -169,3 +173,14 @@ def test_a_cached_dispatch_with_the_receive_pool_takes_the_checked_path(buf, mon
     monkeypatch.setattr(buf, "_reserve_recv_x", lambda plan: False)
     buf.dispatch(torch.randn(N, H).to(torch.bfloat16), handle=handle)
     assert buf._calls.seen == []
+
+
+def test_an_eager_layout_is_one_native_call(buf):
+    idx = torch.randint(-1, E, (N, K))
+    buf._calls = FakeCalls((1, None, 2, 3, 4))
+    assert buf.get_dispatch_layout(idx, E) == (1, None, 2, 3, 4)
+    assert buf._calls.seen == [("layout", idx, E)]
+    buf._calls = FakeCalls(None)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    assert [n for n, *_ in buf._calls.seen] == ["layout"]
+    assert per_rank.shape == (R,) and in_rank.shape == (N, R)

@@ -14,7 +14,7 @@ use comm::StreamHandle;
 
 use crate::calls::{self, ArgError, ArgErrorKind, OutputSpec, TensorMeta};
 use crate::ep_buffer::EpBuffer;
-use crate::intranode::{CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape};
+use crate::intranode::{CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, LayoutCall};
 use crate::part::BufferPart;
 
 /// A tensor argument: its meta and data address.
@@ -212,6 +212,52 @@ fn no_intranode_part() -> CommError {
 }
 
 impl EpBuffer {
+    /// `get_dispatch_layout(topk_idx, num_experts)` eager and whole
+    /// ([`Eager`]; the SMs are the kernel's own):
+    /// `(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)`. The
+    /// kernel's scratch is made with them (a view of their allocation where
+    /// the front end groups outputs) and dropped.
+    pub fn layout_eager<O: Outputs>(
+        &mut self,
+        s: &Eager<'_>,
+        topk_idx: &TensorArg,
+        num_experts: i64,
+        out: &mut O,
+    ) -> CallResult<(O::Tensor, O::Tensor, O::Tensor)> {
+        let p = calls::layout(s.num_ranks, s.device, &topk_idx.0, num_experts)
+            .map_err(CallError::Arg)?;
+        within_one_node(self)?;
+        let names = [
+            "num_tokens_per_rank",
+            "num_tokens_per_expert",
+            "is_token_in_rank",
+            "layout_scratch",
+        ];
+        let specs: Option<Vec<&OutputSpec>> =
+            names.iter().map(|n| calls::output(&p.outputs, n)).collect();
+        let specs = specs.ok_or(CallError::NoOutputs)?;
+        let made = out.empty(&specs).ok_or(CallError::NoOutputs)?;
+        let Ok([per_rank, per_expert, in_rank, scratch]) = <[_; 4]>::try_from(made) else {
+            return Err(CallError::NoOutputs);
+        };
+        let call = LayoutCall {
+            topk_idx: topk_idx.1,
+            num_tokens: p.num_tokens as usize,
+            num_topk: p.num_topk as usize,
+            num_experts: p.num_experts as usize,
+            num_tokens_per_rank: per_rank.1,
+            num_tokens_per_expert: per_expert.1,
+            is_token_in_rank: in_rank.1,
+            partials: scratch.1,
+        };
+        let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
+        s.order.after(s.comm, s.compute)?;
+        part.layout(s.comm, &call)?;
+        s.order.after(s.compute, s.comm)?;
+        part.check_device()?;
+        Ok((per_rank.0, per_expert.0, in_rank.0))
+    }
+
     /// `dispatch(x, handle=handle)` (a cached dispatch) eager and whole
     /// ([`Eager`]): `recv_x`, and `recv_x_scales` for fp8. It sends no
     /// routing: the handle's `rank_prefix_matrix` and `send_head` say where

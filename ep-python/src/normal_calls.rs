@@ -72,6 +72,36 @@ impl NormalCalls {
         }
     }
 
+    /// `Buffer.get_dispatch_layout(topk_idx, num_experts)` eager within one
+    /// node, whole: `(num_tokens_per_rank, None, num_tokens_per_expert,
+    /// is_token_in_rank, EventOverlap(None))`, or None where it declines.
+    fn layout<'py>(
+        &self,
+        py: Python<'py>,
+        topk_idx: &Bound<'py, PyAny>,
+        num_experts: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let Some(e) = int(num_experts) else {
+            return Ok(None);
+        };
+        if !torch_alloc::torch_alloc_ready() {
+            return Ok(None);
+        }
+        let Some([Some(idx)]) = read_n(py, &[topk_idx])? else {
+            return Ok(None);
+        };
+        let run = |core: &mut Core, eager: &Eager<'_>, out: &mut EngineOutputs<'py>| {
+            core.layout_eager(eager, &idx, e, out)
+        };
+        // The layout kernel's grid is its own: no SMs to pick.
+        let Some((per_rank, per_expert, in_rank)) = self.run(py, 0, run)? else {
+            return Ok(None);
+        };
+        let event = self.event.bind(py).call1((py.None(),))?;
+        let none = py.None().into_bound(py);
+        PyTuple::new(py, [per_rank, none, per_expert, in_rank, event]).map(Some)
+    }
+
     /// `Buffer.combine(x, handle, topk_weights, bias)` eager (no event, no
     /// `async_finish`, outputs on the current stream) within one node, with
     /// `num_sms` SMs, whole: `(combined_x, combined_topk_weights,

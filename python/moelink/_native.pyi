@@ -29,6 +29,7 @@ class TorchOutputs:
     def empty(self, device: int) -> tuple[Any, ...] | None: ...
 
 class NormalCalls:
+    def layout(self, topk_idx: Any, num_experts: Any) -> tuple[Any, ...] | None: ...
     def __init__(
         self,
         ep: Any,

@@ -586,7 +586,6 @@ class Buffer(LowLatencyMixin):
 
     # ----- layout ----------------------------------------------------------------
 
-    @plain_torch
     def get_dispatch_layout(
         self,
         topk_idx: torch.Tensor,
@@ -600,6 +599,23 @@ class Buffer(LowLatencyMixin):
         Returns ``(num_tokens_per_rank [R] int32, None, num_tokens_per_expert [E] int32,
         is_token_in_rank [N, R] bool, event)``.
         """
+        calls = self._eager(previous_event, async_finish, allocate_on_comm_stream)
+        if calls is not None and not _buffer_common._CHECK_IDS:
+            # The eager call whole in one native call (ep-core's engine); None
+            # where it declines, having done nothing.
+            done = calls.layout(topk_idx, num_experts)
+            if done is not None:
+                return done
+        return self._layout_checked(
+            topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream
+        )
+
+    @plain_torch
+    def _layout_checked(
+        self, topk_idx, num_experts, previous_event, async_finish, allocate_on_comm_stream
+    ):
+        """``get_dispatch_layout`` on the checked path (plan cache, ``OutputSet``,
+        the native launch), for every call the one native call does not take."""
         native = self._buffer()
         R = self.group_size
         key = ("layout", _sig(topk_idx), num_experts, type(num_experts))

@@ -704,10 +704,21 @@ def y_for(chk: Checker, label: str, y_cpu: torch.Tensor, recv_x, device) -> torc
 
 def scenario_layout(ctx: Ctx) -> None:
     """get_dispatch_layout against reference.layout: -1 entries, all -1 rows,
-    repeated ids, empty ranks, every (E, K) combination."""
+    repeated ids, empty ranks, every (E, K) combination; each call eager, in one
+    native call (every one must run whole), then through the checked path."""
+    combos = list(itertools.product((8 * ctx.num_ranks, 32 * ctx.num_ranks), TOPKS))
+    for checked in (False, True):
+        with native_calls(ctx, checked) as counted:
+            _layout_cases(ctx, combos)
+        if not checked and counted.ran.get("layout", 0) != len(combos):
+            raise AssertionError(
+                f"rank {ctx.rank}: {counted.ran} of {len(combos)} eager layouts ran whole"
+            )
+
+
+def _layout_cases(ctx: Ctx, combos) -> None:
     chk = Checker()
     R = ctx.num_ranks
-    combos = list(itertools.product((8 * R, 32 * R), TOPKS))
     for i, (num_experts, k) in enumerate(combos):
         tag = f"layout/{i}"
         counts = token_counts(ctx, tag, zero_rank=(i % 3 == 0))
