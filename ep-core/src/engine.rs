@@ -28,6 +28,11 @@ pub enum CallError {
     /// The front end made no outputs (its allocator refused; nothing was
     /// launched).
     NoOutputs,
+    /// The call could not finish after its first launch: a full dispatch
+    /// whose received outputs could not be made once its counts arrived (out
+    /// of memory). Its send was launched, so the front end must raise (a
+    /// second attempt would send again), and the ranks are out of step.
+    AfterLaunch(String),
     /// A CUDA or communication error, or what a kernel recorded (raised after
     /// the launches and the stream ordering, so the ranks stay in step).
     Comm(CommError),
@@ -432,7 +437,19 @@ impl EpBuffer {
                 let rows = rows as i64;
                 let specs = received(&p.outputs, rows);
                 let refs: Vec<&OutputSpec> = specs.iter().collect();
-                let m = out.empty(&refs).ok_or(CallError::NoOutputs)?;
+                let Some(m) = out.empty(&refs) else {
+                    let bytes: i64 = specs
+                        .iter()
+                        .map(|o| {
+                            o.shape.iter().product::<i64>() * o.dtype.element_size().unwrap_or(0)
+                        })
+                        .sum();
+                    return Err(CallError::AfterLaunch(format!(
+                        "rank {}: dispatch could not make its received outputs ({rows} rows, \
+                         {bytes} bytes) after its send was launched (out of GPU memory?)",
+                        part.base().rank()
+                    )));
+                };
                 (specs, m, rows)
             }
         };
@@ -456,7 +473,9 @@ impl EpBuffer {
             take("channel_prefix_matrix"),
             take("recv_channel_prefix_matrix"),
         ) else {
-            return Err(CallError::NoOutputs);
+            return Err(CallError::AfterLaunch(
+                "dispatch's plan lacks a received output".into(),
+            ));
         };
         let (scales, idx, weights) = (
             take("recv_x_scales"),

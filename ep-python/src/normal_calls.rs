@@ -17,6 +17,7 @@ use ep_core::engine::{
     HandleTensors,
 };
 use ep_core::EpBuffer as Core;
+use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyInt, PyList, PyTuple};
 
@@ -368,7 +369,9 @@ impl NormalCalls {
         num_sms: u32,
         call: impl FnOnce(&mut Core, &Eager<'_>, &mut EngineOutputs<'py>) -> CallResult<T>,
     ) -> PyResult<Option<T>> {
-        let mut ep = self.ep.borrow_mut(py);
+        // Refused (RuntimeError) while another thread's call holds it (a
+        // full dispatch waits for its counts without the GIL).
+        let mut ep = self.ep.try_borrow_mut(py)?;
         let core = ep.core_mut();
         if core.intranode().is_none() || core.internode().is_some() {
             return Ok(None);
@@ -390,6 +393,7 @@ impl NormalCalls {
         match call(core, &eager, &mut outputs) {
             Ok(r) => Ok(Some(r)),
             Err(CallError::Arg(_) | CallError::NoOutputs) => Ok(None),
+            Err(CallError::AfterLaunch(m)) => Err(PyRuntimeError::new_err(m)),
             Err(CallError::Comm(e)) => Err(to_py(e)),
         }
     }
