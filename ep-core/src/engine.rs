@@ -14,7 +14,9 @@ use comm::StreamHandle;
 
 use crate::calls::{self, ArgError, ArgErrorKind, OutputSpec, TensorMeta};
 use crate::ep_buffer::EpBuffer;
-use crate::intranode::{CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, LayoutCall};
+use crate::intranode::{
+    CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, IntranodeBuffer, LayoutCall,
+};
 use crate::part::BufferPart;
 
 /// A tensor argument: its meta and data address.
@@ -217,6 +219,24 @@ fn no_intranode_part() -> CommError {
 }
 
 impl EpBuffer {
+    /// The launches of an eager call whose outputs are all made: `launch` on
+    /// the communication stream, ordered after the caller's stream and the
+    /// caller's after it, then what a kernel recorded (raised after that
+    /// ordering, so the ranks stay in step). A full dispatch, which waits for
+    /// its counts between its launches, spells the same steps out.
+    fn on_comm(
+        &mut self,
+        s: &Eager<'_>,
+        launch: impl FnOnce(&mut IntranodeBuffer) -> comm::Result<()>,
+    ) -> CallResult<()> {
+        let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
+        s.order.after(s.comm, s.compute)?;
+        launch(part)?;
+        s.order.after(s.compute, s.comm)?;
+        part.check_device()?;
+        Ok(())
+    }
+
     /// `get_dispatch_layout(topk_idx, num_experts)` eager and whole
     /// ([`Eager`]; the SMs are the kernel's own):
     /// `(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)`. The
@@ -255,11 +275,7 @@ impl EpBuffer {
             is_token_in_rank: in_rank.1,
             partials: scratch.1,
         };
-        let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
-        s.order.after(s.comm, s.compute)?;
-        part.layout(s.comm, &call)?;
-        s.order.after(s.compute, s.comm)?;
-        part.check_device()?;
+        self.on_comm(s, |part| part.layout(s.comm, &call))?;
         Ok((per_rank.0, per_expert.0, in_rank.0))
     }
 
@@ -337,12 +353,10 @@ impl EpBuffer {
             recv_topk_weights: 0,
             recv_src_idx: 0,
         };
-        let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
-        s.order.after(s.comm, s.compute)?;
-        part.cached_dispatch_send(s.comm, &shape, &inp, s.num_sms)?;
-        part.dispatch_recv(s.comm, &shape, rpm, &outputs, s.num_sms)?;
-        s.order.after(s.compute, s.comm)?;
-        part.check_device()?;
+        self.on_comm(s, |part| {
+            part.cached_dispatch_send(s.comm, &shape, &inp, s.num_sms)?;
+            part.dispatch_recv(s.comm, &shape, rpm, &outputs, s.num_sms)
+        })?;
         Ok((recv_x, scales))
     }
 
@@ -430,7 +444,7 @@ impl EpBuffer {
                 // notify has ended (its counts are in): no kernel of this
                 // dispatch that waits on other work runs while the received
                 // outputs are made (the send half may run; it waits on nothing).
-                let part: &crate::intranode::IntranodeBuffer = part;
+                let part: &IntranodeBuffer = part;
                 let num_experts = p.num_experts as usize;
                 let (rows, counts) = out.waiting(|| part.wait_counts(epoch, num_experts))?;
                 per_expert = counts;
@@ -558,16 +572,7 @@ impl EpBuffer {
             out: out_ptr,
             out_weights: weights_ptr,
         };
-        let part = self
-            .intranode_mut()
-            .ok_or_else(|| CommError::InvalidArgument {
-                name: "self",
-                reason: "the Buffer has no intranode part (it was destroyed?)".into(),
-            })?;
-        s.order.after(s.comm, s.compute)?;
-        part.combine(s.comm, &a, s.num_sms)?;
-        s.order.after(s.compute, s.comm)?;
-        part.check_device()?;
+        self.on_comm(s, |part| part.combine(s.comm, &a, s.num_sms))?;
         Ok((combined, weights))
     }
 }

@@ -13,16 +13,16 @@
 //! output: Python then runs the checked path, which raises the refusal that
 //! names the argument, or torch's own error.
 
-use ep_core::calls::{self, OutputSpec};
+use ep_core::calls;
 use ep_core::ll_hooks::{Hook, HookBook, HookError};
 use ep_core::low_latency::{CombineCall, LlCall, Phases};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyInt, PyTuple};
+use pyo3::types::{PyBool, PyTuple};
 use pyo3::{PyTraverseError, PyVisit};
 
 use crate::ep_buffer::{ll_dispatch_call, EpBuffer};
-use crate::tensors::{read_all, Read};
+use crate::tensors::{int, read_n, Read};
 use crate::torch_alloc::{self, Spec};
 
 #[pyclass(module = "moelink._native")]
@@ -61,20 +61,8 @@ pub struct LlHook {
     keep: Option<Py<PyAny>>,
 }
 
-fn int(obj: &Bound<'_, PyAny>) -> Option<i64> {
-    if obj.is_exact_instance_of::<PyInt>() {
-        obj.extract().ok()
-    } else {
-        None
-    }
-}
-
 fn flag(obj: &Bound<'_, PyAny>) -> Option<bool> {
     obj.cast::<PyBool>().ok().map(|b| b.is_true())
-}
-
-fn spec<'a>(outputs: &'a [OutputSpec], name: &str) -> Option<&'a OutputSpec> {
-    outputs.iter().find(|o| o.name == name)
 }
 
 impl LlCalls {
@@ -294,9 +282,7 @@ impl LlCalls {
             cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats,
         ];
-        let Some([Some((xm, x_ptr)), Some((im, idx_ptr)), count, wait]) =
-            read_all(py, &objs)?.and_then(|r| <[Option<Read>; 4]>::try_from(r).ok())
-        else {
+        let Some([Some((xm, x_ptr)), Some((im, idx_ptr)), count, wait]) = read_n(py, &objs)? else {
             return Ok(None);
         };
         let meta = |m: &Option<Read>| m.as_ref().map(|(m, _)| m.clone());
@@ -321,14 +307,14 @@ impl LlCalls {
         }
         let o = &plan.outputs;
         let (Some(rx), Some(rc), Some(si), Some(lr)) = (
-            spec(o, "recv_x"),
-            spec(o, "recv_count"),
-            spec(o, "src_info"),
-            spec(o, "layout_range"),
+            calls::output(o, "recv_x"),
+            calls::output(o, "recv_count"),
+            calls::output(o, "src_info"),
+            calls::output(o, "layout_range"),
         ) else {
             return Ok(None);
         };
-        let scales = spec(o, "recv_x_scales");
+        let scales = calls::output(o, "recv_x_scales");
         let mut specs = vec![Spec::of(rx)?, Spec::of(rc)?, Spec::of(si)?, Spec::of(lr)?];
         if let Some(s) = scales {
             specs.push(Spec::of(s)?);
@@ -451,7 +437,7 @@ impl LlCalls {
         ];
         let Some(
             [xr, Some((im, idx_ptr)), Some((wm, w_ptr)), Some((sm, _)), Some((lm, lr_ptr)), out_r, stats],
-        ) = read_all(py, &objs)?.and_then(|r| <[Option<Read>; 7]>::try_from(r).ok())
+        ) = read_n(py, &objs)?
         else {
             return Ok(None);
         };
@@ -493,7 +479,7 @@ impl LlCalls {
         let (out_obj, out_ptr) = match &out_r {
             Some((_, p)) => (out.clone(), *p),
             None => {
-                let Some(s) = spec(&plan.outputs, "combined_x") else {
+                let Some(s) = calls::output(&plan.outputs, "combined_x") else {
                     return Ok(None);
                 };
                 let Some(mut made) = torch_alloc::empty(py, &[&Spec::of(s)?], 1, me.device)? else {

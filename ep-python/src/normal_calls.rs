@@ -19,11 +19,11 @@ use ep_core::engine::{
 use ep_core::EpBuffer as Core;
 use pyo3::exceptions::PyRuntimeError;
 use pyo3::prelude::*;
-use pyo3::types::{PyInt, PyList, PyTuple};
+use pyo3::types::{PyList, PyTuple};
 
 use crate::ep_buffer::EpBuffer;
 use crate::streams::StreamOrder;
-use crate::tensors::{read_all, Read};
+use crate::tensors::{int, read_n};
 use crate::to_py;
 use crate::torch_alloc::{self, EngineOutputs};
 
@@ -40,14 +40,6 @@ pub struct NormalCalls {
     stream_of: Py<PyAny>,
     /// `moelink.EventOverlap`: an eager call returns `EventOverlap(None)`.
     event: Py<PyAny>,
-}
-
-/// `objs` read, or None where the reads decline or their count differs.
-fn read_n<const N: usize>(
-    py: Python<'_>,
-    objs: &[&Bound<'_, PyAny>; N],
-) -> PyResult<Option<[Option<Read>; N]>> {
-    Ok(read_all(py, objs)?.and_then(|r| <[Option<Read>; N]>::try_from(r).ok()))
 }
 
 #[pymethods]
@@ -434,13 +426,4 @@ fn x_of<'py>(
         return Ok(None);
     }
     Ok(Some((pair.get_item(0)?, pair.get_item(1)?, true)))
-}
-
-/// An exact Python int (not a bool) as i64.
-fn int(obj: &Bound<'_, PyAny>) -> Option<i64> {
-    if obj.is_exact_instance_of::<PyInt>() {
-        obj.extract().ok()
-    } else {
-        None
-    }
 }

@@ -21,7 +21,7 @@ use ep_core::calls::{DType, TensorMeta, CPU};
 use crate::torch_alloc;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::PyType;
+use pyo3::types::{PyInt, PyType};
 
 struct Torch {
     tensor: Py<PyType>,
@@ -127,6 +127,24 @@ pub(crate) fn read_all(
             .map(|o| if o.is_none() { None } else { read.next() })
             .collect(),
     ))
+}
+
+/// [`read_all`] of a fixed number of objects, as an array.
+pub(crate) fn read_n<const N: usize>(
+    py: Python<'_>,
+    objs: &[&Bound<'_, PyAny>; N],
+) -> PyResult<Option<[Option<Read>; N]>> {
+    Ok(read_all(py, objs)?.and_then(|r| <[Option<Read>; N]>::try_from(r).ok()))
+}
+
+/// An exact Python int (not a bool) as i64; None for anything else (the
+/// checked path then names the argument in its refusal).
+pub(crate) fn int(obj: &Bound<'_, PyAny>) -> Option<i64> {
+    if obj.is_exact_instance_of::<PyInt>() {
+        obj.extract().ok()
+    } else {
+        None
+    }
 }
 
 /// `obj`'s meta and data address where it is a plain `torch.Tensor` of a
