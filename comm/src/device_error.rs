@@ -182,12 +182,12 @@ mod tests {
 
     #[test]
     fn every_wait_kind_has_a_description_and_a_poisoned_partial_names_its_forwarder() {
-        for v in 1..=15 {
+        for v in 1..=16 {
             let k = WaitKind::from_u32(v).unwrap_or_else(|| panic!("kind {v}"));
             assert_eq!(k as u32, v);
             assert!(!k.describe().is_empty());
         }
-        assert_eq!(WaitKind::from_u32(16), None);
+        assert_eq!(WaitKind::from_u32(17), None);
         let flag = (0x4d4c4e4b_u64 << 32) | 9;
         let r = record_with((
             ERROR_TIMEOUT,

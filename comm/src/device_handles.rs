@@ -45,6 +45,7 @@ pub enum WaitKind {
     InternodeLocal = 13,
     InternodeForward = 14,
     InternodePoisoned = 15,
+    IntranodeGate = 16,
 }
 
 impl WaitKind {
@@ -65,6 +66,7 @@ impl WaitKind {
             13 => Self::InternodeLocal,
             14 => Self::InternodeForward,
             15 => Self::InternodePoisoned,
+            16 => Self::IntranodeGate,
             _ => return None,
         })
     }
@@ -115,6 +117,11 @@ impl WaitKind {
                  waiting for a rank of its node and sent NaN; its own error names that rank) \
                  (source node << 32 | slot in `id`; expected: the call's flag, observed: the \
                  partial's flag)"
+            }
+            Self::IntranodeGate => {
+                "this rank's own barrier block of a fused intranode kernel (block 0, which \
+                 signals and waits for every peer before the other senders write; expected: \
+                 1, observed: the gate)"
             }
         }
     }

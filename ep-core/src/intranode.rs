@@ -73,7 +73,11 @@ pub(crate) const RECV_TICKET_OFFSET: u64 = 40;
 /// of intranode.cuh counts u32 words from the ticket at 0).
 pub(crate) const SEND_WORK_OFFSET: u64 = 44;
 const _: () = assert!(SEND_WORK_OFFSET == 4 * 11);
-pub(crate) const SCRATCH_BYTES: usize = 48;
+/// The gate a fused kernel's block 0 opens for the other senders once it
+/// passed its barrier (u32, 0 between kernels; `kBarrierGateWord`).
+pub(crate) const BARRIER_GATE_OFFSET: u64 = 48;
+const _: () = assert!(BARRIER_GATE_OFFSET == 4 * k::BARRIER_GATE_WORD);
+pub(crate) const SCRATCH_BYTES: usize = 52;
 
 /// Experts per rank of `num_experts` split evenly over `num_ranks` ranks
 /// (at most [`MAX_EXPERTS_PER_RANK`]).
@@ -230,6 +234,7 @@ pub(crate) fn dispatch_state(scratch: u64, error: u64, prof: u64) -> FusedState 
         recv_ticket: scratch + RECV_TICKET_OFFSET,
         error,
         prof,
+        barrier: false,
     }
 }
 
@@ -336,6 +341,9 @@ struct PendingSend {
     /// Direct: the byte offset in this rank's receive pool where the senders
     /// wrote the rows (the published header's), or `None` (the packed arrays).
     rows_at: Option<u64>,
+    /// The launch of both halves passes the barrier the send half owes (a
+    /// cached dispatch on the fused kernel launches no barrier kernel).
+    barrier: bool,
 }
 
 impl PendingSend {
@@ -353,6 +361,7 @@ impl PendingSend {
             launched,
             packed,
             rows_at,
+            barrier: false,
         }
     }
 }
@@ -702,18 +711,34 @@ impl IntranodeBuffer {
         let ctx = self.ctx(cap, 0);
         // Direct: the barrier publishes where this rank's recv_x will lie.
         let mut rows_at = None;
+        // The fused kernel (both halves in one launch, in dispatch_recv)
+        // passes the barrier itself.
+        let fused = self.recv_policy == RecvPolicy::Kernels
+            && fused_grid(self.launch_sms(num_sms), |s| s.dispatch).is_some();
         if let Some((base, value)) = self.publish_header(shape.hidden_bytes) {
             // SAFETY: channels are live; `base` is this rank's pool, and a
             // header with rows names a range reserved for this call's recv_x.
             unsafe { k::publish_barrier(self.part.kernels(), stream, ctx, base, value) }?;
             rows_at = (value.rows >= 0).then_some(value.offset as u64);
-        } else {
+        } else if !fused {
             // SAFETY: channels are live.
             unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchBarrier) }?;
         }
         self.combine_dirty = false;
         let (shape, inp) = without_topk(shape, inp);
-        self.launch_send(stream, ctx, rec, &shape, &inp, 1, num_sms, false, rows_at)
+        self.launch_send(stream, ctx, rec, &shape, &inp, 1, num_sms, false, rows_at)?;
+        if fused && rows_at.is_none() {
+            match self.pending.as_mut() {
+                Some(p) if !p.launched && p.packed.is_none() => p.barrier = true,
+                _ => {
+                    return Err(CommError::invalid(
+                        "num_sms",
+                        "a cached dispatch on the fused kernel kept no send half",
+                    ))
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Launches the send half. Fused kernels: `early` (a normal dispatch: the
@@ -795,6 +820,7 @@ impl IntranodeBuffer {
             recv_ticket: 0,
             error: self.part.error_ptr(),
             prof: self.prof.ptr(),
+            barrier: false,
         }
     }
 
@@ -848,7 +874,10 @@ impl IntranodeBuffer {
                     "the receive half of a dispatch does not match its send half",
                 ));
             }
-            let state = self.dispatch_state();
+            let state = FusedState {
+                barrier: pending.barrier,
+                ..self.dispatch_state()
+            };
             if !pending.launched {
                 // SAFETY: the send half's arguments were checked when it was
                 // prepared; the caller checked the outputs.
@@ -1085,26 +1114,22 @@ impl IntranodeBuffer {
             self.combine_dirty = true;
             return Ok(());
         }
-        if self.combine_dirty {
-            // SAFETY: channels are live.
-            unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, CombineBarrier) }?;
-        }
         let send = a.send_args(num_sms);
         let recv = a.recv_args(num_sms);
         if let Some(grid) = fused_grid(num_sms, |s| s.combine) {
+            // After a combine, the senders pass a barrier first (no dispatch
+            // came between, whose notify or barrier would have been one).
+            let state = FusedState {
+                barrier: self.combine_dirty,
+                ..self.combine_state()
+            };
             // SAFETY: the caller checked every tensor.
-            unsafe {
-                k::combine_fused(
-                    self.part.kernels(),
-                    stream,
-                    ctx,
-                    send,
-                    recv,
-                    self.combine_state(),
-                    grid,
-                )
-            }?;
+            unsafe { k::combine_fused(self.part.kernels(), stream, ctx, send, recv, state, grid) }?;
         } else {
+            if self.combine_dirty {
+                // SAFETY: channels are live.
+                unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, CombineBarrier) }?;
+            }
             // SAFETY: the caller checked every tensor.
             unsafe { k::combine_send(self.part.kernels(), stream, ctx, send) }?;
             // SAFETY: as above.

@@ -27,11 +27,14 @@
 // once, on disjoint blocks, so the local pass runs while the bytes are still
 // crossing NVLink instead of after them:
 //
-//   dispatch:  notify | barrier -> dispatch
-//   combine:   [barrier] -> combine
+//   dispatch:  notify -> dispatch
+//   cached:    dispatch (its senders pass a barrier first)
+//   combine:   combine (after a combine, its senders pass a barrier first)
 //
-// It needs a sender and a receiver block at once, so a call on one SM runs the
-// separate kernels above.
+// The barrier of a fused kernel (sender_barrier in intranode.cuh) is the
+// barrier kernel's, run by its block 0 while the receiver blocks start: one
+// launch per call. It needs a sender and a receiver block at once, so a call
+// on one SM runs the separate kernels above.
 //
 // Every record ends in an 8-byte flag: the sender stores (kFlagMagic << 32 |
 // call number) into it after the record's bytes (one fence.acq_rel.sys per
@@ -144,7 +147,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify(const __grid_constant__
   }
 }
 
-// barrier (before a cached dispatch or a combine): one signal and one wait
+// barrier (before a cached dispatch or a combine on the separate kernels, and
+// before the packed one): one signal and one wait
 // per peer, so no rank writes into a region a peer may still be reading.
 __global__ void barrier(Ctx c) { signal_and_wait_all(c); }
 
@@ -363,6 +367,7 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
   stamp(a.prof, kind, 0);
   unsigned int* work = c.ticket + kSendWorkWord;
   if (int(blockIdx.x) < nsend) {
+    if (a.barrier) sender_barrier(c, a.error);
     const CombineSendParams& s = a.send;
     const InterleavedRows rows(s.rank_prefix_matrix, c.rank, R, c.rank, lane);
     // Units taken one at a time per warp (kSendWorkWord), in the interleaved order.
@@ -402,7 +407,8 @@ __global__ void __launch_bounds__(kThreads) combine(const __grid_constant__ Comb
     }
     stamp(a.prof, kind, 2);
   }
-  fused_done(c.ticket, a.calls, nullptr, nsend > 0 ? work : nullptr);
+  fused_done(c.ticket, a.calls, nullptr, nsend > 0 ? work : nullptr,
+             a.barrier ? c.ticket + kBarrierGateWord : nullptr);
   stamp(a.prof, kind, 3);
 }
 

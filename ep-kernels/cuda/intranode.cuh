@@ -230,6 +230,8 @@ static_assert(offsetof(CombineRecvParams, num_tokens) == 128, "mirrored in Rust"
 // which may run at the same time as the send-only one). `error`: the Buffer's
 // device error record (a record wait that ran out).
 // `prof`: MOELINK_INTRANODE_PROFILE phase stamps (see stamp below) or null.
+// `barrier` 1: the senders first pass a barrier with every peer
+// (sender_barrier below), so no barrier kernel is launched before.
 struct DispatchFusedParams {
   DispatchSendParams send;
   DispatchRecvParams recv;
@@ -239,7 +241,7 @@ struct DispatchFusedParams {
   comm::DeviceError* error;
   uint64_t* prof;
   int num_send_blocks;
-  int pad;
+  int barrier;
 };
 static_assert(sizeof(DispatchFusedParams) == 408, "mirrored in Rust");
 static_assert(offsetof(DispatchFusedParams, recv) == 176, "mirrored in Rust");
@@ -252,7 +254,7 @@ struct CombineFusedParams {
   comm::DeviceError* error;
   uint64_t* prof;
   int num_send_blocks;
-  int pad;
+  int barrier;  // as DispatchFusedParams::barrier (0 for combine_direct)
 };
 static_assert(sizeof(CombineFusedParams) == 304, "mirrored in Rust");
 static_assert(offsetof(CombineFusedParams, recv) == 128, "mirrored in Rust");
@@ -291,6 +293,11 @@ static_assert(offsetof(CombineDirectParams, header_offset) == 312, "mirrored in 
 // before the last one, 15 % of the send half). Scratch byte 44
 // (ep-core's SEND_WORK_OFFSET); 0 between kernels.
 constexpr int kSendWorkWord = 11;
+
+// The word of Ctx::ticket that opens the fused kernels' sends after their
+// barrier (sender_barrier): 1 once block 0 passed it, 0 between kernels.
+// Scratch byte 48 (ep-core's BARRIER_GATE_OFFSET).
+constexpr int kBarrierGateWord = 12;
 
 // The next unit of the calling warp (every lane gets it).
 __device__ __forceinline__ int64_t next_unit(unsigned int* work, int lane) {
@@ -339,6 +346,43 @@ __device__ __forceinline__ void signal_and_wait_all(const Ctx& c) {
     c.channels[p].signal();
     wait_peer(c, p);
   }
+}
+
+// The barrier of a fused kernel whose senders must not write into a peer's
+// region before that peer's earlier calls ended (a cached dispatch, a combine
+// after a combine), in place of a barrier kernel launched before it: block 0
+// (a sender) signals and waits for every peer as the barrier kernel does, then
+// opens the gate word; the other sender blocks wait for the gate. Block 0 is
+// the first block the GPU places, so no block waits for one that cannot run.
+// A gate still shut after twice the wait bound (block 0 was never placed)
+// records the error and marks every peer late, so the call's rows are
+// poisoned and the host raises. The last block shuts the gate (fused_done).
+__device__ __forceinline__ void sender_barrier(const Ctx& c, comm::DeviceError* error) {
+  unsigned int* gate = c.ticket + kBarrierGateWord;
+  if (blockIdx.x == 0) {
+    signal_and_wait_all(c);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      asm volatile("st.release.gpu.global.u32 [%0], %1;" ::"l"(gate), "r"(1u) : "memory");
+    }
+    return;
+  }
+  if (threadIdx.x == 0) {
+    comm::WaitClock clock(2 * c.timeout_ns);
+    unsigned int open = 0;
+    for (;;) {
+      asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(open) : "l"(gate) : "memory");
+      if (open != 0) break;
+      if (clock.expired()) {
+        atomicOr(c.ticket + 1, ((1u << c.num_ranks) - 1u) & ~(1u << c.rank));
+        comm::report_error(error, comm::kErrorTimeout, comm::kWaitIntranodeGate, c.rank, -1,
+                           0, 1, open);
+        break;
+      }
+    }
+  }
+  __syncthreads();
 }
 
 // `bits` (the low `n` bits used) rotated right by `k` (0 <= k < n): bit (j + k) % n
@@ -929,16 +973,19 @@ __device__ __forceinline__ void stamp(uint64_t* prof, int kind, int slot) {
     prof[(int64_t(kind) * kProfBlocks + blockIdx.x) * kProfSlots + slot] = comm::now_ns();
 }
 
-// `work` (the senders' unit counter, or null): reset to 0 by the last block,
-// after every sender has taken its last unit.
+// `work` (the senders' unit counter, or null) and `gate` (sender_barrier's
+// gate, or null): reset to 0 by the last block, after every sender has taken
+// its last unit and passed the gate.
 __device__ __forceinline__ void fused_done(unsigned int* ticket, unsigned long long* calls,
                                            unsigned long long* more_calls,
-                                           unsigned int* work = nullptr) {
+                                           unsigned int* work = nullptr,
+                                           unsigned int* gate = nullptr) {
   __syncthreads();
   if (threadIdx.x == 0 && comm::last_block_ticket(ticket)) {
     if (calls != nullptr) *calls += 1;
     if (more_calls != nullptr) *more_calls += 1;
     if (work != nullptr) *work = 0;
+    if (gate != nullptr) *gate = 0;
   }
 }
 
@@ -962,6 +1009,7 @@ __device__ __forceinline__ void run_dispatch(const DispatchFusedParams& a) {
   stamp(a.prof, kind, 0);
   unsigned int* work = c.ticket + kSendWorkWord;
   if (int(blockIdx.x) < nsend) {
+    if (a.barrier) sender_barrier(c, a.error);
     const uint64_t flag = call_flag(a.send_calls);
     // Tokens taken one at a time per warp (kSendWorkWord), one release each.
     // (Units of 2 and 4 tokens sharing one release were measured slower on
@@ -1004,7 +1052,8 @@ __device__ __forceinline__ void run_dispatch(const DispatchFusedParams& a) {
   }
   const bool sends = nsend > 0, receives = nsend < int(gridDim.x);
   fused_done(sends ? c.ticket : a.recv_ticket, sends ? a.send_calls : nullptr,
-             receives ? a.recv_calls : nullptr, sends ? work : nullptr);
+             receives ? a.recv_calls : nullptr, sends ? work : nullptr,
+             a.barrier ? c.ticket + kBarrierGateWord : nullptr);
   stamp(a.prof, kind, 3);
 }
 

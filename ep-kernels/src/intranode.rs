@@ -163,7 +163,7 @@ pub(crate) struct DispatchFusedParams {
     error: u64,
     prof: u64,
     num_send_blocks: i32,
-    pad: i32,
+    barrier: i32,
 }
 
 /// `moelink::intranode::CombineFusedParams`.
@@ -235,7 +235,7 @@ struct CombineFusedParams {
     error: u64,
     prof: u64,
     num_send_blocks: i32,
-    pad: i32,
+    barrier: i32,
 }
 
 /// `moelink::intranode::CombineDirectParams`.
@@ -942,7 +942,17 @@ pub struct FusedState {
     /// u64 phase stamps `[PROF_KINDS][PROF_BLOCKS][PROF_SLOTS]`
     /// (`MOELINK_INTRANODE_PROFILE=1`), or 0: none.
     pub prof: u64,
+    /// This launch's senders first pass a barrier with every peer (its block
+    /// 0 signals and waits for each, as the barrier kernel does; the gate at
+    /// [`BARRIER_GATE_WORD`] of the context's ticket opens the other senders),
+    /// so no barrier kernel is launched before it. A launch with a send half
+    /// only (not a direct combine's).
+    pub barrier: bool,
 }
+
+/// The u32 word of [`IntranodeCtx`]'s ticket that opens a fused launch's
+/// senders after its barrier (`kBarrierGateWord`); 0 between kernels.
+pub const BARRIER_GATE_WORD: u64 = 12;
 
 /// Phase stamps of the fused kernels (intranode.cuh, `stamp`): kinds (0 / 1 a
 /// dispatch sender / receiver block, 2 / 3 a combine sender / receiver block),
@@ -1002,6 +1012,12 @@ pub(crate) fn dispatch_fused_params(
         FusedHalves::Send => (grid.send_blocks, grid.send_blocks),
         FusedHalves::Recv => (grid.blocks - grid.send_blocks, 0),
     };
+    if state.barrier && num_send_blocks == 0 {
+        return Err(CommError::invalid(
+            "fused state",
+            "a receive-only launch has no senders to pass a barrier",
+        ));
+    }
     let missing = |what: &str| {
         CommError::invalid(
             "fused halves",
@@ -1029,7 +1045,7 @@ pub(crate) fn dispatch_fused_params(
         error: state.error,
         prof: state.prof,
         num_send_blocks: num_send_blocks as i32,
-        pad: 0,
+        barrier: i32::from(state.barrier),
     };
     Ok((blocks, p))
 }
@@ -1146,7 +1162,7 @@ fn combine_fused_params(
         error: state.error,
         prof: state.prof,
         num_send_blocks: grid.send_blocks as i32,
-        pad: 0,
+        barrier: i32::from(state.barrier),
     })
 }
 
@@ -1154,6 +1170,12 @@ fn combine_fused_params(
 /// and a grid whose sending blocks are all of it (`send_only`) or leave
 /// receivers (0 sending: a launch of receivers only).
 fn check_direct(state: &FusedState, grid: FusedGrid, pools: u64, send_only: bool) -> Result<()> {
+    if state.barrier {
+        return Err(CommError::invalid(
+            "fused state",
+            "a direct combine passes its barrier in publish_combine_barrier",
+        ));
+    }
     if state.send_calls == 0 || state.error == 0 || pools == 0 {
         return Err(CommError::invalid(
             "fused state",
@@ -1216,6 +1238,7 @@ mod tests {
             recv_ticket: 0,
             error: 16,
             prof: 0,
+            barrier: false,
         };
         let grid = |blocks, send_blocks| FusedGrid {
             blocks,
@@ -1241,6 +1264,58 @@ mod tests {
             ..state
         };
         assert!(check_direct(&no_counter, grid(8, 4), 64, false).is_err());
+        let barrier = FusedState {
+            barrier: true,
+            ..state
+        };
+        assert!(check_direct(&barrier, grid(8, 4), 64, false).is_err());
+    }
+
+    /// A fused dispatch launch passes a barrier only where it has senders,
+    /// and carries the request to the kernel.
+    #[test]
+    fn fused_dispatch_barrier_needs_senders() {
+        let state = FusedState {
+            send_calls: 8,
+            recv_calls: 16,
+            recv_ticket: 24,
+            error: 32,
+            prof: 0,
+            barrier: true,
+        };
+        let grid = FusedGrid {
+            blocks: 8,
+            send_blocks: 4,
+        };
+        let ctx = IntranodeCtx {
+            channels: 64,
+            local: 128,
+            ticket: 256,
+            epoch: 512,
+            dispatch_offset: 0,
+            combine_offset: 0,
+            dispatch_slots: 4,
+            combine_slots: 4,
+            timeout_ns: 1,
+            rank: 0,
+            num_ranks: 2,
+        };
+        let rec = RecordLayout::dispatch(256, 0, 0).unwrap();
+        let send = Some(SendArgs::none(rec));
+        let recv = Some(RecvArgs::none(rec));
+        let (_, p) =
+            dispatch_fused_params(ctx, FusedHalves::Both, send, recv, state, grid).unwrap();
+        assert_eq!(p.barrier, 1);
+        let e = dispatch_fused_params(ctx, FusedHalves::Recv, None, recv, state, grid)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("barrier"), "{e}");
+        let open = FusedState {
+            barrier: false,
+            ..state
+        };
+        let (_, p) = dispatch_fused_params(ctx, FusedHalves::Recv, None, recv, open, grid).unwrap();
+        assert_eq!(p.barrier, 0);
     }
 
     #[test]

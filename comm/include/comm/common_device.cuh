@@ -32,6 +32,7 @@ enum : uint32_t {
   kWaitInternodeLocal = 13,     // internode: this rank's own warps to fill a chunk (node, chunk in id)
   kWaitInternodeForward = 14,   // internode combine: a same-node rank's row for the forwarder (token in id)
   kWaitInternodePoisoned = 15,  // internode combine: a partial its forwarder poisoned (node, slot in id)
+  kWaitIntranodeGate = 16,      // fused intranode kernel: its block 0 to pass the barrier with the peers
 };
 
 // Bound of a wait whose caller passes none: 30 s of GPU time (shorter than the
