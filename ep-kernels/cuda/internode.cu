@@ -341,39 +341,27 @@ __global__ void __launch_bounds__(intranode::kNotifyThreads) notify(const __grid
   const Ctx& c = x.c;
   const int num_tokens = a.num_tokens, epr = a.experts_per_rank, K = a.num_topk;
   __shared__ int warp_sums[32];
+  __shared__ int scan_sums[kNotifyThreads / 32][kSlotRanks];
   __shared__ int sent[kMaxRanks];
   __shared__ int sent_node[kMaxNodes];
   __shared__ int sent_own;  // tokens to this rank's own node (recv_rdma_rank_prefix_sum)
   __shared__ uint64_t parity_s;
+  __shared__ unsigned long long first_bad;
   const int R = c.num_ranks, rank = c.rank, N = x.num_nodes, L = x.ranks_per_node;
   const int my_node = rank / L, my_local = rank % L;
   const int row_len = R + N + epr;
-  if (threadIdx.x == 0) parity_s = *c.epoch & 1;
+  if (threadIdx.x == 0) {
+    parity_s = *c.epoch & 1;
+    first_bad = ~0ull;
+  }
+  __syncthreads();
   const int per_thread = (num_tokens + kNotifyThreads - 1) / kNotifyThreads;
   const int t0 = min(num_tokens, int(threadIdx.x) * per_thread);
   const int t1 = min(num_tokens, t0 + per_thread);
-  if (a.topk_idx != nullptr) {
-    const int64_t num_experts = int64_t(epr) * R;
-    for (int64_t i = int64_t(t0) * K; i < int64_t(t1) * K; ++i) {
-      const int64_t e = a.topk_idx[i];
-      if (e < -1 || e >= num_experts) {
-        comm::report_error(a.error, comm::kErrorInvalid, comm::kInvalidExpertId, rank, -1,
-                           (uint64_t(i / K) << 8) | uint64_t(i % K), uint64_t(num_experts),
-                           uint64_t(e));
-        break;
-      }
-    }
-  }
+  const int64_t num_experts = int64_t(epr) * R;
+  find_bad_expert_id(a.topk_idx, int64_t(num_tokens) * K, num_experts, &first_bad);
   const bool* in_rank = a.is_token_in_rank;
-  for (int d = 0; d < R; ++d) {
-    int count = 0;
-    for (int t = t0; t < t1; ++t) count += in_rank[int64_t(t) * R + d] ? 1 : 0;
-    int total;
-    int slot = block_exclusive_scan(count, warp_sums, total);
-    for (int t = t0; t < t1; ++t)
-      a.send_head[int64_t(t) * R + d] = in_rank[int64_t(t) * R + d] ? slot++ : -1;
-    if (threadIdx.x == 0) sent[d] = total;
-  }
+  send_slots(in_rank, a.send_head, num_tokens, R, scan_sums, sent);
   for (int n = 0; n < N; ++n) {
     auto goes = [&](int t) {
       if (n == my_node) return false;
@@ -400,6 +388,7 @@ __global__ void __launch_bounds__(intranode::kNotifyThreads) notify(const __grid
     if (threadIdx.x == 0) sent_own = total;
   }
   __syncthreads();
+  report_bad_expert_id(a.topk_idx, K, num_experts, first_bad, rank, a.error);
   const uint64_t half = parity_s * kCtrlHalfBytes;
   // Count rows: same-node ranks (and this one) by stores, other nodes' ranks
   // into the staging rows (put below).

@@ -74,40 +74,22 @@ __global__ void __launch_bounds__(kNotifyThreads) notify(const __grid_constant__
   const unsigned long long epoch_value = a.epoch_value;
   const int64_t* __restrict__ topk_idx = a.topk_idx;
   comm::DeviceError* error = a.error;
-  __shared__ int warp_sums[32];
+  __shared__ int scan_sums[kNotifyThreads / 32][kSlotRanks];
   __shared__ int sent[kMaxRanks];
   __shared__ uint64_t parity_s;
+  __shared__ unsigned long long first_bad;
   const int R = c.num_ranks, rank = c.rank;
   const int row_len = R + experts_per_rank;
-  if (threadIdx.x == 0) parity_s = *c.epoch & 1;
-  // (1) Slots: each thread owns a contiguous range of tokens.
-  const int per_thread = (num_tokens + kNotifyThreads - 1) / kNotifyThreads;
-  const int t0 = min(num_tokens, int(threadIdx.x) * per_thread);
-  const int t1 = min(num_tokens, t0 + per_thread);
-  if (topk_idx != nullptr) {
-    const int64_t num_experts = int64_t(experts_per_rank) * R;
-    for (int64_t i = int64_t(t0) * num_topk; i < int64_t(t1) * num_topk; ++i) {
-      const int64_t e = topk_idx[i];
-      if (e < -1 || e >= num_experts) {
-        const int64_t t = i / num_topk, k = i % num_topk;
-        comm::report_error(error, comm::kErrorInvalid, comm::kInvalidExpertId, rank, -1,
-                           (uint64_t(t) << 8) | uint64_t(k), uint64_t(num_experts), uint64_t(e));
-        break;
-      }
-    }
-  }
-  for (int d = 0; d < R; ++d) {
-    int count = 0;
-    for (int t = t0; t < t1; ++t) count += is_token_in_rank[int64_t(t) * R + d] ? 1 : 0;
-    int total;
-    int slot = block_exclusive_scan(count, warp_sums, total);
-    for (int t = t0; t < t1; ++t) {
-      const bool in = is_token_in_rank[int64_t(t) * R + d];
-      send_head[int64_t(t) * R + d] = in ? slot++ : -1;
-    }
-    if (threadIdx.x == 0) sent[d] = total;
+  if (threadIdx.x == 0) {
+    parity_s = *c.epoch & 1;
+    first_bad = ~0ull;
   }
   __syncthreads();
+  const int64_t num_experts = int64_t(experts_per_rank) * R;
+  find_bad_expert_id(topk_idx, int64_t(num_tokens) * num_topk, num_experts, &first_bad);
+  send_slots(is_token_in_rank, send_head, num_tokens, R, scan_sums, sent);
+  __syncthreads();
+  report_bad_expert_id(topk_idx, num_topk, num_experts, first_bad, rank, error);
   const uint64_t half = parity_s * kCtrlHalfBytes;
   // (2) Counts into every rank's control half, row `rank`; a direct
   // dispatch's pool header into this rank's pool (the barrier publishes both).

@@ -427,6 +427,113 @@ __device__ __forceinline__ void locate(int64_t i, int my_prefix, int lane, int n
   slot = i - (src > 0 ? before : 0);
 }
 
+// Destinations notify's slot pass handles at once (block_exclusive_scan_n).
+constexpr int kSlotRanks = 8;
+
+// Block-wide exclusive scans of kSlotRanks ints per thread at once
+// (kNotifyThreads threads; two __syncthreads for all of them, then one before
+// `sums` is reused): v[j] becomes the sum of v[j] over the threads before this
+// one, and totals[j] (shared) the block's sum, for j < n.
+__device__ __forceinline__ void block_exclusive_scan_n(int (&v)[kSlotRanks],
+                                                       int (*sums)[kSlotRanks], int* totals,
+                                                       int n) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  int x[kSlotRanks];
+#pragma unroll
+  for (int j = 0; j < kSlotRanks; ++j) {
+    x[j] = v[j];
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(0xffffffffu, x[j], o);
+      if (lane >= o) x[j] += y;
+    }
+    if (lane == 31) sums[warp][j] = x[j];
+  }
+  __syncthreads();
+  if (warp == 0) {
+#pragma unroll
+    for (int j = 0; j < kSlotRanks; ++j) {
+      const int own = sums[lane][j];
+      int w = own;
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+        const int y = __shfl_up_sync(0xffffffffu, w, o);
+        if (lane >= o) w += y;
+      }
+      sums[lane][j] = w - own;  // exclusive
+      if (lane == 31 && j < n) totals[j] = w;
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < kSlotRanks; ++j) v[j] = sums[warp][j] + x[j] - v[j];
+  __syncthreads();
+}
+
+// notify's expert id check (every thread of the block): the lowest index i
+// < n of `topk_idx` (null: none) outside [-1, num_experts) into *first_bad
+// (shared, ~0 before). The ids are read coalesced, each load independent of
+// the others (one thread's ids one after another, each load waiting on the
+// one before, used to be most of notify's time).
+__device__ __forceinline__ void find_bad_expert_id(const int64_t* topk_idx, int64_t n,
+                                                   int64_t num_experts,
+                                                   unsigned long long* first_bad) {
+  if (topk_idx == nullptr) return;
+  unsigned long long mine = ~0ull;
+#pragma unroll 8
+  for (int64_t i = threadIdx.x; i < n; i += kNotifyThreads) {
+    const int64_t e = topk_idx[i];
+    if (e < -1 || e >= num_experts) mine = min(mine, (unsigned long long)i);
+  }
+  if (mine != ~0ull) atomicMin(first_bad, mine);
+}
+
+// Thread 0 records the id find_bad_expert_id found (after a __syncthreads),
+// naming its token and column.
+__device__ __forceinline__ void report_bad_expert_id(const int64_t* topk_idx, int num_topk,
+                                                     int64_t num_experts,
+                                                     unsigned long long first_bad, int rank,
+                                                     comm::DeviceError* error) {
+  if (threadIdx.x != 0 || first_bad == ~0ull) return;
+  const int64_t i = int64_t(first_bad), t = i / num_topk, k = i % num_topk;
+  comm::report_error(error, comm::kErrorInvalid, comm::kInvalidExpertId, rank, -1,
+                     (uint64_t(t) << 8) | uint64_t(k), uint64_t(num_experts),
+                     uint64_t(topk_idx[i]));
+}
+
+// notify's slots (every thread of the block): send_head[t][d] = the slot of
+// token t on rank d (its rank among this rank's tokens for d) or -1, and
+// sent[d] (shared) the tokens for d. kSlotRanks destinations at a time: each
+// thread owns a contiguous range of tokens, counts them per destination, one
+// block scan gives it its first slot per destination, a second pass writes
+// them.
+__device__ __forceinline__ void send_slots(const bool* is_token_in_rank, int* send_head,
+                                           int num_tokens, int R,
+                                           int (*scan_sums)[kSlotRanks], int* sent) {
+  const int per_thread = (num_tokens + kNotifyThreads - 1) / kNotifyThreads;
+  const int t0 = min(num_tokens, int(threadIdx.x) * per_thread);
+  const int t1 = min(num_tokens, t0 + per_thread);
+  for (int d0 = 0; d0 < R; d0 += kSlotRanks) {
+    int slot[kSlotRanks];
+#pragma unroll
+    for (int j = 0; j < kSlotRanks; ++j) slot[j] = 0;
+    for (int t = t0; t < t1; ++t) {
+      const bool* in = is_token_in_rank + int64_t(t) * R + d0;
+#pragma unroll
+      for (int j = 0; j < kSlotRanks; ++j)
+        if (d0 + j < R) slot[j] += in[j] ? 1 : 0;
+    }
+    block_exclusive_scan_n(slot, scan_sums, sent + d0, R - d0);
+    for (int t = t0; t < t1; ++t) {
+      const bool* in = is_token_in_rank + int64_t(t) * R + d0;
+      int* head = send_head + int64_t(t) * R + d0;
+#pragma unroll
+      for (int j = 0; j < kSlotRanks; ++j)
+        if (d0 + j < R) head[j] = in[j] ? slot[j]++ : -1;
+    }
+  }
+}
+
 // Block-wide exclusive scan of one int per thread (kNotifyThreads threads).
 __device__ __forceinline__ int block_exclusive_scan(int v, int* warp_sums, int& total) {
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
