@@ -23,41 +23,20 @@ synchronized between samples, outside the timed region). Rows:
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
-from host_sampling import report, sample_rows
-
-N, H, TOPK, E = 4096, 7168, 8, 256
+from host_sampling import normal_setup, probe_args, report, sample_rows
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--iters", type=int, default=2000)
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+    args = probe_args(__doc__, 2000, argv)
 
-    import moelink
-    import torch
-    import torch.distributed as dist
     from moelink import _native
     from moelink._streams import current_raw_stream
-    from moelink.launch import init_distributed
 
-    init_distributed()
-    rank, size = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device())
-    nvl = moelink.Config(num_sms=24).get_nvl_buffer_size_hint(H * 2, size, max_tokens_per_rank=N)
-    buf = moelink.Buffer(dist.group.WORLD, nvl, explicitly_destroy=True)
-    g = torch.Generator().manual_seed(3 + rank)
-    x = torch.randn(N, H, generator=g).to(torch.bfloat16).to(dev)
-    idx = torch.rand(N, E, generator=g).topk(TOPK, dim=1).indices.to(dev)
-    w = torch.rand(N, TOPK, generator=g).to(dev)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-    recv_x, _, recv_w, _, handle, _ = buf.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w,
-    )  # fmt: skip
+    s = normal_setup(3)
+    torch, rank, dev, buf = s.torch, s.rank, s.dev, s.buf
+    recv_x, _, recv_w, _, handle, _ = s.dispatch()
     ref = torch.randn(1024, device=dev)
     calls = buf._calls
 
@@ -108,7 +87,7 @@ def main(argv=None) -> int:
         report(med, args.json, iters=args.iters)
     del out, out_w
     buf.destroy()
-    dist.destroy_process_group()
+    s.dist.destroy_process_group()
     return 0
 
 

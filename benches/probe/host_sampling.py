@@ -4,8 +4,13 @@ rounds, the GPU synchronized before each sample outside the timed region."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
+from types import SimpleNamespace
+
+# The normal-mode probes' shape: tokens, hidden, top-k, experts.
+N, H, TOPK, E = 4096, 7168, 8, 256
 
 
 def timed(fn, n: int, sync, warm: int = 3) -> list:
@@ -48,3 +53,45 @@ def report(med: dict, json_path, **extra) -> None:
     if json_path:
         with open(json_path, "w") as f:
             json.dump({**extra, "median_us": med}, f, indent=1)
+
+
+def probe_args(doc: str, iters: int, argv=None) -> argparse.Namespace:
+    """The probes' options: ``--iters`` (default ``iters``) and ``--json``."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--iters", type=int, default=iters)
+    p.add_argument("--json", default=None)
+    return p.parse_args(argv)
+
+
+def normal_setup(seed: int) -> SimpleNamespace:
+    """The normal-mode probes' start (under ``moelink.launch``): the process
+    group, a Buffer sized for ``N`` x ``H`` bf16 tokens, random ``x`` / top-k
+    ids / weights of the standard shape (generator seeded ``seed + rank``), and
+    their layout. Fields: torch, dist, rank, dev, buf, x, idx, w, per_rank,
+    per_expert, in_rank, and ``dispatch(**kw)``: the full dispatch of them."""
+    import moelink
+    import torch
+    import torch.distributed as dist
+    from moelink.launch import init_distributed
+
+    init_distributed()
+    rank, size = dist.get_rank(), dist.get_world_size()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    nvl = moelink.Config(num_sms=24).get_nvl_buffer_size_hint(H * 2, size, max_tokens_per_rank=N)
+    buf = moelink.Buffer(dist.group.WORLD, nvl, explicitly_destroy=True)
+    g = torch.Generator().manual_seed(seed + rank)
+    x = torch.randn(N, H, generator=g).to(torch.bfloat16).to(dev)
+    idx = torch.rand(N, E, generator=g).topk(TOPK, dim=1).indices.to(dev)
+    w = torch.rand(N, TOPK, generator=g).to(dev)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    s = SimpleNamespace(torch=torch, dist=dist, rank=rank, dev=dev, buf=buf, x=x, idx=idx, w=w)
+    s.per_rank, s.per_expert, s.in_rank = per_rank, per_expert, in_rank
+
+    def dispatch(**kw):
+        return buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, **kw,
+        )  # fmt: skip
+
+    s.dispatch = dispatch
+    return s
