@@ -80,6 +80,10 @@ REPO = Path(__file__).resolve().parent.parent
 IMPLS = ("deep_ep", "uccl", "moelink")
 IMPL_LABELS = {"deep_ep": "DeepEP V1", "uccl": "UCCL-EP", "moelink": "moelink"}
 DEFAULT_SMS = (24, 48)
+#: Each part's workload: an int option per name (``--num-tokens`` for ``num_tokens``)
+#: with its default.
+INTRANODE_WORKLOAD = {"num_tokens": 4096, "hidden": 7168, "num_experts": 256, "num_topk": 8}
+LL_WORKLOAD = {"ll_tokens": 128, "ll_hidden": 7168, "ll_experts": 288, "ll_topk": 8}
 NCCL_LABEL = "NCCL all_to_all_single"
 #: Environment variables recorded in the JSON (what shapes the peers' transports).
 RECORDED_ENV = (
@@ -426,13 +430,7 @@ def run_intranode(impl: Impl, rank: int, world: int, group, args) -> dict:
     from moelink import intranode_demo as demo
 
     name = impl.name
-    workload = {
-        "num_tokens": args.num_tokens,
-        "hidden": args.hidden,
-        "num_experts": args.num_experts,
-        "num_topk": args.num_topk,
-        "seed": args.seed,
-    }
+    workload = {**{k: getattr(args, k) for k in INTRANODE_WORKLOAD}, "seed": args.seed}
     n, hidden, num_experts = args.num_tokens, args.hidden, args.num_experts
     iters, warmup = args.iters, args.warmup
     device = torch.device("cuda", torch.cuda.current_device())
@@ -592,39 +590,13 @@ def run_intranode(impl: Impl, rank: int, world: int, group, args) -> dict:
                     )
             if args.tune and impl.name != "moelink":
                 rows += tune_rows(
-                    impl,
-                    buffer,
-                    s,
-                    x,
-                    x_fp8,
-                    recv_x,
-                    handle,
-                    bf16_bytes,
-                    args,
-                    scratch,
-                    checks,
-                    want,
-                    rank,
-                )
+                    impl, buffer, s, x, x_fp8, recv_x, handle, bf16_bytes, args, scratch, checks,
+                    want, rank,
+                )  # fmt: skip
 
     if timing_skipped is None:
         with stage(name, rank, "NCCL all_to_all_single baseline"):
-            rows.append(
-                a2a_row(
-                    x,
-                    ref_layout,
-                    rank_prefix,
-                    want.recv_x,
-                    rank,
-                    world,
-                    group,
-                    iters,
-                    warmup,
-                    scratch,
-                    checks,
-                    name,
-                )
-            )
+            rows.append(a2a_row(x, own, rank, world, group, args, scratch, checks, name))
     # moelink's direct dispatch (MOELINK_INTRANODE_RECV=direct): how many
     # dispatches wrote recv_x in place, and how many fell back to a copy.
     native = getattr(buffer, "_native", None)
@@ -716,27 +688,16 @@ def tune_rows(
     return out
 
 
-def a2a_row(
-    x,
-    ref_layout,
-    rank_prefix,
-    want_recv_x,
-    rank,
-    world,
-    group,
-    iters,
-    warmup,
-    scratch,
-    checks,
-    name,
-) -> dict:
+def a2a_row(x, own, rank, world, group, args, scratch, checks, name) -> dict:
     """NCCL ``all_to_all_single`` of the rows a bf16 dispatch moves (this rank's
     tokens grouped by destination; the output is ``recv_x`` exactly), checked
-    once, then timed as the ops (``intranode_demo.run_rank``'s baseline)."""
+    once against ``own`` (this rank's ``_reference``), then timed as the ops
+    (``intranode_demo.run_rank``'s baseline)."""
     import torch
     import torch.distributed as dist
     from moelink import intranode_demo as demo
 
+    ref_layout, rank_prefix = own["layout"], own["rank_prefix"]
     mask = ref_layout[2].to(x.device)
     send = torch.cat([x[mask[:, d]] for d in range(world)])
     in_splits = [int(c) for c in ref_layout[0]]
@@ -749,10 +710,11 @@ def a2a_row(
 
     call()
     torch.cuda.synchronize()
-    checks.equal(f"{name} (NCCL baseline) all_to_all_single.recv", recv, want_recv_x)
+    checks.equal(f"{name} (NCCL baseline) all_to_all_single.recv", recv, own["want"].recv_x)
     dist.barrier(group=group)
     nbytes = int(recv.numel()) * recv.element_size()
-    return demo._row(demo.BASELINE, None, demo._time_gpu(call, iters, warmup, scratch), nbytes)
+    timed = demo._time_gpu(call, args.iters, args.warmup, scratch)
+    return demo._row(demo.BASELINE, None, timed, nbytes)
 
 
 # ----------------------------------------------------------------------------
@@ -1175,6 +1137,11 @@ def ll_lines(impl: str, data: dict, args, world: int) -> list:
     return lines
 
 
+def add_workload_options(g, workload: dict) -> None:
+    for name, default in workload.items():
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -1189,10 +1156,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="folder of the peer builds (default: .peers of this checkout)",
     )
     g = p.add_argument_group("intranode")
-    g.add_argument("--num-tokens", type=int, default=4096)
-    g.add_argument("--hidden", type=int, default=7168)
-    g.add_argument("--num-experts", type=int, default=256)
-    g.add_argument("--num-topk", type=int, default=8)
+    add_workload_options(g, INTRANODE_WORKLOAD)
     g.add_argument(
         "--sms",
         type=int,
@@ -1209,10 +1173,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="deep_ep/uccl: also sweep the NVLink chunk sizes (rows *_tuned)",
     )
     g = p.add_argument_group("low latency")
-    g.add_argument("--ll-tokens", type=int, default=128)
-    g.add_argument("--ll-hidden", type=int, default=7168)
-    g.add_argument("--ll-experts", type=int, default=288)
-    g.add_argument("--ll-topk", type=int, default=8)
+    add_workload_options(g, LL_WORKLOAD)
     g.add_argument("--ll-iters", type=int, default=50, help="timed calls (default: 50)")
     g.add_argument("--ll-warmup", type=int, default=10, help="untimed pairs (default: 10)")
     p.add_argument(
@@ -1284,10 +1245,7 @@ def main(argv=None) -> int:
             "baseline": bench_common.baseline_record(info, NCCL_LABEL),
             "config": {
                 "intranode": {
-                    "num_tokens": args.num_tokens,
-                    "hidden": args.hidden,
-                    "num_experts": args.num_experts,
-                    "num_topk": args.num_topk,
+                    **{k: getattr(args, k) for k in INTRANODE_WORKLOAD},
                     "seed": args.seed,
                     "sms": args.sms,
                     "iters": args.iters,
@@ -1295,10 +1253,7 @@ def main(argv=None) -> int:
                     "tune": args.tune,
                 },
                 "ll": {
-                    "tokens": args.ll_tokens,
-                    "hidden": args.ll_hidden,
-                    "experts": args.ll_experts,
-                    "topk": args.ll_topk,
+                    **{k.removeprefix("ll_"): getattr(args, k) for k in LL_WORKLOAD},
                     "iters": args.ll_iters,
                     "warmup": args.ll_warmup,
                     "graph_calls": GRAPH_CALLS,

@@ -26,7 +26,14 @@ def public(names) -> set[str]:
 
 
 def members(node: ast.ClassDef) -> dict[str, ast.FunctionDef]:
-    return {m.name: m for m in node.body if isinstance(m, ast.FunctionDef)}
+    """The class's own methods and those of its private bases within the stub
+    (the @type_check_only classes that gather what several native classes have)."""
+    found: dict[str, ast.FunctionDef] = {}
+    for base in node.bases:
+        if isinstance(base, ast.Name) and base.id.startswith("_"):
+            found.update(members(CLASSES[base.id]))
+    found.update({m.name: m for m in node.body if isinstance(m, ast.FunctionDef)})
+    return found
 
 
 def stub_params(fn: ast.FunctionDef) -> list[str]:

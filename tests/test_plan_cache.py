@@ -129,18 +129,18 @@ def intranode_inputs(n=32):
     return x, idx
 
 
+def full_dispatch_kwargs(buf, idx, **extra) -> dict:
+    """A full dispatch's keyword arguments: ``buf``'s layout of ``idx``, and ``extra``."""
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+    return dict(
+        num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, **extra,
+    )  # fmt: skip
+
+
 def test_layout_dispatch_and_combine_repeat_with_the_checked_arguments(buf, monkeypatch):
     x, idx = intranode_inputs()
-    n = x.shape[0]
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-    w = torch.rand(n, K)
-    kw = dict(
-        num_tokens_per_rank=per_rank,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=idx,
-        topk_weights=w,
-    )
+    kw = full_dispatch_kwargs(buf, idx, topk_weights=torch.rand(x.shape[0], K))
     recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, **kw)
     buf.combine(recv_x, handle, topk_weights=recv_w)
     buf.dispatch(x, handle=handle)
@@ -175,11 +175,7 @@ def test_layout_dispatch_and_combine_repeat_with_the_checked_arguments(buf, monk
 
 def test_intranode_wrong_arguments_after_cached_calls_still_raise(buf):
     x, idx = intranode_inputs()
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
-    recv_x, _, _, _, handle, _ = buf.dispatch(
-        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idx,
-    )  # fmt: skip
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, **full_dispatch_kwargs(buf, idx))
     with pytest.raises(checks.DtypeError, match="topk_idx"):
         buf.get_dispatch_layout(idx.int(), E)
     with pytest.raises(TypeError, match="num_experts"):

@@ -1,7 +1,7 @@
 """Type stubs of the Rust extension module ``moelink._native``."""
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, type_check_only
 
 __version__: str
 
@@ -170,6 +170,17 @@ class Group:
     @property
     def objects(self) -> int: ...
 
+@type_check_only
+class _GroupMember:
+    """What the native objects made on a Group (EpBuffer, AllReduceComm) share."""
+
+    @property
+    def rank(self) -> int: ...
+    @property
+    def num_ranks(self) -> int: ...
+    @property
+    def destroyed(self) -> bool: ...
+
 def low_latency_size_hint(
     max_tokens: int, hidden: int, num_ranks: int, num_experts: int
 ) -> int: ...
@@ -197,13 +208,31 @@ _Plan = dict[str, Any]
 #: (name, dtype name, shape, strides, zeroed).
 _Output = tuple[str, str, list[int], list[int], bool]
 
-class LayoutPlan:
-    @property
-    def num_experts(self) -> int: ...
+@type_check_only
+class _PlanObject:
+    """What every plan class has (ep-python's plan_getters)."""
+
     @property
     def outputs(self) -> list[_Output]: ...
 
-class DispatchPlan:
+@type_check_only
+class _LlPlanObject(_PlanObject):
+    """What both low-latency plans have: the geometry and the token count."""
+
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def hidden(self) -> int: ...
+    @property
+    def num_experts(self) -> int: ...
+    @property
+    def num_tokens(self) -> int: ...
+
+class LayoutPlan(_PlanObject):
+    @property
+    def num_experts(self) -> int: ...
+
+class DispatchPlan(_PlanObject):
     @property
     def num_tokens(self) -> int: ...
     @property
@@ -220,40 +249,16 @@ class DispatchPlan:
     def num_worst_tokens(self) -> int: ...
     @property
     def num_recv_rows(self) -> int: ...
-    @property
-    def outputs(self) -> list[_Output]: ...
 
-class CombinePlan:
-    @property
-    def outputs(self) -> list[_Output]: ...
+class CombinePlan(_PlanObject): ...
 
-class LlDispatchPlan:
-    @property
-    def max_tokens(self) -> int: ...
-    @property
-    def hidden(self) -> int: ...
-    @property
-    def num_experts(self) -> int: ...
-    @property
-    def num_tokens(self) -> int: ...
+class LlDispatchPlan(_LlPlanObject):
     @property
     def num_topk(self) -> int: ...
     @property
     def use_fp8(self) -> bool: ...
-    @property
-    def outputs(self) -> list[_Output]: ...
 
-class LlCombinePlan:
-    @property
-    def max_tokens(self) -> int: ...
-    @property
-    def hidden(self) -> int: ...
-    @property
-    def num_experts(self) -> int: ...
-    @property
-    def num_tokens(self) -> int: ...
-    @property
-    def outputs(self) -> list[_Output]: ...
+class LlCombinePlan(_LlPlanObject): ...
 
 def layout_plan(
     num_ranks: int, device: int, topk_idx: _TensorMeta, num_experts: int
@@ -329,7 +334,7 @@ class StreamOrder:
     def __init__(self, device: int) -> None: ...
     def after(self, waiter: int, signaler: int) -> None: ...
 
-class EpBuffer:
+class EpBuffer(_GroupMember):
     """Rust half of moelink.Buffer: its intranode part and its low-latency part
     (either absent where 0 bytes are asked for). Methods of one part have its
     name; what both parts have takes ``part``: "intranode" or "low_latency".
@@ -341,13 +346,7 @@ class EpBuffer:
         timeout_s: float, device_timeout_ns: int, ll_device_timeout_ns: int,
         allow_nvlink: bool, shrink: bool, num_internode_bytes: int = 0,
     ) -> None: ...  # fmt: skip
-    # Both parts.
-    @property
-    def rank(self) -> int: ...
-    @property
-    def num_ranks(self) -> int: ...
-    @property
-    def destroyed(self) -> bool: ...
+    # Both parts (and rank, num_ranks, destroyed).
     def has_part(self, part: str) -> bool: ...
     def local_buffer(self, part: str) -> tuple[int, int]: ...
     def device_share(self) -> tuple[int, int, int | None, int, int]: ...
@@ -431,7 +430,7 @@ class EpBuffer:
 # Tuned entries: (collective, graph, registered, log2 bytes, algorithm, blocks, threads).
 _Tuned = tuple[str, bool, bool, int, str, int, int]
 
-class AllReduceComm:
+class AllReduceComm(_GroupMember):
     """Rust half of moelink.AllReduce; pointers are device addresses, streams raw
     cudaStream_t handles, dtypes/ops/algorithms names."""
 
@@ -446,12 +445,6 @@ class AllReduceComm:
         timeout_s: float,
         device_timeout_ns: int,
     ) -> None: ...
-    @property
-    def rank(self) -> int: ...
-    @property
-    def num_ranks(self) -> int: ...
-    @property
-    def destroyed(self) -> bool: ...
     @property
     def device_timeout_ns(self) -> int: ...
     def limits(self) -> tuple[int, int, int, int, int, int]: ...

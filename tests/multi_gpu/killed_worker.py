@@ -43,7 +43,7 @@ import moelink  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import worker_driver  # noqa: E402
-from intranode_worker import buffer_bytes  # noqa: E402
+from intranode_worker import buffer_bytes, layout_args  # noqa: E402
 
 #: Seconds from the survivors' dispatch to the TimeoutError, at most: the
 #: dispatch's and the combine's device bounds, the host's wait for notify's
@@ -63,17 +63,8 @@ def inputs(rank: int, world: int, device):
 
 
 def dispatch(buf: moelink.Buffer, x, idx, w, experts: int, **kwargs):
-    per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
-    return buf.dispatch(
-        x,
-        topk_idx=idx,
-        topk_weights=w,
-        num_tokens_per_rank=per_rank,
-        num_tokens_per_rdma_rank=per_rdma,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        **kwargs,
-    )
+    layout = layout_args(buf, idx, experts)
+    return buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout, **kwargs)
 
 
 def settle(buf: moelink.Buffer, device) -> None:
