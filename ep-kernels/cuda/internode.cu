@@ -187,6 +187,22 @@ __device__ __forceinline__ float ld_cg_f32(const void* p) { return __ldcg(reinte
 // (flag_value's high word is kFlagMagic, below 2^31: the bit is free.)
 constexpr uint64_t kPoisonedBit = 1ull << 63;
 
+// What both internode data kernels derive from their context first: the
+// thread's lane and warp in its block, the group's sizes (R ranks, L per node,
+// N nodes, C records per chunk), this rank's node and place in it, and the
+// call (the phase's device counter of completed calls) with its flag value.
+struct XFrame {
+  int lane, wib, R, L, N, C, my_node, my_local;
+  uint64_t calls, flag;
+};
+
+__device__ __forceinline__ XFrame x_frame(const XCtx& x, const unsigned long long* calls) {
+  const int L = x.ranks_per_node;
+  const uint64_t n = *reinterpret_cast<const volatile unsigned long long*>(calls);
+  return XFrame{int(threadIdx.x % 32), int(threadIdx.x / 32), x.c.num_ranks, L, x.num_nodes,
+                x.chunk, x.c.rank / L, x.c.rank % L, n, intranode::flag_value(n)};
+}
+
 // The value `landed` holds once `chunks` chunks of call `calls` landed.
 __device__ __forceinline__ bool has_landed(uint64_t v, uint64_t calls, int64_t chunks) {
   return (v >> 32) == (calls & 0xffffffffull) && int64_t(v & 0xffffffffull) >= chunks;
@@ -486,11 +502,7 @@ __device__ __forceinline__ void send_side(const XDispatchParams& a) {
   using namespace intranode;
   const XCtx& x = a.x;
   const Ctx& c = x.c;
-  const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
-  const int R = c.num_ranks, L = x.ranks_per_node, N = x.num_nodes, C = x.chunk;
-  const int my_node = c.rank / L, my_local = c.rank % L;
-  const uint64_t calls = *reinterpret_cast<volatile unsigned long long*>(a.calls);
-  const uint64_t flag = flag_value(calls);
+  const auto [lane, wib, R, L, N, C, my_node, my_local, calls, flag] = x_frame(x, a.calls);
   const RecordLayout& rec = a.send.rec;
   const RecordLayout& xrec = a.xrec;
   const int K = rec.num_topk;
@@ -711,11 +723,7 @@ __global__ void __launch_bounds__(intranode::kThreads) combine(const __grid_cons
   using namespace intranode;
   const XCtx& x = a.x;
   const Ctx& c = x.c;
-  const int lane = threadIdx.x % 32, wib = threadIdx.x / 32;
-  const int R = c.num_ranks, L = x.ranks_per_node, N = x.num_nodes, C = x.chunk;
-  const int my_node = c.rank / L, my_local = c.rank % L;
-  const uint64_t calls = *reinterpret_cast<volatile unsigned long long*>(a.calls);
-  const uint64_t flag = flag_value(calls);
+  const auto [lane, wib, R, L, N, C, my_node, my_local, calls, flag] = x_frame(x, a.calls);
   const int64_t rb = a.send.record_bytes;
   const int K = a.send.num_topk;
   const int nsend = a.num_send_blocks, nfwd = a.num_fwd_blocks;
