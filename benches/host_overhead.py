@@ -4,6 +4,7 @@ table of docs/performance.md). Eager calls, one sample per call, the GPU drained
 (outside the timed region) so that no call waits for the launch queue.
 
     python -m moelink.launch -n 1 benches/host_overhead.py [--iters 300] [--out DIR]
+        [--impl moelink|deep_ep]
 
 Calls: ``x.add_(0)`` (the reference); low-latency dispatch (fp8) and combine, each
 with its receive hook; ``get_dispatch_layout``; ``dispatch`` with a cached handle;
@@ -21,7 +22,9 @@ into ``profile.txt``. ``--breakdown``: each call timed again with every native m
 call and every ``torch.empty``/``empty_strided``/``zeros`` timed inside it (the
 wrappers add ~0.2 us per wrapped call), medians of the native, allocation and remaining
 (Python: checks, streams, glue) parts and the count of each per call, into
-``host_overhead.json`` under ``breakdown``.
+``host_overhead.json`` under ``breakdown``. ``--impl deep_ep``: the same calls on the
+``deep_ep`` module on the path (DeepEP itself; no allreduce row), ratios to its own
+``x.add_(0)``, for the host cost of the two libraries side by side.
 """
 
 from __future__ import annotations
@@ -215,15 +218,28 @@ def main(argv=None) -> int:
         "--breakdown", action="store_true", help="split each call into native/alloc/Python"
     )
     p.add_argument(
+        "--impl",
+        choices=("moelink", "deep_ep"),
+        default="moelink",
+        help="the library whose Buffer is timed: moelink, or the `deep_ep` module on the "
+        "path (DeepEP itself, for its host cost beside moelink's; no allreduce row)",
+    )
+    p.add_argument(
         "--torch-empty",
         action="store_true",
         help="make outputs with torch.empty_strided from Python instead of natively through "
         "torch's C shim (the comparison for the native allocation)",
     )
     args = p.parse_args(argv)
+    if args.impl != "moelink" and (args.breakdown or args.torch_empty):
+        p.error("--breakdown and --torch-empty time moelink's own parts: --impl moelink only")
+
+    import importlib
 
     import moelink
     from moelink import _buffer_common
+
+    lib = moelink if args.impl == "moelink" else importlib.import_module("deep_ep")
 
     if args.torch_empty:
         _buffer_common._TORCH_ALLOC = False
@@ -246,8 +262,8 @@ def main(argv=None) -> int:
 
     # Low latency (NVLink path where the ranks are mapped).
     t, e_ll = LL_TOKENS, args.ll_experts
-    ll_bytes = moelink.Buffer.get_low_latency_rdma_size_hint(t, HIDDEN, size, e_ll)
-    ll_buf = moelink.Buffer(group, 0, ll_bytes, low_latency_mode=True, explicitly_destroy=True)
+    ll_bytes = lib.Buffer.get_low_latency_rdma_size_hint(t, HIDDEN, size, e_ll)
+    ll_buf = lib.Buffer(group, 0, ll_bytes, low_latency_mode=True, explicitly_destroy=True)
     x_ll = torch.randn(t, HIDDEN, generator=g).to(torch.bfloat16).to(dev)
     idx_ll = routing(t, e_ll)
     w_ll = torch.rand(t, TOPK, generator=g).to(dev)
@@ -280,10 +296,13 @@ def main(argv=None) -> int:
 
     # Normal (intranode) path.
     n, e = args.tokens, args.experts
-    nvl_bytes = moelink.Config(num_sms=24).get_nvl_buffer_size_hint(
-        HIDDEN * 2, size, max_tokens_per_rank=n
-    )
-    buf = moelink.Buffer(group, nvl_bytes, explicitly_destroy=True)
+    if lib is moelink:
+        nvl_bytes = moelink.Config(num_sms=24).get_nvl_buffer_size_hint(
+            HIDDEN * 2, size, max_tokens_per_rank=n
+        )
+    else:  # DeepEP's hint (its buffer is a ring, not sized by tokens)
+        nvl_bytes = lib.Buffer.get_dispatch_config(size).get_nvl_buffer_size_hint(HIDDEN * 2, size)
+    buf = lib.Buffer(group, nvl_bytes, explicitly_destroy=True)
     x = torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16).to(dev)
     idx = routing(n, e)
     w = torch.rand(n, TOPK, generator=g).to(dev)
@@ -307,9 +326,10 @@ def main(argv=None) -> int:
     calls["dispatch, full"] = full_dispatch
     calls["combine"] = lambda: buf.combine(recv_x, handle, topk_weights=recv_w)
 
-    ar = moelink.AllReduce(group)
-    t_ar = torch.randn(ALLREDUCE_BYTES // 4, device=dev)
-    calls["AllReduce.all_reduce 16 KiB"] = lambda: ar.all_reduce(t_ar)
+    ar = moelink.AllReduce(group) if lib is moelink else None
+    if ar is not None:
+        t_ar = torch.randn(ALLREDUCE_BYTES // 4, device=dev)
+        calls["AllReduce.all_reduce 16 KiB"] = lambda: ar.all_reduce(t_ar)
 
     # Every rank times the same calls in the same order (they are collective).
     timed = time_rounds(
@@ -359,7 +379,8 @@ def main(argv=None) -> int:
     sync()
     ll_buf.destroy()
     buf.destroy()
-    ar.destroy()
+    if ar is not None:
+        ar.destroy()
     if rank == 0:
         rows = [f"{'call':38s} {'median us':>10s} {'p10':>8s} {'p90':>8s} {'ratio':>7s}"]
         for name, r in results.items():
@@ -387,6 +408,7 @@ def main(argv=None) -> int:
                 "between samples (untimed), in interleaved rounds; ratio = median over "
                 "rounds of (the call's median / x.add_(0)'s median in that round), "
                 "ratio_range its spread",
+                "impl": args.impl,
                 "ranks": size,
                 "iters": args.iters,
                 "rounds": args.rounds,
