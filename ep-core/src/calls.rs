@@ -523,14 +523,59 @@ pub fn layout(
 
 // ----- intranode dispatch and combine -------------------------------------------
 
+/// A tensor argument as the checks read it: its meta. ep-core's engine passes
+/// each meta with the tensor's address (`engine::TensorArg`).
+pub trait HasMeta {
+    fn meta(&self) -> &TensorMeta;
+}
+
+impl HasMeta for TensorMeta {
+    fn meta(&self) -> &TensorMeta {
+        self
+    }
+}
+
+impl HasMeta for (TensorMeta, u64) {
+    fn meta(&self) -> &TensorMeta {
+        &self.0
+    }
+}
+
 /// The tensors of an intranode handle that the calls read (its entries 0, 3,
-/// 4 and 5; the channel matrices are zeros kept for DeepEP's shape).
+/// 4 and 5; the channel matrices are zeros kept for DeepEP's shape), as
+/// [`TensorMeta`]s (what the checks take) or as a front end's tensors `T`
+/// (ep-core's engine: each meta with its address).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct IntranodeHandle {
-    pub rank_prefix_matrix: TensorMeta,
-    pub recv_src_idx: TensorMeta,
-    pub is_token_in_rank: TensorMeta,
-    pub send_head: TensorMeta,
+pub struct IntranodeHandle<T = TensorMeta> {
+    pub rank_prefix_matrix: T,
+    pub recv_src_idx: T,
+    pub is_token_in_rank: T,
+    pub send_head: T,
+}
+
+/// The entries in the handle tuple's order: `rank_prefix_matrix`,
+/// `recv_src_idx`, `is_token_in_rank`, `send_head` (its 0, 3, 4 and 5).
+impl<T> From<[T; 4]> for IntranodeHandle<T> {
+    fn from([rank_prefix_matrix, recv_src_idx, is_token_in_rank, send_head]: [T; 4]) -> Self {
+        IntranodeHandle {
+            rank_prefix_matrix,
+            recv_src_idx,
+            is_token_in_rank,
+            send_head,
+        }
+    }
+}
+
+impl<T> IntranodeHandle<T> {
+    /// The same entries, each as `f` gives it (its meta, for the checks).
+    pub fn map<U>(&self, f: impl Fn(&T) -> U) -> IntranodeHandle<U> {
+        IntranodeHandle {
+            rank_prefix_matrix: f(&self.rank_prefix_matrix),
+            recv_src_idx: f(&self.recv_src_idx),
+            is_token_in_rank: f(&self.is_token_in_rank),
+            send_head: f(&self.send_head),
+        }
+    }
 }
 
 /// What an intranode handle says of its dispatch.
@@ -579,23 +624,88 @@ pub fn intranode_handle(
 
 /// The arguments of `dispatch`. `x` is bf16 `[N, H]`, or with `scales` the
 /// fp8 data of the pair `(x, scales)` (called `x[0]` and `x[1] (scales)`).
-#[derive(Clone, Copy, Debug)]
-pub struct DispatchArgs<'a> {
-    pub x: &'a TensorMeta,
-    pub scales: Option<&'a TensorMeta>,
+/// Tensors are [`TensorMeta`]s (what the checks take) or a front end's `T`
+/// (ep-core's engine: each meta with its address; [`DispatchArgs::map`]).
+#[derive(Debug)]
+pub struct DispatchArgs<'a, T = TensorMeta> {
+    pub x: &'a T,
+    pub scales: Option<&'a T>,
     /// A cached dispatch's handle (then no top-k arguments).
-    pub handle: Option<&'a IntranodeHandle>,
-    pub num_tokens_per_rank: Option<&'a TensorMeta>,
+    pub handle: Option<&'a IntranodeHandle<T>>,
+    pub num_tokens_per_rank: Option<&'a T>,
     /// Whether `num_tokens_per_rdma_rank` was given: it must not be within one
     /// node (a group that spans nodes passes it to the internode path, whose
     /// checks are its own).
     pub num_tokens_per_rdma_rank: bool,
-    pub is_token_in_rank: Option<&'a TensorMeta>,
-    pub num_tokens_per_expert: Option<&'a TensorMeta>,
-    pub topk_idx: Option<&'a TensorMeta>,
-    pub topk_weights: Option<&'a TensorMeta>,
+    pub is_token_in_rank: Option<&'a T>,
+    pub num_tokens_per_expert: Option<&'a T>,
+    pub topk_idx: Option<&'a T>,
+    pub topk_weights: Option<&'a T>,
     pub expert_alignment: i64,
     pub num_worst_tokens: i64,
+}
+
+// Copy whatever `T` is: the arguments hold references to it.
+impl<T> Clone for DispatchArgs<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for DispatchArgs<'_, T> {}
+
+impl<'a, T> DispatchArgs<'a, T> {
+    /// A cached dispatch of `x` (with `scales` for fp8) by an earlier
+    /// dispatch's `handle`, every other argument at its default (the checks
+    /// refuse any other in a cached dispatch).
+    pub fn cached(x: &'a T, scales: Option<&'a T>, handle: &'a IntranodeHandle<T>) -> Self {
+        DispatchArgs {
+            handle: Some(handle),
+            ..DispatchArgs::new(x, scales)
+        }
+    }
+
+    /// A dispatch of `x` (with `scales` for fp8) with every other argument
+    /// at its default: no handle and no routing yet (a full dispatch takes
+    /// the layout's tensors and `topk_idx`).
+    pub fn new(x: &'a T, scales: Option<&'a T>) -> Self {
+        DispatchArgs {
+            x,
+            scales,
+            handle: None,
+            num_tokens_per_rank: None,
+            num_tokens_per_rdma_rank: false,
+            is_token_in_rank: None,
+            num_tokens_per_expert: None,
+            topk_idx: None,
+            topk_weights: None,
+            expert_alignment: 1,
+            num_worst_tokens: 0,
+        }
+    }
+
+    /// The same arguments with `tensor` of each tensor (its meta, for the
+    /// checks) and `handle` for the handle (the caller's
+    /// [`IntranodeHandle::map`] of it, which it keeps).
+    pub fn map<'b, U>(
+        &self,
+        tensor: impl Fn(&'a T) -> &'b U,
+        handle: Option<&'b IntranodeHandle<U>>,
+    ) -> DispatchArgs<'b, U> {
+        DispatchArgs {
+            x: tensor(self.x),
+            scales: self.scales.map(&tensor),
+            handle,
+            num_tokens_per_rank: self.num_tokens_per_rank.map(&tensor),
+            num_tokens_per_rdma_rank: self.num_tokens_per_rdma_rank,
+            is_token_in_rank: self.is_token_in_rank.map(&tensor),
+            num_tokens_per_expert: self.num_tokens_per_expert.map(&tensor),
+            topk_idx: self.topk_idx.map(&tensor),
+            topk_weights: self.topk_weights.map(&tensor),
+            expert_alignment: self.expert_alignment,
+            num_worst_tokens: self.num_worst_tokens,
+        }
+    }
 }
 
 /// `dispatch`, full or cached.
@@ -629,8 +739,15 @@ pub struct DispatchPlan {
     pub outputs: Vec<OutputSpec>,
 }
 
-/// Checks `dispatch` on a Buffer of `num_ranks` ranks on `device`.
-pub fn dispatch(num_ranks: i64, device: i32, a: &DispatchArgs<'_>) -> ArgResult<DispatchPlan> {
+/// Checks `dispatch` on a Buffer of `num_ranks` ranks on `device` (the
+/// metas of `a`'s tensors).
+pub fn dispatch<T: HasMeta>(
+    num_ranks: i64,
+    device: i32,
+    a: &DispatchArgs<'_, T>,
+) -> ArgResult<DispatchPlan> {
+    let handle = a.handle.map(|h| h.map(|t| t.meta().clone()));
+    let a = &a.map(|t| t.meta(), handle.as_ref());
     let (x_name, x_dtype) = match a.scales {
         Some(_) => ("x[0]", DType::F8E4M3),
         None => ("x", DType::BF16),
@@ -762,21 +879,73 @@ pub fn dispatch(num_ranks: i64, device: i32, a: &DispatchArgs<'_>) -> ArgResult<
 }
 
 /// `bias` of `combine`: one tensor (called `bias`) or a pair (called
-/// `bias[0]`, `bias[1]`), each bf16 `[N, H]`.
-#[derive(Clone, Copy, Debug)]
-pub enum Bias<'a> {
-    One(&'a TensorMeta),
-    Pair(Option<&'a TensorMeta>, Option<&'a TensorMeta>),
+/// `bias[0]`, `bias[1]`), each bf16 `[N, H]` (tensors as in
+/// [`DispatchArgs`]).
+#[derive(Debug)]
+pub enum Bias<'a, T = TensorMeta> {
+    One(&'a T),
+    Pair(Option<&'a T>, Option<&'a T>),
 }
 
-/// The arguments of `combine`.
-#[derive(Clone, Copy, Debug)]
-pub struct CombineArgs<'a> {
+impl<T> Clone for Bias<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for Bias<'_, T> {}
+
+impl<'a, T> Bias<'a, T> {
+    /// Its two addends, each with the name the checks give it.
+    pub fn named(&self) -> [Option<(&'static str, &'a T)>; 2] {
+        match *self {
+            Bias::One(b) => [Some(("bias", b)), None],
+            Bias::Pair(b0, b1) => [b0.map(|b| ("bias[0]", b)), b1.map(|b| ("bias[1]", b))],
+        }
+    }
+
+    /// The same bias with `tensor` of each tensor.
+    pub fn map<'b, U>(&self, tensor: impl Fn(&'a T) -> &'b U) -> Bias<'b, U> {
+        match *self {
+            Bias::One(b) => Bias::One(tensor(b)),
+            Bias::Pair(b0, b1) => Bias::Pair(b0.map(&tensor), b1.map(&tensor)),
+        }
+    }
+}
+
+/// The arguments of `combine` (tensors as in [`DispatchArgs`]).
+#[derive(Debug)]
+pub struct CombineArgs<'a, T = TensorMeta> {
     /// bf16 `[rows, H]`: what dispatch delivered, after the experts.
-    pub x: &'a TensorMeta,
-    pub handle: &'a IntranodeHandle,
-    pub topk_weights: Option<&'a TensorMeta>,
-    pub bias: Option<Bias<'a>>,
+    pub x: &'a T,
+    pub handle: &'a IntranodeHandle<T>,
+    pub topk_weights: Option<&'a T>,
+    pub bias: Option<Bias<'a, T>>,
+}
+
+impl<T> Clone for CombineArgs<'_, T> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<T> Copy for CombineArgs<'_, T> {}
+
+impl<'a, T> CombineArgs<'a, T> {
+    /// The same arguments with `tensor` of each tensor and `handle` for the
+    /// handle (as [`DispatchArgs::map`]).
+    pub fn map<'b, U>(
+        &self,
+        tensor: impl Fn(&'a T) -> &'b U,
+        handle: &'b IntranodeHandle<U>,
+    ) -> CombineArgs<'b, U> {
+        CombineArgs {
+            x: tensor(self.x),
+            handle,
+            topk_weights: self.topk_weights.map(&tensor),
+            bias: self.bias.map(|b| b.map(&tensor)),
+        }
+    }
 }
 
 /// `combine`.
@@ -792,8 +961,15 @@ pub struct CombinePlan {
     pub outputs: Vec<OutputSpec>,
 }
 
-/// Checks `combine` on a Buffer of `num_ranks` ranks on `device`.
-pub fn combine(num_ranks: i64, device: i32, a: &CombineArgs<'_>) -> ArgResult<CombinePlan> {
+/// Checks `combine` on a Buffer of `num_ranks` ranks on `device` (the metas
+/// of `a`'s tensors).
+pub fn combine<T: HasMeta>(
+    num_ranks: i64,
+    device: i32,
+    a: &CombineArgs<'_, T>,
+) -> ArgResult<CombinePlan> {
+    let handle = a.handle.map(|t| t.meta().clone());
+    let a = &a.map(|t| t.meta(), &handle);
     let h = intranode_handle(num_ranks, device, a.handle, None)?;
     let (rows, n) = (h.num_recv_rows, h.num_tokens);
     let x = a.x;
@@ -817,11 +993,7 @@ pub fn combine(num_ranks: i64, device: i32, a: &CombineArgs<'_>) -> ArgResult<Co
         }
         num_topk = w.shape[1];
     }
-    let biases = match a.bias {
-        None => [None, None],
-        Some(Bias::One(b)) => [Some(("bias", b)), None],
-        Some(Bias::Pair(b0, b1)) => [b0.map(|b| ("bias[0]", b)), b1.map(|b| ("bias[1]", b))],
-    };
+    let biases = a.bias.map_or([None, None], |b| b.named());
     for (name, b) in biases.into_iter().flatten() {
         Want::new(DType::BF16, &[Some(n), Some(hidden)], device).check(name, b)?;
     }

@@ -4,15 +4,33 @@
 //! per call. A front end reads its tensors (meta and data address), picks the
 //! SMs and hands its allocator over; it keeps no copy of the sequence.
 //!
-//! These are the eager calls (no `previous_event`, no `async_finish`, outputs
-//! on the caller's stream): the communication stream waits for the caller's
-//! stream, the kernels run on it, and the caller's stream waits for them.
+//! Arguments: the checks' argument types ([`crate::calls`]) over
+//! [`TensorArg`]s, a meta and an address each ([`DispatchTensors`],
+//! [`CombineTensors`], [`HandleTensors`]): the engine checks their metas and
+//! launches on their addresses.
+//!
+//! Streams ([`Streams`]): the calls run on the Buffer's communication stream.
+//! With no stream arguments ([`StreamArgs::default`], an eager call) the
+//! communication stream waits for the caller's stream, the outputs are made
+//! on the caller's stream, the kernels run, and the caller's stream waits for
+//! them. DeepEP's stream arguments ([`StreamArgs`]) change three steps:
+//!
+//! - `previous_event`: the communication stream waits for that event
+//!   ([`PreviousEvent`]) instead of the caller's stream (an event that holds
+//!   nothing, DeepEP's `EventOverlap(None)`, falls back to the caller's).
+//! - `allocate_on_comm_stream` (needs both others): the outputs are made
+//!   while the communication stream is the device's current one, and marked
+//!   used on the caller's stream ([`Outputs::empty_on_comm`]).
+//! - `async_finish`: the caller's stream does not wait; after the launches
+//!   the front end records its event on the communication stream and keeps
+//!   the call's tensors alive there ([`Outputs::finish_async`]), then the
+//!   engine raises what a kernel recorded.
 
 use comm::cuda::StreamOrder;
 use comm::error::CommError;
 use comm::StreamHandle;
 
-use crate::calls::{self, ArgError, ArgErrorKind, OutputSpec, TensorMeta};
+use crate::calls::{self, ArgError, ArgErrorKind, DispatchPlan, OutputSpec, TensorMeta};
 use crate::ep_buffer::EpBuffer;
 use crate::intranode::{
     CombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, IntranodeBuffer, LayoutCall,
@@ -32,8 +50,9 @@ pub enum CallError {
     NoOutputs,
     /// The call could not finish after its first launch: a full dispatch
     /// whose received outputs could not be made once its counts arrived (out
-    /// of memory). Its send was launched, so the front end must raise (a
-    /// second attempt would send again), and the ranks are out of step.
+    /// of memory), or a front end that could not keep an asynchronous call's
+    /// tensors ([`Outputs::finish_async`]). Its send was launched, so the
+    /// front end must raise (a second attempt would send again).
     AfterLaunch(String),
     /// A CUDA or communication error, or what a kernel recorded (raised after
     /// the launches and the stream ordering, so the ranks stay in step).
@@ -48,12 +67,35 @@ impl From<CommError> for CallError {
 
 pub type CallResult<T> = std::result::Result<T, CallError>;
 
-/// The front end's output tensors: `specs` made on the caller's current
-/// stream of the Buffer's device, each with its data address; None where it
-/// made none (the call then fails with [`CallError::NoOutputs`]).
+/// The front end's output tensors and the end of an asynchronous call.
 pub trait Outputs {
     type Tensor;
+
+    /// `specs` made on the caller's current stream of the Buffer's device,
+    /// each with its data address; None where it made none (the call then
+    /// fails with [`CallError::NoOutputs`]).
     fn empty(&mut self, specs: &[&OutputSpec]) -> Option<Vec<(Self::Tensor, u64)>>;
+
+    /// `specs` made while `comm` is the device's current stream (a call's
+    /// `allocate_on_comm_stream`), each also marked used on `compute`, where
+    /// the caller reads them. None where the front end cannot (the default):
+    /// the call fails with [`CallError::NoOutputs`].
+    fn empty_on_comm(
+        &mut self,
+        specs: &[&OutputSpec],
+        comm: StreamHandle,
+        compute: StreamHandle,
+    ) -> Option<Vec<(Self::Tensor, u64)>> {
+        let _ = (specs, comm, compute);
+        None
+    }
+
+    /// The end of an `async_finish` call, after its launches on `comm`: the
+    /// front end records the event it returns with the outputs on `comm`, and
+    /// keeps every tensor of the call (its inputs, and `made`, each output
+    /// and scratch tensor the engine had it make) alive until `comm`'s work
+    /// so far is done. An error here is raised as the call's.
+    fn finish_async(&mut self, comm: StreamHandle, made: &[&Self::Tensor]) -> CallResult<()>;
 
     /// Runs `wait` (a bounded CPU wait for the GPU, as a full dispatch's for
     /// its counts) where the front end lets other threads run meanwhile
@@ -63,16 +105,88 @@ pub trait Outputs {
     }
 }
 
-/// An eager call on a Buffer of `num_ranks` ranks on `device` (whose group is
+/// A call's `previous_event`, as the front end holds it.
+pub trait PreviousEvent {
+    /// `stream` waits for the event's work: true; false where it holds no
+    /// event (DeepEP's `EventOverlap(None)`: the engine then orders `stream`
+    /// after the caller's stream, as without a `previous_event`).
+    fn wait_on(&self, stream: StreamHandle) -> comm::Result<bool>;
+}
+
+/// DeepEP's stream arguments of a call; the default (none of them) is an
+/// eager call.
+#[derive(Clone, Copy, Default)]
+pub struct StreamArgs<'a> {
+    pub previous_event: Option<&'a dyn PreviousEvent>,
+    pub async_finish: bool,
+    pub allocate_on_comm_stream: bool,
+}
+
+impl StreamArgs<'_> {
+    /// DeepEP's rule: `allocate_on_comm_stream` needs `previous_event` (one
+    /// that holds nothing counts) and `async_finish`.
+    pub fn check(&self) -> Result<(), ArgError> {
+        if self.allocate_on_comm_stream && (self.previous_event.is_none() || !self.async_finish) {
+            return Err(ArgError {
+                kind: ArgErrorKind::Value,
+                message: "allocate_on_comm_stream=True needs previous_event and async_finish=True"
+                    .into(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A call on a Buffer of `num_ranks` ranks on `device` (whose group is
 /// within one node) with `num_sms` SMs: the caller's current stream, the
-/// Buffer's communication stream and the order between them.
-pub struct Eager<'a> {
+/// Buffer's communication stream, the order between them, and the call's
+/// stream arguments.
+pub struct Streams<'a> {
     pub num_ranks: i64,
     pub device: i32,
     pub num_sms: u32,
     pub compute: StreamHandle,
     pub comm: StreamHandle,
     pub order: &'a StreamOrder,
+    pub args: StreamArgs<'a>,
+}
+
+impl Streams<'_> {
+    /// The communication stream waits for the previous event, else for the
+    /// caller's stream.
+    fn enter(&self) -> comm::Result<()> {
+        if let Some(e) = self.args.previous_event {
+            if e.wait_on(self.comm)? {
+                return Ok(());
+            }
+        }
+        self.order.after(self.comm, self.compute)
+    }
+
+    /// `specs` made by `out`, on the caller's stream or (with
+    /// `allocate_on_comm_stream`) on the communication stream.
+    fn make<O: Outputs>(
+        &self,
+        out: &mut O,
+        specs: &[&OutputSpec],
+    ) -> Option<Vec<(O::Tensor, u64)>> {
+        if self.args.allocate_on_comm_stream {
+            out.empty_on_comm(specs, self.comm, self.compute)
+        } else {
+            out.empty(specs)
+        }
+    }
+
+    /// After the launches: the caller's stream waits for them, or (with
+    /// `async_finish`) the front end keeps the call's tensors (`made`) on the
+    /// communication stream with its event.
+    fn leave<O: Outputs>(&self, out: &mut O, made: &[&O::Tensor]) -> CallResult<()> {
+        if self.args.async_finish {
+            out.finish_async(self.comm, made)
+        } else {
+            Ok(self.order.after(self.compute, self.comm)?)
+        }
+    }
 }
 
 /// The kernels read rows with 16-byte vector accesses.
@@ -93,47 +207,66 @@ fn aligned(name: &str, arg: Option<&TensorArg>) -> CallResult<()> {
     }
 }
 
-/// The intranode handle's entries the calls read, each with its address.
-pub struct HandleTensors<'a> {
-    pub rank_prefix_matrix: &'a TensorArg,
-    pub recv_src_idx: &'a TensorArg,
-    pub is_token_in_rank: &'a TensorArg,
-    pub send_head: &'a TensorArg,
+/// The intranode handle's entries the calls read.
+pub type HandleTensors = calls::IntranodeHandle<TensorArg>;
+
+/// `dispatch`'s arguments: a full dispatch's (no handle; within one node
+/// `num_tokens_per_rdma_rank` is false), or a cached one's (its handle,
+/// [`calls::DispatchArgs::cached`]).
+pub type DispatchTensors<'a> = calls::DispatchArgs<'a, TensorArg>;
+
+/// `combine`'s arguments (a group within one node: the intranode handle).
+pub type CombineTensors<'a> = calls::CombineArgs<'a, TensorArg>;
+
+/// `combine`'s `bias`: one tensor, or a pair of optional ones.
+pub type CombineBias<'a> = calls::Bias<'a, TensorArg>;
+
+/// The address of an optional tensor argument (0 for None).
+fn addr(a: Option<&TensorArg>) -> u64 {
+    a.map_or(0, |(_, ptr)| *ptr)
 }
 
-impl HandleTensors<'_> {
-    fn metas(&self) -> calls::IntranodeHandle {
-        calls::IntranodeHandle {
-            rank_prefix_matrix: self.rank_prefix_matrix.0.clone(),
-            recv_src_idx: self.recv_src_idx.0.clone(),
-            is_token_in_rank: self.is_token_in_rank.0.clone(),
-            send_head: self.send_head.0.clone(),
-        }
+/// The launch shape of a dispatch of plan `p` on `num_ranks` ranks (a cached
+/// one counts per rank: its plan has no experts).
+pub fn launch_shape(p: &DispatchPlan, num_ranks: i64) -> DispatchShape {
+    let num_experts = if p.cached { num_ranks } else { p.num_experts };
+    DispatchShape {
+        num_tokens: p.num_tokens as usize,
+        hidden_bytes: p.hidden_bytes as usize,
+        num_scales: p.num_scales as usize,
+        num_topk: p.num_topk as usize,
+        num_experts: num_experts as usize,
     }
 }
 
-/// A cached `dispatch`'s tensors: `x` (with its scales for fp8) and the
-/// handle, and the arguments a cached dispatch takes as given (the checks
-/// refuse any other than their defaults).
-pub struct CachedDispatchTensors<'a> {
-    pub x: &'a TensorArg,
-    pub scales: Option<&'a TensorArg>,
-    pub handle: HandleTensors<'a>,
-    pub expert_alignment: i64,
-    pub num_worst_tokens: i64,
+/// What the send half of a dispatch of `t` (plan `p`) reads:
+/// `rank_prefix_matrix` and `send_head` are the handle's (cached) or the
+/// dispatch's new ones.
+fn send_inputs(
+    t: &DispatchTensors<'_>,
+    p: &DispatchPlan,
+    (rank_prefix_matrix, send_head): (u64, u64),
+) -> DispatchInputs {
+    DispatchInputs {
+        x: t.x.1,
+        scales: addr(t.scales),
+        scale_strides: p.scale_strides,
+        topk_idx: addr(t.topk_idx),
+        topk_weights: addr(t.topk_weights),
+        is_token_in_rank: addr(t.is_token_in_rank),
+        num_tokens_per_expert: addr(t.num_tokens_per_expert),
+        rank_prefix_matrix,
+        send_head,
+    }
 }
 
-/// A full `dispatch`'s tensors and scalars (no handle).
-pub struct DispatchTensors<'a> {
-    pub x: &'a TensorArg,
-    pub scales: Option<&'a TensorArg>,
-    pub num_tokens_per_rank: Option<&'a TensorArg>,
-    pub is_token_in_rank: Option<&'a TensorArg>,
-    pub num_tokens_per_expert: Option<&'a TensorArg>,
-    pub topk_idx: Option<&'a TensorArg>,
-    pub topk_weights: Option<&'a TensorArg>,
-    pub expert_alignment: i64,
-    pub num_worst_tokens: i64,
+/// A call of the other kind of dispatch (a front end's mistake): refused
+/// before anything is made.
+fn other_dispatch(message: &str) -> CallError {
+    CallError::Arg(ArgError {
+        kind: ArgErrorKind::Value,
+        message: message.into(),
+    })
 }
 
 /// What a full dispatch gives: its outputs by name (None where the call
@@ -172,31 +305,6 @@ fn received(outputs: &[OutputSpec], rows: i64) -> Vec<OutputSpec> {
         .collect()
 }
 
-/// `combine`'s tensors (a group within one node: the intranode handle).
-pub struct CombineTensors<'a> {
-    pub x: &'a TensorArg,
-    pub handle: HandleTensors<'a>,
-    pub topk_weights: Option<&'a TensorArg>,
-    /// `bias` as one tensor (`One`) or a pair, with each one's address.
-    pub bias: Option<CombineBias<'a>>,
-}
-
-/// `combine`'s `bias`: one tensor, or a pair of optional ones.
-pub enum CombineBias<'a> {
-    One(&'a TensorArg),
-    Pair(Option<&'a TensorArg>, Option<&'a TensorArg>),
-}
-
-impl CombineBias<'_> {
-    /// Its two addends with the names the checks give them.
-    fn pair(&self) -> [(&'static str, Option<&TensorArg>); 2] {
-        match self {
-            CombineBias::One(b) => [("bias", Some(b)), ("bias[1]", None)],
-            CombineBias::Pair(b0, b1) => [("bias[0]", *b0), ("bias[1]", *b1)],
-        }
-    }
-}
-
 /// Refuses a group that spans nodes: the engine's calls are those within one
 /// node (the front ends take their checked paths across nodes).
 fn within_one_node(b: &EpBuffer) -> CallResult<()> {
@@ -211,6 +319,13 @@ fn within_one_node(b: &EpBuffer) -> CallResult<()> {
     Ok(())
 }
 
+/// A call's checks: its arguments' (`plan`), then its stream arguments'.
+fn checked<T>(args: &StreamArgs<'_>, plan: Result<T, ArgError>) -> CallResult<T> {
+    let p = plan.map_err(CallError::Arg)?;
+    args.check().map_err(CallError::Arg)?;
+    Ok(p)
+}
+
 fn no_intranode_part() -> CommError {
     CommError::InvalidArgument {
         name: "self",
@@ -219,38 +334,54 @@ fn no_intranode_part() -> CommError {
 }
 
 impl EpBuffer {
-    /// The launches of an eager call whose outputs are all made: `launch` on
-    /// the communication stream, ordered after the caller's stream and the
-    /// caller's after it, then what a kernel recorded (raised after that
-    /// ordering, so the ranks stay in step). A full dispatch, which waits for
-    /// its counts between its launches, spells the same steps out.
-    fn on_comm(
+    /// The launches of a call whose outputs (`made`) are all made: `launch`
+    /// on the communication stream, after the caller's stream or the
+    /// previous event ([`Streams::enter`]), then the caller's stream ordered
+    /// after it or the asynchronous end ([`Streams::leave`]), then what a
+    /// kernel recorded (raised after that, so the ranks stay in step). A full
+    /// dispatch, which waits for its counts between its launches, spells the
+    /// same steps out.
+    fn on_comm<O: Outputs>(
         &mut self,
-        s: &Eager<'_>,
+        s: &Streams<'_>,
+        out: &mut O,
+        made: &[&O::Tensor],
         launch: impl FnOnce(&mut IntranodeBuffer) -> comm::Result<()>,
     ) -> CallResult<()> {
         let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
-        s.order.after(s.comm, s.compute)?;
+        s.enter()?;
         launch(part)?;
-        s.order.after(s.compute, s.comm)?;
+        s.leave(out, made)?;
         part.check_device()?;
         Ok(())
     }
 
-    /// `get_dispatch_layout(topk_idx, num_experts)` eager and whole
-    /// ([`Eager`]; the SMs are the kernel's own):
+    /// A dispatch's checks (the metas of `t`, then the stream arguments),
+    /// `x`'s alignment and the group within one node: its plan.
+    fn dispatch_plan(&self, s: &Streams<'_>, t: &DispatchTensors<'_>) -> CallResult<DispatchPlan> {
+        let p = checked(&s.args, calls::dispatch(s.num_ranks, s.device, t))?;
+        let name = if t.scales.is_some() { "x[0]" } else { "x" };
+        aligned(name, Some(t.x))?;
+        within_one_node(self)?;
+        Ok(p)
+    }
+
+    /// `get_dispatch_layout(topk_idx, num_experts)` whole ([`Streams`]; the
+    /// SMs are the kernel's own):
     /// `(num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank)`. The
     /// kernel's scratch is made with them (a view of their allocation where
     /// the front end groups outputs) and dropped.
-    pub fn layout_eager<O: Outputs>(
+    pub fn layout_call<O: Outputs>(
         &mut self,
-        s: &Eager<'_>,
+        s: &Streams<'_>,
         topk_idx: &TensorArg,
         num_experts: i64,
         out: &mut O,
     ) -> CallResult<(O::Tensor, O::Tensor, O::Tensor)> {
-        let p = calls::layout(s.num_ranks, s.device, &topk_idx.0, num_experts)
-            .map_err(CallError::Arg)?;
+        let p = checked(
+            &s.args,
+            calls::layout(s.num_ranks, s.device, &topk_idx.0, num_experts),
+        )?;
         within_one_node(self)?;
         let names = [
             "num_tokens_per_rank",
@@ -261,7 +392,7 @@ impl EpBuffer {
         let specs: Option<Vec<&OutputSpec>> =
             names.iter().map(|n| calls::output(&p.outputs, n)).collect();
         let specs = specs.ok_or(CallError::NoOutputs)?;
-        let made = out.empty(&specs).ok_or(CallError::NoOutputs)?;
+        let made = s.make(out, &specs).ok_or(CallError::NoOutputs)?;
         let Ok([per_rank, per_expert, in_rank, scratch]) = <[_; 4]>::try_from(made) else {
             return Err(CallError::NoOutputs);
         };
@@ -275,38 +406,26 @@ impl EpBuffer {
             is_token_in_rank: in_rank.1,
             partials: scratch.1,
         };
-        self.on_comm(s, |part| part.layout(s.comm, &call))?;
+        let made = [&per_rank.0, &per_expert.0, &in_rank.0, &scratch.0];
+        self.on_comm(s, out, &made, |part| part.layout(s.comm, &call))?;
         Ok((per_rank.0, per_expert.0, in_rank.0))
     }
 
-    /// `dispatch(x, handle=handle)` (a cached dispatch) eager and whole
-    /// ([`Eager`]): `recv_x`, and `recv_x_scales` for fp8. It sends no
-    /// routing: the handle's `rank_prefix_matrix` and `send_head` say where
-    /// each row goes.
-    pub fn cached_dispatch_eager<O: Outputs>(
+    /// `dispatch(x, handle=handle)` (a cached dispatch) whole ([`Streams`]):
+    /// `recv_x`, and `recv_x_scales` for fp8. It sends no routing: the
+    /// handle's `rank_prefix_matrix` and `send_head` say where each row goes.
+    pub fn cached_dispatch_call<O: Outputs>(
         &mut self,
-        s: &Eager<'_>,
-        t: &CachedDispatchTensors<'_>,
+        s: &Streams<'_>,
+        t: &DispatchTensors<'_>,
         out: &mut O,
     ) -> CallResult<(O::Tensor, Option<O::Tensor>)> {
-        let handle = t.handle.metas();
-        let args = calls::DispatchArgs {
-            x: &t.x.0,
-            scales: t.scales.map(|(m, _)| m),
-            handle: Some(&handle),
-            num_tokens_per_rank: None,
-            num_tokens_per_rdma_rank: false,
-            is_token_in_rank: None,
-            num_tokens_per_expert: None,
-            topk_idx: None,
-            topk_weights: None,
-            expert_alignment: t.expert_alignment,
-            num_worst_tokens: t.num_worst_tokens,
+        let Some(handle) = t.handle else {
+            return Err(other_dispatch(
+                "a cached dispatch needs the handle of an earlier dispatch",
+            ));
         };
-        let p = calls::dispatch(s.num_ranks, s.device, &args).map_err(CallError::Arg)?;
-        let name = if t.scales.is_some() { "x[0]" } else { "x" };
-        aligned(name, Some(t.x))?;
-        within_one_node(self)?;
+        let p = self.dispatch_plan(s, t)?;
         let rows = p.num_recv_rows;
         let specs: Vec<OutputSpec> = ["recv_x", "recv_x_scales"]
             .iter()
@@ -318,32 +437,15 @@ impl EpBuffer {
             None => (0, 0),
         };
         let refs: Vec<&OutputSpec> = specs.iter().collect();
-        let mut made = out.empty(&refs).ok_or(CallError::NoOutputs)?.into_iter();
+        let mut made = s.make(out, &refs).ok_or(CallError::NoOutputs)?.into_iter();
         let (recv_x, recv_x_ptr) = made.next().ok_or(CallError::NoOutputs)?;
         let (scales, scales_ptr) = match made.next() {
             Some((t, ptr)) => (Some(t), ptr),
             None => (None, 0),
         };
-        let shape = DispatchShape {
-            num_tokens: p.num_tokens as usize,
-            hidden_bytes: p.hidden_bytes as usize,
-            num_scales: p.num_scales as usize,
-            num_topk: p.num_topk as usize,
-            // A cached dispatch counts per rank (its plan has no experts).
-            num_experts: s.num_ranks as usize,
-        };
-        let rpm = t.handle.rank_prefix_matrix.1;
-        let inp = DispatchInputs {
-            x: t.x.1,
-            scales: t.scales.map_or(0, |(_, ptr)| *ptr),
-            scale_strides: p.scale_strides,
-            topk_idx: 0,
-            topk_weights: 0,
-            is_token_in_rank: 0,
-            num_tokens_per_expert: 0,
-            rank_prefix_matrix: rpm,
-            send_head: t.handle.send_head.1,
-        };
+        let shape = launch_shape(&p, s.num_ranks);
+        let rpm = handle.rank_prefix_matrix.1;
+        let inp = send_inputs(t, &p, (rpm, handle.send_head.1));
         let outputs = DispatchOutputs {
             num_rows: rows,
             recv_x: recv_x_ptr,
@@ -353,53 +455,43 @@ impl EpBuffer {
             recv_topk_weights: 0,
             recv_src_idx: 0,
         };
-        self.on_comm(s, |part| {
+        let made: Vec<&O::Tensor> = [Some(&recv_x), scales.as_ref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        self.on_comm(s, out, &made, |part| {
             part.cached_dispatch_send(s.comm, &shape, &inp, s.num_sms)?;
             part.dispatch_recv(s.comm, &shape, rpm, &outputs, s.num_sms)
         })?;
         Ok((recv_x, scales))
     }
 
-    /// `dispatch(x, ...)` without a handle (a full dispatch) eager and whole
-    /// ([`Eager`]). Every output is made while no kernel of the
+    /// `dispatch(x, ...)` without a handle (a full dispatch) whole
+    /// ([`Streams`]). Every output is made while no kernel of the
     /// dispatch waits on other work: the rank prefix matrix and `send_head`
     /// before the send, the received outputs before it too with
     /// `num_worst_tokens`, else once the counts arrived (the CPU waits for
     /// them, in [`Outputs::waiting`]).
-    pub fn dispatch_eager<O: Outputs>(
+    pub fn dispatch_call<O: Outputs>(
         &mut self,
-        s: &Eager<'_>,
+        s: &Streams<'_>,
         t: &DispatchTensors<'_>,
         out: &mut O,
     ) -> CallResult<Dispatched<O::Tensor>> {
-        fn meta(a: Option<&TensorArg>) -> Option<&TensorMeta> {
-            a.map(|(m, _)| m)
+        if t.handle.is_some() {
+            return Err(other_dispatch(
+                "a dispatch with a handle is a cached dispatch (cached_dispatch_call)",
+            ));
         }
-        let args = calls::DispatchArgs {
-            x: &t.x.0,
-            scales: meta(t.scales),
-            handle: None,
-            num_tokens_per_rank: meta(t.num_tokens_per_rank),
-            num_tokens_per_rdma_rank: false,
-            is_token_in_rank: meta(t.is_token_in_rank),
-            num_tokens_per_expert: meta(t.num_tokens_per_expert),
-            topk_idx: meta(t.topk_idx),
-            topk_weights: meta(t.topk_weights),
-            expert_alignment: t.expert_alignment,
-            num_worst_tokens: t.num_worst_tokens,
-        };
-        let p = calls::dispatch(s.num_ranks, s.device, &args).map_err(CallError::Arg)?;
-        let name = if t.scales.is_some() { "x[0]" } else { "x" };
-        aligned(name, Some(t.x))?;
-        within_one_node(self)?;
+        let p = self.dispatch_plan(s, t)?;
         let (Some(rpm_spec), Some(head_spec)) = (
             calls::output(&p.outputs, "rank_prefix_matrix"),
             calls::output(&p.outputs, "send_head"),
         ) else {
             return Err(CallError::NoOutputs);
         };
-        let mut before = out
-            .empty(&[rpm_spec, head_spec])
+        let mut before = s
+            .make(out, &[rpm_spec, head_spec])
             .ok_or(CallError::NoOutputs)?
             .into_iter();
         let ((rpm, rpm_ptr), (send_head, head_ptr)) = match (before.next(), before.next()) {
@@ -411,30 +503,13 @@ impl EpBuffer {
         if worst {
             let specs = received(&p.outputs, p.num_recv_rows);
             let refs: Vec<&OutputSpec> = specs.iter().collect();
-            let m = out.empty(&refs).ok_or(CallError::NoOutputs)?;
+            let m = s.make(out, &refs).ok_or(CallError::NoOutputs)?;
             made = Some((specs, m, p.num_recv_rows));
         }
-        let shape = DispatchShape {
-            num_tokens: p.num_tokens as usize,
-            hidden_bytes: p.hidden_bytes as usize,
-            num_scales: p.num_scales as usize,
-            num_topk: p.num_topk as usize,
-            num_experts: p.num_experts as usize,
-        };
-        let addr = |a: Option<&TensorArg>| a.map_or(0, |(_, ptr)| *ptr);
-        let inp = DispatchInputs {
-            x: t.x.1,
-            scales: addr(t.scales),
-            scale_strides: p.scale_strides,
-            topk_idx: addr(t.topk_idx),
-            topk_weights: addr(t.topk_weights),
-            is_token_in_rank: addr(t.is_token_in_rank),
-            num_tokens_per_expert: addr(t.num_tokens_per_expert),
-            rank_prefix_matrix: rpm_ptr,
-            send_head: head_ptr,
-        };
+        let shape = launch_shape(&p, s.num_ranks);
+        let inp = send_inputs(t, &p, (rpm_ptr, head_ptr));
         let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
-        s.order.after(s.comm, s.compute)?;
+        s.enter()?;
         let epoch =
             part.dispatch_send(s.comm, &shape, &inp, p.expert_alignment as usize, s.num_sms)?;
         let mut per_expert = Vec::new();
@@ -451,7 +526,7 @@ impl EpBuffer {
                 let rows = rows as i64;
                 let specs = received(&p.outputs, rows);
                 let refs: Vec<&OutputSpec> = specs.iter().collect();
-                let Some(m) = out.empty(&refs) else {
+                let Some(m) = s.make(out, &refs) else {
                     let bytes: i64 = specs
                         .iter()
                         .map(|o| {
@@ -508,7 +583,19 @@ impl EpBuffer {
         };
         let part = self.intranode_mut().ok_or_else(no_intranode_part)?;
         part.dispatch_recv(s.comm, &shape, rpm_ptr, &outputs, s.num_sms)?;
-        s.order.after(s.compute, s.comm)?;
+        let made = [
+            Some(&rpm),
+            Some(&send_head),
+            Some(&recv_x.0),
+            scales.as_ref().map(|(t, _)| t),
+            idx.as_ref().map(|(t, _)| t),
+            weights.as_ref().map(|(t, _)| t),
+            Some(&src_idx.0),
+            Some(&cpm.0),
+            Some(&rcpm.0),
+        ];
+        let made: Vec<&O::Tensor> = made.into_iter().flatten().collect();
+        s.leave(out, &made)?;
         part.check_device()?;
         Ok(Dispatched {
             recv_x: recv_x.0,
@@ -524,41 +611,29 @@ impl EpBuffer {
         })
     }
 
-    /// `combine(x, handle, topk_weights, bias)` eager and whole ([`Eager`]):
+    /// `combine(x, handle, topk_weights, bias)` whole ([`Streams`]):
     /// `(combined_x, combined_topk_weights)`.
-    pub fn combine_eager<O: Outputs>(
+    pub fn combine_call<O: Outputs>(
         &mut self,
-        s: &Eager<'_>,
+        s: &Streams<'_>,
         t: &CombineTensors<'_>,
         out: &mut O,
     ) -> CallResult<(O::Tensor, Option<O::Tensor>)> {
-        let handle = t.handle.metas();
-        let bias = t.bias.as_ref().map(|b| match b {
-            CombineBias::One(b) => calls::Bias::One(&b.0),
-            CombineBias::Pair(b0, b1) => calls::Bias::Pair(b0.map(|(m, _)| m), b1.map(|(m, _)| m)),
-        });
-        let args = calls::CombineArgs {
-            x: &t.x.0,
-            handle: &handle,
-            topk_weights: t.topk_weights.map(|(m, _)| m),
-            bias,
-        };
-        let p = calls::combine(s.num_ranks, s.device, &args).map_err(CallError::Arg)?;
-        let biases = t.bias.as_ref().map(CombineBias::pair);
+        let p = checked(&s.args, calls::combine(s.num_ranks, s.device, t))?;
+        let biases = t.bias.map_or([None, None], |b| b.named());
         aligned("x", Some(t.x))?;
-        for (name, b) in biases.iter().flatten() {
-            aligned(name, *b)?;
+        for (name, b) in biases.into_iter().flatten() {
+            aligned(name, Some(b))?;
         }
         within_one_node(self)?;
         let specs: Vec<&OutputSpec> = p.outputs.iter().collect();
-        let mut made = out.empty(&specs).ok_or(CallError::NoOutputs)?.into_iter();
+        let mut made = s.make(out, &specs).ok_or(CallError::NoOutputs)?.into_iter();
         let (combined, out_ptr) = made.next().ok_or(CallError::NoOutputs)?;
         let (weights, weights_ptr) = match made.next() {
             Some((w, ptr)) => (Some(w), ptr),
             None => (None, 0),
         };
-        let addr = |a: Option<&TensorArg>| a.map_or(0, |(_, ptr)| *ptr);
-        let bias_at = biases.map_or((0, 0), |[(_, b0), (_, b1)]| (addr(b0), addr(b1)));
+        let [b0, b1] = biases.map(|b| addr(b.map(|(_, t)| t)));
         let a = CombineArgs {
             y: t.x.1,
             num_recv_rows: p.num_recv_rows,
@@ -568,11 +643,141 @@ impl EpBuffer {
             rank_prefix_matrix: t.handle.rank_prefix_matrix.1,
             send_head: t.handle.send_head.1,
             num_tokens: p.num_tokens as usize,
-            bias: bias_at,
+            bias: (b0, b1),
             out: out_ptr,
             out_weights: weights_ptr,
         };
-        self.on_comm(s, |part| part.combine(s.comm, &a, s.num_sms))?;
+        let made: Vec<&O::Tensor> = [Some(&combined), weights.as_ref()]
+            .into_iter()
+            .flatten()
+            .collect();
+        self.on_comm(s, out, &made, |part| part.combine(s.comm, &a, s.num_sms))?;
         Ok((combined, weights))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Waits(bool);
+
+    impl PreviousEvent for Waits {
+        fn wait_on(&self, _stream: StreamHandle) -> comm::Result<bool> {
+            Ok(self.0)
+        }
+    }
+
+    const NEEDS: &str = "allocate_on_comm_stream=True needs previous_event and async_finish=True";
+
+    #[test]
+    fn allocate_on_comm_stream_needs_both_other_arguments() {
+        let (held, none) = (Waits(true), Waits(false));
+        let ok = |a: StreamArgs<'_>| a.check().is_ok();
+        assert!(ok(StreamArgs::default()));
+        // An event that holds nothing counts as a previous_event (DeepEP's
+        // EventOverlap(None)).
+        for e in [&held as &dyn PreviousEvent, &none] {
+            assert!(ok(StreamArgs {
+                previous_event: Some(e),
+                async_finish: true,
+                allocate_on_comm_stream: true,
+            }));
+        }
+        for (previous_event, async_finish) in [(None, true), (Some(&held as _), false)] {
+            let e = StreamArgs {
+                previous_event,
+                async_finish,
+                allocate_on_comm_stream: true,
+            }
+            .check()
+            .unwrap_err();
+            assert_eq!((e.kind, e.message.as_str()), (ArgErrorKind::Value, NEEDS));
+        }
+    }
+
+    /// An allocator that makes nothing: what the default hooks do.
+    struct Nothing;
+
+    impl Outputs for Nothing {
+        type Tensor = ();
+        fn empty(&mut self, _specs: &[&OutputSpec]) -> Option<Vec<((), u64)>> {
+            None
+        }
+        fn finish_async(&mut self, _comm: StreamHandle, _made: &[&()]) -> CallResult<()> {
+            Err(CallError::AfterLaunch("unused".into()))
+        }
+    }
+
+    #[test]
+    fn a_front_end_that_cannot_switch_streams_makes_no_outputs() {
+        let h = StreamHandle(0);
+        assert!(Nothing.empty_on_comm(&[], h, h).is_none());
+        assert_eq!(Nothing.waiting(|| 7), 7);
+    }
+
+    #[test]
+    fn the_stream_arguments_are_checked_after_the_call_arguments() {
+        let bad = StreamArgs {
+            allocate_on_comm_stream: true,
+            ..StreamArgs::default()
+        };
+        let refused = |message: &str| ArgError {
+            kind: ArgErrorKind::Type,
+            message: message.into(),
+        };
+        let first = checked::<()>(&bad, Err(refused("topk_idx must be a torch.Tensor")));
+        let Err(CallError::Arg(e)) = first else {
+            panic!("expected the call's refusal, got {first:?}");
+        };
+        assert_eq!(e.message, "topk_idx must be a torch.Tensor");
+        let Err(CallError::Arg(e)) = checked(&bad, Ok(1)) else {
+            panic!("expected the stream arguments' refusal");
+        };
+        assert_eq!(e.message, NEEDS);
+        assert!(matches!(checked(&StreamArgs::default(), Ok(1)), Ok(1)));
+    }
+
+    /// A tensor argument of `shape` at `addr` on device 0.
+    fn at(dtype: calls::DType, shape: &[i64], addr: u64) -> TensorArg {
+        (TensorMeta::contiguous(dtype, shape, 0), addr)
+    }
+
+    #[test]
+    fn a_cached_dispatch_is_checked_on_its_metas_and_sends_by_its_handle() {
+        use calls::DType::{Bool, BF16, I32};
+        let (r, n, rows) = (4, 6, 5);
+        let x = at(BF16, &[n, 256], 0x1000);
+        let handle = HandleTensors {
+            rank_prefix_matrix: at(I32, &[r, r], 0x2000),
+            recv_src_idx: at(I32, &[rows], 0x3000),
+            is_token_in_rank: at(Bool, &[n, r], 0x4000),
+            send_head: at(I32, &[n, r], 0x5000),
+        };
+        let t = DispatchTensors::cached(&x, None, &handle);
+        let p = calls::dispatch(r, 0, &t).unwrap();
+        assert!(p.cached && p.num_recv_rows == rows);
+        // A cached dispatch counts per rank.
+        assert_eq!(launch_shape(&p, r).num_experts, r as usize);
+        let inp = send_inputs(&t, &p, (0x2000, 0x5000));
+        assert_eq!(
+            (inp.x, inp.rank_prefix_matrix, inp.send_head),
+            (0x1000, 0x2000, 0x5000)
+        );
+        assert_eq!((inp.topk_idx, inp.is_token_in_rank, inp.scales), (0, 0, 0));
+    }
+
+    #[test]
+    fn a_bias_names_its_addends_as_the_checks_do() {
+        let b = at(calls::DType::BF16, &[2, 128], 0x100);
+        assert_eq!(
+            CombineBias::One(&b).named()[0].map(|(n, a)| (n, a.1)),
+            Some(("bias", 0x100))
+        );
+        let [b0, b1] = CombineBias::Pair(None, Some(&b)).named();
+        assert!(b0.is_none());
+        assert_eq!(b1.map(|(n, _)| n), Some("bias[1]"));
+        let m = CombineBias::Pair(Some(&b), None).map(|a| &a.0);
+        assert!(matches!(m, calls::Bias::Pair(Some(t), None) if t.shape == [2, 128]));
     }
 }

@@ -13,8 +13,7 @@
 use comm::StreamHandle;
 use ep_core::engine::CallResult;
 use ep_core::engine::{
-    CachedDispatchTensors, CallError, CombineBias, CombineTensors, DispatchTensors, Eager,
-    HandleTensors,
+    CallError, CombineBias, CombineTensors, DispatchTensors, HandleTensors, StreamArgs, Streams,
 };
 use ep_core::EpBuffer as Core;
 use pyo3::exceptions::PyRuntimeError;
@@ -83,8 +82,8 @@ impl NormalCalls {
         let Some([Some(idx)]) = read_n(py, &[topk_idx])? else {
             return Ok(None);
         };
-        let run = |core: &mut Core, eager: &Eager<'_>, out: &mut EngineOutputs<'py>| {
-            core.layout_eager(eager, &idx, e, out)
+        let run = |core: &mut Core, eager: &Streams<'_>, out: &mut EngineOutputs<'py>| {
+            core.layout_call(eager, &idx, e, out)
         };
         // The layout kernel's grid is its own: no SMs to pick.
         let Some((per_rank, per_expert, in_rank)) = self.run(py, 0, run)? else {
@@ -143,19 +142,15 @@ impl NormalCalls {
         } else {
             Some(CombineBias::Pair(b0.as_ref(), b1.as_ref()))
         };
+        let handle = HandleTensors::from([rpm, src, in_rank, head]);
         let tensors = CombineTensors {
             x: &xr,
-            handle: HandleTensors {
-                rank_prefix_matrix: &rpm,
-                recv_src_idx: &src,
-                is_token_in_rank: &in_rank,
-                send_head: &head,
-            },
+            handle: &handle,
             topk_weights: w.as_ref(),
             bias,
         };
-        let run = |core: &mut Core, eager: &Eager<'_>, out: &mut EngineOutputs<'py>| {
-            core.combine_eager(eager, &tensors, out)
+        let run = |core: &mut Core, eager: &Streams<'_>, out: &mut EngineOutputs<'py>| {
+            core.combine_call(eager, &tensors, out)
         };
         let Some((combined, weights)) = self.run(py, num_sms, run)? else {
             return Ok(None);
@@ -254,8 +249,6 @@ impl NormalCalls {
             return Ok(None);
         }
         let tensors = DispatchTensors {
-            x: &xr,
-            scales: sr.as_ref(),
             num_tokens_per_rank: per_rank.as_ref(),
             is_token_in_rank: in_rank.as_ref(),
             num_tokens_per_expert: per_expert.as_ref(),
@@ -263,9 +256,10 @@ impl NormalCalls {
             topk_weights: w.as_ref(),
             expert_alignment: alignment,
             num_worst_tokens: worst,
+            ..DispatchTensors::new(&xr, sr.as_ref())
         };
-        let run = |core: &mut Core, eager: &Eager<'_>, out: &mut EngineOutputs<'py>| {
-            core.dispatch_eager(eager, &tensors, out)
+        let run = |core: &mut Core, eager: &Streams<'_>, out: &mut EngineOutputs<'py>| {
+            core.dispatch_call(eager, &tensors, out)
         };
         let Some(d) = self.run(py, num_sms, run)? else {
             return Ok(None);
@@ -316,20 +310,15 @@ impl NormalCalls {
         if fp8 && sr.is_none() {
             return Ok(None);
         }
-        let tensors = CachedDispatchTensors {
-            x: &xr,
-            scales: sr.as_ref(),
-            handle: HandleTensors {
-                rank_prefix_matrix: &rpm,
-                recv_src_idx: &src,
-                is_token_in_rank: &in_rank,
-                send_head: &head,
-            },
+        let handle = HandleTensors::from([rpm, src, in_rank, head]);
+        // The checks refuse a cached dispatch's other alignment or row count.
+        let tensors = DispatchTensors {
             expert_alignment: alignment,
             num_worst_tokens: worst,
+            ..DispatchTensors::cached(&xr, sr.as_ref(), &handle)
         };
-        let run = |core: &mut Core, eager: &Eager<'_>, out: &mut EngineOutputs<'py>| {
-            core.cached_dispatch_eager(eager, &tensors, out)
+        let run = |core: &mut Core, eager: &Streams<'_>, out: &mut EngineOutputs<'py>| {
+            core.cached_dispatch_call(eager, &tensors, out)
         };
         let Some((recv_x, recv_scales)) = self.run(py, num_sms, run)? else {
             return Ok(None);
@@ -359,7 +348,7 @@ impl NormalCalls {
         &self,
         py: Python<'py>,
         num_sms: u32,
-        call: impl FnOnce(&mut Core, &Eager<'_>, &mut EngineOutputs<'py>) -> CallResult<T>,
+        call: impl FnOnce(&mut Core, &Streams<'_>, &mut EngineOutputs<'py>) -> CallResult<T>,
     ) -> PyResult<Option<T>> {
         // Refused (RuntimeError) while another thread's call holds it (a
         // full dispatch waits for its counts without the GIL).
@@ -370,13 +359,14 @@ impl NormalCalls {
         }
         let compute: usize = self.stream_of.call1(py, (self.device,))?.extract(py)?;
         let order = self.order.borrow(py);
-        let eager = Eager {
+        let eager = Streams {
             num_ranks: self.num_ranks,
             device: self.device,
             num_sms,
             compute: StreamHandle(compute),
             comm: StreamHandle(self.comm),
             order: order.inner(),
+            args: StreamArgs::default(),
         };
         let mut outputs = EngineOutputs {
             py,

@@ -575,6 +575,18 @@ impl<'py> ep_core::engine::Outputs for EngineOutputs<'py> {
         empty(self.py, &refs, 1, self.device).ok().flatten()
     }
 
+    /// `NormalCalls` passes no `async_finish` (Python's checked path runs
+    /// those calls): refused, should a call ever ask.
+    fn finish_async(
+        &mut self,
+        _comm: comm::StreamHandle,
+        _made: &[&Self::Tensor],
+    ) -> ep_core::engine::CallResult<()> {
+        Err(ep_core::engine::CallError::AfterLaunch(
+            "NormalCalls makes no asynchronous calls".into(),
+        ))
+    }
+
     fn waiting<T: Send>(&mut self, wait: impl FnOnce() -> T + Send) -> T {
         self.py.detach(wait)
     }

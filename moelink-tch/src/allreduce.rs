@@ -269,7 +269,8 @@ impl AllReduce {
         let max_bytes = self.get()?.limits().max_bytes as usize;
         let dtype = checks::all_reduce(tensor, args.out, self.cuda.device, max_bytes)?;
         let out = args.out.unwrap_or(tensor);
-        let (algorithm, stream, capturing) = self.launch_on(args.algorithm, Collective::AllReduce)?;
+        let (algorithm, stream, capturing) =
+            self.launch_on(args.algorithm, Collective::AllReduce)?;
         let call = AllReduceCall {
             input: tensor.data_ptr() as u64,
             output: out.data_ptr() as u64,

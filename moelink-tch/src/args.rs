@@ -9,7 +9,7 @@
 //! `buffer` while `buffer` imports them (no file imports one that imports it
 //! back). The crate root re-exports each of them.
 
-use ep_core::calls::{IntranodeHandle, LlHandle as CoreLlHandle};
+use ep_core::calls::LlHandle as CoreLlHandle;
 use ep_core::internode::XInputs;
 use tch::Tensor;
 
@@ -77,17 +77,6 @@ pub struct Handle {
     /// What an internode dispatch adds (the group spans nodes); None within
     /// one node.
     pub internode: Option<InternodeHandle>,
-}
-
-impl Handle {
-    pub(crate) fn metas(&self) -> IntranodeHandle {
-        IntranodeHandle {
-            rank_prefix_matrix: meta(&self.rank_prefix_matrix),
-            recv_src_idx: meta(&self.recv_src_idx),
-            is_token_in_rank: meta(&self.is_token_in_rank),
-            send_head: meta(&self.send_head),
-        }
-    }
 }
 
 /// The entries of DeepEP's internode handle (10-tuple) that the intranode
@@ -188,6 +177,17 @@ pub enum Bias<'a> {
     None,
     One(&'a Tensor),
     Pair(Option<&'a Tensor>, Option<&'a Tensor>),
+}
+
+impl<'a> Bias<'a> {
+    /// `bias` as a pair (None, None for no bias).
+    pub(crate) fn pair(self) -> (Option<&'a Tensor>, Option<&'a Tensor>) {
+        match self {
+            Bias::None => (None, None),
+            Bias::One(b) => (Some(b), None),
+            Bias::Pair(b0, b1) => (b0, b1),
+        }
+    }
 }
 
 /// A low-latency handle (`(src_info, layout_range, T, H, E)` in Python).

@@ -3,10 +3,13 @@
 //! the checks and output shapes of `ep_core::calls`, outputs allocated
 //! through tch, the launches of `ep_core::EpBuffer`, on the same streams.
 //!
-//! Layout, dispatch and combine go to the Buffer's normal-mode part
-//! (`ep_core::NormalPart`, as the Python Buffer's `EpBuffer` does): the
-//! internode part where the group spans nodes (hosts, or
-//! `MOELINK_RANKS_PER_NODE`'s emulated ones), else the intranode part.
+//! Layout, dispatch (full, cached) and combine within one node run whole
+//! through ep-core's engine (`ep_core::engine`, the Python binding's too),
+//! with tch's outputs (`crate::engine`): this file only reads the tensors,
+//! picks the SMs and builds the results. Where the group spans nodes
+//! (hosts, or `MOELINK_RANKS_PER_NODE`'s emulated ones) they go to the
+//! internode part (`ep_core::NormalPart`), with this file's own sequence
+//! (`begin`, `finish`).
 //!
 //! Streams: an intranode or internode call (layout, dispatch, combine) runs on the
 //! Buffer's communication stream, which first waits for torch's current
@@ -24,16 +27,17 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use comm::{OwnedStream, StreamHandle};
-use ep_core::calls::{self, DispatchPlan, OutputSpec, SmsCall};
+use ep_core::calls::{self, LayoutPlan, OutputSpec, SmsCall};
+use ep_core::engine::{launch_shape, CallResult, Streams};
 use ep_core::internode::XInputs;
 use ep_core::intranode::{
     CombineArgs as CoreCombineArgs, DispatchInputs, DispatchOutputs, DispatchShape, LayoutCall,
 };
+use ep_core::ll_hooks::{Hook, HookBook};
 use ep_core::low_latency::{
     size_hint, CallShape, CombineCall, DispatchCall, DispatchOutputs as LlDispatchOutputs, LlCall,
     LowLatencyBuffer, Phases,
 };
-use ep_core::ll_hooks::{Hook, HookBook};
 use ep_core::{EpBuffer, EpBufferOptions, LowLatencyOptions, NormalPart, PartKind};
 use tch::{Device, Kind, Tensor};
 
@@ -42,6 +46,7 @@ use crate::args::{
     LlDispatchOptions, LlHandle, RecvX,
 };
 use crate::checks::{self, Target};
+use crate::engine::{arg, CombineArgsOf, DispatchArgsOf, TchOutputs};
 use crate::error::{Error, Result};
 pub use crate::event::{EventOverlap, StreamArgs};
 use crate::group::{timeout_or_env, CudaDevice, Group};
@@ -301,7 +306,9 @@ impl RecvHook {
 
 impl std::fmt::Debug for RecvHook {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RecvHook").field("name", &self.hook.name).finish()
+        f.debug_struct("RecvHook")
+            .field("name", &self.hook.name)
+            .finish()
     }
 }
 
@@ -654,7 +661,8 @@ impl Buffer {
             }
         }
         let event = if s.async_finish {
-            self.finish_async(comm, inputs.iter().chain(outputs).flatten().copied())?
+            let tensors = inputs.iter().chain(outputs).flatten().copied();
+            EventOverlap::keeping(self.cuda.core, comm, self.cuda.index, tensors)?
         } else {
             self.order.after(compute, comm)?;
             EventOverlap::none()
@@ -665,19 +673,44 @@ impl Buffer {
         Ok(event)
     }
 
-    /// Python's `finish_async`: `tensors` are marked used on `stream` (their
-    /// memory is not handed out again before its work so far is done) and
-    /// kept by the returned event, recorded on `stream`.
-    fn finish_async<'t>(
+    /// `call` through ep-core's engine on the intranode part, with this
+    /// Buffer's streams, the stream arguments `s`, `num_sms` SMs and tch's
+    /// outputs: its value and event, or its error as this crate's. With
+    /// `async_finish` the event keeps `inputs` (the call's tensors) and the
+    /// outputs.
+    fn run_engine<T>(
+        &mut self,
+        s: &StreamArgs<'_>,
+        num_sms: u32,
+        inputs: &[Option<&Tensor>],
+        call: impl FnOnce(&mut EpBuffer, &Streams<'_>, &mut TchOutputs) -> CallResult<T>,
+    ) -> Result<(T, EventOverlap)> {
+        let streams = Streams {
+            num_ranks: self.num_ranks,
+            device: self.cuda.index,
+            num_sms,
+            compute: self.compute_stream()?,
+            comm: self.comm_stream.handle(),
+            order: &self.order,
+            args: s.engine(),
+        };
+        let mut out = TchOutputs::new(self.cuda, s.async_finish, inputs);
+        let r = call(&mut self.inner, &streams, &mut out);
+        out.result(r)
+    }
+
+    /// The host-side expert-id check of `topk_idx` where it is on
+    /// ([`checks::set_check_ids`], never under capture), once `plan` (the
+    /// call's argument checks, which come first) gave the expert count.
+    fn check_ids(
         &self,
-        stream: StreamHandle,
-        tensors: impl Iterator<Item = &'t Tensor>,
-    ) -> Result<EventOverlap> {
-        let kept: Vec<Tensor> = tensors.map(Tensor::shallow_clone).collect();
-        for t in &kept {
-            record_stream(t, stream, self.cuda.index)?;
+        topk_idx: Option<&Tensor>,
+        plan: impl FnOnce() -> Result<i64>,
+    ) -> Result<()> {
+        match topk_idx {
+            Some(idx) if self.check_ids_now()? => checks::topk_values(idx, plan()?),
+            _ => Ok(()),
         }
-        EventOverlap::recorded(self.cuda.core, stream, kept)
     }
 
     /// A call's SMs (recorded for [`Buffer::num_sms_used`]): the call's, else
@@ -728,13 +761,40 @@ impl Buffer {
         num_experts: i64,
         s: &StreamArgs<'_>,
     ) -> Result<(Layout, EventOverlap)> {
-        let device = self.cuda.device;
         self.check_normal()?;
-        let nodes = self.nodes();
-        let p = checks::layout(&self.target(), topk_idx, num_experts)?;
-        if self.check_ids_now()? {
-            checks::topk_values(topk_idx, p.num_experts)?;
+        if self.nodes().is_some() {
+            let p = checks::layout(&self.target(), topk_idx, num_experts)?;
+            return self.x_layout(topk_idx, &p, s);
         }
+        self.check_ids(Some(topk_idx), || {
+            Ok(checks::layout(&self.target(), topk_idx, num_experts)?.num_experts)
+        })?;
+        let idx = arg(topk_idx);
+        let ((per_rank, per_expert, in_rank), event) =
+            self.run_engine(s, 0, &[Some(topk_idx)], |b, streams, out| {
+                b.layout_call(streams, &idx, num_experts, out)
+            })?;
+        let layout = Layout {
+            num_tokens_per_rank: per_rank,
+            num_tokens_per_expert: per_expert,
+            is_token_in_rank: in_rank,
+            num_tokens_per_rdma_rank: None,
+        };
+        Ok((layout, event))
+    }
+
+    /// [`get_dispatch_layout_with`](Self::get_dispatch_layout_with) of
+    /// `topk_idx`, checked (`p`), where the group spans nodes (the internode
+    /// part; also the per-node counts).
+    fn x_layout(
+        &mut self,
+        topk_idx: &Tensor,
+        p: &LayoutPlan,
+        s: &StreamArgs<'_>,
+    ) -> Result<(Layout, EventOverlap)> {
+        let device = self.cuda.device;
+        let nodes = self.nodes();
+        self.check_ids(Some(topk_idx), || Ok(p.num_experts))?;
         let (compute, (per_rank, per_expert, in_rank, scratch, per_node), comm) =
             self.begin(s, || {
                 let per_node = nodes
@@ -805,18 +865,46 @@ impl Buffer {
     /// `dispatch(x, ...)` without a handle: sends each token to every rank
     /// hosting one of its experts.
     pub fn dispatch(&mut self, x: DispatchX<'_>, a: &DispatchArgs<'_>) -> Result<Dispatched> {
-        let (device, rank) = (self.cuda.device, self.rank);
         self.check_normal()?;
         let num_sms = self.call_sms(a.num_sms, SmsCall::Dispatch)?;
-        let p = checks::dispatch(&self.target(), x, a)?;
-        if let Some(idx) = a.topk_idx {
-            if p.num_worst_tokens == 0 && self.check_ids_now()? {
-                checks::topk_values(idx, p.num_experts)?;
-            }
+        if self.nodes().is_some() {
+            return self.x_dispatch(x, a, num_sms);
         }
+        // With num_worst_tokens a dispatch never waits for the host.
+        let idx = a.topk_idx.filter(|_| a.num_worst_tokens == 0);
+        self.check_ids(idx, || {
+            Ok(checks::dispatch(&self.target(), x, a)?.num_experts)
+        })?;
+        let args = DispatchArgsOf::new(x, None, Some(a));
+        let t = args.tensors();
+        let inputs = dispatch_inputs(x, a);
+        let (d, event) = self.run_engine(&a.stream, num_sms, &inputs, |b, streams, out| {
+            b.dispatch_call(streams, &t, out)
+        })?;
+        // The checks made the engine refuse a dispatch without it.
+        let in_rank = a
+            .is_token_in_rank
+            .map(Tensor::shallow_clone)
+            .ok_or_else(|| Error::state("dispatch's plan requires is_token_in_rank"))?;
+        Ok(dispatched(d, in_rank, event))
+    }
+
+    /// [`dispatch`](Self::dispatch) where the group spans nodes (the
+    /// internode part; the handle gets its [`InternodeHandle`]), with
+    /// `num_sms` SMs.
+    fn x_dispatch(
+        &mut self,
+        x: DispatchX<'_>,
+        a: &DispatchArgs<'_>,
+        num_sms: u32,
+    ) -> Result<Dispatched> {
+        let (device, rank) = (self.cuda.device, self.rank);
+        let p = checks::dispatch(&self.target(), x, a)?;
+        let idx = a.topk_idx.filter(|_| p.num_worst_tokens == 0);
+        self.check_ids(idx, || Ok(p.num_experts))?;
         let s = &a.stream;
         let (data, scales) = x.parts();
-        let shape = dispatch_shape(&p, self.num_ranks);
+        let shape = launch_shape(&p, self.num_ranks);
         let xnode = self.internode_capacity(&shape)?;
         let worst = p.num_worst_tokens > 0;
         // Every output is allocated while no kernel of the dispatch runs, as
@@ -898,19 +986,7 @@ impl Buffer {
         if let Some(h) = &xh {
             outputs.extend(h.written().map(Some));
         }
-        let event = self.finish(
-            compute,
-            s,
-            &[
-                Some(data),
-                scales,
-                a.topk_idx,
-                a.topk_weights,
-                a.is_token_in_rank,
-                a.num_tokens_per_expert,
-            ],
-            &outputs,
-        )?;
+        let event = self.finish(compute, s, &dispatch_inputs(x, a), &outputs)?;
         let in_rank = a
             .is_token_in_rank
             .expect("the plan requires is_token_in_rank")
@@ -960,13 +1036,38 @@ impl Buffer {
         num_sms: Option<u32>,
         s: &StreamArgs<'_>,
     ) -> Result<(RecvX, EventOverlap)> {
-        let device = self.cuda.device;
         self.check_normal()?;
         let num_sms = self.call_sms(num_sms, SmsCall::Dispatch)?;
+        if self.nodes().is_some() {
+            return self.x_dispatch_cached(x, handle, num_sms, s);
+        }
+        checks::internode_handle(&self.target(), self.rank, None, handle)?;
+        let (data, scales) = x.parts();
+        let args = DispatchArgsOf::new(x, Some(handle), None);
+        let t = args.tensors();
+        let (rpm, send_head) = (&handle.rank_prefix_matrix, &handle.send_head);
+        let inputs = [Some(data), scales, Some(rpm), Some(send_head)];
+        let ((recv_x, scales), event) =
+            self.run_engine(s, num_sms, &inputs, |b, streams, out| {
+                b.cached_dispatch_call(streams, &t, out)
+            })?;
+        Ok((RecvX { x: recv_x, scales }, event))
+    }
+
+    /// [`dispatch_cached_with`](Self::dispatch_cached_with) where the group
+    /// spans nodes (the internode part), with `num_sms` SMs.
+    fn x_dispatch_cached(
+        &mut self,
+        x: DispatchX<'_>,
+        handle: &Handle,
+        num_sms: u32,
+        s: &StreamArgs<'_>,
+    ) -> Result<(RecvX, EventOverlap)> {
+        let device = self.cuda.device;
         let p = checks::dispatch_cached(&self.target(), x, handle)?;
         checks::internode_handle(&self.target(), self.rank, self.nodes(), handle)?;
         let (data, scales) = x.parts();
-        let shape = dispatch_shape(&p, self.num_ranks);
+        let shape = launch_shape(&p, self.num_ranks);
         let (rpm, send_head) = (&handle.rank_prefix_matrix, &handle.send_head);
         // Allocated before any kernel of the dispatch runs (see `dispatch`).
         let (compute, (recv_x, recv_scales), comm) = self.begin(s, || {
@@ -1047,11 +1148,44 @@ impl Buffer {
         num_sms: Option<u32>,
         s: &StreamArgs<'_>,
     ) -> Result<(Tensor, Option<Tensor>, EventOverlap)> {
-        let device = self.cuda.device;
         self.check_normal()?;
+        let c = CombineIn {
+            x,
+            handle,
+            topk_weights,
+            bias,
+        };
+        if self.nodes().is_some() {
+            return self.x_combine(&c, num_sms, s);
+        }
+        checks::internode_handle(&self.target(), self.rank, None, handle)?;
+        let num_sms = self.call_sms(num_sms, SmsCall::Combine)?;
+        let args = CombineArgsOf::new(x, handle, topk_weights, bias);
+        let t = args.tensors();
+        let ((out, out_w), event) = self.run_engine(s, num_sms, &c.inputs(), |b, streams, o| {
+            b.combine_call(streams, &t, o)
+        })?;
+        Ok((out, out_w, event))
+    }
+
+    /// [`combine_with`](Self::combine_with) where the group spans nodes (the
+    /// internode part).
+    fn x_combine(
+        &mut self,
+        c: &CombineIn<'_>,
+        num_sms: Option<u32>,
+        s: &StreamArgs<'_>,
+    ) -> Result<(Tensor, Option<Tensor>, EventOverlap)> {
+        let CombineIn {
+            x,
+            handle,
+            topk_weights,
+            bias,
+        } = *c;
+        let device = self.cuda.device;
         let p = checks::combine(&self.target(), x, handle, topk_weights, bias)?;
         checks::internode_handle(&self.target(), self.rank, self.nodes(), handle)?;
-        let (b0, b1) = checks::bias_pair(bias);
+        let (b0, b1) = bias.pair();
         let num_sms = self.call_sms(num_sms, SmsCall::Combine)?;
         let (compute, (out, out_w), comm) = self.begin(s, || {
             Ok((
@@ -1076,14 +1210,7 @@ impl Buffer {
         let recv_src_idx = ptr(Some(&handle.recv_src_idx));
         self.normal()?
             .combine(comm, &a, xi.as_ref(), recv_src_idx, num_sms)?;
-        let mut inputs = vec![
-            Some(x),
-            topk_weights,
-            b0,
-            b1,
-            Some(&handle.rank_prefix_matrix),
-            Some(&handle.send_head),
-        ];
+        let mut inputs = c.inputs();
         if let Some(h) = &handle.internode {
             inputs.push(Some(&handle.recv_src_idx));
             inputs.extend(h.read().map(Some));
@@ -1096,9 +1223,7 @@ impl Buffer {
 
     fn ll_begin(&self, async_finish: bool, return_recv_hook: bool) -> Result<&LowLatencyBuffer> {
         let ll = self.ll()?;
-        self.ll_hooks
-            .begin(async_finish, return_recv_hook)
-            ?;
+        self.ll_hooks.begin(async_finish, return_recv_hook)?;
         // A timed-out wait leaves the ranks out of step: the launch itself
         // refuses before launching (run_ll).
         Ok(ll)
@@ -1218,7 +1343,7 @@ impl Buffer {
         let recorded = run_ll(self.ll()?, stream, &call, phases)?;
         let keep = keep.iter().flatten().copied();
         let event = if async_finish {
-            self.finish_async(stream, keep.clone())?
+            EventOverlap::keeping(self.cuda.core, stream, self.cuda.index, keep.clone())?
         } else {
             EventOverlap::none()
         };
@@ -1482,17 +1607,75 @@ impl Drop for Buffer {
     }
 }
 
-/// The launch shape of a checked dispatch on `num_ranks` ranks. A cached one
-/// (no top-k, no expert counts) passes `num_ranks` experts, as the Python
-/// Buffer does.
-fn dispatch_shape(p: &DispatchPlan, num_ranks: i64) -> DispatchShape {
-    let num_experts = if p.cached { num_ranks } else { p.num_experts };
-    DispatchShape {
-        num_tokens: p.num_tokens as usize,
-        hidden_bytes: p.hidden_bytes as usize,
-        num_scales: p.num_scales as usize,
-        num_topk: p.num_topk as usize,
-        num_experts: num_experts as usize,
+/// What the engine's full dispatch `d` gave, as [`Buffer::dispatch`]
+/// returns it: the handle with the caller's `is_token_in_rank`.
+fn dispatched(
+    d: ep_core::engine::Dispatched<Tensor>,
+    is_token_in_rank: Tensor,
+    event: EventOverlap,
+) -> Dispatched {
+    let per_expert = d.num_recv_tokens_per_expert.into_iter().map(i64::from);
+    Dispatched {
+        recv_x: RecvX {
+            x: d.recv_x,
+            scales: d.recv_x_scales,
+        },
+        recv_topk_idx: d.recv_topk_idx,
+        recv_topk_weights: d.recv_topk_weights,
+        num_recv_tokens_per_expert: per_expert.collect(),
+        handle: Handle {
+            rank_prefix_matrix: d.rank_prefix_matrix,
+            channel_prefix_matrix: d.channel_prefix_matrix,
+            recv_channel_prefix_matrix: d.recv_channel_prefix_matrix,
+            recv_src_idx: d.recv_src_idx,
+            is_token_in_rank,
+            send_head: d.send_head,
+            internode: None,
+        },
+        event,
+    }
+}
+
+/// The tensors a full dispatch's kernels read (kept by an `async_finish`
+/// call's event): `x` (and its scales), `topk_idx`, `topk_weights`,
+/// `is_token_in_rank`, `num_tokens_per_expert`.
+fn dispatch_inputs<'a>(x: DispatchX<'a>, a: &DispatchArgs<'a>) -> [Option<&'a Tensor>; 6] {
+    let (data, scales) = x.parts();
+    [
+        Some(data),
+        scales,
+        a.topk_idx,
+        a.topk_weights,
+        a.is_token_in_rank,
+        a.num_tokens_per_expert,
+    ]
+}
+
+/// A combine's tensors, as [`Buffer::combine_with`] takes them.
+#[derive(Clone, Copy)]
+struct CombineIn<'a> {
+    x: &'a Tensor,
+    handle: &'a Handle,
+    topk_weights: Option<&'a Tensor>,
+    bias: Bias<'a>,
+}
+
+impl<'a> CombineIn<'a> {
+    /// The tensors the kernels read (kept by an `async_finish` call's event):
+    /// `x`, `topk_weights`, the bias, the handle's `rank_prefix_matrix` and
+    /// `send_head`.
+    fn inputs(&self) -> Vec<Option<&'a Tensor>> {
+        let (b0, b1) = self.bias.pair();
+        let h = self.handle;
+        let (rpm, head) = (&h.rank_prefix_matrix, &h.send_head);
+        vec![
+            Some(self.x),
+            self.topk_weights,
+            b0,
+            b1,
+            Some(rpm),
+            Some(head),
+        ]
     }
 }
 

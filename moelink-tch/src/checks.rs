@@ -16,15 +16,14 @@
 //! switch ([`set_check_ids`], `MOELINK_CHECK_IDS=1`).
 
 use collectives::DType as ArDType;
-use ep_core::calls::{
-    self, Bias as CoreBias, CombinePlan, DispatchPlan, LayoutPlan, LlCombinePlan, LlDispatchPlan,
-};
+use ep_core::calls::{self, CombinePlan, DispatchPlan, LayoutPlan, LlCombinePlan, LlDispatchPlan};
 use ep_core::ll_hooks::HookBook;
 use tch::{Device, Kind, Tensor};
 
 use crate::args::{
     Bias, DispatchArgs, DispatchX, Handle, LlCombineOptions, LlDispatchOptions, LlHandle,
 };
+use crate::engine::{CombineArgsOf, DispatchArgsOf};
 use crate::error::{Error, Result};
 use crate::event::StreamArgs;
 use crate::tensor::{device_index, dtype_of, meta, opt_meta};
@@ -85,52 +84,22 @@ pub fn dispatch_cached(t: &Target, x: DispatchX<'_>, handle: &Handle) -> Result<
     dispatch_plan(t, x, Some(handle), None)
 }
 
-/// `dispatch` with `handle` (cached) or the arguments `a` (absent ones None).
+/// `dispatch` with `handle` (cached) or the arguments `a` (absent ones None),
+/// on the tensors as ep-core's engine takes them ([`DispatchArgsOf`]).
 fn dispatch_plan(
     t: &Target,
     x: DispatchX<'_>,
     handle: Option<&Handle>,
     a: Option<&DispatchArgs<'_>>,
 ) -> Result<DispatchPlan> {
-    let (data, scales) = x.parts();
-    let (data_m, scales_m) = (meta(data), opt_meta(scales));
-    let h = handle.map(Handle::metas);
-    let per_rank = opt_meta(a.and_then(|a| a.num_tokens_per_rank));
-    let in_rank = opt_meta(a.and_then(|a| a.is_token_in_rank));
-    let per_expert = opt_meta(a.and_then(|a| a.num_tokens_per_expert));
-    let idx = opt_meta(a.and_then(|a| a.topk_idx));
-    let w = opt_meta(a.and_then(|a| a.topk_weights));
-    let p = calls::dispatch(
-        t.num_ranks,
-        t.dev(),
-        &calls::DispatchArgs {
-            x: &data_m,
-            scales: scales_m.as_ref(),
-            handle: h.as_ref(),
-            num_tokens_per_rank: per_rank.as_ref(),
-            num_tokens_per_rdma_rank: false,
-            is_token_in_rank: in_rank.as_ref(),
-            num_tokens_per_expert: per_expert.as_ref(),
-            topk_idx: idx.as_ref(),
-            topk_weights: w.as_ref(),
-            expert_alignment: a.map_or(1, |a| a.expert_alignment),
-            num_worst_tokens: a.map_or(0, |a| a.num_worst_tokens),
-        },
-    )?;
-    check_aligned("x", data)?;
+    let args = DispatchArgsOf::new(x, handle, a);
+    let p = calls::dispatch(t.num_ranks, t.dev(), &args.tensors())?;
+    check_aligned("x", x.parts().0)?;
     Ok(p)
 }
 
-/// `bias` as a pair (None, None for no bias).
-pub(crate) fn bias_pair<'a>(bias: Bias<'a>) -> (Option<&'a Tensor>, Option<&'a Tensor>) {
-    match bias {
-        Bias::None => (None, None),
-        Bias::One(b) => (Some(b), None),
-        Bias::Pair(b0, b1) => (b0, b1),
-    }
-}
-
-/// `combine(x, handle, topk_weights, bias)`.
+/// `combine(x, handle, topk_weights, bias)`, on the tensors as ep-core's
+/// engine takes them ([`CombineArgsOf`]).
 pub fn combine(
     t: &Target,
     x: &Tensor,
@@ -138,27 +107,9 @@ pub fn combine(
     topk_weights: Option<&Tensor>,
     bias: Bias<'_>,
 ) -> Result<CombinePlan> {
-    let (x_m, h, w_m) = (meta(x), handle.metas(), opt_meta(topk_weights));
-    let (b0, b1) = bias_pair(bias);
-    let (b0_m, b1_m) = (opt_meta(b0), opt_meta(b1));
-    let core_bias = match bias {
-        Bias::None => None,
-        Bias::One(_) => b0_m.as_ref().map(CoreBias::One),
-        // A pair of None is no bias.
-        Bias::Pair(..) => {
-            (b0.is_some() || b1.is_some()).then_some(CoreBias::Pair(b0_m.as_ref(), b1_m.as_ref()))
-        }
-    };
-    let p = calls::combine(
-        t.num_ranks,
-        t.dev(),
-        &calls::CombineArgs {
-            x: &x_m,
-            handle: &h,
-            topk_weights: w_m.as_ref(),
-            bias: core_bias,
-        },
-    )?;
+    let args = CombineArgsOf::new(x, handle, topk_weights, bias);
+    let p = calls::combine(t.num_ranks, t.dev(), &args.tensors())?;
+    let (b0, b1) = bias.pair();
     for (name, t) in [("x", Some(x)), ("bias[0]", b0), ("bias[1]", b1)] {
         if let Some(t) = t {
             check_aligned(name, t)?;
@@ -374,16 +325,12 @@ pub fn all_gather(
 
 // ----- stream arguments ---------------------------------------------------------
 
-/// The stream arguments of an intranode call (the Python Buffer's
-/// `_prologue`): `allocate_on_comm_stream` needs `previous_event` and
-/// `async_finish` (a `ValueError` otherwise).
+/// The stream arguments of a normal-mode call (the Python Buffer's
+/// `_prologue`, ep-core's `engine::StreamArgs::check`):
+/// `allocate_on_comm_stream` needs `previous_event` and `async_finish` (a
+/// `ValueError` otherwise).
 pub fn stream_args(s: &StreamArgs<'_>) -> Result<()> {
-    if s.allocate_on_comm_stream && (s.previous_event.is_none() || !s.async_finish) {
-        return Err(Error::value(
-            "allocate_on_comm_stream=True needs previous_event and async_finish=True",
-        ));
-    }
-    Ok(())
+    Ok(s.engine().check()?)
 }
 
 /// A low-latency call's `async_finish` and `return_recv_hook` (the Python

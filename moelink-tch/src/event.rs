@@ -11,7 +11,7 @@ use comm::{Device as CoreDevice, StreamHandle};
 use tch::{Device, Tensor};
 
 use crate::error::Result;
-use crate::stream::current_stream;
+use crate::stream::{current_stream, record_stream};
 
 /// A CUDA event (or none) and the tensors that must stay alive until it
 /// completes. `current_stream_wait()` makes torch's current stream (of the
@@ -72,6 +72,23 @@ impl EventOverlap {
             event: Some(event),
             extra_tensors: tensors,
         })
+    }
+
+    /// An event recorded on `stream` of `device` (CUDA index `index`) after
+    /// `tensors` were marked used there (their memory is not handed out again
+    /// before the stream's work so far is done), keeping them: the end of an
+    /// `async_finish` call (Python's `finish_async`).
+    pub(crate) fn keeping<'t>(
+        device: CoreDevice,
+        stream: StreamHandle,
+        index: i32,
+        tensors: impl Iterator<Item = &'t Tensor>,
+    ) -> Result<Self> {
+        let kept: Vec<Tensor> = tensors.map(Tensor::shallow_clone).collect();
+        for t in &kept {
+            record_stream(t, stream, index)?;
+        }
+        Self::recorded(device, stream, kept)
     }
 
     /// The event, where there is one.
@@ -151,7 +168,30 @@ pub struct StreamArgs<'a> {
     pub allocate_on_comm_stream: bool,
 }
 
+/// A call's `previous_event` as ep-core's engine waits for it: an
+/// [`EventOverlap::none`] holds nothing, so the engine orders the call after
+/// the current stream.
+impl ep_core::engine::PreviousEvent for EventOverlap {
+    fn wait_on(&self, stream: StreamHandle) -> comm::Result<bool> {
+        match &self.event {
+            Some(e) => e.wait(stream).map(|()| true),
+            None => Ok(false),
+        }
+    }
+}
+
 impl<'a> StreamArgs<'a> {
+    /// The same arguments as ep-core's engine takes them.
+    pub(crate) fn engine(&self) -> ep_core::engine::StreamArgs<'a> {
+        ep_core::engine::StreamArgs {
+            previous_event: self
+                .previous_event
+                .map(|e| e as &dyn ep_core::engine::PreviousEvent),
+            async_finish: self.async_finish,
+            allocate_on_comm_stream: self.allocate_on_comm_stream,
+        }
+    }
+
     /// `async_finish=True` after `previous_event` (when given).
     pub fn asynchronous(previous_event: Option<&'a EventOverlap>) -> Self {
         Self {

@@ -16,6 +16,7 @@
 //! | [`buffer`] | [`Buffer`]: layout, dispatch (full, cached), combine (intranode, or internode where the group spans nodes), low-latency dispatch/combine (with receive hooks) |
 //! | [`args`] | the call argument types that [`buffer`], [`checks`] and [`reference`](mod@reference) share: [`DispatchX`], [`DispatchArgs`] (from a [`Layout`]), [`Handle`] (with its [`InternodeHandle`]), [`Bias`], [`LlHandle`], [`LlDispatchOptions`], [`LlCombineOptions`], [`RecvX`]; `checks` and `reference` import it, never `buffer` |
 //! | [`allreduce`] | [`AllReduce`]: allreduce and allgather on the current stream, the tuning file |
+//! | `engine` (private) | ep-core's engine on tch tensors: the intranode layout, dispatch and combine run through it, with outputs tch allocates |
 //! | [`checks`] | every call's argument checks (ep-core's `calls`, plus the Python layer's; stream arguments; the host-side expert-id check), usable without a GPU |
 //! | [`reference`] | the CPU reference semantics (`ep-reference`, the oracle) on tch tensors |
 //! | [`tensor`] | tch tensors as the core sees them; outputs allocated through tch |
@@ -47,6 +48,7 @@ with_tch! {
     pub mod args;
     pub mod buffer;
     pub mod checks;
+    mod engine;
     pub mod error;
     pub mod event;
     pub mod graph;

@@ -13,7 +13,6 @@ use tch::kind::Element;
 use tch::{Device, Kind, Tensor};
 
 use crate::args::{Bias, DispatchX, Layout, RecvX};
-use crate::checks::bias_pair;
 use crate::error::{Error, Result};
 use crate::tensor::dtype_of;
 
@@ -327,11 +326,10 @@ fn combine_of(
             .and_then(|w| w.get(rank))
             .map(|w| f32s_exact(&format!("topk_weights[{rank}]"), w))
             .transpose()?;
-        let (b0, b1) = bias_pair(
-            biases
-                .and_then(|b| b.get(rank).copied())
-                .unwrap_or_default(),
-        );
+        let (b0, b1) = biases
+            .and_then(|b| b.get(rank).copied())
+            .unwrap_or_default()
+            .pair();
         let b0 = b0
             .map(|b| f32s(&format!("biases[{rank}][0]"), b, 2))
             .transpose()?;
