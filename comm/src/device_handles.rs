@@ -26,105 +26,75 @@ pub const ERROR_NONE: u32 = 0;
 pub const ERROR_TIMEOUT: u32 = 1;
 pub const ERROR_INVALID: u32 = 2;
 
-/// What a timed-out device wait was waiting for ([`DeviceError::kind`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u32)]
-pub enum WaitKind {
-    Semaphore = 1,
-    FifoSpace = 2,
-    FifoDrain = 3,
-    Packet = 4,
-    InvalidOffset = 5,
-    LlDispatch = 6,
-    LlCombine = 7,
-    LlOverflow = 8,
-    InvalidExpertId = 9,
-    IntranodeDispatch = 10,
-    IntranodeCombine = 11,
-    InternodeChunk = 12,
-    InternodeLocal = 13,
-    InternodeForward = 14,
-    InternodePoisoned = 15,
-    IntranodeGate = 16,
-}
+/// Defines [`WaitKind`] from one table: each kind's value (`kWait*` of
+/// `common_device.cuh`) and what a wait of that kind was waiting for
+/// ([`WaitKind::describe`]).
+macro_rules! wait_kinds {
+    ($($kind:ident = $value:literal => $what:expr,)*) => {
+        /// What a timed-out device wait was waiting for ([`DeviceError::kind`]).
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        #[repr(u32)]
+        pub enum WaitKind {
+            $($kind = $value,)*
+        }
 
-impl WaitKind {
-    pub fn from_u32(v: u32) -> Option<Self> {
-        Some(match v {
-            1 => Self::Semaphore,
-            2 => Self::FifoSpace,
-            3 => Self::FifoDrain,
-            4 => Self::Packet,
-            5 => Self::InvalidOffset,
-            6 => Self::LlDispatch,
-            7 => Self::LlCombine,
-            8 => Self::LlOverflow,
-            9 => Self::InvalidExpertId,
-            10 => Self::IntranodeDispatch,
-            11 => Self::IntranodeCombine,
-            12 => Self::InternodeChunk,
-            13 => Self::InternodeLocal,
-            14 => Self::InternodeForward,
-            15 => Self::InternodePoisoned,
-            16 => Self::IntranodeGate,
-            _ => return None,
-        })
-    }
+        impl WaitKind {
+            pub fn from_u32(v: u32) -> Option<Self> {
+                match v {
+                    $($value => Some(Self::$kind),)*
+                    _ => None,
+                }
+            }
 
-    pub fn describe(self) -> &'static str {
-        match self {
-            Self::Semaphore => "a signal on semaphore",
-            Self::FifoSpace => "a free FIFO slot (is the proxy running?) in FIFO",
-            Self::FifoDrain => "the proxy to finish a trigger (flush) in FIFO",
-            Self::Packet => "an LL packet (index in `id`) with the expected flag",
-            Self::InvalidOffset => "nothing: an offset/size above 4 GiB was rejected on channel",
-            Self::LlDispatch => {
-                "the low-latency dispatch data (buffer parity in `id`; expected: call count)"
-            }
-            Self::LlCombine => {
-                "the low-latency combine data (buffer parity in `id`; expected: call count)"
-            }
-            Self::LlOverflow => {
-                "nothing: a local expert got more rows than fit (its R*T slots, or a peer's \
-                 inbox: a peer out of step) (local expert in `id`; expected: room, observed: rows)"
-            }
-            Self::InvalidExpertId => {
-                "nothing: an expert id outside [-1, num_experts) (token << 8 | column in `id`; \
-                 expected: num_experts, observed: the id)"
-            }
-            Self::IntranodeDispatch => {
-                "an intranode dispatch record (fused kernel; slot in `id`; expected: the \
-                 call's flag, observed: the record's flag)"
-            }
-            Self::IntranodeCombine => {
-                "an intranode combine record (fused kernel; slot in `id`; expected: the \
-                 call's flag, observed: the record's flag)"
-            }
-            Self::InternodeChunk => {
-                "a chunk of the peer's cross-node stream (port-channel signal; chunk in `id`; \
-                 expected: chunks, observed: chunks landed)"
-            }
-            Self::InternodeLocal => {
-                "this rank's own warps to fill a chunk of a cross-node stream (node << 32 | \
-                 chunk in `id`; expected: records, observed: records written)"
-            }
-            Self::InternodeForward => {
-                "an internode combine row for the forwarder (source token in `id`; expected: \
-                 the call's flag, observed: the row's flag)"
-            }
-            Self::InternodePoisoned => {
-                "an internode combine partial that its forwarder could complete (it timed out \
-                 waiting for a rank of its node and sent NaN; its own error names that rank) \
-                 (source node << 32 | slot in `id`; expected: the call's flag, observed: the \
-                 partial's flag)"
-            }
-            Self::IntranodeGate => {
-                "this rank's own barrier block of a fused intranode kernel (block 0, which \
-                 signals and waits for every peer before the other senders write; expected: \
-                 1, observed: the gate)"
+            pub fn describe(self) -> &'static str {
+                match self {
+                    $(Self::$kind => $what,)*
+                }
             }
         }
-    }
+    };
+}
+
+wait_kinds! {
+    Semaphore = 1 => "a signal on semaphore",
+    FifoSpace = 2 => "a free FIFO slot (is the proxy running?) in FIFO",
+    FifoDrain = 3 => "the proxy to finish a trigger (flush) in FIFO",
+    Packet = 4 => "an LL packet (index in `id`) with the expected flag",
+    InvalidOffset = 5 => "nothing: an offset/size above 4 GiB was rejected on channel",
+    LlDispatch = 6 =>
+        "the low-latency dispatch data (buffer parity in `id`; expected: call count)",
+    LlCombine = 7 =>
+        "the low-latency combine data (buffer parity in `id`; expected: call count)",
+    LlOverflow = 8 =>
+        "nothing: a local expert got more rows than fit (its R*T slots, or a peer's \
+         inbox: a peer out of step) (local expert in `id`; expected: room, observed: rows)",
+    InvalidExpertId = 9 =>
+        "nothing: an expert id outside [-1, num_experts) (token << 8 | column in `id`; \
+         expected: num_experts, observed: the id)",
+    IntranodeDispatch = 10 =>
+        "an intranode dispatch record (fused kernel; slot in `id`; expected: the \
+         call's flag, observed: the record's flag)",
+    IntranodeCombine = 11 =>
+        "an intranode combine record (fused kernel; slot in `id`; expected: the \
+         call's flag, observed: the record's flag)",
+    InternodeChunk = 12 =>
+        "a chunk of the peer's cross-node stream (port-channel signal; chunk in `id`; \
+         expected: chunks, observed: chunks landed)",
+    InternodeLocal = 13 =>
+        "this rank's own warps to fill a chunk of a cross-node stream (node << 32 | \
+         chunk in `id`; expected: records, observed: records written)",
+    InternodeForward = 14 =>
+        "an internode combine row for the forwarder (source token in `id`; expected: \
+         the call's flag, observed: the row's flag)",
+    InternodePoisoned = 15 =>
+        "an internode combine partial that its forwarder could complete (it timed out \
+         waiting for a rank of its node and sent NaN; its own error names that rank) \
+         (source node << 32 | slot in `id`; expected: the call's flag, observed: the \
+         partial's flag)",
+    IntranodeGate = 16 =>
+        "this rank's own barrier block of a fused intranode kernel (block 0, which \
+         signals and waits for every peer before the other senders write; expected: \
+         1, observed: the gate)",
 }
 
 /// `comm::DeviceError`: the first failure of a kernel (host-mapped).

@@ -44,6 +44,7 @@ use comm::{DeviceMemory, StreamHandle, SymmetricRegion};
 use ep_kernels::intranode::CtxKernel::{
     CombineBarrier, CombineWait, DispatchBarrier, DispatchWait,
 };
+use ep_kernels::intranode::DataKernel::{CombineRecv, CombineSend, DispatchRecv, DispatchSend};
 use ep_kernels::intranode::{
     self as k, CombineRecvArgs, CombineSendArgs, FusedGrid, FusedHalves, FusedState, IntranodeCtx,
     NotifyArgs, PackedLayout, RecordLayout, RecvArgs, RecvPoolHeader, SendArgs, CTRL_BYTES,
@@ -786,7 +787,7 @@ impl IntranodeBuffer {
         }
         let Some(grid) = fused_grid(num_sms, |s| s.dispatch) else {
             // SAFETY: as above.
-            return unsafe { k::dispatch_send(self.part.kernels(), stream, ctx, send) };
+            return unsafe { k::data_kernel(self.part.kernels(), stream, ctx, DispatchSend(send)) };
         };
         if early {
             let side = &self.side;
@@ -797,9 +798,7 @@ impl IntranodeBuffer {
                     self.part.kernels(),
                     stream,
                     ctx,
-                    FusedHalves::Send,
-                    Some(send),
-                    None,
+                    FusedHalves::Send(send),
                     self.dispatch_state(),
                     grid,
                 )
@@ -886,9 +885,7 @@ impl IntranodeBuffer {
                         self.part.kernels(),
                         stream,
                         ctx,
-                        FusedHalves::Both,
-                        Some(pending.send),
-                        Some(recv),
+                        FusedHalves::Both(pending.send, recv),
                         state,
                         grid,
                     )
@@ -906,9 +903,7 @@ impl IntranodeBuffer {
                     self.part.kernels(),
                     side.side.handle(),
                     ctx,
-                    FusedHalves::Recv,
-                    None,
-                    Some(recv),
+                    FusedHalves::Recv(recv),
                     state,
                     grid,
                 )
@@ -924,7 +919,7 @@ impl IntranodeBuffer {
         // SAFETY: as above.
         unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, DispatchWait) }?;
         // SAFETY: as above.
-        unsafe { k::dispatch_recv(self.part.kernels(), stream, ctx, recv) }?;
+        unsafe { k::data_kernel(self.part.kernels(), stream, ctx, DispatchRecv(recv)) }?;
         Ok(())
     }
 
@@ -1123,19 +1118,20 @@ impl IntranodeBuffer {
                 barrier: self.combine_dirty,
                 ..self.combine_state()
             };
+            let kernels = self.part.kernels();
             // SAFETY: the caller checked every tensor.
-            unsafe { k::combine_fused(self.part.kernels(), stream, ctx, send, recv, state, grid) }?;
+            unsafe { k::combine_fused(kernels, stream, ctx, send, recv, state, grid, None) }?;
         } else {
             if self.combine_dirty {
                 // SAFETY: channels are live.
                 unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, CombineBarrier) }?;
             }
             // SAFETY: the caller checked every tensor.
-            unsafe { k::combine_send(self.part.kernels(), stream, ctx, send) }?;
+            unsafe { k::data_kernel(self.part.kernels(), stream, ctx, CombineSend(send)) }?;
             // SAFETY: as above.
             unsafe { k::ctx_kernel(self.part.kernels(), stream, ctx, CombineWait) }?;
             // SAFETY: as above.
-            unsafe { k::combine_recv(self.part.kernels(), stream, ctx, recv) }?;
+            unsafe { k::data_kernel(self.part.kernels(), stream, ctx, CombineRecv(recv)) }?;
         }
         self.combine_dirty = true;
         Ok(())
@@ -1182,13 +1178,14 @@ impl IntranodeBuffer {
         // docs/design-intranode.md).
         let wide = read && self.part.num_ranks() >= WIDE_MIN_RANKS;
         let launch = |grid: FusedGrid, send_only: bool| {
+            let direct = k::DirectCombine {
+                pools,
+                send_only,
+                wide,
+            };
             // SAFETY: the caller checked every tensor; every rank published
             // this call's header before this launch.
-            unsafe {
-                k::combine_direct(
-                    kernels, stream, ctx, send, recv, state, grid, pools, send_only, wide,
-                )
-            }
+            unsafe { k::combine_fused(kernels, stream, ctx, send, recv, state, grid, Some(direct)) }
         };
         match fused_grid(num_sms, |s| s.combine) {
             Some(grid) if sends => launch(grid, false),

@@ -18,7 +18,7 @@ pub use ep_kernels::low_latency::DispatchOutputs;
 /// Which halves of a low-latency call a launch runs (send, receive, both).
 pub use ep_kernels::low_latency::Phases;
 use ep_kernels::low_latency::{
-    self as k, CombineArgs, DispatchArgs, Launch, LlCtx, LlShape, FLAGS_BYTES, STATE_WORDS,
+    self as k, CombineArgs, DispatchArgs, Launch, LlCtx, LlShape, LlSizes, FLAGS_BYTES, STATE_WORDS,
 };
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -81,6 +81,15 @@ pub struct CombineCall {
 }
 
 impl CallShape {
+    pub fn new(max_tokens: usize, hidden: usize, num_experts: usize, num_topk: usize) -> Self {
+        CallShape {
+            max_tokens,
+            hidden,
+            num_experts,
+            num_topk,
+        }
+    }
+
     /// The launch shape of a checked low-latency call: its plan's geometry
     /// and top-k.
     pub fn of(g: &LlGeometry, num_topk: i64) -> Self {
@@ -176,17 +185,23 @@ pub fn size_hint(
     num_ranks: usize,
     num_experts: usize,
 ) -> Result<usize> {
+    let call = CallShape::new(max_tokens, hidden, num_experts, k::MAX_TOPK);
+    Ok(hint_bytes(&checked_shape(num_ranks, &call)?) as usize)
+}
+
+/// Call `s` on `num_ranks` ranks, checked against the kernels' limits and
+/// their shared memory (a shape whose blocks cannot hold it never runs).
+fn checked_shape(num_ranks: usize, s: &CallShape) -> Result<LlShape> {
     let shape = LlShape {
         num_ranks,
-        max_tokens,
-        hidden,
-        num_experts,
-        num_topk: k::MAX_TOPK,
+        max_tokens: s.max_tokens,
+        hidden: s.hidden,
+        num_experts: s.num_experts,
+        num_topk: s.num_topk,
     };
     shape.check()?;
-    // A shape whose blocks cannot hold their shared memory never runs.
     shape.check_smem()?;
-    Ok(hint_bytes(&shape) as usize)
+    Ok(shape)
 }
 
 /// The size hint of `shape`'s (T, hidden, ranks, experts): its layout with
@@ -356,15 +371,7 @@ impl LowLatencyBuffer {
             num_experts,
             num_topk,
         } = *s;
-        let shape = LlShape {
-            num_ranks: self.part.num_ranks(),
-            max_tokens,
-            hidden,
-            num_experts,
-            num_topk,
-        };
-        shape.check()?;
-        shape.check_smem()?;
+        let shape = checked_shape(self.part.num_ranks(), s)?;
         // What the size hint asks for this (T, hidden, experts), whatever
         // this buffer's transport and the call's top-k: a Buffer takes the
         // calls that the hint it was sized by covers, as DeepEP's does, not
@@ -407,12 +414,7 @@ impl LowLatencyBuffer {
         hidden: usize,
         num_experts: usize,
     ) -> Result<(u64, usize)> {
-        let shape = self.shape(&CallShape {
-            max_tokens,
-            hidden,
-            num_experts,
-            num_topk: 1,
-        })?;
+        let shape = self.shape(&CallShape::new(max_tokens, hidden, num_experts, 1))?;
         let l = shape.layout(self.uses_proxy());
         Ok((
             self.mem.ptr() + l.zero_copy,
@@ -497,11 +499,7 @@ impl LowLatencyBuffer {
             out: call.out,
             msg_bytes: l.shape.msg_bytes(call.use_fp8, call.use_ue8m0) as i64,
             inbox_bytes: l.shape.dispatch_inbox_bytes(call.use_fp8, call.use_ue8m0) as i64,
-            num_tokens: call.num_tokens as i32,
-            max_tokens: s.max_tokens as i32,
-            hidden: s.hidden as i32,
-            num_topk: s.num_topk as i32,
-            num_experts: s.num_experts as i32,
+            sizes: LlSizes::new(call.num_tokens, &l.shape),
             use_fp8: i32::from(call.use_fp8),
             round_scale: i32::from(call.use_fp8 && call.round_scale),
             use_ue8m0: i32::from(call.use_fp8 && call.use_ue8m0),
@@ -524,65 +522,32 @@ impl LowLatencyBuffer {
             out: call.out,
             stats_wait: call.stats_wait,
             inbox_bytes: l.shape.combine_inbox_bytes() as i64,
-            num_tokens: call.num_tokens as i32,
-            max_tokens: s.max_tokens as i32,
-            hidden: s.hidden as i32,
-            num_topk: s.num_topk as i32,
-            num_experts: s.num_experts as i32,
+            sizes: LlSizes::new(call.num_tokens, &l.shape),
             phases: phases as i32,
         };
         // SAFETY: as above.
         unsafe { k::combine(&l, a) }
     }
 
-    /// [`Self::dispatch`] as an API call runs it: refuses to launch once a
-    /// device wait of this part ran out (the ranks are out of step; nothing is
-    /// launched), launches `phases`, and where they include the receive
-    /// returns what the kernels recorded (an expert id out of range, in this
-    /// call or an earlier one) for the caller to raise after its own
-    /// bookkeeping: the launch happened, so the ranks stay in step.
-    pub fn dispatch_call(
-        &self,
-        stream: StreamHandle,
-        call: &DispatchCall,
-        phases: Phases,
-    ) -> Result<Option<CommError>> {
-        self.api_call(phases, || self.dispatch(stream, call, phases))
-    }
-
-    /// [`Self::combine`] as an API call runs it ([`Self::dispatch_call`]).
-    pub fn combine_call(
-        &self,
-        stream: StreamHandle,
-        call: &CombineCall,
-        phases: Phases,
-    ) -> Result<Option<CommError>> {
-        self.api_call(phases, || self.combine(stream, call, phases))
-    }
-
-    /// [`Self::dispatch_call`] or [`Self::combine_call`] of `call`.
+    /// [`Self::dispatch`] or [`Self::combine`] of `call` as an API call runs
+    /// it: refuses to launch once a device wait of this part ran out (the
+    /// ranks are out of step; nothing is launched), launches `phases`, and
+    /// where they include the receive returns what the kernels recorded (an
+    /// expert id out of range, in this call or an earlier one) for the caller
+    /// to raise after its own bookkeeping: the launch happened, so the ranks
+    /// stay in step. Without a receive it returns None: a send-only launch is
+    /// followed by its hook, which reports.
     pub fn call(
         &self,
         stream: StreamHandle,
         call: &LlCall,
         phases: Phases,
     ) -> Result<Option<CommError>> {
-        match call {
-            LlCall::Dispatch(c) => self.dispatch_call(stream, c, phases),
-            LlCall::Combine(c) => self.combine_call(stream, c, phases),
-        }
-    }
-
-    /// `launch` (of `phases`) after the timeout check, then the device error
-    /// to report (None without a receive: a send-only launch is followed by
-    /// its hook, which reports).
-    fn api_call(
-        &self,
-        phases: Phases,
-        launch: impl FnOnce() -> Result<()>,
-    ) -> Result<Option<CommError>> {
         self.check_device_timeout()?;
-        launch()?;
+        match call {
+            LlCall::Dispatch(c) => self.dispatch(stream, c, phases),
+            LlCall::Combine(c) => self.combine(stream, c, phases),
+        }?;
         Ok(match phases {
             Phases::Send => None,
             Phases::Recv | Phases::Both => self.check_device().err(),

@@ -87,30 +87,6 @@ impl NormalPart<'_> {
         }
     }
 
-    /// Bounded CPU wait for the counts of dispatch `epoch`: (received tokens,
-    /// per-local-expert counts).
-    pub fn wait_counts(&self, epoch: u64, num_experts: usize) -> Result<(usize, Vec<i32>)> {
-        match self {
-            Self::Internode(b) => b.wait_counts(epoch, num_experts),
-            Self::Intranode(b) => b.wait_counts(epoch, num_experts),
-        }
-    }
-
-    /// The receive half of a dispatch into `out`.
-    pub fn dispatch_recv(
-        &mut self,
-        stream: StreamHandle,
-        shape: &DispatchShape,
-        rank_prefix_matrix: u64,
-        out: &DispatchOutputs,
-        num_sms: u32,
-    ) -> Result<()> {
-        match self {
-            Self::Internode(b) => b.dispatch_recv(stream, shape, rank_prefix_matrix, out, num_sms),
-            Self::Intranode(b) => b.dispatch_recv(stream, shape, rank_prefix_matrix, out, num_sms),
-        }
-    }
-
     /// A whole combine; `recv_src_idx` (internode only) is the handle's.
     pub fn combine(
         &mut self,
@@ -125,12 +101,49 @@ impl NormalPart<'_> {
             Self::Intranode(b) => b.combine(stream, a, num_sms),
         }
     }
+}
+
+/// Methods that both parts have with the same arguments: each passes the call
+/// to the part that serves.
+macro_rules! either_part {
+    ($(#[$doc:meta])* pub fn $name:ident(&self $(, $arg:ident: $ty:ty)*) -> $ret:ty; $($rest:tt)*) => {
+        impl NormalPart<'_> {
+            $(#[$doc])*
+            pub fn $name(&self $(, $arg: $ty)*) -> $ret {
+                either_part!(@call self.$name($($arg),*))
+            }
+        }
+        either_part!($($rest)*);
+    };
+    ($(#[$doc:meta])* pub fn $name:ident(&mut self $(, $arg:ident: $ty:ty)*) -> $ret:ty; $($rest:tt)*) => {
+        impl NormalPart<'_> {
+            $(#[$doc])*
+            pub fn $name(&mut self $(, $arg: $ty)*) -> $ret {
+                either_part!(@call self.$name($($arg),*))
+            }
+        }
+        either_part!($($rest)*);
+    };
+    (@call $part:ident.$name:ident($($arg:ident),*)) => {
+        match $part {
+            Self::Internode(b) => b.$name($($arg),*),
+            Self::Intranode(b) => b.$name($($arg),*),
+        }
+    };
+    () => {};
+}
+
+either_part! {
+    /// Bounded CPU wait for the counts of dispatch `epoch`: (received tokens,
+    /// per-local-expert counts).
+    pub fn wait_counts(&self, epoch: u64, num_experts: usize) -> Result<(usize, Vec<i32>)>;
+
+    /// The receive half of a dispatch into `out`.
+    pub fn dispatch_recv(
+        &mut self, stream: StreamHandle, shape: &DispatchShape, rank_prefix_matrix: u64,
+        out: &DispatchOutputs, num_sms: u32
+    ) -> Result<()>;
 
     /// The SMs a dispatch or combine asked for `num_sms` holds.
-    pub fn launch_sms(&self, num_sms: u32) -> u32 {
-        match self {
-            Self::Internode(b) => b.launch_sms(num_sms),
-            Self::Intranode(b) => b.launch_sms(num_sms),
-        }
-    }
+    pub fn launch_sms(&self, num_sms: u32) -> u32;
 }

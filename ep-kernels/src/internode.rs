@@ -12,7 +12,7 @@ use comm::StreamHandle;
 use crate::intranode::{
     self as intra, CombineRecvArgs, CombineRecvParams, CombineSendArgs, CombineSendParams,
     DispatchFusedParams, DispatchSendParams, FusedGrid, FusedHalves, FusedState, IntranodeCtx,
-    RecordLayout, RecvArgs, SendArgs,
+    NotifyCommon, RecordLayout, RecvArgs, SendArgs,
 };
 use crate::module::{DeviceKernels, KernelId};
 
@@ -64,15 +64,7 @@ struct XNotifyParams {
     node_head: u64,
     xcounts: u64,
     recv_rdma_rank_prefix_sum: u64,
-    host_counts: u64,
-    host_epoch: u64,
-    epoch_value: u64,
-    topk_idx: u64,
-    error: u64,
-    num_tokens: i32,
-    experts_per_rank: i32,
-    expert_alignment: i32,
-    num_topk: i32,
+    common: NotifyCommon,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -131,21 +123,13 @@ struct XCombineParams {
 }
 
 param_layout!(
-    PARAM_LAYOUT = [
-        sizeof!(XCtx == 176),
-        offsetof!(XCtx, xslots == 144),
-        sizeof!(XNotifyParams == 288),
-        offsetof!(XNotifyParams, recv_rdma_rank_prefix_sum == 224),
-        offsetof!(XNotifyParams, num_tokens == 272),
-        sizeof!(XDispatchParams == 432),
-        offsetof!(XDispatchParams, send == 176),
-        offsetof!(XDispatchParams, num_send_blocks == 428),
-        sizeof!(XDispatchLaunch == 440),
-        offsetof!(XDispatchLaunch, args == 8),
-        sizeof!(XCombineParams == 504),
-        offsetof!(XCombineParams, recv == 304),
-        offsetof!(XCombineParams, num_send_blocks == 496),
-    ]
+    PARAM_LAYOUT = {
+        XCtx: 176 { xslots: 144 },
+        XNotifyParams: 288 { recv_rdma_rank_prefix_sum: 224, num_tokens in common: 272 },
+        XDispatchParams: 432 { send: 176, num_send_blocks: 428 },
+        XDispatchLaunch: 440 { args: 8 },
+        XCombineParams: 504 { recv: 304, num_send_blocks: 496 },
+    }
 );
 
 /// A cross-node dispatch record: the NVL record's fields with global top-k
@@ -267,13 +251,7 @@ pub unsafe fn internode_notify(
 ) -> Result<()> {
     check_x(&x)?;
     let n = &a.n;
-    intra::check_notify_counts(n, x.c.num_ranks, x.c.num_ranks + x.num_nodes)?;
-    if n.error == 0 {
-        return Err(CommError::invalid(
-            "error",
-            "the device error record is required",
-        ));
-    }
+    intra::check_notify(n, x.c.num_ranks, x.c.num_ranks + x.num_nodes)?;
     let p = XNotifyParams {
         x,
         is_token_in_rank: n.is_token_in_rank,
@@ -283,15 +261,7 @@ pub unsafe fn internode_notify(
         node_head: a.node_head,
         xcounts: a.xcounts,
         recv_rdma_rank_prefix_sum: a.recv_rdma_rank_prefix_sum,
-        host_counts: n.host_counts,
-        host_epoch: n.host_epoch,
-        epoch_value: n.epoch_value,
-        topk_idx: n.topk_idx,
-        error: n.error,
-        num_tokens: n.num_tokens,
-        experts_per_rank: n.experts_per_rank,
-        expert_alignment: n.expert_alignment,
-        num_topk: n.num_topk,
+        common: intra::notify_common(n),
     };
     // SAFETY: XNotifyParams mirrors the kernel's block; pointers are the caller's contract.
     unsafe { k.launch_params(KernelId::InternodeNotify, (1, 1), 1024, 0, stream, p) }
@@ -353,7 +323,7 @@ pub struct XDispatchArgs {
 /// (`moelink::internode::dispatch` in its send role).
 ///
 /// # Safety
-/// As [`intra::dispatch_send`]; the x regions of every peer must be free
+/// As [`intra::DataKernel::DispatchSend`]; the x regions of every peer must be free
 /// (after notify or a barrier) and the port channels' proxy running.
 pub unsafe fn internode_dispatch(
     k: &DeviceKernels,
@@ -423,8 +393,7 @@ pub unsafe fn internode_dispatch_recv(
     state: FusedState,
     grid: FusedGrid,
 ) -> Result<()> {
-    let (blocks, recv) =
-        intra::dispatch_fused_params(ctx, FusedHalves::Recv, None, Some(recv), state, grid)?;
+    let (blocks, recv) = intra::dispatch_fused_params(ctx, FusedHalves::Recv(recv), state, grid)?;
     // SAFETY: forwarded from the caller's contract.
     unsafe {
         launch_dispatch(

@@ -4,7 +4,7 @@
 //!
 //! All pointers are device addresses (`0` = absent where the kernel allows it).
 
-use std::mem::{offset_of, size_of};
+use std::mem::offset_of;
 
 use comm::error::{CommError, Result};
 use comm::StreamHandle;
@@ -59,11 +59,7 @@ pub struct RecordLayout {
     pub num_topk: i32,
 }
 
-const _: () = {
-    assert!(size_of::<IntranodeCtx>() == 80);
-    assert!(offset_of!(IntranodeCtx, rank) == 72);
-    assert!(size_of::<RecordLayout>() == 32);
-};
+const _: () = assert!(offset_of!(IntranodeCtx, rank) == 72);
 
 /// `moelink::intranode::NotifyParams`: the argument block of the notify
 /// kernel (`moelink::intranode::notify`), launched by [`dispatch_notify`].
@@ -75,17 +71,26 @@ struct NotifyParams {
     num_tokens_per_expert: u64,
     rank_prefix_matrix: u64,
     send_head: u64,
-    host_counts: u64,
-    host_epoch: u64,
-    epoch_value: u64,
-    topk_idx: u64,
-    error: u64,
-    num_tokens: i32,
-    experts_per_rank: i32,
-    expert_alignment: i32,
-    num_topk: i32,
+    common: NotifyCommon,
     pool_header: u64,
     pool_value: RecvPoolHeader,
+}
+
+/// The fields of both notify kernels' argument blocks from `host_counts` to
+/// `num_topk` (the .cu structs list them one by one; the same bytes), taken
+/// from the call's [`NotifyArgs`] by [`notify_common`].
+#[derive(Clone, Copy, Debug)]
+#[repr(C)]
+pub(crate) struct NotifyCommon {
+    pub(crate) host_counts: u64,
+    pub(crate) host_epoch: u64,
+    pub(crate) epoch_value: u64,
+    pub(crate) topk_idx: u64,
+    pub(crate) error: u64,
+    pub(crate) num_tokens: i32,
+    pub(crate) experts_per_rank: i32,
+    pub(crate) expert_alignment: i32,
+    pub(crate) num_topk: i32,
 }
 
 /// `moelink::intranode::DispatchSendParams`.
@@ -96,8 +101,8 @@ pub(crate) struct DispatchSendParams {
     rec: RecordLayout,
     x: u64,
     scales: u64,
-    scale_stride0: i64,
-    scale_stride1: i64,
+    /// `scale_stride0`, `scale_stride1`.
+    scale_strides: [i64; 2],
     topk_idx: u64,
     topk_weights: u64,
     send_head: u64,
@@ -115,8 +120,8 @@ pub(crate) struct DispatchRecvParams {
     num_rows: i64,
     recv_x: u64,
     recv_scales: u64,
-    scale_stride0: i64,
-    scale_stride1: i64,
+    /// `scale_stride0`, `scale_stride1`.
+    scale_strides: [i64; 2],
     recv_topk_idx: u64,
     recv_topk_weights: u64,
     recv_src_idx: u64,
@@ -142,8 +147,8 @@ pub(crate) struct CombineRecvParams {
     c: IntranodeCtx,
     send_head: u64,
     record_bytes: i64,
-    bias0: u64,
-    bias1: u64,
+    /// `bias0`, `bias1`.
+    bias: [u64; 2],
     out: u64,
     out_weights: u64,
     num_tokens: i32,
@@ -256,40 +261,27 @@ pub const COMBINE_HEADER_OFFSET: u64 = 16;
 
 // The same numbers as the static_asserts in intranode.cuh (a CPU test reads them there).
 param_layout!(
-    PARAM_LAYOUT = [
-        sizeof!(NotifyParams == 192),
-        offsetof!(NotifyParams, pool_header == 168),
-        offsetof!(NotifyParams, epoch_value == 128),
-        offsetof!(NotifyParams, num_tokens == 152),
-        sizeof!(DispatchSendParams == 176),
-        offsetof!(DispatchSendParams, x == 112),
-        offsetof!(DispatchSendParams, num_tokens == 168),
-        sizeof!(DispatchRecvParams == 184),
-        offsetof!(DispatchRecvParams, num_rows == 120),
-        offsetof!(DispatchRecvParams, recv_src_idx == 176),
-        sizeof!(CombineSendParams == 128),
-        offsetof!(CombineSendParams, num_topk == 120),
-        sizeof!(CombineRecvParams == 144),
-        offsetof!(CombineRecvParams, num_tokens == 128),
-        sizeof!(DispatchFusedParams == 408),
-        offsetof!(DispatchFusedParams, recv == 176),
-        offsetof!(DispatchFusedParams, num_send_blocks == 400),
-        sizeof!(CombineFusedParams == 304),
-        offsetof!(CombineFusedParams, recv == 128),
-        offsetof!(CombineFusedParams, num_send_blocks == 296),
-        sizeof!(IntranodeCtx as Ctx == 80),
-        sizeof!(PackedLayout == 48),
-        sizeof!(RecvPoolHeader == 16),
-        sizeof!(DispatchPackedParams == 240),
-        offsetof!(DispatchPackedParams, rank_prefix_matrix == 224),
-        offsetof!(DispatchPackedParams, pools == 232),
-        sizeof!(PublishBarrierParams == 112),
-        sizeof!(CombineDirectParams == 320),
-        offsetof!(CombineDirectParams, pools == 304),
-        offsetof!(CombineDirectParams, header_offset == 312),
-        sizeof!(FinishRowsParams == 240),
-        offsetof!(FinishRowsParams, copy_scales == 232),
-    ]
+    PARAM_LAYOUT = {
+        NotifyParams: 192 {
+            pool_header: 168,
+            epoch_value in common: 128,
+            num_tokens in common: 152,
+        },
+        DispatchSendParams: 176 { x: 112, num_tokens: 168 },
+        DispatchRecvParams: 184 { num_rows: 120, recv_src_idx: 176 },
+        CombineSendParams: 128 { num_topk: 120 },
+        CombineRecvParams: 144 { num_tokens: 128 },
+        DispatchFusedParams: 408 { recv: 176, num_send_blocks: 400 },
+        CombineFusedParams: 304 { recv: 128, num_send_blocks: 296 },
+        IntranodeCtx as Ctx: 80,
+        RecordLayout: 32,
+        PackedLayout: 48,
+        RecvPoolHeader: 16,
+        DispatchPackedParams: 240 { rank_prefix_matrix: 224, pools: 232 },
+        PublishBarrierParams: 112,
+        CombineDirectParams: 320 { pools: 304, header_offset: 312 },
+        FinishRowsParams: 240 { copy_scales: 232 },
+    }
 );
 
 const fn round_up(n: i64, m: i64) -> i64 {
@@ -441,10 +433,11 @@ pub struct NotifyArgs {
     pub pool_value: RecvPoolHeader,
 }
 
-/// Checks the experts of a notify: at least one per rank, with `num_ranks`
-/// rows of `row_words + experts_per_rank` int32 counts fitting one half of
-/// the control region, and an alignment of at least 1.
-pub(crate) fn check_notify_counts(a: &NotifyArgs, num_ranks: i32, row_words: i32) -> Result<()> {
+/// Checks a notify's experts (at least one per rank, with `num_ranks` rows of
+/// `row_words + experts_per_rank` int32 counts fitting one half of the
+/// control region, and an alignment of at least 1) and its device error
+/// record.
+pub(crate) fn check_notify(a: &NotifyArgs, num_ranks: i32, row_words: i32) -> Result<()> {
     let row = row_words as u64 + a.experts_per_rank as u64;
     if row * num_ranks as u64 * 4 > CTRL_HALF_BYTES || a.experts_per_rank <= 0 {
         return Err(CommError::invalid(
@@ -458,7 +451,27 @@ pub(crate) fn check_notify_counts(a: &NotifyArgs, num_ranks: i32, row_words: i32
     if a.expert_alignment < 1 {
         return Err(CommError::invalid("expert_alignment", "must be at least 1"));
     }
+    if a.error == 0 {
+        return Err(CommError::invalid(
+            "error",
+            "the device error record is required",
+        ));
+    }
     Ok(())
+}
+
+pub(crate) fn notify_common(a: &NotifyArgs) -> NotifyCommon {
+    NotifyCommon {
+        host_counts: a.host_counts,
+        host_epoch: a.host_epoch,
+        epoch_value: a.epoch_value,
+        topk_idx: a.topk_idx,
+        error: a.error,
+        num_tokens: a.num_tokens,
+        experts_per_rank: a.experts_per_rank,
+        expert_alignment: a.expert_alignment,
+        num_topk: a.num_topk,
+    }
 }
 
 /// # Safety
@@ -471,17 +484,11 @@ pub unsafe fn dispatch_notify(
     a: NotifyArgs,
 ) -> Result<()> {
     check_ctx(&ctx)?;
-    check_notify_counts(&a, ctx.num_ranks, ctx.num_ranks)?;
+    check_notify(&a, ctx.num_ranks, ctx.num_ranks)?;
     if a.topk_idx != 0 && !(1..=crate::limits::MAX_TOPK as i32).contains(&a.num_topk) {
         return Err(CommError::invalid(
             "topk_idx",
             format!("{} columns; 1 to {}", a.num_topk, crate::limits::MAX_TOPK),
-        ));
-    }
-    if a.error == 0 {
-        return Err(CommError::invalid(
-            "error",
-            "the device error record is required",
         ));
     }
     let p = NotifyParams {
@@ -490,15 +497,7 @@ pub unsafe fn dispatch_notify(
         num_tokens_per_expert: a.num_tokens_per_expert,
         rank_prefix_matrix: a.rank_prefix_matrix,
         send_head: a.send_head,
-        host_counts: a.host_counts,
-        host_epoch: a.host_epoch,
-        epoch_value: a.epoch_value,
-        topk_idx: a.topk_idx,
-        error: a.error,
-        num_tokens: a.num_tokens,
-        experts_per_rank: a.experts_per_rank,
-        expert_alignment: a.expert_alignment,
-        num_topk: a.num_topk,
+        common: notify_common(&a),
         pool_header: a.pool_header,
         pool_value: a.pool_value,
     };
@@ -549,7 +548,62 @@ pub unsafe fn ctx_kernel(
     unsafe { k.launch_params(id, (1, 1), 32, 0, stream, ctx) }
 }
 
-/// Inputs of [`dispatch_send`].
+/// The separate (not fused) data kernels, with their arguments: each on
+/// `num_sms` blocks at most, fewer when there is less work.
+#[derive(Clone, Copy, Debug)]
+pub enum DataKernel {
+    /// The send half of a dispatch (`moelink::intranode::dispatch_send`);
+    /// the peers' regions must be free (after notify or a barrier).
+    DispatchSend(SendArgs),
+    /// The receive half of a dispatch, after `wait_peers` ([`ctx_kernel`]).
+    DispatchRecv(RecvArgs),
+    /// The send half of a combine; the sources' combine regions must be free.
+    CombineSend(CombineSendArgs),
+    /// The reduction of a combine, after `wait_peers` ([`ctx_kernel`]).
+    CombineRecv(CombineRecvArgs),
+}
+
+/// Launches `kernel`.
+///
+/// # Safety
+/// The pointers of its arguments valid for their documented sizes, in the
+/// order its variant states.
+pub unsafe fn data_kernel(
+    k: &DeviceKernels,
+    stream: StreamHandle,
+    ctx: IntranodeCtx,
+    kernel: DataKernel,
+) -> Result<()> {
+    check_ctx(&ctx)?;
+    // SAFETY: every argument block mirrors its kernel's; pointers are the
+    // caller's contract.
+    unsafe {
+        match kernel {
+            DataKernel::DispatchSend(a) => {
+                let p = send_params(ctx, &a)?;
+                let grid = data_grid(a.num_sms, a.num_tokens as i64);
+                launch_blocks(k, stream, KernelId::DispatchSend, grid, p)
+            }
+            DataKernel::DispatchRecv(a) => {
+                let p = recv_params(ctx, &a);
+                let grid = data_grid(a.num_sms, a.out.num_rows);
+                launch_blocks(k, stream, KernelId::DispatchRecv, grid, p)
+            }
+            DataKernel::CombineSend(a) => {
+                let p = combine_send_params(ctx, &a);
+                let grid = data_grid(a.num_sms, a.num_rows);
+                launch_blocks(k, stream, KernelId::CombineSend, grid, p)
+            }
+            DataKernel::CombineRecv(a) => {
+                let p = combine_recv_params(ctx, &a)?;
+                let grid = data_grid(a.num_sms, a.num_tokens as i64);
+                launch_blocks(k, stream, KernelId::CombineRecv, grid, p)
+            }
+        }
+    }
+}
+
+/// Inputs of [`DataKernel::DispatchSend`].
 #[derive(Clone, Copy, Debug)]
 pub struct SendArgs {
     pub rec: RecordLayout,
@@ -568,22 +622,7 @@ pub struct SendArgs {
     pub num_sms: u32,
 }
 
-/// # Safety
-/// Pointers valid for the documented sizes; the peers' regions must be free
-/// (after notify or a barrier).
-pub unsafe fn dispatch_send(
-    k: &DeviceKernels,
-    stream: StreamHandle,
-    ctx: IntranodeCtx,
-    a: SendArgs,
-) -> Result<()> {
-    let grid = data_grid(a.num_sms, a.num_tokens as i64);
-    let p = send_params(ctx, &a)?;
-    // SAFETY: as above.
-    unsafe { launch_blocks(k, stream, KernelId::DispatchSend, grid, p) }
-}
-
-/// Launches `dispatch_send_packed`: [`dispatch_send`] with every copy of a
+/// Launches `dispatch_send_packed`: [`DataKernel::DispatchSend`] with every copy of a
 /// token written to its received row of the destination's packed arrays
 /// (`rank_prefix_matrix` `[R, R]` int32 on the device: notify's, or the
 /// handle's for a cached dispatch).
@@ -592,7 +631,7 @@ pub unsafe fn dispatch_send(
 /// pool as mapped here, whose headers [`publish_barrier`] wrote; 0: packed.
 ///
 /// # Safety
-/// As [`dispatch_send`]; `packed` lies in every rank's dispatch region; a
+/// As [`DataKernel::DispatchSend`]; `packed` lies in every rank's dispatch region; a
 /// pool header that names rows names a range of its pool that the pool's
 /// owner holds for this call's recv_x.
 pub unsafe fn dispatch_send_packed(
@@ -632,7 +671,7 @@ pub unsafe fn publish_barrier(
     unsafe { launch_publish_barrier(k, stream, ctx, header, value, 0) }
 }
 
-/// Launches `publish_barrier` before a direct combine ([`combine_direct`]):
+/// Launches `publish_barrier` before a direct combine ([`DirectCombine`]):
 /// `value` into the combine header of this rank's receive pool (`pool`, its
 /// device base address) that the device count of completed combines
 /// (`state.send_calls`) picks: [`COMBINE_HEADER_OFFSET`], plus 16 bytes after
@@ -641,7 +680,7 @@ pub unsafe fn publish_barrier(
 ///
 /// # Safety
 /// As [`publish_barrier`]; `pool` is this rank's pool, and `state` the one
-/// the following [`combine_direct`] gets.
+/// the following direct [`combine_fused`] gets.
 pub unsafe fn publish_combine_barrier(
     k: &DeviceKernels,
     stream: StreamHandle,
@@ -687,7 +726,7 @@ unsafe fn launch_publish_barrier(
 /// the scales when `copy_scales` (a strided `recv_scales`).
 ///
 /// # Safety
-/// As [`dispatch_recv`].
+/// As [`DataKernel::DispatchRecv`].
 pub unsafe fn finish_rows(
     k: &DeviceKernels,
     stream: StreamHandle,
@@ -725,8 +764,7 @@ pub(crate) fn send_params(ctx: IntranodeCtx, a: &SendArgs) -> Result<DispatchSen
         rec: a.rec,
         x: a.x,
         scales: a.scales,
-        scale_stride0: a.scale_strides.0,
-        scale_stride1: a.scale_strides.1,
+        scale_strides: a.scale_strides.into(),
         topk_idx: a.topk_idx,
         topk_weights: a.topk_weights,
         send_head: a.send_head,
@@ -748,7 +786,7 @@ pub struct DispatchOutputs {
     pub recv_src_idx: u64,
 }
 
-/// Arguments of [`dispatch_recv`].
+/// Arguments of [`DataKernel::DispatchRecv`].
 #[derive(Clone, Copy, Debug)]
 pub struct RecvArgs {
     pub rec: RecordLayout,
@@ -756,21 +794,6 @@ pub struct RecvArgs {
     pub rank_prefix_matrix: u64,
     pub out: DispatchOutputs,
     pub num_sms: u32,
-}
-
-/// # Safety
-/// Pointers valid for `num_rows` rows; runs after `wait_peers` ([`ctx_kernel`]).
-pub unsafe fn dispatch_recv(
-    k: &DeviceKernels,
-    stream: StreamHandle,
-    ctx: IntranodeCtx,
-    a: RecvArgs,
-) -> Result<()> {
-    check_ctx(&ctx)?;
-    let grid = data_grid(a.num_sms, a.out.num_rows);
-    let p = recv_params(ctx, &a);
-    // SAFETY: as above.
-    unsafe { launch_blocks(k, stream, KernelId::DispatchRecv, grid, p) }
 }
 
 pub(crate) fn recv_params(ctx: IntranodeCtx, a: &RecvArgs) -> DispatchRecvParams {
@@ -782,15 +805,14 @@ pub(crate) fn recv_params(ctx: IntranodeCtx, a: &RecvArgs) -> DispatchRecvParams
         num_rows: o.num_rows,
         recv_x: o.recv_x,
         recv_scales: o.recv_scales,
-        scale_stride0: o.scale_strides.0,
-        scale_stride1: o.scale_strides.1,
+        scale_strides: o.scale_strides.into(),
         recv_topk_idx: o.recv_topk_idx,
         recv_topk_weights: o.recv_topk_weights,
         recv_src_idx: o.recv_src_idx,
     }
 }
 
-/// Inputs of [`combine_send`].
+/// Inputs of [`DataKernel::CombineSend`].
 #[derive(Clone, Copy, Debug)]
 pub struct CombineSendArgs {
     /// bf16 `[rows, hidden]`.
@@ -805,21 +827,6 @@ pub struct CombineSendArgs {
     pub num_sms: u32,
 }
 
-/// # Safety
-/// Pointers valid; the sources' combine regions must be free.
-pub unsafe fn combine_send(
-    k: &DeviceKernels,
-    stream: StreamHandle,
-    ctx: IntranodeCtx,
-    a: CombineSendArgs,
-) -> Result<()> {
-    check_ctx(&ctx)?;
-    let grid = data_grid(a.num_sms, a.num_rows);
-    let p = combine_send_params(ctx, &a);
-    // SAFETY: as above.
-    unsafe { launch_blocks(k, stream, KernelId::CombineSend, grid, p) }
-}
-
 pub(crate) fn combine_send_params(ctx: IntranodeCtx, a: &CombineSendArgs) -> CombineSendParams {
     CombineSendParams {
         c: ctx,
@@ -832,7 +839,7 @@ pub(crate) fn combine_send_params(ctx: IntranodeCtx, a: &CombineSendArgs) -> Com
     }
 }
 
-/// Inputs / outputs of [`combine_recv`].
+/// Inputs / outputs of [`DataKernel::CombineRecv`].
 #[derive(Clone, Copy, Debug)]
 pub struct CombineRecvArgs {
     /// `[N, R]` int32 slots (the handle's send_head).
@@ -847,20 +854,6 @@ pub struct CombineRecvArgs {
     pub out_weights: u64,
     pub num_topk: i32,
     pub num_sms: u32,
-}
-
-/// # Safety
-/// Pointers valid; runs after `wait_peers` ([`ctx_kernel`]).
-pub unsafe fn combine_recv(
-    k: &DeviceKernels,
-    stream: StreamHandle,
-    ctx: IntranodeCtx,
-    a: CombineRecvArgs,
-) -> Result<()> {
-    let grid = data_grid(a.num_sms, a.num_tokens as i64);
-    let p = combine_recv_params(ctx, &a)?;
-    // SAFETY: as above.
-    unsafe { launch_blocks(k, stream, KernelId::CombineRecv, grid, p) }
 }
 
 /// The combine's receive half's argument block (checked).
@@ -879,8 +872,7 @@ pub(crate) fn combine_recv_params(
         c: ctx,
         send_head: a.send_head,
         record_bytes: combine_record_bytes(a.hidden as usize, a.num_topk.max(0) as usize),
-        bias0: a.bias.0,
-        bias1: a.bias.1,
+        bias: a.bias.into(),
         out: a.out,
         out_weights: a.out_weights,
         num_tokens: a.num_tokens,
@@ -899,16 +891,16 @@ pub struct FusedGrid {
 /// Which halves one launch of the fused dispatch runs
 /// (`moelink::intranode::dispatch`; a receive-only half of an internode
 /// dispatch is a launch of `moelink::internode::dispatch`, see
-/// [`crate::internode::internode_dispatch_recv`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// [`crate::internode::internode_dispatch_recv`]), with their arguments.
+#[derive(Clone, Copy, Debug)]
 pub enum FusedHalves {
     /// Both, on the grid's split (one launch).
-    Both,
+    Both(SendArgs, RecvArgs),
     /// The send half alone, on the grid's `send_blocks` blocks.
-    Send,
+    Send(SendArgs),
     /// The receive half alone, on the grid's other blocks (it may run on
     /// another stream while the send-only launch of the same call runs).
-    Recv,
+    Recv(RecvArgs),
 }
 
 impl FusedGrid {
@@ -963,29 +955,24 @@ pub const PROF_BLOCKS: usize = 256;
 pub const PROF_SLOTS: usize = 4;
 
 /// Launches the fused dispatch (`moelink::intranode::dispatch`) for
-/// `halves`: the send half of `send` on the
-/// first `grid.send_blocks` blocks and the receive half of `recv` on the
-/// others, at once (each received row copied out when its record's flag shows
-/// this call), or one half alone on its share of the grid. The arguments of
-/// the half a launch does not run are not read (`None`).
+/// `halves`: the send half on the first `grid.send_blocks` blocks and the
+/// receive half on the others, at once (each received row copied out when its
+/// record's flag shows this call), or one half alone on its share of the grid.
 ///
 /// # Safety
-/// As [`dispatch_send`] and [`dispatch_recv`] together, except that no wait
+/// As [`DataKernel::DispatchSend`] and [`DataKernel::DispatchRecv`] together, except that no wait
 /// kernel comes between them: the kernel waits per record itself. Every
 /// peer's dispatch of this call must be a fused one too, and each call runs
 /// both halves once (`Both`, or `Send` then `Recv`).
-#[allow(clippy::too_many_arguments)]
 pub unsafe fn dispatch_fused(
     k: &DeviceKernels,
     stream: StreamHandle,
     ctx: IntranodeCtx,
     halves: FusedHalves,
-    send: Option<SendArgs>,
-    recv: Option<RecvArgs>,
     state: FusedState,
     grid: FusedGrid,
 ) -> Result<()> {
-    let (blocks, p) = dispatch_fused_params(ctx, halves, send, recv, state, grid)?;
+    let (blocks, p) = dispatch_fused_params(ctx, halves, state, grid)?;
     // SAFETY: DispatchFusedParams mirrors the kernel's block; pointers are the caller's contract.
     unsafe { launch_blocks(k, stream, KernelId::IntranodeDispatch, blocks, p) }
 }
@@ -995,8 +982,6 @@ pub unsafe fn dispatch_fused(
 pub(crate) fn dispatch_fused_params(
     ctx: IntranodeCtx,
     halves: FusedHalves,
-    send: Option<SendArgs>,
-    recv: Option<RecvArgs>,
     state: FusedState,
     grid: FusedGrid,
 ) -> Result<(u32, DispatchFusedParams)> {
@@ -1007,10 +992,11 @@ pub(crate) fn dispatch_fused_params(
             "a dispatch needs its receive counter and ticket",
         ));
     }
-    let (blocks, num_send_blocks) = match halves {
-        FusedHalves::Both => (grid.blocks, grid.send_blocks),
-        FusedHalves::Send => (grid.send_blocks, grid.send_blocks),
-        FusedHalves::Recv => (grid.blocks - grid.send_blocks, 0),
+    // The half a launch does not run gets arguments without rows.
+    let (blocks, num_send_blocks, send, recv) = match halves {
+        FusedHalves::Both(s, r) => (grid.blocks, grid.send_blocks, s, r),
+        FusedHalves::Send(s) => (grid.send_blocks, grid.send_blocks, s, RecvArgs::none(s.rec)),
+        FusedHalves::Recv(r) => (grid.blocks - grid.send_blocks, 0, SendArgs::none(r.rec), r),
     };
     if state.barrier && num_send_blocks == 0 {
         return Err(CommError::invalid(
@@ -1018,27 +1004,9 @@ pub(crate) fn dispatch_fused_params(
             "a receive-only launch has no senders to pass a barrier",
         ));
     }
-    let missing = |what: &str| {
-        CommError::invalid(
-            "fused halves",
-            format!("{halves:?} needs the {what} arguments"),
-        )
-    };
-    let rec = send.map(|a| a.rec).or(recv.map(|a| a.rec));
-    let rec = rec.ok_or_else(|| missing("send or receive"))?;
-    let send = match (send, halves) {
-        (Some(a), _) => send_params(ctx, &a)?,
-        (None, FusedHalves::Recv) => send_params(ctx, &SendArgs::none(rec))?,
-        (None, _) => return Err(missing("send")),
-    };
-    let recv = match (recv, halves) {
-        (Some(a), _) => recv_params(ctx, &a),
-        (None, FusedHalves::Send) => recv_params(ctx, &RecvArgs::none(rec)),
-        (None, _) => return Err(missing("receive")),
-    };
     let p = DispatchFusedParams {
-        send,
-        recv,
+        send: send_params(ctx, &send)?,
+        recv: recv_params(ctx, &recv),
         send_calls: state.send_calls,
         recv_calls: state.recv_calls,
         recv_ticket: state.recv_ticket,
@@ -1080,13 +1048,35 @@ impl RecvArgs {
     }
 }
 
-/// Launches the fused combine (`moelink::intranode::combine`): the send half of `send` and the reduction of
-/// `recv` at once (each token reduced when the flags of all its copies show
-/// this call).
+/// What makes a fused combine launch a direct one
+/// (`moelink::intranode::combine_direct`): the rows of a source whose combine
+/// header (in every pool of `pools`, written by [`publish_combine_barrier`]
+/// before this launch) names its x in its receive pool are read there by the
+/// receivers instead of being sent, and the grid's `send_blocks` may be 0
+/// (this rank's x is read and there are no weights: every block receives).
+#[derive(Clone, Copy, Debug)]
+pub struct DirectCombine {
+    /// The `[R]` table of every rank's receive pool as mapped here.
+    pub pools: u64,
+    /// A send-only launch on one SM (all blocks send), to be followed by a
+    /// launch with `grid.send_blocks` 0 that ends the call.
+    pub send_only: bool,
+    /// `combine_direct_wide` instead: blocks of [`WIDE_THREADS`] whose
+    /// receivers have more loads in flight (for a rank whose own x is read in
+    /// place, in a group of 4 or more ranks).
+    pub wide: bool,
+}
+
+/// Launches the fused combine (`moelink::intranode::combine`): the send half
+/// of `send` and the reduction of `recv` at once (each token reduced when the
+/// flags of all its copies show this call); with `direct`, the direct combine
+/// ([`DirectCombine`]).
 ///
 /// # Safety
-/// As [`combine_send`] and [`combine_recv`] together (no wait kernel between
-/// them); every peer's combine of this call must be a fused one too.
+/// As [`DataKernel::CombineSend`] and [`DataKernel::CombineRecv`] together (no wait kernel between
+/// them); every peer's combine of this call must be a fused one too, and a
+/// direct one where this one is.
+#[allow(clippy::too_many_arguments)]
 pub unsafe fn combine_fused(
     k: &DeviceKernels,
     stream: StreamHandle,
@@ -1095,49 +1085,22 @@ pub unsafe fn combine_fused(
     recv: CombineRecvArgs,
     state: FusedState,
     grid: FusedGrid,
+    direct: Option<DirectCombine>,
 ) -> Result<()> {
-    let p = combine_fused_params(ctx, &send, &recv, &state, grid)?;
-    check_fused(&state, grid)?;
-    // SAFETY: CombineFusedParams mirrors the kernel's block; pointers are the caller's contract.
-    unsafe { launch_blocks(k, stream, KernelId::IntranodeCombine, grid.blocks, p) }
-}
-
-/// Launches the direct combine (`moelink::intranode::combine_direct`): the
-/// fused combine, except that the rows of a source whose combine header
-/// (in every pool of `pools`, written by [`publish_combine_barrier`] before
-/// this launch) names its x in its receive pool are
-/// read there by the receivers instead of being sent. `grid.send_blocks` may
-/// be 0 (this rank's x is read and there are no weights: every block
-/// receives). `send_only`: a send-only launch on one SM (all blocks send), to
-/// be followed by a launch with `grid.send_blocks` 0 that ends the call.
-/// `wide`: `combine_direct_wide` instead, blocks of [`WIDE_THREADS`] whose
-/// receivers have more loads in flight (for a rank whose own x is read in
-/// place, in a group of 4 or more ranks).
-///
-/// # Safety
-/// As [`combine_fused`]; `pools` is the `[R]` table of every rank's receive
-/// pool as mapped here, and every peer's combine of this call is a direct one.
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn combine_direct(
-    k: &DeviceKernels,
-    stream: StreamHandle,
-    ctx: IntranodeCtx,
-    send: CombineSendArgs,
-    recv: CombineRecvArgs,
-    state: FusedState,
-    grid: FusedGrid,
-    pools: u64,
-    send_only: bool,
-    wide: bool,
-) -> Result<()> {
-    check_direct(&state, grid, pools, send_only)?;
+    let Some(d) = direct else {
+        check_fused(&state, grid)?;
+        let p = combine_fused_params(ctx, &send, &recv, &state, grid)?;
+        // SAFETY: CombineFusedParams mirrors the kernel's block; pointers are the caller's contract.
+        return unsafe { launch_blocks(k, stream, KernelId::IntranodeCombine, grid.blocks, p) };
+    };
+    check_direct(&state, grid, d.pools, d.send_only)?;
     let p = CombineDirectParams {
         f: combine_fused_params(ctx, &send, &recv, &state, grid)?,
-        pools,
+        pools: d.pools,
         header_offset: COMBINE_HEADER_OFFSET as i32,
-        finish: i32::from(!send_only),
+        finish: i32::from(!d.send_only),
     };
-    let (id, threads) = if wide {
+    let (id, threads) = if d.wide {
         (KernelId::CombineDirectWide, WIDE_THREADS)
     } else {
         (KernelId::CombineDirect, THREADS)
@@ -1146,7 +1109,7 @@ pub unsafe fn combine_direct(
     unsafe { k.launch_params(id, (grid.blocks, 1), threads, 0, stream, p) }
 }
 
-/// The fused combine's argument block (the direct combine's too; checked).
+/// The fused combine's argument block (checked).
 fn combine_fused_params(
     ctx: IntranodeCtx,
     send: &CombineSendArgs,
@@ -1166,7 +1129,7 @@ fn combine_fused_params(
     })
 }
 
-/// [`combine_direct`]'s launch: the fused state and the pool table present,
+/// A direct combine's launch: the fused state and the pool table present,
 /// and a grid whose sending blocks are all of it (`send_only`) or leave
 /// receivers (0 sending: a launch of receivers only).
 fn check_direct(state: &FusedState, grid: FusedGrid, pools: u64, send_only: bool) -> Result<()> {
@@ -1301,12 +1264,11 @@ mod tests {
             num_ranks: 2,
         };
         let rec = RecordLayout::dispatch(256, 0, 0).unwrap();
-        let send = Some(SendArgs::none(rec));
-        let recv = Some(RecvArgs::none(rec));
-        let (_, p) =
-            dispatch_fused_params(ctx, FusedHalves::Both, send, recv, state, grid).unwrap();
+        let (send, recv) = (SendArgs::none(rec), RecvArgs::none(rec));
+        let both = FusedHalves::Both(send, recv);
+        let (_, p) = dispatch_fused_params(ctx, both, state, grid).unwrap();
         assert_eq!(p.barrier, 1);
-        let e = dispatch_fused_params(ctx, FusedHalves::Recv, None, recv, state, grid)
+        let e = dispatch_fused_params(ctx, FusedHalves::Recv(recv), state, grid)
             .unwrap_err()
             .to_string();
         assert!(e.contains("barrier"), "{e}");
@@ -1314,7 +1276,7 @@ mod tests {
             barrier: false,
             ..state
         };
-        let (_, p) = dispatch_fused_params(ctx, FusedHalves::Recv, None, recv, open, grid).unwrap();
+        let (_, p) = dispatch_fused_params(ctx, FusedHalves::Recv(recv), open, grid).unwrap();
         assert_eq!(p.barrier, 0);
     }
 

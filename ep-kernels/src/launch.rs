@@ -64,15 +64,9 @@ pub struct LayoutParams {
 }
 
 // The same numbers as the kernels' static_asserts (a CPU test reads them).
-param_layout!(DIAGNOSTICS_LAYOUT = [sizeof!(DiagnosticsParams == 32)]);
-param_layout!(REDUCE_ROWS_LAYOUT = [sizeof!(ReduceRowsParams == 32)]);
-param_layout!(
-    LAYOUT_LAYOUT = [
-        sizeof!(LayoutParams as Params == 96),
-        offsetof!(LayoutParams as Params, num_tokens == 56),
-        offsetof!(LayoutParams as Params, rank == 72),
-    ]
-);
+param_layout!(DIAGNOSTICS_LAYOUT = { DiagnosticsParams: 32 });
+param_layout!(REDUCE_ROWS_LAYOUT = { ReduceRowsParams: 32 });
+param_layout!(LAYOUT_LAYOUT = { LayoutParams as Params: 96 { num_tokens: 56, rank: 72 } });
 
 /// `moelink::diagnostics::write_peers`: rank `rank` writes its pattern into slot `rank`
 /// of every peer buffer. `peer_table` is a device array of `nranks` pointers

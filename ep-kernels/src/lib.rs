@@ -7,42 +7,33 @@
 //! | launchers | [`launch`], [`intranode`], [`internode`], [`low_latency`] | one typed, checked launcher per kernel, on a caller-given raw stream |
 //! | limits | [`limits`] | every limit of the EP API (ranks, top-k, experts, tokens, row sizes), defined once |
 
-/// A row of a `param_layout!` table: `(the .cu file's expression, Rust's
-/// value, the number)`. `sizeof!(T == n)`; `sizeof!(T as C == n)` where the
-/// .cu file names the struct `C`.
-macro_rules! sizeof {
-    ($t:ident == $n:expr) => {
-        sizeof!($t as $t == $n)
-    };
-    ($t:ident as $c:ident == $n:expr) => {
-        (
-            concat!("sizeof(", stringify!($c), ")"),
-            ::core::mem::size_of::<$t>(),
-            $n,
-        )
-    };
-}
-
-/// A row of a `param_layout!` table: `offsetof!(T, field == n)`;
-/// `offsetof!(T as C, field == n)` where the .cu file names the struct `C`.
-macro_rules! offsetof {
-    ($t:ident, $f:ident == $n:expr) => {
-        offsetof!($t as $t, $f == $n)
-    };
-    ($t:ident as $c:ident, $f:ident == $n:expr) => {
-        (
-            concat!("offsetof(", stringify!($c), ", ", stringify!($f), ")"),
-            ::core::mem::offset_of!($t, $f),
-            $n,
-        )
-    };
-}
-
-/// `const NAME: &[(&str, usize, usize)]` of `sizeof!` / `offsetof!` rows: the
-/// same numbers as the kernels' `static_assert`s (Rust's values are asserted
-/// at compile time; [`check_static_asserts`] finds the .cu file's).
+/// `const NAME: &[(&str, usize, usize)]`, the same numbers as the kernels'
+/// `static_assert`s, one entry per struct: `T: size { field: offset, .. }`
+/// (the braces where offsets are asserted), `T as C: ..` where the .cu file
+/// names the struct `C`, `field in member: offset` for a field that Rust
+/// groups in a nested struct where the .cu file lists it in `T` itself. Each row is `(the .cu file's expression, Rust's
+/// value, the number)`; Rust's values are asserted at compile time, and
+/// [`check_static_asserts`] finds the .cu file's.
 macro_rules! param_layout {
-    ($name:ident = [$($row:expr),* $(,)?]) => {
+    ($name:ident = { $($body:tt)* }) => {
+        param_layout!(@rows $name [] $($body)*);
+    };
+    (@rows $name:ident [$($row:expr,)*] $t:ident as $c:ident: $n:literal
+        $({ $($f:ident $(in $p:ident)?: $m:literal),* $(,)? })? $(, $($rest:tt)*)?) => {
+        param_layout!(@rows $name [
+            $($row,)*
+            (concat!("sizeof(", stringify!($c), ")"), ::core::mem::size_of::<$t>(), $n),
+            $($((
+                concat!("offsetof(", stringify!($c), ", ", stringify!($f), ")"),
+                ::core::mem::offset_of!($t, $($p.)? $f),
+                $m,
+            ),)*)?
+        ] $($($rest)*)?);
+    };
+    (@rows $name:ident [$($row:expr,)*] $t:ident: $($rest:tt)*) => {
+        param_layout!(@rows $name [$($row,)*] $t as $t: $($rest)*);
+    };
+    (@rows $name:ident [$($row:expr,)*]) => {
         const $name: &[(&str, usize, usize)] = &[$($row),*];
         const _: () = {
             let mut i = 0;

@@ -104,11 +104,7 @@ pub struct DispatchArgs {
     pub out: DispatchOutputs,
     pub msg_bytes: i64,
     pub inbox_bytes: i64,
-    pub num_tokens: i32,
-    pub max_tokens: i32,
-    pub hidden: i32,
-    pub num_topk: i32,
-    pub num_experts: i32,
+    pub sizes: LlSizes,
     pub use_fp8: i32,
     pub round_scale: i32,
     pub use_ue8m0: i32,
@@ -127,12 +123,37 @@ pub struct CombineArgs {
     pub out: u64,
     pub stats_wait: u64,
     pub inbox_bytes: i64,
+    pub sizes: LlSizes,
+    pub phases: i32,
+}
+
+/// The fields `num_tokens` to `num_experts` of `moelink::ll::DispatchArgs`
+/// and of `moelink::ll::CombineArgs` (the same bytes): a call of
+/// `num_tokens` tokens and its shape.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[repr(C)]
+pub struct LlSizes {
     pub num_tokens: i32,
     pub max_tokens: i32,
     pub hidden: i32,
     pub num_topk: i32,
     pub num_experts: i32,
-    pub phases: i32,
+}
+
+// Without padding: the fields after it stay where the .cu structs have them.
+const _: () = assert!(size_of::<LlSizes>() == 20);
+
+impl LlSizes {
+    /// A call of `num_tokens` tokens of `shape`.
+    pub fn new(num_tokens: usize, shape: &LlShape) -> Self {
+        Self {
+            num_tokens: num_tokens as i32,
+            max_tokens: shape.max_tokens as i32,
+            hidden: shape.hidden as i32,
+            num_topk: shape.num_topk as i32,
+            num_experts: shape.num_experts as i32,
+        }
+    }
 }
 
 /// `ll_dispatch`'s argument block (`LlDispatchParams` of low_latency.cu).

@@ -240,15 +240,6 @@ fn x_inputs(x: XTensors) -> XInputs {
     }
 }
 
-fn call_shape(max_tokens: usize, hidden: usize, num_experts: usize, num_topk: usize) -> CallShape {
-    CallShape {
-        max_tokens,
-        hidden,
-        num_experts,
-        num_topk,
-    }
-}
-
 /// The dispatch call of plan `p` at the addresses of `ll_dispatch`'s tuple.
 pub(crate) fn ll_dispatch_call(p: &calls::LlDispatchPlan, t: LlDispatchTensors) -> DispatchCall {
     let (x, topk_idx, recv_x, recv_scales, recv_count, src_info, layout_range, count, wait) = t;
@@ -620,7 +611,7 @@ impl EpBuffer {
         num_experts: usize,
         num_topk: usize,
     ) -> PyResult<()> {
-        let s = call_shape(max_tokens, hidden, num_experts, num_topk);
+        let s = CallShape::new(max_tokens, hidden, num_experts, num_topk);
         self.ll()?.check_shape(&s).map_err(to_py)
     }
 
