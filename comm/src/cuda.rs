@@ -425,6 +425,19 @@ impl StreamHandle {
             .result()
             .call("cuMemcpyAsync")
     }
+
+    /// Sets `len` bytes from `dst` to zero on the stream
+    /// (`cuMemsetD8Async`; a memset node when the stream is capturing).
+    ///
+    /// # Safety
+    /// The range is device memory mapped in the stream's context, live until
+    /// the memset ran.
+    pub unsafe fn zero_async(self, dst: u64, len: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe { sys::cuMemsetD8Async(dst, 0, len, self.raw()) }
+            .result()
+            .call("cuMemsetD8Async")
+    }
 }
 
 /// The answer of a query that never waits (`cuStreamQuery`, `cuEventQuery`,

@@ -305,6 +305,30 @@ fn received(outputs: &[OutputSpec], rows: i64) -> Vec<OutputSpec> {
         .collect()
 }
 
+/// `specs` as the front end makes them: without a zero fill of its own (a
+/// torch op and its kernel launch each); [`zero_fill`] fills them.
+fn unfilled(specs: &[OutputSpec]) -> Vec<OutputSpec> {
+    let plain = |o: &OutputSpec| OutputSpec {
+        zeroed: false,
+        ..o.clone()
+    };
+    specs.iter().map(plain).collect()
+}
+
+/// Zero-fills on `stream` each output of `specs` that its plan wants zeroed
+/// (`made`: the outputs made for `specs`, in order, with their addresses),
+/// one memset each, ordered before the launch that follows on `stream`.
+fn zero_fill<T>(stream: StreamHandle, specs: &[OutputSpec], made: &[(T, u64)]) -> CallResult<()> {
+    for (spec, (_, ptr)) in specs.iter().zip(made).filter(|(o, _)| o.zeroed) {
+        let bytes = spec.shape.iter().product::<i64>() * spec.dtype.element_size().unwrap_or(0);
+        // SAFETY: the output was just made on this device, contiguous with
+        // `bytes` bytes (a zeroed output of a plan is), and the caller keeps
+        // it alive past the launch that follows.
+        unsafe { stream.zero_async(*ptr, bytes.max(0) as usize) }?;
+    }
+    Ok(())
+}
+
 /// Refuses a group that spans nodes: the engine's calls are those within one
 /// node (the front ends take their checked paths across nodes).
 fn within_one_node(b: &EpBuffer) -> CallResult<()> {
@@ -502,7 +526,8 @@ impl EpBuffer {
         let mut made = None;
         if worst {
             let specs = received(&p.outputs, p.num_recv_rows);
-            let refs: Vec<&OutputSpec> = specs.iter().collect();
+            let plain = unfilled(&specs);
+            let refs: Vec<&OutputSpec> = plain.iter().collect();
             let m = s.make(out, &refs).ok_or(CallError::NoOutputs)?;
             made = Some((specs, m, p.num_recv_rows));
         }
@@ -525,7 +550,8 @@ impl EpBuffer {
                 per_expert = counts;
                 let rows = rows as i64;
                 let specs = received(&p.outputs, rows);
-                let refs: Vec<&OutputSpec> = specs.iter().collect();
+                let plain = unfilled(&specs);
+                let refs: Vec<&OutputSpec> = plain.iter().collect();
                 let Some(m) = s.make(out, &refs) else {
                     let bytes: i64 = specs
                         .iter()
@@ -542,6 +568,9 @@ impl EpBuffer {
                 (specs, m, rows)
             }
         };
+        // The channel matrices (zeros of DeepEP's shape), on the stream the
+        // receive half follows, now that it is ordered after the caller's.
+        zero_fill(s.comm, &specs, &made)?;
         let mut by_name: Vec<(&str, O::Tensor, u64)> = specs
             .iter()
             .zip(made)

@@ -640,6 +640,12 @@ def check_handle(chk, label: str, ref, rank: int, handle, n: int) -> None:
     if per_node is None:
         rpm, src, in_rank = 0, 3, 4
         typed(5, "send_head", torch.int32, (N, R))
+        # DeepEP's channel matrices: zeros of its shape (moelink has no channels).
+        for i, name in ((1, "channel_prefix_matrix"), (2, "recv_channel_prefix_matrix")):
+            if typed(i, name, torch.int32, (R, 1)) is not None:
+                chk.equal(
+                    f"{label} handle[{i}] {name}", handle[i], torch.zeros(R, 1, dtype=torch.int32)
+                )
     else:
         in_rank, rpm, src = 0, 2, 7
         nodes = R // per_node
