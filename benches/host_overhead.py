@@ -23,8 +23,8 @@ call and every ``torch.empty``/``empty_strided``/``zeros`` timed inside it (the
 wrappers add ~0.2 us per wrapped call), medians of the native, allocation and remaining
 (Python: checks, streams, glue) parts and the count of each per call, into
 ``host_overhead.json`` under ``breakdown``. ``--impl deep_ep``: the same calls on the
-``deep_ep`` module on the path (DeepEP itself; no allreduce row), ratios to its own
-``x.add_(0)``, for the host cost of the two libraries side by side.
+``deep_ep`` module on the path (DeepEP itself; no allreduce row; 2 or more ranks),
+ratios to its own ``x.add_(0)``, for the host cost of the two libraries side by side.
 """
 
 from __future__ import annotations
@@ -301,6 +301,8 @@ def main(argv=None) -> int:
             HIDDEN * 2, size, max_tokens_per_rank=n
         )
     else:  # DeepEP's hint (its buffer is a ring, not sized by tokens)
+        if size < 2:
+            raise SystemExit("--impl deep_ep needs 2 or more ranks (DeepEP's configs start at 2)")
         nvl_bytes = lib.Buffer.get_dispatch_config(size).get_nvl_buffer_size_hint(HIDDEN * 2, size)
     buf = lib.Buffer(group, nvl_bytes, explicitly_destroy=True)
     x = torch.randn(n, HIDDEN, generator=g).to(torch.bfloat16).to(dev)
