@@ -287,6 +287,11 @@ impl OutputSpec {
         self
     }
 
+    /// Bytes of a contiguous output of this shape (resolved rows).
+    pub fn bytes(&self) -> i64 {
+        self.shape.iter().product::<i64>() * self.dtype.element_size().unwrap_or(0)
+    }
+
     /// This spec with `rows` received rows: a [`RECV_ROWS`] dimension becomes
     /// `rows`, a [`RECV_ROWS`] stride `max(rows, 1)` (as torch strides a new
     /// tensor).

@@ -320,7 +320,7 @@ fn unfilled(specs: &[OutputSpec]) -> Vec<OutputSpec> {
 /// one memset each, ordered before the launch that follows on `stream`.
 fn zero_fill<T>(stream: StreamHandle, specs: &[OutputSpec], made: &[(T, u64)]) -> CallResult<()> {
     for (spec, (_, ptr)) in specs.iter().zip(made).filter(|(o, _)| o.zeroed) {
-        let bytes = spec.shape.iter().product::<i64>() * spec.dtype.element_size().unwrap_or(0);
+        let bytes = spec.bytes();
         // SAFETY: the output was just made on this device, contiguous with
         // `bytes` bytes (a zeroed output of a plan is), and the caller keeps
         // it alive past the launch that follows.
@@ -553,12 +553,7 @@ impl EpBuffer {
                 let plain = unfilled(&specs);
                 let refs: Vec<&OutputSpec> = plain.iter().collect();
                 let Some(m) = s.make(out, &refs) else {
-                    let bytes: i64 = specs
-                        .iter()
-                        .map(|o| {
-                            o.shape.iter().product::<i64>() * o.dtype.element_size().unwrap_or(0)
-                        })
-                        .sum();
+                    let bytes: i64 = specs.iter().map(OutputSpec::bytes).sum();
                     return Err(CallError::AfterLaunch(format!(
                         "rank {}: dispatch could not make its received outputs ({rows} rows, \
                          {bytes} bytes) after its send was launched (out of GPU memory?)",
